@@ -1,0 +1,25 @@
+"""Typed errors raised by mlx_flash. Catch `FlashError` to catch them all."""
+
+
+class FlashError(Exception):
+    """Base class of every error mlx_flash raises on purpose."""
+
+
+class FlashFormatError(FlashError):
+    """A flash directory is missing, truncated, corrupted or of an unknown version."""
+
+
+class UnsupportedArchitectureError(FlashError):
+    """The model's architecture has no FFN adapter in mlx_flash."""
+
+
+class BudgetError(FlashError):
+    """The memory budget cannot hold what must stay resident."""
+
+
+class SourceError(FlashError):
+    """A conversion source (directory, hub id or GGUF file) cannot be read."""
+
+
+class ReadError(FlashError, OSError):
+    """A read from flash failed or came back short."""

@@ -1,0 +1,36 @@
+import sys
+
+from setuptools import Extension, find_packages, setup
+
+# The native pread pool: plain CPython C API + buffer protocol, no numpy headers,
+# so it builds with nothing but a C compiler and the Python headers.
+pread_pool = Extension(
+    "mlx_flash._pread_pool",
+    sources=["kernels/pread_pool.c"],
+    extra_compile_args=["-O2", "-std=c11"] + ([] if sys.platform == "darwin" else ["-pthread"]),
+    extra_link_args=[] if sys.platform == "darwin" else ["-pthread"],
+)
+
+mlx = "mlx" if sys.platform == "darwin" else "mlx[cpu]"
+
+setup(
+    name="mlx_flash",
+    version="0.1.0",
+    description="Run LLMs larger than memory on Apple silicon: resident attention, FFN neurons streamed from flash",
+    packages=find_packages(include=["mlx_flash", "mlx_flash.*"]),
+    package_data={"mlx_flash": ["../kernels/*.metal"]},
+    ext_modules=[pread_pool],
+    python_requires=">=3.10",
+    install_requires=[
+        mlx,
+        "mlx-lm>=0.30",
+        "numpy",
+        "huggingface_hub",
+        "safetensors",
+        "tokenizers",
+        "transformers",
+        "gguf",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest", "hypothesis"]},
+)
