@@ -18,7 +18,6 @@ setup(
     version="0.1.0",
     description="Run LLMs larger than memory on Apple silicon: resident attention, FFN neurons streamed from flash",
     packages=find_packages(include=["mlx_flash", "mlx_flash.*"]),
-    package_data={"mlx_flash": ["../kernels/*.metal"]},
     ext_modules=[pread_pool],
     python_requires=">=3.10",
     install_requires=[
