@@ -1,0 +1,145 @@
+"""FFN adapters: how each architecture's MLP maps onto neuron bundles.
+
+Every supported model exposes its FFN as `model.layers[i].mlp`. An adapter turns
+that module into canonical per-neuron rows:
+
+    SwiGLU-style ("glu"):  gate [n, d], up [n, d], down [n, d]   (down = W_down^T)
+    ReLU-style   ("relu"): fc1  [n, d], fc2 [n, d]               (fc2 = W_fc2^T)
+
+Row i of every matrix belongs to neuron i, so a bundle is the concatenation of
+row i of each. Quantised rows (MLX affine quantisation groups run along d) are
+stored as their .weight/.scales/.biases rows. The transposed down/fc2 rows
+cannot keep the source quantisation (its groups span 32 neurons), so they are
+dequantised and either re-quantised along d_model or kept in float.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class FFNAdapter:
+    kind: str  # "glu" or "relu"
+    activation: str  # "silu", "gelu_approx", "relu"
+    names: Tuple[str, ...]  # module names inside the arch's mlp: (gate, up, down) / (fc1, fc2) / (gate_up, down)
+    fused_gate_up: bool = False
+
+    @property
+    def row_matrices(self) -> Tuple[str, ...]:
+        return ("gate", "up") if self.kind == "glu" else ("fc1",)
+
+    @property
+    def col_matrix(self) -> str:
+        return "down" if self.kind == "glu" else "fc2"
+
+    @property
+    def matrices(self) -> Tuple[str, ...]:
+        return self.row_matrices + (self.col_matrix,)
+
+    def split(self, mlp: nn.Module, col_quantization: Optional[dict]):
+        """mlp module -> (bundle arrays {"gate.weight": [n, ...], ...}, resident {"fc1.bias": ...}, ffn info).
+
+        Biases (ReLU models) stay resident under their canonical names.
+
+        `col_quantization` ({"bits", "group_size"} or None) is how the transposed
+        down/fc2 rows are stored.
+        """
+        linears = self._linears(mlp)
+        bundle, resident, info = {}, {}, {}
+        for name in self.row_matrices:
+            arrays, quant = _linear_arrays(linears[name])
+            for key in ("weight", "scales", "biases"):
+                if key in arrays:
+                    bundle[f"{name}.{key}"] = arrays[key]
+            if "bias" in arrays:  # one scalar per neuron: kept resident
+                resident[f"{name}.bias"] = arrays["bias"]
+            info[name] = {"quantization": quant, "transposed": False}
+
+        name = self.col_matrix
+        lin = linears[name]
+        arrays, _ = _linear_arrays(lin)
+        dense = _dense_weight(lin)  # [d, n]
+        rows = dense.T
+        if col_quantization is not None:
+            w, s, b = mx.quantize(rows, col_quantization["group_size"], col_quantization["bits"])
+            bundle.update({f"{name}.weight": w, f"{name}.scales": s, f"{name}.biases": b})
+        else:
+            bundle[f"{name}.weight"] = rows
+        if "bias" in arrays:
+            resident[f"{name}.bias"] = arrays["bias"]
+        info[name] = {"quantization": col_quantization, "transposed": True}
+        return bundle, resident, info
+
+    def _linears(self, mlp: nn.Module) -> Dict[str, nn.Module]:
+        if not self.fused_gate_up:
+            return {m: getattr(mlp, n) for m, n in zip(self.matrices, self.names)}
+        gate_up, down = getattr(mlp, self.names[0]), getattr(mlp, self.names[1])
+        gate, up = _split_rows(gate_up)
+        return {"gate": gate, "up": up, "down": down}
+
+
+def _split_rows(lin: nn.Module) -> Tuple[nn.Module, nn.Module]:
+    """A fused [2n, d] linear -> two [n, d] linears (quantised rows split alike)."""
+    halves = []
+    for part in (0, 1):
+        m = nn.Module()
+        for key in ("weight", "scales", "biases", "bias"):
+            if key in lin:
+                a = lin[key]
+                n = a.shape[0] // 2
+                m[key] = a[part * n : (part + 1) * n]
+        if isinstance(lin, nn.QuantizedLinear):
+            m.bits, m.group_size, m.mode = lin.bits, lin.group_size, lin.mode
+        halves.append(m)
+    return tuple(halves)
+
+
+def _quant_of(lin) -> Optional[dict]:
+    if "scales" not in lin:
+        return None
+    mode = getattr(lin, "mode", "affine")
+    if mode != "affine":
+        raise UnsupportedArchitectureError(f"quantisation mode {mode!r} is not supported (only affine)")
+    return {"bits": lin.bits, "group_size": lin.group_size}
+
+
+def _linear_arrays(lin) -> Tuple[Dict[str, mx.array], Optional[dict]]:
+    arrays = {k: lin[k] for k in ("weight", "scales", "biases", "bias") if k in lin}
+    return arrays, _quant_of(lin)
+
+
+def _dense_weight(lin) -> mx.array:
+    q = _quant_of(lin)
+    if q is None:
+        return lin["weight"]
+    return mx.dequantize(lin["weight"], lin["scales"], lin["biases"], q["group_size"], q["bits"])
+
+
+_LLAMA = FFNAdapter("glu", "silu", ("gate_proj", "up_proj", "down_proj"))
+
+ADAPTERS: Dict[str, FFNAdapter] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "gemma3_text": FFNAdapter("glu", "gelu_approx", ("gate_proj", "up_proj", "down_proj")),
+    "phi3": FFNAdapter("glu", "silu", ("gate_up_proj", "down_proj"), fused_gate_up=True),
+    "opt": FFNAdapter("relu", "relu", ("fc1", "fc2")),
+}
+
+
+def adapter_for(config: dict) -> FFNAdapter:
+    model_type = config.get("model_type")
+    if model_type not in ADAPTERS:
+        raise UnsupportedArchitectureError(
+            f"architecture {model_type!r} is not supported by mlx_flash "
+            f"(supported: {', '.join(sorted(ADAPTERS))})"
+        )
+    if model_type == "opt" and config.get("activation_function", "relu") != "relu":
+        raise UnsupportedArchitectureError(f"OPT with activation {config['activation_function']!r} is not supported")
+    return ADAPTERS[model_type]

@@ -1,0 +1,174 @@
+"""Convert a model into a flash directory.
+
+    python -m mlx_flash.convert --model SRC --out DIR [--dtype float16] [--bits 4] [--group-size 64]
+
+SRC is a local mlx-lm / Hugging Face directory, a hub id, or a GGUF file.
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+from tqdm import tqdm
+
+from . import __version__
+from .architectures import adapter_for
+from .errors import FlashError
+from .flash_format import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
+from .source import copy_tokenizer, load_source_model, mlp_paths, resolve_source
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def _model_quantization(model: nn.Module) -> Optional[dict]:
+    """{"bits", "group_size"} of the model's FFN (from its first mlp), or None if float."""
+    for _, m in model.layers[0].mlp.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            return {"bits": m.bits, "group_size": m.group_size}
+    return None
+
+
+def _float_dtype(model: nn.Module) -> mx.Dtype:
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32
+
+
+def convert(
+    model: str,
+    out: str,
+    dtype: Optional[str] = None,
+    bits: Optional[int] = None,
+    group_size: int = 64,
+    dequantize: bool = False,
+    float_down: bool = False,
+    alignment: int = DEFAULT_ALIGNMENT,
+    progress: bool = True,
+) -> Path:
+    """Convert `model` into the flash directory `out`; returns its path.
+
+    The output is written under a temporary name and renamed at the end, so an
+    interrupted conversion never leaves a directory that loads.
+    """
+    out = Path(out).expanduser().resolve()
+    if out.exists():
+        raise FlashError(f"{out} already exists; remove it or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if bits is not None and bits not in (4, 8):
+        raise ValueError(f"--bits must be 4 or 8, got {bits}")
+
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
+        work = Path(work)
+        src_dir = resolve_source(model, work)
+        model_obj, config = load_source_model(src_dir)
+        adapter = adapter_for(config)
+
+        if dtype is not None:
+            target = DTYPES[dtype]
+            model_obj.update(
+                tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p, model_obj.parameters())
+            )
+        source_quant = _model_quantization(model_obj)
+        if source_quant is not None and (dequantize or (bits is not None and (bits, group_size) != (source_quant["bits"], source_quant["group_size"]))):
+            from mlx_lm.utils import dequantize_model
+
+            model_obj = dequantize_model(model_obj)
+            config.pop("quantization", None)
+            config.pop("quantization_config", None)
+        if bits is not None and _model_quantization(model_obj) is None:
+            _quantize(model_obj, adapter, bits, group_size)
+            config["quantization"] = {"group_size": group_size, "bits": bits}
+        quant = _model_quantization(model_obj)
+        col_quant = None if float_down else quant
+
+        writer = FlashWriter(work / "flash", alignment)
+        paths = mlp_paths(model_obj)
+        resident_ffn, matrices = {}, None
+        layers = tqdm(list(enumerate(model_obj.layers)), desc="convert", unit="layer", disable=not progress)
+        for i, layer in layers:
+            bundle, biases, matrices = adapter.split(layer.mlp, col_quant)
+            mx.eval(bundle, biases)
+            writer.add_layer(bundle)
+            resident_ffn.update({f"{paths[i]}.{k}": v for k, v in biases.items()})
+            layer.mlp = nn.Module()  # drop the FFN so the resident set below excludes it
+        resident = dict(tree_flatten(model_obj.parameters()))
+        resident.update(resident_ffn)
+
+        n_neurons = writer.layers[0].n_neurons
+        manifest = {
+            "architecture": config["model_type"],
+            "dtype": dtype_name(_float_dtype(model_obj)),
+            "quantization": quant,
+            "ffn": {
+                "kind": adapter.kind,
+                "activation": adapter.activation,
+                "hidden_size": config["hidden_size"],
+                "intermediate_size": n_neurons,
+                "matrices": matrices,
+                "mlp_paths": paths,
+            },
+            "neuron_order": None,
+            "source": {"model": str(model), "created_by": f"mlx_flash {__version__}"},
+        }
+        writer.finish(config, resident, manifest)
+        copy_tokenizer(src_dir, writer.path)
+        os.replace(writer.path, out)
+    return out
+
+
+def _quantize(model: nn.Module, adapter, bits: int, group_size: int) -> None:
+    """Quantise like mlx-lm, except the down/fc2 projection, which is quantised per neuron later."""
+    col_name = adapter.names[-1]
+
+    def predicate(path, m):
+        if not hasattr(m, "to_quantized") or path.endswith(f"mlp.{col_name}"):
+            return False
+        return m.weight.shape[-1] % group_size == 0
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+
+
+def setup_arg_parser():
+    parser = argparse.ArgumentParser(description="Convert a model into an mlx_flash flash directory.")
+    parser.add_argument("--model", required=True, help="Local model directory, Hugging Face repo id, or GGUF file.")
+    parser.add_argument("--out", "--mlx-path", dest="out", required=True, help="Output flash directory.")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="Float dtype of the stored weights (default: the source's).")
+    parser.add_argument("-q", "--bits", type=int, choices=[4, 8], default=None, help="Quantise to this many bits.")
+    parser.add_argument("--group-size", "--q-group-size", dest="group_size", type=int, default=64, help="Quantisation group size.")
+    parser.add_argument("-d", "--dequantize", action="store_true", help="Store a quantised source in float.")
+    parser.add_argument(
+        "--float-down",
+        action="store_true",
+        help="Keep the down/fc2 rows of a quantised model in float (exact, larger bundles) instead of re-quantising them along d_model.",
+    )
+    parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, help="Bundle alignment in bytes (power of two >= 512).")
+    return parser
+
+
+def main():
+    args = setup_arg_parser().parse_args()
+    try:
+        out = convert(
+            args.model, args.out, args.dtype, args.bits, args.group_size, args.dequantize, args.float_down, args.alignment
+        )
+    except FlashError as e:
+        raise SystemExit(f"error: {e}")
+    from .flash_format import FlashDir
+
+    fd = FlashDir(out)
+    print(
+        f"wrote {out}: resident {fd.resident_bytes / 2**20:.1f} MiB, ffn.bin {fd.ffn_bytes / 2**20:.1f} MiB "
+        f"({len(fd.layers)} layers x {fd.layers[0].n_neurons} neurons x {fd.layout.stride} B bundles, "
+        f"{fd.layout.nbytes} B of data each)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Conversion sources: a local mlx-lm / Hugging Face directory, a hub id, or a GGUF file.
+
+Every source becomes a local mlx-lm model directory, so one code path loads them all.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.nn as nn
+
+from .architectures import adapter_for
+from .errors import SourceError, UnsupportedArchitectureError
+
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template.*",
+    "generation_config.json",
+)
+
+
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def resolve_source(src: str, workdir: Path) -> Path:
+    """Return a local mlx-lm model directory for `src` (GGUF files are unpacked into `workdir`)."""
+    path = Path(src).expanduser()
+    if path.is_file():
+        if not _is_gguf(path):
+            raise SourceError(f"{path}: not a GGUF file (expected a model directory, a hub id or a .gguf file)")
+        from .gguf import gguf_to_mlx_dir
+
+        return gguf_to_mlx_dir(path, workdir / "gguf-source")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SourceError(f"{path}: no config.json (not a Hugging Face / mlx-lm model directory)")
+        return path
+    if src.count("/") == 1 and not src.startswith((".", "/", "~")):
+        return _download(src)
+    raise SourceError(f"{src}: no such file or directory")
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"],
+            )
+        )
+    except Exception as e:  # offline, unknown repo, gated repo: all end the same way
+        raise SourceError(f"cannot fetch {repo_id!r} from the Hugging Face Hub: {type(e).__name__}: {e}") from None
+
+
+def read_config(model_dir: Path) -> dict:
+    try:
+        with open(model_dir / "config.json") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SourceError(f"{model_dir / 'config.json'}: cannot be read ({e})") from None
+
+
+def load_source_model(model_dir: Path, lazy: bool = True):
+    """Load an mlx-lm model directory: (model, config). Unsupported architectures fail before any weight is read."""
+    from mlx_lm.utils import load_model
+
+    from .models import get_model_classes
+
+    adapter_for(read_config(model_dir))
+    try:
+        return load_model(model_dir, lazy=lazy, get_model_classes=get_model_classes)
+    except UnsupportedArchitectureError:
+        raise
+    except FileNotFoundError as e:
+        raise SourceError(f"{model_dir}: {e}") from None
+    except Exception as e:
+        raise SourceError(f"{model_dir}: cannot load the model ({type(e).__name__}: {e})") from None
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for pattern in TOKENIZER_FILES:
+        for f in src.glob(pattern):
+            if f.is_file():
+                shutil.copy2(f, dst / f.name)
+
+
+def mlp_paths(model: nn.Module):
+    """Dotted parameter path of each layer's mlp (e.g. 'model.layers.3.mlp')."""
+    names = {id(m): name for name, m in model.named_modules()}
+    return [names[id(layer.mlp)] for layer in model.layers]
