@@ -1,0 +1,34 @@
+"""Check a flash directory: files, sizes, alignment and checksums.
+
+    python -m mlx_flash.verify DIR
+"""
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from .errors import FlashFormatError
+from .flash_format import FlashDir
+
+
+def setup_arg_parser():
+    parser = argparse.ArgumentParser(description="Re-check a flash directory's sizes, alignment and checksums.")
+    parser.add_argument("model", help="The flash directory to check.")
+    return parser
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        fd = FlashDir(args.model)
+        fd.verify(progress=lambda layers: tqdm(layers, desc="verify", unit="layer"))
+    except FlashFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"ok: {fd.path}: {len(fd.layers)} layers, {fd.ffn_bytes} bytes of bundles, checksums match")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
