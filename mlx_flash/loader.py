@@ -22,6 +22,8 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = fd.load_resident()
+    if hasattr(model, "sanitize"):  # idempotent in mlx-lm; some models set ties from the weights present
+        weights = model.sanitize(weights)
 
     paths = fd.ffn["mlp_paths"]
     if len(paths) != len(model.layers) or len(fd.layers) != len(model.layers):
