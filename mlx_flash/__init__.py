@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from .blas import use_openblas  # noqa: E402  (must run before mlx.core is imported)
+
+use_openblas()
+
 from .errors import (  # noqa: E402
     BudgetError,
     FlashError,
