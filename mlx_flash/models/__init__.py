@@ -1,0 +1,47 @@
+"""Model classes mlx_flash adds to mlx-lm's.
+
+`get_model_classes(config)` is what mlx_flash passes as `get_model_classes=` to
+`mlx_lm.utils.load_model`: it knows the architectures mlx-lm lacks (OPT) and
+otherwise defers to mlx-lm.
+"""
+
+from typing import Tuple, Type
+
+import mlx.nn as nn
+
+from ..errors import UnsupportedArchitectureError
+
+# model_type -> module under mlx_flash.models
+_LOCAL_MODELS = {"opt": "opt"}
+
+
+def get_model_classes(config: dict) -> Tuple[Type[nn.Module], Type]:
+    """(Model, ModelArgs) for `config["model_type"]`.
+
+    Raises UnsupportedArchitectureError when neither mlx_flash nor mlx-lm
+    knows the model type.
+    """
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise UnsupportedArchitectureError(
+            "The model config has no 'model_type'; cannot pick an architecture."
+        )
+    if model_type in _LOCAL_MODELS:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{_LOCAL_MODELS[model_type]}")
+        return module.Model, module.ModelArgs
+
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(config)
+    except ValueError as e:
+        raise UnsupportedArchitectureError(
+            f"Model type {model_type!r} is not supported: neither mlx_flash "
+            f"(which adds {sorted(_LOCAL_MODELS)}) nor the installed mlx-lm "
+            f"has an implementation of it."
+        ) from e
+
+
+__all__ = ["get_model_classes"]

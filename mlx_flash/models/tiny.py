@@ -1,0 +1,217 @@
+"""Tiny random model directories for tests and examples.
+
+`make_tiny_model_dir(arch, out_dir)` writes what `mlx_lm.utils.load_model`
+(with `mlx_flash.models.get_model_classes`) and `mlx_lm.utils.load_tokenizer`
+read: config.json, model.safetensors (float32, Hugging Face weight names) and
+a byte-level tokenizer (tokenizer.json + tokenizer_config.json).
+
+Shapes are small (hidden 64, 2 layers, 4 heads, 2 KV heads where the
+architecture has GQA, vocab 256) and the weights are random, scaled so that
+activations and logits stay O(1): Linear weights ~ N(0, 1/fan_in), embeddings
+~ N(0, 1/hidden), norms ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.02^2).
+
+The tokenizer maps the 256 bytes to ids 0..255 (no merges) and has no special
+tokens, so with the default vocab of 256 there is no EOS and generation always
+runs for max_tokens. With `vocab_size > 256`, id 256 is an "<|endoftext|>"
+EOS token. (transformers' AutoTokenizer loads a "qwen2" dir as Qwen2Tokenizer,
+which adds "<|endoftext|>" as id 256 whatever the vocab; plain text never
+encodes to it.)
+"""
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Dict, Union
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
+
+_COMMON = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "torch_dtype": "float32",
+}
+
+_CONFIGS = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "intermediate_size": 160,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "mistral": {
+        "architectures": ["MistralForCausalLM"],
+        "intermediate_size": 192,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "intermediate_size": 128,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "intermediate_size": 128,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"],
+        "intermediate_size": 176,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+    "gemma3_text": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "intermediate_size": 128,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+    "opt": {
+        "architectures": ["OPTForCausalLM"],
+        "ffn_dim": 256,
+        "word_embed_proj_dim": 64,
+        "do_layer_norm_before": True,
+        "activation_function": "relu",
+        "enable_bias": True,
+        "layer_norm_elementwise_affine": True,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def tiny_config(arch: str, **overrides) -> dict:
+    """The config.json contents `make_tiny_model_dir` writes for `arch`."""
+    if arch not in _CONFIGS:
+        raise ValueError(f"Unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+    config = {"model_type": arch, **copy.deepcopy(_COMMON), **copy.deepcopy(_CONFIGS[arch])}
+    config.update(overrides)
+    # Explicit ids, so transformers' per-architecture defaults (e.g. phi3's
+    # 32000) do not leak in through AutoConfig when the tokenizer is loaded.
+    eos = 256 if config["vocab_size"] > 256 else None
+    for key, value in (("bos_token_id", None), ("eos_token_id", eos), ("pad_token_id", None)):
+        config.setdefault(key, value)
+    return config
+
+
+def _random_weights(model, config: dict, rng: np.random.Generator) -> Dict[str, mx.array]:
+    gemma_norms = config["model_type"].startswith("gemma")
+    hidden = config["hidden_size"]
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        shape = tuple(p.shape)
+        if len(shape) >= 2:
+            std = hidden**-0.5 if "embed" in name else shape[-1] ** -0.5
+            w = rng.standard_normal(shape) * std
+        elif name.endswith("bias"):
+            w = rng.standard_normal(shape) * 0.02
+        else:  # norm scales; Gemma stores them as an offset from 1
+            w = (0.0 if gemma_norms else 1.0) + rng.standard_normal(shape) * 0.1
+        weights[name] = mx.array(w.astype(np.float32))
+    return weights
+
+
+def _to_hf_names(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.array]:
+    """Module parameter names -> checkpoint names (what `sanitize` undoes)."""
+    out = dict(weights)
+    if config.get("tie_word_embeddings", False):
+        out.pop("lm_head.weight", None)
+    if config["model_type"] == "opt":
+        out = {re.sub(r"\.mlp\.(fc[12]\.)", r".\1", k): v for k, v in out.items()}
+    return out
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's byte -> printable unicode character map (ByteLevel's alphabet)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def save_tiny_tokenizer(out_dir: Union[str, Path], vocab_size: int = 256) -> None:
+    """Write a byte-level BPE tokenizer (byte b -> id b, no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_map = _bytes_to_unicode()
+    vocab = {byte_map[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    kwargs = {}
+    if vocab_size > 256:
+        tok.add_special_tokens(["<|endoftext|>"])
+        kwargs = {"eos_token": "<|endoftext|>"}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    fast.save_pretrained(str(out_dir))
+
+
+def make_tiny_model_dir(
+    arch: str, out_dir: Union[str, Path], seed: int = 0, **overrides
+) -> Path:
+    """Write a tiny random model of `arch` (one of TINY_ARCHS) into `out_dir`.
+
+    `overrides` replace config.json entries (e.g. `num_hidden_layers=3`,
+    `tie_word_embeddings=False`, `do_layer_norm_before=False`). Returns the
+    directory as a Path.
+    """
+    from . import get_model_classes
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **overrides)
+
+    model_class, args_class = get_model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = _random_weights(model, config, np.random.default_rng(seed))
+    weights = _to_hf_names(weights, config)
+
+    with open(out_dir / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    mx.save_safetensors(
+        str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    save_tiny_tokenizer(out_dir, vocab_size=config["vocab_size"])
+    return out_dir
