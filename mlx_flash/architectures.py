@@ -7,7 +7,8 @@ that module into canonical per-neuron rows:
     ReLU-style   ("relu"): fc1  [n, d], fc2 [n, d]               (fc2 = W_fc2^T)
 
 Row i of every matrix belongs to neuron i, so a bundle is the concatenation of
-row i of each. Quantised rows (MLX affine quantisation groups run along d) are
+row i of each. The "dip" layout (GLU only) instead stores gate/up by input
+column, since DIP prunes their inputs, and down by neuron. Quantised rows (MLX affine quantisation groups run along d) are
 stored as their .weight/.scales/.biases rows. The transposed down/fc2 rows
 cannot keep the source quantisation (its groups span 32 neurons), so they are
 dequantised and either re-quantised along d_model or kept in float.
@@ -41,39 +42,44 @@ class FFNAdapter:
     def matrices(self) -> Tuple[str, ...]:
         return self.row_matrices + (self.col_matrix,)
 
-    def split(self, mlp: nn.Module, col_quantization: Optional[dict]):
-        """mlp module -> (bundle arrays {"gate.weight": [n, ...], ...}, resident {"fc1.bias": ...}, ffn info).
+    def layouts(self) -> Tuple[str, ...]:
+        """On-disk layouts this FFN supports: "neurons" bundles, and "dip" (input columns + down rows) for GLU."""
+        return ("neurons", "dip") if self.kind == "glu" else ("neurons",)
 
+    def split(self, mlp: nn.Module, quantization: Dict[str, Optional[dict]], layout: str = "neurons"):
+        """mlp module -> ({region: {"gate.weight": [n_units, ...], ...}}, resident biases, ffn matrix info).
+
+        layout "neurons": one unit per neuron i = [gate_i | up_i | down_i] (ReLU: [fc1_i | fc2_i]).
+        layout "dip": units per input dim j = [gate[:, j] | up[:, j]] in region "inputs", and
+        down_i per neuron in region "neurons" (DIP prunes gate/up by input column).
+        `quantization` maps each matrix to {"bits", "group_size"} or None (float). Rows stored in
+        the source's orientation and quantisation are copied bit-exactly; others are quantised
+        once from the dense weights along the stored row.
         Biases (ReLU models) stay resident under their canonical names.
-
-        `col_quantization` ({"bits", "group_size"} or None) is how the transposed
-        down/fc2 rows are stored.
         """
+        if layout not in self.layouts():
+            raise UnsupportedArchitectureError(f"layout {layout!r} is not available for {self.kind} FFNs")
         linears = self._linears(mlp)
-        bundle, resident, info = {}, {}, {}
-        for name in self.row_matrices:
-            arrays, quant = _linear_arrays(linears[name])
-            for key in ("weight", "scales", "biases"):
-                if key in arrays:
-                    bundle[f"{name}.{key}"] = arrays[key]
-            if "bias" in arrays:  # one scalar per neuron: kept resident
-                resident[f"{name}.bias"] = arrays["bias"]
-            info[name] = {"quantization": quant, "transposed": False}
-
-        name = self.col_matrix
-        lin = linears[name]
-        arrays, _ = _linear_arrays(lin)
-        dense = _dense_weight(lin)  # [d, n]
-        rows = dense.T
-        if col_quantization is not None:
-            w, s, b = mx.quantize(rows, col_quantization["group_size"], col_quantization["bits"])
-            bundle.update({f"{name}.weight": w, f"{name}.scales": s, f"{name}.biases": b})
-        else:
-            bundle[f"{name}.weight"] = rows
-        if "bias" in arrays:
-            resident[f"{name}.bias"] = arrays["bias"]
-        info[name] = {"quantization": col_quantization, "transposed": True}
-        return bundle, resident, info
+        regions, resident, info = {}, {}, {}
+        for name in self.matrices:
+            lin, quant = linears[name], quantization[name]
+            transposed = name == self.col_matrix or layout == "dip"
+            region = "inputs" if layout == "dip" and name != self.col_matrix else "neurons"
+            if not transposed and _quant_of(lin) == quant:
+                arrays = {k: lin[k] for k in ("weight", "scales", "biases") if k in lin}
+            else:
+                rows = _dense_weight(lin)
+                rows = rows.T if transposed else rows
+                if quant is None:
+                    arrays = {"weight": rows}
+                else:
+                    w, sc, b = mx.quantize(rows, quant["group_size"], quant["bits"])
+                    arrays = {"weight": w, "scales": sc, "biases": b}
+            regions.setdefault(region, {}).update({f"{name}.{k}": v for k, v in arrays.items()})
+            if "bias" in lin:
+                resident[f"{name}.bias"] = lin["bias"]
+            info[name] = {"quantization": quant, "transposed": transposed, "region": region}
+        return regions, resident, info
 
     def _linears(self, mlp: nn.Module) -> Dict[str, nn.Module]:
         if not self.fused_gate_up:
@@ -106,11 +112,6 @@ def _quant_of(lin) -> Optional[dict]:
     if mode != "affine":
         raise UnsupportedArchitectureError(f"quantisation mode {mode!r} is not supported (only affine)")
     return {"bits": lin.bits, "group_size": lin.group_size}
-
-
-def _linear_arrays(lin) -> Tuple[Dict[str, mx.array], Optional[dict]]:
-    arrays = {k: lin[k] for k in ("weight", "scales", "biases", "bias") if k in lin}
-    return arrays, _quant_of(lin)
 
 
 def _dense_weight(lin) -> mx.array:

@@ -50,6 +50,7 @@ def convert(
     dequantize: bool = False,
     float_down: bool = False,
     alignment: int = DEFAULT_ALIGNMENT,
+    layout: str = "neurons",
     progress: bool = True,
 ) -> Path:
     """Convert `model` into the flash directory `out`; returns its path.
@@ -83,25 +84,29 @@ def convert(
             config.pop("quantization", None)
             config.pop("quantization_config", None)
         if bits is not None and _model_quantization(model_obj) is None:
-            _quantize(model_obj, adapter, bits, group_size)
+            _quantize_resident(model_obj, bits, group_size)
             config["quantization"] = {"group_size": group_size, "bits": bits}
-        quant = _model_quantization(model_obj)
-        col_quant = None if float_down else quant
+            quant = {"bits": bits, "group_size": group_size}
+        else:
+            quant = _model_quantization(model_obj)
+        ffn_quant = {m: quant for m in adapter.matrices}
+        if float_down:
+            ffn_quant[adapter.col_matrix] = None
 
         writer = FlashWriter(work / "flash", alignment)
         paths = mlp_paths(model_obj)
         resident_ffn, matrices = {}, None
         layers = tqdm(list(enumerate(model_obj.layers)), desc="convert", unit="layer", disable=not progress)
         for i, layer in layers:
-            bundle, biases, matrices = adapter.split(layer.mlp, col_quant)
-            mx.eval(bundle, biases)
-            writer.add_layer(bundle)
+            regions, biases, matrices = adapter.split(layer.mlp, ffn_quant, layout)
+            mx.eval(regions, biases)
+            writer.add_layer(regions)
             resident_ffn.update({f"{paths[i]}.{k}": v for k, v in biases.items()})
             layer.mlp = nn.Module()  # drop the FFN so the resident set below excludes it
         resident = dict(tree_flatten(model_obj.parameters()))
         resident.update(resident_ffn)
 
-        n_neurons = writer.layers[0].n_neurons
+        n_neurons = writer.layers[0]["neurons"].n_units
         manifest = {
             "architecture": config["model_type"],
             "dtype": dtype_name(_float_dtype(model_obj)),
@@ -109,6 +114,7 @@ def convert(
             "ffn": {
                 "kind": adapter.kind,
                 "activation": adapter.activation,
+                "layout": layout,
                 "hidden_size": config["hidden_size"],
                 "intermediate_size": n_neurons,
                 "matrices": matrices,
@@ -123,14 +129,11 @@ def convert(
     return out
 
 
-def _quantize(model: nn.Module, adapter, bits: int, group_size: int) -> None:
-    """Quantise like mlx-lm, except the down/fc2 projection, which is quantised per neuron later."""
-    col_name = adapter.names[-1]
+def _quantize_resident(model: nn.Module, bits: int, group_size: int) -> None:
+    """Quantise like mlx-lm, except the FFN: adapter.split quantises it per stored row."""
 
     def predicate(path, m):
-        if not hasattr(m, "to_quantized") or path.endswith(f"mlp.{col_name}"):
-            return False
-        return m.weight.shape[-1] % group_size == 0
+        return hasattr(m, "to_quantized") and ".mlp." not in f"{path}." and m.weight.shape[-1] % group_size == 0
 
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
 
@@ -148,6 +151,12 @@ def setup_arg_parser():
         action="store_true",
         help="Keep the down/fc2 rows of a quantised model in float (exact, larger bundles) instead of re-quantising them along d_model.",
     )
+    parser.add_argument(
+        "--layout",
+        choices=["neurons", "dip"],
+        default="neurons",
+        help="neurons: one bundle per FFN neuron (all sparsifiers but dip); dip: gate/up by input column, for --sparsity dip.",
+    )
     parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, help="Bundle alignment in bytes (power of two >= 512).")
     return parser
 
@@ -156,17 +165,19 @@ def main():
     args = setup_arg_parser().parse_args()
     try:
         out = convert(
-            args.model, args.out, args.dtype, args.bits, args.group_size, args.dequantize, args.float_down, args.alignment
+            args.model, args.out, args.dtype, args.bits, args.group_size, args.dequantize, args.float_down, args.alignment, args.layout
         )
     except FlashError as e:
         raise SystemExit(f"error: {e}")
     from .flash_format import FlashDir
 
     fd = FlashDir(out)
+    units = ", ".join(
+        f"{r.n_units} {name} x {r.stride} B ({fd.layouts[name].nbytes} B of data)" for name, r in fd.layers[0].items()
+    )
     print(
         f"wrote {out}: resident {fd.resident_bytes / 2**20:.1f} MiB, ffn.bin {fd.ffn_bytes / 2**20:.1f} MiB "
-        f"({len(fd.layers)} layers x {fd.layers[0].n_neurons} neurons x {fd.layout.stride} B bundles, "
-        f"{fd.layout.nbytes} B of data each)"
+        f"({len(fd.layers)} layers of {units})"
     )
 
 

@@ -1,10 +1,10 @@
 """The FFN computed from canonical neuron rows (see architectures.py).
 
-    glu:  y = down[S]^T-rows . (act(gate[S] x) * (up[S] x))
-    relu: y = fc2[S]-rows . relu(fc1[S] x + b1[S]) + b2
+    glu:  y = W_down[:, S] (act(W_gate[S] x) * (W_up[S] x))
+    relu: y = W_fc2[:, S] relu(W_fc1[S] x + b1[S]) + b2
 
-`rows` holds the rows of the active set S (all neurons when everything is
-resident); quantised rows go through MLX's quantised matmuls.
+`arrays` holds the stored rows of the active units (all of them when
+everything is resident); quantised rows go through MLX's quantised matmuls.
 """
 
 from typing import Dict, Optional
@@ -15,38 +15,39 @@ import mlx.nn as nn
 ACTIVATIONS = {"silu": nn.silu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
-def rows_matmul(x: mx.array, rows: Dict[str, mx.array], name: str, quant: Optional[dict]) -> mx.array:
-    """x [.., d] times the neuron rows of matrix `name` [k, d] -> [.., k]."""
-    w = rows[f"{name}.weight"]
+def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict) -> mx.array:
+    """x times one stored FFN matrix.
+
+    Stored rows are [out, in] (y = x @ rows^T) unless info["transposed"], when they
+    are [in, out] (y = x @ rows), as for down/fc2 and the dip layout's gate/up.
+    """
+    w, quant = arrays[f"{name}.weight"], info["quantization"]
     if quant is None:
-        return x @ w.T
+        return x @ w if info["transposed"] else x @ w.T
     return mx.quantized_matmul(
-        x, w, rows[f"{name}.scales"], rows[f"{name}.biases"], True, quant["group_size"], quant["bits"]
+        x,
+        w,
+        arrays[f"{name}.scales"],
+        arrays[f"{name}.biases"],
+        transpose=not info["transposed"],
+        group_size=quant["group_size"],
+        bits=quant["bits"],
     )
 
 
-def cols_matmul(h: mx.array, rows: Dict[str, mx.array], name: str, quant: Optional[dict]) -> mx.array:
-    """h [.., k] times the transposed down/fc2 rows [k, d] -> [.., d]."""
-    w = rows[f"{name}.weight"]
-    if quant is None:
-        return h @ w
-    return mx.quantized_matmul(
-        h, w, rows[f"{name}.scales"], rows[f"{name}.biases"], False, quant["group_size"], quant["bits"]
-    )
-
-
-def ffn_forward(x: mx.array, rows: Dict[str, mx.array], ffn: dict, bias: Optional[Dict[str, mx.array]] = None) -> mx.array:
-    """The FFN of the neurons in `rows`; `ffn` is the manifest's ffn section, `bias` the resident biases of those neurons."""
-    q = {name: m["quantization"] for name, m in ffn["matrices"].items()}
+def ffn_forward(x: mx.array, arrays: Dict[str, mx.array], ffn: dict, bias: Optional[Dict[str, mx.array]] = None) -> mx.array:
+    """The FFN of the units in `arrays`; `ffn` is the manifest's ffn section, `bias` the resident biases."""
+    m = ffn["matrices"]
     act = ACTIVATIONS[ffn["activation"]]
+    bias = bias or {}
     if ffn["kind"] == "glu":
-        h = act(rows_matmul(x, rows, "gate", q["gate"])) * rows_matmul(x, rows, "up", q["up"])
-        return cols_matmul(h, rows, "down", q["down"])
-    h = rows_matmul(x, rows, "fc1", q["fc1"])
-    if bias is not None and "fc1" in bias:
+        h = act(project(x, arrays, "gate", m["gate"])) * project(x, arrays, "up", m["up"])
+        return project(h, arrays, "down", m["down"])
+    h = project(x, arrays, "fc1", m["fc1"])
+    if "fc1" in bias:
         h = h + bias["fc1"]
-    y = cols_matmul(act(h), rows, "fc2", q["fc2"])
-    if bias is not None and "fc2" in bias:
+    y = project(act(h), arrays, "fc2", m["fc2"])
+    if "fc2" in bias:
         y = y + bias["fc2"]
     return y
 
@@ -54,10 +55,10 @@ def ffn_forward(x: mx.array, rows: Dict[str, mx.array], ffn: dict, bias: Optiona
 class ResidentFFN(nn.Module):
     """Every neuron of one layer held in memory: the reference the streaming FFN must equal."""
 
-    def __init__(self, ffn: dict, rows: Dict[str, mx.array], bias: Dict[str, mx.array]):
+    def __init__(self, ffn: dict, arrays: Dict[str, mx.array], bias: Dict[str, mx.array]):
         super().__init__()
         # Underscored: not parameters (they come from ffn.bin, not resident.safetensors).
-        self._ffn, self._rows, self._bias = ffn, rows, bias
+        self._ffn, self._arrays, self._bias = ffn, arrays, bias
 
     def __call__(self, x):
-        return ffn_forward(x, self._rows, self._ffn, self._bias)
+        return ffn_forward(x, self._arrays, self._ffn, self._bias)

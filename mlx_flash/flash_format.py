@@ -18,7 +18,7 @@ view any bundle (or a cache row holding one) as arrays without copying.
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
@@ -130,19 +130,22 @@ class BundleLayout:
 
 
 @dataclass(frozen=True)
-class LayerInfo:
-    index: int
-    offset: int  # byte offset of the layer's first bundle in ffn.bin
-    n_neurons: int
+class Region:
+    """One layer's run of units (bundles) of one layout in ffn.bin."""
+
+    layer: int
+    name: str  # "neurons" (one unit per FFN neuron) or "inputs" (one per input dim, the dip layout)
+    offset: int  # byte offset of unit 0 in ffn.bin
+    n_units: int
     stride: int
     crc32: int
 
     @property
     def nbytes(self) -> int:
-        return self.n_neurons * self.stride
+        return self.n_units * self.stride
 
-    def bundle_offset(self, neuron: int) -> int:
-        return self.offset + neuron * self.stride
+    def unit_offset(self, unit: int) -> int:
+        return self.offset + unit * self.stride
 
 
 class FlashDir:
@@ -159,11 +162,18 @@ class FlashDir:
         m = self.manifest
         try:
             self.alignment = int(m["alignment"])
-            self.layout = BundleLayout.from_json(m["bundle"])
-            self.layers: List[LayerInfo] = [
-                LayerInfo(l["index"], l["offset"], l["n_neurons"], l["stride"], l["crc32"])
+            self.layouts: Dict[str, BundleLayout] = {k: BundleLayout.from_json(v) for k, v in m["layouts"].items()}
+            self.layers: List[Dict[str, Region]] = [
+                {
+                    name: Region(l["index"], name, r["offset"], r["n_units"], r["stride"], r["crc32"])
+                    for name, r in l["regions"].items()
+                }
                 for l in m["layers"]
             ]
+            for regions in self.layers:
+                for r in regions.values():
+                    if r.stride != self.layouts[r.name].stride:
+                        raise ValueError(f"layer {r.layer} region {r.name}: stride differs from its layout")
         except (KeyError, TypeError, ValueError) as e:
             raise FlashFormatError(f"{self.path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})") from None
         self.config = self._read_json("config.json")
@@ -201,15 +211,21 @@ class FlashDir:
         if size != expected:
             raise FlashFormatError(f"{self.path / RESIDENT}: {size} bytes, manifest says {expected} (truncated or replaced)")
         size = (self.path / FFN).stat().st_size
-        for l in self.layers:
-            if l.offset % self.alignment or l.stride % self.alignment:
-                raise FlashFormatError(f"layer {l.index}: offset {l.offset} or stride {l.stride} not aligned to {self.alignment}")
-            if l.offset + l.nbytes > size:
+        for r in self.regions():
+            if r.offset % self.alignment or r.stride % self.alignment:
                 raise FlashFormatError(
-                    f"{self.path / FFN}: truncated: layer {l.index} ends at byte {l.offset + l.nbytes}, file has {size}"
+                    f"layer {r.layer} {r.name}: offset {r.offset} or stride {r.stride} not aligned to {self.alignment}"
+                )
+            if r.offset + r.nbytes > size:
+                raise FlashFormatError(
+                    f"{self.path / FFN}: truncated: layer {r.layer} ends at byte {r.offset + r.nbytes}, file has {size}"
                 )
 
     # -- properties ----------------------------------------------------------
+    def regions(self) -> Iterable[Region]:
+        """Every region of every layer, in file order."""
+        return [r for regions in self.layers for r in regions.values()]
+
     @property
     def ffn_path(self) -> Path:
         return self.path / FFN
@@ -220,7 +236,7 @@ class FlashDir:
 
     @property
     def ffn(self) -> dict:
-        """FFN description: kind, activation, per-matrix quantisation (see architectures.py)."""
+        """FFN description: kind, activation, layout, per-matrix quantisation (see architectures.py)."""
         return self.manifest["ffn"]
 
     @property
@@ -229,7 +245,7 @@ class FlashDir:
 
     @property
     def ffn_bytes(self) -> int:
-        return sum(l.nbytes for l in self.layers)
+        return sum(r.nbytes for r in self.regions())
 
     # -- data ------------------------------------------------------------------
     def load_resident(self) -> Dict[str, mx.array]:
@@ -238,31 +254,42 @@ class FlashDir:
         except Exception as e:
             raise FlashFormatError(f"{self.path / RESIDENT}: cannot be read ({e})") from None
 
-    def read_layer(self, index: int) -> np.ndarray:
-        """All bundles of one layer as [n_neurons, stride] uint8 (one sequential read)."""
-        l = self.layers[index]
-        buf = np.empty((l.n_neurons, l.stride), dtype=np.uint8)
+    def read_region(self, layer: int, name: str = "neurons") -> np.ndarray:
+        """All units of one layer's region as [n_units, stride] uint8 (one sequential read)."""
+        r = self.layers[layer][name]
+        buf = np.empty((r.n_units, r.stride), dtype=np.uint8)
         with open(self.ffn_path, "rb") as f:
-            f.seek(l.offset)
+            f.seek(r.offset)
             got = f.readinto(memoryview(buf).cast("B"))
-        if got != l.nbytes:
-            raise FlashFormatError(f"{self.ffn_path}: short read in layer {index} ({got} of {l.nbytes} bytes)")
+        if got != r.nbytes:
+            raise FlashFormatError(f"{self.ffn_path}: short read in layer {layer} ({got} of {r.nbytes} bytes)")
         return buf
+
+    def unpack_layer(self, layer: int) -> Dict[str, mx.array]:
+        """Every component array of one layer, read from disk (e.g. for an all-resident model)."""
+        arrays = {}
+        for name, layout in self.layouts.items():
+            arrays.update(layout.unpack(mx.array(self.read_region(layer, name))))
+        return arrays
 
     def verify(self, progress=None) -> None:
         """Re-check sizes, alignment and checksums; raise FlashFormatError naming the first bad part."""
-        import hashlib
-
-        h = hashlib.sha256()
-        with open(self.path / RESIDENT, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        if h.hexdigest() != self.manifest["resident"]["sha256"]:
+        if _sha256(self.path / RESIDENT) != self.manifest["resident"]["sha256"]:
             raise FlashFormatError(f"{self.path / RESIDENT}: checksum mismatch (corrupted)")
-        layers = progress(self.layers) if progress else self.layers
-        for l in layers:
-            if zlib.crc32(self.read_layer(l.index)) != l.crc32:
-                raise FlashFormatError(f"{self.ffn_path}: checksum mismatch in layer {l.index} (corrupted)")
+        regions = progress(self.regions()) if progress else self.regions()
+        for r in regions:
+            if zlib.crc32(self.read_region(r.layer, r.name)) != r.crc32:
+                raise FlashFormatError(f"{self.ffn_path}: checksum mismatch in layer {r.layer} ({r.name}; corrupted)")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class FlashWriter:
@@ -274,34 +301,27 @@ class FlashWriter:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=False)
         self.alignment = alignment
-        self.layout: Optional[BundleLayout] = None
-        self.layers: List[LayerInfo] = []
+        self.layouts: Dict[str, BundleLayout] = {}
+        self.layers: List[Dict[str, Region]] = []
         self._ffn = open(self.path / FFN, "wb")
 
-    def add_layer(self, arrays: Dict[str, mx.array]) -> LayerInfo:
-        """Append one layer's bundles: `arrays` maps component name -> [n_neurons, ...]."""
-        layout = BundleLayout.from_arrays(arrays, self.alignment)
-        if self.layout is None:
-            self.layout = layout
-        elif layout != self.layout:
-            raise ValueError("every layer must have the same bundle layout")
-        rows = layout.pack(arrays)
-        offset = self._ffn.tell()
-        self._ffn.write(rows.data)
-        info = LayerInfo(len(self.layers), offset, rows.shape[0], layout.stride, zlib.crc32(rows))
-        self.layers.append(info)
-        return info
+    def add_layer(self, regions: Dict[str, Dict[str, mx.array]]) -> None:
+        """Append one layer: region name -> {component name -> [n_units, ...]}."""
+        layer = {}
+        for name, arrays in regions.items():
+            layout = BundleLayout.from_arrays(arrays, self.alignment)
+            if self.layouts.setdefault(name, layout) != layout:
+                raise ValueError(f"every layer must have the same {name!r} layout")
+            rows = layout.pack(arrays)
+            offset = self._ffn.tell()
+            self._ffn.write(rows.data)
+            layer[name] = Region(len(self.layers), name, offset, rows.shape[0], layout.stride, zlib.crc32(rows))
+        self.layers.append(layer)
 
     def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict) -> None:
         """Write resident weights, config and the manifest (`manifest` adds architecture fields)."""
-        import hashlib
-
         self._ffn.close()
         mx.save_safetensors(str(self.path / RESIDENT), resident, metadata={"format": "mlx"})
-        h = hashlib.sha256()
-        with open(self.path / RESIDENT, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
         with open(self.path / "config.json", "w") as f:
             json.dump(config, f, indent=2)
         full = {
@@ -309,9 +329,22 @@ class FlashWriter:
             "format_version": FORMAT_VERSION,
             **manifest,
             "alignment": self.alignment,
-            "bundle": self.layout.to_json(),
-            "layers": [asdict(l) for l in self.layers],
-            "resident": {"file": RESIDENT, "bytes": (self.path / RESIDENT).stat().st_size, "sha256": h.hexdigest()},
+            "layouts": {k: v.to_json() for k, v in self.layouts.items()},
+            "layers": [
+                {
+                    "index": i,
+                    "regions": {
+                        k: {"offset": r.offset, "n_units": r.n_units, "stride": r.stride, "crc32": r.crc32}
+                        for k, r in regions.items()
+                    },
+                }
+                for i, regions in enumerate(self.layers)
+            ],
+            "resident": {
+                "file": RESIDENT,
+                "bytes": (self.path / RESIDENT).stat().st_size,
+                "sha256": _sha256(self.path / RESIDENT),
+            },
             "ffn_file": {"file": FFN, "bytes": (self.path / FFN).stat().st_size},
         }
         # The manifest is written last: a directory without it never opens.

@@ -56,9 +56,9 @@ def load_resident(path) -> Tuple[nn.Module, FlashDir]:
     fd = FlashDir(path)
 
     def make_ffn(i, bias):
-        rows = fd.layout.unpack(mx.array(fd.read_layer(i)))
-        mx.eval(rows)
-        return ResidentFFN(fd.ffn, rows, bias)
+        arrays = fd.unpack_layer(i)
+        mx.eval(arrays)
+        return ResidentFFN(fd.ffn, arrays, bias)
 
     return build_model(fd, make_ffn), fd
 

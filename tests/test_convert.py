@@ -32,7 +32,7 @@ def tiny_dirs(tmp_path_factory):
 def _check_bundles(fd, model, col_quant):
     adapter = ADAPTERS[fd.architecture]
     for i in range(len(fd.layers)):
-        rows = fd.layout.unpack(mx.array(fd.read_layer(i)))
+        rows = fd.unpack_layer(i)
         linears = adapter._linears(model.layers[i].mlp)  # canonical rows straight from the source modules
         for name in adapter.row_matrices:
             for key in ("weight", "scales", "biases"):
@@ -57,8 +57,8 @@ def test_float_bundles_bit_exact_and_logits_match(arch, tiny_dirs, tmp_path):
     fd = FlashDir(out)
     src, _ = load_source_model(tiny_dirs[arch], lazy=False)
     _check_bundles(fd, src, None)
-    for l in fd.layers:
-        assert l.offset % fd.alignment == 0 and l.stride % fd.alignment == 0
+    for r in fd.regions():
+        assert r.offset % fd.alignment == 0 and r.stride % fd.alignment == 0
     model, _ = load_resident(out)
     diff = mx.abs(model(TOKENS) - src(TOKENS)).max().item()
     assert diff < 1e-4, diff
@@ -70,10 +70,14 @@ def test_quantised_bundles(arch, tiny_dirs, tmp_path):
     fd = FlashDir(convert(str(tiny_dirs[arch]), tmp_path / "q", bits=4, group_size=32, progress=False))
     assert fd.manifest["quantization"] == {"bits": 4, "group_size": 32}
     adapter = ADAPTERS[arch]
-    assert fd.ffn["matrices"][adapter.col_matrix] == {"quantization": {"bits": 4, "group_size": 32}, "transposed": True}
+    assert fd.ffn["matrices"][adapter.col_matrix] == {
+        "quantization": {"bits": 4, "group_size": 32},
+        "transposed": True,
+        "region": "neurons",
+    }
     src, _ = load_source_model(tiny_dirs[arch], lazy=False)
     for i in range(len(fd.layers)):
-        rows = fd.layout.unpack(mx.array(fd.read_layer(i)))
+        rows = fd.unpack_layer(i)
         linears = adapter._linears(src.layers[i].mlp)
         for name in adapter.matrices:
             w = linears[name]["weight"]
@@ -92,6 +96,34 @@ def test_quantised_bundles(arch, tiny_dirs, tmp_path):
             assert np.array_equal(np.array(value), np.array(ref[key])), key
     model, _ = load_resident(fd.path)
     assert model(TOKENS).shape == (1, TOKENS.shape[1], 256)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_dip_layout(bits, tiny_dirs, tmp_path):
+    """dip layout: gate/up stored by input column, down by neuron; same model either way."""
+    src, _ = load_source_model(tiny_dirs["llama"], lazy=False)
+    fd = FlashDir(convert(str(tiny_dirs["llama"]), tmp_path / "dip", layout="dip", bits=bits, group_size=32, progress=False))
+    assert set(fd.layouts) == {"inputs", "neurons"}
+    hidden, n = fd.ffn["hidden_size"], fd.ffn["intermediate_size"]
+    assert [fd.layers[0][r].n_units for r in ("inputs", "neurons")] == [hidden, n]
+    for i in range(len(fd.layers)):
+        arrays = fd.unpack_layer(i)
+        linears = ADAPTERS["llama"]._linears(src.layers[i].mlp)
+        for name in ("gate", "up", "down"):
+            w = linears[name]["weight"].T
+            if bits is None:
+                assert np.array_equal(np.array(arrays[f"{name}.weight"]), np.array(w))
+            else:
+                for key, ref in zip(("weight", "scales", "biases"), mx.quantize(w, 32, 4)):
+                    assert np.array_equal(np.array(arrays[f"{name}.{key}"]), np.array(ref)), (i, name, key)
+    if bits is None:
+        model, _ = load_resident(fd.path)
+        assert mx.abs(model(TOKENS) - src(TOKENS)).max().item() < 1e-4
+
+
+def test_dip_layout_needs_glu(tiny_dirs, tmp_path):
+    with pytest.raises(UnsupportedArchitectureError, match="layout 'dip'"):
+        convert(str(tiny_dirs["opt"]), tmp_path / "x", layout="dip", progress=False)
 
 
 def test_quantised_source_keeps_rows_and_requantises_down(tiny_dirs, tmp_path):
@@ -141,7 +173,7 @@ def test_truncated_ffn(flash):
 def test_flipped_byte_names_layer(flash):
     fd = FlashDir(flash)
     with open(flash / "ffn.bin", "r+b") as f:
-        f.seek(fd.layers[1].offset + 10)
+        f.seek(fd.layers[1]["neurons"].offset + 10)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
