@@ -32,6 +32,7 @@ FORMAT_VERSION = 1
 MANIFEST = "flash.json"
 RESIDENT = "resident.safetensors"
 FFN = "ffn.bin"
+PREDICTORS = "predictors.safetensors"
 DEFAULT_ALIGNMENT = 4096
 
 _DTYPES = {
@@ -254,6 +255,36 @@ class FlashDir:
         except Exception as e:
             raise FlashFormatError(f"{self.path / RESIDENT}: cannot be read ({e})") from None
 
+    def load_predictors(self) -> Optional[List[Dict[str, mx.array]]]:
+        """Low-rank predictors per layer ({"A": [rank, d], "B": [n, rank]}), or None if not calibrated."""
+        info = (self.manifest.get("sparsity") or {}).get("predictor")
+        if info is None:
+            return None
+        path = self.path / info["file"]
+        if not path.is_file():
+            raise FlashFormatError(f"{path}: missing file")
+        try:
+            w = mx.load(str(path))
+            return [{"A": w[f"{i}.A"], "B": w[f"{i}.B"]} for i in range(len(self.layers))]
+        except Exception as e:
+            raise FlashFormatError(f"{path}: cannot be read ({e})") from None
+
+    def update_manifest(self, **fields) -> None:
+        """Set top-level manifest fields (e.g. calibration results), atomically."""
+        m = dict(self.manifest, **fields)
+        _write_json_atomic(self.path / MANIFEST, m)
+        self.manifest = m
+
+    def save_predictors(self, weights: List[Dict[str, mx.array]], threshold: float, **info) -> None:
+        """Write predictors.safetensors and record it (with `info`, e.g. ranks, recall) in the manifest."""
+        arrays = {f"{i}.{k}": v for i, w in enumerate(weights) for k, v in w.items()}
+        tmp = self.path / "predictors.tmp.safetensors"
+        mx.save_safetensors(str(tmp), arrays)
+        os.replace(tmp, self.path / PREDICTORS)
+        sparsity = dict(self.manifest.get("sparsity") or {})
+        sparsity["predictor"] = {"file": PREDICTORS, "threshold": threshold, **info}
+        self.update_manifest(sparsity=sparsity)
+
     def read_region(self, layer: int, name: str = "neurons") -> np.ndarray:
         """All units of one layer's region as [n_units, stride] uint8 (one sequential read)."""
         r = self.layers[layer][name]
@@ -280,6 +311,15 @@ class FlashDir:
         for r in regions:
             if zlib.crc32(self.read_region(r.layer, r.name)) != r.crc32:
                 raise FlashFormatError(f"{self.ffn_path}: checksum mismatch in layer {r.layer} ({r.name}; corrupted)")
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -347,13 +387,7 @@ class FlashWriter:
             },
             "ffn_file": {"file": FFN, "bytes": (self.path / FFN).stat().st_size},
         }
-        # The manifest is written last: a directory without it never opens.
-        tmp = self.path / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(full, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / MANIFEST)
+        _write_json_atomic(self.path / MANIFEST, full)  # last: a directory without it never opens
 
     def abort(self):
         self._ffn.close()

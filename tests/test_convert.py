@@ -71,7 +71,7 @@ def test_quantised_bundles(arch, tiny_dirs, tmp_path):
     assert fd.manifest["quantization"] == {"bits": 4, "group_size": 32}
     adapter = ADAPTERS[arch]
     assert fd.ffn["matrices"][adapter.col_matrix] == {
-        "quantization": {"bits": 4, "group_size": 32},
+        "quantization": {"bits": 8, "group_size": 32},  # the default for 4-bit models
         "transposed": True,
         "region": "neurons",
     }
@@ -81,7 +81,8 @@ def test_quantised_bundles(arch, tiny_dirs, tmp_path):
         linears = adapter._linears(src.layers[i].mlp)
         for name in adapter.matrices:
             w = linears[name]["weight"]
-            expected = mx.quantize(w.T if name == adapter.col_matrix else w, 32, 4)
+            col = name == adapter.col_matrix
+            expected = mx.quantize(w.T if col else w, 32, 8 if col else 4)
             for key, ref in zip(("weight", "scales", "biases"), expected):
                 assert np.array_equal(np.array(rows[f"{name}.{key}"]), np.array(ref)), (i, name, key)
     # Resident weights are exactly what mlx-lm's own quantisation gives.
@@ -114,7 +115,7 @@ def test_dip_layout(bits, tiny_dirs, tmp_path):
             if bits is None:
                 assert np.array_equal(np.array(arrays[f"{name}.weight"]), np.array(w))
             else:
-                for key, ref in zip(("weight", "scales", "biases"), mx.quantize(w, 32, 4)):
+                for key, ref in zip(("weight", "scales", "biases"), mx.quantize(w, 32, 8 if name == "down" else 4)):
                     assert np.array_equal(np.array(arrays[f"{name}.{key}"]), np.array(ref)), (i, name, key)
     if bits is None:
         model, _ = load_resident(fd.path)
@@ -138,8 +139,10 @@ def test_quantised_source_keeps_rows_and_requantises_down(tiny_dirs, tmp_path):
     src, _ = load_source_model(qdir, lazy=False)
 
     fd = FlashDir(convert(str(qdir), tmp_path / "a", progress=False))
+    _check_bundles(fd, src, {"bits": 8, "group_size": 32})
+    fd = FlashDir(convert(str(qdir), tmp_path / "a4", down_bits="4", progress=False))
     _check_bundles(fd, src, {"bits": 4, "group_size": 32})
-    exact = FlashDir(convert(str(qdir), tmp_path / "b", float_down=True, progress=False))
+    exact = FlashDir(convert(str(qdir), tmp_path / "b", down_bits="float", progress=False))
     _check_bundles(exact, src, None)
     assert exact.ffn["matrices"]["down"]["quantization"] is None
     model, _ = load_resident(exact.path)
