@@ -7,7 +7,7 @@ from setuptools import Extension, find_packages, setup
 pread_pool = Extension(
     "mlx_flash._pread_pool",
     sources=["kernels/pread_pool.c"],
-    extra_compile_args=["-O2", "-std=c11"] + ([] if sys.platform == "darwin" else ["-pthread"]),
+    extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"] + ([] if sys.platform == "darwin" else ["-pthread"]),
     extra_link_args=[] if sys.platform == "darwin" else ["-pthread"],
 )
 
