@@ -1,0 +1,84 @@
+"""The default model, SmolLM2-135M-Instruct (real Q4_1 GGUF weights), through convert and the resident-only loader."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_flash.architectures import ADAPTERS
+from mlx_flash.convert import convert
+from mlx_flash.flash_format import FlashDir
+from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
+from mlx_flash.loader import load_resident, load_tokenizer
+from mlx_flash.source import load_source_model
+
+PROMPT = "The history of the city begins"
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    # float32 scales: float16 x float16 quantised matmuls are ~35x slower on the CPU
+    src_dir = gguf_to_mlx_dir(default_gguf_path(), tmp_path_factory.mktemp("smol") / "src", dtype="float32")
+    model, _ = load_source_model(src_dir, lazy=False)
+    return src_dir, model
+
+
+@pytest.fixture(scope="module")
+def flash_exact(source, tmp_path_factory):
+    return convert(str(source[0]), tmp_path_factory.mktemp("smol") / "exact", down_bits="float", progress=False)
+
+
+def test_bundles_bit_exact(source, flash_exact):
+    src_dir, src = source
+    fd = FlashDir(flash_exact)
+    assert fd.manifest["quantization"] == {"bits": 4, "group_size": 32}
+    adapter = ADAPTERS["llama"]
+    for i in range(len(fd.layers)):
+        arrays = fd.unpack_layer(i)
+        linears = adapter._linears(src.layers[i].mlp)
+        for name in ("gate", "up"):
+            for key in ("weight", "scales", "biases"):
+                assert np.array_equal(np.array(arrays[f"{name}.{key}"]), np.array(linears[name][key])), (i, name, key)
+        d = linears["down"]
+        dense = mx.dequantize(d["weight"], d["scales"], d["biases"], 32, 4)
+        assert np.array_equal(np.array(arrays["down.weight"]), np.array(dense.T)), i
+
+
+def _greedy(model, prompt, n=32):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def test_resident_logits_and_greedy_tokens(source, flash_exact, tmp_path):
+    _, src = source
+    model, fd = load_resident(flash_exact)
+    prompt = load_tokenizer(fd).encode(PROMPT)
+    diff = mx.abs(model(mx.array([prompt])) - src(mx.array([prompt]))).max().item()
+    assert diff < 1e-3, diff
+    assert _greedy(model, prompt) == _greedy(src, prompt)
+
+
+def _perplexity(model, tokens):
+    logits = model(tokens[None, :-1]).astype(mx.float32)
+    return float(mx.exp(nn.losses.cross_entropy(logits[0], tokens[1:]).mean()))
+
+
+def test_default_down_bits_keeps_perplexity(source, flash_exact, tmp_path):
+    """The default conversion (down re-quantised to 8 bits, lossy) keeps WikiText-2 perplexity within 3% (96 tokens)."""
+    out = convert(str(source[0]), tmp_path / "default", progress=False)
+    assert FlashDir(out).ffn["matrices"]["down"]["quantization"] == {"bits": 8, "group_size": 32}
+    model, _ = load_resident(out)
+    tok = load_tokenizer(FlashDir(flash_exact))
+    tokens = mx.array(tok.encode(WIKITEXT.read_text()[:6000])[:97])  # short: CPU quantised matmuls are slow
+    ref, ppl = _perplexity(source[1], tokens), _perplexity(model, tokens)
+    assert abs(ppl / ref - 1) < 0.03, (ppl, ref)  # 96 tokens: noise ~2%; 4-bit down costs ~5%
+
+
+def test_tokenizer_in_flash_dir(flash_exact):
+    tok = load_tokenizer(FlashDir(flash_exact))
+    text = "Hello, world! 12345 <|im_start|>user\n  café\tdone"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(" the")) == 1 and len(tok.encode("2024")) == 4  # byte-level BPE, single digits
