@@ -1,6 +1,6 @@
 """Micro-benchmark: the sparse FFN from cache rows (gather_ffn, MLX-ops path) vs the dense resident FFN.
 
-    python benchmarks/bench_gather_ffn.py [--repeats 7] [--quick] [--mallopt]
+    python benchmarks/bench_gather_ffn.py [--repeats 7] [--quick] [--only '7B 4096x11008 q4'] [--mallopt]
 
 For each shape and storage type, a cache holding every unit of one layer (GLU: gate, up,
 down rows per neuron, packed by flash_format.BundleLayout, stride aligned to 4096) and x of
@@ -83,6 +83,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="SmolLM2 shapes only")
+    p.add_argument("--only", default="", help="run the shapes whose 'label storage' contains this, e.g. '7B 4096x11008 q4'")
     p.add_argument("--mallopt", action="store_true", help="keep large buffers in malloc (see the module doc)")
     args = p.parse_args()
     if args.mallopt:
@@ -93,7 +94,7 @@ def main():
     print(f"{'shape':<18} {'storage':<8} {'active':>6} {'k':>6} {'gather ms':>10} {'sparse ms':>10} "
           f"{'dense ms':>9} {'sparse/dense':>12}")
     for label, d, n, storage, quant in SHAPES:
-        if args.quick and d > 1000:
+        if (args.quick and d > 1000) or args.only not in f"{label} {storage}":
             continue
         arrays = layer(d, n, storage, quant)
         layout = BundleLayout.from_arrays(arrays, 4096)
