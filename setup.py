@@ -17,7 +17,9 @@ setup(
     name="mlx_flash",
     version="0.1.0",
     description="Run LLMs larger than memory on Apple silicon: resident attention, FFN neurons streamed from flash",
-    packages=find_packages(include=["mlx_flash", "mlx_flash.*"]),
+    packages=find_packages(include=["mlx_flash", "mlx_flash.*"]) + ["mlx_flash.kernels"],
+    package_dir={"mlx_flash.kernels": "kernels"},  # Metal sources ship inside the package
+    package_data={"mlx_flash.kernels": ["*.metal"]},
     ext_modules=[pread_pool],
     python_requires=">=3.10",
     install_requires=[

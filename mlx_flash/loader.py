@@ -1,12 +1,16 @@
 """Build a model from a flash directory: resident weights into the architecture, FFNs replaced."""
 
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .architectures import adapter_for
-from .errors import FlashFormatError
+from .errors import FlashError, FlashFormatError
 from .ffn import ResidentFFN
 from .flash_format import FlashDir
 
@@ -67,3 +71,112 @@ def load_tokenizer(fd: FlashDir):
     from mlx_lm.utils import load_tokenizer as _load
 
     return _load(fd.path, eos_token_ids=fd.config.get("eos_token_id"))
+
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def default_model_dir() -> Path:
+    """The default model as a flash directory, converted from its GGUF once into ~/.cache/mlx_flash."""
+    from .convert import convert
+    from .gguf import default_gguf_path
+
+    root = Path(os.environ.get("MLX_FLASH_CACHE", Path.home() / ".cache" / "mlx_flash"))
+    out = root / DEFAULT_MODEL
+    if not (out / "flash.json").is_file():
+        with _lock(root):
+            if not (out / "flash.json").is_file():
+                print(f"[mlx_flash] converting the default model into {out} (once)", file=sys.stderr)
+                convert(str(default_gguf_path()), out)
+    return out
+
+
+@contextmanager
+def _lock(root: Path):
+    """A file lock, so two processes never convert the default model at once."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.0, threshold=None):
+    """Build the sparsifier named `sparsity` for a flash directory ("auto": the best it is calibrated for)."""
+    from .sparsity import DIP, Dense, Oracle, Predictor
+
+    calib = fd.manifest.get("sparsity") or {}
+    if sparsity == "auto":
+        sparsity = "predictor" if "predictor" in calib else "dip" if "dip" in calib else "dense"
+    if fd.ffn.get("layout") == "dip" and sparsity != "dip":
+        raise FlashError(f"{fd.path} has the dip layout, which only serves --sparsity dip")
+    n = fd.ffn["intermediate_size"]
+    if sparsity == "dense":
+        return Dense(n)
+    if sparsity == "oracle":
+        return Oracle(fd, density)
+    if sparsity == "predictor":
+        weights = fd.load_predictors()
+        if weights is None:
+            raise FlashError(f"{fd.path} has no predictors: run python -m mlx_flash.calibrate first")
+        return Predictor(weights, threshold if threshold is not None else calib["predictor"].get("threshold", 0.5))
+    if sparsity == "dip":
+        if fd.ffn.get("layout") != "dip":
+            raise FlashError(f"--sparsity dip needs a flash directory converted with --layout dip ({fd.path} is not)")
+        layers = len(fd.layers)
+        if density is not None:
+            d_in = d_out = [float(density)] * layers
+        elif "dip" in calib:
+            d_in, d_out = calib["dip"]["input_density"], calib["dip"]["neuron_density"]
+        else:
+            d_in = d_out = [0.5] * layers
+        return DIP(list(d_in), list(d_out), gamma)
+    raise FlashError(f"unknown sparsity {sparsity!r} (choose from auto, dense, oracle, predictor, dip)")
+
+
+def load(
+    path=None,
+    memory_budget=None,
+    sparsity: str = "auto",
+    window: int = 5,
+    policy: str = "window",
+    density: float = None,
+    gamma: float = 1.0,
+    threads: int = None,
+    direct: bool = True,
+    context: int = 2048,
+    use_metal: bool = None,
+):
+    """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
+
+    memory_budget: bytes, "2GB" or "50%" (of the model's size) for weights + caches + KV cache;
+    None caches every unit. Raises BudgetError before reading weights if the resident part
+    does not fit. `model.flash` is the engine: its `.stats`, and `model.flash.close()`.
+    """
+    from .budget import parse_size, plan_memory
+    from .reader import open_reader
+    from .runtime import FlashEngine, FlashFFN
+
+    fd = FlashDir(path if path is not None else default_model_dir())
+    sparsifier = make_sparsifier(fd, sparsity, density, gamma)
+    total = fd.resident_bytes + fd.ffn_bytes
+    budget = parse_size(memory_budget, total) if memory_budget is not None else None
+    extra = sum(v.nbytes for w in (fd.load_predictors() or []) for v in w.values()) if sparsity == "predictor" else 0
+    dtype_size = 4
+    plan = plan_memory(fd, budget if budget is not None else 1 << 62, context, dtype_size, extra)
+    reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))
+    engine = FlashEngine(fd, reader, sparsifier, plan.capacity, plan.scratch, policy, window, use_metal=use_metal)
+    engine.plan = plan
+
+    def make_ffn(i, bias):
+        if "fc1" in bias and hasattr(sparsifier, "bias"):  # the ReLU oracle needs fc1's bias
+            sparsifier.bias[i] = bias["fc1"]
+        return FlashFFN(engine, i, bias)
+
+    model = build_model(fd, make_ffn)
+    model.flash = engine
+    return model, load_tokenizer(fd)

@@ -1,0 +1,90 @@
+"""Memory budget planner: what stays resident, and how many units each layer's cache holds.
+
+budget = resident weights + KV cache + scratch buffer + per-layer unit caches.
+If the resident part alone does not fit, loading fails before any weight is read.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Union
+
+from .errors import BudgetError
+
+SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
+
+
+def parse_size(size: Union[int, float, str, None], total: int = None) -> int:
+    """Bytes from 123, "2GB", "512MiB", "1.5G" or "50%" (of `total`)."""
+    if size is None:
+        raise ValueError("no size given")
+    if isinstance(size, (int, float)):
+        return int(size)
+    s = size.strip().upper().replace(" ", "")
+    if s.endswith("%"):
+        if total is None:
+            raise ValueError(f"{size!r}: a percentage needs a total")
+        return int(float(s[:-1]) / 100 * total)
+    m = re.fullmatch(r"([0-9.]+)([KMGT]?)(I?B?)", s)
+    if not m:
+        raise ValueError(f"cannot parse size {size!r} (examples: 2GB, 512MiB, 50%)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+@dataclass
+class Plan:
+    budget: int
+    resident: int
+    kv_cache: int
+    scratch: int
+    extra: int  # e.g. predictors
+    capacity: List[Dict[str, int]]  # per layer: region -> units cached
+
+    def cache_bytes(self, strides: Dict[str, int]) -> int:
+        return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
+
+    def describe(self, strides: Dict[str, int], units: Dict[str, int]) -> str:
+        caps = self.capacity[0]
+        per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)
+        return (
+            f"budget {fmt_bytes(self.budget)}: resident {fmt_bytes(self.resident)}, KV cache {fmt_bytes(self.kv_cache)}, "
+            f"scratch {fmt_bytes(self.scratch)}, extra {fmt_bytes(self.extra)}, "
+            f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
+        )
+
+
+def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2) -> int:
+    layers = config["num_hidden_layers"]
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * layers * heads * head_dim * context * dtype_size
+
+
+def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0) -> Plan:
+    """Size the per-layer caches: the remainder after resident, KV cache and scratch, split by region size."""
+    kv = kv_cache_bytes(fd.config, context, dtype_size)
+    largest_region = max(r.nbytes for r in fd.regions())
+    scratch = min(SCRATCH_BYTES, largest_region)
+    fixed = fd.resident_bytes + kv + scratch + extra
+    if fixed > budget:
+        raise BudgetError(
+            f"memory budget {fmt_bytes(budget)} is too small: resident weights {fmt_bytes(fd.resident_bytes)} + "
+            f"KV cache for {context} tokens {fmt_bytes(kv)} + scratch {fmt_bytes(scratch)}"
+            + (f" + extra {fmt_bytes(extra)}" if extra else "")
+            + f" need {fmt_bytes(fixed)} before any FFN unit is cached"
+        )
+    per_layer = (budget - fixed) // len(fd.layers)
+    capacity = []
+    for regions in fd.layers:
+        total = sum(r.nbytes for r in regions.values())
+        capacity.append(
+            {name: min(r.n_units, int(per_layer * r.nbytes / total) // r.stride) for name, r in regions.items()}
+        )
+    return Plan(budget, fd.resident_bytes, kv, scratch, extra, capacity)

@@ -1,0 +1,107 @@
+"""Generate text with FFN weights streamed from flash.
+
+    python -m mlx_flash.generate --prompt "Once upon a time" --memory-budget 50% --stats
+
+Flags mirror mlx_lm.generate; with no --model the default model (SmolLM2-135M-Instruct)
+is converted once into ~/.cache/mlx_flash and used.
+"""
+
+import argparse
+import sys
+
+import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
+
+from .budget import fmt_bytes
+from .errors import FlashError
+from .loader import load
+from .stats import Stats
+
+DEFAULT_PROMPT = "Once upon a time"
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(description="Generate text from a flash directory, streaming FFN neurons from flash.")
+    p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2-135M-Instruct, converted once).")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="Message to the model ('-' reads stdin).")
+    p.add_argument("--system-prompt", default=None, help="System prompt for the chat template.")
+    p.add_argument("--ignore-chat-template", action="store_true", help="Use the raw prompt without the chat template.")
+    p.add_argument("--max-tokens", "-m", type=int, default=100, help="Maximum number of tokens to generate.")
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature.")
+    p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p.")
+    p.add_argument("--seed", type=int, default=None, help="PRNG seed.")
+    p.add_argument("--memory-budget", default=None, help="Memory for weights, caches and KV cache: bytes, 2GB, 512MiB or 50%% of the model (default: all).")
+    p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "predictor", "dip"], help="How each token's active neurons are chosen.")
+    p.add_argument("--density", type=float, default=None, help="oracle: keep this fraction of GLU outputs; dip: input and neuron density.")
+    p.add_argument("--gamma", type=float, default=1.0, help="DIP-CA cache-aware weight for uncached units (1 = off, paper: 0.2).")
+    p.add_argument("--window", type=int, default=5, help="Keep neurons active in the last K tokens cached.")
+    p.add_argument("--cache-policy", default="window", choices=["window", "lru", "lfu"], help="Neuron cache eviction policy.")
+    p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")
+    p.add_argument("--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE.")
+    p.add_argument("--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary.")
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="Stream text as it is generated.")
+    return p
+
+
+def print_stats(engine, out=sys.stdout):
+    stats: Stats = engine.stats
+    print("\n" + "=" * 10 + " per-token stats (decode) " + "=" * 10, file=out)
+    for i, t in enumerate(stats.decode_tokens()):
+        print(Stats.format_token(i, t), file=out)
+    s = stats.summary()
+    if s["tokens"]:
+        print(
+            f"summary over {s['tokens']} tokens (medians): io {s['io_ms']:.2f} ms, mm {s['mm_ms']:.2f} ms, "
+            f"compute {s['compute_ms']:.2f} ms, total {s['total_ms']:.2f} ms ({1e3 / s['total_ms']:.2f} tok/s); "
+            f"read {fmt_bytes(s['bytes_per_token'])}/token, hit rate {s['hit_rate']:.1%}, "
+            f"active units/layer {s['active_per_layer']:.1f}",
+            file=out,
+        )
+    print(engine.plan.describe({k: v.stride for k, v in engine.fd.layouts.items()},
+                               {k: r.n_units for k, r in engine.fd.layers[0].items()}), file=out)
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    try:
+        model, tokenizer = load(
+            args.model, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
+            policy=args.cache_policy, density=args.density, gamma=args.gamma, threads=args.threads,
+            direct=not args.cached_io,
+        )
+    except (FlashError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not args.ignore_chat_template and tokenizer.chat_template is not None:
+        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    sampler = make_sampler(args.temp, args.top_p)
+    response = None
+    try:
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler):
+            if args.verbose:
+                print(response.text, end="", flush=True)
+        model.flash.stats.end()
+        if args.verbose and response is not None:
+            print(
+                f"\n{'=' * 10}\nPrompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec\n"
+                f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec\n"
+                f"Peak memory: {response.peak_memory:.3f} GB"
+            )
+        if args.stats:
+            print_stats(model.flash)
+    finally:
+        model.flash.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

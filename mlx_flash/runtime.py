@@ -1,0 +1,251 @@
+"""The flash runtime: per decode step and layer, choose units, fetch misses, compute the FFN.
+
+    x --sparsifier--> active units --NeuronCache.plan--> hits + misses
+      misses --reader (pread pool)--> cache rows;  overflow --reader--> scratch, used uncached
+      cache rows + x --gather_ffn--> FFN output
+
+Prompts (more than one token) stream each layer's FFN sequentially in large
+reads through a scratch buffer instead, and seed the caches with the units of
+the last `window` prompt tokens.
+"""
+
+import time
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .ffn import ACTIVATIONS, ffn_forward, project
+from .gather_ffn import row_axpy, row_dot
+from .neuron_cache import NeuronCache
+from .reader import aligned_buffer
+from .stats import Stats
+
+class FlashFFN(nn.Module):
+    """Replaces `layers[i].mlp`: the FFN of layer i computed from streamed units."""
+
+    def __init__(self, engine: "FlashEngine", layer: int, bias: Dict[str, mx.array]):
+        super().__init__()
+        self._engine, self._layer, self._bias = engine, layer, bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._engine.ffn(self._layer, x, self._bias)
+
+
+class FlashEngine:
+    """Owns the reader, the per-layer caches, the scratch buffer, the sparsifier and the stats."""
+
+    def __init__(self, fd, reader, sparsifier, capacity: List[Dict[str, int]], scratch_bytes: int,
+                 policy: str = "window", window: int = 5, compute_dtype=mx.float32, use_metal=None):
+        self.fd, self.reader, self.sparsifier = fd, reader, sparsifier
+        self.info = fd.ffn
+        self.dip_layout = fd.ffn.get("layout") == "dip"
+        self.window = window
+        self.compute_dtype = compute_dtype
+        self.use_metal = use_metal
+        self.stats = Stats()
+        self.caches: List[Dict[str, NeuronCache]] = [
+            {
+                name: NeuronCache(r.n_units, capacity[i][name], r.stride, policy=policy, window=window,
+                                  alignment=fd.alignment)
+                for name, r in regions.items()
+            }
+            for i, regions in enumerate(fd.layers)
+        ]
+        self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)
+
+    # -- I/O -------------------------------------------------------------------
+    def _read(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray) -> None:
+        """Read `units` of a region to byte offsets `dest` of `buffer` (one batch; the pool coalesces)."""
+        if len(units) == 0:
+            return
+        r = self.fd.layers[layer][region]
+        offsets = r.offset + units.astype(np.int64) * r.stride
+        lengths = np.full(len(units), r.stride, dtype=np.int64)
+        t = time.perf_counter()
+        self.reader.read(buffer, offsets, lengths, dest.astype(np.int64))
+        s = self.stats.current
+        s.io_s += time.perf_counter() - t
+        s.bytes_read += int(lengths.sum())
+
+    def _read_into_cache(self, layer, region, units, slots):
+        cache = self.caches[layer][region]
+        self._read(layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes)
+
+    def _stream(self, layer: int, region: str, units: np.ndarray):
+        """Yield (positions, rows [len, stride] mx.array) for `units` read through the scratch buffer.
+
+        The rows are overwritten by the next chunk: evaluate what uses them first. Units that
+        are in the region's cache (e.g. just seeded by a prompt) get their cache row refreshed.
+        """
+        stride = self.fd.layouts[region].stride
+        per = self.scratch.nbytes // stride
+        rows, host = self.scratch.rows(stride), self.scratch.host(stride)
+        cache = self.caches[layer][region]
+        for start in range(0, len(units), per):
+            chunk = units[start : start + per]
+            dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * stride
+            self._read(layer, region, chunk, self.scratch.buffer, dest)
+            yield np.arange(start, start + len(chunk)), rows[: len(chunk)]
+            slots = cache.neuron_to_slot[chunk]
+            keep = slots >= 0
+            if keep.any():  # seed / refresh cache rows from the streamed bytes: no second read
+                t = time.perf_counter()
+                cache.host[slots[keep]] = host[: len(chunk)][keep]
+                self.stats.current.mm_s += time.perf_counter() - t
+
+    def _fetch(self, layer: int, region: str, active: np.ndarray):
+        """Plan the cache for `active` and read its misses; overflow is left to `_sum_over`."""
+        cache = self.caches[layer][region]
+        t = time.perf_counter()
+        plan = cache.plan(active)
+        s = self.stats.current
+        s.mm_s += time.perf_counter() - t
+        self._read_into_cache(layer, region, plan.miss_neurons, plan.miss_slots)
+        s.misses += len(plan.miss_neurons) + len(plan.overflow_neurons)
+        s.hits += len(active) - len(plan.miss_neurons) - len(plan.overflow_neurons)
+        return plan
+
+    def _sum_over(self, layer: int, region: str, active: np.ndarray, fn):
+        """sum of fn(rows, slots, positions) over the active units: cached ones in place, overflow streamed.
+
+        `positions` index into `active` (sorted); fn returns an mx.array.
+        """
+        plan = self._fetch(layer, region, active)
+        cached = plan.slots >= 0
+        y = fn(self.caches[layer][region].rows, mx.array(plan.slots[cached]), np.flatnonzero(cached))
+        if len(plan.overflow_neurons):
+            mx.eval(y)
+            positions = np.searchsorted(active, plan.overflow_neurons)
+            for chunk, rows in self._stream(layer, region, plan.overflow_neurons):
+                part = fn(rows, mx.arange(len(chunk)), positions[chunk])
+                mx.eval(part)  # before the next chunk overwrites the scratch rows
+                y = y + part
+        return y
+
+    # -- FFN -------------------------------------------------------------------
+    def ffn(self, layer: int, x: mx.array, bias: Dict[str, mx.array]) -> mx.array:
+        B, L, _ = x.shape
+        if layer == 0:
+            self.stats.begin_token(prefill=B * L > 1)
+        xc = x.astype(self.compute_dtype)
+        if B * L > 1:
+            y = self._prefill(layer, xc, bias)
+        else:
+            xv = np.array(xc.reshape(-1))  # evaluates everything before this FFN
+            y = self._decode_dip(layer, xv, xc) if self.dip_layout else self._decode(layer, xv, xc, bias)
+        if "fc2" in bias:
+            y = y + bias["fc2"].astype(y.dtype)
+        return y.astype(x.dtype)
+
+    def _decode(self, layer, xv, x, bias):
+        active = self.sparsifier.select(layer, xv, self._cached_mask(layer, "neurons"))
+        self.stats.current.active.append(len(active))
+        m, layout = self.info["matrices"], self.fd.layouts["neurons"]
+        act, kw = ACTIVATIONS[self.info["activation"]], {"use_metal": self.use_metal}
+
+        def fn(rows, slots, pos):
+            if self.info["kind"] == "glu":
+                g = row_dot(x, rows, slots, layout, "gate", m["gate"]["quantization"], **kw)
+                u = row_dot(x, rows, slots, layout, "up", m["up"]["quantization"], **kw)
+                return row_axpy(act(g) * u, rows, slots, layout, "down", m["down"]["quantization"], **kw)
+            h = row_dot(x, rows, slots, layout, "fc1", m["fc1"]["quantization"], **kw)
+            if "fc1" in bias:
+                h = h + bias["fc1"][mx.array(active[pos])].astype(h.dtype)
+            return row_axpy(act(h), rows, slots, layout, "fc2", m["fc2"]["quantization"], **kw)
+
+        return self._sum_over(layer, "neurons", active, fn)
+
+    def _decode_dip(self, layer, xv, x):
+        m, dip = self.info["matrices"], self.sparsifier
+        act, kw = ACTIVATIONS[self.info["activation"]], {"use_metal": self.use_metal}
+        lay_in, lay_out = self.fd.layouts["inputs"], self.fd.layouts["neurons"]
+        # 1. gate/up from the input columns with the largest |x| (cache-aware if gamma < 1)
+        inputs = dip.select_inputs(layer, xv, self._cached_mask(layer, "inputs"))
+        x_in = x[..., mx.array(inputs)]
+
+        def gate_up(rows, slots, pos):
+            w = x_in[..., mx.array(pos)]
+            return mx.stack([row_axpy(w, rows, slots, lay_in, name, m[name]["quantization"], **kw) for name in ("gate", "up")])
+
+        g, u = self._sum_over(layer, "inputs", inputs, gate_up)
+        h = act(g) * u
+        # 2. down rows of the largest pruned GLU outputs
+        neurons = dip.select_neurons(layer, np.array(h.reshape(-1)), self._cached_mask(layer, "neurons"))
+        self.stats.current.active.append(len(inputs) + len(neurons))
+        h_out = h[..., mx.array(neurons)]
+
+        def down(rows, slots, pos):
+            return row_axpy(h_out[..., mx.array(pos)], rows, slots, lay_out, "down", m["down"]["quantization"], **kw)
+
+        return self._sum_over(layer, "neurons", neurons, down)
+
+    def _cached_mask(self, layer: int, region: str) -> Optional[np.ndarray]:
+        gamma = getattr(self.sparsifier, "gamma", 1.0)
+        return self.caches[layer][region].cached_mask() if gamma != 1.0 else None
+
+    # -- prefill -----------------------------------------------------------------
+    def _prefill(self, layer: int, x: mx.array, bias: Dict[str, mx.array]) -> mx.array:
+        """Dense FFN over a prompt, the layer streamed sequentially; the caches are seeded on the way."""
+        self._seed(layer, x)
+        info = self.info
+        if self.dip_layout:
+            g = u = 0
+            for pos, rows in self._stream_all(layer, "inputs"):
+                a = self.fd.layouts["inputs"].unpack(rows)
+                xs = x[..., int(pos[0]) : int(pos[-1]) + 1]
+                g, u = g + project(xs, a, "gate", info["matrices"]["gate"]), u + project(xs, a, "up", info["matrices"]["up"])
+                mx.eval(g, u)
+            h = ACTIVATIONS[info["activation"]](g) * u
+        y = 0
+        for pos, rows in self._stream_all(layer, "neurons"):
+            a = self.fd.layouts["neurons"].unpack(rows)
+            cols = slice(int(pos[0]), int(pos[-1]) + 1)
+            if self.dip_layout:
+                part = project(h[..., cols], a, "down", info["matrices"]["down"])
+            else:
+                part = ffn_forward(x, a, info, {"fc1": bias["fc1"][cols]} if "fc1" in bias else None)
+            mx.eval(part)
+            y = y + part
+        return y
+
+    def _stream_all(self, layer, region):
+        return self._stream(layer, region, np.arange(self.fd.layers[layer][region].n_units, dtype=np.int32))
+
+    def _seed(self, layer, x):
+        """Admit the active sets of the last `window` prompt tokens (rows are filled while streaming)."""
+        last = np.array(x.reshape(-1, x.shape[-1])[-self.window :].astype(mx.float32))
+        region = "inputs" if self.dip_layout else "neurons"  # dip: down needs the GLU, so only inputs
+        select = self.sparsifier.select_inputs if self.dip_layout else self.sparsifier.select
+        t = time.perf_counter()
+        for v in last:
+            self.caches[layer][region].plan(select(layer, v))
+        self.stats.current.mm_s += time.perf_counter() - t
+
+    def close(self):
+        """Release the reader's file and threads."""
+        self.reader.close()
+
+    def reset(self):
+        """Cold caches and fresh stats (e.g. between benchmark runs)."""
+        for regions in self.caches:
+            for c in regions.values():
+                c.reset()
+        self.stats.reset()
+
+
+class AlignedBuffer:
+    """An evaluated uint8 mx.array whose usable bytes start at an `alignment` boundary (for O_DIRECT)."""
+
+    def __init__(self, nbytes: int, alignment: int):
+        self.buffer, self.base_offset = aligned_buffer(nbytes, alignment)
+        self.nbytes = nbytes
+
+    def rows(self, stride: int) -> mx.array:
+        n = self.nbytes // stride
+        return self.buffer[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
+
+    def host(self, stride: int) -> np.ndarray:
+        n = self.nbytes // stride
+        return np.asarray(memoryview(self.buffer))[self.base_offset : self.base_offset + n * stride].reshape(n, stride)

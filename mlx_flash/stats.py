@@ -1,0 +1,88 @@
+"""Per-token runtime statistics, collected by the runtime itself (cheap: a few counters per layer)."""
+
+import time
+from dataclasses import dataclass, field
+from typing import List
+
+import numpy as np
+
+
+@dataclass
+class TokenStats:
+    io_s: float = 0.0  # waiting for reads from flash
+    mm_s: float = 0.0  # memory management: cache planning, row moves, copies
+    total_s: float = 0.0  # wall time of the whole token (set by the generate loop)
+    bytes_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    active: List[int] = field(default_factory=list)  # active units per layer (summed over regions)
+    prefill: bool = False
+
+    @property
+    def compute_s(self) -> float:
+        return max(0.0, self.total_s - self.io_s - self.mm_s)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+
+class Stats:
+    """Accumulates TokenStats; `begin_token()` starts a new one, the runtime adds to `current`."""
+
+    def __init__(self):
+        self.tokens: List[TokenStats] = []
+        self.current = TokenStats()
+        self._t0 = None
+
+    def begin_token(self, prefill: bool = False):
+        now = time.perf_counter()
+        if self._t0 is not None:
+            self.current.total_s = now - self._t0
+            self.tokens.append(self.current)
+        self.current = TokenStats(prefill=prefill)
+        self._t0 = now
+
+    def end(self):
+        """Close the token in progress."""
+        if self._t0 is not None:
+            self.current.total_s = time.perf_counter() - self._t0
+            self.tokens.append(self.current)
+            self._t0 = None
+            self.current = TokenStats()
+
+    def reset(self):
+        self.__init__()
+
+    def decode_tokens(self) -> List[TokenStats]:
+        return [t for t in self.tokens if not t.prefill]
+
+    def summary(self) -> dict:
+        toks = self.decode_tokens()
+        if not toks:
+            return {"tokens": 0}
+
+        def med(f):
+            return float(np.median([f(t) for t in toks]))
+
+        hits, misses = sum(t.hits for t in toks), sum(t.misses for t in toks)
+        return {
+            "tokens": len(toks),
+            "io_ms": med(lambda t: t.io_s * 1e3),
+            "mm_ms": med(lambda t: t.mm_s * 1e3),
+            "compute_ms": med(lambda t: t.compute_s * 1e3),
+            "total_ms": med(lambda t: t.total_s * 1e3),
+            "total_ms_p10": float(np.percentile([t.total_s * 1e3 for t in toks], 10)),
+            "total_ms_p90": float(np.percentile([t.total_s * 1e3 for t in toks], 90)),
+            "bytes_per_token": float(np.mean([t.bytes_read for t in toks])),
+            "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "active_per_layer": float(np.mean([np.mean(t.active) for t in toks if t.active])) if toks[0].active else 0.0,
+        }
+
+    @staticmethod
+    def format_token(i: int, t: TokenStats) -> str:
+        return (
+            f"[token {i:4d}] io {t.io_s * 1e3:7.2f} ms | mm {t.mm_s * 1e3:6.2f} ms | compute {t.compute_s * 1e3:7.2f} ms | "
+            f"read {t.bytes_read / 2**20:7.2f} MiB | hit {t.hit_rate:6.1%} | active/layer {np.mean(t.active) if t.active else 0:7.1f}"
+        )
