@@ -1,6 +1,9 @@
 """Memory budget planner: what stays resident, and how many units each layer's cache holds.
 
-budget = resident weights + KV cache + scratch buffer + per-layer unit caches.
+budget = resident weights + KV cache + scratch buffer + workspace + per-layer unit caches.
+
+The workspace bounds the runtime's temporaries: the rows gathered for one
+chunk of units (at most a scratch buffer's worth) and their float32 copy.
 If the resident part alone does not fit, loading fails before any weight is read.
 """
 
@@ -44,6 +47,7 @@ class Plan:
     resident: int
     kv_cache: int
     scratch: int
+    workspace: int
     extra: int  # e.g. predictors
     capacity: List[Dict[str, int]]  # per layer: region -> units cached
 
@@ -55,7 +59,7 @@ class Plan:
         per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)
         return (
             f"budget {fmt_bytes(self.budget)}: resident {fmt_bytes(self.resident)}, KV cache {fmt_bytes(self.kv_cache)}, "
-            f"scratch {fmt_bytes(self.scratch)}, extra {fmt_bytes(self.extra)}, "
+            f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
         )
 
@@ -67,16 +71,35 @@ def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2) -> int:
     return 2 * layers * heads * head_dim * context * dtype_size
 
 
-def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0) -> Plan:
-    """Size the per-layer caches: the remainder after resident, KV cache and scratch, split by region size."""
-    kv = kv_cache_bytes(fd.config, context, dtype_size)
-    largest_region = max(r.nbytes for r in fd.regions())
-    scratch = min(SCRATCH_BYTES, largest_region)
-    fixed = fd.resident_bytes + kv + scratch + extra
+def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int = None) -> dict:
+    """The parts of the budget that do not depend on it: resident, KV cache, scratch, workspace."""
+    scratch = min(SCRATCH_BYTES, max(r.nbytes for r in fd.regions()))
+    n_buffers = 1 + sum(len(regions) for regions in fd.layers)  # each is padded to the alignment
+    return {
+        "resident": fd.resident_bytes if resident is None else resident,
+        "kv_cache": kv_cache_bytes(fd.config, context, dtype_size),
+        "scratch": scratch + fd.alignment * n_buffers,
+        "workspace": 2 * scratch,
+        "extra": extra,
+    }
+
+
+def min_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None) -> int:
+    """The smallest budget that loads (no FFN unit cached)."""
+    return sum(fixed_bytes(fd, context, dtype_size, extra, resident).values())
+
+
+def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0, resident: int = None) -> Plan:
+    """Size the per-layer caches: the remainder after the fixed parts, split by region size.
+
+    `resident`: bytes of the resident weights as loaded (default: their size on disk)."""
+    f = fixed_bytes(fd, context, dtype_size, extra, resident)
+    fixed = sum(f.values())
     if fixed > budget:
         raise BudgetError(
-            f"memory budget {fmt_bytes(budget)} is too small: resident weights {fmt_bytes(fd.resident_bytes)} + "
-            f"KV cache for {context} tokens {fmt_bytes(kv)} + scratch {fmt_bytes(scratch)}"
+            f"memory budget {fmt_bytes(budget)} is too small: resident weights {fmt_bytes(f['resident'])} + "
+            f"KV cache for {context} tokens {fmt_bytes(f['kv_cache'])} + scratch and workspace "
+            f"{fmt_bytes(f['scratch'] + f['workspace'])}"
             + (f" + extra {fmt_bytes(extra)}" if extra else "")
             + f" need {fmt_bytes(fixed)} before any FFN unit is cached"
         )
@@ -87,4 +110,4 @@ def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0) 
         capacity.append(
             {name: min(r.n_units, int(per_layer * r.nbytes / total) // r.stride) for name, r in regions.items()}
         )
-    return Plan(budget, fd.resident_bytes, kv, scratch, extra, capacity)
+    return Plan(budget, f["resident"], f["kv_cache"], f["scratch"], f["workspace"], extra, capacity)

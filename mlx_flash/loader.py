@@ -15,8 +15,9 @@ from .ffn import ResidentFFN
 from .flash_format import FlashDir
 
 
-def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module]) -> nn.Module:
-    """Instantiate the architecture, load the resident weights, and set layers[i].mlp = make_ffn(i, biases_i)."""
+def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module], dtype=None) -> nn.Module:
+    """Instantiate the architecture, load the resident weights (float ones cast to `dtype` if given),
+    and set layers[i].mlp = make_ffn(i, biases_i)."""
     from mlx_lm.utils import infer_quant_config
 
     from .models import get_model_classes
@@ -26,6 +27,8 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = fd.load_resident()
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     if hasattr(model, "sanitize"):  # idempotent in mlx-lm; some models set ties from the weights present
         weights = model.sanitize(weights)
 
@@ -150,12 +153,15 @@ def load(
     direct: bool = True,
     context: int = 2048,
     use_metal: bool = None,
+    dtype=None,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
     memory_budget: bytes, "2GB" or "50%" (of the model's size) for weights + caches + KV cache;
     None caches every unit. Raises BudgetError before reading weights if the resident part
     does not fit. `model.flash` is the engine: its `.stats`, and `model.flash.close()`.
+    dtype: float dtype of the resident weights and activations; default float32 without Metal
+    (float16 matmuls do not use BLAS on the CPU: ~35x slower), else the stored dtype.
     """
     from .budget import parse_size, plan_memory
     from .reader import open_reader
@@ -166,10 +172,15 @@ def load(
     total = fd.resident_bytes + fd.ffn_bytes
     budget = parse_size(memory_budget, total) if memory_budget is not None else None
     extra = sum(v.nbytes for w in (fd.load_predictors() or []) for v in w.values()) if sparsity == "predictor" else 0
-    dtype_size = 4
-    plan = plan_memory(fd, budget if budget is not None else 1 << 62, context, dtype_size, extra)
+    if dtype is None and not mx.metal.is_available():
+        dtype = mx.float32
+    dtype_name = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype)
+    plan = plan_memory(fd, budget if budget is not None else 1 << 62, context, dtype.size if dtype else 2, extra,
+                       resident=fd.resident_nbytes(dtype_name))
     reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))
-    engine = FlashEngine(fd, reader, sparsifier, plan.capacity, plan.scratch, policy, window, use_metal=use_metal)
+    scratch = min(plan.workspace // 2, plan.scratch)
+    engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
+                         compute_dtype=dtype or mx.float32)
     engine.plan = plan
 
     def make_ffn(i, bias):
@@ -177,6 +188,6 @@ def load(
             sparsifier.bias[i] = bias["fc1"]
         return FlashFFN(engine, i, bias)
 
-    model = build_model(fd, make_ffn)
+    model = build_model(fd, make_ffn, dtype)
     model.flash = engine
     return model, load_tokenizer(fd)

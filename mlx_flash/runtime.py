@@ -113,8 +113,14 @@ class FlashEngine:
         `positions` index into `active` (sorted); fn returns an mx.array.
         """
         plan = self._fetch(layer, region, active)
-        cached = plan.slots >= 0
-        y = fn(self.caches[layer][region].rows, mx.array(plan.slots[cached]), np.flatnonzero(cached))
+        rows = self.caches[layer][region].rows
+        cached = np.flatnonzero(plan.slots >= 0)
+        per = max(1, self.scratch.nbytes // rows.shape[1])  # bounds the gathered copy: see budget.py
+        y = fn(rows, mx.array(plan.slots[cached[:per]]), cached[:per])
+        for start in range(per, len(cached), per):
+            mx.eval(y)
+            pos = cached[start : start + per]
+            y = y + fn(rows, mx.array(plan.slots[pos]), pos)
         if len(plan.overflow_neurons):
             mx.eval(y)
             positions = np.searchsorted(active, plan.overflow_neurons)
