@@ -244,8 +244,9 @@ class FlashDir:
     def resident_bytes(self) -> int:
         return self.manifest["resident"]["bytes"]
 
-    def resident_nbytes(self, float_dtype: Optional[str] = None) -> int:
-        """Bytes of the resident weights in memory, with float tensors cast to `float_dtype` if given."""
+    def resident_nbytes(self, cast=None) -> int:
+        """Bytes of the resident weights in memory; `cast(name) -> dtype name or None` says which float
+        tensors are cast to which dtype on load."""
         sizes = {"F16": 2, "BF16": 2, "F32": 4, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1, "U16": 2, "I64": 8}
         with open(self.path / RESIDENT, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -253,9 +254,17 @@ class FlashDir:
         for name, t in header.items():
             if name == "__metadata__":
                 continue
-            size = _DTYPES[float_dtype].size if float_dtype and t["dtype"] in ("F16", "BF16", "F32") else sizes[t["dtype"]]
+            target = cast(name) if cast and t["dtype"] in ("F16", "BF16", "F32") else None
+            size = _DTYPES[target].size if target else sizes[t["dtype"]]
             total += int(np.prod(t["shape"])) * size
         return total
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of the model's weights: resident as stored + FFN unit data without padding.
+
+        What budgets given as a percentage ("50%") are a percentage of."""
+        return self.resident_bytes + sum(r.n_units * self.layouts[r.name].nbytes for r in self.regions())
 
     @property
     def ffn_bytes(self) -> int:

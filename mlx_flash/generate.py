@@ -13,7 +13,8 @@ import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 
 from .budget import fmt_bytes
 from .errors import FlashError
-from .loader import load
+from .flash_format import FlashDir
+from .loader import default_model_dir, load, load_tokenizer
 from .stats import Stats
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -69,20 +70,24 @@ def main(argv=None):
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
+        path = args.model or default_model_dir()
+        tokenizer = load_tokenizer(FlashDir(path))
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not args.ignore_chat_template and tokenizer.chat_template is not None:
+            messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        else:
+            prompt = tokenizer.encode(prompt)
         model, tokenizer = load(
-            args.model, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
+            path, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
             policy=args.cache_policy, density=args.density, gamma=args.gamma, threads=args.threads,
-            direct=not args.cached_io,
+            direct=not args.cached_io, context=len(prompt) + args.max_tokens,  # the KV cache it will need
         )
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not args.ignore_chat_template and tokenizer.chat_template is not None:
-        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(args.temp, args.top_p)
     response = None
     try:
