@@ -161,16 +161,18 @@ def test_mx_array_destination_written_in_place(data_file, native, direct):
     assert mx.sum(mx.view(rows.view, mx.uint8).astype(mx.uint32)).item() == int(expect.sum(dtype=np.uint64))
 
 
-def test_plain_mlx_array_unaligned_is_still_correct(data_file, native, direct):
+@pytest.mark.parametrize("dtype", [mx.uint8, mx.bfloat16], ids=["uint8", "bfloat16"])
+def test_plain_mlx_array_unaligned_is_still_correct(data_file, native, direct, dtype):
     """A default MLX allocation (24 bytes past a page boundary on Linux) with direct=True goes
     through the bounce buffer; the bytes are still exact and visible to MLX."""
     path, data = data_file
-    a = mx.zeros((10 * A,), dtype=mx.uint8)
+    a = mx.zeros((10 * A // dtype.size,), dtype=dtype)
     mx.eval(a)
     with open_reader(path, threads=2, direct=direct, native=native) as r:
         r.read(a, [A, 5 * A], [4 * A, 6 * A], [0, 4 * A])
-    assert np.array_equal(np.array(a), data[A : 11 * A])
-    assert mx.sum(a.astype(mx.uint32)).item() == int(data[A : 11 * A].sum(dtype=np.uint64))
+    as_bytes = mx.view(a, mx.uint8)
+    assert np.array_equal(np.array(as_bytes), data[A : 11 * A])
+    assert mx.sum(as_bytes.astype(mx.uint32)).item() == int(data[A : 11 * A].sum(dtype=np.uint64))
 
 
 def test_aligned_rows_layout():
