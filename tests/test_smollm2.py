@@ -1,7 +1,5 @@
 """The default model, SmolLM2-135M-Instruct (real Q4_1 GGUF weights), through convert and the resident-only loader."""
 
-from pathlib import Path
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -16,7 +14,6 @@ from mlx_flash.loader import load_resident, load_tokenizer
 from mlx_flash.source import load_source_model
 
 PROMPT = "The history of the city begins"
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +63,13 @@ def _perplexity(model, tokens):
     return float(mx.exp(nn.losses.cross_entropy(logits[0], tokens[1:]).mean()))
 
 
-def test_default_down_bits_keeps_perplexity(source, flash_exact, tmp_path):
+def test_default_down_bits_keeps_perplexity(source, flash_exact, tmp_path, wikitext):
     """The default conversion (down re-quantised to 8 bits, lossy) keeps WikiText-2 perplexity within 3% (96 tokens)."""
     out = convert(str(source[0]), tmp_path / "default", progress=False)
     assert FlashDir(out).ffn["matrices"]["down"]["quantization"] == {"bits": 8, "group_size": 32}
     model, _ = load_resident(out)
     tok = load_tokenizer(FlashDir(flash_exact))
-    tokens = mx.array(tok.encode(WIKITEXT.read_text()[:6000])[:97])  # short: CPU quantised matmuls are slow
+    tokens = mx.array(tok.encode(wikitext[:6000])[:97])  # short: CPU quantised matmuls are slow
     ref, ppl = _perplexity(source[1], tokens), _perplexity(model, tokens)
     assert abs(ppl / ref - 1) < 0.03, (ppl, ref)  # 96 tokens: noise ~2%; 4-bit down costs ~5%
 
