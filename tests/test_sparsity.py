@@ -1,0 +1,78 @@
+"""Sparsifiers choose what they claim: predictors round-trip through the flash dir, oracle densities, top-K."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_flash import FlashFormatError
+from mlx_flash.convert import convert
+from mlx_flash.flash_format import FlashDir
+from mlx_flash.loader import load, make_sparsifier
+from mlx_flash.models.tiny import make_tiny_model_dir
+from mlx_flash.sparsity import Oracle, Predictor, top_k
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sp")
+    return convert(str(make_tiny_model_dir("llama", root / "src")), root / "flash", progress=False)
+
+
+def test_top_k():
+    s = np.array([0.1, 5.0, -1.0, 3.0, 2.0])
+    assert top_k(s, 2).tolist() == [1, 3]
+    assert top_k(s, 0).tolist() == [] and top_k(s, 9).tolist() == [0, 1, 2, 3, 4]
+    assert top_k(s, 5).dtype == np.int32
+
+
+def random_predictors(fd, rank=8, seed=0):
+    rng = np.random.default_rng(seed)
+    d, n = fd.ffn["hidden_size"], fd.ffn["intermediate_size"]
+    return [
+        {"A": mx.array(rng.normal(size=(rank, d)).astype(np.float32)), "B": mx.array(rng.normal(size=(n, rank)).astype(np.float32))}
+        for _ in fd.layers
+    ]
+
+
+def test_predictors_round_trip_and_select(flash, tmp_path):
+    fd = FlashDir(flash)
+    weights = random_predictors(fd)
+    fd.save_predictors(weights, threshold=0.7, ranks=[8] * len(fd.layers))
+    fd = FlashDir(flash)  # reopen: the manifest records them
+    loaded = fd.load_predictors()
+    for a, b in zip(weights, loaded):
+        assert np.array_equal(np.array(a["A"]), np.array(b["A"])) and np.array_equal(np.array(a["B"]), np.array(b["B"]))
+    sp = make_sparsifier(fd, "auto")
+    assert isinstance(sp, Predictor) and sp.threshold == 0.7
+    x = np.random.default_rng(1).normal(size=fd.ffn["hidden_size"]).astype(np.float32)
+    for layer, w in enumerate(weights):
+        ref = 1 / (1 + np.exp(-(np.array(w["B"]) @ (np.array(w["A"]) @ x))))
+        assert sp.select(layer, x).tolist() == np.flatnonzero(ref > 0.7).tolist()
+    # the runtime runs with it and reads only predicted neurons
+    model, _ = load(flash, sparsity="predictor", context=64)
+    try:
+        list(generate_step(mx.array([1, 2, 3]), model, max_tokens=3))
+        model.flash.stats.end()
+        assert all(0 < a < fd.ffn["intermediate_size"] for t in model.flash.stats.decode_tokens() for a in t.active)
+    finally:
+        model.flash.close()
+
+
+def test_missing_predictor_file(flash):
+    fd = FlashDir(flash)
+    fd.save_predictors(random_predictors(fd), threshold=0.5)
+    (flash / "predictors.safetensors").unlink()
+    with pytest.raises(FlashFormatError, match="predictors.safetensors: missing file"):
+        FlashDir(flash).load_predictors()
+
+
+def test_oracle_density_is_top_k_of_true_glu(flash):
+    fd = FlashDir(flash)
+    dense, half = Oracle(fd), Oracle(fd, density=0.5)
+    x = np.random.default_rng(2).normal(size=fd.ffn["hidden_size"]).astype(np.float32)
+    h = np.abs(dense.activations(0, x))
+    assert len(dense.select(0, x)) == np.count_nonzero(h)  # SwiGLU: (nearly) every neuron
+    chosen = half.select(0, x)
+    assert len(chosen) == round(0.5 * len(h))
+    assert h[chosen].min() >= np.delete(h, chosen).max()
