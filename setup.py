@@ -33,5 +33,5 @@ setup(
         "gguf",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    extras_require={"test": ["pytest", "hypothesis", "openai"]},
 )
