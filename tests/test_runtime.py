@@ -172,3 +172,23 @@ def test_parse_size():
     assert parse_size(1234) == 1234
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_close_releases_files_and_threads(flash_dirs):
+    import os
+    import threading
+
+    path = flash_dirs["llama", "neurons"]
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(model=load(path, sparsity="dense", context=CONTEXT)[0]))
+    t.start()  # load is safe off the main thread (an app's background loader)
+    t.join()
+    model = result["model"]
+    greedy(model, 2)
+    assert len(os.listdir("/proc/self/fd")) > fds
+    model.flash.close()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert threading.active_count() == threads
+    with pytest.raises(FlashError, match="closed"):
+        greedy(model, 1)  # a closed model refuses to read, with a typed error
