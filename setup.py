@@ -33,5 +33,5 @@ setup(
         "gguf",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "hypothesis", "openai"]},
+    extras_require={"test": ["pytest", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib"]},
 )

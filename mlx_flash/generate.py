@@ -20,6 +20,23 @@ from .stats import Stats
 DEFAULT_PROMPT = "Once upon a time"
 
 
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """mlx-lm's `generate` on a flash model; afterwards `model.flash.stats` holds the finished tokens."""
+    import mlx_lm
+
+    text = mlx_lm.generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
+    model.flash.stats.end()
+    return text
+
+
+def stream_generate(model, tokenizer, prompt, **kwargs):
+    """mlx-lm's `stream_generate` on a flash model (same responses); closes the stats at the end."""
+    import mlx_lm
+
+    yield from mlx_lm.stream_generate(model, tokenizer, prompt, **kwargs)
+    model.flash.stats.end()
+
+
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Generate text from a flash directory, streaming FFN neurons from flash.")
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2-135M-Instruct, converted once).")
