@@ -163,12 +163,15 @@ def make_test_file(path: str, nbytes: int, progress: bool = True) -> None:
 # Measurements
 
 
-def run_native(reader, file_size: int, bs: int, seconds: float, rng, per_thread: int = 64, inflight: int = 2):
+def run_native(reader, file_size: int, bs: int, seconds: float, rng, per_thread: int = 64, inflight: int = 2,
+               dest_bytes: int = 0):
     """Random aligned reads of `bs` bytes for `seconds`: (GiB/s, IOPS). Batches of
     threads * per_thread reads, `inflight` batches queued at once (submit/wait), so the
-    workers never wait for the Python thread between batches, as fio's jobs never do."""
+    workers never wait for the Python thread between batches, as fio's jobs never do.
+    dest_bytes=0: the reads cycle through 2 * threads block-sized slots per batch (like fio's
+    one buffer per job); else they are spread over dest_bytes (like a large neuron cache)."""
     batch = reader.threads * per_thread
-    slots = max(1, min(batch, (64 << 20) // bs))
+    slots = max(1, min(batch, dest_bytes // bs if dest_bytes else 2 * reader.threads))
     bufs = [aligned_buffer(slots * bs) for _ in range(inflight)]
     lengths = np.full(batch, bs, np.int64)
     dest = (np.arange(batch, dtype=np.int64) % slots) * bs
@@ -274,34 +277,43 @@ def main():
                "file_size": file_size, "points": [], "seconds": args.seconds, "repeats": args.repeats, "inflight": args.inflight}
     try:
         make_test_file(path, file_size)
-        engines = ["native"] + (["python"] if args.python_fallback else []) + (["fio"] if use_fio else [])
+        engines = (["native", "spread"] + (["python"] if args.python_fallback else [])
+                   + (["fio"] if use_fio else []))
         total = len(sizes) * len(thread_counts) * args.repeats * len(engines)
         bar = tqdm(total=total, desc="random reads") if tqdm else None
         for bs in sizes:
             for t in thread_counts:
                 samples = {e: [] for e in engines}
                 readers = {"native": open_reader(path, threads=t, direct=True)}
+                readers["spread"] = readers["native"]
                 if args.python_fallback:
                     readers["python"] = open_reader(path, threads=t, direct=True, native=False)
                 for rep in range(args.repeats):
-                    # alternate the order so that drifting load hits every engine alike
-                    order = engines if rep % 2 == 0 else engines[::-1]
+                    # rotate the order so that drifting load hits every engine alike
+                    k = rep % len(engines)
+                    order = engines[k:] + engines[:k]
                     for e in order:
                         if e == "fio":
                             samples[e].append(run_fio(path, file_size, bs, t, args.seconds))
                         else:
                             samples[e].append(run_native(readers[e], file_size, bs, args.seconds, rng,
-                                                         inflight=args.inflight))
+                                                         inflight=args.inflight,
+                                                         dest_bytes=(64 << 20) if e == "spread" else 0))
                         if bar:
                             bar.update(1)
-                for r in readers.values():
+                for r in set(readers.values()):
                     r.close()
                 point = {"block": bs, "threads": t}
                 for e, v in samples.items():
                     point[e] = {"gib_s": statistics.median(x[0] for x in v), "iops": statistics.median(x[1] for x in v),
                                 "samples_gib_s": [round(x[0], 4) for x in v]}
                 if use_fio:
-                    point["ratio"] = statistics.median(a[0] / b[0] for a, b in zip(samples["native"], samples["fio"]))
+                    for e in engines[:-1]:
+                        point[f"{e}_vs_fio"] = statistics.median(
+                            a[0] / b[0] for a, b in zip(samples[e], samples["fio"]))
+                    point["ratio"] = point["native_vs_fio"]
+                    # the median of per-repeat ratios and the ratio of medians both, honestly
+                    point["ratio_of_medians"] = point["native"]["gib_s"] / point["fio"]["gib_s"]
                 results["points"].append(point)
         if bar:
             bar.close()
@@ -362,20 +374,24 @@ def print_report(res, use_fio, with_python):
     print(f"file {res['file_size'] / 2**30:.1f} GiB, random aligned O_DIRECT reads, {res['seconds']} s x "
           f"{res['repeats']} repeats per point, medians; native: batches of threads x 64 reads, "
           f"{res['inflight']} in flight\n")
-    hdr = f"| {'block':>5} | {'threads':>7} | {'native GiB/s':>12} | {'native IOPS':>11} |"
+    hdr = f"| {'block':>5} | {'threads':>7} | {'native GiB/s':>12} | {'native IOPS':>11} | {'spread GiB/s':>12} |"
     if with_python:
         hdr += f" {'python GiB/s':>12} |"
     if use_fio:
-        hdr += f" {'fio GiB/s':>9} | {'fio IOPS':>8} | {'native/fio':>10} |"
+        hdr += f" {'fio GiB/s':>9} | {'fio IOPS':>8} | {'native/fio':>10} | {'spread/fio':>10} |"
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
     for p in res["points"]:
-        row = f"| {fmt_size(p['block']):>5} | {p['threads']:>7} | {p['native']['gib_s']:>12.3f} | {p['native']['iops']:>11.0f} |"
+        row = (f"| {fmt_size(p['block']):>5} | {p['threads']:>7} | {p['native']['gib_s']:>12.3f} | "
+               f"{p['native']['iops']:>11.0f} | {p['spread']['gib_s']:>12.3f} |")
         if with_python:
             row += f" {p['python']['gib_s']:>12.3f} |"
         if use_fio:
-            row += f" {p['fio']['gib_s']:>9.3f} | {p['fio']['iops']:>8.0f} | {p['ratio'] * 100:>9.0f}% |"
+            row += (f" {p['fio']['gib_s']:>9.3f} | {p['fio']['iops']:>8.0f} | {p['native_vs_fio'] * 100:>9.0f}% |"
+                    f" {p['spread_vs_fio'] * 100:>9.0f}% |")
         print(row)
+    print("native: reads cycle through 2 x threads block-sized buffers (as fio's jobs reuse one buffer); "
+          "spread: through a 64 MiB buffer (as a neuron cache); x/fio: median of per-repeat ratios")
     print(f"\nbest threads per size: {res['best_threads']}")
     print("thread score (geo-mean of GiB/s relative to the best at each size): "
           + ", ".join(f"{t}: {s:.2f}" for t, s in res["thread_score"].items()))
