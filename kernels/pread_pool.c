@@ -227,7 +227,9 @@ static void run_execute(pool_t *p, worker_t *w, batch_t *b, size_t i, wstats_t *
     if (atomic_load_explicit(&b->failed, memory_order_relaxed)) return; /* batch already failed */
     if (r->aligned || p->alignment == 1) {
         while (left > 0) {
-            ssize_t n = preadv(p->fd, iov, (int)niov, (off_t)off);
+            /* one destination: plain pread (what fio's psync engine issues) */
+            ssize_t n = niov == 1 ? pread(p->fd, iov->iov_base, iov->iov_len, (off_t)off)
+                                  : preadv(p->fd, iov, (int)niov, (off_t)off);
             st->calls++;
             if (n < 0) {
                 if (errno == EINTR) continue;
@@ -687,7 +689,7 @@ static void pool_shutdown(pool_t *p) {
 static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"path", "threads", "direct", "alignment", "max_gap", "max_request", NULL};
     PyObject *path_obj = NULL, *path_bytes = NULL;
-    int threads = 8, direct = 1;
+    int threads = 32, direct = 1;
     long long alignment = 4096, max_gap = 0, max_request = 1 << 20;
     if (self->p.workers || self->path) {
         PyErr_SetString(PyExc_RuntimeError, "Pool.__init__ called twice");
@@ -1086,7 +1088,7 @@ static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mlx_flash._pread_pool.Pool",
     .tp_basicsize = sizeof(PoolObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Pool(path, *, threads=8, direct=True, alignment=4096, max_gap=0, max_request=1048576)\n\n"
+    .tp_doc = "Pool(path, *, threads=32, direct=True, alignment=4096, max_gap=0, max_request=1048576)\n\n"
               "A pthread pool that executes batches of preads from one file (O_DIRECT on Linux, F_NOCACHE on\n"
               "macOS when direct=True), coalescing neighbouring requests.",
     .tp_new = Pool_new,
