@@ -221,7 +221,7 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
     cache = plan.cache_bytes(strides)
     req = reader_stats.get("requests", 0)
     mean_req = reader_stats["bytes_read"] / req if req else 0
-    per_batch = req / max(1, reader_stats.get("reads", 1))
+    per_batch = req / max(1, reader_stats.get("batches", 1))  # requests per read() call
     out = {
         "tokens": n,
         "dram_weights_bytes": plan.resident + cache,
@@ -386,6 +386,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
         "resident_bytes_loaded": resident_bytes(fd),
         "memory_budget": memory_budget, "budget_bytes": budget, "min_budget_bytes": floor,
         "tokens": tokens, "prompt_tokens": len(prompt), "threads": reader.threads, "window": window,
+        "max_gap_bytes": getattr(reader, "max_gap_bytes", None),
         "sparsifier": sparse_desc, "stride": fd.layouts["neurons"].stride,
         "units_per_layer": fd.ffn["intermediate_size"], "layers": len(fd.layers),
         "configs": results,

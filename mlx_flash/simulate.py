@@ -9,9 +9,9 @@ machine, per layer and token:
    window-k cache of the planned capacity (the runtime's policy: drop units not active in the last k
    tokens, evict the least recently active if still full, overflow what does not fit) -> units read;
    dense configurations read every unit not cached, no-cache ones every active unit;
-2. flash time = bytes / flash_bandwidth(mean request size), the request size from runs of adjacent
-   units (bundled: one request per run, capped at 1 MiB; unbundled: one per matrix per unit;
-   no-cache dense: 1 MiB sequential requests);
+2. flash time = bytes / flash_bandwidth(mean request size); requests: bundled units merge with
+   neighbours closer than the reader's max gap (the gap is read too, as the pread pool does);
+   unbundled: one request per matrix per unit; dense streaming: 1 MiB sequential requests;
 3. DRAM time = (resident bytes + bytes of the units used) / DRAM bandwidth, plus a fixed overhead
    per layer (the runtime's per-layer work: Python, planning, small kernels);
 4. token latency = flash + DRAM time (the runtime does not overlap them).
@@ -65,11 +65,14 @@ def this_machine(bench: dict) -> dict:
             "note": "measured in the bench run: disk GB/s at the configurations' request sizes; DRAM from mlx-lm"}
 
 
-def runs(ids: np.ndarray) -> int:
-    """Number of runs of consecutive ids (requests after coalescing adjacent units)."""
+def coalesce(ids: np.ndarray, stride: int, max_gap: int) -> tuple:
+    """(requests, bytes read) for sorted unit ids when the reader merges neighbours whose gap is at
+    most `max_gap` bytes (it reads the gap and discards it, as the pread pool does)."""
     if len(ids) == 0:
-        return 0
-    return int(1 + np.count_nonzero(np.diff(ids) != 1))
+        return 0, 0
+    gaps = (np.diff(ids.astype(np.int64)) - 1) * stride
+    merged = gaps <= max_gap
+    return int(1 + np.count_nonzero(~merged)), int(len(ids) * stride + gaps[merged].sum())
 
 
 class WindowCache:
@@ -110,8 +113,9 @@ def simulate_config(name: str, r: dict, bench: dict, trace, machine: dict, token
     dense = name in ("naive", "hybrid")
     pieces = 3
     window = bench.get("window", 5)
+    max_gap = bench.get("max_gap_bytes") or 12 << 10
     caches = [WindowCache(n, cap, window) for _ in range(layers)]
-    total_bytes = total_req = used_units = 0
+    total_bytes = total_req = used_units = useful = 0
     io_s = 0.0
     all_ids = np.arange(n, dtype=np.int32)
     warm = window  # the prefill seeds the caches with the last `window` prompt tokens
@@ -130,14 +134,15 @@ def simulate_config(name: str, r: dict, bench: dict, trace, machine: dict, token
             nbytes = len(read) * stride
             if len(read) == 0:
                 continue
-            if cap == 0 or (dense and len(read) > 64):  # streamed through the scratch buffer: big reads
+            if dense:  # streamed through the scratch buffer in order: big sequential reads
                 req = max(1, -(-nbytes // MIB))
-            elif name == "window-unbundled":
+            elif name == "window-unbundled":  # one request per matrix, no merging
                 req = len(read) * pieces
             else:
-                req = runs(read)
+                req, nbytes = coalesce(read, stride, max_gap)
             size = nbytes / req
             io_s += nbytes / (bandwidth(machine["flash"], min(size, MIB)) * 1e9)
+            useful += len(read) * stride
             total_bytes += nbytes
             total_req += req
     per_unit = stride  # bytes of one unit in DRAM (row incl. padding)
@@ -146,7 +151,8 @@ def simulate_config(name: str, r: dict, bench: dict, trace, machine: dict, token
     io_ms = io_s / tokens * 1e3
     ms = io_ms + dram_s * 1e3
     return {"io_ms": io_ms, "dram_ms": dram_s * 1e3, "total_ms": ms, "tokens_per_s": 1e3 / ms,
-            "bytes_per_token": total_bytes / tokens, "mean_request_bytes": total_bytes / max(1, total_req)}
+            "bytes_per_token": useful / tokens, "bytes_read_per_token": total_bytes / tokens,
+            "mean_request_bytes": total_bytes / max(1, total_req)}
 
 
 def simulate(bench: dict, trace, machines=("this", "m1-max", "phone"), tokens: int = None) -> dict:
