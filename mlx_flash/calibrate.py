@@ -1,0 +1,413 @@
+"""Calibrate a flash directory on real text: low-rank predictors, DIP densities, neuron order, a quality report.
+
+    python -m mlx_flash.calibrate [--model DIR] [--data FILE ...] [--rank 64] [--density 0.5]
+        [--dip-target 0.5] [--reorder] [--report OUT_DIR]
+
+1. Activations: every layers[i].mlp of a resident float32 model records its input x on the
+   calibration text (default: the first half of ../shared/data/wikitext-2/test.txt); the true
+   activations are recomputed from x per layer (ReLU: h > 0; SwiGLU: top-K of |GLU| at --density).
+2. Predictors (neurons layout): per layer sigmoid(B (A x)), trained with Adam on a balanced
+   loss (positives and negatives weigh the same in total); the --worst-layers layers with the
+   lowest recall are retrained at --rank-worst. Threshold: --threshold, or "auto" = the global
+   threshold at which the predicted density over the calibration tokens equals --density.
+   Saved with FlashDir.save_predictors (ranks, recall, precision per layer).
+3. DIP (GLU models): for --dip-target MLP density t = (2 d_in + d_out) / 3, a ratio search over
+   d_in (d_out = 3t - 2 d_in) on calibration text picks the split with the lowest loss
+   (DIP appendix B.1); the same split for every layer. Recorded as manifest sparsity["dip"].
+4. --reorder: rewrite ffn.bin so that hot, co-active neurons are adjacent (mlx_flash.reorder).
+5. --report OUT_DIR: per-layer recall/precision and active fractions (report.json, a png),
+   perplexity on held-out text (default: the second half of the same file) for dense, oracle,
+   predictor, DIP and DIP-CA at --densities, with the bytes per token each would read.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from tqdm import tqdm
+
+from .flash_format import FlashDir
+from .quality import (
+    activation_targets,
+    dense_ffn_weights,
+    eval_model,
+    layer_statistics,
+    perplexity,
+    read_text,
+    sequence_nll,
+    token_batches,
+    unit_strides,
+)
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
+
+
+# -- 1. activations ---------------------------------------------------------------------------
+def collect_inputs(model, ctl, batches: np.ndarray, progress: bool = False) -> List[np.ndarray]:
+    """Run the dense model over `batches` and return each layer's FFN inputs [T, d] (float32)."""
+    ctl.set_mode("dense", record=True)
+    ctl.xs = [[] for _ in range(ctl.n_layers)]
+    for row in tqdm(batches, desc="collect", unit="seq", disable=not progress):
+        mx.eval(model(mx.array(row[None, :-1])))
+    ctl.record = False
+    xs = [np.concatenate(x) for x in ctl.xs]
+    ctl.xs = [[] for _ in range(ctl.n_layers)]
+    return xs
+
+
+def balanced_loss(z: mx.array, y: mx.array, pos_rate: float) -> mx.array:
+    """Binary cross entropy in which positives and negatives carry half of the weight each."""
+    wp, wn = 0.5 / max(pos_rate, 1e-6), 0.5 / max(1 - pos_rate, 1e-6)
+    softplus = mx.maximum(z, 0) + mx.log1p(mx.exp(-mx.abs(z)))  # log(1 + e^z); softplus(-z) = softplus(z) - z
+    return mx.mean((wp * y + wn * (1 - y)) * softplus - wp * y * z)
+
+
+def _balanced_grads(p, x, y, wp, wn):
+    """Gradients of `balanced_loss` w.r.t. A and B, written out (MLX's CPU autodiff of softplus is ~4x slower)."""
+    h = x @ p["A"].T
+    z = h @ p["B"].T
+    w = wp * y + wn * (1 - y)
+    gz = (w * mx.sigmoid(z) - wp * y) / z.size
+    return {"A": (gz @ p["B"]).T @ x, "B": gz.T @ h}
+
+
+def train_predictor(x: np.ndarray, y: np.ndarray, rank: int, steps: int = 200, lr: float = 3e-3,
+                    batch: int = 256, seed: int = 0, log_every: int = 10):
+    """Fit sigmoid(B (A x)) to the bool targets y [T, n] with Adam on the balanced loss.
+
+    Returns ({"A": [rank, d], "B": [n, rank]}, losses): the minibatch loss every `log_every` steps."""
+    T, d = x.shape
+    n = y.shape[1]
+    rng = np.random.default_rng(seed)
+    params = {"A": mx.array(rng.normal(0, 1 / math.sqrt(d), (rank, d)).astype(np.float32)),
+              "B": mx.array(rng.normal(0, 1 / math.sqrt(rank), (n, rank)).astype(np.float32))}
+    opt = optim.Adam(learning_rate=lr)
+    opt.init(params)
+    pos = float(y.mean())
+    wp, wn = 0.5 / max(pos, 1e-6), 0.5 / max(1 - pos, 1e-6)
+    X, Y = mx.array(x), mx.array(y.astype(np.float32))
+    losses = []
+    for s in range(steps):
+        idx = mx.array(rng.integers(0, T, min(batch, T)))
+        xb, yb = X[idx], Y[idx]
+        if s % log_every == 0 or s == steps - 1:
+            losses.append(float(balanced_loss((xb @ params["A"].T) @ params["B"].T, yb, pos).item()))
+        params = opt.apply_gradients(_balanced_grads(params, xb, yb, wp, wn), params)
+        mx.eval(params, opt.state)
+    return params, losses
+
+
+def _logits(p, x: np.ndarray) -> np.ndarray:
+    return np.array((mx.array(x) @ p["A"].T) @ p["B"].T)
+
+
+def recall_precision(z: np.ndarray, y: np.ndarray, t: float):
+    pred = z > t
+    tp = float((pred & y).sum())
+    return tp / max(float(y.sum()), 1.0), tp / max(float(pred.sum()), 1.0), float(pred.mean())
+
+
+def train_predictors(fd: FlashDir, xs: List[np.ndarray], density: float, rank: int = 64, rank_worst: int = 128,
+                     worst_layers: int = 2, threshold="auto", steps: int = 200, lr: float = 3e-3,
+                     progress: bool = False, weights=None) -> dict:
+    """Train one predictor per layer on a 90/10 split of the tokens; returns weights, threshold, metrics."""
+    kind, act = fd.ffn["kind"], fd.ffn["activation"]
+    resident = fd.load_resident() if kind == "relu" else {}
+    data = []
+    for i, x in enumerate(xs):
+        w = weights[i] if weights else dense_ffn_weights(fd, i)
+        bias = resident.get(f"{fd.ffn['mlp_paths'][i]}.fc1.bias")
+        y = activation_targets(x, w, kind, act, density, None if bias is None else bias.astype(mx.float32))
+        cut = max(1, int(0.9 * len(x)))
+        data.append((x[:cut], y[:cut], x[cut:], y[cut:]))
+    preds, losses, ranks = [], [], []
+    for i in tqdm(range(len(xs)), desc="predictors", unit="layer", disable=not progress):
+        p, l = train_predictor(data[i][0], data[i][1], rank, steps, lr, seed=i)
+        preds.append(p), losses.append(l), ranks.append(rank)
+
+    def val_recall(i):
+        return recall_precision(_logits(preds[i], data[i][2]), data[i][3], 0.0)[0]
+
+    if worst_layers and rank_worst > rank:
+        order = sorted(range(len(xs)), key=val_recall)[:worst_layers]
+        for i in order:
+            p, l = train_predictor(data[i][0], data[i][1], rank_worst, steps, lr, seed=i)
+            preds[i], losses[i], ranks[i] = p, l, rank_worst
+    if threshold == "auto":  # the predicted density over the training tokens equals `density`
+        z = np.concatenate([_logits(preds[i], data[i][0]).ravel() for i in range(len(xs))])
+        zt = float(np.quantile(z, 1 - density)) if kind == "glu" else 0.0
+        threshold = float(1 / (1 + math.exp(-zt)))
+    threshold = float(threshold)
+    t = math.log(threshold / (1 - threshold))
+    recall, precision, active = [], [], []
+    for i in range(len(xs)):
+        r, pr, a = recall_precision(_logits(preds[i], data[i][2]), data[i][3], t)
+        recall.append(r), precision.append(pr), active.append(a)
+    return {
+        "weights": preds, "threshold": threshold, "ranks": ranks, "recall": recall, "precision": precision,
+        "predicted_density": active, "target_density": density,
+        "true_density": [float(d[3].mean()) for d in data],
+        "loss_first": [l[0] for l in losses], "loss_last": [float(np.mean(l[-3:])) for l in losses],
+    }
+
+
+# -- 3. DIP -------------------------------------------------------------------------------------
+def dip_candidates(target: float, count: int = 5) -> List[float]:
+    """Input densities d_in with d_out = 3 t - 2 d_in inside [0.05, 1]."""
+    if target >= 1:
+        return [1.0]
+    lo = max((3 * target - 1) / 2, 0.05)
+    hi = min(1.0, (3 * target - 0.05) / 2)
+    return sorted(set(round(float(v), 4) for v in np.linspace(lo, hi, count)))
+
+
+def calibrate_dip(model, ctl, batches: np.ndarray, target: float, count: int = 5, progress: bool = False) -> dict:
+    """Ratio search: for each split (d_in, 3t - 2 d_in), the calibration NLL; the best split for every layer."""
+    L = ctl.n_layers
+    results = []
+    for d_in in tqdm(dip_candidates(target, count), desc=f"dip {target:.0%}", disable=not progress):
+        d_out = min(1.0, max(0.0, 3 * target - 2 * d_in))
+        ctl.set_mode("dip", input_density=[d_in] * L, neuron_density=[d_out] * L)
+        nll = sequence_nll(model, ctl, batches)
+        results.append({"input_density": d_in, "neuron_density": d_out, "nll": nll,
+                        "realised_mlp_density": float(ctl.realised()["mlp"].mean())})
+    best = min(results, key=lambda r: r["nll"])
+    return {"input_density": [best["input_density"]] * L, "neuron_density": [best["neuron_density"]] * L,
+            "target": target, "realised_mlp_density": best["realised_mlp_density"], "search": results}
+
+
+# -- 5. report ------------------------------------------------------------------------------------
+def bytes_per_token(fd: FlashDir, ctl, mode: str) -> Dict[str, float]:
+    """Bytes a runtime would read per token: the selected units x their stride (no cache), and the
+    LFU-cache misses x stride. On a neurons layout DIP's input pruning saves no I/O (a neuron's
+    bundle holds its gate/up rows), so only its down selection counts there."""
+    strides = unit_strides(fd)
+    t = np.maximum(ctl.tokens, 1)
+    dip_layout = "inputs" in strides
+    sel = miss = 0.0
+    for region, stride in strides.items():
+        sel += float((ctl.selected[region] / t).sum()) * stride
+        miss += float((ctl.missed[region] / t).sum()) * stride
+    if dip_layout and mode not in ("dip", "dip-ca"):  # dense / oracle / predictor read every input column
+        n_in = fd.layers[0]["inputs"].n_units
+        sel += len(fd.layers) * n_in * strides["inputs"]
+    return {"bytes_selected": sel, "bytes_missed": miss if mode != "dense" else sel}
+
+
+def quality_report(fd: FlashDir, model, ctl, batches: np.ndarray, densities: Sequence[float], predictors=None,
+                   dip: Optional[Dict[float, dict]] = None, gamma: float = 0.2, cache_fraction: float = 0.5,
+                   progress: bool = False) -> dict:
+    """Perplexity and bytes per token on `batches` for dense, oracle, predictor and DIP / DIP-CA."""
+    L = ctl.n_layers
+    runs = [("dense", 1.0, {})]
+    glu = fd.ffn["kind"] == "glu"
+    for d in densities:
+        if glu:
+            runs.append(("oracle", d, {"density": d}))
+        if predictors and d in predictors:
+            runs.append(("predictor", d, {"predictors": predictors[d]["weights"], "threshold": predictors[d]["threshold"]}))
+        if glu and dip and d in dip:
+            kw = {"input_density": dip[d]["input_density"], "neuron_density": dip[d]["neuron_density"]}
+            runs.append(("dip", d, kw))
+            runs.append(("dip-ca", d, dict(kw, gamma=gamma)))
+    rows = []
+    for mode, d, kw in tqdm(runs, desc="report", disable=not progress):
+        ctl.set_mode(mode, count_misses=True, cache_fraction=cache_fraction, **kw)
+        t0 = time.perf_counter()
+        ppl = perplexity(model, ctl, batches)
+        r = ctl.realised()
+        rows.append({"mode": mode, "target_density": d, "ppl": ppl,
+                     "mlp_density": float(r["mlp"].mean()), "per_layer_mlp_density": r["mlp"].tolist(),
+                     **bytes_per_token(fd, ctl, mode), "seconds": time.perf_counter() - t0})
+    ctl.set_mode("dense", count_misses=False)
+    return {"rows": rows, "tokens": int(batches.shape[0] * (batches.shape[1] - 1)), "gamma": gamma,
+            "cache_fraction": cache_fraction}
+
+
+def plot_report(report: dict, path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    for row in report["quality"]["rows"]:
+        if row["mode"] != "dense" and abs(row["target_density"] - 0.5) < 1e-9:
+            ax.plot(row["per_layer_mlp_density"], marker=".", label=f"{row['mode']} @50%")
+    pred = report.get("predictor")
+    if pred:
+        ax.plot(pred["recall"], "k--", label="predictor recall")
+        ax.plot(pred["precision"], "k:", label="predictor precision")
+        ax.plot(pred["true_density"], color="grey", lw=0.8, label="true active fraction")
+    ax.set_xlabel("layer"), ax.set_ylabel("fraction"), ax.set_ylim(0, 1.05), ax.legend(fontsize=7)
+    ax.set_title("active fraction per layer (50% target), predictor recall/precision")
+    ax = axes[1]
+    dense = next(r["ppl"] for r in report["quality"]["rows"] if r["mode"] == "dense")
+    for mode in ("oracle", "predictor", "dip", "dip-ca"):
+        pts = sorted((r["mlp_density"], r["ppl"]) for r in report["quality"]["rows"] if r["mode"] == mode)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=mode)
+    ax.axhline(dense, color="k", lw=0.8, label="dense")
+    ax.set_xlabel("MLP density (realised)"), ax.set_ylabel("perplexity (held-out)"), ax.set_yscale("log")
+    ax.legend(fontsize=8), ax.set_title("perplexity vs MLP density")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_table(report: dict) -> str:
+    lines = ["| mode | target | realised MLP density | perplexity | vs dense | KiB/token selected | KiB/token missed (LFU) |",
+             "|---|---|---|---|---|---|---|"]
+    dense = next(r["ppl"] for r in report["quality"]["rows"] if r["mode"] == "dense")
+    for r in report["quality"]["rows"]:
+        lines.append(f"| {r['mode']} | {r['target_density']:.0%} | {r['mlp_density']:.3f} | {r['ppl']:.2f} | "
+                     f"{(r['ppl'] / dense - 1) * 100:+.1f}% | {r['bytes_selected'] / 1024:.0f} | {r['bytes_missed'] / 1024:.0f} |")
+    return "\n".join(lines)
+
+
+# -- CLI ---------------------------------------------------------------------------------------------
+def _floats(s: str) -> List[float]:
+    return [float(v) / (100 if float(v) > 1 else 1) for v in s.split(",") if v]
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(description="Calibrate a flash directory: predictors, DIP densities, neuron order, report.")
+    p.add_argument("--model", default=None, help="Flash directory (default: the converted SmolLM2). Modified in place.")
+    p.add_argument("--data", nargs="+", default=[str(DEFAULT_DATA)], help="Calibration text file(s).")
+    p.add_argument("--data-half", choices=["first", "second", "all"], default="first", help="Part of each --data file used.")
+    p.add_argument("--eval-data", nargs="+", default=None, help="Held-out text for --report (default: --data).")
+    p.add_argument("--eval-half", choices=["first", "second", "all"], default="second",
+                   help="Part of each --eval-data file (default second: never overlaps a first-half calibration).")
+    p.add_argument("--seq-len", type=int, default=256, help="Tokens per sequence.")
+    p.add_argument("--num-seqs", type=int, default=8, help="Calibration sequences (activations for predictors).")
+    p.add_argument("--dip-seqs", type=int, default=2, help="Calibration sequences for the DIP ratio search.")
+    p.add_argument("--eval-seqs", type=int, default=4, help="Held-out sequences for --report.")
+    p.add_argument("--density", type=float, default=0.5, help="SwiGLU predictor target: top-K of |GLU| at this density.")
+    p.add_argument("--rank", type=int, default=64, help="Predictor rank.")
+    p.add_argument("--rank-worst", type=int, default=128, help="Rank for the --worst-layers layers of lowest recall.")
+    p.add_argument("--worst-layers", type=int, default=2)
+    p.add_argument("--threshold", default="auto", help='Predictor threshold, or "auto" (predicted density = --density).')
+    p.add_argument("--steps", type=int, default=200, help="Adam steps per predictor.")
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--dip-target", type=float, default=0.5, help="DIP target MLP density recorded in the manifest.")
+    p.add_argument("--dip-candidates", type=int, default=5, help="Splits tried by the DIP ratio search.")
+    p.add_argument("--no-predictor", action="store_true")
+    p.add_argument("--no-dip", action="store_true")
+    p.add_argument("--reorder", action="store_true", help="Rewrite ffn.bin with hot, co-active neurons adjacent.")
+    p.add_argument("--report", default=None, help="Write report.json, report.md and report.png here.")
+    p.add_argument("--densities", type=_floats, default=[1.0, 0.75, 0.5, 0.3], help="Report densities, e.g. 100,75,50,30.")
+    p.add_argument("--gamma", type=float, default=0.2, help="DIP-CA gamma.")
+    p.add_argument("--cache-fraction", type=float, default=0.5, help="Report: LFU cache size as a share of each layer's units.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="No progress bars.")
+    return p
+
+
+def run(args) -> dict:
+    from .loader import default_model_dir, load_tokenizer
+
+    progress = not args.quiet
+    fd = FlashDir(args.model if args.model else default_model_dir())
+    glu, layout = fd.ffn["kind"] == "glu", fd.ffn.get("layout", "neurons")
+    tok = load_tokenizer(fd)
+    calib = token_batches(tok, read_text(args.data, args.data_half), args.seq_len, args.num_seqs)
+    model, ctl = eval_model(fd)
+    t0 = time.perf_counter()
+    xs = collect_inputs(model, ctl, calib, progress)
+    weights = [dense_ffn_weights(fd, i) for i in range(len(fd.layers))]
+    resident = fd.load_resident() if not glu else {}
+    stats = []
+    for i, x in enumerate(xs):
+        b = resident.get(f"{fd.ffn['mlp_paths'][i]}.fc1.bias")
+        s = layer_statistics(x, weights[i], fd.ffn["kind"], fd.ffn["activation"], args.density,
+                             None if b is None else b.astype(mx.float32))
+        stats.append(s)
+    out = {"model": str(fd.path), "calibration_tokens": int(sum(len(x) for x in xs[:1])),
+           "layer_stats": [{k: v for k, v in s.items() if k != "freq"} for s in stats]}
+    sparsity = dict(fd.manifest.get("sparsity") or {})
+
+    # 2. predictors (the neurons layout serves them; the report uses them on any layout)
+    want_densities = sorted(set(args.densities) | {args.density}) if args.report else [args.density]
+    predictors = {}
+    if not args.no_predictor:
+        for d in want_densities:
+            if d >= 1:
+                continue
+            predictors[d] = train_predictors(fd, xs, d, args.rank, args.rank_worst, args.worst_layers,
+                                             args.threshold if d == args.density else "auto", args.steps,
+                                             args.learning_rate, progress, weights)
+        main_p = predictors[args.density]
+        out["predictor"] = {k: v for k, v in main_p.items() if k != "weights"}
+        if layout == "neurons":
+            fd.save_predictors(main_p["weights"], main_p["threshold"], ranks=main_p["ranks"], recall=main_p["recall"],
+                               precision=main_p["precision"], target_density=args.density,
+                               predicted_density=main_p["predicted_density"])
+            sparsity = dict(fd.manifest["sparsity"])
+
+    # 3. DIP
+    dip = {}
+    if glu and not args.no_dip:
+        dip_batches = calib[: args.dip_seqs]
+        for d in sorted(set(want_densities if args.report else []) | {args.dip_target}):
+            dip[d] = calibrate_dip(model, ctl, dip_batches, d, args.dip_candidates, progress)
+        sparsity["dip"] = dip[args.dip_target]
+        fd.update_manifest(sparsity=sparsity)
+        out["dip"] = {str(k): v for k, v in dip.items()}
+    out["calibration_seconds"] = time.perf_counter() - t0
+
+    # 4. neuron order
+    if args.reorder:
+        from .reorder import neuron_order, reorder, reorder_group
+
+        group = reorder_group(fd)
+        perm = [neuron_order(activation_targets(x, w, fd.ffn["kind"], fd.ffn["activation"], args.density), group)
+                for x, w in zip(xs, weights)]
+        reorder(fd.path, perm, progress=progress)
+        fd = FlashDir(fd.path)
+        for p in predictors.values():  # keep the in-memory predictors in the new order for the report
+            p["weights"] = [{"A": w["A"], "B": w["B"][mx.array(pm)]} for w, pm in zip(p["weights"], perm)]
+        out["reordered"] = True
+
+    # 5. report
+    if args.report:
+        report_dir = Path(args.report)
+        report_dir.mkdir(parents=True, exist_ok=True)
+        if args.reorder:  # the model's weights moved: rebuild it from the rewritten directory
+            model, ctl = eval_model(fd)
+        held = token_batches(tok, read_text(args.eval_data or args.data, args.eval_half), args.seq_len, args.eval_seqs)
+        out["quality"] = quality_report(fd, model, ctl, held, args.densities,
+                                        predictors, dip, args.gamma,
+                                        args.cache_fraction, progress)
+        with open(report_dir / "report.json", "w") as f:
+            json.dump(out, f, indent=1)
+        (report_dir / "report.md").write_text(format_table(out) + "\n")
+        plot_report(out, report_dir / "report.png", f"{fd.path.name}: {out['quality']['tokens']} held-out tokens")
+    return out
+
+
+def main():
+    args = setup_arg_parser().parse_args()
+    out = run(args)
+    p = out.get("predictor")
+    if p:
+        print(f"predictors: threshold {p['threshold']:.3f}, mean recall {np.mean(p['recall']):.3f}, "
+              f"precision {np.mean(p['precision']):.3f}, predicted density {np.mean(p['predicted_density']):.3f}")
+    for d, r in (out.get("dip") or {}).items():
+        print(f"dip {float(d):.0%}: input density {r['input_density'][0]:.3f}, neuron density "
+              f"{r['neuron_density'][0]:.3f}, realised MLP density {r['realised_mlp_density']:.3f}")
+    if "quality" in out:
+        print(format_table(out))
+
+
+if __name__ == "__main__":
+    main()

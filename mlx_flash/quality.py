@@ -1,0 +1,352 @@
+"""Sparse evaluation on a resident float32 model: active sets applied as masks, perplexity, statistics.
+
+The streaming runtime decodes one token at a time; measuring perplexity that way on a
+2-core CPU is far too slow. Instead every FFN of a resident model is replaced by an
+`EvalFFN` holding its weights dequantised to float32 (plain matmuls, no slow CPU
+quantised matmuls), and the per-token active set of a sparsifier is applied as a mask:
+
+    glu:  y = W_down (m_out * act(W_gate (m_in * x)) * (W_up (m_in * x)))
+    relu: y = W_fc2 (m_out * relu(W_fc1 x + b1)) + b2
+
+A masked-out neuron / input column contributes exactly what the runtime skips, so the
+result equals the runtime's output for the same active sets (up to float rounding).
+Modes (`Controller.mode`):
+
+    dense      no masks
+    oracle     m_out = top-K of the true |GLU| (ReLU: h > 0, identical to dense)
+    predictor  m_out = sigmoid(B A x) > threshold (low-rank predictors)
+    dip        m_in = top-K of |x|, m_out = top-K of |GLU of the pruned input| (DIP)
+    dip-ca     DIP with cache-aware scores (DIP eq. 10): a per-layer LFU NeuronCache is
+               simulated token by token (the runtime's cache class, no bytes moved), and
+               |x| / |GLU| of units not in the cache are scaled by gamma before top-K.
+
+The controller also counts selected units (the realised density) and, for cached modes,
+misses (the units a runtime with that cache would read), and can record each FFN input
+x for calibration (`record=True`).
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .ffn import ACTIVATIONS
+from .flash_format import FlashDir
+from .neuron_cache import NeuronCache, cache_aware_scores
+from .sparsity import top_k
+
+MODES = ("dense", "oracle", "predictor", "dip", "dip-ca")
+
+
+# -- weights -----------------------------------------------------------------------------
+def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:
+    """One layer's FFN matrices as float32 canonical rows [n, d] (gate/up/down or fc1/fc2), dequantised."""
+    arrays = fd.unpack_layer(layer)
+    col = "down" if fd.ffn["kind"] == "glu" else "fc2"
+    out = {}
+    for name, info in fd.ffn["matrices"].items():
+        w = arrays[f"{name}.weight"]
+        q = info["quantization"]
+        if q is not None:
+            w = mx.dequantize(w, arrays[f"{name}.scales"], arrays[f"{name}.biases"], q["group_size"], q["bits"])
+        w = w.astype(mx.float32)
+        if info["transposed"] and name != col:  # dip layout: gate/up stored by input column [d, n]
+            w = w.T
+        out[name] = w
+    mx.eval(out)
+    return out
+
+
+def unit_strides(fd: FlashDir) -> Dict[str, int]:
+    """Bytes on flash per unit of each region ("neurons", and "inputs" for the dip layout)."""
+    return {name: r.stride for name, r in fd.layers[0].items()}
+
+
+# -- the masked FFN and its controller ---------------------------------------------------
+class EvalFFN(nn.Module):
+    """Replaces layers[i].mlp: the layer's FFN in float32 with the controller's masks."""
+
+    def __init__(self, ctl: "Controller", layer: int, weights: Dict[str, mx.array], bias: Dict[str, mx.array]):
+        super().__init__()
+        self._ctl, self._layer, self._w = ctl, layer, weights
+        self._bias = {k: v.astype(mx.float32) for k, v in bias.items()}
+
+    def __call__(self, x):
+        return self._ctl.forward(self._layer, x, self._w, self._bias).astype(x.dtype)
+
+
+def _top_k_mask(s: mx.array, k: int) -> mx.array:
+    """float32 mask [T, n] of the k largest entries per row of s."""
+    n = s.shape[-1]
+    if k >= n:
+        return mx.ones(s.shape, dtype=mx.float32)
+    if k <= 0:
+        return mx.zeros(s.shape, dtype=mx.float32)
+    idx = mx.argpartition(-s, kth=k - 1, axis=-1)[..., :k]
+    return mx.put_along_axis(mx.zeros(s.shape, dtype=mx.float32), idx, mx.array(1.0), axis=-1)
+
+
+@dataclass
+class Controller:
+    """Which units each token uses, for every EvalFFN of one model; plus counters and recording."""
+
+    kind: str
+    activation: str
+    n_layers: int
+    mode: str = "dense"
+    density: float = 1.0  # oracle: fraction of neurons kept
+    predictors: Optional[List[Dict[str, mx.array]]] = None
+    threshold: float = 0.5
+    input_density: Optional[List[float]] = None  # dip
+    neuron_density: Optional[List[float]] = None  # dip
+    gamma: float = 0.2  # dip-ca
+    cache_fraction: float = 0.5  # dip-ca and miss counting: LFU cache holding this share of each region's units
+    record: bool = False
+    xs: List[list] = field(default_factory=list)
+    count_misses: bool = False
+
+    def __post_init__(self):
+        self.reset_counters()
+        self.xs = [[] for _ in range(self.n_layers)]
+        self._caches = None
+
+    def reset_counters(self):
+        self.tokens = np.zeros(self.n_layers, dtype=np.int64)
+        self.selected = {"inputs": np.zeros(self.n_layers), "neurons": np.zeros(self.n_layers)}
+        self.missed = {"inputs": np.zeros(self.n_layers), "neurons": np.zeros(self.n_layers)}
+        self.sizes = {}
+
+    def set_mode(self, mode: str, **kw):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        self.mode = mode
+        for k, v in kw.items():
+            setattr(self, k, v)
+        self.reset_counters()
+
+    def new_sequence(self):
+        """Cold caches (called before each evaluated sequence)."""
+        self._caches = None
+
+    # -- densities ---------------------------------------------------------------
+    def realised(self) -> Dict[str, np.ndarray]:
+        """Per layer fraction of inputs / neurons selected per token, and the MLP density
+        (2 * input + neuron) / 3 (GLU; ReLU and non-dip modes: the neuron fraction)."""
+        t = np.maximum(self.tokens, 1)
+        d_in = self.selected["inputs"] / t / max(self.sizes.get("inputs", 1), 1)
+        d_out = self.selected["neurons"] / t / max(self.sizes.get("neurons", 1), 1)
+        if "inputs" not in self.sizes:
+            d_in = np.ones(self.n_layers) if self.kind == "glu" and self.mode in ("dip", "dip-ca") else d_out
+        mlp = (2 * d_in + d_out) / 3 if self.kind == "glu" else d_out
+        return {"input": d_in, "neuron": d_out, "mlp": mlp}
+
+    # -- forward -------------------------------------------------------------------
+    def forward(self, layer: int, x: mx.array, w: Dict[str, mx.array], bias: Dict[str, mx.array]) -> mx.array:
+        shape = x.shape
+        xf = x.astype(mx.float32).reshape(-1, shape[-1])
+        T = xf.shape[0]
+        if self.record:
+            self.xs[layer].append(np.array(xf))
+        self.tokens[layer] += T
+        if self.kind == "glu":
+            y = self._glu(layer, xf, w)
+        else:
+            y = self._relu(layer, xf, w, bias)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _glu(self, layer, x, w):
+        act = ACTIVATIONS[self.activation]
+        n, d = w["gate"].shape
+        self.sizes["neurons"] = n
+        if self.mode in ("dip", "dip-ca"):
+            self.sizes["inputs"] = d
+            k_in = round(self.input_density[layer] * d)
+            if self.mode == "dip":
+                m_in = _top_k_mask(mx.abs(x), k_in)
+            else:
+                m_in = self._cached_masks(layer, "inputs", np.array(mx.abs(x)), k_in, d)
+            xm = x * m_in
+            h = act(xm @ w["gate"].T) * (xm @ w["up"].T)
+            k_out = round(self.neuron_density[layer] * n)
+            if self.mode == "dip":
+                m_out = _top_k_mask(mx.abs(h), k_out)
+            else:
+                m_out = self._cached_masks(layer, "neurons", np.array(mx.abs(h)), k_out, n)
+            self.selected["inputs"][layer] += float(mx.sum(m_in).item())
+        else:
+            h = act(x @ w["gate"].T) * (x @ w["up"].T)
+            m_out = self._neuron_mask(layer, x, h)
+        if m_out is None:
+            self.selected["neurons"][layer] += h.shape[0] * n
+            return h @ w["down"]
+        self.selected["neurons"][layer] += float(mx.sum(m_out).item())
+        if self.count_misses and self.mode != "dip-ca":
+            self._count_misses(layer, "neurons", np.array(m_out) > 0, n)
+        return (h * m_out) @ w["down"]
+
+    def _relu(self, layer, x, w, bias):
+        n = w["fc1"].shape[0]
+        self.sizes["neurons"] = n
+        h = x @ w["fc1"].T
+        if "fc1" in bias:
+            h = h + bias["fc1"]
+        h = mx.maximum(h, 0)
+        m = self._neuron_mask(layer, x, h)
+        if m is None:
+            m = (h > 0).astype(mx.float32)  # what a ReLU model needs: the non-zero neurons
+        self.selected["neurons"][layer] += float(mx.sum(m).item())
+        if self.count_misses:
+            self._count_misses(layer, "neurons", np.array(m) > 0, n)
+        y = (h * m) @ w["fc2"]
+        if "fc2" in bias:
+            y = y + bias["fc2"]
+        return y
+
+    def _neuron_mask(self, layer, x, h) -> Optional[mx.array]:
+        if self.mode == "dense":
+            return None
+        if self.mode == "oracle":
+            if self.kind == "relu":
+                return None
+            return _top_k_mask(mx.abs(h), round(self.density * h.shape[-1]))
+        if self.mode == "predictor":
+            p = self.predictors[layer]
+            z = (x @ p["A"].T) @ p["B"].T
+            t = float(np.log(self.threshold / (1 - self.threshold)))
+            return (z > t).astype(mx.float32)
+        raise ValueError(f"mode {self.mode!r} needs the glu dip path")
+
+    # -- caches (dip-ca, and miss counting) -------------------------------------------
+    def _cache(self, layer: int, region: str, n: int) -> NeuronCache:
+        if self._caches is None:
+            self._caches = [dict() for _ in range(self.n_layers)]
+        c = self._caches[layer].get(region)
+        if c is None:
+            c = NeuronCache(n, max(1, round(self.cache_fraction * n)), 512, policy="lfu", alignment=512)
+            self._caches[layer][region] = c
+        return c
+
+    def _cached_masks(self, layer, region, a: np.ndarray, k: int, n: int) -> mx.array:
+        """Token by token: cache-aware top-K of |a| against the LFU cache, which then admits the set."""
+        cache = self._cache(layer, region, n)
+        masks = np.zeros(a.shape, dtype=np.float32)
+        for t in range(a.shape[0]):
+            sel = top_k(cache_aware_scores(a[t], cache.cached_mask(), self.gamma), k)
+            masks[t, sel] = 1
+            self.missed[region][layer] += len(sel) - int(cache.contains(sel).sum())
+            cache.plan(sel)
+        return mx.array(masks)
+
+    def _count_misses(self, layer, region, masks: np.ndarray, n: int):
+        cache = self._cache(layer, region, n)
+        for row in masks:
+            sel = np.flatnonzero(row).astype(np.int32)
+            self.missed[region][layer] += len(sel) - int(cache.contains(sel).sum())
+            cache.plan(sel)
+
+
+def eval_model(fd: FlashDir, **controller_kw):
+    """(model, controller): a resident float32 model of `fd` whose FFNs are EvalFFNs (nothing quantised)."""
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model
+
+    from .loader import build_model
+
+    ctl = Controller(fd.ffn["kind"], fd.ffn["activation"], len(fd.layers), **controller_kw)
+
+    def make_ffn(i, bias):
+        return EvalFFN(ctl, i, dense_ffn_weights(fd, i), bias)
+
+    model = build_model(fd, make_ffn)
+    model = dequantize_model(model)
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+    mx.eval(model.parameters())
+    return model, ctl
+
+
+# -- text and perplexity -------------------------------------------------------------------
+def read_text(paths: Sequence, half: str = "all") -> str:
+    """Concatenated text of `paths`, each cut to its first or second half (by characters, at a line break)."""
+    parts = []
+    for p in paths:
+        text = Path(p).read_text()
+        if half != "all":
+            cut = text.find("\n", len(text) // 2)
+            cut = len(text) // 2 if cut < 0 else cut + 1
+            text = text[:cut] if half == "first" else text[cut:]
+        parts.append(text)
+    return "\n".join(parts)
+
+
+def token_batches(tokenizer, text: str, seq_len: int, n_seqs: int) -> np.ndarray:
+    """[n, seq_len + 1] token windows (inputs + next-token targets), consecutive and non-overlapping."""
+    ids = np.array(tokenizer.encode(text), dtype=np.int32)
+    n = min(n_seqs, len(ids) // (seq_len + 1))
+    if n == 0:
+        raise ValueError(f"text too short: {len(ids)} tokens for one sequence of {seq_len + 1}")
+    return ids[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+def sequence_nll(model, ctl: Controller, batches: np.ndarray) -> float:
+    """Mean next-token negative log-likelihood over the batches (one sequence per forward, cold caches)."""
+    total, count = 0.0, 0
+    for row in batches:
+        ctl.new_sequence()
+        x = mx.array(row[None, :-1])
+        logits = model(x).astype(mx.float32)
+        loss = nn.losses.cross_entropy(logits, mx.array(row[None, 1:]), reduction="sum")
+        total += float(loss.item())
+        count += row.shape[0] - 1
+    return total / count
+
+
+def perplexity(model, ctl: Controller, batches: np.ndarray) -> float:
+    return float(np.exp(sequence_nll(model, ctl, batches)))
+
+
+# -- activation statistics -------------------------------------------------------------------
+def glu_activations(x: mx.array, w: Dict[str, mx.array], activation: str) -> mx.array:
+    return ACTIVATIONS[activation](x @ w["gate"].T) * (x @ w["up"].T)
+
+
+def activation_targets(x: np.ndarray, w: Dict[str, mx.array], kind: str, activation: str, density: float,
+                       bias: Optional[mx.array] = None) -> np.ndarray:
+    """bool [T, n]: which neurons a token needs. ReLU: h > 0; GLU: top-K of |GLU| at `density`."""
+    xm = mx.array(x)
+    if kind == "glu":
+        h = mx.abs(glu_activations(xm, w, activation))
+        return np.array(_top_k_mask(h, round(density * h.shape[-1]))) > 0
+    h = xm @ w["fc1"].T
+    if bias is not None:
+        h = h + bias
+    return np.array(h > 0)
+
+
+def layer_statistics(x: np.ndarray, w: Dict[str, mx.array], kind: str, activation: str, density: float,
+                     bias: Optional[mx.array] = None, hot: int = 32) -> dict:
+    """Firing frequency per neuron, |activation| quantiles, and co-activation of the `hot` most frequent neurons."""
+    xm = mx.array(x)
+    if kind == "glu":
+        h = np.abs(np.array(glu_activations(xm, w, activation)))
+    else:
+        hh = xm @ w["fc1"].T
+        h = np.array(mx.maximum(hh + bias if bias is not None else hh, 0))
+    fires = activation_targets(x, w, kind, activation, density, bias)
+    freq = fires.mean(axis=0)
+    order = np.argsort(-freq)[:hot]
+    f = fires[:, order].astype(np.float32)
+    co = (f.T @ f) / max(len(f), 1)  # P(i and j active)
+    indep = np.outer(freq[order], freq[order])
+    off = ~np.eye(len(order), dtype=bool)
+    return {
+        "freq": freq,
+        "density": float(fires.mean()),
+        "magnitude_quantiles": {str(q): float(np.quantile(h, q)) for q in (0.5, 0.9, 0.99, 0.999)},
+        "hot_neurons": order.tolist(),
+        "hot_coactivation_lift": float((co[off] / np.maximum(indep[off], 1e-9)).mean()) if len(order) > 1 else 1.0,
+        "share_of_activations_in_top10pct": float(np.sort(freq)[::-1][: max(1, len(freq) // 10)].sum() / max(freq.sum(), 1e-9)),
+    }
