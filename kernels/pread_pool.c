@@ -627,6 +627,23 @@ static void raise_batch_error(PyObject *path, int err, int64_t off, int64_t len,
         raise_read_error(path, err, off, len, "read failed: %s in request %lld%s", strerror(err), (long long)idx, extra);
 }
 
+/* The O_DIRECT alignment the filesystem asks for (statx STATX_DIOALIGN, Linux >= 6.1):
+ * max(memory, file offset) alignment, or 0 when unknown. */
+static int64_t dio_alignment(int fd) {
+#if defined(__linux__) && defined(STATX_DIOALIGN) && defined(AT_EMPTY_PATH)
+    struct statx sx;
+    memset(&sx, 0, sizeof(sx));
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+        sx.stx_dio_offset_align > 0) {
+        int64_t a = sx.stx_dio_offset_align > sx.stx_dio_mem_align ? sx.stx_dio_offset_align : sx.stx_dio_mem_align;
+        if ((a & (a - 1)) == 0) return a;
+    }
+#else
+    (void)fd;
+#endif
+    return 0;
+}
+
 static int pool_start(pool_t *p, PyObject *path_bytes, int threads, int direct) {
     const char *cpath = PyBytes_AS_STRING(path_bytes);
     int flags = O_RDONLY | O_CLOEXEC;
@@ -635,6 +652,10 @@ static int pool_start(pool_t *p, PyObject *path_bytes, int threads, int direct) 
 #endif
     p->fd = open(cpath, flags);
     if (p->fd < 0) return errno;
+    if (p->alignment == 0) { /* auto: what the filesystem asks for, 4096 when it does not say */
+        int64_t a = dio_alignment(p->fd);
+        p->alignment = a > 0 ? a : 4096;
+    }
 #if defined(__APPLE__)
     if (direct && fcntl(p->fd, F_NOCACHE, 1) == -1) { /* untested here: the CI machine is Linux */
         int e = errno;
@@ -690,7 +711,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"path", "threads", "direct", "alignment", "max_gap", "max_request", NULL};
     PyObject *path_obj = NULL, *path_bytes = NULL;
     int threads = 32, direct = 1;
-    long long alignment = 4096, max_gap = 0, max_request = 1 << 20;
+    long long alignment = 0, max_gap = 0, max_request = 1 << 20;
     if (self->p.workers || self->path) {
         PyErr_SetString(PyExc_RuntimeError, "Pool.__init__ called twice");
         return -1;
@@ -710,9 +731,10 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "threads must be in 1..%d, got %d", MAX_THREADS, threads);
         return -1;
     }
-    if (alignment < 1 || (alignment & (alignment - 1)) != 0) {
+    if (alignment < 0 || (alignment & (alignment - 1)) != 0) {
         Py_DECREF(path_bytes);
-        PyErr_Format(PyExc_ValueError, "alignment must be a power of two, got %lld", alignment);
+        PyErr_Format(PyExc_ValueError, "alignment must be a power of two (0: ask the filesystem), got %lld",
+                     alignment);
         return -1;
     }
     if (max_gap < 0 || max_request < 0) {
@@ -727,7 +749,6 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
     self->p.alignment = 1; /* F_NOCACHE (macOS) has no alignment rule; cached mode neither */
 #endif
     self->p.max_gap = max_gap;
-    self->p.max_request = max_request > 0 ? align_up(max_request, self->p.alignment) : max_request;
     atomic_init(&self->p.bytes_read, 0);
     atomic_init(&self->p.bytes_requested, 0);
     atomic_init(&self->p.requests, 0);
@@ -744,6 +765,8 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
                          direct ? "uncached (O_DIRECT/F_NOCACHE)" : "cached", strerror(rc));
         return -1;
     }
+    if (self->p.alignment < 1) self->p.alignment = 1;
+    self->p.max_request = max_request > 0 ? align_up(max_request, self->p.alignment) : max_request;
     return 0;
 }
 
@@ -1088,7 +1111,8 @@ static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mlx_flash._pread_pool.Pool",
     .tp_basicsize = sizeof(PoolObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Pool(path, *, threads=32, direct=True, alignment=4096, max_gap=0, max_request=1048576)\n\n"
+    .tp_doc = "Pool(path, *, threads=32, direct=True, alignment=0, max_gap=0, max_request=1048576)\n\n"
+              "alignment=0: the O_DIRECT alignment the filesystem reports (statx), else 4096.\n"
               "A pthread pool that executes batches of preads from one file (O_DIRECT on Linux, F_NOCACHE on\n"
               "macOS when direct=True), coalescing neighbouring requests.",
     .tp_new = Pool_new,

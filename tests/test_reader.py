@@ -19,6 +19,7 @@ from mlx_flash.reader import (
     address_of,
     aligned_buffer,
     aligned_rows,
+    dio_alignment,
     have_native,
     max_gap_from_measurements,
     open_reader,
@@ -183,6 +184,33 @@ def test_aligned_rows_layout():
         assert address_of(rows.view[r : r + 1]) == address_of(rows.base) + int(rows.dest_offsets([r])[0])
     base, off = aligned_buffer(1000, alignment=512)
     assert (address_of(base) + off) % 512 == 0 and base.nbytes - off >= 1000
+
+
+def test_alignment_is_asked_from_the_filesystem(data_file, native, direct):
+    path, _ = data_file
+    with open_reader(path, threads=1, direct=direct, native=native) as r:
+        want = (dio_alignment(path) or 4096) if direct and hasattr(os, "O_DIRECT") else 1
+        assert r.alignment == want
+    with open_reader(path, threads=1, direct=direct, native=native, alignment=4096) as r:
+        assert r.alignment == (4096 if direct and hasattr(os, "O_DIRECT") else 1)
+
+
+def test_small_aligned_bundles_go_straight_to_the_destination(data_file, native, direct):
+    """Bundles of 1536 B on 512 B boundaries (the format's alignment for small models) are read
+    without a bounce buffer when the filesystem allows 512 B O_DIRECT, and are exact either way."""
+    path, data = data_file
+    stride = 1536
+    src = np.random.default_rng(7).permutation(FILE_BYTES // stride)[:100]
+    for alignment in (None, 4096):
+        rows = aligned_rows(100, stride, alignment=512)
+        with open_reader(path, threads=2, direct=direct, native=native, alignment=alignment) as r:
+            r.read(rows.base, src * stride, np.full(100, stride), rows.dest_offsets(np.arange(100)), coalesce=False)
+            st, a = r.stats(), r.alignment
+        assert np.array_equal(np.array(rows.view), data[: (FILE_BYTES // stride) * stride].reshape(-1, stride)[src])
+        if a <= 512:  # straight in: one syscall per bundle, no extra bytes
+            assert st["requests"] == 100 and st["bytes_read"] == 100 * stride
+        else:  # bounced: the aligned superset is read
+            assert st["bytes_read"] > 100 * stride
 
 
 def test_overlapping_and_duplicate_requests(data_file, native, direct):
