@@ -479,6 +479,44 @@ def test_concurrent_batches_from_four_threads(data_file, native, direct):
     assert not errors, errors
 
 
+def test_read_releases_the_gil(data_file, native, direct_ok):
+    """While read() runs in one Python thread, another keeps running Python code: the longest
+    pause the spinning main thread sees during the read is far shorter than the read."""
+    import time
+
+    if direct_ok:
+        pytest.skip(direct_ok)
+    if not native:  # a spinning thread starves the fallback's workers of the GIL between reads
+        pytest.skip("the fallback releases the GIL inside os.preadv; this checks the C pool")
+    path, _ = data_file
+    offsets = np.random.default_rng(8).integers(0, FILE_BYTES // A, 3000) * A  # ~0.1-0.3 s uncached
+    lengths, dests = np.full(offsets.size, A), np.zeros(offsets.size, np.int64)
+    out = np.zeros(A, np.uint8)
+    window = []
+    with open_reader(path, threads=1, direct=True, native=native) as r:
+
+        def reader():
+            t0 = time.perf_counter()
+            r.read(out, offsets, lengths, dests, coalesce=False)
+            window.extend([t0, time.perf_counter()])
+
+        t = threading.Thread(target=reader)
+        pauses = []  # (start, end) of every pause > 1 ms between two iterations
+        t.start()
+        prev = time.perf_counter()
+        while t.is_alive():
+            now = time.perf_counter()
+            if now - prev > 1e-3:
+                pauses.append((prev, now))
+            prev = now
+        t.join()
+    t0, t1 = window
+    if t1 - t0 < 0.05:
+        pytest.skip(f"the read took only {t1 - t0:.3f} s: too short to tell")
+    longest = max([min(b, t1) - max(a, t0) for a, b in pauses if b > t0 and a < t1] or [0.0])
+    assert longest < 0.5 * (t1 - t0), f"main thread paused {longest:.3f} s during a {t1 - t0:.3f} s read"
+
+
 def test_close_while_batches_are_queued_finishes_them(data_file, native):
     path, data = data_file
     r = open_reader(path, threads=2, direct=False, native=native)
