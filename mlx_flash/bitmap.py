@@ -29,6 +29,7 @@ Functions:
     expand(encoded, d, dtype)        -> mx.array [k, d]: the decoder used at run time;
                                         MLX ops everywhere, a Metal kernel
                                         (kernels/bitmap_expand.metal) when Metal is available
+    expand_mask(encoded, d)          -> mx.array bool [k, d]: the stored positions
     compression_ratio(...)           -> encoded bytes / dense bytes
 """
 
@@ -106,18 +107,26 @@ def _bits(rows, dtype) -> Tuple[np.ndarray, str]:
     return np.ascontiguousarray(rows).view(ubits).reshape(rows.shape[0], -1), name
 
 
-def encode_rows(rows, capacity: Optional[int] = None, dtype=None) -> Tuple[np.ndarray, int]:
+def encode_rows(rows, capacity: Optional[int] = None, dtype=None, mask=None) -> Tuple[np.ndarray, int]:
     """Encode rows [n, d] into fixed-size bitmap rows: (uint8 [n, row_bytes(d, capacity)], capacity).
 
     rows: numpy float16/float32/uint8, numpy uint16 holding bfloat16 bits (pass
     dtype='bfloat16'), or an mx.array of float16/bfloat16/float32/uint8.
     capacity: value slots per row; default the largest non-zero count over the rows (at
     least 1). A row with more non-zeros than `capacity` raises ValueError.
+    mask: optional bool [n, d], the positions to store (default: the non-zero bit patterns).
+    For MLX affine-quantised values, where q = 0 does not dequantise to 0.0, pass the pruning
+    mask: decoding puts q = 0 elsewhere, so the caller must apply expand_mask after
+    dequantising (w = where(mask, scale * q + bias, 0)).
     """
     bits, name = _bits(rows, dtype)
     n, d = bits.shape
     size, ubits, _ = DTYPES[name]
-    mask = bits != 0
+    if mask is None:
+        mask = bits != 0
+    else:
+        mask = np.asarray(mask, bool).reshape(n, d)
+        bits = np.where(mask, bits, 0).astype(bits.dtype)
     counts = mask.sum(axis=1)
     need = int(counts.max()) if n else 0
     if capacity is None:
@@ -178,6 +187,14 @@ def capacity_for_sparsity(d: int, sparsity: float) -> int:
 
 
 # -- expand: MLX ops -----------------------------------------------------------------
+
+
+def expand_mask(encoded: mx.array, d: int) -> mx.array:
+    """The bitmap of encoded rows as bool [k, d] (True = stored position)."""
+    k = encoded.shape[0]
+    nb = (d + 7) // 8
+    bits = (encoded[:, :nb, None] >> mx.arange(8, dtype=mx.uint8)) & 1
+    return bits.reshape(k, nb * 8)[:, :d].astype(mx.bool_)
 
 
 def expand_mlx(encoded: mx.array, d: int, dtype) -> mx.array:

@@ -142,3 +142,19 @@ def test_metal_expand_equals_mlx(dtype, n, d):
     a = bitmap.expand(enc, d, dtype, use_metal=True)
     b = bitmap.expand(enc, d, dtype, use_metal=False)
     np.testing.assert_array_equal(_bits_of(a, dtype), _bits_of(b, dtype))
+
+
+def test_explicit_mask_stores_the_masked_positions_for_quantised_values():
+    """8-bit affine values: q = 0 may be a kept weight, and pruned positions are given by a mask."""
+    rng = np.random.default_rng(9)
+    q = rng.integers(0, 256, (5, 45)).astype(np.uint8)
+    q[:, ::4] = 0  # kept weights whose quantised value is 0
+    mask = rng.random((5, 45)) < 0.5
+    mask[0] = False
+    enc, cap = bitmap.encode_rows(q, mask=mask)
+    assert cap == mask.sum(1).max()
+    np.testing.assert_array_equal(bitmap.counts(enc, 45), mask.sum(1))
+    np.testing.assert_array_equal(bitmap.decode_rows(enc, 45, "uint8"), np.where(mask, q, 0))
+    np.testing.assert_array_equal(np.array(bitmap.expand_mask(mx.array(enc), 45)), mask)
+    np.testing.assert_array_equal(np.array(bitmap.expand(mx.array(enc), 45, "uint8", use_metal=False)),
+                                  np.where(mask, q, 0))
