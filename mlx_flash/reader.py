@@ -1,9 +1,10 @@
 """Where bytes come off the disk: batched, parallel, uncached reads into MLX memory.
 
-    reader = open_reader("model/ffn.bin", threads=DEFAULT_THREADS, direct=True)
-    base, view = aligned_rows(capacity, stride)          # cache matrix, row 0 aligned
-    reader.read(base, file_offsets, lengths, dest_offsets) # one call per batch
-    h = reader.submit(base, ...); ...compute...; reader.wait(h)
+    reader = open_reader("model/ffn.bin")                   # 32 threads, O_DIRECT
+    rows = aligned_rows(capacity, stride, reader.alignment)  # cache matrix, rows aligned
+    reader.read(rows.base, file_offsets, lengths, rows.dest_offsets(slots))  # one call per batch
+    h = reader.submit(rows.base, ...); ...compute...; reader.wait(h)
+    reader.stats()   # bytes_read, bytes_requested, requests (syscalls), reads, batches
 
 `file_offsets`, `lengths` and `dest_offsets` are equal-length int64 arrays (anything
 `np.asarray(..., np.int64)` accepts); read i copies file[file_offsets[i] : +lengths[i]] to
@@ -22,7 +23,8 @@ negative or mismatched index arrays, a closed reader) raises `ReadError` (an OSE
 message carries path, offset and length; `err.offset`/`err.length` hold them too.
 
 O_DIRECT needs the file offset, length and destination address to be multiples of the
-alignment (4096 here). MLX CPU arrays start 24 bytes past a page boundary, so the cache
+alignment (asked from the filesystem with statx: 512 on this project's disk; 4096 when it
+does not say; `reader.alignment` tells). MLX CPU arrays start 24 bytes past a page boundary, so the cache
 must be over-allocated: `aligned_buffer`/`aligned_rows` do that. Unaligned requests are
 still correct (served through a bounce buffer), only slower.
 
