@@ -189,29 +189,39 @@ def capacity_for_sparsity(d: int, sparsity: float) -> int:
 # -- expand: MLX ops -----------------------------------------------------------------
 
 
+# bit i of byte b, as a [256, 8] lookup table (int32: it feeds a cumulative sum)
+_BYTE_BITS = mx.array(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.int32))
+
+
+def _bitmap_bits(encoded: mx.array, d: int) -> mx.array:
+    """The bitmap of encoded rows as int32 0/1 [k, d] (a table lookup per byte)."""
+    nb = (d + 7) // 8
+    return mx.take(_BYTE_BITS, encoded[:, :nb], axis=0).reshape(encoded.shape[0], nb * 8)[:, :d]
+
+
 def expand_mask(encoded: mx.array, d: int) -> mx.array:
     """The bitmap of encoded rows as bool [k, d] (True = stored position)."""
-    k = encoded.shape[0]
-    nb = (d + 7) // 8
-    bits = (encoded[:, :nb, None] >> mx.arange(8, dtype=mx.uint8)) & 1
-    return bits.reshape(k, nb * 8)[:, :d].astype(mx.bool_)
+    return _bitmap_bits(encoded, d).astype(mx.bool_)
 
 
 def expand_mlx(encoded: mx.array, d: int, dtype) -> mx.array:
-    """MLX-ops decoder: uint8 [k, row_bytes] -> [k, d] of dtype. See `expand`."""
+    """MLX-ops decoder: uint8 [k, row_bytes] -> [k, d] of dtype. See `expand`.
+
+    slot_j = bit_j * (bit_0 + ... + bit_j) is 0 for a zero and 1 + the index of its value
+    for a non-zero; gathering from [0, values...] with it yields the dense row (bit patterns,
+    so -0.0 survives), with no `where`.
+    """
     name = dtype_name(dtype)
     size, _, mdtype = DTYPES[name]
     k, nbytes = encoded.shape
     cap = capacity_of(nbytes, d, name)
-    nb = (d + 7) // 8
-    shifts = mx.arange(8, dtype=mx.uint8)
-    bits = ((encoded[:, :nb, None] >> shifts) & 1).reshape(k, nb * 8)[:, :d]  # [k, d] 0/1
-    slot = mx.cumsum(bits.astype(mx.int32), axis=1) - 1  # index of each non-zero in the values
-    slot = mx.clip(slot, 0, max(cap - 1, 0))
+    bits = _bitmap_bits(encoded, d)
+    slot = mx.cumsum(bits, axis=1) * bits
     off = values_offset(d)
     ubits = _MX_BITS[size]
     vals = mx.view(encoded[:, off : off + cap * size], ubits)  # [k, cap] bit patterns
-    out = mx.where(bits.astype(mx.bool_), mx.take_along_axis(vals, slot, axis=1), mx.array(0, ubits))
+    vals = mx.concatenate([mx.zeros((k, 1), ubits), vals], axis=1)
+    out = mx.take_along_axis(vals, mx.minimum(slot, cap), axis=1)
     return out if mdtype == ubits else mx.view(out, mdtype)
 
 
