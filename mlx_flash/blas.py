@@ -29,10 +29,12 @@ def _openblas_path():
     return None
 
 
-def _loaded_openblas():
+def _loaded(path) -> bool:
+    """Is this library mapped already (e.g. LD_PRELOAD)? numpy's own bundled OpenBLAS does not count:
+    MLX does not resolve its BLAS symbols there."""
     try:
         with open("/proc/self/maps") as f:
-            return "openblas" in f.read()
+            return os.path.realpath(path) in f.read()
     except OSError:
         return False
 
@@ -43,7 +45,7 @@ def use_openblas() -> str:
         status = "not applicable" if not sys.platform.startswith("linux") else "disabled (MLX_FLASH_OPENBLAS=0)"
         return status
     path = _openblas_path()
-    if _loaded_openblas():
+    if path is not None and _loaded(path):
         status = "openblas"
     elif path is None:
         status = "reference BLAS (install libopenblas0-pthread for 7-50x faster float32 matmuls)"
