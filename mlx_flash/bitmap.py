@@ -238,11 +238,11 @@ def kernel_path() -> Optional[Path]:
 def _build_kernel():
     path = kernel_path()
     if path is None:
-        return None
+        return {}, None
     from .gather_ffn import split_sections
 
     src = split_sections(path.read_text())
-    return mx.fast.metal_kernel(
+    return src, mx.fast.metal_kernel(
         name="bitmap_expand",
         input_names=["enc"],
         output_names=["out"],
@@ -252,7 +252,7 @@ def _build_kernel():
 
 
 # Built once at import (building needs no Metal; only calling does).
-_expand_kernel = _build_kernel()
+KERNEL_SOURCES, _expand_kernel = _build_kernel()
 
 
 def metal_available() -> bool:

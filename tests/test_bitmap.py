@@ -4,6 +4,11 @@ Metal kernel equals the MLX path (Apple silicon only)."""
 
 import mlx_flash  # noqa: F401  (before mlx.core)
 
+import ctypes
+import shutil
+import subprocess
+import textwrap
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -158,3 +163,59 @@ def test_explicit_mask_stores_the_masked_positions_for_quantised_values():
     np.testing.assert_array_equal(np.array(bitmap.expand_mask(mx.array(enc), 45)), mask)
     np.testing.assert_array_equal(np.array(bitmap.expand(mx.array(enc), 45, "uint8", use_metal=False)),
                                   np.where(mask, q, 0))
+
+
+# -- the Metal kernel body executed as C++ on the CPU (one emulated thread after another) ----
+
+_CXX = shutil.which("g++") or shutil.which("clang++")
+_STUBS = r"""
+#include <cstddef>
+#include <cstdint>
+typedef unsigned int uint;
+struct uint3 { uint x, y, z; };
+#define device
+#define constant
+static inline uint popcount(uint32_t v) { return __builtin_popcount(v); }
+"""
+_UTYPE = {1: "uint8_t", 2: "uint16_t", 4: "uint32_t"}
+
+
+@pytest.mark.skipif(_CXX is None, reason="no C++ compiler")
+def test_metal_kernel_body_emulated_on_cpu(tmp_path):
+    """The body of kernels/bitmap_expand.metal, compiled as C++ with the template arguments the
+    wrapper passes and run over the grid the wrapper launches, equals the numpy decoder."""
+    cases, pieces = [], [_STUBS, bitmap.KERNEL_SOURCES.get("header", "")]
+    rng = np.random.default_rng(21)
+    for i, (dtype, (n, d)) in enumerate((dt, s) for dt in DTYPES for s in [(6, 31), (4, 33), (3, 100), (5, 64)]):
+        bits = _random_bits(dtype, n, d, 0.5, rng)
+        enc, cap = bitmap.encode_rows(_as_input(bits, dtype))
+        size = bitmap.DTYPES[dtype][0]
+        consts = dict(D=d, NWORDS=bitmap.bitmap_words(d), STRIDE=enc.shape[1], VAL_OFF=bitmap.values_offset(d),
+                      CAP=bitmap.capacity_of(enc.shape[1], d, dtype))
+        head = f"typedef {_UTYPE[size]} U;\n" + "\n".join(f"constexpr uint {k} = {v};" for k, v in consts.items())
+        pieces.append(f"""
+namespace k{i} {{
+{head}
+void kernel(const uint8_t* enc, U* out, uint3 thread_position_in_grid) {{
+{textwrap.indent(bitmap.KERNEL_SOURCES["expand"], "    ")}
+}}
+}}
+extern "C" void run{i}(const uint8_t* enc, void* out, uint k) {{
+    for (uint r = 0; r < k; ++r)
+        for (uint w = 0; w < k{i}::NWORDS; ++w) k{i}::kernel(enc, (k{i}::U*)out, uint3{{w, r, 0}});
+}}
+""")
+        cases.append((i, dtype, n, d, enc))
+    cpp = tmp_path / "bitmap_expand_emulated.cpp"
+    cpp.write_text("\n".join(pieces))
+    lib = tmp_path / "bitmap_expand_emulated.so"
+    r = subprocess.run([_CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-o", str(lib), str(cpp)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    so = ctypes.CDLL(str(lib))
+    for i, dtype, n, d, enc in cases:
+        ubits = bitmap.DTYPES[dtype][1]
+        out = np.full((n, d), 0x5A, ubits)  # every element must be written
+        getattr(so, f"run{i}")(np.ascontiguousarray(enc).ctypes.data_as(ctypes.c_void_p),
+                               out.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint(n))
+        np.testing.assert_array_equal(out, _bits_of(bitmap.decode_rows(enc, d, dtype), dtype), err_msg=f"{dtype} {n}x{d}")
