@@ -157,7 +157,9 @@ def read_stats(path, sparsity: str = "auto", cache_fraction: float = 0.1, tokens
 
     fd = FlashDir(path)
     resident = fd.resident_nbytes(lambda k: "float32")
-    budget = min_budget(fd, context, resident=resident) + int(cache_fraction * fd.ffn_bytes)
+    preds = fd.load_predictors() if sparsity == "predictor" else None
+    extra = sum(v.nbytes for w in preds for v in w.values()) if preds else 0
+    budget = min_budget(fd, context, extra=extra, resident=resident) + int(cache_fraction * fd.ffn_bytes)
     model, tok = load(path, memory_budget=budget, sparsity=sparsity, context=context, **load_kw)
     try:
         ids = mx.array(tok.encode(prompt))
@@ -171,3 +173,50 @@ def read_stats(path, sparsity: str = "auto", cache_fraction: float = 0.1, tokens
     s["tokens"] = out
     s["bytes_per_request"] = s["bytes_requested"] / max(s["requests"], 1)
     return s
+
+
+def setup_arg_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(description="Reorder a flash directory's neurons by co-activation on calibration text "
+                                "and report the mean bytes per read request while decoding, before and after.")
+    p.add_argument("--model", required=True, help="Flash directory (rewritten in place).")
+    p.add_argument("--data", nargs="+", default=None, help="Calibration text (default: first half of WikiText-2 test).")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--num-seqs", type=int, default=4)
+    p.add_argument("--density", type=float, default=0.5, help="SwiGLU: active = top-K of |GLU| at this density.")
+    p.add_argument("--sparsity", default="auto", help="Sparsifier for the decoding measurement.")
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="Budget: share of the FFN the caches hold.")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", default="The history of the Roman Empire")
+    return p
+
+
+def main():
+    from .calibrate import DEFAULT_DATA, collect_inputs
+    from .loader import load_tokenizer
+    from .quality import activation_targets, dense_ffn_weights, eval_model, read_text, token_batches
+
+    args = setup_arg_parser().parse_args()
+    fd = FlashDir(args.model)
+    kw = dict(sparsity=args.sparsity, cache_fraction=args.cache_fraction, tokens=args.max_tokens, prompt=args.prompt)
+    if args.sparsity in ("oracle", "dip"):
+        kw["density"] = args.density
+    before = read_stats(fd.path, **kw)
+    model, ctl = eval_model(fd)
+    text = read_text(args.data or [DEFAULT_DATA], "first")
+    xs = collect_inputs(model, ctl, token_batches(load_tokenizer(fd), text, args.seq_len, args.num_seqs), True)
+    del model
+    group = reorder_group(fd)
+    perms = [neuron_order(activation_targets(x, dense_ffn_weights(fd, i), fd.ffn["kind"], fd.ffn["activation"],
+                                             args.density), group) for i, x in enumerate(xs)]
+    reorder(fd.path, perms, progress=True)
+    after = read_stats(fd.path, **kw)
+    for name, s in (("before", before), ("after", after)):
+        print(f"{name}: {s['requests']} requests, {s['bytes_requested'] / 2**20:.1f} MiB requested, "
+              f"{s['bytes_per_request']:.0f} B per request, {s['bytes_read'] / 2**20:.1f} MiB read")
+    print("identical tokens:", before["tokens"] == after["tokens"])
+
+
+if __name__ == "__main__":
+    main()
