@@ -18,7 +18,9 @@ count) and column i of down ([d, n_ffn]). Wanda's per-output groups for down are
 so a neuron's down column gets a varying count and the bitmap capacity (the maximum) is
 larger than (1 - sparsity) * d; `per="input"` prunes each column to the exact count instead
 (within one column all weights share the same ||h_i||, so that is magnitude pruning of the
-column).
+column). Measured on SmolLM2-135M (WikiText-2 norms, 50%): per="output" leaves some down
+column with 529-569 of 576 weights, so the fixed-size bitmap rows are as large as dense
+(ratio 0.99-1.06 for float16); per="input" gives 288 and the ratio 0.566.
 
 Functions:
     wanda_scores(w, norms)                          -> float32 numpy [out, in]
