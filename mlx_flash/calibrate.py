@@ -391,7 +391,10 @@ def run(args) -> dict:
         with open(report_dir / "report.json", "w") as f:
             json.dump(out, f, indent=1)
         (report_dir / "report.md").write_text(format_table(out) + "\n")
-        plot_report(out, report_dir / "report.png", f"{fd.path.name}: {out['quality']['tokens']} held-out tokens")
+        try:
+            plot_report(out, report_dir / "report.png", f"{fd.path.name}: {out['quality']['tokens']} held-out tokens")
+        except ImportError:
+            print("matplotlib is not installed: no report.png (pip install matplotlib)", file=sys.stderr)
     return out
 
 

@@ -176,6 +176,8 @@ class Controller:
             else:
                 m_out = self._cached_masks(layer, "neurons", np.array(mx.abs(h)), k_out, n)
             self.selected["inputs"][layer] += float(mx.sum(m_in).item())
+            if self.count_misses and self.mode == "dip":
+                self._count_misses(layer, "inputs", np.array(m_in) > 0, d)
         else:
             h = act(x @ w["gate"].T) * (x @ w["up"].T)
             m_out = self._neuron_mask(layer, x, h)
