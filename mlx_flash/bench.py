@@ -40,9 +40,10 @@ import numpy as np
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-from .budget import fmt_bytes, min_budget, parse_size, plan_memory
+from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .flash_format import FlashDir
 from .loader import cpu_float32, load, make_sparsifier
+from .offload import stream_groups
 from .reader import aligned_buffer, open_reader
 
 CONFIGS = ("naive", "hybrid", "sparsity", "window-unbundled", "all", "mlx-lm")
@@ -127,15 +128,26 @@ class UnbundledReader:
 # -- engines -------------------------------------------------------------------------------
 
 
+def _cast(name):
+    return "float32" if cpu_float32(name) else None
+
+
 def resident_bytes(fd) -> int:
-    return fd.resident_nbytes(lambda k: "float32" if cpu_float32(k) else None)
+    return fd.resident_nbytes(_cast)
 
 
-def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy="window", window=5):
-    """A fresh FlashEngine (cold caches) for `budget`, swapped into every layer of `model`."""
+def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy="window", window=5,
+                unit_cache=True):
+    """A fresh FlashEngine (cold caches) for `budget`, swapped into every layer of `model`.
+
+    unit_cache=False: no FFN unit cached (the naive and sparsity-only configurations). Streamed
+    resident weights (the model was loaded with this budget) stay streamed: the streamer moves over."""
     from .runtime import FlashEngine
 
-    plan = plan_memory(fd, budget, context, 4, 0, resident=resident_bytes(fd))
+    plan = plan_memory(fd, budget, context, 4, 0, resident=resident_bytes(fd),
+                       groups=stream_groups(fd, _cast, context))
+    if not unit_cache:
+        plan.capacity = [{name: 0 for name in caps} for caps in plan.capacity]
     scratch = min(plan.workspace // 2, plan.scratch)
     old = getattr(model, "flash", None)
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, compute_dtype=mx.float32)
@@ -145,6 +157,9 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
     model.flash = engine
     if old is not None and old is not engine:
         old.caches = None  # free the previous configuration's cache buffers
+        engine.streamer, old.streamer = old.streamer, None
+        if engine.streamer is not None:
+            engine.streamer.stats = engine.stats
     return engine
 
 
@@ -230,6 +245,7 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
         "budget_bytes": plan.budget,
         "cache_units_per_layer": plan.capacity[0].get("neurons", 0),
         "bytes_per_token": float(bytes_tok.mean()) if n else 0.0,
+        "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])) if n else 0.0,
         "misses_per_token": misses / max(1, n),
         "stride": stride,
         "io_ms": float(np.median(io)), "mm_ms": float(np.median(mm)), "compute_ms": float(np.median(comp)),
@@ -325,10 +341,12 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     context = prompt_tokens + tokens + 8
     budget = parse_size(memory_budget, fd.model_bytes)
     floor = min_budget(fd, context, 4, resident=resident_bytes(fd))
-    if budget < floor:
-        raise SystemExit(f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(floor)}, "
-                         f"{floor / fd.model_bytes:.0%} of the model): the resident part does not fit")
-    model, tok = load(path, memory_budget=floor, sparsity="dense", context=context, threads=threads)
+    lowest = min_streaming_budget(fd, context, 4, resident=resident_bytes(fd), groups=stream_groups(fd, _cast, context))
+    if budget < lowest:
+        raise SystemExit(f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
+                         f"{lowest / fd.model_bytes:.0%} of the model, with attention and embeddings streamed)")
+    # below the resident floor, every configuration streams the same resident weights (offload.py)
+    model, tok = load(path, memory_budget=min(floor, budget), sparsity="dense", context=context, threads=threads)
     reader = model.flash.reader
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
     if hasattr(sparse, "bias"):  # the ReLU oracle needs fc1's bias
@@ -343,22 +361,22 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
         prompt = rng.integers(0, fd.config["vocab_size"], prompt_tokens).tolist()
     prompt = list(prompt)[:prompt_tokens]
     pieces = len(fd.ffn["matrices"])
-    setups = {
-        "naive": (dense, floor, reader),
-        "hybrid": (dense, budget, reader),
-        "sparsity": (sparse, floor, reader),
-        "window-unbundled": (sparse, budget, UnbundledReader(reader, fd, pieces)),
-        "all": (sparse, budget, reader),
+    setups = {  # sparsifier, reader, unit cache
+        "naive": (dense, reader, False),
+        "hybrid": (dense, reader, True),
+        "sparsity": (sparse, reader, False),
+        "window-unbundled": (sparse, UnbundledReader(reader, fd, pieces), True),
+        "all": (sparse, reader, True),
     }
     results = {}
     for name in configs:
         if name == "mlx-lm":
             continue
-        sp, b, rd = setups[name]
+        sp, rd, unit_cache = setups[name]
         if hasattr(sp, "reset"):
             sp.reset(0)
         timed = TimedSparsifier(sp)
-        engine = make_engine(model, fd, rd, timed, b, context, "window", window)
+        engine = make_engine(model, fd, rd, timed, budget, context, "window", window, unit_cache)
         if progress:
             print(f"[bench] {name}: {DESCRIPTIONS[name]}", file=sys.stderr)
 
@@ -384,7 +402,9 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     out = {
         "model": str(path), "model_bytes": fd.model_bytes, "ffn_bytes": fd.ffn_bytes,
         "resident_bytes_loaded": resident_bytes(fd),
-        "memory_budget": memory_budget, "budget_bytes": budget, "min_budget_bytes": floor,
+        "memory_budget": memory_budget, "budget_bytes": budget, "min_budget_bytes": lowest,
+        "resident_floor_bytes": floor,
+        "streamed": describe_streamed(model.flash.plan.streamed) if model.flash.plan.streamed else None,
         "tokens": tokens, "prompt_tokens": len(prompt), "threads": reader.threads, "window": window,
         "max_gap_bytes": getattr(reader, "max_gap_bytes", None),
         "sparsifier": sparse_desc, "stride": fd.layouts["neurons"].stride,
@@ -432,8 +452,9 @@ def table(res) -> str:
         fio = r.get("fio_gbps")
         disk_s = "-" if disk is None else f"{disk:.2f}" + (f" (fio {fio:.2f})" if fio else "") + \
             f" @ {fmt_bytes(r['mean_request_bytes'])}"
+        streamed = f" (resident weights {fmt_bytes(r['streamed_bytes_per_token'])})" if r.get("streamed_bytes_per_token") else ""
         rows.append(
-            f"| {name} | {fmt_bytes(r['dram_weights_bytes'])} | {fmt_bytes(r['bytes_per_token'])} | "
+            f"| {name} | {fmt_bytes(r['dram_weights_bytes'])} | {fmt_bytes(r['bytes_per_token'])}{streamed} | "
             f"{_f(r.get('read_gbps'), '{:.2f}')} | {disk_s} | {r['io_ms']:.1f} | {r['mm_ms']:.1f} | "
             f"{r['compute_ms']:.1f} ({r['select_ms']:.1f}) | {r['total_ms']:.1f} ({r['total_ms_p10']:.1f}-"
             f"{r['total_ms_p90']:.1f}) | {r['hit_rate']:.1%} |"
@@ -526,6 +547,8 @@ def main(argv=None):
           f"{fmt_bytes(res['ffn_bytes'])}), budget {res['memory_budget']} = {fmt_bytes(res['budget_bytes'])} "
           f"(smallest that loads {fmt_bytes(res['min_budget_bytes'])}); {res['tokens']} tokens after a "
           f"{res['prompt_tokens']}-token prompt; {res['threads']} reader threads; sparsifier: {res['sparsifier']}")
+    if res.get("streamed"):
+        print(f"below the resident floor ({fmt_bytes(res['resident_floor_bytes'])}), streamed every token: {res['streamed']}")
     print(table(res))
     print("targets:", json.dumps(res["targets"]))
     if a.json:

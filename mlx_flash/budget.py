@@ -1,14 +1,18 @@
 """Memory budget planner: what stays resident, and how many units each layer's cache holds.
 
-budget = resident weights + KV cache + scratch buffer + workspace + per-layer unit caches.
+budget = resident weights + KV cache + scratch buffer + workspace + streaming buffers
+         + per-layer unit caches.
 
 The workspace bounds the runtime's temporaries: the rows gathered for one
 chunk of units (at most a scratch buffer's worth) and their float32 copy.
-If the resident part alone does not fit, loading fails before any weight is read.
+If the resident weights do not fit, the planner streams groups of them from flash
+(offload.py: attention layers, embeddings, the LM head, cheapest first) until the rest
+does; the streaming buffers hold two loads (the one in use and the prefetched next).
+If even that does not fit, loading fails before any weight is read.
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Union
 
 from .errors import BudgetError
@@ -50,6 +54,8 @@ class Plan:
     workspace: int
     extra: int  # e.g. predictors
     capacity: List[Dict[str, int]]  # per layer: region -> units cached
+    streamed: List = field(default_factory=list)  # offload.StreamGroup read from flash every token
+    streaming: int = 0  # buffers for the streamed groups
 
     def cache_bytes(self, strides: Dict[str, int]) -> int:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
@@ -61,10 +67,23 @@ class Plan:
             f"budget {fmt_bytes(self.budget)}: resident {fmt_bytes(self.resident)}, KV cache {fmt_bytes(self.kv_cache)}, "
             f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
+            + (f"; streamed from flash every token ({fmt_bytes(self.streaming)} of buffers): " + describe_streamed(self.streamed)
+               if self.streamed else "")
         )
 
 
+def describe_streamed(groups) -> str:
+    layers = [g for g in groups if g.kind == "layer"]
+    parts = [f"{len(layers)} attention layers ({fmt_bytes(sum(g.nbytes for g in layers))}, whole, prefetched)"] if layers else []
+    parts += [f"{g.path} ({fmt_bytes(g.nbytes)}, {g.describe()})" for g in groups if g.kind != "layer"]
+    return ", ".join(parts)
+
+
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many tokens
+
+
 def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2) -> int:
+    context = -(-context // KV_STEP) * KV_STEP
     layers = config["num_hidden_layers"]
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -85,29 +104,66 @@ def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int
 
 
 def min_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None) -> int:
-    """The smallest budget that loads (no FFN unit cached)."""
+    """The smallest budget that keeps every resident weight resident (no FFN unit cached)."""
     return sum(fixed_bytes(fd, context, dtype_size, extra, resident).values())
 
 
-def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0, resident: int = None) -> Plan:
+def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None,
+                         groups=()) -> int:
+    """The smallest budget that loads at all: every streamable group streamed, no FFN unit cached."""
+    f = fixed_bytes(fd, context, dtype_size, extra, resident)
+    groups = list(groups)
+    f["resident"] -= sum(g.nbytes for g in groups)
+    return sum(f.values()) + (2 * max(g.load_bytes for g in groups) if groups else 0)
+
+
+def choose_streamed(groups, fixed: dict, budget: int, context: int):
+    """The groups to stream (a prefix of `groups`, cheapest first, then any that fit back),
+    and the fixed parts with them; raises BudgetError when streaming all of them is not enough."""
+    f = dict(fixed, streaming=0)
+    streamed = []
+    for g in groups:
+        if sum(f.values()) <= budget:
+            break
+        streamed.append(g)
+        f["resident"] -= g.nbytes
+        f["streaming"] = 2 * max(s.load_bytes for s in streamed)
+    if sum(f.values()) > budget:
+        raise BudgetError(
+            f"memory budget {fmt_bytes(budget)} is too small"
+            + (" even with attention, embeddings and LM head streamed from flash: the rest of the" if streamed else ":")
+            + f" resident weights {fmt_bytes(f['resident'])} + KV cache for {context} tokens "
+            f"{fmt_bytes(f['kv_cache'])} + scratch, workspace and streaming buffers "
+            f"{fmt_bytes(f['scratch'] + f['workspace'] + f['streaming'])}"
+            + (f" + extra {fmt_bytes(f['extra'])}" if f["extra"] else "")
+            + f" need {fmt_bytes(sum(f.values()))} before any FFN unit is cached"
+        )
+    for g in reversed(streamed[:-1]):  # the last one made it fit; keep earlier ones resident if they fit back
+        f["resident"] += g.nbytes
+        rest = [s for s in streamed if s is not g]
+        f["streaming"] = 2 * max(s.load_bytes for s in rest)
+        if sum(f.values()) <= budget:
+            streamed = rest
+        else:
+            f["resident"] -= g.nbytes
+            f["streaming"] = 2 * max(s.load_bytes for s in streamed)
+    return streamed, f
+
+
+def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0, resident: int = None,
+                groups=()) -> Plan:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
-    `resident`: bytes of the resident weights as loaded (default: their size on disk)."""
-    f = fixed_bytes(fd, context, dtype_size, extra, resident)
-    fixed = sum(f.values())
-    if fixed > budget:
-        raise BudgetError(
-            f"memory budget {fmt_bytes(budget)} is too small: resident weights {fmt_bytes(f['resident'])} + "
-            f"KV cache for {context} tokens {fmt_bytes(f['kv_cache'])} + scratch and workspace "
-            f"{fmt_bytes(f['scratch'] + f['workspace'])}"
-            + (f" + extra {fmt_bytes(extra)}" if extra else "")
-            + f" need {fmt_bytes(fixed)} before any FFN unit is cached"
-        )
-    per_layer = (budget - fixed) // len(fd.layers)
+    `resident`: bytes of the resident weights as loaded (default: their size on disk).
+    `groups`: offload.StreamGroup candidates, streamed only if the resident weights do not fit."""
+    streamed, f = choose_streamed(list(groups), fixed_bytes(fd, context, dtype_size, extra, resident), budget,
+                                   context)
+    per_layer = (budget - sum(f.values())) // len(fd.layers)
     capacity = []
     for regions in fd.layers:
         total = sum(r.nbytes for r in regions.values())
         capacity.append(
             {name: min(r.n_units, int(per_layer * r.nbytes / total) // r.stride) for name, r in regions.items()}
         )
-    return Plan(budget, f["resident"], f["kv_cache"], f["scratch"], f["workspace"], extra, capacity)
+    return Plan(budget, f["resident"], f["kv_cache"], f["scratch"], f["workspace"], extra, capacity, streamed,
+                f["streaming"])

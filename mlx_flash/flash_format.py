@@ -44,6 +44,29 @@ _DTYPES = {
 }
 
 
+_SAFETENSORS_DTYPES = {
+    "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
+    "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I64": mx.int64, "U64": mx.uint64,
+    "BOOL": mx.bool_,
+}
+
+
+@dataclass(frozen=True)
+class ResidentTensor:
+    """One tensor of resident.safetensors: absolute file offset, size, dtype and shape."""
+
+    name: str
+    offset: int
+    nbytes: int
+    dtype: mx.Dtype
+    shape: tuple
+
+    def nbytes_as(self, cast=None) -> int:
+        """Bytes in memory when `cast(name) -> dtype name or None` casts float tensors on load."""
+        target = cast(self.name) if cast and mx.issubdtype(self.dtype, mx.floating) else None
+        return self.nbytes if not target else self.nbytes // self.dtype.size * _DTYPES[target].size
+
+
 def dtype_name(dtype: mx.Dtype) -> str:
     for name, d in _DTYPES.items():
         if d == dtype:
@@ -244,20 +267,35 @@ class FlashDir:
     def resident_bytes(self) -> int:
         return self.manifest["resident"]["bytes"]
 
+    def resident_index(self) -> Dict[str, "ResidentTensor"]:
+        """Where each resident tensor lies in resident.safetensors (absolute byte offsets), from its header.
+
+        What streaming below the resident floor reads tensors (or rows of them) with."""
+        path = self.path / RESIDENT
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n > self.resident_bytes - 8:
+                    raise ValueError(f"header length {n} exceeds the file")
+                header = json.loads(f.read(n))
+            start = 8 + n
+            index = {
+                name: ResidentTensor(name, start + t["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0],
+                                     _SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"]))
+                for name, t in header.items()
+                if name != "__metadata__"
+            }
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FlashFormatError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
+        for t in index.values():
+            if t.offset + t.nbytes > self.resident_bytes or t.nbytes != int(np.prod(t.shape)) * t.dtype.size:
+                raise FlashFormatError(f"{path}: tensor {t.name} has inconsistent offsets in the header")
+        return index
+
     def resident_nbytes(self, cast=None) -> int:
         """Bytes of the resident weights in memory; `cast(name) -> dtype name or None` says which float
         tensors are cast to which dtype on load."""
-        sizes = {"F16": 2, "BF16": 2, "F32": 4, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1, "U16": 2, "I64": 8}
-        with open(self.path / RESIDENT, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        total = 0
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            target = cast(name) if cast and t["dtype"] in ("F16", "BF16", "F32") else None
-            size = _DTYPES[target].size if target else sizes[t["dtype"]]
-            total += int(np.prod(t["shape"])) * size
-        return total
+        return sum(t.nbytes_as(cast) for t in self.resident_index().values())
 
     @property
     def model_bytes(self) -> int:

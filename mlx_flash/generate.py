@@ -70,7 +70,10 @@ def print_stats(engine, out=sys.stdout):
         print(
             f"summary over {s['tokens']} tokens (medians): io {s['io_ms']:.2f} ms, mm {s['mm_ms']:.2f} ms, "
             f"compute {s['compute_ms']:.2f} ms, total {s['total_ms']:.2f} ms ({1e3 / s['total_ms']:.2f} tok/s); "
-            f"read {fmt_bytes(s['bytes_per_token'])}/token, hit rate {s['hit_rate']:.1%}, "
+            f"read {fmt_bytes(s['bytes_per_token'])}/token"
+            + (f" (of which resident weights streamed {fmt_bytes(s['streamed_bytes_per_token'])})"
+               if s["streamed_bytes_per_token"] else "")
+            + f", hit rate {s['hit_rate']:.1%}, "
             f"active units/layer {s['active_per_layer']:.1f}",
             file=out,
         )

@@ -3,6 +3,7 @@
 import os
 import sys
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, Tuple
 
@@ -22,10 +23,12 @@ def cpu_float32(name: str) -> bool:
     return not name.endswith((".scales", ".biases")) or "embed" in name
 
 
-def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module], dtype=None) -> nn.Module:
+def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module], dtype=None,
+                wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
     """Instantiate the architecture, load the resident weights, and set layers[i].mlp = make_ffn(i, biases_i).
 
-    dtype=mx.float32 casts the float tensors `cpu_float32` selects (the CPU path)."""
+    dtype=mx.float32 casts the float tensors `cpu_float32` selects (the CPU path).
+    wrap: module path -> function replacing that module (its weights are then not loaded: offload.py)."""
     from mlx_lm.utils import infer_quant_config
 
     from .models import get_model_classes
@@ -60,6 +63,10 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
             and f"{p}.scales" in weights
             and infer_quant_config(p, m, weights),
         )
+    for path, fn in (wrap or {}).items():
+        _set_module(model, path, fn(_get_module(model, path)))
+        for k in [k for k in weights if k.startswith(path + ".")]:
+            del weights[k]
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -67,6 +74,22 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def _get_module(model: nn.Module, path: str) -> nn.Module:
+    m = model
+    for part in path.split("."):
+        m = m[int(part)] if isinstance(m, list) else getattr(m, part)
+    return m
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    p = _get_module(model, parent) if parent else model
+    if isinstance(p, list):
+        p[int(leaf)] = module
+    else:
+        setattr(p, leaf, module)
 
 
 def load_resident(path) -> Tuple[nn.Module, FlashDir]:
@@ -169,12 +192,15 @@ def load(
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
     memory_budget: bytes, "2GB" or "50%" (of the model's size) for weights + caches + KV cache;
-    None caches every unit. Raises BudgetError before reading weights if the resident part
-    does not fit. `model.flash` is the engine: its `.stats`, and `model.flash.close()`.
+    None caches every unit. If the resident weights do not fit, attention layers, embeddings and
+    the LM head are streamed from flash too (offload.py; `model.flash.plan` says what); if even
+    that does not fit, raises BudgetError before reading weights. `model.flash` is the engine: its `.stats`, and `model.flash.close()`.
     dtype: mx.float32 runs activations in float32 (see `cpu_float32`); the default without Metal,
     where float16 matmuls do not use BLAS (~35x slower). Otherwise the stored dtype is kept.
     """
     from .budget import parse_size, plan_memory
+    from .flash_format import RESIDENT
+    from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
     from .reader import open_reader
     from .runtime import FlashEngine, FlashFFN
 
@@ -184,9 +210,9 @@ def load(
     extra = sum(v.nbytes for w in (fd.load_predictors() or []) for v in w.values()) if sparsity == "predictor" else 0
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
-    resident = fd.resident_nbytes(lambda k: "float32" if cpu_float32(k) else None) if dtype == mx.float32 else None
+    cast = (lambda k: "float32" if cpu_float32(k) else None) if dtype == mx.float32 else None
     plan = plan_memory(fd, budget if budget is not None else 1 << 62, context, dtype.size if dtype else 2, extra,
-                       resident=resident)
+                       resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context))
     reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))
     scratch = min(plan.workspace // 2, plan.scratch)
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
@@ -198,6 +224,11 @@ def load(
             sparsifier.bias[i] = bias["fc1"]
         return FlashFFN(engine, i, bias)
 
-    model = build_model(fd, make_ffn, dtype)
+    wrap = {}
+    if plan.streamed:
+        engine.streamer = ResidentStreamer(fd, open_reader(fd.path / RESIDENT, direct=direct, threads=STREAM_THREADS),
+                                           plan.streamed, cast, engine.stats)
+        wrap = {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
+    model = build_model(fd, make_ffn, dtype, wrap)
     model.flash = engine
     return model, load_tokenizer(fd)

@@ -45,6 +45,7 @@ class FlashEngine:
         self.compute_dtype = compute_dtype
         self.use_metal = use_metal
         self.stats = Stats()
+        self.streamer = None  # offload.ResidentStreamer when resident weights are streamed too
         self.caches: List[Dict[str, NeuronCache]] = [
             {
                 name: NeuronCache(r.n_units, capacity[i][name], r.stride, policy=policy, window=window,
@@ -230,8 +231,10 @@ class FlashEngine:
         self.stats.current.mm_s += time.perf_counter() - t
 
     def close(self):
-        """Release the reader's file and threads."""
+        """Release the readers' files and threads."""
         self.reader.close()
+        if self.streamer is not None:
+            self.streamer.close()
 
     def reset(self):
         """Cold caches and fresh stats (e.g. between benchmark runs)."""

@@ -12,7 +12,8 @@ class TokenStats:
     io_s: float = 0.0  # waiting for reads from flash
     mm_s: float = 0.0  # memory management: cache planning, row moves, copies
     total_s: float = 0.0  # wall time of the whole token (set by the generate loop)
-    bytes_read: int = 0
+    bytes_read: int = 0  # everything read from flash: FFN units and streamed resident weights
+    streamed_bytes: int = 0  # of which resident weights streamed below the resident floor (offload.py)
     hits: int = 0
     misses: int = 0
     active: List[int] = field(default_factory=list)  # active units per layer (summed over regions)
@@ -76,6 +77,7 @@ class Stats:
             "total_ms_p10": float(np.percentile([t.total_s * 1e3 for t in toks], 10)),
             "total_ms_p90": float(np.percentile([t.total_s * 1e3 for t in toks], 90)),
             "bytes_per_token": float(np.mean([t.bytes_read for t in toks])),
+            "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])),
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "active_per_layer": float(np.mean([np.mean(t.active) for t in toks if t.active])) if toks[0].active else 0.0,
         }
@@ -84,5 +86,6 @@ class Stats:
     def format_token(i: int, t: TokenStats) -> str:
         return (
             f"[token {i:4d}] io {t.io_s * 1e3:7.2f} ms | mm {t.mm_s * 1e3:6.2f} ms | compute {t.compute_s * 1e3:7.2f} ms | "
-            f"read {t.bytes_read / 2**20:7.2f} MiB | hit {t.hit_rate:6.1%} | active/layer {np.mean(t.active) if t.active else 0:7.1f}"
+            f"read {t.bytes_read / 2**20:7.2f} MiB" + (f" ({t.streamed_bytes / 2**20:.2f} streamed)" if t.streamed_bytes else "")
+            + f" | hit {t.hit_rate:6.1%} | active/layer {np.mean(t.active) if t.active else 0:7.1f}"
         )

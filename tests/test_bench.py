@@ -143,3 +143,21 @@ def test_simulate_estimate_for_this_machine_within_factor(bench_result, tiny_tra
     # the cache simulation reads what the runtime read (the bench replayed the same trace)
     for name in ("naive", "hybrid", "sparsity", "all"):
         assert this[name]["bytes_per_token"] == pytest.approx(res["configs"][name]["bytes_per_token"], rel=0.1), name
+
+
+def test_bench_below_the_resident_floor(tiny_dir, tiny_trace, tmp_path):
+    """A budget under the resident weights: every configuration streams the same attention / embedding
+    groups, reports them per token, and naive reads the whole FFN on top."""
+    from mlx_flash.budget import min_streaming_budget
+    from mlx_flash.offload import stream_groups
+
+    fd = FlashDir(tiny_dir)
+    context = 8 + 12 + 8
+    lowest = min_streaming_budget(fd, context, 4, resident=bench.resident_bytes(fd),
+                                  groups=stream_groups(fd, bench._cast, context))
+    res = bench.run(tiny_dir, lowest, tokens=12, prompt_tokens=8, configs=("naive", "all"),
+                    trace=(tiny_trace, "trace"), disk_seconds=0.1, use_fio=False, progress=False)
+    assert res["streamed"] and res["min_budget_bytes"] == lowest < res["resident_floor_bytes"]
+    naive, all_ = res["configs"]["naive"], res["configs"]["all"]
+    assert naive["streamed_bytes_per_token"] == all_["streamed_bytes_per_token"] > 0
+    assert naive["bytes_per_token"] >= naive["streamed_bytes_per_token"] + fd.ffn_bytes * 0.99

@@ -1,0 +1,308 @@
+"""Below the resident floor: stream attention layers and the embedding / LM head from flash too.
+
+When a budget cannot hold every resident weight, the planner (budget.plan_memory) streams
+the groups `stream_groups` lists, cheapest first, until the rest fits:
+
+    rows    an untied input embedding (OPT's position embedding too): only the rows of the
+            tokens being embedded are read, so streaming it costs almost no I/O
+    layer   one layer's attention (every tensor under `layers.i.self_attn`), read whole
+            every token; layers are taken evenly spread, so the resident layers between
+            streamed ones give the prefetch compute to hide behind
+    head    the LM head, or a tied embedding used as one: read every token in chunks of
+            vocabulary rows, so it never needs more than two chunks of memory
+
+A `ResidentStreamer` reads them from resident.safetensors (offsets from its header, so the
+format needs nothing new) with its own pread pool. Loads follow the order of the forward
+pass (layer groups by index, then the head's chunks) and each load starts the read of the
+next one before returning, as offloading systems prefetch layer l+1 while layer l computes:
+at most two loads are in memory at once. Reads are aligned supersets of each tensor's bytes
+(O_DIRECT) into one aligned buffer; the tensors are views of it, cast to float32 where the
+resident weights would be (loader.cpu_float32).
+
+Wrappers take the streamed modules' places in the model, holding the original module (its
+class does the maths) with placeholder weights between calls.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .reader import aligned_buffer
+
+HEAD_CHUNK_BYTES = 2 << 20  # LM head rows per streamed chunk: large reads, little memory
+STREAM_THREADS = 8  # a few large reads per load
+
+
+@dataclass
+class StreamGroup:
+    """A module the planner may stream: its path in the model, kind, tensors and bytes in memory."""
+
+    path: str  # e.g. "model.layers.3.self_attn"
+    kind: str  # "rows", "layer" or "head" (module doc)
+    tensors: List[str]  # full names in resident.safetensors
+    nbytes: int  # in memory when resident (after the float32 cast)
+    load_bytes: int  # memory one load of it takes while streamed
+    chunk_rows: int = 0  # head: vocabulary rows per chunk
+
+    def describe(self) -> str:
+        return {"rows": "rows on lookup", "layer": "whole, prefetched", "head": f"in chunks of {self.chunk_rows} rows"}[
+            self.kind]
+
+
+def _spread(n: int) -> List[int]:
+    """0..n-1 in bit-reversed order: every prefix is spread evenly over the range."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
+
+
+def _load_cost(tensors, cast, alignment: int, rows: Optional[int] = None) -> int:
+    """Memory of one load: the aligned read buffer plus float32 copies (`rows`: that many rows of each)."""
+    total = 0
+    for t in tensors:
+        frac = 1.0 if rows is None else min(1.0, rows / t.shape[0])
+        raw = int(t.nbytes * frac)
+        total += raw + 2 * alignment + (int(t.nbytes_as(cast) * frac) if t.nbytes_as(cast) != t.nbytes else 0)
+    return total + alignment
+
+
+def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
+    """The modules that may be streamed, in the order the planner streams them (module doc)."""
+    index = fd.resident_index()
+    by_module: Dict[str, list] = {}
+    for name, t in index.items():
+        by_module.setdefault(name.rsplit(".", 1)[0], []).append(t)
+
+    def module_tensors(path):
+        return by_module.get(path, [])
+
+    tied = not any(p.split(".")[-1] == "lm_head" for p in by_module)
+    rows, layers, head = [], [], []
+    for path, ts in sorted(by_module.items()):
+        leaf = path.split(".")[-1]
+        if leaf.startswith("embed"):
+            if tied and leaf == "embed_tokens":
+                head.append(path)
+            else:
+                rows.append(path)
+        elif leaf == "lm_head":
+            head.append(path)
+
+    layer_prefixes = [p.rsplit(".", 1)[0] for p in fd.ffn["mlp_paths"]]
+    for i in _spread(len(layer_prefixes)):
+        prefix = layer_prefixes[i] + ".self_attn."
+        ts = [t for name, t in index.items() if name.startswith(prefix)]
+        if ts:
+            layers.append((layer_prefixes[i] + ".self_attn", ts))
+
+    groups = []
+    for path in rows:
+        ts = module_tensors(path)
+        n = min(context, ts[0].shape[0])
+        groups.append(StreamGroup(path, "rows", [t.name for t in ts], sum(t.nbytes_as(cast) for t in ts),
+                                  _load_cost(ts, cast, fd.alignment, rows=n)))
+    for path, ts in layers:
+        groups.append(StreamGroup(path, "layer", [t.name for t in ts], sum(t.nbytes_as(cast) for t in ts),
+                                  _load_cost(ts, cast, fd.alignment)))
+    for path in head:
+        ts = module_tensors(path)
+        vocab = ts[0].shape[0]
+        row_bytes = sum(t.nbytes_as(cast) for t in ts) / vocab
+        chunk = max(1, min(vocab, int(HEAD_CHUNK_BYTES // row_bytes)))
+        groups.append(StreamGroup(path, "head", [t.name for t in ts], sum(t.nbytes_as(cast) for t in ts),
+                                  _load_cost(ts, cast, fd.alignment, rows=chunk), chunk_rows=chunk))
+    return groups
+
+
+# -- reading -------------------------------------------------------------------------------
+
+Ranges = List[Tuple[int, int]]  # (file offset, length) per tensor
+
+
+class _Load:
+    """One submitted read: the aligned buffer, where each tensor landed, and the pool handle."""
+
+    def __init__(self, key, reader, tensors, ranges: Sequence[Ranges], shapes, cast, file_size: int):
+        a = reader.alignment
+        offsets, lengths, dests, self.parts = [], [], [], []
+        pos = 0
+        for t, rs, shape in zip(tensors, ranges, shapes):
+            spans = []
+            for off, n in rs:
+                lo, hi = off - off % a, min(-(-(off + n) // a) * a, file_size)
+                offsets.append(lo), lengths.append(hi - lo), dests.append(pos)
+                spans.append((pos + off - lo, n))
+                pos += -(-(hi - lo) // a) * a
+            self.parts.append((t, spans, shape))
+        self.key, self.cast, self.nbytes = key, cast, sum(n for rs in ranges for _, n in rs)
+        self.buffer, base = aligned_buffer(max(pos, 1), a)
+        dests = np.asarray(dests, np.int64) + base
+        self.base = base
+        self.handle = reader.submit(self.buffer, np.asarray(offsets, np.int64), np.asarray(lengths, np.int64), dests)
+
+    def arrays(self, reader) -> Dict[str, mx.array]:
+        """Wait for the read; the tensors as views of the buffer (float32 copies where cast)."""
+        reader.wait(self.handle)
+        out = {}
+        for t, spans, shape in self.parts:
+            pieces = [mx.view(self.buffer[self.base + p : self.base + p + n], t.dtype) for p, n in spans]
+            a = (pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)).reshape(shape)
+            target = self.cast(t.name) if self.cast and mx.issubdtype(t.dtype, mx.floating) else None
+            out[t.name] = a.astype(getattr(mx, target)) if target else a
+        return out
+
+
+class ResidentStreamer:
+    """Reads streamed groups from resident.safetensors, prefetching the next load of the forward pass."""
+
+    def __init__(self, fd, reader, groups: List[StreamGroup], cast=None, stats=None):
+        self.fd, self.reader, self.cast, self.stats = fd, reader, cast, stats
+        self.index = fd.resident_index()
+        self.file_size = fd.resident_bytes
+        self.groups = {g.path: g for g in groups}
+        layers = sorted((g for g in groups if g.kind == "layer"), key=lambda g: _layer_number(g.path))
+        # the forward order of whole loads: attention layers, then each head's chunks
+        self.schedule = [(g.path, None) for g in layers]
+        for g in groups:
+            if g.kind == "head":
+                vocab = self.index[g.tensors[0]].shape[0]
+                self.schedule += [(g.path, (r, min(r + g.chunk_rows, vocab))) for r in range(0, vocab, g.chunk_rows)]
+        self._next = {k: self.schedule[(i + 1) % len(self.schedule)] for i, k in enumerate(self.schedule)}
+        self.pending: Optional[_Load] = None
+
+    def _submit(self, key) -> _Load:
+        path, rows = key
+        tensors = [self.index[n] for n in self.groups[path].tensors]
+        if rows is None:
+            ranges = [[(t.offset, t.nbytes)] for t in tensors]
+            shapes = [t.shape for t in tensors]
+        else:
+            r0, r1 = rows
+            ranges, shapes = [], []
+            for t in tensors:
+                row = t.nbytes // t.shape[0]
+                ranges.append([(t.offset + r0 * row, (r1 - r0) * row)])
+                shapes.append((r1 - r0, *t.shape[1:]))
+        return _Load(key, self.reader, tensors, ranges, shapes, self.cast, self.file_size)
+
+    def _take(self, load: _Load) -> Dict[str, mx.array]:
+        t = time.perf_counter()
+        arrays = load.arrays(self.reader)
+        if self.stats is not None:
+            s = self.stats.current
+            s.io_s += time.perf_counter() - t
+            s.bytes_read += load.nbytes
+            s.streamed_bytes += load.nbytes
+        return arrays
+
+    def load(self, path: str, rows: Optional[Tuple[int, int]] = None) -> Dict[str, mx.array]:
+        """The tensors of a layer group or a head chunk; starts reading the next load before returning."""
+        key = (path, rows)
+        load, self.pending = self.pending, None
+        if load is not None and load.key != key:  # off schedule (e.g. an aborted forward): drop it
+            self.reader.wait(load.handle)
+            load = None
+        if load is None:
+            load = self._submit(key)
+        nxt = self._next.get(key)
+        if nxt is not None:
+            self.pending = self._submit(nxt)
+        return self._take(load)
+
+    def rows(self, path: str, ids: np.ndarray) -> Dict[str, mx.array]:
+        """Rows `ids` (sorted, unique) of every tensor of a group, read now."""
+        tensors = [self.index[n] for n in self.groups[path].tensors]
+        ranges, shapes = [], []
+        for t in tensors:
+            row = t.nbytes // t.shape[0]
+            ranges.append([(t.offset + int(i) * row, row) for i in ids])
+            shapes.append((len(ids), *t.shape[1:]))
+        return self._take(_Load((path, "rows"), self.reader, tensors, ranges, shapes, self.cast, self.file_size))
+
+    def vocab(self, path: str) -> int:
+        return self.index[self.groups[path].tensors[0]].shape[0]
+
+    def close(self):
+        if self.pending is not None:
+            try:
+                self.reader.wait(self.pending.handle)
+            finally:
+                self.pending = None
+        self.reader.close()
+
+
+def _layer_number(path: str) -> int:
+    for part in path.split("."):
+        if part.isdigit():
+            return int(part)
+    return 0
+
+
+# -- modules -----------------------------------------------------------------------------
+
+
+class _Streamed(nn.Module):
+    """Holds the original module (hidden from parameters(): its weights are not resident)."""
+
+    def __init__(self, inner: nn.Module, streamer: ResidentStreamer, path: str):
+        super().__init__()
+        self._inner, self._streamer, self._path = inner, streamer, path
+        self._prefix = path + "."
+        self._release()
+
+    def _use(self, arrays: Dict[str, mx.array]):
+        from mlx.utils import tree_unflatten
+
+        self._inner.update(tree_unflatten([(k[len(self._prefix) :], v) for k, v in arrays.items()]))
+
+    def _release(self):
+        """Placeholder weights: the loaded ones are freed once the output is evaluated."""
+        from mlx.utils import tree_map
+
+        self._inner.update(tree_map(lambda a: mx.zeros((0,), a.dtype), self._inner.parameters()))
+
+    def _run(self, arrays, fn):
+        self._use(arrays)
+        try:
+            out = fn()
+            mx.eval(out)
+            return out
+        finally:
+            self._release()
+
+
+class StreamedLayer(_Streamed):
+    """A whole module (a layer's attention) read for each call."""
+
+    def __call__(self, *args, **kwargs):
+        return self._run(self._streamer.load(self._path), lambda: self._inner(*args, **kwargs))
+
+
+class StreamedRows(_Streamed):
+    """An embedding (or LM head): lookups read only the rows asked for; as a linear layer
+    (an LM head, or a tied embedding's `as_linear`) it is read in chunks of rows."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if mx.issubdtype(x.dtype, mx.integer):  # an embedding lookup
+            ids, inverse = np.unique(np.array(x), return_inverse=True)
+            arrays = self._streamer.rows(self._path, ids)
+            return self._run(arrays, lambda: self._inner(mx.array(inverse.reshape(x.shape).astype(np.int32))))
+        return self._chunked(lambda: self._inner(x))
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._chunked(lambda: self._inner.as_linear(x))
+
+    def _chunked(self, fn: Callable[[], mx.array]) -> mx.array:
+        group, vocab = self._streamer.groups[self._path], self._streamer.vocab(self._path)
+        parts = []
+        for r in range(0, vocab, group.chunk_rows):
+            parts.append(self._run(self._streamer.load(self._path, (r, min(r + group.chunk_rows, vocab))), fn))
+        return mx.concatenate(parts, axis=-1)
+
+
+def wrapper_for(group: StreamGroup) -> Callable[[nn.Module, ResidentStreamer], nn.Module]:
+    cls = StreamedLayer if group.kind == "layer" else StreamedRows
+    return lambda module, streamer: cls(module, streamer, group.path)

@@ -1,0 +1,130 @@
+"""Below the resident floor: attention layers, embeddings and the LM head streamed from flash.
+
+Streamed models must generate exactly the tokens of the resident model, read exactly the
+streamed weights' bytes per token, stay within the budget, and the planner must keep what fits."""
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_flash import BudgetError, FlashFormatError
+from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
+from mlx_flash.convert import convert
+from mlx_flash.flash_format import RESIDENT, FlashDir
+from mlx_flash.loader import cpu_float32, load, load_resident
+from mlx_flash.models.tiny import make_tiny_model_dir
+from mlx_flash.offload import _spread, stream_groups
+
+PROMPT = [1, 5, 9, 33, 7, 100, 3]
+CONTEXT = 64
+CAST = lambda k: "float32" if cpu_float32(k) else None  # noqa: E731  (the CPU path's resident dtypes)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """6-layer tiny models: llama (untied head), opt (tied, position embedding), qwen3 (q/k norms), gemma3 (tied)."""
+    root = tmp_path_factory.mktemp("offload")
+    return {
+        arch: convert(str(make_tiny_model_dir(arch, root / f"src-{arch}", num_hidden_layers=6)), root / arch,
+                      alignment=512, progress=False)
+        for arch in ("llama", "opt", "qwen3", "gemma3_text")
+    }
+
+
+def floors(path):
+    fd = FlashDir(path)
+    groups = stream_groups(fd, CAST, CONTEXT)
+    resident = fd.resident_nbytes(CAST)
+    return fd, groups, min_streaming_budget(fd, CONTEXT, 4, resident=resident, groups=groups), \
+        min_budget(fd, CONTEXT, 4, resident=resident)
+
+
+def greedy(model, n):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen3", "gemma3_text"])
+def test_streamed_model_equals_resident(dirs, arch):
+    path = dirs[arch]
+    fd, groups, floor, resident_floor = floors(path)
+    assert floor < resident_floor
+    ref, _ = load_resident(path)
+    expected = greedy(ref, 24)
+    budget = floor  # everything streamed, no FFN unit cached
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT)
+    try:
+        plan = model.flash.plan
+        assert plan.streamed == groups
+        assert greedy(model, 24) == expected
+        assert mx.get_peak_memory() - base <= budget
+        # every decode token reads each streamed layer and head once, and one row of each embedding
+        index = fd.resident_index()
+        per_token = sum((index[n].nbytes if g.kind != "rows" else 0)
+                        + (index[n].nbytes // index[n].shape[0] if "embed" in g.path else 0)
+                        for g in plan.streamed for n in g.tensors)
+        model.flash.stats.end()
+        toks = model.flash.stats.decode_tokens()
+        assert [t.streamed_bytes for t in toks[2:-2]] == [per_token] * len(toks[4:])
+        assert all(t.bytes_read >= t.streamed_bytes for t in toks)
+        assert model.flash.streamer.reader.stats()["bytes_read"] >= sum(t.streamed_bytes for t in model.flash.stats.tokens)
+    finally:
+        model.flash.close()
+
+
+def test_planner_streams_cheapest_first_and_keeps_what_fits(dirs):
+    path = dirs["llama"]
+    fd, groups, floor, resident_floor = floors(path)
+    kinds = [g.kind for g in groups]
+    assert kinds == sorted(kinds, key=["rows", "layer", "head"].index)  # rows, then layers, then the head
+    layers = [g for g in groups if g.kind == "layer"]
+    resident = fd.resident_nbytes(CAST)
+    plan = plan_memory(fd, resident_floor, CONTEXT, 4, resident=resident, groups=groups)
+    assert plan.streamed == []  # everything fits: nothing streamed
+    plan = plan_memory(fd, floor, CONTEXT, 4, resident=resident, groups=groups)
+    assert plan.streamed == groups and sum(c["neurons"] for c in plan.capacity) == 0
+    mid = plan_memory(fd, (floor + resident_floor) // 2, CONTEXT, 4, resident=resident, groups=groups)
+    streamed_layers = [g for g in mid.streamed if g.kind == "layer"]
+    assert 0 < len(streamed_layers) < len(layers)  # some attention layers stay resident
+    assert mid.resident + mid.kv_cache + mid.scratch + mid.workspace + mid.streaming <= mid.budget
+    assert "attention layers" in mid.describe({"neurons": 1}, {"neurons": 1})
+    with pytest.raises(BudgetError, match="too small even with attention, embeddings and LM head streamed"):
+        plan_memory(fd, floor - 1, CONTEXT, 4, resident=resident, groups=groups)
+
+
+def test_spread_order():
+    assert sorted(_spread(6)) == list(range(6))
+    assert _spread(8)[:2] == [0, 4] and sorted(_spread(8)[:4]) == [0, 2, 4, 6]  # prefixes are evenly spread
+
+
+def test_budget_below_the_streaming_floor(dirs):
+    path = dirs["opt"]
+    _, _, floor, _ = floors(path)
+    with pytest.raises(BudgetError, match="too small"):
+        load(path, memory_budget=floor - 1, context=CONTEXT)
+
+
+def test_close_releases_the_stream_reader(dirs):
+    path = dirs["qwen3"]
+    _, _, floor, _ = floors(path)
+    fds = len(os.listdir("/proc/self/fd"))
+    model, _ = load(path, memory_budget=floor, sparsity="dense", context=CONTEXT)
+    greedy(model, 2)
+    assert model.flash.streamer is not None
+    model.flash.close()
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_corrupt_resident_header_is_a_format_error(dirs, tmp_path):
+    import shutil
+
+    path = shutil.copytree(dirs["llama"], tmp_path / "copy")
+    with open(path / RESIDENT, "r+b") as f:
+        f.write((1 << 40).to_bytes(8, "little"))  # a header length past the end of the file
+    with pytest.raises(FlashFormatError, match="unreadable safetensors header"):
+        load(path, memory_budget="50%", context=CONTEXT)
