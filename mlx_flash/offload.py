@@ -9,7 +9,8 @@ the groups `stream_groups` lists, cheapest first, until the rest fits:
             every token; layers are taken evenly spread, so the resident layers between
             streamed ones give the prefetch compute to hide behind
     head    the LM head, or a tied embedding used as one: read every token in chunks of
-            vocabulary rows, so it never needs more than two chunks of memory
+            vocabulary rows, so it never needs more than two chunks of memory (logits for
+            several positions at once are left lazy: see StreamedRows._chunked)
 
 A `ResidentStreamer` reads them from resident.safetensors (offsets from its header, so the
 format needs nothing new) with its own pread pool. Loads follow the order of the forward
@@ -222,6 +223,21 @@ class ResidentStreamer:
             shapes.append((len(ids), *t.shape[1:]))
         return self._take(_Load((path, "rows"), self.reader, tensors, ranges, shapes, self.cast, self.file_size))
 
+    def touch(self, x: mx.array):
+        """A streamed embedding or attention layer may be where a token's forward pass starts."""
+        if self.stats is not None:
+            self.stats.touch(prefill=x.size > x.shape[-1] if mx.issubdtype(x.dtype, mx.floating) else x.size > 1)
+
+    def lazy(self, path: str) -> Dict[str, mx.array]:
+        """The group's tensors as lazily loaded arrays (mx.load): read whole, and only if evaluated."""
+        arrays = self.fd.load_resident()
+        out = {}
+        for name in self.groups[path].tensors:
+            t = self.index[name]
+            target = self.cast(name) if self.cast and mx.issubdtype(t.dtype, mx.floating) else None
+            out[name] = arrays[name].astype(getattr(mx, target)) if target else arrays[name]
+        return out
+
     def vocab(self, path: str) -> int:
         return self.index[self.groups[path].tensors[0]].shape[0]
 
@@ -277,8 +293,9 @@ class _Streamed(nn.Module):
 class StreamedLayer(_Streamed):
     """A whole module (a layer's attention) read for each call."""
 
-    def __call__(self, *args, **kwargs):
-        return self._run(self._streamer.load(self._path), lambda: self._inner(*args, **kwargs))
+    def __call__(self, x, *args, **kwargs):
+        self._streamer.touch(x)
+        return self._run(self._streamer.load(self._path), lambda: self._inner(x, *args, **kwargs))
 
 
 class StreamedRows(_Streamed):
@@ -287,15 +304,24 @@ class StreamedRows(_Streamed):
 
     def __call__(self, x: mx.array) -> mx.array:
         if mx.issubdtype(x.dtype, mx.integer):  # an embedding lookup
+            self._streamer.touch(x)
             ids, inverse = np.unique(np.array(x), return_inverse=True)
             arrays = self._streamer.rows(self._path, ids)
             return self._run(arrays, lambda: self._inner(mx.array(inverse.reshape(x.shape).astype(np.int32))))
-        return self._chunked(lambda: self._inner(x))
+        return self._chunked(x, lambda: self._inner(x))
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return self._chunked(lambda: self._inner.as_linear(x))
+        return self._chunked(x, lambda: self._inner.as_linear(x))
 
-    def _chunked(self, fn: Callable[[], mx.array]) -> mx.array:
+    def _chunked(self, x: mx.array, fn: Callable[[], mx.array]) -> mx.array:
+        if x.size > x.shape[-1]:
+            # Several positions: a prompt, whose logits mlx-lm never evaluates (only the last
+            # token's, in a call of its own). Left lazy they cost nothing; if evaluated (e.g. a
+            # perplexity run), the head is read whole, outside the streaming buffers.
+            self._use(self._streamer.lazy(self._path))
+            out = fn()
+            self._release()
+            return out
         group, vocab = self._streamer.groups[self._path], self._streamer.vocab(self._path)
         parts = []
         for r in range(0, vocab, group.chunk_rows):

@@ -134,8 +134,7 @@ class FlashEngine:
     # -- FFN -------------------------------------------------------------------
     def ffn(self, layer: int, x: mx.array, bias: Dict[str, mx.array]) -> mx.array:
         B, L, _ = x.shape
-        if layer == 0:
-            self.stats.begin_token(prefill=B * L > 1)
+        self.stats.touch(prefill=B * L > 1)
         xc = x.astype(self.compute_dtype)
         if B * L > 1:
             y = self._prefill(layer, xc, bias)
@@ -144,6 +143,8 @@ class FlashEngine:
             y = self._decode_dip(layer, xv, xc) if self.dip_layout else self._decode(layer, xv, xc, bias)
         if "fc2" in bias:
             y = y + bias["fc2"].astype(y.dtype)
+        if layer == len(self.caches) - 1:
+            self.stats.forward_done()
         return y.astype(x.dtype)
 
     def _decode(self, layer, xv, x, bias):

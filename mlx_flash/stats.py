@@ -30,12 +30,25 @@ class TokenStats:
 
 
 class Stats:
-    """Accumulates TokenStats; `begin_token()` starts a new one, the runtime adds to `current`."""
+    """Accumulates TokenStats; `begin_token()` starts a new one, the runtime adds to `current`.
+
+    The runtime marks token boundaries itself: the first event of a forward pass (`touch`: an
+    embedding lookup, a streamed attention layer or an FFN) begins a token, the last layer's FFN
+    ends the pass (`forward_done`); LM head reads after it still count for that token."""
 
     def __init__(self):
         self.tokens: List[TokenStats] = []
         self.current = TokenStats()
         self._t0 = None
+        self._between_forwards = True
+
+    def touch(self, prefill: bool):
+        if self._between_forwards:
+            self.begin_token(prefill)
+            self._between_forwards = False
+
+    def forward_done(self):
+        self._between_forwards = True
 
     def begin_token(self, prefill: bool = False):
         now = time.perf_counter()
@@ -52,6 +65,7 @@ class Stats:
             self.tokens.append(self.current)
             self._t0 = None
             self.current = TokenStats()
+        self._between_forwards = True
 
     def reset(self):
         self.__init__()

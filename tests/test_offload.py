@@ -128,3 +128,25 @@ def test_corrupt_resident_header_is_a_format_error(dirs, tmp_path):
         f.write((1 << 40).to_bytes(8, "little"))  # a header length past the end of the file
     with pytest.raises(FlashFormatError, match="unreadable safetensors header"):
         load(path, memory_budget="50%", context=CONTEXT)
+
+
+def test_prompt_logits_stay_lazy_and_equal_resident(dirs):
+    """A prompt's logits (mlx-lm discards all but the last token's) cost no head reads until evaluated,
+    and evaluated they equal the resident model's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = dirs["llama"]
+    fd, groups, floor, _ = floors(path)
+    ref, _ = load_resident(path)
+    expected = ref(mx.array(PROMPT)[None], cache=make_prompt_cache(ref))
+    model, _ = load(path, memory_budget=floor, sparsity="dense", context=CONTEXT)
+    try:
+        logits = model(mx.array(PROMPT)[None], cache=make_prompt_cache(model))
+        index = fd.resident_index()
+        layers = sum(index[n].nbytes for g in groups if g.kind == "layer" for n in g.tensors)
+        rows = sum(index[n].nbytes // index[n].shape[0] for n in groups[0].tensors) * len(set(PROMPT))
+        assert groups[0].path.endswith("embed_tokens") and groups[-1].path == "lm_head"
+        assert model.flash.stats.current.streamed_bytes == layers + rows  # the LM head was not read
+        assert mx.allclose(logits, expected, atol=1e-4, rtol=1e-4).item()
+    finally:
+        model.flash.close()
