@@ -149,12 +149,9 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
     if not unit_cache:
         plan.capacity = [{name: 0 for name in caps} for caps in plan.capacity]
     scratch = min(plan.workspace // 2, plan.scratch)
-    old = getattr(model, "flash", None)
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, compute_dtype=mx.float32)
     engine.plan = plan
-    for layer in model.layers:
-        layer.mlp._engine = engine
-    model.flash = engine
+    old = engine.attach(model)
     if old is not None and old is not engine:
         old.caches = None  # free the previous configuration's cache buffers
         engine.streamer, old.streamer = old.streamer, None
@@ -349,10 +346,6 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     model, tok = load(path, memory_budget=min(floor, budget), sparsity="dense", context=context, threads=threads)
     reader = model.flash.reader
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
-    if hasattr(sparse, "bias"):  # the ReLU oracle needs fc1's bias
-        for i, layer in enumerate(model.layers):
-            if "fc1" in layer.mlp._bias:
-                sparse.bias[i] = layer.mlp._bias["fc1"]
     from .sparsity import Dense
 
     dense = Dense(fd.ffn["intermediate_size"])
@@ -462,10 +455,8 @@ def table(res) -> str:
     return "\n".join(rows)
 
 
-def plot(res, out, title=None):
-    import matplotlib
-
-    matplotlib.use("Agg")
+def figure(res, title=None):
+    """The stacked-bar latency breakdown (ms/token per configuration) as a matplotlib Figure."""
     import matplotlib.pyplot as plt
 
     names = [n for n, r in res["configs"].items() if "skipped" not in r]
@@ -485,6 +476,17 @@ def plot(res, out, title=None):
     ax.set_title(title or f"{Path(res['model']).name}, budget {res['memory_budget']}")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False)
     fig.tight_layout()
+    return fig
+
+
+def plot(res, out, title=None):
+    """`figure` saved to the file `out` (headless: the Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(res, title)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 

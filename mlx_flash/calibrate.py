@@ -232,6 +232,27 @@ def quality_report(fd: FlashDir, model, ctl, batches: np.ndarray, densities: Seq
             "cache_fraction": cache_fraction}
 
 
+def density_sweep(path=None, data: Sequence = (DEFAULT_DATA,), densities: Sequence[float] = (0.75, 0.5),
+                  seq_len: int = 128, calib_seqs: int = 2, eval_seqs: int = 2, dip_candidates: int = 3,
+                  gamma: float = 0.2, progress: bool = False) -> dict:
+    """DIP calibrated on the first half of `data`, then perplexity on the second half for dense, oracle,
+    DIP and DIP-CA at each MLP density: the report's numbers, with nothing written to the directory.
+
+    Returns {"model", "dip": {density: split and search}, "quality": quality_report(...)}."""
+    from .loader import default_model_dir, load_tokenizer
+
+    fd = FlashDir(path if path is not None else default_model_dir())
+    tok = load_tokenizer(fd)
+    model, ctl = eval_model(fd)
+    chars = 16 * (seq_len + 1) * max(calib_seqs, eval_seqs)  # tokenize only what is used (~4 chars a token)
+    calib = token_batches(tok, read_text(data, "first")[:chars], seq_len, calib_seqs)
+    held = token_batches(tok, read_text(data, "second")[:chars], seq_len, eval_seqs)
+    densities = [d for d in densities if d < 1]  # dense is always the first row
+    dip = {d: calibrate_dip(model, ctl, calib, d, dip_candidates, progress) for d in densities}
+    return {"model": str(fd.path), "dip": dip,
+            "quality": quality_report(fd, model, ctl, held, densities, None, dip, gamma, progress=progress)}
+
+
 def plot_report(report: dict, path: Path, title: str = "") -> None:
     import matplotlib
 

@@ -188,6 +188,7 @@ def load(
     context: int = 2048,
     use_metal: bool = None,
     dtype=None,
+    sparsifier=None,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -197,6 +198,8 @@ def load(
     that does not fit, raises BudgetError before reading weights. `model.flash` is the engine: its `.stats`, and `model.flash.close()`.
     dtype: mx.float32 runs activations in float32 (see `cpu_float32`); the default without Metal,
     where float16 matmuls do not use BLAS (~35x slower). Otherwise the stored dtype is kept.
+    sparsifier: an object with the sparsity.py interface (e.g. a `Predictor` trained in memory); it
+    replaces `sparsity`/`density`/`gamma`. `model.flash.attach` swaps engines later.
     """
     from .budget import parse_size, plan_memory
     from .flash_format import RESIDENT
@@ -205,9 +208,10 @@ def load(
     from .runtime import FlashEngine, FlashFFN
 
     fd = FlashDir(path if path is not None else default_model_dir())
-    sparsifier = make_sparsifier(fd, sparsity, density, gamma)
+    if sparsifier is None:
+        sparsifier = make_sparsifier(fd, sparsity, density, gamma)
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
-    extra = sum(v.nbytes for w in (fd.load_predictors() or []) for v in w.values()) if sparsity == "predictor" else 0
+    extra = sum(v.nbytes for w in getattr(sparsifier, "weights", []) for v in w.values())  # predictors' DRAM
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
     cast = (lambda k: "float32" if cpu_float32(k) else None) if dtype == mx.float32 else None

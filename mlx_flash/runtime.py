@@ -231,6 +231,19 @@ class FlashEngine:
             self.caches[layer][region].plan(select(layer, v))
         self.stats.current.mm_s += time.perf_counter() - t
 
+    def attach(self, model) -> "FlashEngine":
+        """Serve every FlashFFN of `model` from this engine (e.g. a fresh one with another sparsifier,
+        budget or reader) and set `model.flash`; returns the engine it replaced (None if none).
+        The caller frees or closes the old one: several engines may share a reader."""
+        old = getattr(model, "flash", None)
+        for layer in model.layers:
+            mlp = layer.mlp
+            mlp._engine = self
+            if "fc1" in mlp._bias and hasattr(self.sparsifier, "bias"):  # the ReLU oracle needs fc1's bias
+                self.sparsifier.bias[mlp._layer] = mlp._bias["fc1"]
+        model.flash = self
+        return old
+
     def close(self):
         """Release the readers' files and threads."""
         self.reader.close()

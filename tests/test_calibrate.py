@@ -8,7 +8,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash.calibrate import calibrate_dip, collect_inputs, main, train_predictor, train_predictors
+from mlx_flash.calibrate import (
+    calibrate_dip,
+    collect_inputs,
+    density_sweep,
+    main,
+    train_predictor,
+    train_predictors,
+)
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load_resident, make_sparsifier
@@ -144,3 +151,19 @@ def test_calibrate_cli_on_tiny_model(tiny, tmp_path, monkeypatch):
     assert modes == {"dense", "oracle", "predictor", "dip", "dip-ca"}
     assert all(np.isfinite(r["ppl"]) for r in report["quality"]["rows"])
     assert (out / "report.png").stat().st_size > 0
+
+
+def test_density_sweep_reports_each_density_and_writes_nothing(tiny):
+    _, _, data = tiny
+    path = _flash(tiny, "sweep")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    out = density_sweep(path, [data], densities=(1.0, 0.75, 0.5), seq_len=32, calib_seqs=1, eval_seqs=2,
+                        dip_candidates=2, gamma=0.7)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    rows = out["quality"]["rows"]
+    assert [(r["mode"], r["target_density"]) for r in rows] == [("dense", 1.0)] + [
+        (m, d) for d in (0.75, 0.5) for m in ("oracle", "dip", "dip-ca")]
+    assert set(out["dip"]) == {0.75, 0.5} and out["quality"]["gamma"] == 0.7
+    for r in rows:
+        assert abs(r["mlp_density"] - r["target_density"]) < 0.02 and np.isfinite(r["ppl"]), r
+    assert out["quality"]["tokens"] == 2 * 32

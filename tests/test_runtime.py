@@ -192,3 +192,31 @@ def test_close_releases_files_and_threads(flash_dirs):
     assert threading.active_count() == threads
     with pytest.raises(FlashError, match="closed"):
         greedy(model, 1)  # a closed model refuses to read, with a typed error
+
+
+def test_sparsifier_object_and_attach(flash_dirs):
+    """load(sparsifier=...) takes an object; engine.attach moves a model onto another engine. ReLU oracle:
+    both wire fc1's bias, so the tokens stay exactly the dense model's while fewer neurons are read."""
+    from mlx_flash.runtime import FlashEngine
+    from mlx_flash.sparsity import Oracle
+
+    path = flash_dirs["opt", "neurons"]
+    fd = FlashDir(path)
+    ref, _ = load_resident(path)
+    oracle = Oracle(fd)
+    model, _ = load(path, sparsifier=oracle, context=CONTEXT)
+    first = model.flash
+    try:
+        assert first.sparsifier is oracle and set(oracle.bias) == set(range(len(fd.layers)))
+        assert greedy(model, 16) == greedy(ref, 16)
+        seen = len(first.stats.tokens)
+
+        second = FlashEngine(fd, first.reader, Oracle(fd), first.plan.capacity, first.plan.scratch)
+        assert second.attach(model) is first and model.flash is second
+        assert greedy(model, 16) == greedy(ref, 16)
+        assert len(first.stats.tokens) == seen  # every token now goes through the new engine
+        second.stats.end()
+        active = [a for t in second.stats.decode_tokens() for a in t.active]
+        assert 0 < np.mean(active) < fd.layers[0]["neurons"].n_units
+    finally:
+        model.flash.close()
