@@ -165,7 +165,10 @@ def decode(model, prompt, n: int, on_prefill=None):
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt)[None], cache=cache)
+    if len(prompt) > 1:  # as mlx-lm: the prompt's logits are never computed, only its last token's
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = model(mx.array(prompt[-1:])[None], cache=cache)
     y = mx.argmax(logits[:, -1], axis=-1)
     mx.eval(y)
     if on_prefill:
@@ -219,7 +222,7 @@ def fio_throughput(path, block: int, threads: int, seconds: float = 1.0):
 
 def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, disk_seconds: float, use_fio: bool):
     engine.stats.end()
-    toks = engine.stats.decode_tokens()
+    toks = engine.stats.decode_tokens()[-len(times):]  # the timed steps (not the last prompt token)
     stride = fd.layouts["neurons"].stride
     n = len(toks)
     io = np.array([t.io_s for t in toks]) * 1e3
