@@ -13,6 +13,7 @@ import pytest
 
 from mlx_flash.errors import SourceError, UnsupportedArchitectureError
 from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
+from mlx_flash.models.tiny import _bytes_to_unicode
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT_CANDIDATES = [
@@ -218,18 +219,6 @@ def test_dtype_option(smol_gguf, tmp_path):
 # --------------------------------------------------------------------------------------
 # tiny self-written GGUFs: dequantise fallback, sharding, errors
 # --------------------------------------------------------------------------------------
-
-
-def _bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def _llamacpp_permute(w, n_head):
