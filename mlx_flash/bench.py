@@ -117,12 +117,15 @@ class UnbundledReader:
         ln = np.tile(np.array(sizes, dtype=np.int64), len(uo))
         return o, ln, d
 
-    def read(self, dest, offsets, lengths, dest_offsets, *, coalesce: bool = True):
+    def submit(self, dest, offsets, lengths, dest_offsets, *, coalesce: bool = True):
         offsets, lengths, dest_offsets = (np.asarray(x, dtype=np.int64) for x in (offsets, lengths, dest_offsets))
         if len(offsets) == 0:
-            return self.reader.read(dest, offsets, lengths, dest_offsets, coalesce=False)
+            return self.reader.submit(dest, offsets, lengths, dest_offsets, coalesce=False)
         stride = self.fd.layouts["neurons"].stride
-        return self.reader.read(dest, *self._split(offsets, lengths, dest_offsets, stride), coalesce=False)
+        return self.reader.submit(dest, *self._split(offsets, lengths, dest_offsets, stride), coalesce=False)
+
+    def read(self, dest, offsets, lengths, dest_offsets, *, coalesce: bool = True):
+        return self.reader.wait(self.submit(dest, offsets, lengths, dest_offsets))
 
 
 # -- engines -------------------------------------------------------------------------------

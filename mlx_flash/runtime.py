@@ -57,22 +57,34 @@ class FlashEngine:
         self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)
 
     # -- I/O -------------------------------------------------------------------
-    def _read(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray) -> None:
-        """Read `units` of a region to byte offsets `dest` of `buffer` (one batch; the pool coalesces)."""
+    def _submit(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
+        """Start reading `units` of a region to byte offsets `dest` of `buffer` (one batch; the pool
+        coalesces); returns a function that waits for it, counting the time waited as I/O."""
         if len(units) == 0:
-            return
+            return lambda: None
         r = self.fd.layers[layer][region]
         offsets = r.offset + units.astype(np.int64) * r.stride
         lengths = np.full(len(units), r.stride, dtype=np.int64)
         t = time.perf_counter()
-        self.reader.read(buffer, offsets, lengths, dest.astype(np.int64))
+        handle = self.reader.submit(buffer, offsets, lengths, dest.astype(np.int64))
         s = self.stats.current
         s.io_s += time.perf_counter() - t
         s.bytes_read += int(lengths.sum())
 
+        def wait():
+            t = time.perf_counter()
+            self.reader.wait(handle)
+            self.stats.current.io_s += time.perf_counter() - t
+
+        return wait
+
+    def _read(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray) -> None:
+        self._submit(layer, region, units, buffer, dest)()
+
     def _read_into_cache(self, layer, region, units, slots):
+        """Start reading misses into their cache rows; returns the function that waits for them."""
         cache = self.caches[layer][region]
-        self._read(layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes)
+        return self._submit(layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes)
 
     def _stream(self, layer: int, region: str, units: np.ndarray):
         """Yield (positions, rows [len, stride] mx.array) for `units` read through the scratch buffer.
@@ -97,31 +109,43 @@ class FlashEngine:
                 self.stats.current.mm_s += time.perf_counter() - t
 
     def _fetch(self, layer: int, region: str, active: np.ndarray):
-        """Plan the cache for `active` and read its misses; overflow is left to `_sum_over`."""
+        """Plan the cache for `active` and start reading its misses; overflow is left to `_sum_over`.
+        Returns the plan and a function that waits for the misses."""
         cache = self.caches[layer][region]
         t = time.perf_counter()
         plan = cache.plan(active)
         s = self.stats.current
         s.mm_s += time.perf_counter() - t
-        self._read_into_cache(layer, region, plan.miss_neurons, plan.miss_slots)
+        wait = self._read_into_cache(layer, region, plan.miss_neurons, plan.miss_slots)
         s.misses += len(plan.miss_neurons) + len(plan.overflow_neurons)
         s.hits += len(active) - len(plan.miss_neurons) - len(plan.overflow_neurons)
-        return plan
+        return plan, wait
 
     def _sum_over(self, layer: int, region: str, active: np.ndarray, fn):
         """sum of fn(rows, slots, positions) over the active units: cached ones in place, overflow streamed.
 
-        `positions` index into `active` (sorted); fn returns an mx.array.
+        `positions` index into `active` (sorted); fn returns an mx.array. The hits are computed
+        while the misses are being read (I/O overlapped with compute), then the misses.
         """
-        plan = self._fetch(layer, region, active)
+        plan, wait = self._fetch(layer, region, active)
         rows = self.caches[layer][region].rows
         cached = np.flatnonzero(plan.slots >= 0)
+        missed = np.isin(active[cached], plan.miss_neurons)
         per = max(1, self.scratch.nbytes // rows.shape[1])  # bounds the gathered copy: see budget.py
-        y = fn(rows, mx.array(plan.slots[cached[:per]]), cached[:per])
-        for start in range(per, len(cached), per):
-            mx.eval(y)
-            pos = cached[start : start + per]
-            y = y + fn(rows, mx.array(plan.slots[pos]), pos)
+        y = None
+        for i, positions in enumerate((cached[~missed], cached[missed])):
+            if i == 1:
+                if y is not None:
+                    mx.eval(y)  # the hits' share, computed while the pool reads the misses
+                wait()
+            for start in range(0, len(positions), per):
+                if y is not None:
+                    mx.eval(y)
+                pos = positions[start : start + per]
+                part = fn(rows, mx.array(plan.slots[pos]), pos)
+                y = part if y is None else y + part
+        if y is None:  # nothing cached: a zero of the right shape
+            y = fn(rows, mx.array(plan.slots[cached]), cached)
         if len(plan.overflow_neurons):
             mx.eval(y)
             positions = np.searchsorted(active, plan.overflow_neurons)
