@@ -30,6 +30,8 @@ Functions:
                                         MLX ops everywhere, a Metal kernel
                                         (kernels/bitmap_expand.metal) when Metal is available
     expand_mask(encoded, d)          -> mx.array bool [k, d]: the stored positions
+    affine_zero_codes(scales, biases) -> the code of 0.0 per quantisation group (the fill of
+                                        8-bit affine rows, see encode_rows' mask)
     compression_ratio(...)           -> encoded bytes / dense bytes
 """
 
@@ -181,6 +183,19 @@ def compression_ratio(d: int, capacity: int, dtype) -> float:
     return row_bytes(d, capacity, dtype) / (d * DTYPES[dtype_name(dtype)][0])
 
 
+def affine_zero_codes(scales: mx.array, biases: mx.array, bits: int = 8) -> mx.array:
+    """uint8 [..., groups]: the code q nearest to dequantising to 0.0 (scale * q + bias = 0) per group.
+
+    MLX's affine quantisation maps 0.0 to exactly this code, so a pruned row quantised by
+    mx.quantize holds it at every pruned position: encode only the codes that differ (mask
+    = codes != repeat(zero codes)) and fill the rest with it when expanding. Computed in
+    float32 with MLX ops, the same at encode and expand time.
+    """
+    s, b = scales.astype(mx.float32), biases.astype(mx.float32)
+    q = mx.round(-b / mx.where(s == 0, 1.0, s))
+    return mx.where(s == 0, 0, mx.clip(q, 0, 2**bits - 1)).astype(mx.uint8)
+
+
 def capacity_for_sparsity(d: int, sparsity: float) -> int:
     """Value slots needed for rows pruned to `sparsity` (at most d - floor(sparsity * d) non-zeros)."""
     return max(d - int(sparsity * d), 1)
@@ -239,7 +254,7 @@ def _build_kernel():
     path = kernel_path()
     if path is None:
         return {}, None
-    from .gather_ffn import split_sections
+    from .kernel_source import split_sections
 
     src = split_sections(path.read_text())
     return src, mx.fast.metal_kernel(
