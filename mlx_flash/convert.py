@@ -69,8 +69,8 @@ def convert(
     prune_sparsity: float = 0.5,
     prune_text=None,
     prune_format: str = "bitmap",
-    prune_seqs: int = 32,
-    prune_seq_len: int = 512,
+    prune_seqs: int = 16,
+    prune_seq_len: int = 256,
 ) -> Path:
     """Convert `model` into the flash directory `out`; returns its path.
 
@@ -189,20 +189,26 @@ def _check_prune(prune, sparsity, fmt, layout):
 
 
 def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
-    """Wanda input norms per layer from calibration text, computed in float32 (fast on the CPU);
-    the float weights are cast back afterwards (exact: float16/bfloat16 -> float32 -> back)."""
-    from mlx_lm.utils import load_tokenizer
+    """Wanda input norms per layer from calibration text, computed dequantised in float32 (BLAS
+    matmuls: MLX's CPU quantised and float16 matmuls are many times slower). The model is
+    restored afterwards: quantised modules put back, floats cast back (exact round trip)."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import dequantize_model, load_tokenizer
 
-    orig = _float_dtype(model)
-    cast = lambda d: tree_map(lambda p: p.astype(d) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters())
-    model.update(cast(mx.float32))
+    quantized = [(k, m) for k, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    dtypes = tree_map(lambda p: p.dtype, model.parameters())
+    dequantize_model(model)
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    mx.eval(model.parameters())  # once, not per forward
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
     try:
         norms = text_input_norms(model, load_tokenizer(src_dir), text, n_seqs, seq_len, progress)
     except (OSError, ValueError) as e:
         raise FlashError(f"--prune-text {text or WIKITEXT}: {e}") from None
     finally:
-        model.update(cast(orig))
+        if quantized:
+            model.update_modules(tree_unflatten(quantized))
+        model.update(tree_map(lambda p, d: p.astype(d), model.parameters(), dtypes))
     info = {"text": str(text or WIKITEXT), "half": "first", "seqs": n_seqs, "seq_len": seq_len}
     return norms, info
 
@@ -262,6 +268,8 @@ def setup_arg_parser():
     parser.add_argument("--prune-sparsity", type=float, default=0.5, help="Fraction of each row pruned (default 0.5).")
     parser.add_argument("--prune-text", default=None,
                         help="Calibration text; its first half is used (default: WikiText-2 test).")
+    parser.add_argument("--prune-seqs", type=int, default=16, help="Calibration sequences (default 16).")
+    parser.add_argument("--prune-seq-len", type=int, default=256, help="Tokens per calibration sequence (default 256).")
     parser.add_argument("--prune-format", choices=list(PRUNE_FORMATS), default="bitmap",
                         help="bitmap: store pruned rows ENDOR bitmap-encoded (float or 8-bit rows); dense: as they are.")
     parser.add_argument(
@@ -277,6 +285,7 @@ def main():
         out = convert(
             args.model, args.out, args.dtype, args.bits, args.group_size, args.dequantize, args.down_bits, args.alignment, args.layout,
             prune=args.prune, prune_sparsity=args.prune_sparsity, prune_text=args.prune_text, prune_format=args.prune_format,
+            prune_seqs=args.prune_seqs, prune_seq_len=args.prune_seq_len,
         )
     except FlashError as e:
         raise SystemExit(f"error: {e}")
