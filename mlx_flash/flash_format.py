@@ -210,6 +210,12 @@ class BundleLayout:
                 raise FlashFormatError(f"component {c.name!r}: its encoding holds {c.encoding.length} values, not {c.nbytes} bytes")
             if c.flash_offset + c.disk_nbytes > layout.disk_stride:
                 raise FlashFormatError(f"component {c.name!r} ends past the unit's {layout.disk_stride} bytes on flash")
+            if c.encoding and c.encoding.fill == "affine_zero":  # expand needs the group scales/biases, dense
+                groups = c.encoding.length // c.encoding.group_size
+                for part in ("scales", "biases"):
+                    g = next((x for x in comps if x.name == _sibling(c.name, part)), None)
+                    if g is None or g.encoding or int(np.prod(g.shape)) != groups:
+                        raise FlashFormatError(f"component {c.name!r}: affine_zero fill needs a dense {_sibling(c.name, part)!r} of {groups} groups")
         return layout
 
     def pack(self, arrays: Dict[str, mx.array]) -> np.ndarray:

@@ -181,6 +181,26 @@ def test_bad_encoding_is_a_clear_error(dirs, tmp_path, edit, message):
         FlashDir(path)
 
 
+def _drop_scales(m):
+    comps = m["layouts"]["neurons"]["components"]
+    comps[:] = [c for c in comps if c["name"] != "gate.scales"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: _first_encoding(m).update(group_size=16), "affine_zero fill needs a dense 'gate.scales' of 32 groups"),
+        (_drop_scales, "affine_zero fill needs a dense 'gate.scales'"),
+        (lambda m: _first_encoding(m).update(dtype="float16"), "affine_zero fill needs uint8 values"),
+    ],
+)
+def test_bad_affine_encoding_is_a_clear_error(dirs, tmp_path, edit, message):
+    path = _copy(dirs, tmp_path, "llama-q8")
+    _edit_manifest(path, edit)
+    with pytest.raises(FlashFormatError, match=message):
+        FlashDir(path)
+
+
 def test_corrupted_encoded_bytes(dirs, tmp_path):
     path = _copy(dirs, tmp_path)
     fd = FlashDir(path)
