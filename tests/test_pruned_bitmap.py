@@ -243,3 +243,23 @@ def test_bad_prune_options(dirs, tmp_path, kw, message):
     with pytest.raises(FlashError, match=message):
         convert(str(dirs["src"]["llama"]), tmp_path / "x", **dict(PRUNE, **kw))
     assert not (tmp_path / "x").exists()
+
+
+def test_cli(dirs, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_flash.convert", "--model", str(dirs["src"]["llama"]), "--out", str(out),
+         "--prune", "wanda", "--prune-sparsity", "0.6", "--prune-seqs", "2", "--prune-seq-len", "32"],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "B expanded" in r.stdout
+    fd = FlashDir(out)
+    assert fd.manifest["pruning"]["sparsity"] == 0.6 and fd.manifest["pruning"]["calibration"]["seqs"] == 2
+    assert {e.capacity for e in fd.layouts["neurons"].encodings().values()} == {64 - int(0.6 * 64)}
+    r = subprocess.run([sys.executable, "-m", "mlx_flash.convert", "--model", str(dirs["src"]["llama"]), "--out",
+                        str(tmp_path / "q4"), "--bits", "4", "--prune", "wanda"], capture_output=True, text=True)
+    assert r.returncode == 1 and "4-bit codes are packed" in r.stderr
