@@ -427,7 +427,8 @@ class FlashDir:
 
     @property
     def model_bytes(self) -> int:
-        """Bytes of the model's weights: resident as stored + FFN unit data without padding.
+        """Bytes of the model's weights: resident as stored + FFN unit data without padding
+        (encoded units counted dense, as the caches hold them).
 
         What budgets given as a percentage ("50%") are a percentage of."""
         return self.resident_bytes + sum(r.n_units * self.layouts[r.name].nbytes for r in self.regions())
