@@ -243,9 +243,9 @@ class BundleLayout:
     @staticmethod
     def _affine_zero(c: Component, scales: mx.array, biases: mx.array) -> mx.array:
         """[k, length] uint8: each position's group code of 0.0."""
-        k, e = scales.shape[0], c.encoding
+        k = scales.shape[0]
         zero = bitmap.affine_zero_codes(scales.reshape(k, -1), biases.reshape(k, -1), bits=8)
-        return mx.repeat(zero, e.group_size, axis=1)
+        return mx.repeat(zero, c.encoding.group_size, axis=1)
 
     def expand(self, units: mx.array, use_metal: Optional[bool] = None) -> mx.array:
         """Units as stored on flash [k, disk_stride] uint8 -> dense cache rows [k, stride] uint8 (lazy)."""
@@ -259,12 +259,13 @@ class BundleLayout:
             if e is None:
                 parts.append(raw[c.name])
                 continue
-            values = bitmap.expand(raw[c.name], e.length, e.dtype, use_metal)
-            if e.fill == "affine_zero":
+            fill = None
+            if e.fill == "affine_zero":  # the group's code of 0.0, from the dense scales/biases
                 sc, bi = (self.component(_sibling(c.name, s)) for s in ("scales", "biases"))
                 scales = mx.view(raw[sc.name], _DTYPES[sc.dtype]).reshape(k, -1)
                 biases = mx.view(raw[bi.name], _DTYPES[bi.dtype]).reshape(k, -1)
-                values = mx.where(bitmap.expand_mask(raw[c.name], e.length), values, self._affine_zero(c, scales, biases))
+                fill = bitmap.affine_zero_codes(scales, biases, bits=8)
+            values = bitmap.expand(raw[c.name], e.length, e.dtype, use_metal, fill)
             parts.append(mx.view(values, mx.uint8).reshape(k, -1))
         if self.stride > self.nbytes:
             parts.append(mx.zeros((k, self.stride - self.nbytes), mx.uint8))
