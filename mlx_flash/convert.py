@@ -11,7 +11,8 @@ every stored row keeps exactly d - floor(sparsity * d) weights. With --prune-for
 (the default) each pruned matrix is stored as ENDOR bitmap rows (bitmap.py, format v2): float
 rows as their non-zero values; 8-bit rows as the codes that differ from their group's code of
 0.0 (scales/biases stay dense; the runtime refills the rest). 4-bit codes are packed two per
-byte and cannot be bitmap-encoded: use --bits 8, --down-bits/--dtype float, or --prune-format dense.
+byte and cannot be bitmap-encoded: such conversions are refused (use --bits 8, float rows, e.g.
+--dequantize for a 4-bit source, or --prune-format dense).
 """
 
 import argparse
