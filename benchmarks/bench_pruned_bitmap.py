@@ -12,6 +12,11 @@ dense (not pruned), pruned-dense (--prune wanda --prune-format dense) and pruned
   every directory of a dtype, cold caches): decoded tokens' median bytes read, I/O time and
   bitmap expansion time per token, and hit rate. Tokens are checked identical between
   pruned-dense and pruned-bitmap.
+- I/O replay: the same random units (the pruned runs' misses per layer, 30 layers) read
+  from each directory's ffn.bin with the runtime's reader (O_DIRECT), one batch per layer,
+  --replay tokens; median ms per token. Isolates what the unit size does to read time.
+- Expand replay: the same number of units per layer expanded (BundleLayout.expand, MLX ops
+  here) and copied into a cache-like host buffer, 30 layers = one token; median ms per token.
 
     python benchmarks/bench_pruned_bitmap.py [--out DIR] [--tokens 32] [--json benchmarks/bench_pruned_bitmap.json]
 
@@ -88,6 +93,50 @@ def run(path: Path, budget: int, prompt, tokens: int, density: float) -> dict:
         model.flash.close()
 
 
+def io_replay(path: Path, per_layer: int, tokens: int, seed: int = 0) -> dict:
+    from mlx_flash.reader import aligned_buffer, open_reader
+
+    fd = FlashDir(path)
+    stride = fd.layouts["neurons"].disk_stride
+    buf, base = aligned_buffer(per_layer * stride, fd.alignment)
+    rng = np.random.default_rng(seed)
+    reader = open_reader(fd.ffn_path, direct=True)
+    times = []
+    try:
+        for _ in range(tokens):
+            t = time.perf_counter()
+            for r in (regions["neurons"] for regions in fd.layers):
+                units = np.sort(rng.choice(r.n_units, per_layer, replace=False))
+                reader.read(buf, r.offset + units * stride, np.full(per_layer, stride), base + np.arange(per_layer) * stride)
+            times.append(time.perf_counter() - t)
+    finally:
+        reader.close()
+    return {"replay_units_per_layer": per_layer, "replay_ms_per_token": 1e3 * float(np.median(times)),
+            "replay_mib_per_token": per_layer * len(fd.layers) * stride / 2**20}
+
+
+def expand_replay(path: Path, per_layer: int, tokens: int, seed: int = 0) -> dict:
+    fd = FlashDir(path)
+    layout = fd.layouts["neurons"]
+    if not layout.encoded:
+        return {"expand_replay_ms_per_token": 0.0}
+    rng = np.random.default_rng(seed)
+    units = [mx.array(fd.read_region(i)[np.sort(rng.choice(r["neurons"].n_units, per_layer, replace=False))])
+             for i, r in enumerate(fd.layers)]
+    mx.eval(units)
+    host = np.empty((per_layer, layout.stride), np.uint8)
+    times = []
+    for _ in range(tokens):
+        t = time.perf_counter()
+        for u in units:
+            rows = layout.expand(u, use_metal=None)
+            mx.eval(rows)
+            host[:] = np.asarray(rows)
+        times.append(time.perf_counter() - t)
+    ms = 1e3 * float(np.median(times))
+    return {"expand_replay_ms_per_token": ms, "expand_replay_us_per_unit": 1e3 * ms / (per_layer * len(fd.layers))}
+
+
 def tokens_of(path, budget, prompt, n, density):
     model, _ = load(path, memory_budget=budget, sparsity="oracle", density=density)
     try:
@@ -109,6 +158,7 @@ def main():
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--budget-fraction", type=float, default=0.5,
                    help="memory budget = resident + KV + scratch + this fraction of the dense unpruned ffn.bin")
+    p.add_argument("--replay", type=int, default=20, help="tokens of the I/O replay")
     p.add_argument("--json", default=str(Path(__file__).with_name("bench_pruned_bitmap.json")))
     args = p.parse_args()
     out = Path(args.out).expanduser()
@@ -138,6 +188,13 @@ def main():
             r.update(run(path, budget, prompt, args.tokens, args.density))
             res["results"][f"{variant}/{fmt}"] = r
             print(variant, fmt, json.dumps(r))
+        per_layer = round(res["results"][f"{variant}/pruned-dense"]["misses_per_token"] / len(fd0.layers))
+        for rep in range(2):  # alternate the formats, twice, against drifting load
+            for fmt, path in paths.items():
+                r = io_replay(path, per_layer, args.replay, seed=rep)
+                r.update(expand_replay(path, per_layer, args.replay, seed=rep))
+                res["results"][f"{variant}/{fmt}"].setdefault("replay", []).append(r)
+                print(variant, fmt, "replay", json.dumps(r))
         budget = min_budget(fd0, 2048, resident=resident_bytes(fd0)) + int(args.budget_fraction * fd0.ffn_bytes)
         same = tokens_of(paths["pruned-dense"], budget, prompt, 16, args.density) == tokens_of(
             paths["pruned-bitmap"], budget, prompt, 16, args.density)
@@ -150,17 +207,20 @@ def main():
 
 def table(res) -> str:
     rows = ["| rows | format | ffn.bin MiB | B/unit on flash (data) | ratio vs dense | ppl | KiB read/token | I/O speed-up | "
-            "io ms/token | expand ms/token | hit rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "io ms/token | expand ms/token | hit rate | replay: read ms/token | replay: expand ms/token |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in res["results"].items():
         if not isinstance(r, dict):
             continue
         variant, fmt = key.split("/")
         base = res["results"][f"{variant}/dense"]
+        replay = " / ".join(f"{x['replay_ms_per_token']:.1f}" for x in r.get("replay", []))
+        expand = " / ".join(f"{x['expand_replay_ms_per_token']:.1f}" for x in r.get("replay", []))
         rows.append(
             f"| {variant} | {fmt} | {r['ffn_bin_bytes'] / 2**20:.1f} | {r['disk_stride']} ({r['unit_data_bytes']}) | "
             f"{r['disk_stride'] / base['disk_stride']:.3f} | {r['ppl']:.2f} | {r['bytes_per_token_mean'] / 1024:.0f} | "
             f"{base['bytes_per_token_mean'] / r['bytes_per_token_mean']:.2f}x | {r['io_ms']:.1f} | {r['expand_ms']:.1f} | "
-            f"{r['hit_rate']:.1%} |"
+            f"{r['hit_rate']:.1%} | {replay} | {expand} |"
         )
     return "\n".join(rows)
 
