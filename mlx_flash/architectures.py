@@ -15,7 +15,7 @@ dequantised and either re-quantised along d_model or kept in float.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,7 +46,8 @@ class FFNAdapter:
         """On-disk layouts this FFN supports: "neurons" bundles, and "dip" (input columns + down rows) for GLU."""
         return ("neurons", "dip") if self.kind == "glu" else ("neurons",)
 
-    def split(self, mlp: nn.Module, quantization: Dict[str, Optional[dict]], layout: str = "neurons"):
+    def split(self, mlp: nn.Module, quantization: Dict[str, Optional[dict]], layout: str = "neurons",
+              prune: Optional[Callable[[str, mx.array], mx.array]] = None):
         """mlp module -> ({region: {"gate.weight": [n_units, ...], ...}}, resident biases, ffn matrix info).
 
         layout "neurons": one unit per neuron i = [gate_i | up_i | down_i] (ReLU: [fc1_i | fc2_i]).
@@ -56,6 +57,8 @@ class FFNAdapter:
         the source's orientation and quantisation are copied bit-exactly; others are quantised
         once from the dense weights along the stored row.
         Biases (ReLU models) stay resident under their canonical names.
+        `prune(matrix name, dense stored rows) -> rows` (e.g. Wanda) is applied before any
+        quantisation; every row then goes through the dense path.
         """
         if layout not in self.layouts():
             raise UnsupportedArchitectureError(f"layout {layout!r} is not available for {self.kind} FFNs")
@@ -65,11 +68,13 @@ class FFNAdapter:
             lin, quant = linears[name], quantization[name]
             transposed = name == self.col_matrix or layout == "dip"
             region = "inputs" if layout == "dip" and name != self.col_matrix else "neurons"
-            if not transposed and _quant_of(lin) == quant:
+            if prune is None and not transposed and _quant_of(lin) == quant:
                 arrays = {k: lin[k] for k in ("weight", "scales", "biases") if k in lin}
             else:
                 rows = _dense_weight(lin)
                 rows = rows.T if transposed else rows
+                if prune is not None:
+                    rows = prune(name, rows)
                 if quant is None:
                     arrays = {"weight": rows}
                 else:

@@ -121,7 +121,7 @@ class UnbundledReader:
         offsets, lengths, dest_offsets = (np.asarray(x, dtype=np.int64) for x in (offsets, lengths, dest_offsets))
         if len(offsets) == 0:
             return self.reader.submit(dest, offsets, lengths, dest_offsets, coalesce=False)
-        stride = self.fd.layouts["neurons"].stride
+        stride = self.fd.layouts["neurons"].disk_stride
         return self.reader.submit(dest, *self._split(offsets, lengths, dest_offsets, stride), coalesce=False)
 
     def read(self, dest, offsets, lengths, dest_offsets, *, coalesce: bool = True):
@@ -226,10 +226,11 @@ def fio_throughput(path, block: int, threads: int, seconds: float = 1.0):
 def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, disk_seconds: float, use_fio: bool):
     engine.stats.end()
     toks = engine.stats.decode_tokens()[-len(times):]  # the timed steps (not the last prompt token)
-    stride = fd.layouts["neurons"].stride
+    stride = fd.layouts["neurons"].disk_stride  # bytes read per unit (encoded layouts: less than a cache row)
     n = len(toks)
     io = np.array([t.io_s for t in toks]) * 1e3
     mm = np.array([t.mm_s for t in toks]) * 1e3
+    expand = np.array([t.expand_s for t in toks]) * 1e3
     total = np.array([t.total_s for t in toks]) * 1e3
     comp = np.array([t.compute_s for t in toks]) * 1e3
     bytes_tok = np.array([t.bytes_read for t in toks], dtype=np.float64)
@@ -252,6 +253,7 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
         "misses_per_token": misses / max(1, n),
         "stride": stride,
         "io_ms": float(np.median(io)), "mm_ms": float(np.median(mm)), "compute_ms": float(np.median(comp)),
+        "expand_ms": float(np.median(expand)) if n else 0.0,
         "select_ms": select_s * 1e3 / max(1, n),
         "total_ms": float(np.median(total)),
         "total_ms_p10": float(np.percentile(total, 10)), "total_ms_p90": float(np.percentile(total, 90)),
@@ -406,7 +408,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
         "streamed": describe_streamed(model.flash.plan.streamed) if model.flash.plan.streamed else None,
         "tokens": tokens, "prompt_tokens": len(prompt), "threads": reader.threads, "window": window,
         "max_gap_bytes": getattr(reader, "max_gap_bytes", None),
-        "sparsifier": sparse_desc, "stride": fd.layouts["neurons"].stride,
+        "sparsifier": sparse_desc, "stride": fd.layouts["neurons"].disk_stride, "row_stride": fd.layouts["neurons"].stride,
         "units_per_layer": fd.ffn["intermediate_size"], "layers": len(fd.layers),
         "configs": results,
     }

@@ -26,10 +26,13 @@ The values start at a 4-byte aligned offset, so they can be read in place as the
 Functions:
     encode_rows(rows, capacity=None) -> (encoded uint8 [n, row_bytes], capacity)
     decode_rows(encoded, d, dtype)   -> numpy [n, d] (bfloat16 comes back as its uint16 bits)
-    expand(encoded, d, dtype)        -> mx.array [k, d]: the decoder used at run time;
+    expand(encoded, d, dtype, fill=None) -> mx.array [k, d]: the decoder used at run time;
                                         MLX ops everywhere, a Metal kernel
-                                        (kernels/bitmap_expand.metal) when Metal is available
+                                        (kernels/bitmap_expand.metal) when Metal is available;
+                                        `fill` [k, G]: per-group value of the unstored positions
     expand_mask(encoded, d)          -> mx.array bool [k, d]: the stored positions
+    affine_zero_codes(scales, biases) -> the code of 0.0 per quantisation group (the fill of
+                                        8-bit affine rows, see encode_rows' mask)
     compression_ratio(...)           -> encoded bytes / dense bytes
 """
 
@@ -181,6 +184,19 @@ def compression_ratio(d: int, capacity: int, dtype) -> float:
     return row_bytes(d, capacity, dtype) / (d * DTYPES[dtype_name(dtype)][0])
 
 
+def affine_zero_codes(scales: mx.array, biases: mx.array, bits: int = 8) -> mx.array:
+    """uint8 [..., groups]: the code q nearest to dequantising to 0.0 (scale * q + bias = 0) per group.
+
+    MLX's affine quantisation maps 0.0 to exactly this code, so a pruned row quantised by
+    mx.quantize holds it at every pruned position: encode only the codes that differ (mask
+    = codes != repeat(zero codes)) and fill the rest with it when expanding. Computed in
+    float32 with MLX ops, the same at encode and expand time.
+    """
+    s, b = scales.astype(mx.float32), biases.astype(mx.float32)
+    q = mx.round(-b / mx.where(s == 0, 1.0, s))
+    return mx.where(s == 0, 0, mx.clip(q, 0, 2**bits - 1)).astype(mx.uint8)
+
+
 def capacity_for_sparsity(d: int, sparsity: float) -> int:
     """Value slots needed for rows pruned to `sparsity` (at most d - floor(sparsity * d) non-zeros)."""
     return max(d - int(sparsity * d), 1)
@@ -204,24 +220,38 @@ def expand_mask(encoded: mx.array, d: int) -> mx.array:
     return _bitmap_bits(encoded, d).astype(mx.bool_)
 
 
-def expand_mlx(encoded: mx.array, d: int, dtype) -> mx.array:
+def _check_fill(fill: mx.array, k: int, d: int) -> int:
+    if fill.ndim != 2 or fill.shape[0] != k or d % fill.shape[1]:
+        raise ValueError(f"fill must be [k={k}, G] with G dividing d={d}, got {tuple(fill.shape)}")
+    return d // fill.shape[1]
+
+
+def expand_mlx(encoded: mx.array, d: int, dtype, fill: Optional[mx.array] = None) -> mx.array:
     """MLX-ops decoder: uint8 [k, row_bytes] -> [k, d] of dtype. See `expand`.
 
     slot_j = bit_j * (bit_0 + ... + bit_j) is 0 for a zero and 1 + the index of its value
     for a non-zero; gathering from [0, values...] with it yields the dense row (bit patterns,
-    so -0.0 survives), with no `where`.
+    so -0.0 survives), with no `where`. With a fill, a zero gathers its group's fill value
+    from [values..., fill...] instead.
     """
     name = dtype_name(dtype)
     size, _, mdtype = DTYPES[name]
     k, nbytes = encoded.shape
     cap = capacity_of(nbytes, d, name)
     bits = _bitmap_bits(encoded, d)
-    slot = mx.cumsum(bits, axis=1) * bits
     off = values_offset(d)
     ubits = _MX_BITS[size]
     vals = mx.view(encoded[:, off : off + cap * size], ubits)  # [k, cap] bit patterns
-    vals = mx.concatenate([mx.zeros((k, 1), ubits), vals], axis=1)
-    out = mx.take_along_axis(vals, mx.minimum(slot, cap), axis=1)
+    if fill is None:
+        slot = mx.cumsum(bits, axis=1) * bits
+        vals = mx.concatenate([mx.zeros((k, 1), ubits), vals], axis=1)
+        out = mx.take_along_axis(vals, mx.minimum(slot, cap), axis=1)
+    else:
+        group = _check_fill(fill, k, d)
+        slot = mx.minimum(mx.cumsum(bits, axis=1) - 1, cap - 1)
+        slot = mx.where(bits.astype(mx.bool_), slot, cap + mx.arange(d, dtype=mx.int32) // group)
+        vals = mx.concatenate([vals, mx.view(fill.astype(mdtype), ubits)], axis=1)
+        out = mx.take_along_axis(vals, slot, axis=1)
     return out if mdtype == ubits else mx.view(out, mdtype)
 
 
@@ -239,7 +269,7 @@ def _build_kernel():
     path = kernel_path()
     if path is None:
         return {}, None
-    from .gather_ffn import split_sections
+    from .kernel_source import split_sections
 
     src = split_sections(path.read_text())
     return src, mx.fast.metal_kernel(
@@ -280,13 +310,22 @@ def expand_metal(encoded: mx.array, d: int, dtype) -> mx.array:
     return out if mdtype == ubits else mx.view(out, mdtype)
 
 
-def expand(encoded: mx.array, d: int, dtype, use_metal: Optional[bool] = None) -> mx.array:
+def expand(encoded: mx.array, d: int, dtype, use_metal: Optional[bool] = None, fill: Optional[mx.array] = None) -> mx.array:
     """Decode encoded rows on the device: uint8 [k, row_bytes] -> [k, d] of dtype (mx dtype or name).
 
     `encoded` holds whole encoded rows (slice a component out of a wider cache row first);
     the result equals decode_rows bit for bit. use_metal: None = Metal when available,
-    True = insist, False = MLX ops.
+    True = insist, False = MLX ops. fill: None (unstored positions are all-zero bits) or
+    [k, G] values for the unstored positions of each of G equal groups of a row (e.g. the
+    affine_zero_codes of 8-bit rows; G divides d).
     """
     if use_metal is None:
         use_metal = metal_available()
-    return expand_metal(encoded, d, dtype) if use_metal else expand_mlx(encoded, d, dtype)
+    if not use_metal:
+        return expand_mlx(encoded, d, dtype, fill)
+    out = expand_metal(encoded, d, dtype)
+    if fill is None:
+        return out
+    k, group = encoded.shape[0], _check_fill(fill, encoded.shape[0], d)
+    unstored = mx.logical_not(expand_mask(encoded, d)).reshape(k, -1, group)
+    return mx.where(unstored, fill.astype(out.dtype)[:, :, None], out.reshape(k, -1, group)).reshape(k, d)

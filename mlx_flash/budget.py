@@ -92,7 +92,7 @@ def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2) -> int:
 
 def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int = None) -> dict:
     """The parts of the budget that do not depend on it: resident, KV cache, scratch, workspace."""
-    scratch = min(SCRATCH_BYTES, max(r.nbytes for r in fd.regions()))
+    scratch = min(SCRATCH_BYTES, max(r.n_units * fd.layouts[r.name].stride for r in fd.regions()))  # dense rows
     n_buffers = 1 + sum(len(regions) for regions in fd.layers)  # each is padded to the alignment
     return {
         "resident": fd.resident_bytes if resident is None else resident,
@@ -161,9 +161,10 @@ def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0, 
     per_layer = (budget - sum(f.values())) // len(fd.layers)
     capacity = []
     for regions in fd.layers:
-        total = sum(r.nbytes for r in regions.values())
+        rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)
+        total = sum(r.n_units * rows[name] for name, r in regions.items())
         capacity.append(
-            {name: min(r.n_units, int(per_layer * r.nbytes / total) // r.stride) for name, r in regions.items()}
+            {name: min(r.n_units, int(per_layer * r.n_units * rows[name] / total) // rows[name]) for name, r in regions.items()}
         )
     return Plan(budget, f["resident"], f["kv_cache"], f["scratch"], f["workspace"], extra, capacity, streamed,
                 f["streaming"])

@@ -1,8 +1,18 @@
 """Convert a model into a flash directory.
 
     python -m mlx_flash.convert --model SRC --out DIR [--dtype float16] [--bits 4] [--group-size 64]
+        [--prune wanda --prune-sparsity 0.5 [--prune-text PATH] [--prune-format bitmap|dense]]
 
 SRC is a local mlx-lm / Hugging Face directory, a hub id, or a GGUF file.
+
+--prune wanda prunes every FFN matrix with Wanda (prune.py; input norms from the first half
+of WikiText-2 test or --prune-text): gate/up (fc1) per output row, down (fc2) per neuron, so
+every stored row keeps exactly d - floor(sparsity * d) weights. With --prune-format bitmap
+(the default) each pruned matrix is stored as ENDOR bitmap rows (bitmap.py, format v2): float
+rows as their non-zero values; 8-bit rows as the codes that differ from their group's code of
+0.0 (scales/biases stay dense; the runtime refills the rest). 4-bit codes are packed two per
+byte and cannot be bitmap-encoded: such conversions are refused (use --bits 8, float rows, e.g.
+--dequantize for a 4-bit source, or --prune-format dense).
 """
 
 import argparse
@@ -19,11 +29,15 @@ from tqdm import tqdm
 
 from . import __version__
 from .architectures import adapter_for
+from .bitmap import capacity_for_sparsity
 from .errors import FlashError
-from .flash_format import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
+from .flash_format import DEFAULT_ALIGNMENT, BundleLayout, Encoding, FlashWriter, dtype_name
+from .prune import WIKITEXT, stored_row_pruner, text_input_norms
 from .source import copy_tokenizer, load_source_model, mlp_paths, resolve_source
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+PRUNE_METHODS = ("wanda",)
+PRUNE_FORMATS = ("bitmap", "dense")
 
 
 def _model_quantization(model: nn.Module) -> Optional[dict]:
@@ -52,11 +66,19 @@ def convert(
     alignment: Optional[int] = None,
     layout: str = "neurons",
     progress: bool = True,
+    prune: Optional[str] = None,
+    prune_sparsity: float = 0.5,
+    prune_text=None,
+    prune_format: str = "bitmap",
+    prune_seqs: int = 16,
+    prune_seq_len: int = 256,
 ) -> Path:
     """Convert `model` into the flash directory `out`; returns its path.
 
     The output is written under a temporary name and renamed at the end, so an
     interrupted conversion never leaves a directory that loads.
+    prune: None or "wanda" (see the module docstring), calibrated on prune_seqs x prune_seq_len
+    tokens of the first half of prune_text (default WikiText-2 test).
     """
     out = Path(out).expanduser().resolve()
     if out.exists():
@@ -64,12 +86,17 @@ def convert(
     out.parent.mkdir(parents=True, exist_ok=True)
     if bits is not None and bits not in (4, 8):
         raise ValueError(f"--bits must be 4 or 8, got {bits}")
+    if prune is not None:
+        _check_prune(prune, prune_sparsity, prune_format, layout)
 
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
         work = Path(work)
         src_dir = resolve_source(model, work)
         model_obj, config = load_source_model(src_dir)
         adapter = adapter_for(config)
+        norms = None
+        if prune is not None:  # on the source weights, before any cast or re-quantisation
+            norms, calibration = _calibrate(model_obj, src_dir, config, prune_text, prune_seqs, prune_seq_len, progress)
 
         if dtype is not None:
             target = DTYPES[dtype]
@@ -97,15 +124,18 @@ def convert(
         elif down_bits is not None and quant is not None:
             ffn_quant[adapter.col_matrix] = {"bits": int(down_bits), "group_size": quant["group_size"]}
 
-        writer = None
+        writer, encodings = None, None
         paths = mlp_paths(model_obj)
         resident_ffn, matrices = {}, None
         layers = tqdm(list(enumerate(model_obj.layers)), desc="convert", unit="layer", disable=not progress)
         for i, layer in layers:
-            regions, biases, matrices = adapter.split(layer.mlp, ffn_quant, layout)
+            pruner = None if norms is None else stored_row_pruner(norms[i], prune_sparsity, adapter.col_matrix)
+            regions, biases, matrices = adapter.split(layer.mlp, ffn_quant, layout, prune=pruner)
             mx.eval(regions, biases)
             if writer is None:
-                writer = FlashWriter(work / "flash", alignment or auto_alignment(regions))
+                if prune is not None and prune_format == "bitmap":
+                    encodings = bitmap_encodings(regions["neurons"], adapter.matrices, ffn_quant, prune_sparsity)
+                writer = FlashWriter(work / "flash", alignment or auto_alignment(regions, encodings), encodings)
             writer.add_layer(regions)
             resident_ffn.update({f"{paths[i]}.{k}": v for k, v in biases.items()})
             layer.mlp = nn.Module()  # drop the FFN so the resident set below excludes it
@@ -127,6 +157,10 @@ def convert(
                 "mlp_paths": paths,
             },
             "neuron_order": None,
+            "pruning": None if prune is None else {
+                "method": prune, "sparsity": prune_sparsity, "format": prune_format,
+                "gate_up": "per output row", "down": "per neuron (per='input')", "calibration": calibration,
+            },
             "source": {"model": str(model), "created_by": f"mlx_flash {__version__}"},
         }
         writer.finish(config, resident, manifest)
@@ -135,11 +169,68 @@ def convert(
     return out
 
 
-def auto_alignment(regions) -> int:
-    """4096 (flash pages) unless a unit is smaller: then 512, O_DIRECT's minimum on Linux, so small
-    bundles are not padded 2-8x on flash and in the caches (SmolLM2: 1368 B bundles)."""
-    smallest = min(sum(a[0].nbytes for a in arrays.values()) for arrays in regions.values())
+def auto_alignment(regions, encodings=None) -> int:
+    """4096 (flash pages) unless a unit on flash is smaller: then 512, O_DIRECT's minimum on Linux, so
+    small bundles are not padded 2-8x on flash and in the caches (SmolLM2: 1368 B bundles)."""
+    smallest = min(BundleLayout.from_arrays(a, 1, {k: e for k, e in (encodings or {}).items() if k in a}).disk_nbytes
+                   for a in regions.values())
     return DEFAULT_ALIGNMENT if smallest >= DEFAULT_ALIGNMENT else 512
+
+
+def _check_prune(prune, sparsity, fmt, layout):
+    if prune not in PRUNE_METHODS:
+        raise FlashError(f"--prune must be one of {', '.join(PRUNE_METHODS)}, got {prune!r}")
+    if not 0.0 < sparsity < 1.0:
+        raise FlashError(f"--prune-sparsity must be in (0, 1), got {sparsity}")
+    if fmt not in PRUNE_FORMATS:
+        raise FlashError(f"--prune-format must be one of {', '.join(PRUNE_FORMATS)}, got {fmt!r}")
+    if layout != "neurons":
+        raise FlashError("--prune needs --layout neurons (the dip layout stores gate/up by input column: "
+                         "Wanda's per-output-row counts would not be per unit)")
+
+
+def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
+    """Wanda input norms per layer from calibration text, computed dequantised in float32 (BLAS
+    matmuls: MLX's CPU quantised and float16 matmuls are many times slower). The model is
+    restored afterwards: quantised modules put back, floats cast back (exact round trip)."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import dequantize_model, load_tokenizer
+
+    quantized = [(k, m) for k, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    dtypes = tree_map(lambda p: p.dtype, model.parameters())
+    dequantize_model(model)
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    mx.eval(model.parameters())  # once, not per forward
+    seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
+    try:
+        norms = text_input_norms(model, load_tokenizer(src_dir), text, n_seqs, seq_len, progress)
+    except (OSError, ValueError) as e:
+        raise FlashError(f"--prune-text {text or WIKITEXT}: {e}") from None
+    finally:
+        if quantized:
+            model.update_modules(tree_unflatten(quantized))
+        model.update(tree_map(lambda p, d: p.astype(d), model.parameters(), dtypes))
+    info = {"text": str(text or WIKITEXT), "half": "first", "seqs": n_seqs, "seq_len": seq_len}
+    return norms, info
+
+
+def bitmap_encodings(arrays, matrices, quant, sparsity) -> dict:
+    """The Encoding of each pruned matrix's stored rows (component "<m>.weight") at `sparsity`."""
+    out = {}
+    for m in matrices:
+        w, q = arrays[f"{m}.weight"], quant[m]
+        if q is None:
+            d = w.shape[-1]
+            out[f"{m}.weight"] = Encoding("bitmap", dtype_name(w.dtype), d, capacity_for_sparsity(d, sparsity))
+        elif q["bits"] == 8:
+            d = w.shape[-1] * 4  # uint32 words of four codes
+            out[f"{m}.weight"] = Encoding("bitmap", "uint8", d, capacity_for_sparsity(d, sparsity), "affine_zero", q["group_size"])
+        else:
+            raise FlashError(
+                f"{m}: {q['bits']}-bit codes are packed several per byte and cannot be bitmap-encoded; "
+                "use --bits 8, a float model, or --prune-format dense"
+            )
+    return out
 
 
 def _quantize_resident(model: nn.Module, bits: int, group_size: int) -> None:
@@ -173,6 +264,15 @@ def setup_arg_parser():
         default="neurons",
         help="neurons: one bundle per FFN neuron (all sparsifiers but dip); dip: gate/up by input column, for --sparsity dip.",
     )
+    parser.add_argument("--prune", choices=list(PRUNE_METHODS), default=None,
+                        help="Prune the FFN matrices (Wanda: gate/up per output row, down per neuron).")
+    parser.add_argument("--prune-sparsity", type=float, default=0.5, help="Fraction of each row pruned (default 0.5).")
+    parser.add_argument("--prune-text", default=None,
+                        help="Calibration text; its first half is used (default: WikiText-2 test).")
+    parser.add_argument("--prune-seqs", type=int, default=16, help="Calibration sequences (default 16).")
+    parser.add_argument("--prune-seq-len", type=int, default=256, help="Tokens per calibration sequence (default 256).")
+    parser.add_argument("--prune-format", choices=list(PRUNE_FORMATS), default="bitmap",
+                        help="bitmap: store pruned rows ENDOR bitmap-encoded (float or 8-bit rows); dense: as they are.")
     parser.add_argument(
         "--alignment", type=int, default=None,
         help="Bundle alignment in bytes (power of two >= 512; default 4096, or 512 for bundles under 4 KiB).",
@@ -184,7 +284,9 @@ def main():
     args = setup_arg_parser().parse_args()
     try:
         out = convert(
-            args.model, args.out, args.dtype, args.bits, args.group_size, args.dequantize, args.down_bits, args.alignment, args.layout
+            args.model, args.out, args.dtype, args.bits, args.group_size, args.dequantize, args.down_bits, args.alignment, args.layout,
+            prune=args.prune, prune_sparsity=args.prune_sparsity, prune_text=args.prune_text, prune_format=args.prune_format,
+            prune_seqs=args.prune_seqs, prune_seq_len=args.prune_seq_len,
         )
     except FlashError as e:
         raise SystemExit(f"error: {e}")
@@ -192,7 +294,9 @@ def main():
 
     fd = FlashDir(out)
     units = ", ".join(
-        f"{r.n_units} {name} x {r.stride} B ({fd.layouts[name].nbytes} B of data)" for name, r in fd.layers[0].items()
+        f"{r.n_units} {name} x {r.stride} B ({fd.layouts[name].disk_nbytes} B of data"
+        + (f", {fd.layouts[name].nbytes} B expanded" if fd.layouts[name].encoded else "") + ")"
+        for name, r in fd.layers[0].items()
     )
     print(
         f"wrote {out}: resident {fd.resident_bytes / 2**20:.1f} MiB, ffn.bin {fd.ffn_bytes / 2**20:.1f} MiB "

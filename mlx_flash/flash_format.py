@@ -1,4 +1,4 @@
-"""The flash directory, format v1: the one module that reads and writes it.
+"""The flash directory, format v1/v2: the one module that reads and writes it.
 
     <dir>/config.json           model config (mlx-lm / Hugging Face style)
     <dir>/tokenizer*            tokenizer files
@@ -13,6 +13,13 @@ for ReLU; quantised matrices add .scales/.biases). Bundles are padded to
 and can be read with O_DIRECT. The manifest lists the components with their
 dtype, per-neuron shape and byte offset inside the bundle, so a reader can
 view any bundle (or a cache row holding one) as arrays without copying.
+
+Format v2 adds encoded components: a component with an "encoding" entry is stored
+on flash in that encoding (only "bitmap": ENDOR rows of a pruned matrix, see
+bitmap.py) at its "disk_offset", and the layout's "disk_stride" is the unit's
+size on flash. The cache row layout (offsets, "stride") stays dense: a reader
+expands each unit read (`BundleLayout.expand`) before using it. Directories
+without encoded components are written as v1, so older readers still open them.
 """
 
 import json
@@ -25,10 +32,12 @@ from typing import Dict, Iterable, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from . import bitmap
 from .errors import FlashFormatError
 
 FORMAT_NAME = "mlx_flash"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # v2: encoded components; v1 (no encodings) is still read and written
+VERSIONS = (1, 2)
 MANIFEST = "flash.json"
 RESIDENT = "resident.safetensors"
 FFN = "ffn.bin"
@@ -85,63 +94,211 @@ def _as_bytes(a: mx.array) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class Encoding:
+    """How a component's rows are stored on flash instead of their dense bytes.
+
+    kind "bitmap": one ENDOR row (bitmap.py) of `length` values of `dtype` with `capacity`
+    value slots. fill: what the positions not stored hold after expansion: "zero" (all
+    bits 0, i.e. +0.0) or "affine_zero" (8-bit affine codes: the code of 0.0 of each group
+    of `group_size`, computed from the component's .scales/.biases, see
+    bitmap.affine_zero_codes).
+    """
+
+    kind: str
+    dtype: str
+    length: int
+    capacity: int
+    fill: str = "zero"
+    group_size: int = 0
+
+    KINDS = ("bitmap",)
+    FILLS = ("zero", "affine_zero")
+
+    @property
+    def nbytes(self) -> int:
+        return bitmap.row_bytes(self.length, self.capacity, self.dtype)
+
+    def to_json(self) -> dict:
+        d = {"kind": self.kind, "dtype": self.dtype, "length": self.length, "capacity": self.capacity, "fill": self.fill}
+        return dict(d, group_size=self.group_size) if self.fill == "affine_zero" else d
+
+    @staticmethod
+    def from_json(d: dict, component: str) -> "Encoding":
+        if not isinstance(d, dict) or d.get("kind") not in Encoding.KINDS:
+            kind = d.get("kind") if isinstance(d, dict) else d
+            raise FlashFormatError(
+                f"component {component!r}: unknown encoding {kind!r} (this mlx_flash reads: {', '.join(Encoding.KINDS)})"
+            )
+        e = Encoding(d["kind"], d["dtype"], int(d["length"]), int(d["capacity"]), d.get("fill", "zero"), int(d.get("group_size", 0)))
+        if e.dtype not in bitmap.DTYPES or e.fill not in Encoding.FILLS or not 0 < e.capacity <= e.length:
+            raise FlashFormatError(f"component {component!r}: bad bitmap encoding {d}")
+        if e.fill == "affine_zero" and (e.dtype != "uint8" or e.group_size <= 0 or e.length % e.group_size):
+            raise FlashFormatError(f"component {component!r}: affine_zero fill needs uint8 values and a group size dividing {e.length}")
+        return e
+
+
+@dataclass(frozen=True)
 class Component:
     name: str
     dtype: str
     shape: tuple  # per neuron
-    offset: int  # byte offset inside the bundle
+    offset: int  # byte offset inside the (dense) bundle / cache row
+    encoding: Optional[Encoding] = None  # None: stored on flash as its dense bytes
+    disk_offset: Optional[int] = None  # byte offset inside the unit on flash (None: = offset)
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * _DTYPES[self.dtype].size
 
+    @property
+    def disk_nbytes(self) -> int:
+        return self.encoding.nbytes if self.encoding else self.nbytes
+
+    @property
+    def flash_offset(self) -> int:
+        return self.offset if self.disk_offset is None else self.disk_offset
+
 
 @dataclass(frozen=True)
 class BundleLayout:
     components: tuple
-    stride: int  # bytes per bundle on disk and per cache row, incl. padding
+    stride: int  # bytes per cache row (the dense bundle), incl. padding
+    encoded_stride: Optional[int] = None  # bytes per unit on flash when components are encoded
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.components)
 
+    @property
+    def encoded(self) -> bool:
+        return self.encoded_stride is not None
+
+    @property
+    def disk_stride(self) -> int:
+        """Bytes per unit on flash (= stride unless encoded)."""
+        return self.stride if self.encoded_stride is None else self.encoded_stride
+
+    @property
+    def disk_nbytes(self) -> int:
+        return sum(c.disk_nbytes for c in self.components)
+
+    def encodings(self) -> Dict[str, Encoding]:
+        return {c.name: c.encoding for c in self.components if c.encoding}
+
     @staticmethod
-    def from_arrays(arrays: Dict[str, mx.array], alignment: int) -> "BundleLayout":
-        components, offset = [], 0
+    def from_arrays(arrays: Dict[str, mx.array], alignment: int, encodings: Optional[Dict[str, Encoding]] = None) -> "BundleLayout":
+        """Components in the order of `arrays`; those named in `encodings` are stored encoded on flash."""
+        encodings = encodings or {}
+        unknown = set(encodings) - set(arrays)
+        if unknown:
+            raise ValueError(f"encodings for components not in the bundle: {sorted(unknown)}")
+        components, offset, disk = [], 0, 0
         for name, a in arrays.items():
-            c = Component(name, dtype_name(a.dtype), tuple(a.shape[1:]), offset)
+            c = Component(name, dtype_name(a.dtype), tuple(a.shape[1:]), offset, encodings.get(name), disk if encodings else None)
+            if c.encoding and c.encoding.length * bitmap.DTYPES[c.encoding.dtype][0] != c.nbytes:
+                raise ValueError(f"{name}: encoding of {c.encoding.length} {c.encoding.dtype} values, rows have {c.nbytes} bytes")
             components.append(c)
             offset += c.nbytes
-        return BundleLayout(tuple(components), _round_up(max(offset, 1), alignment))
+            disk += c.disk_nbytes
+        stride = _round_up(max(offset, 1), alignment)
+        return BundleLayout(tuple(components), stride, _round_up(max(disk, 1), alignment) if encodings else None)
 
     def to_json(self) -> dict:
-        return {
-            "stride": self.stride,
-            "bytes": self.nbytes,
-            "components": [
-                {"name": c.name, "dtype": c.dtype, "shape": list(c.shape), "offset": c.offset}
-                for c in self.components
-            ],
-        }
+        d = {"stride": self.stride, "bytes": self.nbytes, "components": []}
+        for c in self.components:
+            e = {"name": c.name, "dtype": c.dtype, "shape": list(c.shape), "offset": c.offset}
+            if self.encoded:
+                e["disk_offset"] = c.flash_offset
+            if c.encoding:
+                e["encoding"] = c.encoding.to_json()
+            d["components"].append(e)
+        if self.encoded:
+            d.update(disk_stride=self.disk_stride, disk_bytes=self.disk_nbytes)
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "BundleLayout":
-        comps = tuple(
-            Component(c["name"], c["dtype"], tuple(c["shape"]), c["offset"])
-            for c in d["components"]
-        )
-        for c in comps:
-            if c.dtype not in _DTYPES:
-                raise FlashFormatError(f"unknown component dtype {c.dtype!r}")
-        return BundleLayout(comps, int(d["stride"]))
+        comps = []
+        for c in d["components"]:
+            if c["dtype"] not in _DTYPES:
+                raise FlashFormatError(f"unknown component dtype {c['dtype']!r}")
+            enc = Encoding.from_json(c["encoding"], c["name"]) if "encoding" in c else None
+            comps.append(Component(c["name"], c["dtype"], tuple(c["shape"]), c["offset"], enc, c.get("disk_offset")))
+        encoded = "disk_stride" in d
+        if any(c.encoding for c in comps) and not encoded:
+            raise FlashFormatError("encoded components but no disk_stride in the layout")
+        layout = BundleLayout(tuple(comps), int(d["stride"]), int(d["disk_stride"]) if encoded else None)
+        for c in layout.components:
+            if c.encoding and c.encoding.length * bitmap.DTYPES[c.encoding.dtype][0] != c.nbytes:
+                raise FlashFormatError(f"component {c.name!r}: its encoding holds {c.encoding.length} values, not {c.nbytes} bytes")
+            if c.flash_offset + c.disk_nbytes > layout.disk_stride:
+                raise FlashFormatError(f"component {c.name!r} ends past the unit's {layout.disk_stride} bytes on flash")
+            if c.encoding and c.encoding.fill == "affine_zero":  # expand needs the group scales/biases, dense
+                groups = c.encoding.length // c.encoding.group_size
+                for part in ("scales", "biases"):
+                    g = next((x for x in comps if x.name == _sibling(c.name, part)), None)
+                    if g is None or g.encoding or int(np.prod(g.shape)) != groups:
+                        raise FlashFormatError(f"component {c.name!r}: affine_zero fill needs a dense {_sibling(c.name, part)!r} of {groups} groups")
+        return layout
 
     def pack(self, arrays: Dict[str, mx.array]) -> np.ndarray:
-        """Component rows -> bundles [n, stride] uint8 (zero padded)."""
+        """Component rows -> units as stored on flash [n, disk_stride] uint8 (encoded, zero padded)."""
         n = next(iter(arrays.values())).shape[0]
-        out = np.zeros((n, self.stride), dtype=np.uint8)
+        out = np.zeros((n, self.disk_stride), dtype=np.uint8)
         for c in self.components:
-            out[:, c.offset : c.offset + c.nbytes] = _as_bytes(arrays[c.name])
+            out[:, c.flash_offset : c.flash_offset + c.disk_nbytes] = self._encode(c, arrays)
         return out
+
+    def _encode(self, c: Component, arrays) -> np.ndarray:
+        if c.encoding is None:
+            return _as_bytes(arrays[c.name])
+        e = c.encoding
+        values = mx.view(arrays[c.name].reshape(arrays[c.name].shape[0], -1), bitmap.DTYPES[e.dtype][2])
+        mask = None
+        if e.fill == "affine_zero":  # store the codes that differ from their group's code of 0.0
+            zero = self._affine_zero(c, arrays[_sibling(c.name, "scales")], arrays[_sibling(c.name, "biases")])
+            mask = np.array(values != zero)
+        try:
+            return bitmap.encode_rows(values, e.capacity, mask=mask)[0]
+        except ValueError as err:
+            raise ValueError(f"{c.name}: {err} (prune it to at most {e.capacity} non-zeros per row)") from None
+
+    @staticmethod
+    def _affine_zero(c: Component, scales: mx.array, biases: mx.array) -> mx.array:
+        """[k, length] uint8: each position's group code of 0.0."""
+        k = scales.shape[0]
+        zero = bitmap.affine_zero_codes(scales.reshape(k, -1), biases.reshape(k, -1), bits=8)
+        return mx.repeat(zero, c.encoding.group_size, axis=1)
+
+    def expand(self, units: mx.array, use_metal: Optional[bool] = None) -> mx.array:
+        """Units as stored on flash [k, disk_stride] uint8 -> dense cache rows [k, stride] uint8 (lazy)."""
+        if not self.encoded:
+            return units
+        k = units.shape[0]
+        raw = {c.name: units[:, c.flash_offset : c.flash_offset + c.disk_nbytes] for c in self.components}
+        parts = []
+        for c in self.components:  # in offset order: they tile the row
+            e = c.encoding
+            if e is None:
+                parts.append(raw[c.name])
+                continue
+            fill = None
+            if e.fill == "affine_zero":  # the group's code of 0.0, from the dense scales/biases
+                sc, bi = (self.component(_sibling(c.name, s)) for s in ("scales", "biases"))
+                scales = mx.view(raw[sc.name], _DTYPES[sc.dtype]).reshape(k, -1)
+                biases = mx.view(raw[bi.name], _DTYPES[bi.dtype]).reshape(k, -1)
+                fill = bitmap.affine_zero_codes(scales, biases, bits=8)
+            values = bitmap.expand(raw[c.name], e.length, e.dtype, use_metal, fill)
+            parts.append(mx.view(values, mx.uint8).reshape(k, -1))
+        if self.stride > self.nbytes:
+            parts.append(mx.zeros((k, self.stride - self.nbytes), mx.uint8))
+        return mx.concatenate(parts, axis=1)
+
+    def component(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise FlashFormatError(f"the bundle has no component {name!r}")
 
     def unpack(self, rows: mx.array) -> Dict[str, mx.array]:
         """Bundles [k, stride] uint8 (an mx.array, e.g. cache rows) -> component arrays [k, *shape]."""
@@ -151,6 +308,11 @@ class BundleLayout:
             raw = rows[:, c.offset : c.offset + c.nbytes]
             out[c.name] = mx.view(raw, _DTYPES[c.dtype]).reshape(k, *c.shape)
         return out
+
+
+def _sibling(name: str, part: str) -> str:
+    """'gate.weight' -> 'gate.scales'."""
+    return name.rsplit(".", 1)[0] + "." + part
 
 
 @dataclass(frozen=True)
@@ -196,8 +358,12 @@ class FlashDir:
             ]
             for regions in self.layers:
                 for r in regions.values():
-                    if r.stride != self.layouts[r.name].stride:
+                    if r.stride != self.layouts[r.name].disk_stride:
                         raise ValueError(f"layer {r.layer} region {r.name}: stride differs from its layout")
+            if self.version == 1 and any(l.encoded for l in self.layouts.values()):
+                raise ValueError("encoded components need format version 2")
+        except FlashFormatError as e:
+            raise FlashFormatError(f"{self.path / MANIFEST}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise FlashFormatError(f"{self.path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})") from None
         self.config = self._read_json("config.json")
@@ -219,11 +385,12 @@ class FlashDir:
         if m.get("format") != FORMAT_NAME:
             raise FlashFormatError(f"{self.path / MANIFEST}: not an mlx_flash manifest")
         v = m.get("format_version")
-        if v != FORMAT_VERSION:
+        if v not in VERSIONS:
             raise FlashFormatError(
                 f"{self.path / MANIFEST}: format version {v!r} is not supported "
-                f"(this mlx_flash reads version {FORMAT_VERSION}); re-convert the model"
+                f"(this mlx_flash reads versions {', '.join(map(str, VERSIONS))}); re-convert the model"
             )
+        self.version = v
         return m
 
     def _check_files(self):
@@ -299,7 +466,8 @@ class FlashDir:
 
     @property
     def model_bytes(self) -> int:
-        """Bytes of the model's weights: resident as stored + FFN unit data without padding.
+        """Bytes of the model's weights: resident as stored + FFN unit data without padding
+        (encoded units counted dense, as the caches hold them).
 
         What budgets given as a percentage ("50%") are a percentage of."""
         return self.resident_bytes + sum(r.n_units * self.layouts[r.name].nbytes for r in self.regions())
@@ -357,10 +525,10 @@ class FlashDir:
         return buf
 
     def unpack_layer(self, layer: int) -> Dict[str, mx.array]:
-        """Every component array of one layer, read from disk (e.g. for an all-resident model)."""
+        """Every component array of one layer, read from disk (e.g. for an all-resident model), expanded."""
         arrays = {}
         for name, layout in self.layouts.items():
-            arrays.update(layout.unpack(mx.array(self.read_region(layer, name))))
+            arrays.update(layout.unpack(layout.expand(mx.array(self.read_region(layer, name)))))
         return arrays
 
     def verify(self, progress=None) -> None:
@@ -395,27 +563,36 @@ def _sha256(path: Path) -> str:
 class FlashWriter:
     """Writes a flash directory into `path` (the caller picks a temporary name and renames)."""
 
-    def __init__(self, path, alignment: int = DEFAULT_ALIGNMENT):
+    def __init__(self, path, alignment: int = DEFAULT_ALIGNMENT, encodings: Optional[Dict[str, Encoding]] = None):
+        """`encodings` (component name -> Encoding): store those components encoded (format v2)."""
         if alignment < 512 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 512, got {alignment}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=False)
         self.alignment = alignment
+        self.encodings = dict(encodings or {})
         self.layouts: Dict[str, BundleLayout] = {}
         self.layers: List[Dict[str, Region]] = []
         self._ffn = open(self.path / FFN, "wb")
 
     def add_layer(self, regions: Dict[str, Dict[str, mx.array]]) -> None:
-        """Append one layer: region name -> {component name -> [n_units, ...]}."""
+        """Append one layer: region name -> {component name -> [n_units, ...]}.
+
+        Encoded units are expanded again and checked against the dense bundle (lossless)."""
         layer = {}
         for name, arrays in regions.items():
-            layout = BundleLayout.from_arrays(arrays, self.alignment)
+            enc = {k: e for k, e in self.encodings.items() if k in arrays}
+            layout = BundleLayout.from_arrays(arrays, self.alignment, enc)
             if self.layouts.setdefault(name, layout) != layout:
                 raise ValueError(f"every layer must have the same {name!r} layout")
             rows = layout.pack(arrays)
+            if layout.encoded:
+                dense = BundleLayout.from_arrays(arrays, self.alignment).pack(arrays)
+                if not np.array_equal(np.array(layout.expand(mx.array(rows), use_metal=False)), dense):
+                    raise FlashFormatError(f"layer {len(self.layers)} {name}: encoded units do not expand to the dense ones")
             offset = self._ffn.tell()
             self._ffn.write(rows.data)
-            layer[name] = Region(len(self.layers), name, offset, rows.shape[0], layout.stride, zlib.crc32(rows))
+            layer[name] = Region(len(self.layers), name, offset, rows.shape[0], layout.disk_stride, zlib.crc32(rows))
         self.layers.append(layer)
 
     def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict) -> None:
@@ -426,7 +603,7 @@ class FlashWriter:
             json.dump(config, f, indent=2)
         full = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": 2 if any(l.encoded for l in self.layouts.values()) else 1,
             **manifest,
             "alignment": self.alignment,
             "layouts": {k: v.to_json() for k, v in self.layouts.items()},

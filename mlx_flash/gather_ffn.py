@@ -25,7 +25,6 @@ Two implementations behind each function:
 offsets aligned to their element size), True insists (raising otherwise), False never.
 """
 
-import re
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from .flash_format import _DTYPES, BundleLayout, Component
+from .kernel_source import split_sections
 
 KERNEL_FILE = "gather_ffn.metal"
 # An installed package carries the file in mlx_flash/kernels (see setup.py); a source
@@ -56,12 +56,6 @@ def kernel_path() -> Optional[Path]:
         if (d / KERNEL_FILE).is_file():
             return d / KERNEL_FILE
     return None
-
-
-def split_sections(text: str) -> dict:
-    """Sections of a kernel file: {name: text} for each `//== section: <name> ==` marker line."""
-    parts = re.split(r"^//== section: (\w+) ==[ \t]*$", text, flags=re.M)
-    return {name: body.strip("\n") + "\n" for name, body in zip(parts[1::2], parts[2::2])}
 
 
 def _build_kernels():

@@ -27,8 +27,11 @@ Functions:
     prune_wanda(w, norms, sparsity, per="output")   -> pruned w (same type and dtype)
     prune_magnitude(w, sparsity, per="output")      -> pruned w
     collect_input_norms(model, batches)             -> per layer {"x": [d], "h": [n_ffn]}
-    wikitext_input_norms(path, n_seqs, seq_len)     -> the same, on the first half of
-                                                       WikiText-2 test (calibration text)
+    text_input_norms(model, tokenizer, text_path)   -> the same, on the first half of a text
+                                                       (default WikiText-2 test)
+    wikitext_input_norms(path, n_seqs, seq_len)     -> the same, loading a model directory
+    stored_row_pruner(norms, sparsity, col_matrix)  -> prune(name, rows) for
+                                                       FFNAdapter.split (mlx_flash.convert --prune)
 """
 
 from pathlib import Path
@@ -91,6 +94,22 @@ def prune_wanda(w, norms, sparsity: float, per: str = "output"):
 def prune_magnitude(w, sparsity: float, per: str = "output"):
     """Magnitude pruning: Wanda with every input norm equal."""
     return prune_wanda(w, np.ones(w.shape[1], np.float32), sparsity, per)
+
+
+def stored_row_pruner(norms: Dict[str, np.ndarray], sparsity: float, col_matrix: str):
+    """Wanda on the FFN rows as a flash bundle stores them (FFNAdapter.split's `prune`).
+
+    gate/up (fc1) rows are output rows: per="output" with the x norms. A stored down (fc2)
+    row is column i of W_down: per="input" with the h norms, so every unit keeps the same
+    count and its bitmap rows have no slack (see the module docstring).
+    """
+
+    def prune(name, rows):
+        if name == col_matrix:
+            return prune_wanda(rows.T, norms["h"], sparsity, per="input").T
+        return prune_wanda(rows, norms["x"], sparsity, per="output")
+
+    return prune
 
 
 def row_sparsity(w) -> np.ndarray:
@@ -165,7 +184,7 @@ def _layers(model):
     raise ValueError(f"{type(model).__name__} has no .layers")
 
 
-def collect_input_norms(model, batches: np.ndarray) -> List[Dict[str, np.ndarray]]:
+def collect_input_norms(model, batches: np.ndarray, progress: bool = False) -> List[Dict[str, np.ndarray]]:
     """L2 norm over all calibration tokens of every FFN input channel, per layer.
 
     model: an mlx-lm model (mlx_flash.source.load_source_model) or a resident flash model
@@ -180,7 +199,9 @@ def collect_input_norms(model, batches: np.ndarray) -> List[Dict[str, np.ndarray
     try:
         for layer, s in zip(layers, sums):
             layer.mlp = _Recorder(layer.mlp, s)
-        for row in np.asarray(batches):
+        from tqdm import tqdm
+
+        for row in tqdm(np.asarray(batches), desc="calibrate", unit="seq", disable=not progress):
             model(mx.array(np.asarray(row, np.int32)[None, :]))
             mx.eval([v for s in sums for v in s.values()])
     finally:
@@ -210,6 +231,16 @@ def wikitext_input_norms(path, n_seqs: int = 32, seq_len: int = 512, text_path: 
 
         model, _ = load_source_model(path)
         tok = _load_tokenizer(path)
+    return text_input_norms(model, tok, text_path, n_seqs, seq_len), model
+
+
+def text_input_norms(model, tokenizer, text_path: Optional[Path] = None, n_seqs: int = 32, seq_len: int = 512,
+                     progress: bool = False) -> List[Dict[str, np.ndarray]]:
+    """collect_input_norms on up to n_seqs x seq_len tokens of the first half of `text_path`
+    (default WikiText-2 test: its second half is where quality.py measures perplexity)."""
+    from .quality import read_text, token_batches
+
     text = read_text([text_path or WIKITEXT], half="first")
-    batches = token_batches(tok, text, seq_len, n_seqs)[:, :-1]
-    return collect_input_norms(model, batches), model
+    text = text[: 16 * n_seqs * (seq_len + 1)]  # enough for the tokens needed (>= 1 char per token), fast to encode
+    batches = token_batches(tokenizer, text, seq_len, n_seqs)[:, :-1]
+    return collect_input_norms(model, batches, progress)

@@ -103,13 +103,14 @@ def reorder(path, perms: Sequence[np.ndarray], progress: bool = False) -> Path:
     for d in (tmp, old):
         if d.exists():
             shutil.rmtree(d)
-    writer = FlashWriter(tmp, fd.alignment)
+    writer = FlashWriter(tmp, fd.alignment, {k: e for l in fd.layouts.values() for k, e in l.encodings().items()})
     try:
         for i in tqdm(range(len(fd.layers)), desc="reorder", unit="layer", disable=not progress):
             regions = {}
             pm = mx.array(perms[i])
             for name in fd.layers[i]:
-                arrays = fd.layouts[name].unpack(mx.array(fd.read_region(i, name)))
+                layout = fd.layouts[name]
+                arrays = layout.unpack(layout.expand(mx.array(fd.read_region(i, name))))
                 if name == "neurons":
                     regions[name] = {k: v[pm] for k, v in arrays.items()}
                 else:

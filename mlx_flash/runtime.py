@@ -7,6 +7,11 @@
 Prompts (more than one token) stream each layer's FFN sequentially in large
 reads through a scratch buffer instead, and seed the caches with the units of
 the last `window` prompt tokens.
+
+Encoded layouts (bitmap-compressed pruned rows, flash_format v2): every read goes
+through the scratch buffer as encoded units and is expanded (BundleLayout.expand:
+MLX ops, or the Metal kernel on Apple silicon) into dense rows, which fill the cache
+rows or are used directly. Cache rows are always dense, so compute is unchanged.
 """
 
 import time
@@ -48,13 +53,13 @@ class FlashEngine:
         self.streamer = None  # offload.ResidentStreamer when resident weights are streamed too
         self.caches: List[Dict[str, NeuronCache]] = [
             {
-                name: NeuronCache(r.n_units, capacity[i][name], r.stride, policy=policy, window=window,
+                name: NeuronCache(r.n_units, capacity[i][name], fd.layouts[name].stride, policy=policy, window=window,
                                   alignment=fd.alignment)
                 for name, r in regions.items()
             }
             for i, regions in enumerate(fd.layers)
         ]
-        self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)
+        self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)  # >= a dense row
 
     # -- I/O -------------------------------------------------------------------
     def _submit(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
@@ -84,28 +89,51 @@ class FlashEngine:
     def _read_into_cache(self, layer, region, units, slots):
         """Start reading misses into their cache rows; returns the function that waits for them."""
         cache = self.caches[layer][region]
-        return self._submit(layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes)
+        if not self.fd.layouts[region].encoded:  # straight into the cache rows, waited for later
+            return self._submit(layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes)
+        for pos, rows in self._chunks(layer, region, units):  # encoded: read and expanded now
+            t = time.perf_counter()
+            cache.host[slots[pos]] = np.asarray(rows)
+            self.stats.current.mm_s += time.perf_counter() - t
+        return lambda: None
 
-    def _stream(self, layer: int, region: str, units: np.ndarray):
-        """Yield (positions, rows [len, stride] mx.array) for `units` read through the scratch buffer.
+    def _chunks(self, layer: int, region: str, units: np.ndarray):
+        """Yield (positions, dense rows [len, stride] mx.array) for `units` read through the scratch buffer.
 
-        The rows are overwritten by the next chunk: evaluate what uses them first. Units that
-        are in the region's cache (e.g. just seeded by a prompt) get their cache row refreshed.
+        Dense layouts yield views of the scratch buffer, overwritten by the next chunk: evaluate
+        what uses them first. Encoded units are expanded (evaluated) into new arrays; chunks are
+        sized so that those stay within the scratch size too.
         """
-        stride = self.fd.layouts[region].stride
-        per = self.scratch.nbytes // stride
-        rows, host = self.scratch.rows(stride), self.scratch.host(stride)
-        cache = self.caches[layer][region]
+        layout = self.fd.layouts[region]
+        disk = layout.disk_stride
+        per = self.scratch.nbytes // layout.stride
+        rows = self.scratch.rows(disk)
         for start in range(0, len(units), per):
             chunk = units[start : start + per]
-            dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * stride
+            dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * disk
             self._read(layer, region, chunk, self.scratch.buffer, dest)
-            yield np.arange(start, start + len(chunk)), rows[: len(chunk)]
+            out = rows[: len(chunk)]
+            if layout.encoded:
+                t = time.perf_counter()
+                out = layout.expand(out, self.use_metal)
+                mx.eval(out)
+                self.stats.current.expand_s += time.perf_counter() - t
+            yield np.arange(start, start + len(chunk)), out
+
+    def _stream(self, layer: int, region: str, units: np.ndarray):
+        """`_chunks`, and units that are in the region's cache (e.g. just seeded by a prompt) get
+        their cache row refreshed from the streamed rows: no second read."""
+        layout = self.fd.layouts[region]
+        host = self.scratch.host(layout.stride)
+        cache = self.caches[layer][region]
+        for positions, rows in self._chunks(layer, region, units):
+            yield positions, rows
+            chunk = units[positions]
             slots = cache.neuron_to_slot[chunk]
             keep = slots >= 0
-            if keep.any():  # seed / refresh cache rows from the streamed bytes: no second read
+            if keep.any():
                 t = time.perf_counter()
-                cache.host[slots[keep]] = host[: len(chunk)][keep]
+                cache.host[slots[keep]] = (np.asarray(rows) if layout.encoded else host[: len(chunk)])[keep]
                 self.stats.current.mm_s += time.perf_counter() - t
 
     def _fetch(self, layer: int, region: str, active: np.ndarray):

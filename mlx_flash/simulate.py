@@ -145,7 +145,7 @@ def simulate_config(name: str, r: dict, bench: dict, trace, machine: dict, token
             useful += len(read) * stride
             total_bytes += nbytes
             total_req += req
-    per_unit = stride  # bytes of one unit in DRAM (row incl. padding)
+    per_unit = bench.get("row_stride", stride)  # bytes of one unit in DRAM (row incl. padding; dense if encoded)
     dram_bytes = bench["resident_bytes_loaded"] + used_units / tokens * per_unit
     dram_s = dram_bytes / (machine["dram_gbps"] * 1e9) + layers * machine["layer_ms"] / 1e3
     io_ms = io_s / tokens * 1e3

@@ -11,6 +11,7 @@ import numpy as np
 class TokenStats:
     io_s: float = 0.0  # waiting for reads from flash
     mm_s: float = 0.0  # memory management: cache planning, row moves, copies
+    expand_s: float = 0.0  # expanding encoded (bitmap) units read into dense rows
     total_s: float = 0.0  # wall time of the whole token (set by the generate loop)
     bytes_read: int = 0  # everything read from flash: FFN units and streamed resident weights
     streamed_bytes: int = 0  # of which resident weights streamed below the resident floor (offload.py)
@@ -21,7 +22,7 @@ class TokenStats:
 
     @property
     def compute_s(self) -> float:
-        return max(0.0, self.total_s - self.io_s - self.mm_s)
+        return max(0.0, self.total_s - self.io_s - self.mm_s - self.expand_s)
 
     @property
     def hit_rate(self) -> float:
@@ -86,6 +87,7 @@ class Stats:
             "tokens": len(toks),
             "io_ms": med(lambda t: t.io_s * 1e3),
             "mm_ms": med(lambda t: t.mm_s * 1e3),
+            "expand_ms": med(lambda t: t.expand_s * 1e3),
             "compute_ms": med(lambda t: t.compute_s * 1e3),
             "total_ms": med(lambda t: t.total_s * 1e3),
             "total_ms_p10": float(np.percentile([t.total_s * 1e3 for t in toks], 10)),
@@ -99,7 +101,9 @@ class Stats:
     @staticmethod
     def format_token(i: int, t: TokenStats) -> str:
         return (
-            f"[token {i:4d}] io {t.io_s * 1e3:7.2f} ms | mm {t.mm_s * 1e3:6.2f} ms | compute {t.compute_s * 1e3:7.2f} ms | "
-            f"read {t.bytes_read / 2**20:7.2f} MiB" + (f" ({t.streamed_bytes / 2**20:.2f} streamed)" if t.streamed_bytes else "")
+            f"[token {i:4d}] io {t.io_s * 1e3:7.2f} ms | mm {t.mm_s * 1e3:6.2f} ms | "
+            + (f"expand {t.expand_s * 1e3:6.2f} ms | " if t.expand_s else "")
+            + f"compute {t.compute_s * 1e3:7.2f} ms | read {t.bytes_read / 2**20:7.2f} MiB"
+            + (f" ({t.streamed_bytes / 2**20:.2f} streamed)" if t.streamed_bytes else "")
             + f" | hit {t.hit_rate:6.1%} | active/layer {np.mean(t.active) if t.active else 0:7.1f}"
         )

@@ -165,6 +165,26 @@ def test_explicit_mask_stores_the_masked_positions_for_quantised_values():
                                   np.where(mask, q, 0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups", [1, 3, 9])
+def test_expand_with_group_fill(dtype, groups):
+    """Unstored positions take their group's fill value (8-bit rows: the code of 0.0 per group)."""
+    rng = np.random.default_rng(groups)
+    n, d = 6, 576 // 64 * 2 * groups  # d divisible by groups
+    bits = _random_bits(dtype, n, d, 0.5, rng)
+    mask = bits != 0
+    enc = mx.array(bitmap.encode_rows(_as_input(bits, dtype))[0])
+    ubits = bitmap.DTYPES[dtype][1]
+    fill_bits = rng.integers(1, 255, (n, groups)).astype(ubits)
+    fill = mx.view(mx.array(fill_bits), bitmap.DTYPES[dtype][2])
+    expected = np.where(mask, bits, np.repeat(fill_bits, d // groups, axis=1))
+    for use_metal in [False] + ([True] if bitmap.metal_available() else []):
+        got = bitmap.expand(enc, d, dtype, use_metal=use_metal, fill=fill)
+        np.testing.assert_array_equal(_bits_of(got, dtype), expected)
+    with pytest.raises(ValueError, match="fill must be"):
+        bitmap.expand(enc, d, dtype, use_metal=False, fill=fill[:2])
+
+
 # -- the Metal kernel body executed as C++ on the CPU (one emulated thread after another) ----
 
 _CXX = shutil.which("g++") or shutil.which("clang++")
