@@ -51,6 +51,7 @@ class FlashEngine:
         self.use_metal = use_metal
         self.stats = Stats()
         self.streamer = None  # offload.ResidentStreamer when resident weights are streamed too
+        self.overlap = True  # compute cached hits while misses are read (False: wait first; for A/B runs)
         self.caches: List[Dict[str, NeuronCache]] = [
             {
                 name: NeuronCache(r.n_units, capacity[i][name], fd.layouts[name].stride, policy=policy, window=window,
@@ -156,6 +157,8 @@ class FlashEngine:
         while the misses are being read (I/O overlapped with compute), then the misses.
         """
         plan, wait = self._fetch(layer, region, active)
+        if not self.overlap:
+            wait()
         rows = self.caches[layer][region].rows
         cached = np.flatnonzero(plan.slots >= 0)
         missed = np.isin(active[cached], plan.miss_neurons)
