@@ -60,14 +60,16 @@ def _spread(n: int) -> List[int]:
     return sorted(range(n), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
 
 
-def _load_cost(tensors, cast, alignment: int, rows: Optional[int] = None) -> int:
-    """Memory of one load: the aligned read buffer plus float32 copies (`rows`: that many rows of each)."""
-    total = 0
+def _group(path: str, kind: str, tensors, cast, alignment: int, rows: Optional[int] = None, chunk: int = 0):
+    """A StreamGroup whose one load holds `rows` rows of each tensor (None: whole tensors): the
+    aligned read buffer (each range padded to the alignment at both ends: one range per tensor,
+    or per row for lookups) plus float32 copies."""
+    load = alignment
     for t in tensors:
         frac = 1.0 if rows is None else min(1.0, rows / t.shape[0])
-        raw = int(t.nbytes * frac)
-        total += raw + 2 * alignment + (int(t.nbytes_as(cast) * frac) if t.nbytes_as(cast) != t.nbytes else 0)
-    return total + alignment
+        cast_copy = t.nbytes_as(cast) if t.nbytes_as(cast) != t.nbytes else 0
+        load += int((t.nbytes + cast_copy) * frac) + 2 * alignment * (rows if kind == "rows" else 1)
+    return StreamGroup(path, kind, [t.name for t in tensors], sum(t.nbytes_as(cast) for t in tensors), load, chunk)
 
 
 def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
@@ -76,46 +78,24 @@ def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
     by_module: Dict[str, list] = {}
     for name, t in index.items():
         by_module.setdefault(name.rsplit(".", 1)[0], []).append(t)
-
-    def module_tensors(path):
-        return by_module.get(path, [])
-
     tied = not any(p.split(".")[-1] == "lm_head" for p in by_module)
-    rows, layers, head = [], [], []
+
+    rows, layers, heads = [], [], []
     for path, ts in sorted(by_module.items()):
         leaf = path.split(".")[-1]
-        if leaf.startswith("embed"):
-            if tied and leaf == "embed_tokens":
-                head.append(path)
-            else:
-                rows.append(path)
-        elif leaf == "lm_head":
-            head.append(path)
-
+        if leaf == "lm_head" or (tied and leaf == "embed_tokens"):
+            vocab = ts[0].shape[0]
+            chunk = max(1, min(vocab, int(HEAD_CHUNK_BYTES * vocab // sum(t.nbytes_as(cast) for t in ts))))
+            heads.append(_group(path, "head", ts, cast, fd.alignment, rows=chunk, chunk=chunk))
+        elif leaf.startswith("embed"):
+            rows.append(_group(path, "rows", ts, cast, fd.alignment, rows=min(context, ts[0].shape[0])))
     layer_prefixes = [p.rsplit(".", 1)[0] for p in fd.ffn["mlp_paths"]]
     for i in _spread(len(layer_prefixes)):
         prefix = layer_prefixes[i] + ".self_attn."
         ts = [t for name, t in index.items() if name.startswith(prefix)]
         if ts:
-            layers.append((layer_prefixes[i] + ".self_attn", ts))
-
-    groups = []
-    for path in rows:
-        ts = module_tensors(path)
-        n = min(context, ts[0].shape[0])
-        groups.append(StreamGroup(path, "rows", [t.name for t in ts], sum(t.nbytes_as(cast) for t in ts),
-                                  _load_cost(ts, cast, fd.alignment, rows=n)))
-    for path, ts in layers:
-        groups.append(StreamGroup(path, "layer", [t.name for t in ts], sum(t.nbytes_as(cast) for t in ts),
-                                  _load_cost(ts, cast, fd.alignment)))
-    for path in head:
-        ts = module_tensors(path)
-        vocab = ts[0].shape[0]
-        row_bytes = sum(t.nbytes_as(cast) for t in ts) / vocab
-        chunk = max(1, min(vocab, int(HEAD_CHUNK_BYTES // row_bytes)))
-        groups.append(StreamGroup(path, "head", [t.name for t in ts], sum(t.nbytes_as(cast) for t in ts),
-                                  _load_cost(ts, cast, fd.alignment, rows=chunk), chunk_rows=chunk))
-    return groups
+            layers.append(_group(prefix[:-1], "layer", ts, cast, fd.alignment))
+    return rows + layers + heads
 
 
 # -- reading -------------------------------------------------------------------------------
