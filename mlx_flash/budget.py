@@ -108,26 +108,30 @@ def min_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: 
     return sum(fixed_bytes(fd, context, dtype_size, extra, resident).values())
 
 
+def with_streamed(fixed: dict, streamed) -> dict:
+    """The fixed parts when `streamed` groups leave the resident weights for two loads' buffers."""
+    return dict(fixed, resident=fixed["resident"] - sum(g.nbytes for g in streamed),
+                streaming=2 * max((g.load_bytes for g in streamed), default=0))
+
+
 def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None,
                          groups=()) -> int:
     """The smallest budget that loads at all: every streamable group streamed, no FFN unit cached."""
-    f = fixed_bytes(fd, context, dtype_size, extra, resident)
-    groups = list(groups)
-    f["resident"] -= sum(g.nbytes for g in groups)
-    return sum(f.values()) + (2 * max(g.load_bytes for g in groups) if groups else 0)
+    return sum(with_streamed(fixed_bytes(fd, context, dtype_size, extra, resident), list(groups)).values())
 
 
 def choose_streamed(groups, fixed: dict, budget: int, context: int):
-    """The groups to stream (a prefix of `groups`, cheapest first, then any that fit back),
-    and the fixed parts with them; raises BudgetError when streaming all of them is not enough."""
-    f = dict(fixed, streaming=0)
+    """The groups to stream (the shortest prefix of `groups`, cheapest first, that fits; then any
+    that fit back are kept resident) and the fixed parts with them. BudgetError if none fits."""
+    def fits(streamed):
+        return sum(with_streamed(fixed, streamed).values()) <= budget
+
     streamed = []
     for g in groups:
-        if sum(f.values()) <= budget:
+        if fits(streamed):
             break
         streamed.append(g)
-        f["resident"] -= g.nbytes
-        f["streaming"] = 2 * max(s.load_bytes for s in streamed)
+    f = with_streamed(fixed, streamed)
     if sum(f.values()) > budget:
         raise BudgetError(
             f"memory budget {fmt_bytes(budget)} is too small"
@@ -138,16 +142,11 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int):
             + (f" + extra {fmt_bytes(f['extra'])}" if f["extra"] else "")
             + f" need {fmt_bytes(sum(f.values()))} before any FFN unit is cached"
         )
-    for g in reversed(streamed[:-1]):  # the last one made it fit; keep earlier ones resident if they fit back
-        f["resident"] += g.nbytes
+    for g in reversed(streamed[:-1]):  # the last one made it fit
         rest = [s for s in streamed if s is not g]
-        f["streaming"] = 2 * max(s.load_bytes for s in rest)
-        if sum(f.values()) <= budget:
+        if fits(rest):
             streamed = rest
-        else:
-            f["resident"] -= g.nbytes
-            f["streaming"] = 2 * max(s.load_bytes for s in streamed)
-    return streamed, f
+    return streamed, with_streamed(fixed, streamed)
 
 
 def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0, resident: int = None,

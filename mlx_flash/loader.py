@@ -195,7 +195,8 @@ def load(
     memory_budget: bytes, "2GB" or "50%" (of the model's size) for weights + caches + KV cache;
     None caches every unit. If the resident weights do not fit, attention layers, embeddings and
     the LM head are streamed from flash too (offload.py; `model.flash.plan` says what); if even
-    that does not fit, raises BudgetError before reading weights. `model.flash` is the engine: its `.stats`, and `model.flash.close()`.
+    that does not fit, raises BudgetError before reading weights. `model.flash` is the engine:
+    its `.stats`, and `model.flash.close()`.
     dtype: mx.float32 runs activations in float32 (see `cpu_float32`); the default without Metal,
     where float16 matmuls do not use BLAS (~35x slower). Otherwise the stored dtype is kept.
     sparsifier: an object with the sparsity.py interface (e.g. a `Predictor` trained in memory); it
