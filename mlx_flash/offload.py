@@ -147,26 +147,20 @@ class ResidentStreamer:
         layers = sorted((g for g in groups if g.kind == "layer"), key=lambda g: _layer_number(g.path))
         # the forward order of whole loads: attention layers, then each head's chunks
         self.schedule = [(g.path, None) for g in layers]
-        for g in groups:
-            if g.kind == "head":
-                vocab = self.index[g.tensors[0]].shape[0]
-                self.schedule += [(g.path, (r, min(r + g.chunk_rows, vocab))) for r in range(0, vocab, g.chunk_rows)]
+        self.schedule += [(g.path, rows) for g in groups if g.kind == "head" for rows in self.chunks(g.path)]
         self._next = {k: self.schedule[(i + 1) % len(self.schedule)] for i, k in enumerate(self.schedule)}
         self.pending: Optional[_Load] = None
 
     def _submit(self, key) -> _Load:
+        """Start reading a whole group (rows None) or rows [r0, r1) of each of its tensors."""
         path, rows = key
         tensors = [self.index[n] for n in self.groups[path].tensors]
-        if rows is None:
-            ranges = [[(t.offset, t.nbytes)] for t in tensors]
-            shapes = [t.shape for t in tensors]
-        else:
-            r0, r1 = rows
-            ranges, shapes = [], []
-            for t in tensors:
-                row = t.nbytes // t.shape[0]
-                ranges.append([(t.offset + r0 * row, (r1 - r0) * row)])
-                shapes.append((r1 - r0, *t.shape[1:]))
+        ranges, shapes = [], []
+        for t in tensors:
+            r0, r1 = rows or (0, t.shape[0])
+            row = t.nbytes // t.shape[0]
+            ranges.append([(t.offset + r0 * row, (r1 - r0) * row)])
+            shapes.append((r1 - r0, *t.shape[1:]))
         return _Load(key, self.reader, tensors, ranges, shapes, self.cast, self.file_size)
 
     def _take(self, load: _Load) -> Dict[str, mx.array]:
@@ -218,8 +212,10 @@ class ResidentStreamer:
             out[name] = arrays[name].astype(getattr(mx, target)) if target else arrays[name]
         return out
 
-    def vocab(self, path: str) -> int:
-        return self.index[self.groups[path].tensors[0]].shape[0]
+    def chunks(self, path: str) -> List[Tuple[int, int]]:
+        """A head's chunks of vocabulary rows, [r0, r1)."""
+        vocab, n = self.index[self.groups[path].tensors[0]].shape[0], self.groups[path].chunk_rows
+        return [(r, min(r + n, vocab)) for r in range(0, vocab, n)]
 
     def close(self):
         if self.pending is not None:
@@ -302,10 +298,7 @@ class StreamedRows(_Streamed):
             out = fn()
             self._release()
             return out
-        group, vocab = self._streamer.groups[self._path], self._streamer.vocab(self._path)
-        parts = []
-        for r in range(0, vocab, group.chunk_rows):
-            parts.append(self._run(self._streamer.load(self._path, (r, min(r + group.chunk_rows, vocab))), fn))
+        parts = [self._run(self._streamer.load(self._path, rows), fn) for rows in self._streamer.chunks(self._path)]
         return mx.concatenate(parts, axis=-1)
 
 
