@@ -254,7 +254,7 @@ def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, coun
     L = ctl.n_layers
     uni = calibrate_dip(model, ctl, batches, target, count, progress)
     if target >= 1:
-        return dict(uni, per_layer={"chosen": "uniform"})
+        return dict(uni, per_layer={"chosen": "uniform", "mlp_density": [1.0] * L})
     a, b = uni["input_density"][0] / target, uni["neuron_density"][0] / target
     base_in, base_out = list(uni["input_density"]), list(uni["neuron_density"])
     sens = batches[:sens_seqs]

@@ -181,13 +181,14 @@ def test_calibrate_cli_on_tiny_model(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [
         "calibrate", "--model", str(path), "--data", str(data), "--seq-len", "64", "--num-seqs", "4",
         "--dip-seqs", "1", "--eval-seqs", "2", "--rank", "8", "--rank-worst", "16", "--worst-layers", "1",
-        "--steps", "30", "--densities", "100,50", "--dip-candidates", "2", "--reorder", "--report", str(out), "--quiet",
+        "--steps", "30", "--densities", "100,50", "--dip-candidates", "2", "--dip-per-layer", "--reorder", "--report", str(out), "--quiet",
     ])
     main()
     fd = FlashDir(path)
     s = fd.manifest["sparsity"]
     assert s["predictor"]["ranks"] and len(s["predictor"]["recall"]) == len(fd.layers)
     assert s["dip"]["target"] == 0.5 and len(s["dip"]["input_density"]) == len(fd.layers)
+    assert s["dip"]["per_layer"]["chosen"] in ("per-layer", "uniform")
     assert fd.manifest["neuron_order"] is not None
     report = json.loads((out / "report.json").read_text())
     modes = {r["mode"] for r in report["quality"]["rows"]}
