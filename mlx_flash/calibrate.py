@@ -463,6 +463,9 @@ def setup_arg_parser():
     p.add_argument("--dip-per-layer", action="store_true",
                    help="Per-layer DIP densities (sensitivity around the uniform split, then an allocation at the "
                         "same mean MLP density; L x 5 extra forward passes per target).")
+    p.add_argument("--dip-sensitivity", choices=["kl", "nll"], default="kl",
+                   help="--dip-per-layer: KL to the dense model with the other layers dense (default), or the NLL "
+                        "change with the other layers at the uniform split.")
     p.add_argument("--no-predictor", action="store_true")
     p.add_argument("--no-dip", action="store_true")
     p.add_argument("--reorder", action="store_true", help="Rewrite ffn.bin with hot, co-active neurons adjacent.")
@@ -522,7 +525,8 @@ def run(args) -> dict:
         dip_batches = calib[: args.dip_seqs]
         for d in sorted(set(want_densities if args.report else []) | {args.dip_target}):
             if args.dip_per_layer:
-                dip[d] = calibrate_dip_per_layer(model, ctl, dip_batches, d, args.dip_candidates, progress=progress)
+                dip[d] = calibrate_dip_per_layer(model, ctl, dip_batches, d, args.dip_candidates,
+                                                sensitivity=args.dip_sensitivity, progress=progress)
             else:
                 dip[d] = calibrate_dip(model, ctl, dip_batches, d, args.dip_candidates, progress)
         sparsity["dip"] = dip[args.dip_target]
