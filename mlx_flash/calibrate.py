@@ -1,7 +1,7 @@
 """Calibrate a flash directory on real text: low-rank predictors, DIP densities, neuron order, a quality report.
 
     python -m mlx_flash.calibrate [--model DIR] [--data FILE ...] [--rank 64] [--density 0.5]
-        [--dip-target 0.5] [--reorder] [--report OUT_DIR]
+        [--dip-target 0.5] [--dip-per-layer] [--reorder] [--report OUT_DIR]
 
 1. Activations: every layers[i].mlp of a resident float32 model records its input x on the
    calibration text (default: the first half of ../shared/data/wikitext-2/test.txt); the true
@@ -14,6 +14,9 @@
 3. DIP (GLU models): for --dip-target MLP density t = (2 d_in + d_out) / 3, a ratio search over
    d_in (d_out = 3t - 2 d_in) on calibration text picks the split with the lowest loss
    (DIP appendix B.1); the same split for every layer. Recorded as manifest sparsity["dip"].
+   --dip-per-layer: then per-layer densities at the same mean (calibrate_dip_per_layer: each layer's
+   NLL change around the uniform split, allocated by a knapsack DP); kept only if its calibration NLL
+   beats the uniform split's.
 4. --reorder: rewrite ffn.bin so that hot, co-active neurons are adjacent (mlx_flash.reorder).
 5. --report OUT_DIR: per-layer recall/precision and active fractions (report.json, a png),
    perplexity on held-out text (default: the second half of the same file) for dense, oracle,
@@ -184,6 +187,152 @@ def calibrate_dip(model, ctl, batches: np.ndarray, target: float, count: int = 5
             "target": target, "realised_mlp_density": best["realised_mlp_density"], "search": results}
 
 
+def _split(d: float, a: float, b: float):
+    """(d_in, d_out) with MLP density (2 d_in + d_out) / 3 = d, in the ratio a : b of a split at density
+    (2 a + b) / 3 = 1 (scaled), clipped to [0, 1] with the excess moved to the other side."""
+    d = min(max(d, 0.0), 1.0)
+    d_in, d_out = a * d, b * d
+    if d_in > 1:
+        d_in, d_out = 1.0, 3 * d - 2
+    elif d_out > 1:
+        d_in, d_out = (3 * d - 1) / 2, 1.0
+    return float(d_in), float(min(max(d_out, 0.0), 1.0))
+
+
+def allocate_densities(levels: Sequence[Sequence[float]], costs: Sequence[Sequence[float]], target: float,
+                       step: float = 0.025) -> List[float]:
+    """Per-layer MLP densities minimising the sum of per-layer costs (each piecewise linear over its
+    levels) subject to mean density == target (on a grid of `step`; a multiple-choice knapsack, by DP)."""
+    L = len(levels)
+    grid = np.round(np.arange(0, 1 + 1e-9, step), 6)
+    budget = int(round(L * target / step))
+    INF = float("inf")
+    best = np.full(budget + 1, INF)
+    best[0] = 0.0
+    choice = []
+    for lv, c in zip(levels, costs):
+        lv, c = np.asarray(lv, float), np.asarray(c, float)
+        o = np.argsort(lv)
+        lv, c = lv[o], c[o]
+        pts = grid[(grid >= lv[0] - 1e-9) & (grid <= lv[-1] + 1e-9)]
+        units = np.round(pts / step).astype(int)
+        cost = np.interp(pts, lv, c)
+        nxt = np.full(budget + 1, INF)
+        arg = np.full(budget + 1, -1)
+        for u, cu in zip(units, cost):
+            if u > budget:
+                continue
+            cand = np.full(budget + 1, INF)
+            cand[u:] = best[: budget + 1 - u] + cu
+            better = cand < nxt
+            nxt[better], arg[better] = cand[better], u
+        best = nxt
+        choice.append(arg)
+    if not np.isfinite(best[budget]):
+        raise ValueError(f"target {target} not reachable with levels {levels}")
+    out, b = [], budget
+    for arg in reversed(choice):
+        u = int(arg[b])
+        out.append(u * step)
+        b -= u
+    return [float(v) for v in reversed(out)]
+
+
+def _logprobs(model, batches: np.ndarray) -> List[mx.array]:
+    out = []
+    for row in batches:
+        lp = nn.log_softmax(model(mx.array(row[None, :-1])).astype(mx.float32), axis=-1)
+        mx.eval(lp)
+        out.append(lp)
+    return out
+
+
+def _kl_to(model, ref: List[mx.array], batches: np.ndarray) -> float:
+    """Mean per-token KL(ref || model) over the batches (ref: log-probabilities of the dense model)."""
+    total, count = 0.0, 0
+    for lp_ref, row in zip(ref, batches):
+        lp = nn.log_softmax(model(mx.array(row[None, :-1])).astype(mx.float32), axis=-1)
+        total += float(mx.sum(mx.exp(lp_ref) * (lp_ref - lp)).item())
+        count += row.shape[0] - 1
+    return total / count
+
+
+def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, count: int = 5,
+                            offsets: Sequence[float] = (-0.2, -0.1, 0.0, 0.15, 0.3), sens_seqs: int = 1,
+                            sensitivity: str = "kl", step: float = 0.025, progress: bool = False) -> dict:
+    """Per-layer DIP densities at mean MLP density `target`.
+
+    1. The uniform ratio search (`calibrate_dip`) gives the split (d_in, d_out) at the target; every
+       per-layer density keeps its d_in : d_out ratio (`_split`).
+    2. Sensitivity of each layer l at MLP densities target + offsets (and 1.0), on the first `sens_seqs`
+       calibration sequences, L x len(offsets) forward passes:
+         "kl"  (default) every other layer dense; the KL divergence of the output from the dense model's.
+         "nll" every other layer at the uniform split; the change of the NLL (noisy: on SmolLM2 single
+               layers moved by +-0.05 nats in both directions, the sum did not predict the joint NLL).
+       Costs are made non-increasing in density (a denser layer is never assumed to cost more).
+    3. Allocation: minimise the summed costs (linear between measured densities) with the mean MLP
+       density fixed at the target (`allocate_densities`).
+    4. The allocation against the uniform split on all `batches` ("kl": KL to the dense model; "nll":
+       the NLL, which on 2 x 256 tokens of SmolLM2 is too noisy to rank allocations); the uniform
+       split is kept if the per-layer one is not better ("chosen")."""
+    L = ctl.n_layers
+    uni = calibrate_dip(model, ctl, batches, target, count, progress)
+    if target >= 1:
+        return dict(uni, per_layer={"chosen": "uniform", "mlp_density": [1.0] * L})
+    a, b = uni["input_density"][0] / target, uni["neuron_density"][0] / target
+    sens = batches[:sens_seqs]
+    if sensitivity == "kl":
+        ctl.set_mode("dense")
+        ref = _logprobs(model, sens)
+        other_in, other_out, base = [1.0] * L, [1.0] * L, 0.0
+    elif sensitivity == "nll":
+        other_in, other_out = list(uni["input_density"]), list(uni["neuron_density"])
+        ctl.set_mode("dip", input_density=other_in, neuron_density=other_out)
+        base = sequence_nll(model, ctl, sens)
+    else:
+        raise ValueError(f"unknown sensitivity {sensitivity!r} (kl or nll)")
+    levels = sorted({round(min(1.0, max(0.05, target + o)), 4) for o in offsets} | {1.0})
+    free = 1.0 if sensitivity == "kl" else target  # the cost known without a pass (0)
+    levels = sorted(set(levels) | {free})
+    costs = np.zeros((L, len(levels)))
+    bar = tqdm(total=L * (len(levels) - 1), desc=f"dip per-layer {target:.0%} ({sensitivity})", disable=not progress)
+    for l in range(L):
+        for j, d in enumerate(levels):
+            if d == free:
+                continue
+            d_in, d_out = _split(d, a, b)
+            ctl.set_mode("dip", input_density=other_in[:l] + [d_in] + other_in[l + 1:],
+                         neuron_density=other_out[:l] + [d_out] + other_out[l + 1:])
+            costs[l, j] = (_kl_to(model, ref, sens) if sensitivity == "kl" else sequence_nll(model, ctl, sens) - base)
+            bar.update()
+    bar.close()
+    mono = np.maximum.accumulate(costs[:, ::-1], axis=1)[:, ::-1]  # non-increasing in density
+    mlp = allocate_densities([levels] * L, mono, target, step)
+    split = [_split(d, a, b) for d in mlp]
+    d_in, d_out = [s[0] for s in split], [s[1] for s in split]
+    ctl.set_mode("dip", input_density=d_in, neuron_density=d_out)
+    nll = sequence_nll(model, ctl, batches)
+    realised = float(ctl.realised()["mlp"].mean())
+    uni_nll = min(r["nll"] for r in uni["search"])
+    info = {"sensitivity_metric": sensitivity, "levels": levels, "sensitivity": costs.tolist(), "base": base,
+            "mlp_density": mlp, "nll": nll, "uniform_nll": uni_nll, "realised_mlp_density": realised}
+    if sensitivity == "kl":  # decide on KL to dense over all batches: far less noisy than the NLL of 2 sequences
+        ctl.set_mode("dense")
+        ref = _logprobs(model, batches)
+        ctl.set_mode("dip", input_density=d_in, neuron_density=d_out)
+        info["kl"] = _kl_to(model, ref, batches)
+        ctl.set_mode("dip", input_density=uni["input_density"], neuron_density=uni["neuron_density"])
+        info["uniform_kl"] = _kl_to(model, ref, batches)
+        better = info["kl"] <= info["uniform_kl"]
+    else:
+        better = nll <= uni_nll
+    info["chosen"] = "per-layer" if better else "uniform"
+    if not better:
+        return dict(uni, per_layer=info)
+    return {"input_density": d_in, "neuron_density": d_out, "target": target, "realised_mlp_density": realised,
+            "search": uni["search"], "per_layer": info}
+
+
 # -- 5. report ------------------------------------------------------------------------------------
 def bytes_per_token(fd: FlashDir, ctl, mode: str) -> Dict[str, float]:
     """Bytes a runtime would read per token: the selected units x their stride (no cache), and the
@@ -322,6 +471,12 @@ def setup_arg_parser():
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--dip-target", type=float, default=0.5, help="DIP target MLP density recorded in the manifest.")
     p.add_argument("--dip-candidates", type=int, default=5, help="Splits tried by the DIP ratio search.")
+    p.add_argument("--dip-per-layer", action="store_true",
+                   help="Per-layer DIP densities (sensitivity around the uniform split, then an allocation at the "
+                        "same mean MLP density; L x 5 extra forward passes per target).")
+    p.add_argument("--dip-sensitivity", choices=["kl", "nll"], default="kl",
+                   help="--dip-per-layer: KL to the dense model with the other layers dense (default), or the NLL "
+                        "change with the other layers at the uniform split.")
     p.add_argument("--no-predictor", action="store_true")
     p.add_argument("--no-dip", action="store_true")
     p.add_argument("--reorder", action="store_true", help="Rewrite ffn.bin with hot, co-active neurons adjacent.")
@@ -380,7 +535,11 @@ def run(args) -> dict:
     if glu and not args.no_dip:
         dip_batches = calib[: args.dip_seqs]
         for d in sorted(set(want_densities if args.report else []) | {args.dip_target}):
-            dip[d] = calibrate_dip(model, ctl, dip_batches, d, args.dip_candidates, progress)
+            if args.dip_per_layer:
+                dip[d] = calibrate_dip_per_layer(model, ctl, dip_batches, d, args.dip_candidates,
+                                                sensitivity=args.dip_sensitivity, progress=progress)
+            else:
+                dip[d] = calibrate_dip(model, ctl, dip_batches, d, args.dip_candidates, progress)
         sparsity["dip"] = dip[args.dip_target]
         fd.update_manifest(sparsity=sparsity)
         out["dip"] = {str(k): v for k, v in dip.items()}
@@ -427,8 +586,12 @@ def main():
         print(f"predictors: threshold {p['threshold']:.3f}, mean recall {np.mean(p['recall']):.3f}, "
               f"precision {np.mean(p['precision']):.3f}, predicted density {np.mean(p['predicted_density']):.3f}")
     for d, r in (out.get("dip") or {}).items():
-        print(f"dip {float(d):.0%}: input density {r['input_density'][0]:.3f}, neuron density "
-              f"{r['neuron_density'][0]:.3f}, realised MLP density {r['realised_mlp_density']:.3f}")
+        pl = r.get("per_layer")
+        how = f" ({pl['chosen']} allocation)" if pl else ""
+        print(f"dip {float(d):.0%}{how}: input density {np.mean(r['input_density']):.3f}, neuron density "
+              f"{np.mean(r['neuron_density']):.3f} (means over layers), realised MLP density {r['realised_mlp_density']:.3f}")
+        if pl:
+            print("  per-layer MLP density: " + " ".join(f"{v:.2f}" for v in pl["mlp_density"]))
     if "quality" in out:
         print(format_table(out))
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from mlx_flash.calibrate import (
+    allocate_densities,
     calibrate_dip,
+    calibrate_dip_per_layer,
     collect_inputs,
     density_sweep,
     main,
@@ -20,7 +22,7 @@ from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load_resident, make_sparsifier
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.quality import activation_targets, dense_ffn_weights, eval_model
+from mlx_flash.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll
 from mlx_flash.reorder import neuron_order, read_stats, reorder, reorder_group
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40
@@ -87,6 +89,47 @@ def test_dip_density_hits_target(tiny, target):
     assert sp.input_density == d["input_density"] and sp.neuron_density == d["neuron_density"]
 
 
+def test_allocate_densities_keeps_the_mean_and_favours_sensitive_layers():
+    levels = [[0.3, 0.5, 0.7, 1.0]] * 3
+    costs = [[0.4, 0.0, -0.3, -0.5], [0.01, 0.0, -0.005, -0.01], [0.02, 0.0, -0.01, -0.02]]
+    d = allocate_densities(levels, costs, 0.5)
+    assert abs(np.mean(d) - 0.5) < 1e-9 and d[0] > 0.5 > d[1]
+    flat = [[0.0, 0.0, 0.0, 0.0]] * 3
+    assert abs(np.mean(allocate_densities(levels, flat, 0.6)) - 0.6) < 1e-9
+
+
+def test_dip_per_layer_keeps_target_and_beats_uniform(tmp_path):
+    """Layer 0's MLP output scaled up 4x: pruning it costs more, so it gets more density."""
+    src = make_tiny_model_dir("llama", tmp_path / "src", num_hidden_layers=4)
+    w = mx.load(str(src / "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj.weight"
+    w[key] = w[key] * 4
+    mx.save_safetensors(str(src / "model.safetensors"), w, metadata={"format": "mlx"})
+    fd = FlashDir(convert(str(src), tmp_path / "flash", progress=False, layout="dip"))
+    model, ctl = eval_model(fd)
+    # text sampled from the dense model itself: dense is then the best model of it in expectation, so pruning a
+    # layer raises the NLL (on random tokens a random model can gain from pruning, and sensitivities mean nothing)
+    mx.random.seed(0)
+    seq = mx.array([[1]])
+    for _ in range(2 * 65 - 1):
+        seq = mx.concatenate([seq, mx.random.categorical(model(seq)[:, -1])[None]], axis=1)
+    batches = np.array(seq).reshape(2, 65).astype(np.int32)
+    res = calibrate_dip_per_layer(model, ctl, batches, 0.5, count=3)
+    pl = res["per_layer"]
+    assert pl["chosen"] == "per-layer", pl
+    assert abs(np.mean(pl["mlp_density"]) - 0.5) < 1e-6
+    assert max(pl["mlp_density"]) - min(pl["mlp_density"]) >= 0.1  # not uniform
+    assert pl["mlp_density"][0] == max(pl["mlp_density"])  # the sensitive layer gets the most
+    assert abs(res["realised_mlp_density"] - 0.5) < 0.02
+    ctl.set_mode("dip", input_density=res["input_density"], neuron_density=res["neuron_density"])
+    per_layer_nll = sequence_nll(model, ctl, batches)
+    uni = calibrate_dip(model, ctl, batches, 0.5, count=3)
+    assert per_layer_nll <= min(r["nll"] for r in uni["search"]) + 1e-9
+    fd.update_manifest(sparsity={**(fd.manifest.get("sparsity") or {}), "dip": res})
+    sp = make_sparsifier(FlashDir(fd.path), "dip")
+    assert sp.input_density == res["input_density"] and sp.neuron_density == res["neuron_density"]
+
+
 @pytest.mark.parametrize("arch,layout,bits,density", [("llama", "neurons", None, 0.1), ("opt", "neurons", None, None),
                                                       ("llama", "dip", None, None), ("llama", "dip", 4, None)])
 def test_reorder_keeps_outputs_and_lengthens_reads(tmp_path, arch, layout, bits, density):
@@ -138,13 +181,14 @@ def test_calibrate_cli_on_tiny_model(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [
         "calibrate", "--model", str(path), "--data", str(data), "--seq-len", "64", "--num-seqs", "4",
         "--dip-seqs", "1", "--eval-seqs", "2", "--rank", "8", "--rank-worst", "16", "--worst-layers", "1",
-        "--steps", "30", "--densities", "100,50", "--dip-candidates", "2", "--reorder", "--report", str(out), "--quiet",
+        "--steps", "30", "--densities", "100,50", "--dip-candidates", "2", "--dip-per-layer", "--reorder", "--report", str(out), "--quiet",
     ])
     main()
     fd = FlashDir(path)
     s = fd.manifest["sparsity"]
     assert s["predictor"]["ranks"] and len(s["predictor"]["recall"]) == len(fd.layers)
     assert s["dip"]["target"] == 0.5 and len(s["dip"]["input_density"]) == len(fd.layers)
+    assert s["dip"]["per_layer"]["chosen"] in ("per-layer", "uniform")
     assert fd.manifest["neuron_order"] is not None
     report = json.loads((out / "report.json").read_text())
     modes = {r["mode"] for r in report["quality"]["rows"]}
