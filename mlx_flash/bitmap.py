@@ -37,14 +37,14 @@ Functions:
 """
 
 from functools import lru_cache
-from pathlib import Path
 from typing import Optional, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
+from . import kernel_source
+
 KERNEL_FILE = "bitmap_expand.metal"
-KERNEL_DIRS = (Path(__file__).parent / "kernels", Path(__file__).parent.parent / "kernels")
 
 # stored dtype name -> (itemsize, unsigned integer type holding the bits, mx dtype)
 DTYPES = {
@@ -258,20 +258,11 @@ def expand_mlx(encoded: mx.array, d: int, dtype, fill: Optional[mx.array] = None
 # -- expand: Metal -------------------------------------------------------------------
 
 
-def kernel_path() -> Optional[Path]:
-    for d in KERNEL_DIRS:
-        if (d / KERNEL_FILE).is_file():
-            return d / KERNEL_FILE
-    return None
-
-
 def _build_kernel():
-    path = kernel_path()
+    path = kernel_source.kernel_path(KERNEL_FILE)
     if path is None:
         return {}, None
-    from .kernel_source import split_sections
-
-    src = split_sections(path.read_text())
+    src = kernel_source.split_sections(path.read_text())
     return src, mx.fast.metal_kernel(
         name="bitmap_expand",
         input_names=["enc"],

@@ -35,12 +35,10 @@ import mlx.core as mx
 import numpy as np
 
 from .flash_format import _DTYPES, BundleLayout, Component
-from .kernel_source import split_sections
+from . import kernel_source
+from .kernel_source import KERNEL_DIRS, split_sections
 
 KERNEL_FILE = "gather_ffn.metal"
-# An installed package carries the file in mlx_flash/kernels (see setup.py); a source
-# checkout has it in <repo>/kernels.
-KERNEL_DIRS = (Path(__file__).parent / "kernels", Path(__file__).parent.parent / "kernels")
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 _ROW_DOT_THREADGROUP = 256  # 8 simdgroups, one output each
@@ -52,10 +50,7 @@ _AXPY_TC, _AXPY_TJ = 32, 8  # row_axpy threadgroup: 32 column threads x 8 partia
 
 def kernel_path() -> Optional[Path]:
     """The gather_ffn.metal that the kernels are built from (None if it is not installed)."""
-    for d in KERNEL_DIRS:
-        if (d / KERNEL_FILE).is_file():
-            return d / KERNEL_FILE
-    return None
+    return kernel_source.kernel_path(KERNEL_FILE)
 
 
 def _build_kernels():

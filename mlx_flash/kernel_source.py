@@ -1,10 +1,25 @@
-"""Metal kernel source files split into named sections (shared by gather_ffn and bitmap).
+"""Metal kernel source files: where they are, split into named sections (shared by gather_ffn
+and bitmap).
 
 A module of its own so that bitmap (imported by flash_format) needs nothing that imports
 flash_format.
 """
 
 import re
+from pathlib import Path
+from typing import Optional
+
+# An installed package carries the files in mlx_flash/kernels (see setup.py); a source
+# checkout has them in <repo>/kernels.
+KERNEL_DIRS = (Path(__file__).parent / "kernels", Path(__file__).parent.parent / "kernels")
+
+
+def kernel_path(name: str) -> Optional[Path]:
+    """The kernel file `name` (e.g. "gather_ffn.metal"), or None if it is not installed."""
+    for d in KERNEL_DIRS:
+        if (d / name).is_file():
+            return d / name
+    return None
 
 
 def split_sections(text: str) -> dict:
