@@ -70,10 +70,14 @@ class ResidentTensor:
     dtype: mx.Dtype
     shape: tuple
 
-    def nbytes_as(self, cast=None) -> int:
-        """Bytes in memory when `cast(name) -> dtype name or None` casts float tensors on load."""
+    def loaded_dtype(self, cast=None) -> mx.Dtype:
+        """The dtype in memory when `cast(name) -> dtype name or None` casts float tensors on load."""
         target = cast(self.name) if cast and mx.issubdtype(self.dtype, mx.floating) else None
-        return self.nbytes if not target else self.nbytes // self.dtype.size * _DTYPES[target].size
+        return _DTYPES[target] if target else self.dtype
+
+    def nbytes_as(self, cast=None) -> int:
+        """Bytes in memory under `cast` (see `loaded_dtype`)."""
+        return self.nbytes // self.dtype.size * self.loaded_dtype(cast).size
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -368,6 +372,7 @@ class FlashDir:
             raise FlashFormatError(f"{self.path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})") from None
         self.config = self._read_json("config.json")
         self._check_files()
+        self._resident_index = None
 
     # -- manifest and files -------------------------------------------------
     def _read_json(self, name):
@@ -437,7 +442,12 @@ class FlashDir:
     def resident_index(self) -> Dict[str, "ResidentTensor"]:
         """Where each resident tensor lies in resident.safetensors (absolute byte offsets), from its header.
 
-        What streaming below the resident floor reads tensors (or rows of them) with."""
+        What streaming below the resident floor reads tensors (or rows of them) with. Parsed once."""
+        if self._resident_index is None:
+            self._resident_index = self._read_resident_index()
+        return self._resident_index
+
+    def _read_resident_index(self) -> Dict[str, "ResidentTensor"]:
         path = self.path / RESIDENT
         try:
             with open(path, "rb") as f:

@@ -131,8 +131,7 @@ class _Load:
         for t, spans, shape in self.parts:
             pieces = [mx.view(self.buffer[self.base + p : self.base + p + n], t.dtype) for p, n in spans]
             a = (pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)).reshape(shape)
-            target = self.cast(t.name) if self.cast and mx.issubdtype(t.dtype, mx.floating) else None
-            out[t.name] = a.astype(getattr(mx, target)) if target else a
+            out[t.name] = a.astype(t.loaded_dtype(self.cast))
         return out
 
 
@@ -207,9 +206,7 @@ class ResidentStreamer:
         arrays = self.fd.load_resident()
         out = {}
         for name in self.groups[path].tensors:
-            t = self.index[name]
-            target = self.cast(name) if self.cast and mx.issubdtype(t.dtype, mx.floating) else None
-            out[name] = arrays[name].astype(getattr(mx, target)) if target else arrays[name]
+            out[name] = arrays[name].astype(self.index[name].loaded_dtype(self.cast))
         return out
 
     def chunks(self, path: str) -> List[Tuple[int, int]]:
