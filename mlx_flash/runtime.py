@@ -163,18 +163,21 @@ class FlashEngine:
         cached = np.flatnonzero(plan.slots >= 0)
         missed = np.isin(active[cached], plan.miss_neurons)
         per = max(1, self.scratch.nbytes // rows.shape[1])  # bounds the gathered copy: see budget.py
-        y = None
-        for i, positions in enumerate((cached[~missed], cached[missed])):
-            if i == 1:
-                if y is not None:
-                    mx.eval(y)  # the hits' share, computed while the pool reads the misses
-                wait()
+
+        def add(y, positions):  # chunk by chunk, so one chunk's gathered rows exist at a time
             for start in range(0, len(positions), per):
                 if y is not None:
                     mx.eval(y)
                 pos = positions[start : start + per]
                 part = fn(rows, mx.array(plan.slots[pos]), pos)
                 y = part if y is None else y + part
+            return y
+
+        y = add(None, cached[~missed])
+        if y is not None:
+            mx.eval(y)  # the hits' share, computed while the pool reads the misses
+        wait()
+        y = add(y, cached[missed])
         if y is None:  # nothing cached: a zero of the right shape
             y = fn(rows, mx.array(plan.slots[cached]), cached)
         if len(plan.overflow_neurons):
