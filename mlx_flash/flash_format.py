@@ -159,6 +159,11 @@ class Component:
         return self.encoding.nbytes if self.encoding else self.nbytes
 
     @property
+    def encoding_fits(self) -> bool:
+        """No encoding, or one that holds exactly the component's dense bytes."""
+        return self.encoding is None or self.encoding.length * bitmap.DTYPES[self.encoding.dtype][0] == self.nbytes
+
+    @property
     def flash_offset(self) -> int:
         return self.offset if self.disk_offset is None else self.disk_offset
 
@@ -199,7 +204,7 @@ class BundleLayout:
         components, offset, disk = [], 0, 0
         for name, a in arrays.items():
             c = Component(name, dtype_name(a.dtype), tuple(a.shape[1:]), offset, encodings.get(name), disk if encodings else None)
-            if c.encoding and c.encoding.length * bitmap.DTYPES[c.encoding.dtype][0] != c.nbytes:
+            if not c.encoding_fits:
                 raise ValueError(f"{name}: encoding of {c.encoding.length} {c.encoding.dtype} values, rows have {c.nbytes} bytes")
             components.append(c)
             offset += c.nbytes
@@ -233,7 +238,7 @@ class BundleLayout:
             raise FlashFormatError("encoded components but no disk_stride in the layout")
         layout = BundleLayout(tuple(comps), int(d["stride"]), int(d["disk_stride"]) if encoded else None)
         for c in layout.components:
-            if c.encoding and c.encoding.length * bitmap.DTYPES[c.encoding.dtype][0] != c.nbytes:
+            if not c.encoding_fits:
                 raise FlashFormatError(f"component {c.name!r}: its encoding holds {c.encoding.length} values, not {c.nbytes} bytes")
             if c.flash_offset + c.disk_nbytes > layout.disk_stride:
                 raise FlashFormatError(f"component {c.name!r} ends past the unit's {layout.disk_stride} bytes on flash")
