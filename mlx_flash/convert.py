@@ -99,10 +99,7 @@ def convert(
             norms, calibration = _calibrate(model_obj, src_dir, config, prune_text, prune_seqs, prune_seq_len, progress)
 
         if dtype is not None:
-            target = DTYPES[dtype]
-            model_obj.update(
-                tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p, model_obj.parameters())
-            )
+            model_obj.set_dtype(DTYPES[dtype])  # float parameters only
         source_quant = _model_quantization(model_obj)
         if source_quant is not None and (dequantize or (bits is not None and (bits, group_size) != (source_quant["bits"], source_quant["group_size"]))):
             from mlx_lm.utils import dequantize_model
@@ -199,7 +196,7 @@ def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
     quantized = [(k, m) for k, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     dtypes = tree_map(lambda p: p.dtype, model.parameters())
     dequantize_model(model)
-    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    model.set_dtype(mx.float32)
     mx.eval(model.parameters())  # once, not per forward
     seq_len = min(seq_len, config.get("max_position_embeddings") or seq_len)
     try:

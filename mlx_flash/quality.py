@@ -252,7 +252,6 @@ class Controller:
 
 def eval_model(fd: FlashDir, **controller_kw):
     """(model, controller): a resident float32 model of `fd` whose FFNs are EvalFFNs (nothing quantised)."""
-    from mlx.utils import tree_map
     from mlx_lm.utils import dequantize_model
 
     from .loader import build_model
@@ -264,8 +263,7 @@ def eval_model(fd: FlashDir, **controller_kw):
 
     model = build_model(fd, make_ffn)
     model = dequantize_model(model)
-    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
+    model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model, ctl
 
