@@ -14,7 +14,6 @@
 """
 
 import argparse
-import time
 
 import mlx_flash  # noqa: F401  (before mlx.core)
 
@@ -22,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_flash import bitmap, prune
+from bench_gather_ffn import median_ms  # noqa: E402  (this script's directory is on sys.path)
 
 SHAPES = {"smollm2": (576, 1536, 30), "7b": (4096, 11008, 32)}
 
@@ -60,13 +60,8 @@ def down_capacity_table(sparsity: float, seed: int = 0):
 
 
 def _time(fn, reps):
-    mx.eval(fn())  # warm-up
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    """Median seconds of mx.eval(fn()) after a warm-up."""
+    return median_ms(fn, reps) / 1e3
 
 
 def expand_table(shapes, sparsity: float, reps: int, seed: int = 0):
