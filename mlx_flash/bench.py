@@ -144,7 +144,7 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
     """A fresh FlashEngine (cold caches) for `budget`, swapped into every layer of `model`.
 
     unit_cache=False: no FFN unit cached (the naive and sparsity-only configurations). Streamed
-    resident weights (the model was loaded with this budget) stay streamed: the streamer moves over."""
+    resident weights (the model was loaded with this budget) stay streamed (attach moves the streamer)."""
     from .runtime import FlashEngine
 
     plan = plan_memory(fd, budget, context, 4, 0, resident=resident_bytes(fd),
@@ -157,9 +157,6 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
     old = engine.attach(model)
     if old is not None and old is not engine:
         old.caches = None  # free the previous configuration's cache buffers
-        engine.streamer, old.streamer = old.streamer, None
-        if engine.streamer is not None:
-            engine.streamer.stats = engine.stats
     return engine
 
 

@@ -292,8 +292,13 @@ class FlashEngine:
     def attach(self, model) -> "FlashEngine":
         """Serve every FlashFFN of `model` from this engine (e.g. a fresh one with another sparsifier,
         budget or reader) and set `model.flash`; returns the engine it replaced (None if none).
-        The caller frees or closes the old one: several engines may share a reader."""
+        The streamer of resident weights (offload.py), if any, moves to this engine. The caller
+        frees or closes the old one: several engines may share a reader."""
         old = getattr(model, "flash", None)
+        if old is not None and old is not self and old.streamer is not None:
+            # the model's streamed attention/embedding modules read through it: it moves along
+            self.streamer, old.streamer = old.streamer, None
+            self.streamer.stats = self.stats
         for layer in model.layers:
             mlp = layer.mlp
             mlp._engine = self

@@ -150,3 +150,27 @@ def test_prompt_logits_stay_lazy_and_equal_resident(dirs):
         assert mx.allclose(logits, expected, atol=1e-4, rtol=1e-4).item()
     finally:
         model.flash.close()
+
+
+def test_attach_moves_the_streamer(dirs):
+    """A model with streamed attention keeps working on another engine: its streamer (and the
+    streamed bytes in the stats) move to the new engine, and closing the old one does not close it."""
+    from mlx_flash.runtime import FlashEngine
+    from mlx_flash.sparsity import Dense
+
+    path = dirs["llama"]
+    fd, _, floor, _ = floors(path)
+    expected = greedy(load_resident(path)[0], 8)
+    model, _ = load(path, memory_budget=floor, sparsity="dense", context=CONTEXT)
+    first = model.flash
+    streamer = first.streamer
+    second = FlashEngine(fd, first.reader, Dense(fd.ffn["intermediate_size"]), first.plan.capacity, first.plan.scratch)
+    second.plan = first.plan
+    try:
+        assert second.attach(model) is first
+        assert second.streamer is streamer and first.streamer is None and streamer.stats is second.stats
+        assert greedy(model, 8) == expected
+        second.stats.end()
+        assert all(t.streamed_bytes > 0 for t in second.stats.decode_tokens())
+    finally:
+        second.close()
