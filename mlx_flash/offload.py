@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map, tree_unflatten
 
 from .reader import aligned_buffer
 
@@ -240,18 +241,15 @@ class _Streamed(nn.Module):
         super().__init__()
         self._inner, self._streamer, self._path = inner, streamer, path
         self._prefix = path + "."
+        # empty stand-ins between calls, made once: the loaded weights are freed after each output
+        self._placeholders = tree_map(lambda a: mx.zeros((0,), a.dtype), inner.parameters())
         self._release()
 
     def _use(self, arrays: Dict[str, mx.array]):
-        from mlx.utils import tree_unflatten
-
         self._inner.update(tree_unflatten([(k[len(self._prefix) :], v) for k, v in arrays.items()]))
 
     def _release(self):
-        """Placeholder weights: the loaded ones are freed once the output is evaluated."""
-        from mlx.utils import tree_map
-
-        self._inner.update(tree_map(lambda a: mx.zeros((0,), a.dtype), self._inner.parameters()))
+        self._inner.update(self._placeholders)
 
     def _run(self, arrays, fn):
         self._use(arrays)
