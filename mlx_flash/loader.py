@@ -9,6 +9,7 @@ from typing import Callable, Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from .architectures import adapter_for
 from .errors import FlashError, FlashFormatError
@@ -63,10 +64,10 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
             and f"{p}.scales" in weights
             and infer_quant_config(p, m, weights),
         )
-    for path, fn in (wrap or {}).items():
-        _set_module(model, path, fn(_get_module(model, path)))
-        for k in [k for k in weights if k.startswith(path + ".")]:
-            del weights[k]
+    if wrap:
+        modules = dict(model.named_modules())
+        model.update_modules(tree_unflatten([(path, fn(modules[path])) for path, fn in wrap.items()]))
+        weights = {k: v for k, v in weights.items() if not any(k.startswith(path + ".") for path in wrap)}
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -74,22 +75,6 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     mx.eval(model.parameters())
     model.eval()
     return model
-
-
-def _get_module(model: nn.Module, path: str) -> nn.Module:
-    m = model
-    for part in path.split("."):
-        m = m[int(part)] if isinstance(m, list) else getattr(m, part)
-    return m
-
-
-def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    p = _get_module(model, parent) if parent else model
-    if isinstance(p, list):
-        p[int(leaf)] = module
-    else:
-        setattr(p, leaf, module)
 
 
 def load_resident(path) -> Tuple[nn.Module, FlashDir]:
