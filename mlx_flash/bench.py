@@ -42,7 +42,7 @@ import mlx.core as mx
 
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .flash_format import FlashDir
-from .loader import cpu_float32, load, make_sparsifier
+from .loader import cpu_cast, load, load_resident, make_sparsifier
 from .offload import stream_groups
 from .reader import aligned_buffer, open_reader
 
@@ -131,12 +131,8 @@ class UnbundledReader:
 # -- engines -------------------------------------------------------------------------------
 
 
-def _cast(name):
-    return "float32" if cpu_float32(name) else None
-
-
 def resident_bytes(fd) -> int:
-    return fd.resident_nbytes(_cast)
+    return fd.resident_nbytes(cpu_cast)
 
 
 def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy="window", window=5,
@@ -148,7 +144,7 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
     from .runtime import FlashEngine
 
     plan = plan_memory(fd, budget, context, 4, 0, resident=resident_bytes(fd),
-                       groups=stream_groups(fd, _cast, context))
+                       groups=stream_groups(fd, cpu_cast, context))
     if not unit_cache:
         plan.capacity = [{name: 0 for name in caps} for caps in plan.capacity]
     scratch = min(plan.workspace // 2, plan.scratch)
@@ -277,9 +273,7 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
 
 def run_dense(path, prompt, n):
     """The ceiling: every weight in DRAM (float32 activations as the flash runtime on CPU)."""
-    from .trace import _resident_float32
-
-    model, fd = _resident_float32(path)
+    model, fd = load_resident(path, mx.float32)
     times = np.array(decode(model, prompt, n)) * 1e3
     nbytes = fd.model_bytes  # weights as stored (norms / embedding scales are float32 in DRAM: a little more)
     del model
@@ -343,7 +337,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     context = prompt_tokens + tokens + 8
     budget = parse_size(memory_budget, fd.model_bytes)
     floor = min_budget(fd, context, 4, resident=resident_bytes(fd))
-    lowest = min_streaming_budget(fd, context, 4, resident=resident_bytes(fd), groups=stream_groups(fd, _cast, context))
+    lowest = min_streaming_budget(fd, context, 4, resident=resident_bytes(fd), groups=stream_groups(fd, cpu_cast, context))
     if budget < lowest:
         raise SystemExit(f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
                          f"{lowest / fd.model_bytes:.0%} of the model, with attention and embeddings streamed)")

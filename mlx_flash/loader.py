@@ -24,6 +24,11 @@ def cpu_float32(name: str) -> bool:
     return not name.endswith((".scales", ".biases")) or "embed" in name
 
 
+def cpu_cast(name: str):
+    """`cpu_float32` as the cast rule FlashDir.resident_nbytes and offload take: "float32" or None."""
+    return "float32" if cpu_float32(name) else None
+
+
 def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module], dtype=None,
                 wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
     """Instantiate the architecture, load the resident weights, and set layers[i].mlp = make_ffn(i, biases_i).
@@ -77,8 +82,9 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     return model
 
 
-def load_resident(path) -> Tuple[nn.Module, FlashDir]:
-    """Load a flash directory with every FFN neuron resident (no streaming): the reference model."""
+def load_resident(path, dtype=None) -> Tuple[nn.Module, FlashDir]:
+    """Load a flash directory with every FFN neuron resident (no streaming): the reference model.
+    dtype=mx.float32: the CPU path's activations (see `build_model`)."""
     fd = FlashDir(path)
 
     def make_ffn(i, bias):
@@ -86,7 +92,7 @@ def load_resident(path) -> Tuple[nn.Module, FlashDir]:
         mx.eval(arrays)
         return ResidentFFN(fd.ffn, arrays, bias)
 
-    return build_model(fd, make_ffn), fd
+    return build_model(fd, make_ffn, dtype), fd
 
 
 def load_tokenizer(fd: FlashDir):
@@ -200,7 +206,7 @@ def load(
     extra = sum(v.nbytes for w in getattr(sparsifier, "weights", []) for v in w.values())  # predictors' DRAM
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
-    cast = (lambda k: "float32" if cpu_float32(k) else None) if dtype == mx.float32 else None
+    cast = cpu_cast if dtype == mx.float32 else None
     plan = plan_memory(fd, budget if budget is not None else 1 << 62, context, dtype.size if dtype else 2, extra,
                        resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context))
     reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))

@@ -166,22 +166,6 @@ class RecordingSparsifier:
         return Trace(active, meta=meta)
 
 
-def _resident_float32(path):
-    """(model, FlashDir): every FFN resident, activations in float32 (the fast CPU path)."""
-    from .ffn import ResidentFFN
-    from .flash_format import FlashDir
-    from .loader import build_model
-
-    fd = FlashDir(path)
-
-    def make_ffn(i, bias):
-        arrays = fd.unpack_layer(i)
-        mx.eval(arrays)
-        return ResidentFFN(fd.ffn, arrays, bias)
-
-    return build_model(fd, make_ffn, mx.float32), fd
-
-
 class _Capture:
     def __init__(self, mlp, sink):
         self.mlp, self.sink = mlp, sink
@@ -195,11 +179,11 @@ def record(path=None, sparsity: str = "oracle", density: Optional[float] = 0.2, 
            text: Optional[str] = None, offset: int = 0) -> Trace:
     """Record a Trace of the model at `path` (default: SmolLM2) on `tokens` tokens of `text`
     (default: WikiText-2 test, from character `offset`)."""
-    from .loader import default_model_dir, load_tokenizer, make_sparsifier
+    from .loader import default_model_dir, load_resident, load_tokenizer, make_sparsifier
     from .sparsity import top_k
 
     path = path if path is not None else default_model_dir()
-    model, fd = _resident_float32(path)
+    model, fd = load_resident(path, mx.float32)
     if text is None:
         text = WIKITEXT.read_text()
     tok = load_tokenizer(fd)

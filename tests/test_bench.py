@@ -149,12 +149,13 @@ def test_bench_below_the_resident_floor(tiny_dir, tiny_trace, tmp_path):
     """A budget under the resident weights: every configuration streams the same attention / embedding
     groups, reports them per token, and naive reads the whole FFN on top."""
     from mlx_flash.budget import min_streaming_budget
+    from mlx_flash.loader import cpu_cast
     from mlx_flash.offload import stream_groups
 
     fd = FlashDir(tiny_dir)
     context = 8 + 12 + 8
     lowest = min_streaming_budget(fd, context, 4, resident=bench.resident_bytes(fd),
-                                  groups=stream_groups(fd, bench._cast, context))
+                                  groups=stream_groups(fd, cpu_cast, context))
     res = bench.run(tiny_dir, lowest, tokens=12, prompt_tokens=8, configs=("naive", "all"),
                     trace=(tiny_trace, "trace"), disk_seconds=0.1, use_fio=False, progress=False)
     assert res["streamed"] and res["min_budget_bytes"] == lowest < res["resident_floor_bytes"]

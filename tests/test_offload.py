@@ -14,13 +14,13 @@ from mlx_flash import BudgetError, FlashFormatError
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import RESIDENT, FlashDir
-from mlx_flash.loader import cpu_float32, load, load_resident
+from mlx_flash.loader import cpu_cast, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.offload import _spread, stream_groups
 
 PROMPT = [1, 5, 9, 33, 7, 100, 3]
 CONTEXT = 64
-CAST = lambda k: "float32" if cpu_float32(k) else None  # noqa: E731  (the CPU path's resident dtypes)
+CAST = cpu_cast  # the CPU path's resident dtypes
 
 
 @pytest.fixture(scope="module")
