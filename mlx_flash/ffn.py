@@ -4,13 +4,16 @@
     relu: y = W_fc2[:, S] relu(W_fc1[S] x + b1[S]) + b2
 
 `arrays` holds the stored rows of the active units (all of them when
-everything is resident); quantised rows go through MLX's quantised matmuls.
+everything is resident); quantised rows go through MLX's quantised matmuls, or for one
+float32 row on the CPU the native ones (cpu_gemv.py).
 """
 
 from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from . import cpu_gemv
 
 ACTIVATIONS = {"silu": nn.silu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
@@ -24,15 +27,11 @@ def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict) -> 
     w, quant = arrays[f"{name}.weight"], info["quantization"]
     if quant is None:
         return x @ w if info["transposed"] else x @ w.T
-    return mx.quantized_matmul(
-        x,
-        w,
-        arrays[f"{name}.scales"],
-        arrays[f"{name}.biases"],
-        transpose=not info["transposed"],
-        group_size=quant["group_size"],
-        bits=quant["bits"],
-    )
+    s, b, gs, bits = arrays[f"{name}.scales"], arrays[f"{name}.biases"], quant["group_size"], quant["bits"]
+    y = cpu_gemv.matvec(x, w, s, b, gs, bits, transpose=not info["transposed"])
+    if y is None:
+        y = mx.quantized_matmul(x, w, s, b, transpose=not info["transposed"], group_size=gs, bits=bits)
+    return y
 
 
 def ffn_forward(x: mx.array, arrays: Dict[str, mx.array], ffn: dict, bias: Optional[Dict[str, mx.array]] = None) -> mx.array:

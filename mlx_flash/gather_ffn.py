@@ -14,10 +14,12 @@ so a GLU FFN over the active units is
 (ReLU: fc1 / fc2 likewise; the dip layout's gate/up rows are input columns, so they go
 through row_axpy with the pruned input as weights).
 
-Two implementations behind each function:
+Three implementations behind each function:
   * MLX ops (everywhere, and the reference): gather the component's columns of the active
     rows with mx.take, view them as their dtype, then matmul / mx.quantized_matmul in the
     dtype of the input.
+  * native CPU (cpu_gemv.py, kernels/cpu_gemv.c), when MLX computes on the CPU: one float32
+    row (decode) against 2/4/8-bit rows, read in place in the cache buffer like Metal's.
   * Metal (`mx.metal.is_available()`): kernels from kernels/gather_ffn.metal that read the
     active rows in place in the cache buffer (no gathered copy), dequantise 2/4/8-bit rows
     on the fly and accumulate in float32.
@@ -35,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from .flash_format import _DTYPES, BundleLayout, Component
-from . import kernel_source
+from . import cpu_gemv, kernel_source
 from .kernel_source import KERNEL_DIRS, split_sections
 
 KERNEL_FILE = "gather_ffn.metal"
@@ -187,6 +189,19 @@ def _ops_row_axpy(w, rows, slots, m: RowMatrix):
     return mx.quantized_matmul(w, wt, s, b, transpose=False, group_size=m.group_size, bits=m.bits)
 
 
+# -- the native CPU path ----------------------------------------------------------------
+
+
+def _cpu_ok(v: mx.array, m: RowMatrix) -> bool:
+    return m.bits > 0 and cpu_gemv.applies(v, m.bits, m.group_size, m.n, m.float_dtype)
+
+
+def _cpu_rows(rows: mx.array, m: RowMatrix) -> cpu_gemv.QuantRows:
+    stride = rows.shape[1]
+    return cpu_gemv.QuantRows(rows, m.weight.offset, stride, rows, m.scales.offset, stride, rows, m.biases.offset,
+                              stride, m.n, m.bits, m.group_size, m.float_dtype)
+
+
 # -- the Metal path ------------------------------------------------------------------
 
 
@@ -281,6 +296,8 @@ def row_dot(x: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str,
         return mx.zeros((*lead, k), dtype=x.dtype)
     if _use_metal(use_metal, m):
         return _metal_row_dot(x.reshape(-1, m.n), rows, slots, m).reshape(*lead, k)
+    if _cpu_ok(x, m):
+        return mx.array(cpu_gemv.row_dot(np.asarray(x), _cpu_rows(rows, m), np.asarray(slots))).reshape(*lead, k)
     return _ops_row_dot(x, rows, slots, m)
 
 
@@ -303,4 +320,6 @@ def row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str
         return mx.zeros((*lead, m.n), dtype=w.dtype)
     if _use_metal(use_metal, m):
         return _metal_row_axpy(w.reshape(-1, k), rows, slots, m).reshape(*lead, m.n)
+    if _cpu_ok(w, m):
+        return mx.array(cpu_gemv.row_axpy(np.asarray(w), _cpu_rows(rows, m), np.asarray(slots))).reshape(*lead, m.n)
     return _ops_row_axpy(w, rows, slots, m)

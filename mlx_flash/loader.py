@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from . import cpu_gemv
 from .architectures import adapter_for
 from .errors import FlashError, FlashFormatError
 from .ffn import ResidentFFN
@@ -69,6 +70,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
             and f"{p}.scales" in weights
             and infer_quant_config(p, m, weights),
         )
+        cpu_gemv.patch(model)  # decode matvecs on the CPU: native kernels (MLX's ops otherwise)
     if wrap:
         modules = dict(model.named_modules())
         model.update_modules(tree_unflatten([(path, fn(modules[path])) for path, fn in wrap.items()]))

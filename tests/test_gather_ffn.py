@@ -497,3 +497,64 @@ def test_kernel_bodies_emulated_on_cpu(tmp_path):
             ref, scale = (an @ W.T, np.abs(an) @ M.T) if which == "row_dot" else (an @ W, np.abs(an) @ M)
             bad = np.abs(res - ref) > TOL[xdt] * (scale + 1e-6)
             assert not bad.any(), f"{fn} ({which} {name} {c.quant[name]} x {xdt}) k={k} B={B}: max err {np.abs(res - ref).max()}"
+
+
+# -- native CPU path (cpu_gemv) vs numpy ---------------------------------------------------
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def native(request, monkeypatch):
+    """The native CPU kernels, with their AVX2 loops (where the CPU has them) or the scalar ones;
+    yields a dict counting the native calls, so each test proves it ran them."""
+    from mlx_flash import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("native CPU kernels not built or MLX not on the CPU")
+    calls = {"row_dot": 0, "row_axpy": 0}
+    for fn in calls:
+        real = getattr(cpu_gemv, fn)
+
+        def counted(*a, _real=real, _fn=fn, **k):
+            calls[_fn] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(cpu_gemv, fn, counted)
+    cpu_gemv._native.set_simd(request.param == "simd")
+    yield calls
+    cpu_gemv._native.set_simd(True)
+
+
+@pytest.mark.parametrize("kinds", [("q4", "q8"), ("q8", "q4"), ("q2", "q4")])
+@pytest.mark.parametrize("pad", [False, True])
+def test_native_cpu_rows_match_numpy(native, kinds, pad):
+    """One float32 row (decode) against quantised cache rows: computed in place by the C kernels
+    (every scale dtype, group size, unaligned offsets, repeated / unsorted / empty slot lists)."""
+    rng = np.random.default_rng(len(kinds[0]) + 10 * pad)
+    d, n_out = 256, 128
+    c = Cache(rng, {"gate": (kinds[0], d), "up": (kinds[1], d), "down": (kinds[0], n_out)}, n_units=40, pad=pad)
+    for case, units in unit_lists(rng, c.n_units).items():
+        slots = c.slots_for(units)
+        x = rng.standard_normal((1, 1, d)).astype(np.float32)
+        for name in ("gate", "up"):
+            out = gf.row_dot(mx.array(x), c.rows, slots, c.layout, name, c.quant[name], use_metal=False)
+            assert out.shape == (1, 1, len(units)), case
+            W, M = c.rows_of(name, units), c.mag_of(name, units)
+            assert_close(out, x @ W.T, np.abs(x) @ M.T, mx.float32)
+        w = rng.standard_normal((1, len(units))).astype(np.float32)
+        out = gf.row_axpy(mx.array(w), c.rows, slots, c.layout, "down", c.quant["down"], use_metal=False)
+        assert out.shape == (1, n_out), case
+        W, M = c.rows_of("down", units), c.mag_of("down", units)
+        assert_close(out, w @ W, np.abs(w) @ M, mx.float32)
+    assert native["row_dot"] >= 6 and native["row_axpy"] >= 3  # the empty case returns before any kernel
+
+
+def test_native_cpu_path_only_for_one_float32_row(native):
+    """Several rows (prompts) and float16 inputs keep MLX's ops."""
+    rng = np.random.default_rng(5)
+    c = Cache(rng, {"gate": ("q4", 64), "up": ("q4", 64), "down": ("q8", 64)}, n_units=8)
+    slots = c.slots_for(np.arange(8))
+    gf.row_dot(mx.array(rng.standard_normal((2, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])
+    gf.row_dot(mx.array(rng.standard_normal((1, 64))).astype(mx.float16), c.rows, slots, c.layout, "gate", c.quant["gate"])
+    assert native["row_dot"] == 0
+    gf.row_dot(mx.array(rng.standard_normal((1, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])
+    assert native["row_dot"] == 1

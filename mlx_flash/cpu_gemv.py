@@ -1,0 +1,164 @@
+"""Quantised matrix-vector products for decoding on MLX's CPU backend (kernels/cpu_gemv.c).
+
+MLX's CPU quantized_matmul computes about 1 G weights/s here (a 4-bit 4096x4096 matvec in
+16 ms; BENCHMARKS.md "CPU kernels"), so on a CPU decode time is mostly that kernel. The C
+extension dequantises in registers and accumulates in float32 (AVX2 when the CPU has it, on
+OpenMP threads) straight from where the rows are stored:
+
+    row_dot(x, q, slots)    out[j] = sum_i x[i] W[slots[j]][i]   (x @ W[slots]^T)
+    row_axpy(c, q, slots)   out[i] = sum_j c[j] W[slots[j]][i]   (c @ W[slots])
+
+for `QuantRows` q: a neuron cache's rows in place (gather_ffn, no gathered copy) or the three
+arrays of a quantised linear layer. `patch(model)` makes the model's QuantizedLinear and
+QuantizedEmbedding.as_linear use it. It applies to one float32 row (decode) of 2/4/8-bit
+affine weights while MLX computes on the CPU; everything else (prompts, other dtypes, Metal)
+keeps MLX's ops. MLX_FLASH_CPU_KERNELS=0, or `enabled = False`, turns it off.
+
+The calls are eager: they evaluate their input, so each is a synchronisation point of MLX's
+lazy graph (cheap next to the matvec it replaces).
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# Before libgomp starts: idle OpenMP threads sleep instead of spinning, since they share
+# the cores with MLX's own threads and the pread pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+try:
+    from . import _cpu_gemv as _native
+except ImportError:  # not built: MLX's ops everywhere
+    _native = None
+
+SCALE_TYPES = {mx.float16: 0, mx.bfloat16: 1, mx.float32: 2}
+
+enabled = os.environ.get("MLX_FLASH_CPU_KERNELS", "1") != "0"
+
+
+def available() -> bool:
+    """The extension is built, enabled, and MLX computes on the CPU."""
+    return _native is not None and enabled and mx.default_device() == mx.cpu
+
+
+def info() -> dict:
+    """{'avx2': 0/1, 'threads': n} of the built extension ({} if not built)."""
+    return _native.info() if _native is not None else {}
+
+
+def supports(bits: int, group_size: int, n: int, scale_dtype) -> bool:
+    return bits in (2, 4, 8) and n % group_size == 0 and (group_size * bits) % 8 == 0 and scale_dtype in SCALE_TYPES
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """Rows r of an affine-quantised matrix: packed weights at w[w_off + r * w_stride], scales and
+    biases likewise (buffers: evaluated mx.arrays or numpy arrays); n values per row."""
+
+    w: object
+    w_off: int
+    w_stride: int
+    s: object
+    s_off: int
+    s_stride: int
+    b: object
+    b_off: int
+    b_stride: int
+    n: int
+    bits: int
+    group_size: int
+    scale_dtype: mx.Dtype
+
+    @classmethod
+    def of_matrix(cls, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> "QuantRows":
+        """The rows of a quantised [rows, n] matrix as MLX stores it (weight uint32 [rows, n * bits / 32])."""
+        return cls(weight, 0, weight.shape[-1] * 4, scales, 0, scales.shape[-1] * scales.itemsize,
+                   biases, 0, biases.shape[-1] * biases.itemsize, weight.shape[-1] * 32 // bits, bits, group_size,
+                   scales.dtype)
+
+    def _args(self, slots, k):
+        return (self.w, self.w_off, self.w_stride, self.s, self.s_off, self.s_stride, self.b, self.b_off,
+                self.b_stride, slots, k, self.n, self.bits, self.group_size, SCALE_TYPES[self.scale_dtype])
+
+
+def _slots(slots) -> Optional[np.ndarray]:
+    if slots is None:
+        return None
+    return np.ascontiguousarray(np.asarray(slots).reshape(-1), dtype=np.int32)
+
+
+def row_dot(x: np.ndarray, q: QuantRows, slots=None, k: Optional[int] = None) -> np.ndarray:
+    """float32 [k]: out[j] = x . W[slots[j]] (slots None: rows 0..k-1)."""
+    slots = _slots(slots)
+    k = len(slots) if slots is not None else k
+    out = np.empty(k, dtype=np.float32)
+    _native.row_dot(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), out, *q._args(slots, k))
+    return out
+
+
+def row_axpy(c: np.ndarray, q: QuantRows, slots=None) -> np.ndarray:
+    """float32 [n]: out = sum_j c[j] W[slots[j]] (slots None: rows 0..len(c)-1)."""
+    c = np.ascontiguousarray(c, dtype=np.float32).reshape(-1)
+    out = np.empty(q.n, dtype=np.float32)
+    _native.row_axpy(c, out, *q._args(_slots(slots), len(c)))
+    return out
+
+
+def applies(x: mx.array, bits: int, group_size: int, n: int, scale_dtype) -> bool:
+    """Whether the native path computes x's product: one float32 row on the CPU, supported weights."""
+    return (x.dtype == mx.float32 and x.size == x.shape[-1] and available()
+            and supports(bits, group_size, n, scale_dtype))
+
+
+def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> Optional[mx.array]:
+    """mx.quantized_matmul(x, weight, scales, biases, transpose) for one row x, natively; None when
+    it does not apply (the caller then uses MLX's op)."""
+    q = QuantRows.of_matrix(weight, scales, biases, group_size, bits)
+    n_in = q.n if transpose else weight.shape[0]
+    if x.shape[-1] != n_in or not applies(x, bits, group_size, q.n, scales.dtype):
+        return None
+    xv = np.asarray(x)
+    y = row_dot(xv, q, k=weight.shape[0]) if transpose else row_axpy(xv, q)
+    return mx.array(y).reshape(*x.shape[:-1], y.shape[0])
+
+
+# -- the model's quantised layers ------------------------------------------------------------------
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose one-row float32 products (decode) run natively."""
+
+    def __call__(self, x):
+        y = None
+        if getattr(self, "mode", "affine") == "affine":
+            y = matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose as_linear (a tied LM head) runs natively for one row."""
+
+    def as_linear(self, x):
+        y = None
+        if getattr(self, "mode", "affine") == "affine":
+            y = matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        return super().as_linear(x) if y is None else y
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Switch the model's quantised linear layers / embeddings to the classes above, in place (their
+    weights and MLX's behaviour for everything else unchanged). Returns the model."""
+    if _native is None:
+        return model
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = QuantizedLinear  # same data, one method more: no re-quantisation
+        elif type(m) is nn.QuantizedEmbedding:
+            m.__class__ = QuantizedEmbedding
+    return model

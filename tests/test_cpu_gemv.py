@@ -1,0 +1,103 @@
+"""cpu_gemv: the native CPU matvecs against MLX's quantized_matmul, the model patch, and bad input."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_flash import cpu_gemv
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
+
+
+@pytest.fixture(params=["simd", "scalar"], autouse=True)
+def loops(request):
+    cpu_gemv._native.set_simd(request.param == "simd")
+    yield request.param
+    cpu_gemv._native.set_simd(True)
+
+
+def quantized(rng, rows, n, bits, group_size, scale_dtype):
+    w = mx.array(rng.standard_normal((rows, n)).astype(np.float32))
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    s, b = s.astype(scale_dtype), b.astype(scale_dtype)
+    mx.eval(wq, s, b)
+    return wq, s, b
+
+
+def reference(x, wq, s, b, group_size, bits, transpose):
+    """MLX's own op, in float32 (the scales cast up: MLX needs them in x's dtype)."""
+    return mx.quantized_matmul(x, wq, s.astype(mx.float32), b.astype(mx.float32), transpose=transpose,
+                               group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_matvec_equals_quantized_matmul(bits, group_size, scale_dtype):
+    rng = np.random.default_rng(bits * group_size)
+    rows, n = 300, 384  # rows not a multiple of the thread split
+    wq, s, b = quantized(rng, rows, n, bits, group_size, scale_dtype)
+    x = mx.array(rng.standard_normal((1, 1, n)).astype(np.float32))
+    y = cpu_gemv.matvec(x, wq, s, b, group_size, bits, transpose=True)
+    assert y.shape == (1, 1, rows)
+    assert np.allclose(y, reference(x, wq, s, b, group_size, bits, True), rtol=1e-4, atol=1e-3)
+    c = mx.array(rng.standard_normal((1, rows)).astype(np.float32))
+    y = cpu_gemv.matvec(c, wq, s, b, group_size, bits, transpose=False)
+    assert y.shape == (1, n)
+    assert np.allclose(y, reference(c, wq, s, b, group_size, bits, False), rtol=1e-4, atol=1e-3)
+
+
+def test_slots_pick_rows_in_any_order():
+    rng = np.random.default_rng(1)
+    wq, s, b = quantized(rng, 50, 128, 4, 64, mx.float16)
+    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, 64, 4)
+    x = rng.standard_normal(128).astype(np.float32)
+    full = cpu_gemv.row_dot(x, q, k=50)
+    slots = np.array([49, 3, 3, 0, 17], dtype=np.int32)
+    assert np.array_equal(cpu_gemv.row_dot(x, q, slots), full[slots])  # same arithmetic per row: bitwise
+    c = rng.standard_normal(5).astype(np.float32)
+    dense_c = np.zeros(50, dtype=np.float32)
+    np.add.at(dense_c, slots, c)
+    assert np.allclose(cpu_gemv.row_axpy(c, q, slots), cpu_gemv.row_axpy(dense_c, q), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_outside_the_buffers_raise():
+    rng = np.random.default_rng(2)
+    wq, s, b = quantized(rng, 8, 64, 4, 32, mx.float32)
+    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, 32, 4)
+    x = np.ones(64, dtype=np.float32)
+    with pytest.raises(IndexError, match="outside"):
+        cpu_gemv.row_dot(x, q, np.array([0, 8], dtype=np.int32))
+    with pytest.raises(IndexError, match="negative"):
+        cpu_gemv.row_dot(x, q, np.array([-1], dtype=np.int32))
+    with pytest.raises(IndexError, match="outside"):
+        cpu_gemv.row_dot(x, q, k=9)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gemv.row_dot(np.ones(63, dtype=np.float32), q, k=8)
+    with pytest.raises(ValueError, match="bits"):
+        cpu_gemv._native.row_dot(x, np.empty(8, np.float32), wq, 0, 32, s, 0, 8, b, 0, 8, None, 8, 64, 3, 32, 2)
+    with pytest.raises(ValueError, match="bad shape"):
+        cpu_gemv._native.row_dot(x, np.empty(8, np.float32), wq, 0, 32, s, 0, 8, b, 0, 8, None, 8, 64, 4, 48, 2)
+
+
+def test_patch_switches_decode_to_the_native_kernels():
+    rng = np.random.default_rng(3)
+    model = nn.Sequential(nn.Linear(128, 96), nn.Embedding(40, 128))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    lin, emb = model.layers
+    x1 = mx.array(rng.standard_normal((1, 1, 128)).astype(np.float32))
+    x5 = mx.array(rng.standard_normal((1, 5, 128)).astype(np.float32))
+    before = [lin(x1), lin(x5), emb.as_linear(x1)]
+    cpu_gemv.patch(model)
+    assert type(lin) is cpu_gemv.QuantizedLinear and type(emb) is cpu_gemv.QuantizedEmbedding
+    after = [lin(x1), lin(x5), emb.as_linear(x1)]
+    assert np.allclose(after[0], before[0], rtol=1e-4, atol=1e-4)  # bias included
+    assert np.array_equal(after[1], before[1])  # several rows: MLX's op, unchanged
+    assert np.allclose(after[2], before[2], rtol=1e-4, atol=1e-4)
+    cpu_gemv.enabled = False
+    try:
+        assert np.array_equal(lin(x1), before[0])  # switched off: MLX's op again
+    finally:
+        cpu_gemv.enabled = True
