@@ -17,7 +17,7 @@ openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
 cpu_gemv = Extension(
     "mlx_flash._cpu_gemv",
     sources=["kernels/cpu_gemv.c"],
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"] + openmp,
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas"] + openmp,
     extra_link_args=openmp,
 )
 

@@ -29,7 +29,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(CPU_GEMV_NO_SIMD)
 #include <immintrin.h>
 #define HAVE_X86 1
 #else
@@ -167,17 +167,21 @@ AVX2 static float qdot_avx2(const float *x, const uint8_t *w, int gs, int bits) 
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-AVX2 static void qaxpy_avx2(float *out, const uint8_t *w, float a, int gs, int bits) {
-    __m256 va = _mm256_set1_ps(a), f[4];
+/* out[0:gs] += sum_r a[r] q_r for m <= 4 rows: out stays in registers across the rows */
+AVX2 static void qaxpy4_avx2(float *out, const uint8_t *const *w, const float *a, int m, int gs, int bits) {
+    __m256 f[4];
     for (int i = 0; i < gs; i += 32) {
-        if (bits == 4)
-            unpack4(w + i / 2, f);
-        else
-            unpack8(w + i, f);
-        for (int t = 0; t < 4; t++) {
-            float *o = out + i + 8 * t;
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(f[t], va, _mm256_loadu_ps(o)));
+        __m256 acc[4];
+        for (int t = 0; t < 4; t++) acc[t] = _mm256_loadu_ps(out + i + 8 * t);
+        for (int r = 0; r < m; r++) {
+            if (bits == 4)
+                unpack4(w[r] + i / 2, f);
+            else
+                unpack8(w[r] + i, f);
+            __m256 va = _mm256_set1_ps(a[r]);
+            for (int t = 0; t < 4; t++) acc[t] = _mm256_fmadd_ps(f[t], va, acc[t]);
         }
+        for (int t = 0; t < 4; t++) _mm256_storeu_ps(out + i + 8 * t, acc[t]);
     }
 }
 
@@ -192,7 +196,6 @@ static int cpu_has_avx2(void) {
 #else
 static int cpu_has_avx2(void) { return 0; }
 static float qdot_avx2(const float *x, const uint8_t *w, int gs, int bits) { return qdot_scalar(x, w, gs, bits); }
-static void qaxpy_avx2(float *out, const uint8_t *w, float a, int gs, int bits) { qaxpy_scalar(out, w, a, gs, bits); }
 #endif
 
 static void scales_f32(const uint8_t *p, int stype, int groups, float *dst, int fast) {
@@ -256,9 +259,25 @@ static void row_dot_impl(const Rows *r, const float *x, float *out) {
     }
 }
 
+/* Rows processed together by row_axpy: each pass over `out` adds AXPY_BLOCK rows, so out is
+   loaded and stored once per block instead of once per row. */
+#define AXPY_BLOCK 4
+
+static void axpy_block(float *out, const uint8_t *const *w, const float *a, int m, int gs, int bits, int avx) {
+#if HAVE_X86
+    if (avx) {
+        qaxpy4_avx2(out, w, a, m, gs, bits);
+        return;
+    }
+#endif
+    (void)avx;
+    for (int r = 0; r < m; r++) qaxpy_scalar(out, w[r], a[r], gs, bits);
+}
+
 static void row_axpy_impl(const Rows *r, const float *c, float *out) {
     const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
     const int avx = use_avx2(r), nt = threads_for(r), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    (void)nt; /* unused without OpenMP */
     memset(out, 0, sizeof(float) * (size_t)r->n);
     /* each thread owns a contiguous range of groups (columns) and walks every row over it */
 #pragma omp parallel num_threads(nt)
@@ -268,26 +287,36 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out) {
         t = omp_get_thread_num();
         T = omp_get_num_threads();
 #endif
-        int g0 = (int)((long long)groups * t / T), g1 = (int)((long long)groups * (t + 1) / T);
-        float bias_sum[g1 > g0 ? g1 - g0 : 1]; /* sum_j c_j bias_jg, added once per column at the end */
+        const int g0 = (int)((long long)groups * t / T), g1 = (int)((long long)groups * (t + 1) / T);
+        const int G = g1 > g0 ? g1 - g0 : 1;
+        float bias_sum[G]; /* sum_j c_j bias_jg, added once per column at the end */
+        float a[AXPY_BLOCK][G], bias[G];
+        const uint8_t *w[AXPY_BLOCK];
         memset(bias_sum, 0, sizeof(bias_sum));
-        for (Py_ssize_t j = 0; j < r->k; j++) {
-            float cj = c[j];
-            if (cj == 0.0f) continue;
-            Py_ssize_t row = row_of(r, j);
-            const uint8_t *w = r->w + row * r->w_stride;
-            float scale[g1 > g0 ? g1 - g0 : 1], bias[g1 > g0 ? g1 - g0 : 1];
-            scales_f32(r->s + row * r->s_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, scale, avx);
-            scales_f32(r->b + row * r->b_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, bias, avx);
+        Py_ssize_t j = 0;
+        while (j < r->k) {
+            int m = 0; /* gather the next non-zero rows: their weights and c_j * scale */
+            for (; j < r->k && m < AXPY_BLOCK; j++) {
+                float cj = c[j];
+                if (cj == 0.0f) continue;
+                Py_ssize_t row = row_of(r, j);
+                w[m] = r->w + row * r->w_stride;
+                scales_f32(r->s + row * r->s_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, a[m], avx);
+                scales_f32(r->b + row * r->b_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, bias, avx);
+                for (int g = 0; g < g1 - g0; g++) {
+                    a[m][g] *= cj;
+                    bias_sum[g] += cj * bias[g];
+                }
+                m++;
+            }
             for (int g = g0; g < g1; g++) {
-                float *o = out + g * r->gs;
-                const uint8_t *wg = w + g * group_bytes;
-                float a = cj * scale[g - g0];
-                bias_sum[g - g0] += cj * bias[g - g0];
-                if (avx)
-                    qaxpy_avx2(o, wg, a, r->gs, r->bits);
-                else
-                    qaxpy_scalar(o, wg, a, r->gs, r->bits);
+                const uint8_t *wg[AXPY_BLOCK];
+                float ag[AXPY_BLOCK];
+                for (int q = 0; q < m; q++) {
+                    wg[q] = w[q] + g * group_bytes;
+                    ag[q] = a[q][g - g0];
+                }
+                axpy_block(out + g * r->gs, wg, ag, m, r->gs, r->bits, avx);
             }
         }
         for (int g = g0; g < g1; g++)
