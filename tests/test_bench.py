@@ -162,3 +162,19 @@ def test_bench_below_the_resident_floor(tiny_dir, tiny_trace, tmp_path):
     naive, all_ = res["configs"]["naive"], res["configs"]["all"]
     assert naive["streamed_bytes_per_token"] == all_["streamed_bytes_per_token"] > 0
     assert naive["bytes_per_token"] >= naive["streamed_bytes_per_token"] + fd.ffn_bytes * 0.99
+
+
+def test_rounds_alternate_and_report_the_median_round(tiny_dir, tiny_trace):
+    """--rounds 3: every flash configuration runs three times; each reports its median round, the
+    hybrid/all ratio is the median of the per-round ratios."""
+    fd = FlashDir(tiny_dir)
+    budget = bench.min_budget(fd, 8 + 6 + 8, 4, resident=bench.resident_bytes(fd)) + fd.ffn_bytes // 3
+    res = bench.run(tiny_dir, budget, tokens=6, prompt_tokens=8, configs=("hybrid", "all"),
+                    trace=(tiny_trace, "trace"), disk_seconds=0.05, use_fio=False, progress=False, rounds=3)
+    hy, a = res["configs"]["hybrid"], res["configs"]["all"]
+    for r in (hy, a):
+        assert len(r["rounds_total_ms"]) == 3
+        assert r["total_ms"] == sorted(r["rounds_total_ms"])[1]
+    pairs = [h / x for h, x in zip(hy["rounds_total_ms"], a["rounds_total_ms"])]
+    assert res["targets"]["latency_hybrid_over_all_rounds"] == pairs
+    assert res["targets"]["latency_hybrid_over_all"] == pytest.approx(float(np.median(pairs)))
