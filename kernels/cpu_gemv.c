@@ -337,11 +337,17 @@ static void release(Buffers *B) {
 }
 
 static int get(Buffers *B, int i, PyObject *obj, int writable, const char *what) {
-    if (PyObject_GetBuffer(obj, &B->views[i], (writable ? PyBUF_WRITABLE : 0) | PyBUF_ANY_CONTIGUOUS) != 0) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous%s buffer", what, writable ? " writable" : "");
+    /* Ask for strides and check them: MLX exports strided views (e.g. a column slice) even when
+       asked for a contiguous buffer, and these loops assume row-major memory. */
+    if (PyObject_GetBuffer(obj, &B->views[i], (writable ? PyBUF_WRITABLE : 0) | PyBUF_STRIDES) != 0) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a%s buffer", what, writable ? " writable" : "");
         return -1;
     }
     B->held[i] = 1;
+    if (!PyBuffer_IsContiguous(&B->views[i], 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s: the buffer is not C-contiguous (a strided view?)", what);
+        return -1;
+    }
     return 0;
 }
 

@@ -108,6 +108,11 @@ def row_axpy(c: np.ndarray, q: QuantRows, slots=None) -> np.ndarray:
     return out
 
 
+def contiguous(*arrays) -> bool:
+    """All row-major in memory (the kernels' assumption; MLX views such as column slices are not)."""
+    return all(memoryview(a).c_contiguous for a in arrays)
+
+
 def applies(x: mx.array, bits: int, group_size: int, n: int, scale_dtype) -> bool:
     """Whether the native path computes x's product: one float32 row on the CPU, supported weights."""
     return (x.dtype == mx.float32 and x.size == x.shape[-1] and available()
@@ -119,7 +124,7 @@ def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, tran
     it does not apply (the caller then uses MLX's op)."""
     q = QuantRows.of_matrix(weight, scales, biases, group_size, bits)
     n_in = q.n if transpose else weight.shape[0]
-    if x.shape[-1] != n_in or not applies(x, bits, group_size, q.n, scales.dtype):
+    if x.shape[-1] != n_in or not applies(x, bits, group_size, q.n, scales.dtype) or not contiguous(weight, scales, biases):
         return None
     xv = np.asarray(x)
     y = row_dot(xv, q, k=weight.shape[0]) if transpose else row_axpy(xv, q)

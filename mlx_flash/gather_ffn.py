@@ -192,8 +192,8 @@ def _ops_row_axpy(w, rows, slots, m: RowMatrix):
 # -- the native CPU path ----------------------------------------------------------------
 
 
-def _cpu_ok(v: mx.array, m: RowMatrix) -> bool:
-    return m.bits > 0 and cpu_gemv.applies(v, m.bits, m.group_size, m.n, m.float_dtype)
+def _cpu_ok(v: mx.array, rows: mx.array, m: RowMatrix) -> bool:
+    return m.bits > 0 and cpu_gemv.applies(v, m.bits, m.group_size, m.n, m.float_dtype) and cpu_gemv.contiguous(rows)
 
 
 def _cpu_rows(rows: mx.array, m: RowMatrix) -> cpu_gemv.QuantRows:
@@ -296,7 +296,7 @@ def row_dot(x: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str,
         return mx.zeros((*lead, k), dtype=x.dtype)
     if _use_metal(use_metal, m):
         return _metal_row_dot(x.reshape(-1, m.n), rows, slots, m).reshape(*lead, k)
-    if _cpu_ok(x, m):
+    if _cpu_ok(x, rows, m):
         return mx.array(cpu_gemv.row_dot(np.asarray(x), _cpu_rows(rows, m), np.asarray(slots))).reshape(*lead, k)
     return _ops_row_dot(x, rows, slots, m)
 
@@ -320,6 +320,6 @@ def row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str
         return mx.zeros((*lead, m.n), dtype=w.dtype)
     if _use_metal(use_metal, m):
         return _metal_row_axpy(w.reshape(-1, k), rows, slots, m).reshape(*lead, m.n)
-    if _cpu_ok(w, m):
+    if _cpu_ok(w, rows, m):
         return mx.array(cpu_gemv.row_axpy(np.asarray(w), _cpu_rows(rows, m), np.asarray(slots))).reshape(*lead, m.n)
     return _ops_row_axpy(w, rows, slots, m)

@@ -77,6 +77,10 @@ def test_rows_outside_the_buffers_raise():
         cpu_gemv.row_dot(np.ones(63, dtype=np.float32), q, k=8)
     with pytest.raises(ValueError, match="bits"):
         cpu_gemv._native.row_dot(x, np.empty(8, np.float32), wq, 0, 32, s, 0, 8, b, 0, 8, None, 8, 64, 3, 32, 2)
+    strided = mx.concatenate([wq, wq], axis=1)[:, : wq.shape[1]]  # a column slice: a strided view
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        cpu_gemv._native.row_dot(x, np.empty(8, np.float32), strided, 0, 32, s, 0, 8, b, 0, 8, None, 8, 64, 4, 32, 2)
+    assert cpu_gemv.matvec(mx.array(x)[None], strided, s, b, 32, 4) is None  # MLX's op takes it instead
     with pytest.raises(ValueError, match="bad shape"):
         cpu_gemv._native.row_dot(x, np.empty(8, np.float32), wq, 0, 32, s, 0, 8, b, 0, 8, None, 8, 64, 4, 48, 2)
 
