@@ -543,10 +543,7 @@ class FlashDir:
         """Every component array of one layer, read from disk (e.g. for an all-resident model), expanded."""
         arrays = {}
         for name, layout in self.layouts.items():
-            unpacked = layout.unpack(layout.expand(mx.array(self.read_region(layer, name))))
-            # whole matrices from here on: row-major copies (views into the region would keep it
-            # alive, and the native CPU matvecs need row-major arrays)
-            arrays.update({k: mx.contiguous(v) for k, v in unpacked.items()})
+            arrays.update(layout.unpack(layout.expand(mx.array(self.read_region(layer, name)))))
         return arrays
 
     def verify(self, progress=None) -> None:
