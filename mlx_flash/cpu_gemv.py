@@ -46,7 +46,7 @@ def available() -> bool:
 
 
 def info() -> dict:
-    """{'avx2': 0/1, 'threads': n} of the built extension ({} if not built)."""
+    """{'avx2': CPU has it, 'simd': AVX2 loops in use, 'threads': OpenMP threads} ({} if not built)."""
     return _native.info() if _native is not None else {}
 
 
@@ -122,10 +122,12 @@ def applies(x: mx.array, bits: int, group_size: int, n: int, scale_dtype) -> boo
 def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> Optional[mx.array]:
     """mx.quantized_matmul(x, weight, scales, biases, transpose) for one row x, natively; None when
     it does not apply (the caller then uses MLX's op)."""
-    q = QuantRows.of_matrix(weight, scales, biases, group_size, bits)
-    n_in = q.n if transpose else weight.shape[0]
-    if x.shape[-1] != n_in or not applies(x, bits, group_size, q.n, scales.dtype) or not contiguous(weight, scales, biases):
+    n = weight.shape[-1] * 32 // bits
+    if x.shape[-1] != (n if transpose else weight.shape[0]) or not applies(x, bits, group_size, n, scales.dtype):
         return None
+    if not contiguous(weight, scales, biases):
+        return None
+    q = QuantRows.of_matrix(weight, scales, biases, group_size, bits)
     xv = np.asarray(x)
     y = row_dot(xv, q, k=weight.shape[0]) if transpose else row_axpy(xv, q)
     return mx.array(y).reshape(*x.shape[:-1], y.shape[0])
@@ -134,13 +136,18 @@ def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, tran
 # -- the model's quantised layers ------------------------------------------------------------------
 
 
+def _layer_matvec(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
+    """x @ W^T for a quantised layer's weights, natively; None when it does not apply."""
+    if getattr(layer, "mode", "affine") != "affine":
+        return None
+    return matvec(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose one-row float32 products (decode) run natively."""
 
     def __call__(self, x):
-        y = None
-        if getattr(self, "mode", "affine") == "affine":
-            y = matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        y = _layer_matvec(self, x)
         if y is None:
             return super().__call__(x)
         return y + self["bias"] if "bias" in self else y
@@ -150,9 +157,7 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose as_linear (a tied LM head) runs natively for one row."""
 
     def as_linear(self, x):
-        y = None
-        if getattr(self, "mode", "affine") == "affine":
-            y = matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        y = _layer_matvec(self, x)
         return super().as_linear(x) if y is None else y
 
 
