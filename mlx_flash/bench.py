@@ -561,6 +561,8 @@ def main(argv=None):
           f"{fmt_bytes(res['ffn_bytes'])}), budget {res['memory_budget']} = {fmt_bytes(res['budget_bytes'])} "
           f"(smallest that loads {fmt_bytes(res['min_budget_bytes'])}); {res['tokens']} tokens after a "
           f"{res['prompt_tokens']}-token prompt; {res['threads']} reader threads; sparsifier: {res['sparsifier']}")
+    m = res["machine"]["cpu_matvecs"]
+    print(f"decode matvecs: {'native CPU kernels' if m['on'] else 'MLX ops'} ({json.dumps(m)}); BLAS: {res['machine']['blas']}")
     if res.get("streamed"):
         print(f"below the resident floor ({fmt_bytes(res['resident_floor_bytes'])}), streamed every token: {res['streamed']}")
     print(table(res))

@@ -99,8 +99,11 @@ def _run(cmd):
 def machine_info(path: str) -> dict:
     import mlx.core as mx
 
+    from . import blas, cpu_gemv
+
     info = {"python": platform.python_version(), "numpy": np.__version__, "mlx": mx.__version__,
-            "kernel": platform.release(), "platform": platform.platform(), "cores": os.cpu_count()}
+            "kernel": platform.release(), "platform": platform.platform(), "cores": os.cpu_count(),
+            "blas": blas.status, "cpu_matvecs": dict(cpu_gemv.info(), on=cpu_gemv.available())}
     for line in _run(["lscpu"]).splitlines():
         if line.startswith("Model name:"):
             info["cpu"] = line.split(":", 1)[1].strip()

@@ -61,6 +61,10 @@ def setup_arg_parser():
 
 
 def print_stats(engine, out=sys.stdout):
+    import mlx.core as mx
+
+    from . import blas, cpu_gemv
+
     stats: Stats = engine.stats
     print("\n" + "=" * 10 + " per-token stats (decode) " + "=" * 10, file=out)
     for i, t in enumerate(stats.decode_tokens()):
@@ -78,6 +82,9 @@ def print_stats(engine, out=sys.stdout):
             f"active units/layer {s['active_per_layer']:.1f}",
             file=out,
         )
+    if mx.default_device() == mx.cpu:
+        print(f"CPU: quantised decode matvecs {'native (kernels/cpu_gemv.c)' if cpu_gemv.available() else 'MLX ops'}, "
+              f"BLAS {blas.status}", file=out)
     print(engine.plan.describe({k: v.stride for k, v in engine.fd.layouts.items()},
                                {k: r.n_units for k, r in engine.fd.layers[0].items()}), file=out)
 

@@ -27,6 +27,7 @@ def test_generate_with_stats(flash):
     assert "per-token stats" in out and out.count("[token") >= 6
     assert "summary over" in out and "hit rate" in out and "/token" in out
     assert "unit caches" in out  # the budget plan
+    assert "CPU: quantised decode matvecs" in out and "BLAS" in out  # which CPU paths ran (Linux: always CPU)
 
 
 def test_generate_budget_too_small(flash):
