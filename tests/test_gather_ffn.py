@@ -1,6 +1,7 @@
 """gather_ffn: row_dot / row_axpy straight from cache rows, against float64 numpy references.
 
-The MLX-ops path runs everywhere. The Metal kernels run only on Apple silicon: their
+The MLX-ops path runs everywhere; the native CPU path (cpu_gemv) wherever MLX computes on the
+CPU, with its SIMD and its scalar loops. The Metal kernels run only on Apple silicon: their
 comparisons against the MLX-ops path are skipped elsewhere. Where a C++ compiler exists,
 the kernel bodies of kernels/gather_ffn.metal are also compiled as C++ with stubbed Metal
 builtins and executed on CPU threads (simd_sum and threadgroup barriers emulated): that
