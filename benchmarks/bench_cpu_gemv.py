@@ -1,7 +1,7 @@
 """Native CPU matvecs (cpu_gemv) against MLX's CPU quantized_matmul, in one run.
 
     python benchmarks/bench_cpu_gemv.py [--decode] [--synthetic llama-7b] [--memory-budget 50%] \
-        [--tokens 6] [--prompt-tokens 8] [--json out.json]
+        [--tokens 6] [--prompt-tokens 8] [--json out.json] [--plot out.png]
 
 1. One-row products of the shapes the models use (SmolLM2-135M, LLaMA-7B), each way round:
    MLX's op and the native kernel, medians of interleaved repeats.
@@ -81,6 +81,17 @@ def decode(args):
     return out
 
 
+def side_by_side(decode_result) -> dict:
+    """Both decode runs as one bench result, each configuration twice (MLX, native), for bench.plot."""
+    configs = {}
+    for name in decode_result["mlx"]["configs"]:
+        for key, label in (("mlx", "MLX"), ("native", "native")):
+            r = decode_result[key]["configs"].get(name, {})
+            if "total_ms" in r:
+                configs[f"{name}\n{label}"] = r
+    return dict(decode_result["native"], configs=configs)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode", action="store_true")
@@ -90,6 +101,7 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--configs", default="hybrid,all,mlx-lm")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="--decode: latency breakdown, MLX's matvecs beside the native ones")
     args = p.parse_args()
     result = {"machine": platform.platform(), "python": sys.version.split()[0], "mlx": mx.__version__,
               "native": cpu_gemv.info()}
@@ -112,6 +124,8 @@ def main():
                   f"{n[name]['compute_ms']:.0f} | {m[name]['io_ms']:.0f} / {n[name]['io_ms']:.0f} |")
         for k in ("mlx", "native"):
             print(f"targets ({k}): {json.dumps(result['decode'][k]['targets'])}")
+        if args.plot:
+            bench.plot(side_by_side(result["decode"]), args.plot, "decode latency: MLX's matvecs vs native")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
