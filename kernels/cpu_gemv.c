@@ -82,9 +82,6 @@ static inline float load_scale(const uint8_t *p, int stype, int g) {
     return f;
 }
 
-/* A row's scales (or biases) as float32; F16C converts 8 halves at once where the CPU has AVX2. */
-static void scales_f32(const uint8_t *p, int stype, int groups, float *dst, int fast);
-
 static inline Py_ssize_t row_of(const Rows *r, Py_ssize_t j) { return r->slots ? r->slots[j] : j; }
 
 /* -- one group: sum_i q_i x_i (dot) and out_i += a q_i (axpy), scalar ------------------ */
@@ -198,6 +195,7 @@ static int cpu_has_avx2(void) { return 0; }
 static float qdot_avx2(const float *x, const uint8_t *w, int gs, int bits) { return qdot_scalar(x, w, gs, bits); }
 #endif
 
+/* A row's scales (or biases) as float32; F16C converts 8 halves at once where the CPU has AVX2. */
 static void scales_f32(const uint8_t *p, int stype, int groups, float *dst, int fast) {
 #if HAVE_X86
     if (fast && stype == SCALE_F16) {
@@ -413,30 +411,29 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     return 0;
 }
 
-static PyObject *py_row_dot(PyObject *self, PyObject *args) {
-    (void)self;
+typedef void (*Product)(const Rows *, const float *, float *);
+
+/* Parse, compute with the GIL released, release the buffers. */
+static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Product product) {
     Buffers B;
     Rows r;
-    if (parse(args, &B, &r, "row_dot", 0)) {
+    if (parse(args, &B, &r, fn, vec_is_rows)) {
         release(&B);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS row_dot_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf);
+    Py_BEGIN_ALLOW_THREADS product(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf);
     Py_END_ALLOW_THREADS release(&B);
     Py_RETURN_NONE;
 }
 
+static PyObject *py_row_dot(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_product(args, "row_dot", 0, row_dot_impl);
+}
+
 static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
     (void)self;
-    Buffers B;
-    Rows r;
-    if (parse(args, &B, &r, "row_axpy", 1)) {
-        release(&B);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS row_axpy_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf);
-    Py_END_ALLOW_THREADS release(&B);
-    Py_RETURN_NONE;
+    return run_product(args, "row_axpy", 1, row_axpy_impl);
 }
 
 static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
