@@ -13,13 +13,13 @@ import argparse
 import json
 import platform
 import sys
-import time
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
 from mlx_flash import bench, cpu_gemv
+from bench_gather_ffn import median_ms  # noqa: E402  (this script's directory is on sys.path)
 
 SHAPES = [  # (name, rows, n, bits, scale dtype): rows of n values each
     ("SmolLM2 q_proj", 576, 576, 4, mx.float32),
@@ -30,15 +30,6 @@ SHAPES = [  # (name, rows, n, bits, scale dtype): rows of n values each
     ("7B gate (per neuron)", 11008, 4096, 4, mx.float16),
     ("7B down (per neuron)", 11008, 4096, 8, mx.float16),
 ]
-
-
-def median_ms(fn, repeats=15):
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3
 
 
 def matvecs(group_size=64):
@@ -54,10 +45,10 @@ def matvecs(group_size=64):
             mx.eval(x)
 
             def mlx_op():
-                mx.eval(mx.quantized_matmul(x, wq, sf, bf, transpose=transpose, group_size=group_size, bits=bits))
+                return mx.quantized_matmul(x, wq, sf, bf, transpose=transpose, group_size=group_size, bits=bits)
 
             def native():
-                cpu_gemv.matvec(x, wq, s, b, group_size, bits, transpose)
+                return cpu_gemv.matvec(x, wq, s, b, group_size, bits, transpose)
 
             a, c = [], []
             for _ in range(3):  # interleaved, so load changes hit both
