@@ -5,17 +5,26 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
-    # OpenBLAS: MLX's CPU wheel bundles the reference BLAS; mlx_flash preloads OpenBLAS when present.
-    # fio: the disk's own limit, printed beside every read figure by the benchmarks.
-    need=""
-    [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] || [ -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ] || need="$need libopenblas0-pthread"
-    command -v fio >/dev/null || need="$need fio"
-    if [ -n "$need" ]; then
-        sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-        $sudo apt-get update -qq && $sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null
-    fi
-fi
+# Debian packages this machine lacks (apt-get only; elsewhere they are optional):
+# OpenBLAS: MLX's CPU wheel bundles the reference BLAS; mlx_flash preloads OpenBLAS when present.
+# fio: the disk's own limit, printed beside every read figure by the benchmarks.
+install_system_packages() {
+    [ "$(uname)" = Linux ] && command -v apt-get >/dev/null || return 0
+    local need=() arch
+    arch=$(uname -m)-linux-gnu
+    [ -e "/usr/lib/$arch/openblas-pthread/libblas.so.3" ] || need+=(libopenblas0-pthread)
+    command -v fio >/dev/null || need+=(fio)
+    [ "${#need[@]}" -gt 0 ] || return 0
+    local sudo=()
+    [ "$(id -u)" = 0 ] || sudo=(sudo)
+    echo "installing ${need[*]} with apt-get"
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+}
+
+# BOOTSTRAP_SYSTEM_ONLY=1: stop after the system packages (the bootstrap test uses it with stub apt-get).
+install_system_packages
+[ -z "${BOOTSTRAP_SYSTEM_ONLY:-}" ] || exit 0
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
