@@ -24,7 +24,8 @@ from mlx_flash import bench  # noqa: E402
 from mlx_flash.bench_io import machine_info  # noqa: E402
 from mlx_flash.budget import parse_size  # noqa: E402
 from mlx_flash.flash_format import FlashDir  # noqa: E402
-from mlx_flash.loader import default_model_dir, load  # noqa: E402
+from mlx_flash.default_model import default_model_dir  # noqa: E402
+from mlx_flash.loader import load  # noqa: E402
 
 
 def main():

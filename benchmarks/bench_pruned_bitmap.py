@@ -40,8 +40,8 @@ from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.gguf import default_gguf_path
 from mlx_flash.loader import load, load_tokenizer
-from mlx_flash.prune import WIKITEXT
-from mlx_flash.quality import eval_model, perplexity, read_text, token_batches
+from mlx_flash.quality import eval_model, perplexity
+from mlx_flash.texts import read_text, token_batches
 
 VARIANTS = {  # name: convert options
     "f16": dict(dtype="float16", dequantize=True),
@@ -65,7 +65,7 @@ def make(out: Path, variant: str, fmt: str, sparsity: float, seqs: int, seq_len:
 
 def ppl(path: Path, n_seqs: int = 4, seq_len: int = 256) -> float:
     fd = FlashDir(path)
-    text = read_text([WIKITEXT], half="second")
+    text = read_text(half="second")
     batches = token_batches(load_tokenizer(fd), text[: 16 * n_seqs * (seq_len + 1)], seq_len, n_seqs)
     model, ctl = eval_model(fd, mode="dense")
     return perplexity(model, ctl, batches)

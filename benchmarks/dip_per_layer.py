@@ -11,7 +11,6 @@ the per-layer MLP densities (the per-layer row is measured even when calibration
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,16 +18,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
-from mlx_flash.calibrate import DEFAULT_DATA, _split, calibrate_dip_per_layer  # noqa: E402
+from mlx_flash.calibrate import _split, calibrate_dip_per_layer  # noqa: E402
 from mlx_flash.flash_format import FlashDir  # noqa: E402
 from mlx_flash.loader import load_tokenizer  # noqa: E402
-from mlx_flash.quality import eval_model, perplexity, read_text, token_batches  # noqa: E402
+from mlx_flash.quality import eval_model, perplexity
+from mlx_flash.texts import read_text, token_batches, wikitext  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Flash directory with the dip layout.")
-    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p.add_argument("--data", default=str(wikitext()))
     p.add_argument("--targets", default="0.5,0.75")
     p.add_argument("--sensitivity", choices=["kl", "nll"], default="kl")
     p.add_argument("--calib-seqs", type=int, default=2)

@@ -18,10 +18,10 @@ import mlx.nn as nn
 
 from mlx_flash.convert import convert
 from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
-from mlx_flash.loader import load_resident, load_tokenizer
+from mlx_flash.loader import load_resident
 from mlx_flash.source import load_source_model
+from mlx_flash.texts import wikitext
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
 
 
 def perplexity(model, tokens):
@@ -41,7 +41,7 @@ def greedy(model, tokens, n):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--text", default=str(WIKITEXT))
+    p.add_argument("--text", default=str(wikitext()))
     args = p.parse_args()
     with tempfile.TemporaryDirectory(dir=".") as work:
         work = Path(work)

@@ -84,12 +84,8 @@ NOTEBOOKS = {
             "from mlx_flash import calibrate"
         ),
         new_code_cell(
-            "DATA = calibrate.DEFAULT_DATA  # ../shared/data/wikitext-2/test.txt beside the repository\n"
-            "assert DATA.is_file(), f'WikiText-2 test.txt not found at {DATA}: set DATA to your copy'"
-        ),
-        new_code_cell(
             "# gamma 0.7: the DIP-CA strength that helps this model (0.2, the paper's, starves it; see BENCHMARKS.md)\n"
-            "sweep = calibrate.density_sweep(data=[DATA], densities=(0.75, 0.5, 0.3), seq_len=128, calib_seqs=2,\n"
+            "sweep = calibrate.density_sweep(densities=(0.75, 0.5, 0.3), seq_len=128, calib_seqs=2,\n"
             "                                eval_seqs=2, gamma=0.7)\n"
             "for d, split in sweep['dip'].items():\n"
             "    print(f\"DIP {d:.0%}: input density {split['input_density'][0]:.2f}, \"\n"
@@ -155,8 +151,6 @@ NOTEBOOKS = {
     ],
 }
 
-# Notebooks that read WikiText-2 (the tests skip them when ../shared/data is missing).
-NEEDS_WIKITEXT = {"03_calibrate_dip_density_vs_perplexity.ipynb"}
 
 
 def main(names=()):
@@ -166,8 +160,6 @@ def main(names=()):
         for i, cell in enumerate(cells):
             cell.id = f"cell-{i}"  # stable ids: regenerating leaves unchanged notebooks unchanged
         meta = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
-        if name in NEEDS_WIKITEXT:
-            meta["mlx_flash"] = {"needs": ["wikitext"]}
         nb = new_notebook(cells=cells, metadata=meta)
         nbformat.write(nb, HERE / name)
         print("wrote", HERE / name)

@@ -40,6 +40,7 @@ import numpy as np
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
+from .default_model import cache_root
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .flash_format import FlashDir
 from .loader import cpu_cast, load, load_resident, make_sparsifier
@@ -302,7 +303,7 @@ def default_trace(density: float = 0.2, tokens: int = 256):
     """The SmolLM2 oracle trace on WikiText-2 (recorded once, cached)."""
     from .trace import Trace, record
 
-    root = Path(os.environ.get("MLX_FLASH_CACHE", Path.home() / ".cache" / "mlx_flash")) / "traces"
+    root = cache_root() / "traces"
     path = root / f"smollm2-oracle-{density:g}-{tokens}.npz"
     if not path.is_file():
         root.mkdir(parents=True, exist_ok=True)
@@ -540,15 +541,15 @@ def main(argv=None):
         trace = (Trace.load(a.trace), a.trace) if a.trace else default_trace(a.density)
         kind = "synthetic"
     else:
-        from .loader import default_model_dir, load_tokenizer
-        from .trace import WIKITEXT
+        from .default_model import default_model_dir
+        from .loader import load_tokenizer
+        from .texts import read_text
 
         path = a.model or default_model_dir()
         if a.trace:
             trace = (Trace.load(a.trace), a.trace)
-        if WIKITEXT.is_file():  # a real prompt: WikiText-2 test, away from the trace's text
-            tok = load_tokenizer(FlashDir(path))
-            prompt = tok.encode(WIKITEXT.read_text()[50000 : 50000 + 20 * prompt_tokens])[:prompt_tokens]
+        tok = load_tokenizer(FlashDir(path))  # a real prompt: WikiText-2 test, away from the trace's text
+        prompt = tok.encode(read_text()[50000 : 50000 + 20 * prompt_tokens])[:prompt_tokens]
     res = run(path, a.memory_budget, tokens, prompt_tokens, configs, a.density, trace, a.threads, a.window,
               0.5 if a.quick else 1.0, not a.no_fio, prompt, rounds=a.rounds)
     from .bench_io import machine_info

@@ -4,7 +4,7 @@
         [--dip-target 0.5] [--dip-per-layer] [--reorder] [--report OUT_DIR]
 
 1. Activations: every layers[i].mlp of a resident float32 model records its input x on the
-   calibration text (default: the first half of ../shared/data/wikitext-2/test.txt); the true
+   calibration text (default: the first half of the bundled WikiText-2 test split); the true
    activations are recomputed from x per layer (ReLU: h > 0; SwiGLU: top-K of |GLU| at --density).
 2. Predictors (neurons layout): per layer sigmoid(B (A x)), trained with Adam on a balanced
    loss (positives and negatives weigh the same in total); the --worst-layers layers with the
@@ -40,32 +40,18 @@ from tqdm import tqdm
 from .flash_format import FlashDir
 from .quality import (
     activation_targets,
+    collect_inputs,
     dense_ffn_weights,
     eval_model,
     layer_statistics,
     perplexity,
-    read_text,
     sequence_nll,
-    token_batches,
     unit_strides,
 )
-
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
+from .texts import read_text, token_batches
 
 
 # -- 1. activations ---------------------------------------------------------------------------
-def collect_inputs(model, ctl, batches: np.ndarray, progress: bool = False) -> List[np.ndarray]:
-    """Run the dense model over `batches` and return each layer's FFN inputs [T, d] (float32)."""
-    ctl.set_mode("dense", record=True)
-    ctl.xs = [[] for _ in range(ctl.n_layers)]
-    for row in tqdm(batches, desc="collect", unit="seq", disable=not progress):
-        mx.eval(model(mx.array(row[None, :-1])))
-    ctl.record = False
-    xs = [np.concatenate(x) for x in ctl.xs]
-    ctl.xs = [[] for _ in range(ctl.n_layers)]
-    return xs
-
-
 def balanced_loss(z: mx.array, y: mx.array, pos_rate: float) -> mx.array:
     """Binary cross entropy in which positives and negatives carry half of the weight each."""
     wp, wn = 0.5 / max(pos_rate, 1e-6), 0.5 / max(1 - pos_rate, 1e-6)
@@ -381,14 +367,15 @@ def quality_report(fd: FlashDir, model, ctl, batches: np.ndarray, densities: Seq
             "cache_fraction": cache_fraction}
 
 
-def density_sweep(path=None, data: Sequence = (DEFAULT_DATA,), densities: Sequence[float] = (0.75, 0.5),
+def density_sweep(path=None, data: Sequence = None, densities: Sequence[float] = (0.75, 0.5),
                   seq_len: int = 128, calib_seqs: int = 2, eval_seqs: int = 2, dip_candidates: int = 3,
                   gamma: float = 0.2, progress: bool = False) -> dict:
     """DIP calibrated on the first half of `data`, then perplexity on the second half for dense, oracle,
     DIP and DIP-CA at each MLP density: the report's numbers, with nothing written to the directory.
 
     Returns {"model", "dip": {density: split and search}, "quality": quality_report(...)}."""
-    from .loader import default_model_dir, load_tokenizer
+    from .default_model import default_model_dir
+    from .loader import load_tokenizer
 
     fd = FlashDir(path if path is not None else default_model_dir())
     tok = load_tokenizer(fd)
@@ -453,7 +440,8 @@ def _floats(s: str) -> List[float]:
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Calibrate a flash directory: predictors, DIP densities, neuron order, report.")
     p.add_argument("--model", default=None, help="Flash directory (default: the converted SmolLM2). Modified in place.")
-    p.add_argument("--data", nargs="+", default=[str(DEFAULT_DATA)], help="Calibration text file(s).")
+    p.add_argument("--data", nargs="+", default=None,
+                   help="Calibration text file(s) (default: the bundled WikiText-2 test split).")
     p.add_argument("--data-half", choices=["first", "second", "all"], default="first", help="Part of each --data file used.")
     p.add_argument("--eval-data", nargs="+", default=None, help="Held-out text for --report (default: --data).")
     p.add_argument("--eval-half", choices=["first", "second", "all"], default="second",
@@ -490,7 +478,8 @@ def setup_arg_parser():
 
 
 def run(args) -> dict:
-    from .loader import default_model_dir, load_tokenizer
+    from .default_model import default_model_dir
+    from .loader import load_tokenizer
 
     progress = not args.quiet
     fd = FlashDir(args.model if args.model else default_model_dir())

@@ -17,7 +17,6 @@ byte and cannot be bitmap-encoded: such conversions are refused (use --bits 8, f
 
 import argparse
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -32,7 +31,8 @@ from .architectures import adapter_for
 from .bitmap import capacity_for_sparsity
 from .errors import FlashError
 from .flash_format import DEFAULT_ALIGNMENT, BundleLayout, Encoding, FlashWriter, dtype_name
-from .prune import WIKITEXT, stored_row_pruner, text_input_norms
+from .prune import stored_row_pruner, text_input_norms
+from .texts import wikitext
 from .source import copy_tokenizer, load_source_model, mlp_paths, resolve_source
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -202,12 +202,12 @@ def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
     try:
         norms = text_input_norms(model, load_tokenizer(src_dir), text, n_seqs, seq_len, progress)
     except (OSError, ValueError) as e:
-        raise FlashError(f"--prune-text {text or WIKITEXT}: {e}") from None
+        raise FlashError(f"--prune-text {text or wikitext()}: {e}") from None
     finally:
         if quantized:
             model.update_modules(tree_unflatten(quantized))
         model.update(tree_map(lambda p, d: p.astype(d), model.parameters(), dtypes))
-    info = {"text": str(text or WIKITEXT), "half": "first", "seqs": n_seqs, "seq_len": seq_len}
+    info = {"text": str(text) if text else "wikitext-2 test (bundled)", "half": "first", "seqs": n_seqs, "seq_len": seq_len}
     return norms, info
 
 

@@ -14,7 +14,8 @@ import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 from .budget import fmt_bytes
 from .errors import FlashError
 from .flash_format import FlashDir
-from .loader import default_model_dir, load, load_tokenizer
+from .default_model import default_model_dir
+from .loader import load, load_tokenizer
 from .stats import Stats
 
 DEFAULT_PROMPT = "Once upon a time"

@@ -1,10 +1,6 @@
 """Build a model from a flash directory: resident weights into the architecture, FFNs replaced."""
 
-import os
-import sys
-from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 from typing import Callable, Dict, Tuple
 
 import mlx.core as mx
@@ -14,6 +10,7 @@ from mlx.utils import tree_unflatten
 from . import cpu_gemv
 from .architectures import adapter_for
 from .errors import FlashError, FlashFormatError
+from .default_model import default_model_dir
 from .ffn import ResidentFFN
 from .flash_format import FlashDir
 
@@ -103,38 +100,6 @@ def load_tokenizer(fd: FlashDir):
     return _load(fd.path, eos_token_ids=fd.config.get("eos_token_id"))
 
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-
-
-def default_model_dir() -> Path:
-    """The default model as a flash directory, converted from its GGUF once into ~/.cache/mlx_flash."""
-    from .convert import convert
-    from .gguf import default_gguf_path
-
-    root = Path(os.environ.get("MLX_FLASH_CACHE", Path.home() / ".cache" / "mlx_flash"))
-    out = root / DEFAULT_MODEL
-    if not (out / "flash.json").is_file():
-        with _lock(root):
-            if not (out / "flash.json").is_file():
-                print(f"[mlx_flash] converting the default model into {out} (once)", file=sys.stderr)
-                convert(str(default_gguf_path()), out)
-    return out
-
-
-@contextmanager
-def _lock(root: Path):
-    """A file lock, so two processes never convert the default model at once."""
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.0, threshold=None):
     """Build the sparsifier named `sparsity` for a flash directory ("auto": the best it is calibrated for)."""
     from .sparsity import DIP, Dense, Oracle, Predictor
@@ -209,7 +174,7 @@ def load(
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
     cast = cpu_cast if dtype == mx.float32 else None
-    plan = plan_memory(fd, budget if budget is not None else 1 << 62, context, dtype.size if dtype else 2, extra,
+    plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra,
                        resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context))
     reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))
     scratch = min(plan.workspace // 2, plan.scratch)

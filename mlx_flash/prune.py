@@ -41,7 +41,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
 
 
 def _to_numpy_f32(a) -> np.ndarray:
@@ -216,7 +215,6 @@ def wikitext_input_norms(path, n_seqs: int = 32, seq_len: int = 512, text_path: 
     path: a flash directory (has flash.json: loaded with load_resident) or an mlx-lm
     model directory (load_source_model). Returns (norms per layer, model).
     """
-    from .quality import read_text, token_batches
 
     path = Path(path)
     if (path / "flash.json").is_file():
@@ -238,9 +236,9 @@ def text_input_norms(model, tokenizer, text_path: Optional[Path] = None, n_seqs:
                      progress: bool = False) -> List[Dict[str, np.ndarray]]:
     """collect_input_norms on up to n_seqs x seq_len tokens of the first half of `text_path`
     (default WikiText-2 test: its second half is where quality.py measures perplexity)."""
-    from .quality import read_text, token_batches
+    from .texts import read_text, token_batches
 
-    text = read_text([text_path or WIKITEXT], half="first")
+    text = read_text([text_path] if text_path else None, half="first")
     text = text[: 16 * n_seqs * (seq_len + 1)]  # enough for the tokens needed (>= 1 char per token), fast to encode
     batches = token_batches(tokenizer, text, seq_len, n_seqs)[:, :-1]
     return collect_input_norms(model, batches, progress)

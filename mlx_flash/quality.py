@@ -26,8 +26,7 @@ x for calibration (`record=True`).
 """
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,6 +36,8 @@ from .ffn import ACTIVATIONS
 from .flash_format import FlashDir
 from .neuron_cache import NeuronCache, cache_aware_scores
 from .sparsity import top_k
+
+from tqdm import tqdm
 
 MODES = ("dense", "oracle", "predictor", "dip", "dip-ca")
 
@@ -268,29 +269,19 @@ def eval_model(fd: FlashDir, **controller_kw):
     return model, ctl
 
 
-# -- text and perplexity -------------------------------------------------------------------
-def read_text(paths: Sequence, half: str = "all") -> str:
-    """Concatenated text of `paths`, each cut to its first or second half (by characters, at a line break)."""
-    parts = []
-    for p in paths:
-        text = Path(p).read_text()
-        if half != "all":
-            cut = text.find("\n", len(text) // 2)
-            cut = len(text) // 2 if cut < 0 else cut + 1
-            text = text[:cut] if half == "first" else text[cut:]
-        parts.append(text)
-    return "\n".join(parts)
+def collect_inputs(model, ctl, batches: np.ndarray, progress: bool = False) -> List[np.ndarray]:
+    """Run the dense model over `batches` and return each layer's FFN inputs [T, d] (float32)."""
+    ctl.set_mode("dense", record=True)
+    ctl.xs = [[] for _ in range(ctl.n_layers)]
+    for row in tqdm(batches, desc="collect", unit="seq", disable=not progress):
+        mx.eval(model(mx.array(row[None, :-1])))
+    ctl.record = False
+    xs = [np.concatenate(x) for x in ctl.xs]
+    ctl.xs = [[] for _ in range(ctl.n_layers)]
+    return xs
 
 
-def token_batches(tokenizer, text: str, seq_len: int, n_seqs: int) -> np.ndarray:
-    """[n, seq_len + 1] token windows (inputs + next-token targets), consecutive and non-overlapping."""
-    ids = np.array(tokenizer.encode(text), dtype=np.int32)
-    n = min(n_seqs, len(ids) // (seq_len + 1))
-    if n == 0:
-        raise ValueError(f"text too short: {len(ids)} tokens for one sequence of {seq_len + 1}")
-    return ids[: n * (seq_len + 1)].reshape(n, seq_len + 1)
-
-
+# -- perplexity -----------------------------------------------------------------------------
 def sequence_nll(model, ctl: Controller, batches: np.ndarray) -> float:
     """Mean next-token negative log-likelihood over the batches (one sequence per forward, cold caches)."""
     total, count = 0.0, 0

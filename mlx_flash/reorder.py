@@ -23,7 +23,7 @@ with two renames (the old one is removed last).
 import os
 import shutil
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -194,9 +194,9 @@ def setup_arg_parser():
 
 
 def main():
-    from .calibrate import DEFAULT_DATA, collect_inputs
     from .loader import load_tokenizer
-    from .quality import activation_targets, dense_ffn_weights, eval_model, read_text, token_batches
+    from .quality import activation_targets, collect_inputs, dense_ffn_weights, eval_model
+    from .texts import read_text, token_batches
 
     args = setup_arg_parser().parse_args()
     fd = FlashDir(args.model)
@@ -205,7 +205,7 @@ def main():
         kw["density"] = args.density
     before = read_stats(fd.path, **kw)
     model, ctl = eval_model(fd)
-    text = read_text(args.data or [DEFAULT_DATA], "first")
+    text = read_text(args.data, "first")
     xs = collect_inputs(model, ctl, token_batches(load_tokenizer(fd), text, args.seq_len, args.num_seqs), True)
     del model
     group = reorder_group(fd)

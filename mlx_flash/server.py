@@ -34,7 +34,8 @@ class ModelService:
     """One loaded model; `generate` runs one request at a time (a fair lock: FIFO order)."""
 
     def __init__(self, path, max_context: int = 2048, **load_kwargs):
-        from .loader import default_model_dir, load
+        from .default_model import default_model_dir
+        from .loader import load
 
         self.path = Path(path) if path else default_model_dir()
         self.name = self.path.name

@@ -32,6 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import __version__
+from .default_model import cache_root
 from .flash_format import FlashDir, FlashWriter
 
 PRESETS = {
@@ -66,10 +67,6 @@ def preset_config(name: str) -> dict:
 
 def n_units(config: dict) -> int:
     return config.get("intermediate_size") or config["ffn_dim"]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MLX_FLASH_CACHE", Path.home() / ".cache" / "mlx_flash")) / "synthetic"
 
 
 def _quantized(rng, rows: int, cols: int, bits: int, scale: float):
@@ -140,7 +137,7 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
         raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     if storage not in ("q4", "float16"):
         raise ValueError("storage must be q4 or float16")
-    out = Path(out) if out is not None else cache_root() / (name if storage == "q4" else f"{name}-{storage}")
+    out = Path(out) if out is not None else cache_root() / "synthetic" / (name if storage == "q4" else f"{name}-{storage}")
     if (out / "flash.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
     python -m mlx_flash.trace [--model DIR] [--sparsity oracle] [--density 0.2] [--tokens 256] --out trace.npz
 
-Recording runs the model (default: SmolLM2, `loader.default_model_dir()`) over real text
+Recording runs the model (default: SmolLM2, `default_model.default_model_dir()`) over real text
 (WikiText-2 test by default) with every FFN resident, in one teacher-forced forward pass,
 captures each layer's FFN input per token and asks the sparsifier which neurons it selects.
 So a trace holds the per-token, per-layer active sets the runtime would see on that text
@@ -43,7 +43,6 @@ import numpy as np
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
 
 
 class Trace:
@@ -179,13 +178,15 @@ def record(path=None, sparsity: str = "oracle", density: Optional[float] = 0.2, 
            text: Optional[str] = None, offset: int = 0) -> Trace:
     """Record a Trace of the model at `path` (default: SmolLM2) on `tokens` tokens of `text`
     (default: WikiText-2 test, from character `offset`)."""
-    from .loader import default_model_dir, load_resident, load_tokenizer, make_sparsifier
+    from .default_model import default_model_dir
+    from .loader import load_resident, load_tokenizer, make_sparsifier
     from .sparsity import top_k
+    from .texts import read_text
 
     path = path if path is not None else default_model_dir()
     model, fd = load_resident(path, mx.float32)
     if text is None:
-        text = WIKITEXT.read_text()
+        text = read_text()
     tok = load_tokenizer(fd)
     ids = tok.encode(text[offset : offset + 20 * tokens])[:tokens]
     if len(ids) < tokens:

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
@@ -13,14 +12,10 @@ import pytest
 
 from mlx_flash.errors import SourceError, UnsupportedArchitectureError
 from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
+from mlx_flash.texts import read_text
 from mlx_flash.models.tiny import _bytes_to_unicode
 
 REPO = Path(__file__).resolve().parents[1]
-WIKITEXT_CANDIDATES = [
-    os.environ.get("MLX_FLASH_WIKITEXT", ""),
-    REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt",
-    Path("/work/shared/data/wikitext-2/test.txt"),
-]
 
 
 # --------------------------------------------------------------------------------------
@@ -46,12 +41,9 @@ def tokenizer(smol_dir):
 
 
 def _wikitext_paragraphs(n=2):
-    for p in WIKITEXT_CANDIDATES:
-        if p and Path(p).is_file():
-            lines = Path(p).read_text(encoding="utf-8").split("\n")
-            paras = [s.strip() for s in lines if len(s.strip()) > 800 and not s.strip().startswith("=")]
-            return paras[:n]
-    pytest.skip("wikitext-2 test.txt not found (shared/data/wikitext-2/test.txt beside the repo)")
+    lines = read_text().split("\n")
+    paras = [s.strip() for s in lines if len(s.strip()) > 800 and not s.strip().startswith("=")]
+    return paras[:n]
 
 
 def _load_float32(model_dir):

@@ -1,0 +1,40 @@
+"""Texts for calibration and evaluation: the bundled WikiText-2 test split, reading, token windows.
+
+The package carries its own text (`mlx_flash/data/wikitext-2`, CC BY-SA 3.0, see its README), so
+calibration, pruning, traces and perplexity work in any install. The first half calibrates, the
+second half is held out. A user's own text files are arguments, never defaults.
+"""
+
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+def wikitext() -> Path:
+    """The bundled WikiText-2 test split (a file inside the installed package)."""
+    return Path(str(resources.files("mlx_flash") / "data" / "wikitext-2" / "test.txt"))
+
+
+def read_text(paths: Sequence = None, half: str = "all") -> str:
+    """Concatenated text of `paths` (default: WikiText-2 test), each cut to its first or second half
+    (by characters, at a line break)."""
+    parts = []
+    for p in paths or [wikitext()]:
+        text = Path(p).read_text()
+        if half != "all":
+            cut = text.find("\n", len(text) // 2)
+            cut = len(text) // 2 if cut < 0 else cut + 1
+            text = text[:cut] if half == "first" else text[cut:]
+        parts.append(text)
+    return "\n".join(parts)
+
+
+def token_batches(tokenizer, text: str, seq_len: int, n_seqs: int) -> np.ndarray:
+    """[n, seq_len + 1] token windows (inputs + next-token targets), consecutive and non-overlapping."""
+    ids = np.array(tokenizer.encode(text), dtype=np.int32)
+    n = min(n_seqs, len(ids) // (seq_len + 1))
+    if n == 0:
+        raise ValueError(f"text too short: {len(ids)} tokens for one sequence of {seq_len + 1}")
+    return ids[: n * (seq_len + 1)].reshape(n, seq_len + 1)
