@@ -13,7 +13,7 @@ If even that does not fit, loading fails before any weight is read.
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Union
+from typing import Dict, List, Optional, Union
 
 from .errors import BudgetError
 
@@ -47,7 +47,7 @@ def fmt_bytes(n: float) -> str:
 
 @dataclass
 class Plan:
-    budget: int
+    budget: Optional[int]  # None: no budget
     resident: int
     kv_cache: int
     scratch: int
@@ -64,7 +64,7 @@ class Plan:
         caps = self.capacity[0]
         per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)
         return (
-            f"budget {fmt_bytes(self.budget)}: resident {fmt_bytes(self.resident)}, KV cache {fmt_bytes(self.kv_cache)}, "
+            (f"budget {fmt_bytes(self.budget)}" if self.budget is not None else "no budget") + f": resident {fmt_bytes(self.resident)}, KV cache {fmt_bytes(self.kv_cache)}, "
             f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
             + (f"; streamed from flash every token ({fmt_bytes(self.streaming)} of buffers): " + describe_streamed(self.streamed)
@@ -149,15 +149,17 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int):
     return streamed, with_streamed(fixed, streamed)
 
 
-def plan_memory(fd, budget: int, context: int, dtype_size: int, extra: int = 0, resident: int = None,
+def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra: int = 0, resident: int = None,
                 groups=()) -> Plan:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
     `resident`: bytes of the resident weights as loaded (default: their size on disk).
-    `groups`: offload.StreamGroup candidates, streamed only if the resident weights do not fit."""
-    streamed, f = choose_streamed(list(groups), fixed_bytes(fd, context, dtype_size, extra, resident), budget,
+    `groups`: offload.StreamGroup candidates, streamed only if the resident weights do not fit.
+    budget None: no budget (every unit cached)."""
+    limit = budget if budget is not None else 1 << 62
+    streamed, f = choose_streamed(list(groups), fixed_bytes(fd, context, dtype_size, extra, resident), limit,
                                    context)
-    per_layer = (budget - sum(f.values())) // len(fd.layers)
+    per_layer = (limit - sum(f.values())) // len(fd.layers)
     capacity = []
     for regions in fd.layers:
         rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)
