@@ -23,13 +23,16 @@ cpu_gemv = Extension(
 
 mlx = "mlx" if sys.platform == "darwin" else "mlx[cpu]"
 
+# The import package is `mlx_flash`; the distribution name is `mlx-flash-runtime` because `mlx-flash`
+# (and `mlx_flash`, which normalises to it) is an unrelated project on PyPI.
 setup(
-    name="mlx_flash",
+    name="mlx-flash-runtime",
     version="0.1.0",
     description="Run LLMs larger than memory on Apple silicon: resident attention, FFN neurons streamed from flash",
     packages=find_packages(include=["mlx_flash", "mlx_flash.*"]) + ["mlx_flash.kernels"],
     package_dir={"mlx_flash.kernels": "kernels"},  # Metal sources ship inside the package
-    package_data={"mlx_flash.kernels": ["*.metal"]},
+    # Metal sources, and the calibration / evaluation text (WikiText-2 test, CC BY-SA 3.0, with its README)
+    package_data={"mlx_flash.kernels": ["*.metal"], "mlx_flash": ["data/wikitext-2/*"]},
     ext_modules=[pread_pool, cpu_gemv],
     python_requires=">=3.10",
     install_requires=[
@@ -43,5 +46,5 @@ setup(
         "gguf",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib"]},
+    extras_require={"test": ["pytest", "grimp", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib"]},
 )
