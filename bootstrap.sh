@@ -10,9 +10,8 @@ cd "$(dirname "$0")"
 # fio: the disk's own limit, printed beside every read figure by the benchmarks.
 install_system_packages() {
     [ "$(uname)" = Linux ] && command -v apt-get >/dev/null || return 0
-    local need=() arch
-    arch=$(uname -m)-linux-gnu
-    [ -e "/usr/lib/$arch/openblas-pthread/libblas.so.3" ] || need+=(libopenblas0-pthread)
+    local need=()
+    dpkg-query -W -f='${Status}' libopenblas0-pthread 2>/dev/null | grep -q "ok installed" || need+=(libopenblas0-pthread)
     command -v fio >/dev/null || need+=(fio)
     [ "${#need[@]}" -gt 0 ] || return 0
     local sudo=()
