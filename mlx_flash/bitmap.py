@@ -36,8 +36,7 @@ Functions:
     compression_ratio(...)           -> encoded bytes / dense bytes
 """
 
-from functools import lru_cache
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import numpy as np

@@ -26,7 +26,6 @@ The estimate for `this` is compared with the measured ms/token (ratio estimate /
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np

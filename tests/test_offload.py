@@ -6,7 +6,6 @@ streamed weights' bytes per token, stay within the budget, and the planner must 
 import os
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
