@@ -242,7 +242,8 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
         "cache_bytes": cache,
         "budget_bytes": plan.budget,
         "cache_units_per_layer": plan.capacity[0].get("neurons", 0),
-        "bytes_per_token": float(bytes_tok.mean()) if n else 0.0,
+        "bytes_per_token": float(bytes_tok.mean()) if n else 0.0,  # at the device
+        "bytes_requested_per_token": float(np.mean([t.bytes_requested for t in toks])) if n else 0.0,
         "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])) if n else 0.0,
         "misses_per_token": misses / max(1, n),
         "stride": stride,

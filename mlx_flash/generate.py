@@ -76,7 +76,7 @@ def print_stats(engine, out=sys.stdout):
             f"summary over {s['tokens']} tokens (medians): io {s['io_ms']:.2f} ms, mm {s['mm_ms']:.2f} ms, "
             + (f"expand {s['expand_ms']:.2f} ms, " if s["expand_ms"] else "")
             + f"compute {s['compute_ms']:.2f} ms, total {s['total_ms']:.2f} ms ({1e3 / s['total_ms']:.2f} tok/s); "
-            f"read {fmt_bytes(s['bytes_per_token'])}/token"
+            f"read {fmt_bytes(s['bytes_per_token'])}/token at the device ({fmt_bytes(s['bytes_requested_per_token'])} asked)"
             + (f" (of which resident weights streamed {fmt_bytes(s['streamed_bytes_per_token'])})"
                if s["streamed_bytes_per_token"] else "")
             + f", hit rate {s['hit_rate']:.1%}, "

@@ -189,8 +189,8 @@ def load(
 
     wrap = {}
     if plan.streamed:
-        engine.streamer = ResidentStreamer(fd, open_reader(fd.path / RESIDENT, direct=direct, threads=STREAM_THREADS),
-                                           plan.streamed, cast, engine.stats)
+        engine.use_streamer(ResidentStreamer(fd, open_reader(fd.path / RESIDENT, direct=direct, threads=STREAM_THREADS),
+                                             plan.streamed, cast))
         wrap = {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
     model = build_model(fd, make_ffn, dtype, wrap)
     model.flash = engine

@@ -169,7 +169,7 @@ class ResidentStreamer:
         if self.stats is not None:
             s = self.stats.current
             s.io_s += time.perf_counter() - t
-            s.bytes_read += load.nbytes
+            s.bytes_requested += load.nbytes
             s.streamed_bytes += load.nbytes
         return arrays
 

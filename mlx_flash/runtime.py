@@ -49,7 +49,7 @@ class FlashEngine:
         self.window = window
         self.compute_dtype = compute_dtype
         self.use_metal = use_metal
-        self.stats = Stats()
+        self.stats = Stats([reader])
         self.streamer = None  # offload.ResidentStreamer when resident weights are streamed too
         self.overlap = True  # compute cached hits while misses are read (False: wait first; for A/B runs)
         self.caches: List[Dict[str, NeuronCache]] = [
@@ -75,7 +75,7 @@ class FlashEngine:
         handle = self.reader.submit(buffer, offsets, lengths, dest.astype(np.int64))
         s = self.stats.current
         s.io_s += time.perf_counter() - t
-        s.bytes_read += int(lengths.sum())
+        s.bytes_requested += int(lengths.sum())
 
         def wait():
             t = time.perf_counter()
@@ -297,8 +297,8 @@ class FlashEngine:
         old = getattr(model, "flash", None)
         if old is not None and old is not self and old.streamer is not None:
             # the model's streamed attention/embedding modules read through it: it moves along
-            self.streamer, old.streamer = old.streamer, None
-            self.streamer.stats = self.stats
+            self.use_streamer(old.streamer)
+            old.streamer = None
         for layer in model.layers:
             mlp = layer.mlp
             mlp._engine = self
@@ -306,6 +306,11 @@ class FlashEngine:
                 self.sparsifier.bias[mlp._layer] = mlp._bias["fc1"]
         model.flash = self
         return old
+
+    def use_streamer(self, streamer):
+        """Resident weights are streamed through `streamer` (offload.ResidentStreamer): its reads count here."""
+        self.streamer, streamer.stats = streamer, self.stats
+        self.stats.readers.append(streamer.reader)
 
     def close(self):
         """Release the readers' files and threads."""

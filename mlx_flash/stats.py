@@ -13,7 +13,8 @@ class TokenStats:
     mm_s: float = 0.0  # memory management: cache planning, row moves, copies
     expand_s: float = 0.0  # expanding encoded (bitmap) units read into dense rows
     total_s: float = 0.0  # wall time of the whole token (set by the generate loop)
-    bytes_read: int = 0  # everything read from flash: FFN units and streamed resident weights
+    bytes_read: int = 0  # read at the device by the runtime's readers (gap fills and alignment included)
+    bytes_requested: int = 0  # the bytes asked for: FFN units and streamed resident weights
     streamed_bytes: int = 0  # of which resident weights streamed below the resident floor (offload.py)
     hits: int = 0
     misses: int = 0
@@ -35,13 +36,28 @@ class Stats:
 
     The runtime marks token boundaries itself: the first event of a forward pass (`touch`: an
     embedding lookup, a streamed attention layer or an FFN) begins a token, the last layer's FFN
-    ends the pass (`forward_done`); LM head reads after it still count for that token."""
+    ends the pass (`forward_done`); LM head reads after it still count for that token.
 
-    def __init__(self):
+    `readers`: the reader.py pools whose `bytes_read` counters (what they read from the file, gaps and
+    alignment supersets included: with O_DIRECT, the bytes at the device) give each token's bytes_read."""
+
+    def __init__(self, readers=()):
+        self.readers = list(readers)
         self.tokens: List[TokenStats] = []
         self.current = TokenStats()
         self._t0 = None
+        self._read0 = 0
         self._between_forwards = True
+
+    def device_bytes(self) -> int:
+        return sum(r.stats()["bytes_read"] for r in self.readers)
+
+    def _close(self, now: float):
+        read = self.device_bytes()
+        self.current.total_s = now - self._t0
+        self.current.bytes_read = read - self._read0
+        self.tokens.append(self.current)
+        self._read0 = read
 
     def touch(self, prefill: bool):
         if self._between_forwards:
@@ -54,22 +70,22 @@ class Stats:
     def begin_token(self, prefill: bool = False):
         now = time.perf_counter()
         if self._t0 is not None:
-            self.current.total_s = now - self._t0
-            self.tokens.append(self.current)
+            self._close(now)
+        else:
+            self._read0 = self.device_bytes()
         self.current = TokenStats(prefill=prefill)
         self._t0 = now
 
     def end(self):
         """Close the token in progress."""
         if self._t0 is not None:
-            self.current.total_s = time.perf_counter() - self._t0
-            self.tokens.append(self.current)
+            self._close(time.perf_counter())
             self._t0 = None
             self.current = TokenStats()
         self._between_forwards = True
 
     def reset(self):
-        self.__init__()
+        self.__init__(self.readers)
 
     def decode_tokens(self) -> List[TokenStats]:
         return [t for t in self.tokens if not t.prefill]
@@ -93,6 +109,7 @@ class Stats:
             "total_ms_p10": float(np.percentile([t.total_s * 1e3 for t in toks], 10)),
             "total_ms_p90": float(np.percentile([t.total_s * 1e3 for t in toks], 90)),
             "bytes_per_token": float(np.mean([t.bytes_read for t in toks])),
+            "bytes_requested_per_token": float(np.mean([t.bytes_requested for t in toks])),
             "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])),
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "active_per_layer": float(np.mean([np.mean(t.active) for t in toks if t.active])) if toks[0].active else 0.0,
@@ -103,7 +120,8 @@ class Stats:
         return (
             f"[token {i:4d}] io {t.io_s * 1e3:7.2f} ms | mm {t.mm_s * 1e3:6.2f} ms | "
             + (f"expand {t.expand_s * 1e3:6.2f} ms | " if t.expand_s else "")
-            + f"compute {t.compute_s * 1e3:7.2f} ms | read {t.bytes_read / 2**20:7.2f} MiB"
+            + f"compute {t.compute_s * 1e3:7.2f} ms | read {t.bytes_read / 2**20:7.2f} MiB "
+            f"(asked {t.bytes_requested / 2**20:.2f})"
             + (f" ({t.streamed_bytes / 2**20:.2f} streamed)" if t.streamed_bytes else "")
             + f" | hit {t.hit_rate:6.1%} | active/layer {np.mean(t.active) if t.active else 0:7.1f}"
         )

@@ -108,9 +108,9 @@ def test_bitmap_generates_like_pruned_dense(dirs, name):
         n_units = sum(r.n_units for r in fd.regions())
         decode = [t for t in toks if not t.prefill]
         assert sum(t.misses for t in decode) > 0  # caches evicted and reloaded
-        assert toks[0].prefill and toks[0].bytes_read == n_units * stride  # the prompt streams every unit once
+        assert toks[0].prefill and toks[0].bytes_requested == n_units * stride  # the prompt streams every unit once
         for t in decode:
-            assert t.bytes_read == t.misses * stride  # the encoded bytes, per miss
+            assert t.bytes_requested == t.misses * stride  # the encoded bytes, per miss
             assert (t.expand_s > 0) == (fmt == "bitmap" and t.misses > 0)
     assert runs["bitmap"] == runs["dense"]  # (sparse: not the resident model's tokens)
 
@@ -127,7 +127,7 @@ def test_bitmap_dense_sparsifier_streams_overflow(dirs):
         model.flash.stats.end()
         n = fd.layers[0]["neurons"].n_units * len(fd.layers)
         for t in model.flash.stats.decode_tokens():
-            assert t.hits + t.misses == n and t.bytes_read == t.misses * fd.layouts["neurons"].disk_stride
+            assert t.hits + t.misses == n and t.bytes_requested == t.misses * fd.layouts["neurons"].disk_stride
     finally:
         model.flash.close()
 
