@@ -41,6 +41,7 @@ import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from .default_model import cache_root
+from . import memory
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .flash_format import FlashDir
 from .loader import cpu_cast, load, load_resident, make_sparsifier
@@ -261,6 +262,7 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
         "mean_request_bytes": mean_req,
         "requests_per_batch": per_batch,
         "reader_bytes_read": reader_stats["bytes_read"],
+        "peak_rss_bytes": engine.stats.peak_rss(),  # the whole process, above the baseline load recorded
     }
     if mean_req:
         disk = disk_throughput(fd.ffn_path, int(mean_req), threads, per_batch, disk_seconds)
@@ -348,7 +350,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
                          f"{lowest / fd.model_bytes:.0%} of the model, with attention and embeddings streamed)")
     # below the resident floor, every configuration streams the same resident weights (offload.py)
     model, tok = load(path, memory_budget=min(floor, budget), sparsity="dense", context=context, threads=threads)
-    reader = model.flash.reader
+    reader, baseline = model.flash.reader, model.flash.stats.baseline_rss
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
     from .sparsity import Dense
 
@@ -373,6 +375,9 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
                 sp.reset(0)
             timed = TimedSparsifier(sp)
             engine = make_engine(model, fd, rd, timed, budget, context, "window", window, unit_cache)
+            engine.stats.baseline_rss = baseline
+            mx.clear_cache()  # the previous configuration's buffers: not this one's peak
+            memory.reset_peak()
             if progress:
                 print(f"[bench] {name}{f' (round {round_ + 1}/{rounds})' if rounds > 1 else ''}: "
                       f"{DESCRIPTIONS[name]}", file=sys.stderr)

@@ -57,6 +57,13 @@ class Plan:
     streamed: List = field(default_factory=list)  # offload.StreamGroup read from flash every token
     streaming: int = 0  # buffers for the streamed groups
 
+    def prefill_step(self, config: dict, context: int) -> int:
+        """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size)."""
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        n = config.get("intermediate_size") or config.get("ffn_dim") or 4 * hidden
+        per_token = 4 * (4 * hidden + 3 * n + heads * context)  # float32: residual, q/k/v/o, FFN, attention scores
+        return max(16, min(2048, self.workspace // per_token))
+
     def cache_bytes(self, strides: Dict[str, int]) -> int:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
 

@@ -83,6 +83,10 @@ def print_stats(engine, out=sys.stdout):
             f"active units/layer {s['active_per_layer']:.1f}",
             file=out,
         )
+    peak = stats.peak_rss()
+    if peak is not None:
+        print(f"memory: peak RSS {fmt_bytes(peak)} above the baseline of {fmt_bytes(stats.baseline_rss)} "
+              f"(interpreter, mlx, mlx-lm, tokenizer); MLX peak {fmt_bytes(mx.get_peak_memory())}", file=out)
     if mx.default_device() == mx.cpu:
         print(f"CPU: quantised decode matvecs {'native (kernels/cpu_gemv.c)' if cpu_gemv.available() else 'MLX ops'}, "
               f"BLAS {blas.status}", file=out)
@@ -120,7 +124,9 @@ def main(argv=None):
     sampler = make_sampler(args.temp, args.top_p)
     response = None
     try:
-        for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler):
+        step = model.flash.plan.prefill_step(model.flash.fd.config, len(prompt) + args.max_tokens)  # within the budget
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
+                                        prefill_step_size=step):
             if args.verbose:
                 print(response.text, end="", flush=True)
         model.flash.stats.end()

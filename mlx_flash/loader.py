@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from . import cpu_gemv
+from . import cpu_gemv, memory
 from .architectures import adapter_for
 from .errors import FlashError, FlashFormatError
 from .default_model import default_model_dir
@@ -167,10 +167,13 @@ def load(
     from .runtime import FlashEngine, FlashFFN
 
     fd = FlashDir(path if path is not None else default_model_dir())
+    tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
+    baseline = memory.rss()  # what the budget is above (see memory.py)
+    memory.reset_peak()
     if sparsifier is None:
         sparsifier = make_sparsifier(fd, sparsity, density, gamma)
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
-    extra = sum(v.nbytes for w in getattr(sparsifier, "weights", []) for v in w.values())  # predictors' DRAM
+    extra = getattr(sparsifier, "nbytes", 0)  # the selector's own DRAM (predictors, the oracle's copy)
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
     cast = cpu_cast if dtype == mx.float32 else None
@@ -181,6 +184,9 @@ def load(
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
                          compute_dtype=dtype or mx.float32)
     engine.plan = plan
+    engine.stats.baseline_rss = baseline
+    if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds
+        mx.set_cache_limit(plan.workspace)
 
     def make_ffn(i, bias):
         if "fc1" in bias and hasattr(sparsifier, "bias"):  # the ReLU oracle needs fc1's bias
@@ -194,4 +200,4 @@ def load(
         wrap = {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
     model = build_model(fd, make_ffn, dtype, wrap)
     model.flash = engine
-    return model, load_tokenizer(fd)
+    return model, tokenizer

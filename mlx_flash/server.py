@@ -85,8 +85,10 @@ class ModelService:
         ticket = self._turn()
         try:
             text = ""
+            flash = self.model.flash
             for r in stream_generate(
-                self.model, self.tokenizer, tokens, max_tokens=max_tokens, sampler=make_sampler(temperature, top_p)
+                self.model, self.tokenizer, tokens, max_tokens=max_tokens, sampler=make_sampler(temperature, top_p),
+                prefill_step_size=flash.plan.prefill_step(flash.fd.config, self.max_context),  # within the budget
             ):
                 text += r.text
                 hit = next((s for s in stop if s in text), None)

@@ -94,6 +94,7 @@ class Predictor:
 
     def __init__(self, weights: List[Dict[str, mx.array]], threshold: float = 0.5):
         self.weights = weights  # per layer {"A": [rank, d], "B": [n, rank]}
+        self.nbytes = sum(v.nbytes for w in weights for v in w.values())  # DRAM held: in the budget
         self.threshold = threshold
 
     def logits(self, layer: int, x: np.ndarray) -> np.ndarray:

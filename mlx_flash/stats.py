@@ -43,6 +43,7 @@ class Stats:
 
     def __init__(self, readers=()):
         self.readers = list(readers)
+        self.baseline_rss = None  # set by loader.load: the process RSS the budget is above
         self.tokens: List[TokenStats] = []
         self.current = TokenStats()
         self._t0 = None
@@ -85,7 +86,15 @@ class Stats:
         self._between_forwards = True
 
     def reset(self):
+        baseline = self.baseline_rss
         self.__init__(self.readers)
+        self.baseline_rss = baseline
+
+    def peak_rss(self):
+        """Peak RSS of the process above the baseline `load` recorded (None without one)."""
+        from .memory import peak_rss
+
+        return None if self.baseline_rss is None else peak_rss() - self.baseline_rss
 
     def decode_tokens(self) -> List[TokenStats]:
         return [t for t in self.tokens if not t.prefill]
@@ -112,6 +121,7 @@ class Stats:
             "bytes_requested_per_token": float(np.mean([t.bytes_requested for t in toks])),
             "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])),
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "peak_rss_bytes": self.peak_rss(),
             "active_per_layer": float(np.mean([np.mean(t.active) for t in toks if t.active])) if toks[0].active else 0.0,
         }
 

@@ -1,0 +1,43 @@
+"""The process's own memory, as a user's machine sees it: resident set size now and at its peak.
+
+The budget covers what the runtime allocates above the baseline (the interpreter with mlx and mlx-lm
+imported and the model's tokenizer loaded, which every mlx-lm based runtime holds alike); `load`
+records that baseline and resets the peak, so `peak_above_baseline()` is the runtime's own peak.
+Linux reads /proc/self/status; elsewhere the peak comes from getrusage (not resettable) and RSS is 0.
+"""
+
+import resource
+import sys
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(key: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss() -> int:
+    """Resident set size now, in bytes (0 where /proc is missing)."""
+    return _status_kib("VmRSS") if _STATUS.exists() else 0
+
+
+def peak_rss() -> int:
+    """Peak resident set size (VmHWM; since the last `reset_peak`), in bytes."""
+    if _STATUS.exists():
+        return _status_kib("VmHWM")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def reset_peak() -> bool:
+    """Restart the peak from the current RSS (Linux: writing 5 to /proc/self/clear_refs); False if unsupported."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,54 @@
+"""The budget is the whole process: peak RSS above the baseline `load` records stays under it, the
+selector's DRAM is planned, and the stats say so."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+import mlx_flash
+from mlx_flash import memory
+from mlx_flash.budget import parse_size
+from mlx_flash.default_model import default_model_dir
+from mlx_flash.errors import BudgetError
+from mlx_flash.flash_format import FlashDir
+
+PROMPT = "The history of the city begins. " * 8  # ~60 tokens: prefill activations count too
+
+
+def test_memory_readings_move():
+    before = memory.rss()
+    block = bytearray(64 << 20)
+    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+    assert memory.rss() - before > 48 << 20 and memory.peak_rss() >= memory.rss()
+    del block
+    assert memory.reset_peak() and memory.peak_rss() < before + (48 << 20)
+
+
+@pytest.mark.parametrize("budget", ["25%", "50%", "80%"])
+def test_peak_rss_of_a_real_run_is_inside_the_budget(budget):
+    r = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--prompt", PROMPT, "--memory-budget", budget,
+                        "--max-tokens", "8", "--stats", "--ignore-chat-template"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"memory: peak RSS ([\d.]+) MiB above the baseline of ([\d.]+) MiB", r.stdout)
+    assert m, r.stdout
+    peak = float(m.group(1)) * 2**20
+    assert 0 < peak <= parse_size(budget, FlashDir(default_model_dir()).model_bytes), r.stdout
+
+
+def test_the_oracles_copy_is_in_the_plan():
+    """The oracle keeps gate/up in DRAM: a budget that holds dense streaming but not that copy is refused."""
+    path = default_model_dir()
+    model, _ = mlx_flash.load(path, memory_budget="50%", sparsity="dense", context=256)
+    model.flash.close()
+    with pytest.raises(BudgetError, match="extra"):
+        mlx_flash.load(path, memory_budget="50%", sparsity="oracle", context=256)
+    model, tok = mlx_flash.load(path, memory_budget="80%", sparsity="oracle", density=0.5, context=256)
+    try:
+        oracle = model.flash.sparsifier
+        assert model.flash.plan.extra == oracle.nbytes > 30 << 20
+        mlx_flash.generate(model, tok, "Hello", max_tokens=3)
+        assert 0 < model.flash.stats.summary()["peak_rss_bytes"] <= model.flash.plan.budget
+    finally:
+        model.flash.close()
