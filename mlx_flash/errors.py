@@ -23,3 +23,7 @@ class SourceError(FlashError):
 
 class ReadError(FlashError, OSError):
     """A read from flash failed or came back short."""
+
+
+class CapError(FlashError):
+    """No memory cgroup can be created here, so a command cannot run under a hard memory cap."""
