@@ -77,46 +77,102 @@ def default_gguf_path() -> Path:
 # --------------------------------------------------------------------------------------
 
 
-def _llama_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]]) -> dict:
-    a = "llama"
+def _rope_scaling(meta: "Meta", a: str) -> Optional[dict]:
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    if scaling != "linear":
+        raise UnsupportedArchitectureError(f"{meta.path}: rope scaling {scaling!r} is not supported")
+    return {"type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
+
+
+def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSpec") -> dict:
+    """The hyper-parameters every architecture here shares, from the GGUF metadata under "<arch>."."""
+    a = meta["general.architecture"]
     hidden = meta.int(f"{a}.embedding_length")
     n_head = meta.int(f"{a}.attention.head_count")
-    n_kv = meta.int(f"{a}.attention.head_count_kv", n_head)
     head_dim = meta.int(f"{a}.attention.key_length", hidden // n_head)
     if meta.int(f"{a}.attention.value_length", head_dim) != head_dim:
-        raise UnsupportedArchitectureError(f"{meta.path}: llama with key_length != value_length is not supported")
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with key_length != value_length is not supported")
+    if not spec.head_dim_key and head_dim != hidden // n_head:  # the mlx-lm model derives head_dim itself
+        raise UnsupportedArchitectureError(
+            f"{meta.path}: {a} with head_dim {head_dim} != hidden_size / heads ({hidden // n_head}) is not supported"
+        )
     rope_dim = meta.int(f"{a}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise UnsupportedArchitectureError(
             f"{meta.path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
-            "are not supported for llama"
+            f"are not supported for {a}"
         )
     if meta.get(f"{a}.expert_count", 0):
-        raise UnsupportedArchitectureError(f"{meta.path}: mixture-of-experts llama GGUFs are not supported")
-    vocab = shapes["token_embd.weight"][0]
+        raise UnsupportedArchitectureError(f"{meta.path}: mixture-of-experts {a} GGUFs are not supported")
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": meta.int(f"{a}.feed_forward_length"),
         "num_hidden_layers": meta.int(f"{a}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": meta.float(f"{a}.rope.freq_base", 10000.0),
-        "vocab_size": vocab,
+        "num_key_value_heads": meta.int(f"{a}.attention.head_count_kv", n_head),
+        "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps),
+        "rope_theta": meta.float(f"{a}.rope.freq_base", spec.rope_theta),
+        "vocab_size": shapes["token_embd.weight"][0],
         "max_position_embeddings": meta.int(f"{a}.context_length", 2048),
-        "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
-        "mlp_bias": "blk.0.ffn_up.bias" in shapes,
         "tie_word_embeddings": "output.weight" not in shapes,
     }
-    scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise UnsupportedArchitectureError(f"{meta.path}: rope scaling {scaling!r} is not supported")
-        config["rope_scaling"] = {"type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
+    if spec.head_dim_key:
+        config["head_dim"] = head_dim
+    scaling = _rope_scaling(meta, a)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _llama_config(meta, shapes, spec) -> dict:
+    config = _base_config(meta, shapes, spec)
+    config.update(
+        hidden_act="silu",
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        mlp_bias="blk.0.ffn_up.bias" in shapes,
+    )
+    return config
+
+
+def _qwen_config(meta, shapes, spec) -> dict:
+    config = _base_config(meta, shapes, spec)
+    config["hidden_act"] = "silu"
+    if spec.model_type == "qwen2" and "blk.0.attn_q.bias" not in shapes:  # mlx-lm's qwen2 always has q/k/v biases
+        raise UnsupportedArchitectureError(f"{meta.path}: qwen2 GGUF without attn_q/attn_k/attn_v biases")
+    return config
+
+
+def _phi3_config(meta, shapes, spec) -> dict:
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    config["original_max_position_embeddings"] = meta.int(
+        f"{a}.rope.scaling.original_context_length", config["max_position_embeddings"]
+    )
+    return config
+
+
+def _gemma3_config(meta, shapes, spec) -> dict:
+    """Gemma 3. What the GGUF leaves out comes from llama.cpp's llama_load_hparams_gemma3: every 6th
+    layer global (sliding window pattern 6), local RoPE base 10000, and the attention scale
+    1/sqrt(head_dim), except the 62-layer 27B's 1/sqrt(hidden / heads)."""
+    a = meta["general.architecture"]
+    config = _base_config(meta, shapes, spec)
+    if meta.float(f"{a}.final_logit_softcapping", 0.0) or meta.float(f"{a}.attn_logit_softcapping", 0.0):
+        raise UnsupportedArchitectureError(f"{meta.path}: gemma3 with logit soft-capping is not supported by mlx-lm")
+    if config.pop("rope_scaling", None) is not None:  # llama.cpp scales the global layers' RoPE only
+        config["rope_scaling"] = {"rope_type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
+    n_layers, hidden, n_head = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=meta.int(f"{a}.attention.sliding_window"),
+        sliding_window_pattern=meta.int(f"{a}.attention.sliding_window_pattern", 6),
+        rope_local_base_freq=meta.float(f"{a}.rope.freq_base_swa", 10000.0),
+        query_pre_attn_scalar=hidden // n_head if n_layers == 62 else config["head_dim"],
+    )
     return config
 
 
@@ -125,35 +181,107 @@ class ArchSpec:
     """How one GGUF architecture maps onto an mlx-lm model."""
 
     model_type: str
-    # GGUF tensor base name (without .weight/.bias) -> mlx-lm module path
-    global_names: Dict[str, str]
+    hf_class: str  # config.json "architectures"
     # per-block GGUF base name -> mlx-lm path below model.layers.N
     block_names: Dict[str, str]
-    # per-block GGUF base name -> metadata key (after "<arch>.") of the head count used by llama.cpp's RoPE permutation
-    permuted: Dict[str, str]
-    make_config: Callable[["Meta", Dict[str, Tuple[int, ...]]], dict]
+    make_config: Callable[["Meta", Dict[str, Tuple[int, ...]], "ArchSpec"], dict]
+    # per-block GGUF base name -> metadata key (after "<arch>.") of the head count used by llama.cpp's RoPE
+    # permutation (llama-style "normal" RoPE only; NeoX-style models are stored unpermuted)
+    permuted: Dict[str, str] = field(default_factory=dict)
+    # llama.cpp stores every RMSNorm weight ("*norm" tensors) as w + norm_shift (Gemma's norms compute x * (1 + w))
+    norm_shift: float = 0.0
+    head_dim_key: bool = True  # the mlx-lm config takes "head_dim" (else it is hidden_size / heads)
+    rms_norm_eps: float = 1e-5  # llama.cpp's default when the GGUF has none
+    rope_theta: float = 10000.0
+    # GGUF base name -> mlx-lm module path, outside the blocks
+    global_names: Dict[str, str] = field(
+        default_factory=lambda: {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    )
     # GGUF tensors this spec cannot represent (with the reason), e.g. llama3 rope_freqs
     rejected: Dict[str, str] = field(default_factory=dict)
 
 
+_ATTENTION = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_SWIGLU = {
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ROPE_FREQS = {"rope_freqs": "llama-3.1 style rope frequency factors (rope_freqs) are not supported yet"}
+_LLAMA = ArchSpec(
+    model_type="llama",
+    hf_class="LlamaForCausalLM",
+    block_names={**_ATTENTION, **_SWIGLU},
+    make_config=_llama_config,
+    permuted={"attn_q": "attention.head_count", "attn_k": "attention.head_count_kv"},
+    rejected=_ROPE_FREQS,
+)
+
 ARCHITECTURES: Dict[str, ArchSpec] = {
-    "llama": ArchSpec(
-        model_type="llama",
-        global_names={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    "llama": _LLAMA,  # also Mistral 7B: llama.cpp converts it as "llama"
+    "mistral": _LLAMA,
+    "qwen2": ArchSpec(
+        model_type="qwen2",
+        hf_class="Qwen2ForCausalLM",
+        block_names={**_ATTENTION, **_SWIGLU},
+        make_config=_qwen_config,
+        head_dim_key=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rejected=_ROPE_FREQS,
+    ),
+    "qwen3": ArchSpec(
+        model_type="qwen3",
+        hf_class="Qwen3ForCausalLM",
+        block_names={**_ATTENTION, **_QK_NORM, **_SWIGLU},
+        make_config=_qwen_config,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rejected=_ROPE_FREQS,
+    ),
+    "gemma3": ArchSpec(
+        model_type="gemma3_text",
+        hf_class="Gemma3ForCausalLM",
         block_names={
-            "attn_norm": "input_layernorm",
-            "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj",
-            "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj",
-            "ffn_norm": "post_attention_layernorm",
+            **_ATTENTION,
+            **_QK_NORM,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
             "ffn_gate": "mlp.gate_proj",
             "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj",
+            "post_ffw_norm": "post_feedforward_layernorm",
         },
-        permuted={"attn_q": "attention.head_count", "attn_k": "attention.head_count_kv"},
-        make_config=_llama_config,
-        rejected={"rope_freqs": "llama-3.1 style rope frequency factors (rope_freqs) are not supported yet"},
+        make_config=_gemma3_config,
+        norm_shift=1.0,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+    ),
+    "phi3": ArchSpec(
+        model_type="phi3",
+        hf_class="Phi3ForCausalLM",
+        block_names={
+            "attn_norm": "input_layernorm",
+            "attn_qkv": "self_attn.qkv_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_up": "mlp.gate_up_proj",  # gate and up fused, gate rows first, as in Phi-3's gate_up_proj
+            "ffn_down": "mlp.down_proj",
+        },
+        make_config=_phi3_config,
+        head_dim_key=False,
+        rejected={
+            name: "Phi-3 long-context rope factors (rope_factors_long/short) are not supported yet"
+            for name in ("rope_factors_long", "rope_factors_short")
+        },
     ),
 }
 
@@ -516,7 +644,7 @@ def gguf_to_mlx_dir(
         )
     if "token_embd.weight" not in shapes:
         raise SourceError(f"{path}: no token_embd.weight tensor")
-    config = spec.make_config(meta, shapes)
+    config = spec.make_config(meta, shapes, spec)
     tokenizer = build_tokenizer(meta)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -528,6 +656,8 @@ def gguf_to_mlx_dir(
         if head_key is not None and _unpermute_qk:
             n_head = meta.int(f"{arch}.{head_key}", meta.int(f"{arch}.attention.head_count"))
             arrays = {k: _unpermute(v, n_head) for k, v in arrays.items()}
+        if spec.norm_shift and base.endswith("norm"):
+            arrays = {k: v - spec.norm_shift for k, v in arrays.items()}
         if cast is not None:
             arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
         if quant is not None:
