@@ -169,8 +169,8 @@ def _gemma3_config(meta, shapes, spec) -> dict:
     config.update(
         hidden_activation="gelu_pytorch_tanh",
         sliding_window=meta.int(f"{a}.attention.sliding_window"),
-        sliding_window_pattern=meta.int(f"{a}.attention.sliding_window_pattern", 6),
-        rope_local_base_freq=meta.float(f"{a}.rope.freq_base_swa", 10000.0),
+        sliding_window_pattern=6,  # fixed in llama.cpp, whatever the metadata says
+        rope_local_base_freq=10000.0,
         query_pre_attn_scalar=hidden // n_head if n_layers == 62 else config["head_dim"],
     )
     return config
