@@ -5,19 +5,29 @@ mlx-lm's `quantization` block when weights are quantised), `model*.safetensors`
 (weights under mlx-lm's names) and the tokenizer files, so the rest of mlx_flash
 only ever reads mlx-lm / Hugging Face directories.
 
-Weights
-  * Q4_0, Q4_1, Q8_0 tensors become MLX affine 4/8-bit, group-32 triplets
-    (.weight uint32, .scales, .biases) without any loss: these block formats are
-    exactly affine per 32 values. F32/F16/BF16 tensors keep their values.
-  * Every other GGUF type (Q4_K, Q6_K, Q5_0, IQ*, ...) is dequantised with the
-    `gguf` package to float16.
+Weights (GGUF type -> what the mlx-lm directory stores)
+  * Q4_0, Q4_1, Q8_0 -> MLX affine 4/8-bit, group 32 (.weight uint32, .scales, .biases) without any
+    loss: these block formats are exactly affine per 32 values.
+  * F32/F16/BF16 -> kept as they are.
+  * Every other type (K-quants Q2_K..Q6_K, Q5_0, Q5_1, IQ*, ...) is dequantised with the `gguf`
+    package and re-quantised to MLX 8-bit, group 32 (REQUANT). Relative RMS error against gguf's
+    dequantised values, measured on random blocks (tests/test_gguf.py): Q2_K 2.9e-3, Q3_K 4.5e-3,
+    Q4_K 1.5e-3, Q5_K 2.0e-3, Q6_K 4.5e-3, Q5_0 5.1e-3, IQ4_NL 4.0e-3 (8-bit group 64: about 1.3x
+    more), a few percent of the source's own quantisation step, so the model keeps the GGUF's quality.
+    4-bit re-quantisation is no option: MLX's grid differs from llama.cpp's (2.4e-2 for Q4_K at
+    group 32), and a held-out measurement (issue #15) found Q4_K_M re-quantised to MLX 4-bit group
+    64 at +41% perplexity, 8-bit lossless.
+    Such tensors take 9 bits per weight instead of 4.5-6.6; 1-D ones become float16.
   * Files made only of the first kind and no larger than one output shard are
     read by `mx.load` (fast path). Other files are read with `gguf.GGUFReader`
     (memory-mapped) and written shard by shard, so peak memory is about one
     shard. Both paths write bit-identical weights.
-  * llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE
-    layout; the permutation is undone here (it commutes with per-row
-    quantisation, so .weight/.scales/.biases rows are permuted alike).
+  * llama.cpp's converter permutes the rows of attn_q / attn_k of llama-style
+    models for its RoPE layout; the permutation is undone here (it commutes with
+    per-row quantisation, so .weight/.scales/.biases rows are permuted alike).
+    Qwen2/3, Phi-3 and Gemma 3 use NeoX-style RoPE and are stored unpermuted.
+  * Gemma's RMSNorms compute x * (1 + w); llama.cpp stores every norm weight as
+    w + 1 (ArchSpec.norm_shift), which is subtracted again.
 
 Tokenizer
   GGUF keeps the tokenizer as metadata (tokens, merges or scores, token types,
@@ -32,8 +42,12 @@ Tokenizer
   Control tokens become special tokens; BOS/EOS are added as the GGUF says.
 
 Architectures are described by `ArchSpec` entries in `ARCHITECTURES` (GGUF
-tensor names -> mlx-lm names, which rows to unpermute, and the config builder);
-add an entry to support another one.
+tensor names -> mlx-lm names, which rows to unpermute, norm offsets, and the
+config builder); add an entry to support another one. Supported: llama (and
+Mistral, which llama.cpp also calls "llama"), mistral, qwen2, qwen3, phi3
+(fused attn_qkv and ffn_up -> qkv_proj / gate_up_proj) and gemma3 (->
+gemma3_text, with llama.cpp's fixed defaults for what the GGUF leaves out:
+sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
 """
 
 from __future__ import annotations
@@ -57,6 +71,9 @@ GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0 = MLX group size
 DEFAULT_SHARD_BYTES = 2 << 30
 _DTYPES = ("float16", "bfloat16", "float32")
+# (group size, bits) of tensors MLX cannot hold exactly (K-quants, Q5_0/1, IQ*): 8-bit keeps them within
+# 0.5% (RMS) of gguf's dequantisation; 4-bit re-quantisation costs far more (see the module docstring).
+REQUANT = (32, 8)
 
 
 def default_gguf_path() -> Path:
@@ -413,6 +430,32 @@ def _repack_q4(raw: np.ndarray, block: int):
     return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32), d, bias, 4
 
 
+def _dequantize(raw: np.ndarray, t, path: Path) -> np.ndarray:
+    import gguf
+
+    try:
+        return gguf.quants.dequantize(raw, t.tensor_type)
+    except NotImplementedError:
+        raise SourceError(
+            f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf package cannot dequantise"
+        ) from None
+
+
+def _requantize(raw: np.ndarray, t, path: Path, chunk_values: int = 1 << 24) -> Dict[str, object]:
+    """Rows of blocks of a GGUF type MLX has no exact equivalent of -> MLX affine REQUANT (8-bit, group 32),
+    dequantised a few rows at a time so that only a chunk is ever held in float32."""
+    import mlx.core as mx
+
+    rows_per_chunk = max(1, chunk_values * raw.shape[1] // raw.size)
+    parts = []
+    for i in range(0, raw.shape[0], rows_per_chunk):
+        w = mx.array(_dequantize(raw[i : i + rows_per_chunk], t, path).astype(np.float32))
+        q, scales, biases = mx.quantize(w, group_size=REQUANT[0], bits=REQUANT[1])
+        parts.append((q, scales.astype(mx.float16), biases.astype(mx.float16)))
+        mx.eval(parts[-1])
+    return {k: mx.concatenate([p[j] for p in parts]) for j, k in enumerate(("weight", "scales", "biases"))}
+
+
 def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
     import gguf
     import mlx.core as mx
@@ -441,15 +484,11 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         elif t.tensor_type == T.BF16:
             bits16 = np.ascontiguousarray(raw).view(np.uint16).reshape(shape)
             arr = mx.array(bits16).view(mx.bfloat16)
+        elif len(shape) == 2 and part == "weight" and shape[1] % GGUF_GROUP_SIZE == 0:
+            yield base, part, _requantize(np.asarray(raw).reshape(shape[0], -1), t, path), REQUANT
+            continue
         else:
-            try:
-                deq = gguf.quants.dequantize(raw, t.tensor_type)
-            except NotImplementedError:
-                raise SourceError(
-                    f"{path}: tensor {t.name!r} has "
-                    f"type {t.tensor_type.name}, which the gguf package cannot dequantise"
-                ) from None
-            arr = mx.array(np.asarray(deq, dtype=np.float32).reshape(shape).astype(np.float16))
+            arr = mx.array(_dequantize(np.asarray(raw), t, path).reshape(shape).astype(np.float16))
         yield base, part, {part: arr}, None
 
 
@@ -607,7 +646,7 @@ def gguf_to_mlx_dir(
 
     `dtype` ("float16", "bfloat16", "float32") casts every float tensor (scales and biases of
     quantised weights, norms, unquantised weights); by default they keep the GGUF's dtypes and
-    tensors that must be dequantised become float16. Weights are written in shards of about
+    re-quantised tensors (see the module docstring) have float16 scales. Weights are written in shards of about
     `shard_bytes` (one `model.safetensors` when they fit). Files in `out_dir` other than the
     ones written here are left alone, except older `model*.safetensors` shards, which are removed.
 

@@ -352,7 +352,8 @@ def _dense(weights, prefix):
 
 
 def test_dequantise_fallback(tmp_path):
-    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader; the rest are repacked."""
+    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader: Q4_0/Q4_1/Q8_0 are
+    repacked exactly, the others dequantised and re-quantised to 8-bit (group 32), BF16 kept."""
     import gguf
     from mlx_lm.utils import load_model
 
@@ -377,14 +378,14 @@ def test_dequantise_fallback(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 2 and cfg["rms_norm_eps"] == 1e-6
     q = cfg["quantization"]
-    assert q["group_size"] == 32 and q["bits"] == 4  # Q4_0 + Q4_1 matrices are the most common
-    assert q["model.embed_tokens"] == {"group_size": 32, "bits": 8}
-    assert q["model.layers.0.self_attn.v_proj"] == {"group_size": 32, "bits": 8}
+    assert q["group_size"] == 32 and q["bits"] == 8  # Q8_0 and re-quantised matrices are the most common
+    assert q["model.layers.0.mlp.gate_proj"] == q["model.layers.1.mlp.up_proj"] == {"group_size": 32, "bits": 4}
+    assert "model.layers.0.self_attn.q_proj" not in q  # Q4_K -> the default 8-bit
 
     weights = mx.load(str(out / "model.safetensors"))
-    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float16  # Q4_K dequantised
-    assert weights["model.layers.0.self_attn.o_proj.weight"].dtype == mx.float16  # Q6_K dequantised
-    assert weights["model.layers.0.mlp.down_proj.weight"].dtype == mx.float16  # Q5_1 dequantised
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):  # Q4_K, Q6_K, Q5_1 re-quantised
+        assert weights[f"model.layers.0.{name}.weight"].dtype == mx.uint32
+        assert weights[f"model.layers.0.{name}.scales"].dtype == mx.float16
     assert weights["lm_head.weight"].dtype == mx.bfloat16  # BF16 kept
     assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == mx.uint32  # Q4_0 repacked
     assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float32
@@ -406,11 +407,62 @@ def test_dequantise_fallback(tmp_path):
             got = _llamacpp_permute(got, TINY["heads"])
         elif parts[-2] == "attn_k":
             got = _llamacpp_permute(got, TINY["kv_heads"])
-        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4, err_msg=gname)
+        # re-quantised: within MLX's 8-bit step (range / 255, its grid keeps 0 exact) plus float16 scale rounding
+        atol = 2e-4 if parts[-2] not in ("attn_q", "attn_k", "attn_output", "ffn_down") else np.ptp(ref) / 255 * 1.25
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=atol, err_msg=gname)
 
     model, _ = load_model(out)
     logits = model(mx.array([[1, 100, 200, 2]]))
     assert logits.shape == (1, 4, cfg["vocab_size"]) and bool(mx.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"])
+def test_requantised_types_stay_close(tmp_path, qtype):
+    """Each GGUF type without an exact MLX layout becomes 8-bit group 32 within 0.6% RMS of gguf's own
+    dequantisation, each value within 1.25 8-bit steps of its group's range (MLX's grid keeps 0 exact: up to
+    one step, plus float16 scales). (gguf.quants cannot write
+    K-quants, so their blocks are random bytes with a fixed super-block scale: every code and sub-block scale
+    occurs, which is harder than real weights.)"""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    t = T[qtype]
+    rows, cols = 64, 512
+    rng = np.random.default_rng(0)
+    if qtype.endswith("_K"):
+        size = gguf.GGML_QUANT_SIZES[t][1]
+        blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+        # offsets of the float16 super-block scale (and min) of each K-quant block
+        for o in {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[qtype]:
+            blocks[:, o : o + 2] = np.full(len(blocks), 0.001, np.float16).view(np.uint8).reshape(-1, 2)
+        raw = blocks.reshape(rows, -1)
+    elif qtype == "IQ4_NL":
+        blocks = rng.integers(0, 256, size=(rows * cols // 32, 18), dtype=np.uint8)
+        blocks[:, :2] = np.full(len(blocks), 0.001, np.float16).view(np.uint8).reshape(-1, 2)
+        raw = blocks.reshape(rows, -1)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    ref = gguf.quants.dequantize(raw, t).astype(np.float32).reshape(rows, cols)
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from mlx_flash.gguf import _open
+
+    (base, part, arrays, quant), = _open(tmp_path / "t.gguf", True, 0).tensors()
+    assert quant == (32, 8) and arrays["weight"].dtype == mx.uint32
+    got = np.array(mx.dequantize(*(arrays[k] for k in ("weight", "scales", "biases")), group_size=32, bits=8))
+    err = got - ref
+    rel_rms = np.sqrt((err**2).mean() / (ref**2).mean())
+    print(f"{qtype} -> 8-bit g32: relative RMS error {rel_rms:.2e}")
+    assert rel_rms < 6e-3, rel_rms
+    groups = ref.reshape(rows, -1, 32)
+    step = (groups.max(-1) - groups.min(-1)) / 255
+    fp16 = np.abs(groups).max(-1) / 1024  # constant groups (step 0) keep float16's rounding of their bias
+    assert (np.abs(err.reshape(rows, -1, 32)) <= (1.25 * step + fp16)[..., None]).all()
 
 
 def test_unpermute_on_quantised_rows(tmp_path):
