@@ -615,9 +615,10 @@ GGUF_ARCHS = {
 }
 
 
-def _hf_to_gguf(hf_dir, path, arch, qtypes=None):
+def _hf_to_gguf(hf_dir, path, arch, qtypes=None, extra=None):
     """Write the HF model in `hf_dir` as llama.cpp's convert_hf_to_gguf.py would: its tensor names, metadata,
-    Llama's q/k row permutation and Gemma's norm + 1. `qtypes`: {gguf base suffix: GGMLQuantizationType}."""
+    Llama's q/k row permutation and Gemma's norm + 1. `qtypes`: {gguf base suffix: GGMLQuantizationType};
+    `extra(writer)` adds more metadata or tensors."""
     import gguf
     from mlx_flash.gguf import ARCHITECTURES
 
@@ -653,6 +654,8 @@ def _hf_to_gguf(hf_dir, path, arch, qtypes=None):
     w.add_token_types([1] * 256)
     w.add_add_bos_token(False)
 
+    if extra is not None:
+        extra(w)
     spec = ARCHITECTURES[arch]
     for hf_name, x in weights.items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -742,3 +745,23 @@ def test_gemma3_norm_shift_matters(tmp_path, monkeypatch):
     ref = mx.load(str(hf / "model.safetensors"))
     for k in ("model.norm.weight", "model.layers.0.self_attn.q_norm.weight", "model.layers.1.post_feedforward_layernorm.weight"):
         np.testing.assert_allclose(np.array(got[k]), np.array(ref[k]) + 1, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "tiny_arch, arch, extra, match",
+    [
+        ("phi3", "phi3", lambda w: w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32)), "rope_factors"),
+        ("gemma3_text", "gemma3", lambda w: w.add_final_logit_softcapping(30.0), "soft-capping"),
+        ("qwen2", "qwen2", lambda w: w.add_key_length(32), "head_dim 32"),
+        ("qwen3", "qwen3", lambda w: w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN), "yarn"),
+    ],
+)
+def test_arch_variants_rejected(tmp_path, tiny_arch, arch, extra, match):
+    """Variants the mlx-lm model cannot represent fail with a clear typed error, before writing weights."""
+    from mlx_flash.models.tiny import make_tiny_model_dir
+
+    hf = make_tiny_model_dir(tiny_arch, tmp_path / "hf")
+    src = _hf_to_gguf(hf, tmp_path / "x.gguf", arch, extra=extra)
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        gguf_to_mlx_dir(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()
