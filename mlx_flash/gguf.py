@@ -5,19 +5,29 @@ mlx-lm's `quantization` block when weights are quantised), `model*.safetensors`
 (weights under mlx-lm's names) and the tokenizer files, so the rest of mlx_flash
 only ever reads mlx-lm / Hugging Face directories.
 
-Weights
-  * Q4_0, Q4_1, Q8_0 tensors become MLX affine 4/8-bit, group-32 triplets
-    (.weight uint32, .scales, .biases) without any loss: these block formats are
-    exactly affine per 32 values. F32/F16/BF16 tensors keep their values.
-  * Every other GGUF type (Q4_K, Q6_K, Q5_0, IQ*, ...) is dequantised with the
-    `gguf` package to float16.
+Weights (GGUF type -> what the mlx-lm directory stores)
+  * Q4_0, Q4_1, Q8_0 -> MLX affine 4/8-bit, group 32 (.weight uint32, .scales, .biases) without any
+    loss: these block formats are exactly affine per 32 values.
+  * F32/F16/BF16 -> kept as they are.
+  * Every other type (K-quants Q2_K..Q6_K, Q5_0, Q5_1, IQ*, ...) is dequantised with the `gguf`
+    package and re-quantised to MLX 8-bit, group 32 (REQUANT). Relative RMS error against gguf's
+    dequantised values, measured on random blocks (tests/test_gguf.py): Q2_K 2.9e-3, Q3_K 4.5e-3,
+    Q4_K 1.5e-3, Q5_K 2.0e-3, Q6_K 4.5e-3, Q5_0 5.1e-3, IQ4_NL 4.0e-3 (8-bit group 64: about 1.3x
+    more), a few percent of the source's own quantisation step, so the model keeps the GGUF's quality.
+    4-bit re-quantisation is no option: MLX's grid differs from llama.cpp's (2.4e-2 for Q4_K at
+    group 32), and a held-out measurement (issue #15) found Q4_K_M re-quantised to MLX 4-bit group
+    64 at +41% perplexity, 8-bit lossless.
+    Such tensors take 9 bits per weight instead of 4.5-6.6; 1-D ones become float16.
   * Files made only of the first kind and no larger than one output shard are
     read by `mx.load` (fast path). Other files are read with `gguf.GGUFReader`
     (memory-mapped) and written shard by shard, so peak memory is about one
     shard. Both paths write bit-identical weights.
-  * llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE
-    layout; the permutation is undone here (it commutes with per-row
-    quantisation, so .weight/.scales/.biases rows are permuted alike).
+  * llama.cpp's converter permutes the rows of attn_q / attn_k of llama-style
+    models for its RoPE layout; the permutation is undone here (it commutes with
+    per-row quantisation, so .weight/.scales/.biases rows are permuted alike).
+    Qwen2/3, Phi-3 and Gemma 3 use NeoX-style RoPE and are stored unpermuted.
+  * Gemma's RMSNorms compute x * (1 + w); llama.cpp stores every norm weight as
+    w + 1 (ArchSpec.norm_shift), which is subtracted again.
 
 Tokenizer
   GGUF keeps the tokenizer as metadata (tokens, merges or scores, token types,
@@ -32,8 +42,12 @@ Tokenizer
   Control tokens become special tokens; BOS/EOS are added as the GGUF says.
 
 Architectures are described by `ArchSpec` entries in `ARCHITECTURES` (GGUF
-tensor names -> mlx-lm names, which rows to unpermute, and the config builder);
-add an entry to support another one.
+tensor names -> mlx-lm names, which rows to unpermute, norm offsets, and the
+config builder); add an entry to support another one. Supported: llama (and
+Mistral, which llama.cpp also calls "llama"), mistral, qwen2, qwen3, phi3
+(fused attn_qkv and ffn_up -> qkv_proj / gate_up_proj) and gemma3 (->
+gemma3_text, with llama.cpp's fixed defaults for what the GGUF leaves out:
+sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
 """
 
 from __future__ import annotations
@@ -57,6 +71,9 @@ GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0 = MLX group size
 DEFAULT_SHARD_BYTES = 2 << 30
 _DTYPES = ("float16", "bfloat16", "float32")
+# (group size, bits) of tensors MLX cannot hold exactly (K-quants, Q5_0/1, IQ*): 8-bit keeps them within
+# 0.5% (RMS) of gguf's dequantisation; 4-bit re-quantisation costs far more (see the module docstring).
+REQUANT = (32, 8)
 
 
 def default_gguf_path() -> Path:
@@ -77,46 +94,102 @@ def default_gguf_path() -> Path:
 # --------------------------------------------------------------------------------------
 
 
-def _llama_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]]) -> dict:
-    a = "llama"
+def _rope_scaling(meta: "Meta", a: str) -> Optional[dict]:
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    if scaling != "linear":
+        raise UnsupportedArchitectureError(f"{meta.path}: rope scaling {scaling!r} is not supported")
+    return {"type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
+
+
+def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSpec") -> dict:
+    """The hyper-parameters every architecture here shares, from the GGUF metadata under "<arch>."."""
+    a = meta["general.architecture"]
     hidden = meta.int(f"{a}.embedding_length")
     n_head = meta.int(f"{a}.attention.head_count")
-    n_kv = meta.int(f"{a}.attention.head_count_kv", n_head)
     head_dim = meta.int(f"{a}.attention.key_length", hidden // n_head)
     if meta.int(f"{a}.attention.value_length", head_dim) != head_dim:
-        raise UnsupportedArchitectureError(f"{meta.path}: llama with key_length != value_length is not supported")
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with key_length != value_length is not supported")
+    if not spec.head_dim_key and head_dim != hidden // n_head:  # the mlx-lm model derives head_dim itself
+        raise UnsupportedArchitectureError(
+            f"{meta.path}: {a} with head_dim {head_dim} != hidden_size / heads ({hidden // n_head}) is not supported"
+        )
     rope_dim = meta.int(f"{a}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise UnsupportedArchitectureError(
             f"{meta.path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
-            "are not supported for llama"
+            f"are not supported for {a}"
         )
     if meta.get(f"{a}.expert_count", 0):
-        raise UnsupportedArchitectureError(f"{meta.path}: mixture-of-experts llama GGUFs are not supported")
-    vocab = shapes["token_embd.weight"][0]
+        raise UnsupportedArchitectureError(f"{meta.path}: mixture-of-experts {a} GGUFs are not supported")
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": meta.int(f"{a}.feed_forward_length"),
         "num_hidden_layers": meta.int(f"{a}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": meta.float(f"{a}.rope.freq_base", 10000.0),
-        "vocab_size": vocab,
+        "num_key_value_heads": meta.int(f"{a}.attention.head_count_kv", n_head),
+        "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps),
+        "rope_theta": meta.float(f"{a}.rope.freq_base", spec.rope_theta),
+        "vocab_size": shapes["token_embd.weight"][0],
         "max_position_embeddings": meta.int(f"{a}.context_length", 2048),
-        "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
-        "mlp_bias": "blk.0.ffn_up.bias" in shapes,
         "tie_word_embeddings": "output.weight" not in shapes,
     }
-    scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise UnsupportedArchitectureError(f"{meta.path}: rope scaling {scaling!r} is not supported")
-        config["rope_scaling"] = {"type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
+    if spec.head_dim_key:
+        config["head_dim"] = head_dim
+    scaling = _rope_scaling(meta, a)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _llama_config(meta, shapes, spec) -> dict:
+    config = _base_config(meta, shapes, spec)
+    config.update(
+        hidden_act="silu",
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        mlp_bias="blk.0.ffn_up.bias" in shapes,
+    )
+    return config
+
+
+def _qwen_config(meta, shapes, spec) -> dict:
+    config = _base_config(meta, shapes, spec)
+    config["hidden_act"] = "silu"
+    if spec.model_type == "qwen2" and "blk.0.attn_q.bias" not in shapes:  # mlx-lm's qwen2 always has q/k/v biases
+        raise UnsupportedArchitectureError(f"{meta.path}: qwen2 GGUF without attn_q/attn_k/attn_v biases")
+    return config
+
+
+def _phi3_config(meta, shapes, spec) -> dict:
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    config["original_max_position_embeddings"] = meta.int(
+        f"{a}.rope.scaling.original_context_length", config["max_position_embeddings"]
+    )
+    return config
+
+
+def _gemma3_config(meta, shapes, spec) -> dict:
+    """Gemma 3. What the GGUF leaves out comes from llama.cpp's llama_load_hparams_gemma3: every 6th
+    layer global (sliding window pattern 6), local RoPE base 10000, and the attention scale
+    1/sqrt(head_dim), except the 62-layer 27B's 1/sqrt(hidden / heads)."""
+    a = meta["general.architecture"]
+    config = _base_config(meta, shapes, spec)
+    if meta.float(f"{a}.final_logit_softcapping", 0.0) or meta.float(f"{a}.attn_logit_softcapping", 0.0):
+        raise UnsupportedArchitectureError(f"{meta.path}: gemma3 with logit soft-capping is not supported by mlx-lm")
+    if config.pop("rope_scaling", None) is not None:  # llama.cpp scales the global layers' RoPE only
+        config["rope_scaling"] = {"rope_type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
+    n_layers, hidden, n_head = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=meta.int(f"{a}.attention.sliding_window"),
+        sliding_window_pattern=6,  # fixed in llama.cpp, whatever the metadata says
+        rope_local_base_freq=10000.0,
+        query_pre_attn_scalar=hidden // n_head if n_layers == 62 else config["head_dim"],
+    )
     return config
 
 
@@ -125,35 +198,107 @@ class ArchSpec:
     """How one GGUF architecture maps onto an mlx-lm model."""
 
     model_type: str
-    # GGUF tensor base name (without .weight/.bias) -> mlx-lm module path
-    global_names: Dict[str, str]
+    hf_class: str  # config.json "architectures"
     # per-block GGUF base name -> mlx-lm path below model.layers.N
     block_names: Dict[str, str]
-    # per-block GGUF base name -> metadata key (after "<arch>.") of the head count used by llama.cpp's RoPE permutation
-    permuted: Dict[str, str]
-    make_config: Callable[["Meta", Dict[str, Tuple[int, ...]]], dict]
+    make_config: Callable[["Meta", Dict[str, Tuple[int, ...]], "ArchSpec"], dict]
+    # per-block GGUF base name -> metadata key (after "<arch>.") of the head count used by llama.cpp's RoPE
+    # permutation (llama-style "normal" RoPE only; NeoX-style models are stored unpermuted)
+    permuted: Dict[str, str] = field(default_factory=dict)
+    # llama.cpp stores every RMSNorm weight ("*norm" tensors) as w + norm_shift (Gemma's norms compute x * (1 + w))
+    norm_shift: float = 0.0
+    head_dim_key: bool = True  # the mlx-lm config takes "head_dim" (else it is hidden_size / heads)
+    rms_norm_eps: float = 1e-5  # llama.cpp's default when the GGUF has none
+    rope_theta: float = 10000.0
+    # GGUF base name -> mlx-lm module path, outside the blocks
+    global_names: Dict[str, str] = field(
+        default_factory=lambda: {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    )
     # GGUF tensors this spec cannot represent (with the reason), e.g. llama3 rope_freqs
     rejected: Dict[str, str] = field(default_factory=dict)
 
 
+_ATTENTION = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_SWIGLU = {
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ROPE_FREQS = {"rope_freqs": "llama-3.1 style rope frequency factors (rope_freqs) are not supported yet"}
+_LLAMA = ArchSpec(
+    model_type="llama",
+    hf_class="LlamaForCausalLM",
+    block_names={**_ATTENTION, **_SWIGLU},
+    make_config=_llama_config,
+    permuted={"attn_q": "attention.head_count", "attn_k": "attention.head_count_kv"},
+    rejected=_ROPE_FREQS,
+)
+
 ARCHITECTURES: Dict[str, ArchSpec] = {
-    "llama": ArchSpec(
-        model_type="llama",
-        global_names={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    "llama": _LLAMA,  # also Mistral 7B: llama.cpp converts it as "llama"
+    "mistral": _LLAMA,
+    "qwen2": ArchSpec(
+        model_type="qwen2",
+        hf_class="Qwen2ForCausalLM",
+        block_names={**_ATTENTION, **_SWIGLU},
+        make_config=_qwen_config,
+        head_dim_key=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rejected=_ROPE_FREQS,
+    ),
+    "qwen3": ArchSpec(
+        model_type="qwen3",
+        hf_class="Qwen3ForCausalLM",
+        block_names={**_ATTENTION, **_QK_NORM, **_SWIGLU},
+        make_config=_qwen_config,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rejected=_ROPE_FREQS,
+    ),
+    "gemma3": ArchSpec(
+        model_type="gemma3_text",
+        hf_class="Gemma3ForCausalLM",
         block_names={
-            "attn_norm": "input_layernorm",
-            "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj",
-            "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj",
-            "ffn_norm": "post_attention_layernorm",
+            **_ATTENTION,
+            **_QK_NORM,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
             "ffn_gate": "mlp.gate_proj",
             "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj",
+            "post_ffw_norm": "post_feedforward_layernorm",
         },
-        permuted={"attn_q": "attention.head_count", "attn_k": "attention.head_count_kv"},
-        make_config=_llama_config,
-        rejected={"rope_freqs": "llama-3.1 style rope frequency factors (rope_freqs) are not supported yet"},
+        make_config=_gemma3_config,
+        norm_shift=1.0,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+    ),
+    "phi3": ArchSpec(
+        model_type="phi3",
+        hf_class="Phi3ForCausalLM",
+        block_names={
+            "attn_norm": "input_layernorm",
+            "attn_qkv": "self_attn.qkv_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_up": "mlp.gate_up_proj",  # gate and up fused, gate rows first, as in Phi-3's gate_up_proj
+            "ffn_down": "mlp.down_proj",
+        },
+        make_config=_phi3_config,
+        head_dim_key=False,
+        rejected={
+            name: "Phi-3 long-context rope factors (rope_factors_long/short) are not supported yet"
+            for name in ("rope_factors_long", "rope_factors_short")
+        },
     ),
 }
 
@@ -285,6 +430,32 @@ def _repack_q4(raw: np.ndarray, block: int):
     return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32), d, bias, 4
 
 
+def _dequantize(raw: np.ndarray, t, path: Path) -> np.ndarray:
+    import gguf
+
+    try:
+        return gguf.quants.dequantize(raw, t.tensor_type)
+    except NotImplementedError:
+        raise SourceError(
+            f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf package cannot dequantise"
+        ) from None
+
+
+def _requantize(raw: np.ndarray, t, path: Path, chunk_values: int = 1 << 24) -> Dict[str, object]:
+    """Rows of blocks of a GGUF type MLX has no exact equivalent of -> MLX affine REQUANT (8-bit, group 32),
+    dequantised a few rows at a time so that only a chunk is ever held in float32."""
+    import mlx.core as mx
+
+    rows_per_chunk = max(1, chunk_values * raw.shape[1] // raw.size)
+    parts = []
+    for i in range(0, raw.shape[0], rows_per_chunk):
+        w = mx.array(_dequantize(raw[i : i + rows_per_chunk], t, path).astype(np.float32))
+        q, scales, biases = mx.quantize(w, group_size=REQUANT[0], bits=REQUANT[1])
+        parts.append((q, scales.astype(mx.float16), biases.astype(mx.float16)))
+        mx.eval(parts[-1])
+    return {k: mx.concatenate([p[j] for p in parts]) for j, k in enumerate(("weight", "scales", "biases"))}
+
+
 def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
     import gguf
     import mlx.core as mx
@@ -313,15 +484,11 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         elif t.tensor_type == T.BF16:
             bits16 = np.ascontiguousarray(raw).view(np.uint16).reshape(shape)
             arr = mx.array(bits16).view(mx.bfloat16)
+        elif len(shape) == 2 and part == "weight" and shape[1] % GGUF_GROUP_SIZE == 0:
+            yield base, part, _requantize(np.asarray(raw).reshape(shape[0], -1), t, path), REQUANT
+            continue
         else:
-            try:
-                deq = gguf.quants.dequantize(raw, t.tensor_type)
-            except NotImplementedError:
-                raise SourceError(
-                    f"{path}: tensor {t.name!r} has "
-                    f"type {t.tensor_type.name}, which the gguf package cannot dequantise"
-                ) from None
-            arr = mx.array(np.asarray(deq, dtype=np.float32).reshape(shape).astype(np.float16))
+            arr = mx.array(_dequantize(np.asarray(raw), t, path).reshape(shape).astype(np.float16))
         yield base, part, {part: arr}, None
 
 
@@ -479,7 +646,7 @@ def gguf_to_mlx_dir(
 
     `dtype` ("float16", "bfloat16", "float32") casts every float tensor (scales and biases of
     quantised weights, norms, unquantised weights); by default they keep the GGUF's dtypes and
-    tensors that must be dequantised become float16. Weights are written in shards of about
+    re-quantised tensors (see the module docstring) have float16 scales. Weights are written in shards of about
     `shard_bytes` (one `model.safetensors` when they fit). Files in `out_dir` other than the
     ones written here are left alone, except older `model*.safetensors` shards, which are removed.
 
@@ -516,7 +683,7 @@ def gguf_to_mlx_dir(
         )
     if "token_embd.weight" not in shapes:
         raise SourceError(f"{path}: no token_embd.weight tensor")
-    config = spec.make_config(meta, shapes)
+    config = spec.make_config(meta, shapes, spec)
     tokenizer = build_tokenizer(meta)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -528,6 +695,8 @@ def gguf_to_mlx_dir(
         if head_key is not None and _unpermute_qk:
             n_head = meta.int(f"{arch}.{head_key}", meta.int(f"{arch}.attention.head_count"))
             arrays = {k: _unpermute(v, n_head) for k, v in arrays.items()}
+        if spec.norm_shift and base.endswith("norm"):
+            arrays = {k: v - spec.norm_shift for k, v in arrays.items()}
         if cast is not None:
             arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
         if quant is not None:

