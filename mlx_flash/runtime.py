@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .errors import ReadError
 from .ffn import ACTIVATIONS, ffn_forward, project
 from .gather_ffn import row_axpy, row_dot
 from .neuron_cache import NeuronCache
@@ -194,11 +195,19 @@ class FlashEngine:
         B, L, _ = x.shape
         self.stats.touch(prefill=B * L > 1)
         xc = x.astype(self.compute_dtype)
-        if B * L > 1:
-            y = self._prefill(layer, xc, bias)
-        else:
-            xv = np.array(xc.reshape(-1))  # evaluates everything before this FFN
-            y = self._decode_dip(layer, xv, xc) if self.dip_layout else self._decode(layer, xv, xc, bias)
+        try:
+            if B * L > 1:
+                y = self._prefill(layer, xc, bias)
+            else:
+                xv = np.array(xc.reshape(-1))  # evaluates everything before this FFN
+                y = self._decode_dip(layer, xv, xc) if self.dip_layout else self._decode(layer, xv, xc, bias)
+        except ReadError:
+            # units admitted to this layer's caches for the failed read map to rows never filled:
+            # forget them (the layer starts cold), so later tokens never compute on unread bytes
+            for cache in self.caches[layer].values():
+                cache.reset(stats=False)
+            self.stats.forward_done()
+            raise
         if "fc2" in bias:
             y = y + bias["fc2"].astype(y.dtype)
         if layer == len(self.caches) - 1:

@@ -220,3 +220,55 @@ def test_sparsifier_object_and_attach(flash_dirs):
         assert 0 < np.mean(active) < fd.layers[0]["neurons"].n_units
     finally:
         model.flash.close()
+
+
+class FailingReader:
+    """Wraps a reader: after `ok` more batches, a batch is never read and its wait raises EIO."""
+
+    def __init__(self, reader, ok: int):
+        self.reader, self.ok = reader, ok
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+    def submit(self, *args, **kwargs):
+        self.ok -= 1
+        return self.reader.submit(*args, **kwargs) if self.ok >= 0 else None
+
+    def wait(self, handle):
+        if handle is None:
+            import errno
+
+            from mlx_flash.errors import ReadError
+
+            raise ReadError(errno.EIO, "injected EIO", "ffn.bin")
+        return self.reader.wait(handle)
+
+
+def test_a_read_error_leaves_no_unread_rows_behind(flash_dirs):
+    """An EIO mid-token: the error reaches the caller, and the next one-token prompt (which reads only
+    its misses) gives exactly the tokens of a clean run."""
+    from mlx_flash.errors import ReadError
+
+    path = flash_dirs["llama", "neurons"]
+
+    def one_token_run(model):  # logits of a one-token prompt: a decode step, reading only its misses
+        out = model(mx.array([PROMPT[:1]]))
+        model.flash.stats.end()
+        return np.array(out)
+
+    # the oracle with room for every unit: its sets change from token to token, so each token's misses
+    # are admitted to the cache; its output does not depend on what is cached
+    clean, _ = load(path, sparsity="oracle", density=0.3, context=CONTEXT)
+    model, _ = load(path, sparsity="oracle", density=0.3, context=CONTEXT)
+    try:
+        want = one_token_run(clean)
+        engine = model.flash
+        engine.reader = FailingReader(engine.reader, ok=20)  # fails during decoding, after the prompt
+        with pytest.raises(ReadError, match="injected EIO"):
+            greedy(model, 16)
+        engine.reader = engine.reader.reader
+        np.testing.assert_allclose(one_token_run(model), want, rtol=1e-5, atol=1e-5)
+    finally:
+        clean.flash.close()
+        model.flash.close()
