@@ -56,6 +56,7 @@ class Plan:
     capacity: List[Dict[str, int]]  # per layer: region -> units cached
     streamed: List = field(default_factory=list)  # offload.StreamGroup read from flash every token
     streaming: int = 0  # buffers for the streamed groups
+    prefetch_rows: int = 0  # dense decoding: rows of each of the two buffers the next layer's reads go into
 
     def prefill_step(self, config: dict, context: int) -> int:
         """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size)."""
@@ -74,6 +75,8 @@ class Plan:
             (f"budget {fmt_bytes(self.budget)}" if self.budget is not None else "no budget") + f": resident {fmt_bytes(self.resident)}, KV cache {fmt_bytes(self.kv_cache)}, "
             f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
+            + (f", prefetch buffers 2 x {self.prefetch_rows} rows ({fmt_bytes(2 * self.prefetch_rows * strides['neurons'])})"
+               if self.prefetch_rows else "")
             + (f"; streamed from flash every token ({fmt_bytes(self.streaming)} of buffers): " + describe_streamed(self.streamed)
                if self.streamed else "")
         )
@@ -157,16 +160,27 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int):
 
 
 def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra: int = 0, resident: int = None,
-                groups=()) -> Plan:
+                groups=(), prefetch: bool = False) -> Plan:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
     `resident`: bytes of the resident weights as loaded (default: their size on disk).
     `groups`: offload.StreamGroup candidates, streamed only if the resident weights do not fit.
-    budget None: no budget (every unit cached)."""
+    budget None: no budget (every unit cached).
+    `prefetch` (dense decoding of a plain `neurons` layout): every uncached unit is read every token, so two
+    buffers of the uncached rows let layer l+1's reads run while layer l computes; they come off the caches:
+    L * c + 2 * (n - c) rows fill what is left. Without room for them the plan has none."""
     limit = budget if budget is not None else 1 << 62
     streamed, f = choose_streamed(list(groups), fixed_bytes(fd, context, dtype_size, extra, resident), limit,
                                    context)
-    per_layer = (limit - sum(f.values())) // len(fd.layers)
+    left = limit - sum(f.values())
+    per_layer = left // len(fd.layers)
+    prefetch_rows = 0
+    if prefetch and list(fd.layouts) == ["neurons"] and not fd.layouts["neurons"].encoded and len(fd.layers) > 2:
+        n, s, L = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride, len(fd.layers)
+        c = (left - 2 * n * s) // ((L - 2) * s)  # cached rows per layer
+        if 0 <= c < n:
+            per_layer, prefetch_rows = c * s, n - c
+            f = dict(f, prefetch=2 * prefetch_rows * s)
     capacity = []
     for regions in fd.layers:
         rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)
@@ -175,4 +189,4 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
             {name: min(r.n_units, int(per_layer * r.n_units * rows[name] / total) // rows[name]) for name, r in regions.items()}
         )
     return Plan(budget, f["resident"], f["kv_cache"], f["scratch"], f["workspace"], extra, capacity, streamed,
-                f["streaming"])
+                f["streaming"], prefetch_rows)

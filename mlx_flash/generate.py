@@ -55,6 +55,7 @@ def setup_arg_parser():
     p.add_argument("--window", type=int, default=5, help="Keep neurons active in the last K tokens cached.")
     p.add_argument("--cache-policy", default="window", choices=["window", "lru", "lfu"], help="Neuron cache eviction policy.")
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")
+    p.add_argument("--no-prefetch", action="store_true", help="Dense: read each layer's uncached units when it runs, not while the previous one computes.")
     p.add_argument("--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE.")
     p.add_argument("--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary.")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="Stream text as it is generated.")
@@ -117,6 +118,7 @@ def main(argv=None):
             path, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
             policy=args.cache_policy, density=args.density, gamma=args.gamma, threads=args.threads,
             direct=not args.cached_io, context=len(prompt) + args.max_tokens,  # the KV cache it will need
+            prefetch=not args.no_prefetch,
         )
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

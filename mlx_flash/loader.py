@@ -147,6 +147,7 @@ def load(
     use_metal: bool = None,
     dtype=None,
     sparsifier=None,
+    prefetch: bool = True,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -159,12 +160,15 @@ def load(
     where float16 matmuls do not use BLAS (~35x slower). Otherwise the stored dtype is kept.
     sparsifier: an object with the sparsity.py interface (e.g. a `Predictor` trained in memory); it
     replaces `sparsity`/`density`/`gamma`. `model.flash.attach` swaps engines later.
+    prefetch: dense decoding reads the next layer's uncached units while a layer computes (two buffers
+    in the budget; see runtime.Prefetch). False: one layer after the other (for A/B runs).
     """
     from .budget import parse_size, plan_memory
     from .flash_format import RESIDENT
     from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
     from .reader import open_reader
     from .runtime import FlashEngine, FlashFFN
+    from .sparsity import Dense
 
     fd = FlashDir(path if path is not None else default_model_dir())
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
@@ -178,11 +182,12 @@ def load(
         dtype = mx.float32
     cast = cpu_cast if dtype == mx.float32 else None
     plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra,
-                       resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context))
+                       resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
+                       prefetch=prefetch and isinstance(sparsifier, Dense))
     reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))
     scratch = min(plan.workspace // 2, plan.scratch)
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
-                         compute_dtype=dtype or mx.float32)
+                         compute_dtype=dtype or mx.float32, prefetch_rows=plan.prefetch_rows)
     engine.plan = plan
     engine.stats.baseline_rss = baseline
     if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds

@@ -43,7 +43,8 @@ class FlashEngine:
     """Owns the reader, the per-layer caches, the scratch buffer, the sparsifier and the stats."""
 
     def __init__(self, fd, reader, sparsifier, capacity: List[Dict[str, int]], scratch_bytes: int,
-                 policy: str = "window", window: int = 5, compute_dtype=mx.float32, use_metal=None):
+                 policy: str = "window", window: int = 5, compute_dtype=mx.float32, use_metal=None,
+                 prefetch_rows: int = 0):
         self.fd, self.reader, self.sparsifier = fd, reader, sparsifier
         self.info = fd.ffn
         self.dip_layout = fd.ffn.get("layout") == "dip"
@@ -62,6 +63,7 @@ class FlashEngine:
             for i, regions in enumerate(fd.layers)
         ]
         self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)  # >= a dense row
+        self.prefetch = Prefetch(self, prefetch_rows) if prefetch_rows else None
 
     # -- I/O -------------------------------------------------------------------
     def _submit(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
@@ -163,31 +165,34 @@ class FlashEngine:
         rows = self.caches[layer][region].rows
         cached = np.flatnonzero(plan.slots >= 0)
         missed = np.isin(active[cached], plan.miss_neurons)
-        per = max(1, self.scratch.nbytes // rows.shape[1])  # bounds the gathered copy: see budget.py
-
-        def add(y, positions):  # chunk by chunk, so one chunk's gathered rows exist at a time
-            for start in range(0, len(positions), per):
-                if y is not None:
-                    mx.eval(y)
-                pos = positions[start : start + per]
-                part = fn(rows, mx.array(plan.slots[pos]), pos)
-                y = part if y is None else y + part
-            return y
-
-        y = add(None, cached[~missed])
+        y = self._add(None, fn, rows, plan.slots[cached[~missed]], cached[~missed])
         if y is not None:
             mx.eval(y)  # the hits' share, computed while the pool reads the misses
         wait()
-        y = add(y, cached[missed])
+        y = self._add(y, fn, rows, plan.slots[cached[missed]], cached[missed])
         if y is None:  # nothing cached: a zero of the right shape
             y = fn(rows, mx.array(plan.slots[cached]), cached)
         if len(plan.overflow_neurons):
             mx.eval(y)
             positions = np.searchsorted(active, plan.overflow_neurons)
+            prefetched = self.prefetch.take(layer, plan.overflow_neurons) if self.prefetch else None
+            if prefetched is not None:  # read while the layers before computed
+                return self._add(y, fn, prefetched, np.arange(len(positions)), positions)
             for chunk, rows in self._stream(layer, region, plan.overflow_neurons):
                 part = fn(rows, mx.arange(len(chunk)), positions[chunk])
                 mx.eval(part)  # before the next chunk overwrites the scratch rows
                 y = y + part
+        return y
+
+    def _add(self, y, fn, rows, slots, positions):
+        """y + fn over `positions` (rows[slots]), chunk by chunk, so one chunk's gathered rows exist at a time."""
+        per = max(1, self.scratch.nbytes // rows.shape[1])  # bounds the gathered copy: see budget.py
+        for start in range(0, len(positions), per):
+            if y is not None:
+                mx.eval(y)
+            pos = positions[start : start + per]
+            part = fn(rows, mx.array(slots[start : start + per]), pos)
+            y = part if y is None else y + part
         return y
 
     # -- FFN -------------------------------------------------------------------
@@ -200,12 +205,16 @@ class FlashEngine:
                 y = self._prefill(layer, xc, bias)
             else:
                 xv = np.array(xc.reshape(-1))  # evaluates everything before this FFN
+                if self.prefetch is not None:  # the next layer's (next token's, after the last) reads go out now
+                    self.prefetch.start((layer + 1) % len(self.caches))
                 y = self._decode_dip(layer, xv, xc) if self.dip_layout else self._decode(layer, xv, xc, bias)
         except ReadError:
             # units admitted to this layer's caches for the failed read map to rows never filled:
             # forget them (the layer starts cold), so later tokens never compute on unread bytes
             for cache in self.caches[layer].values():
                 cache.reset(stats=False)
+            if self.prefetch is not None:
+                self.prefetch.drain()
             self.stats.forward_done()
             raise
         if "fc2" in bias:
@@ -323,16 +332,69 @@ class FlashEngine:
 
     def close(self):
         """Release the readers' files and threads."""
+        if self.prefetch is not None:
+            self.prefetch.drain()
         self.reader.close()
         if self.streamer is not None:
             self.streamer.close()
 
     def reset(self):
         """Cold caches and fresh stats (e.g. between benchmark runs)."""
+        if self.prefetch is not None:
+            self.prefetch.drain()
         for regions in self.caches:
             for c in regions.values():
                 c.reset()
         self.stats.reset()
+
+
+class Prefetch:
+    """Dense decoding reads the same uncached units of every layer every token (a layer's cache, once
+    full, keeps its lowest units and the rest overflow: one contiguous range). So while layer l computes,
+    layer l+1's (after the last layer: the next token's first) are read into the other of two buffers.
+    A layer whose overflow turns out different (the cache was still filling) streams as before and the
+    prefetched bytes count as waste."""
+
+    def __init__(self, engine: "FlashEngine", rows: int):
+        self.engine = engine
+        stride = engine.fd.layouts["neurons"].stride
+        self.buffers = [AlignedBuffer(rows * stride, engine.fd.alignment) for _ in range(2)]
+        self.rows = [b.rows(stride) for b in self.buffers]
+        self.pending = {}  # layer -> (buffer index, units, wait)
+        self.wasted_bytes = 0
+
+    def start(self, layer: int):
+        cache = self.engine.caches[layer]["neurons"]
+        if layer in self.pending or cache.num_used < cache.capacity:  # still filling: the plan may admit more
+            return
+        units = np.flatnonzero(~cache.cached_mask()).astype(np.int32)
+        free = {0, 1} - {b for b, _, _ in self.pending.values()}
+        if not len(units) or len(units) > len(self.rows[0]) or not free:
+            return
+        b = min(free)  # the other buffer: the current layer computes from its own until the next sync
+        buf = self.buffers[b]
+        dest = buf.base_offset + np.arange(len(units), dtype=np.int64) * cache.row_bytes
+        self.pending[layer] = (b, units, self.engine._submit(layer, "neurons", units, buf.buffer, dest))
+
+    def take(self, layer: int, units: np.ndarray) -> Optional[mx.array]:
+        """The rows of `units` read ahead for `layer` (waited for), or None if they were not."""
+        if layer not in self.pending:
+            return None
+        b, read, wait = self.pending.pop(layer)
+        wait()
+        if not np.array_equal(read, units):
+            self.wasted_bytes += len(read) * self.rows[b].shape[1]
+            return None
+        return self.rows[b][: len(units)]
+
+    def drain(self):
+        """Wait for the reads in flight (their errors are moot: nothing will use them)."""
+        for _, _, wait in self.pending.values():
+            try:
+                wait()
+            except Exception:
+                pass
+        self.pending.clear()
 
 
 class AlignedBuffer:

@@ -14,6 +14,7 @@ from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashFormatError
 from mlx_flash.flash_format import FlashDir
+from mlx_flash.sparsity import Oracle
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 
@@ -85,7 +86,9 @@ def test_bitmap_generates_like_pruned_dense(dirs, name):
     for fmt in ("dense", "bitmap"):
         path = dirs[name, fmt]
         fd = FlashDir(path)
-        budget = min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.1 * FlashDir(dirs[name, "dense"]).ffn_bytes)  # same for both
+        # same for both; the oracle's own copy of gate/up is in the budget too
+        budget = (min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.1 * FlashDir(dirs[name, "dense"]).ffn_bytes)
+                  + Oracle(fd).nbytes)
         # density 0.25: GLU oracles default to every neuron, which would only exercise overflow
         model, _ = load(path, memory_budget=budget, sparsity="oracle", density=0.25, context=CONTEXT)
         try:
@@ -222,7 +225,7 @@ def test_v1_directory_still_loads(dirs, tmp_path):
     assert m["format_version"] == 1 and "disk_stride" not in m["layouts"]["neurons"]
     assert all("encoding" not in c and "disk_offset" not in c for c in m["layouts"]["neurons"]["components"])
     ref, fd = load_resident(path)
-    model, _ = load(path, memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.1 * fd.ffn_bytes), sparsity="oracle", context=CONTEXT)
+    model, _ = load(path, memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.1 * fd.ffn_bytes) + Oracle(fd).nbytes, sparsity="oracle", context=CONTEXT)
     try:
         assert greedy(model, 8) == greedy(ref, 8)
     finally:

@@ -12,6 +12,7 @@ from mlx_flash.flash_format import FlashDir
 from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
 from mlx_flash.loader import load_resident, load_tokenizer
 from mlx_flash.source import load_source_model
+from mlx_flash.sparsity import Oracle
 
 PROMPT = "The history of the city begins"
 
@@ -88,7 +89,7 @@ def test_oracle_streaming_equals_mlx_lm(source, flash_exact):
 
     fd = FlashDir(flash_exact)
     prompt = load_tokenizer(fd).encode(PROMPT)
-    model, _ = load(flash_exact, memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 10, sparsity="oracle", context=128)
+    model, _ = load(flash_exact, memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 10 + Oracle(fd).nbytes, sparsity="oracle", context=128)
     try:
         assert _greedy(model, prompt, 64) == _greedy(source[1], prompt, 64)
         model.flash.stats.end()
