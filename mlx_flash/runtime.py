@@ -22,10 +22,11 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import ReadError
-from .ffn import ACTIVATIONS, ffn_forward, project
+from .ffn import ACTIVATIONS, project
 from .gather_ffn import row_axpy, row_dot
 from .neuron_cache import NeuronCache
 from .reader import aligned_buffer
+from .sparsity import Dense
 from .stats import Stats
 
 class FlashFFN(nn.Module):
@@ -226,6 +227,10 @@ class FlashEngine:
     def _decode(self, layer, xv, x, bias):
         active = self.sparsifier.select(layer, xv, self._cached_mask(layer, "neurons"))
         self.stats.current.active.append(len(active))
+        return self._sum_over(layer, "neurons", active, self._units_fn(x, active, bias))
+
+    def _units_fn(self, x, active, bias):
+        """fn(rows, slots, positions) for `_sum_over`: the FFN of x [..., d] restricted to those units."""
         m, layout = self.info["matrices"], self.fd.layouts["neurons"]
         act, kw = ACTIVATIONS[self.info["activation"]], {"use_metal": self.use_metal}
 
@@ -239,7 +244,7 @@ class FlashEngine:
                 h = h + bias["fc1"][mx.array(active[pos])].astype(h.dtype)
             return row_axpy(act(h), rows, slots, layout, "fc2", m["fc2"]["quantization"], **kw)
 
-        return self._sum_over(layer, "neurons", active, fn)
+        return fn
 
     def _decode_dip(self, layer, xv, x):
         m, dip = self.info["matrices"], self.sparsifier
@@ -271,25 +276,41 @@ class FlashEngine:
 
     # -- prefill -----------------------------------------------------------------
     def _prefill(self, layer: int, x: mx.array, bias: Dict[str, mx.array]) -> mx.array:
-        """Dense FFN over a prompt, the layer streamed sequentially; the caches are seeded on the way."""
+        """The FFN over a prompt from the union of its tokens' active sets, read like one decode step:
+        cached units in place, the misses into the cache, the overflow streamed (or read ahead). A short
+        prompt reads what its tokens need; once the union passes half the layer, every unit is used (a
+        sequential read of the rest costs no more), so long prompts get the dense FFN."""
+        if self.dip_layout:
+            return self._prefill_dip(layer, x)
+        n = self.fd.layers[layer]["neurons"].n_units
+        units = np.arange(n, dtype=np.int32)
+        if not isinstance(self.sparsifier, Dense):
+            t = time.perf_counter()
+            seen = np.zeros(n, dtype=bool)
+            for v in np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32)):  # the layer input on the host, once
+                seen[self.sparsifier.select(layer, v)] = True
+                if seen.sum() > n // 2:
+                    break
+            else:
+                units = np.flatnonzero(seen).astype(np.int32)
+            self.stats.current.mm_s += time.perf_counter() - t
+        return self._sum_over(layer, "neurons", units, self._units_fn(x, units, bias))
+
+    def _prefill_dip(self, layer: int, x: mx.array) -> mx.array:
+        """Dense FFN over a prompt in the dip layout, the layer streamed sequentially; the caches are seeded on the way."""
         self._seed(layer, x)
         info = self.info
-        if self.dip_layout:
-            g = u = 0
-            for pos, rows in self._stream_all(layer, "inputs"):
-                a = self.fd.layouts["inputs"].unpack(rows)
-                xs = x[..., int(pos[0]) : int(pos[-1]) + 1]
-                g, u = g + project(xs, a, "gate", info["matrices"]["gate"]), u + project(xs, a, "up", info["matrices"]["up"])
-                mx.eval(g, u)
-            h = ACTIVATIONS[info["activation"]](g) * u
+        g = u = 0
+        for pos, rows in self._stream_all(layer, "inputs"):
+            a = self.fd.layouts["inputs"].unpack(rows)
+            xs = x[..., int(pos[0]) : int(pos[-1]) + 1]
+            g, u = g + project(xs, a, "gate", info["matrices"]["gate"]), u + project(xs, a, "up", info["matrices"]["up"])
+            mx.eval(g, u)
+        h = ACTIVATIONS[info["activation"]](g) * u
         y = 0
         for pos, rows in self._stream_all(layer, "neurons"):
             a = self.fd.layouts["neurons"].unpack(rows)
-            cols = slice(int(pos[0]), int(pos[-1]) + 1)
-            if self.dip_layout:
-                part = project(h[..., cols], a, "down", info["matrices"]["down"])
-            else:
-                part = ffn_forward(x, a, info, {"fc1": bias["fc1"][cols]} if "fc1" in bias else None)
+            part = project(h[..., int(pos[0]) : int(pos[-1]) + 1], a, "down", info["matrices"]["down"])
             mx.eval(part)
             y = y + part
         return y
@@ -298,13 +319,12 @@ class FlashEngine:
         return self._stream(layer, region, np.arange(self.fd.layers[layer][region].n_units, dtype=np.int32))
 
     def _seed(self, layer, x):
-        """Admit the active sets of the last `window` prompt tokens (rows are filled while streaming)."""
+        """Admit the input columns of the last `window` prompt tokens (rows are filled while streaming;
+        down needs the GLU, so only inputs)."""
         last = np.array(x.reshape(-1, x.shape[-1])[-self.window :].astype(mx.float32))
-        region = "inputs" if self.dip_layout else "neurons"  # dip: down needs the GLU, so only inputs
-        select = self.sparsifier.select_inputs if self.dip_layout else self.sparsifier.select
         t = time.perf_counter()
         for v in last:
-            self.caches[layer][region].plan(select(layer, v))
+            self.caches[layer]["inputs"].plan(self.sparsifier.select_inputs(layer, v))
         self.stats.current.mm_s += time.perf_counter() - t
 
     def attach(self, model) -> "FlashEngine":

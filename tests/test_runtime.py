@@ -192,6 +192,7 @@ def test_close_releases_files_and_threads(flash_dirs):
     model.flash.close()
     assert len(os.listdir("/proc/self/fd")) == fds
     assert threading.active_count() == threads
+    model.flash.reset()  # cold caches: the next token has to read (a warm one computes from its caches)
     with pytest.raises(FlashError, match="closed"):
         greedy(model, 1)  # a closed model refuses to read, with a typed error
 
@@ -336,5 +337,29 @@ def test_a_prefetch_that_does_not_match_is_not_used_and_counts_as_waste(deep_tin
         with open(FlashDir(path).ffn_path, "rb") as f:  # the prefetched rows are the file's bytes
             f.seek(want.offset + int(units[0]) * want.stride)
             assert bytes(np.array(rows[0])) == f.read(cache.row_bytes)
+    finally:
+        model.flash.close()
+
+
+def test_a_short_prompt_reads_what_its_tokens_need(flash_dirs):
+    """A two-token prompt chunk after a long prompt reads at most what two decode steps would (the union of
+    its tokens' active sets, less what is cached), not the whole FFN. (mlx-lm prefills all but a prompt's
+    last token: a three-token prompt is a two-token chunk, then a one-token step.)"""
+    path = flash_dirs["llama", "neurons"]
+    fd = FlashDir(path)
+    n, stride = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride
+    model, _ = load(path, memory_budget=small_budget(path, 0.3, "oracle"), sparsity="oracle", density=0.2,
+                    context=CONTEXT)
+    try:
+        stats = model.flash.stats
+        list(generate_step(mx.array(PROMPT * 4), model, max_tokens=2))  # a long prompt: the union is most units
+        stats.end()
+        assert stats.tokens[0].prefill and stats.tokens[0].active == []
+        k = max(t.active[0] for t in stats.decode_tokens())  # units a decode step uses per layer
+        stats.reset()
+        list(generate_step(mx.array(PROMPT[:3]), model, max_tokens=1))
+        stats.end()
+        prompt = stats.tokens[0]
+        assert prompt.prefill and 0 < prompt.bytes_requested <= 2 * k * stride * len(fd.layers) < n * stride * len(fd.layers)
     finally:
         model.flash.close()
