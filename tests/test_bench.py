@@ -78,6 +78,8 @@ def test_naive_reads_every_unit_and_the_others_read_less(bench_result, tiny_dir)
     assert c["window-unbundled"]["bytes_per_token"] == c["window-unbundled"]["bytes_requested_per_token"]
     assert c["window-unbundled"]["requests_per_token"] > c["all"]["requests_per_token"]
     assert c["hybrid"]["dram_weights_bytes"] <= res["budget_bytes"]
+    assert c["hybrid-prefetch"]["dram_weights_bytes"] <= res["budget_bytes"]
+    assert c["hybrid-prefetch"]["bytes_requested_per_token"] == pytest.approx(c["hybrid"]["bytes_requested_per_token"], rel=0.05)
     assert res["targets"]["io_bytes_naive_over_all"] > 1
 
 
