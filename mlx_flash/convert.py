@@ -14,12 +14,15 @@ every stored row keeps exactly d - floor(sparsity * d) weights. With --prune-for
 (the default) each pruned matrix is stored as ENDOR bitmap rows (bitmap.py, format v2): float
 rows as their non-zero values; 8-bit rows as the codes that differ from their group's code of
 0.0 (scales/biases stay dense; the runtime refills the rest). 4-bit codes are packed two per
-byte and cannot be bitmap-encoded: such conversions are refused (use --bits 8, float rows, e.g.
---dequantize for a 4-bit source, or --prune-format dense).
+byte and cannot be bitmap-encoded: --prune-format auto (the default) stores those matrices
+pruned but dense and says so (a 4-bit model's 8-bit down rows are still encoded); --prune-format
+bitmap refuses them before calibrating (use --bits 8, float rows, e.g. --dequantize for a 4-bit
+source, or --prune-format dense).
 """
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -43,7 +46,7 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # 8-bit on the CPU and takes 4x the flash reads; 8-bit (group 64) is as good as lossless.
 DEFAULT_FLOAT_BITS = 8
 PRUNE_METHODS = ("wanda",)
-PRUNE_FORMATS = ("bitmap", "dense")
+PRUNE_FORMATS = ("auto", "bitmap", "dense")
 
 
 def _model_quantization(model: nn.Module) -> Optional[dict]:
@@ -75,7 +78,7 @@ def convert(
     prune: Optional[str] = None,
     prune_sparsity: float = 0.5,
     prune_text=None,
-    prune_format: str = "bitmap",
+    prune_format: str = "auto",
     prune_seqs: int = 16,
     prune_seq_len: int = 256,
 ) -> Path:
@@ -103,6 +106,8 @@ def convert(
         model_obj, config = load_source_model(src_dir)
         adapter = adapter_for(config)
         norms = None
+        if prune is not None and prune_format == "bitmap" and _ffn_bits(bits, dequantize, _model_quantization(model_obj)) == 4:
+            raise FlashError(BITMAP_4BIT)  # before calibrating, not minutes later
         if prune is not None:  # on the source weights, before any cast or re-quantisation
             norms, calibration = _calibrate(model_obj, src_dir, config, prune_text, prune_seqs, prune_seq_len, progress)
 
@@ -143,8 +148,9 @@ def convert(
             regions, biases, matrices = adapter.split(layer.mlp, ffn_quant, layout, prune=pruner)
             mx.eval(regions, biases)
             if writer is None:
-                if prune is not None and prune_format == "bitmap":
-                    encodings = bitmap_encodings(regions["neurons"], adapter.matrices, ffn_quant, prune_sparsity)
+                if prune is not None and prune_format != "dense":
+                    encodings = bitmap_encodings(regions["neurons"], adapter.matrices, ffn_quant, prune_sparsity,
+                                                 strict=prune_format == "bitmap")
                 writer = FlashWriter(work / "flash", alignment or auto_alignment(regions, encodings), encodings)
             writer.add_layer(regions)
             resident_ffn.update({f"{paths[i]}.{k}": v for k, v in biases.items()})
@@ -224,8 +230,22 @@ def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
     return norms, info
 
 
-def bitmap_encodings(arrays, matrices, quant, sparsity) -> dict:
-    """The Encoding of each pruned matrix's stored rows (component "<m>.weight") at `sparsity`."""
+BITMAP_4BIT = ("4-bit codes are packed several per byte and cannot be bitmap-encoded; use --bits 8, a float model, "
+               "--prune-format dense, or --prune-format auto (4-bit matrices stored dense)")
+
+
+def _ffn_bits(bits, dequantize: bool, source_quant) -> "int | None":
+    """The bits `convert` stores gate/up (fc1) rows with (None: float), as its quantisation steps decide."""
+    if bits == "auto":  # the CLI's default: quantised sources as they are, float ones to DEFAULT_FLOAT_BITS
+        return DEFAULT_FLOAT_BITS if source_quant is None else source_quant["bits"]
+    if bits is not None:
+        return bits
+    return None if source_quant is None or dequantize else source_quant["bits"]
+
+
+def bitmap_encodings(arrays, matrices, quant, sparsity, strict: bool = True) -> dict:
+    """The Encoding of each pruned matrix's stored rows (component "<m>.weight") at `sparsity`.
+    4-bit rows cannot be encoded: FlashError if `strict`, else they stay dense (said on stderr)."""
     out = {}
     for m in matrices:
         w, q = arrays[f"{m}.weight"], quant[m]
@@ -235,11 +255,10 @@ def bitmap_encodings(arrays, matrices, quant, sparsity) -> dict:
         elif q["bits"] == 8:
             d = w.shape[-1] * 4  # uint32 words of four codes
             out[f"{m}.weight"] = Encoding("bitmap", "uint8", d, capacity_for_sparsity(d, sparsity), "affine_zero", q["group_size"])
+        elif strict:
+            raise FlashError(f"{m}: {BITMAP_4BIT}")
         else:
-            raise FlashError(
-                f"{m}: {q['bits']}-bit codes are packed several per byte and cannot be bitmap-encoded; "
-                "use --bits 8, a float model, or --prune-format dense"
-            )
+            print(f"[convert] {m}: 4-bit rows cannot be bitmap-encoded: stored pruned but dense", file=sys.stderr)
     return out
 
 
@@ -283,8 +302,9 @@ def setup_arg_parser():
                         help="Calibration text; its first half is used (default: WikiText-2 test).")
     parser.add_argument("--prune-seqs", type=int, default=16, help="Calibration sequences (default 16).")
     parser.add_argument("--prune-seq-len", type=int, default=256, help="Tokens per calibration sequence (default 256).")
-    parser.add_argument("--prune-format", choices=list(PRUNE_FORMATS), default="bitmap",
-                        help="bitmap: store pruned rows ENDOR bitmap-encoded (float or 8-bit rows); dense: as they are.")
+    parser.add_argument("--prune-format", choices=list(PRUNE_FORMATS), default="auto",
+                        help="bitmap: store pruned rows ENDOR bitmap-encoded (float or 8-bit rows); dense: as they are; "
+                             "auto (default): bitmap where the rows allow it, dense for 4-bit ones.")
     parser.add_argument(
         "--alignment", type=int, default=None,
         help="Bundle alignment in bytes (power of two >= 512; default 4096, or 512 for bundles under 4 KiB).",

@@ -235,7 +235,7 @@ def test_v1_directory_still_loads(dirs, tmp_path):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"bits": 4, "group_size": 32}, "4-bit codes are packed"),
+        ({"bits": 4, "group_size": 32, "prune_format": "bitmap"}, "4-bit codes are packed"),
         ({"layout": "dip"}, "--prune needs --layout neurons"),
         ({"prune_sparsity": 1.0}, "--prune-sparsity must be in"),
         ({"prune": "sparsegpt"}, "--prune must be one of"),
@@ -263,6 +263,11 @@ def test_cli(dirs, tmp_path):
     fd = FlashDir(out)
     assert fd.manifest["pruning"]["sparsity"] == 0.6 and fd.manifest["pruning"]["calibration"]["seqs"] == 2
     assert {e.capacity for e in fd.layouts["neurons"].encodings().values()} == {64 - int(0.6 * 64)}
-    r = subprocess.run([sys.executable, "-m", "mlx_flash.convert", "--model", str(dirs["src"]["llama"]), "--out",
-                        str(tmp_path / "q4"), "--bits", "4", "--prune", "wanda"], capture_output=True, text=True)
-    assert r.returncode == 1 and "4-bit codes are packed" in r.stderr
+    q4 = [sys.executable, "-m", "mlx_flash.convert", "--model", str(dirs["src"]["llama"]), "--bits", "4", "--prune",
+          "wanda", "--prune-seqs", "2", "--prune-seq-len", "32"]
+    r = subprocess.run(q4 + ["--out", str(tmp_path / "q4"), "--prune-format", "bitmap"], capture_output=True, text=True)
+    assert r.returncode == 1 and "4-bit codes are packed" in r.stderr and "calibrate" not in r.stderr  # before calibrating
+    r = subprocess.run(q4 + ["--out", str(tmp_path / "q4")], capture_output=True, text=True)  # auto: the default
+    assert r.returncode == 0, r.stderr
+    assert "gate: 4-bit rows cannot be bitmap-encoded: stored pruned but dense" in r.stderr
+    assert set(FlashDir(tmp_path / "q4").layouts["neurons"].encodings()) == {"down.weight"}  # 8-bit down: encoded
