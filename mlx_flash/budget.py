@@ -1,7 +1,9 @@
 """Memory budget planner: what stays resident, and how many units each layer's cache holds.
 
-budget = resident weights + KV cache + scratch buffer + workspace + streaming buffers
+budget = resident weights + KV cache + prompt cache + scratch buffer + workspace + streaming buffers
          + per-layer unit caches.
+
+The prompt cache is room kept for KV caches stored between requests (the server's LRU).
 
 The workspace bounds the runtime's temporaries: the rows gathered for one
 chunk of units (at most a scratch buffer's worth) and their float32 copy.
@@ -57,6 +59,9 @@ class Plan:
     streamed: List = field(default_factory=list)  # offload.StreamGroup read from flash every token
     streaming: int = 0  # buffers for the streamed groups
     prefetch_rows: int = 0  # dense decoding: rows of each of the two buffers the next layer's reads go into
+    prompt_cache: int = 0  # stored KV caches (the server's LRU prompt cache)
+    kv_bits: Optional[int] = None  # None: float KV cache
+    max_context: Optional[int] = None  # the longest context the budget could hold (at its floor: see plan_memory)
 
     def prefill_step(self, config: dict, context: int) -> int:
         """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size)."""
@@ -72,13 +77,16 @@ class Plan:
         caps = self.capacity[0]
         per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)
         return (
-            (f"budget {fmt_bytes(self.budget)}" if self.budget is not None else "no budget") + f": resident {fmt_bytes(self.resident)}, KV cache {fmt_bytes(self.kv_cache)}, "
+            (f"budget {fmt_bytes(self.budget)}" if self.budget is not None else "no budget") + f": resident {fmt_bytes(self.resident)}, "
+            f"KV cache {fmt_bytes(self.kv_cache)}" + (f" ({self.kv_bits}-bit)" if self.kv_bits else "") + ", "
+            + (f"prompt cache {fmt_bytes(self.prompt_cache)}, " if self.prompt_cache else "") +
             f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
             + (f", prefetch buffers 2 x {self.prefetch_rows} rows ({fmt_bytes(2 * self.prefetch_rows * strides['neurons'])})"
                if self.prefetch_rows else "")
             + (f"; streamed from flash every token ({fmt_bytes(self.streaming)} of buffers): " + describe_streamed(self.streamed)
                if self.streamed else "")
+            + (f"; the budget holds up to {self.max_context} tokens of context (streaming all it can, no unit cached)" if self.max_context is not None else "")
         )
 
 
@@ -92,21 +100,35 @@ def describe_streamed(groups) -> str:
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many tokens
 
 
-def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2) -> int:
-    context = -(-context // KV_STEP) * KV_STEP
+def kv_tokens(context: int) -> int:
+    """Tokens the KV cache holds for `context`: whole steps of KV_STEP."""
+    return -(-context // KV_STEP) * KV_STEP
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2, bits: int = None, group_size: int = 64) -> int:
+    """Keys and values for `context` tokens. With `bits` (mlx-lm's QuantizedKVCache) each head's vector
+    is `bits`-bit codes plus a scale and a bias (in the activations' dtype) per `group_size` elements."""
     layers = config["num_hidden_layers"]
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * layers * heads * head_dim * context * dtype_size
+    dim = head_dim(config)
+    per_vector = dim * dtype_size if bits is None else dim * bits // 8 + 2 * (dim // group_size) * dtype_size
+    return 2 * layers * heads * per_vector * kv_tokens(context)
 
 
-def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int = None) -> dict:
-    """The parts of the budget that do not depend on it: resident, KV cache, scratch, workspace."""
+def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int = None, kv_bits: int = None,
+                kv_group_size: int = 64, prompt_caches: int = 0) -> dict:
+    """The parts of the budget that do not depend on it: resident, KV cache, prompt cache, scratch, workspace."""
     scratch = min(SCRATCH_BYTES, max(r.n_units * fd.layouts[r.name].stride for r in fd.regions()))  # dense rows
     n_buffers = 1 + sum(len(regions) for regions in fd.layers)  # each is padded to the alignment
+    kv = kv_cache_bytes(fd.config, context, dtype_size, kv_bits, kv_group_size)
     return {
         "resident": fd.resident_bytes if resident is None else resident,
-        "kv_cache": kv_cache_bytes(fd.config, context, dtype_size),
+        "kv_cache": kv,
+        "prompt_cache": prompt_caches * kv,  # each stored cache is one KV cache of `context` tokens
         "scratch": scratch + fd.alignment * n_buffers,
         "workspace": 2 * scratch,
         "extra": extra,
@@ -147,7 +169,8 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int):
             f"memory budget {fmt_bytes(budget)} is too small"
             + (" even with attention, embeddings and LM head streamed from flash: the rest of the" if streamed else ":")
             + f" resident weights {fmt_bytes(f['resident'])} + KV cache for {context} tokens "
-            f"{fmt_bytes(f['kv_cache'])} + scratch, workspace and streaming buffers "
+            f"{fmt_bytes(f['kv_cache'])}" + (f" + prompt cache {fmt_bytes(f['prompt_cache'])}" if f["prompt_cache"] else "")
+            + f" + scratch, workspace and streaming buffers "
             f"{fmt_bytes(f['scratch'] + f['workspace'] + f['streaming'])}"
             + (f" + extra {fmt_bytes(f['extra'])}" if f["extra"] else "")
             + f" need {fmt_bytes(sum(f.values()))} before any FFN unit is cached"
@@ -160,18 +183,22 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int):
 
 
 def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra: int = 0, resident: int = None,
-                groups=(), prefetch: bool = False) -> Plan:
+                groups=(), prefetch: bool = False, kv_bits: int = None, kv_group_size: int = 64,
+                prompt_caches: int = 0) -> Plan:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
     `resident`: bytes of the resident weights as loaded (default: their size on disk).
     `groups`: offload.StreamGroup candidates, streamed only if the resident weights do not fit.
+    `kv_bits`: a quantised KV cache (`kv_cache_bytes`); `prompt_caches`: room for that many more KV caches,
+    stored between requests.
     budget None: no budget (every unit cached).
     `prefetch` (dense decoding of a plain `neurons` layout): every uncached unit is read every token, so two
     buffers of the uncached rows let layer l+1's reads run while layer l computes; they come off the caches:
     L * c + 2 * (n - c) rows fill what is left. Without room for them the plan has none."""
     limit = budget if budget is not None else 1 << 62
-    streamed, f = choose_streamed(list(groups), fixed_bytes(fd, context, dtype_size, extra, resident), limit,
-                                   context)
+    fixed = fixed_bytes(fd, context, dtype_size, extra, resident, kv_bits, kv_group_size, prompt_caches)
+    groups = list(groups)
+    streamed, f = choose_streamed(groups, fixed, limit, context)
     left = limit - sum(f.values())
     per_layer = left // len(fd.layers)
     prefetch_rows = 0
@@ -180,7 +207,6 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
         c = (left - 2 * n * s) // ((L - 2) * s)  # cached rows per layer
         if 0 <= c < n:
             per_layer, prefetch_rows = c * s, n - c
-            f = dict(f, prefetch=2 * prefetch_rows * s)
     capacity = []
     for regions in fd.layers:
         rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)
@@ -188,5 +214,11 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
         capacity.append(
             {name: min(r.n_units, int(per_layer * r.n_units * rows[name] / total) // rows[name]) for name, r in regions.items()}
         )
+    max_context = None
+    if budget is not None:  # the KV cache could take everything but the floor (all streamable streamed, no unit cached)
+        floor = with_streamed(fixed, groups)
+        per_step = kv_cache_bytes(fd.config, KV_STEP, dtype_size, kv_bits, kv_group_size)
+        room = budget - sum(floor.values()) + floor["kv_cache"] + floor["prompt_cache"]
+        max_context = room // ((1 + prompt_caches) * per_step) * KV_STEP
     return Plan(budget, f["resident"], f["kv_cache"], f["scratch"], f["workspace"], extra, capacity, streamed,
-                f["streaming"], prefetch_rows)
+                f["streaming"], prefetch_rows, f["prompt_cache"], kv_bits, max_context)

@@ -54,6 +54,8 @@ def setup_arg_parser():
     p.add_argument("--gamma", type=float, default=1.0, help="DIP-CA cache-aware weight for uncached units (1 = off, paper: 0.2).")
     p.add_argument("--window", type=int, default=5, help="Keep neurons active in the last K tokens cached.")
     p.add_argument("--cache-policy", default="window", choices=["window", "lru", "lfu"], help="Neuron cache eviction policy.")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="Quantise the KV cache from the first token (default: float).")
+    p.add_argument("--kv-group-size", type=int, default=64, help="Group size of the quantised KV cache.")
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")
     p.add_argument("--no-prefetch", action="store_true", help="Dense: read each layer's uncached units when it runs, not while the previous one computes.")
     p.add_argument("--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE.")
@@ -119,6 +121,7 @@ def main(argv=None):
             policy=args.cache_policy, density=args.density, gamma=args.gamma, threads=args.threads,
             direct=not args.cached_io, context=len(prompt) + args.max_tokens,  # the KV cache it will need
             prefetch=not args.no_prefetch,
+            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         )
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

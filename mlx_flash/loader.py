@@ -148,6 +148,9 @@ def load(
     dtype=None,
     sparsifier=None,
     prefetch: bool = True,
+    kv_bits: int = None,
+    kv_group_size: int = 64,
+    prompt_caches: int = 0,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -162,8 +165,12 @@ def load(
     replaces `sparsity`/`density`/`gamma`. `model.flash.attach` swaps engines later.
     prefetch: dense decoding reads the next layer's uncached units while a layer computes (two buffers
     in the budget; see runtime.Prefetch). False: one layer after the other (for A/B runs).
+    kv_bits: 4 or 8 quantises the KV cache (mlx-lm's QuantizedKVCache, `kv_group_size` elements per
+    scale) from the first token; the plan holds it at that size. `model.make_cache()` builds it.
+    prompt_caches: room in the budget for this many KV caches of `context` tokens stored between
+    requests (the server's prompt cache): `model.flash.plan.prompt_cache` bytes.
     """
-    from .budget import parse_size, plan_memory
+    from .budget import head_dim, kv_tokens, parse_size, plan_memory
     from .flash_format import RESIDENT
     from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
     from .reader import open_reader
@@ -181,9 +188,13 @@ def load(
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
     cast = cpu_cast if dtype == mx.float32 else None
+    if kv_bits is not None and (kv_bits not in (2, 3, 4, 6, 8) or head_dim(fd.config) % kv_group_size):
+        raise FlashError(f"kv_bits={kv_bits}, kv_group_size={kv_group_size}: needs bits in 2, 3, 4, 6, 8 and a "
+                         f"group size dividing the head dimension ({head_dim(fd.config)})")
     plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra,
                        resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
-                       prefetch=prefetch and isinstance(sparsifier, Dense))
+                       prefetch=prefetch and isinstance(sparsifier, Dense),
+                       kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
     reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))
     scratch = min(plan.workspace // 2, plan.scratch)
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
@@ -205,4 +216,23 @@ def load(
         wrap = {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
     model = build_model(fd, make_ffn, dtype, wrap)
     model.flash = engine
+    model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
+                               kv_group_size)
     return model, tokenizer
+
+
+def make_cache(model, tokens: int = None, kv_bits: int = None, kv_group_size: int = 64):
+    """The model's own caches, each KVCache allocated for `tokens` (if given) at its first update (mlx-lm grows
+    them in 256-token steps, which can overshoot the planned size when a stored cache resumes at
+    an offset that is not a whole step) and quantised from the start with `kv_bits` (mlx-lm's
+    generate quantises only after `quantized_kv_start` tokens)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    caches = type(model).make_cache(model) if hasattr(type(model), "make_cache") else [KVCache() for _ in model.layers]
+    if kv_bits is not None and any(type(c) is not KVCache for c in caches):
+        raise FlashError(f"kv_bits: {type(model).__module__} uses {type(caches[0]).__name__}, not only plain KV caches")
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:
+            caches[i] = c = QuantizedKVCache(kv_group_size, kv_bits) if kv_bits is not None else c
+            c.step = tokens or c.step
+    return caches

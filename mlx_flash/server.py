@@ -1,285 +1,198 @@
-"""An OpenAI-compatible HTTP server for a flash model.
+"""An OpenAI-compatible HTTP server for a flash model: mlx-lm's server, with the model loaded by
+`mlx_flash.load` under a memory budget.
 
-    python -m mlx_flash.server [--model DIR] --memory-budget 65% [--port 8080]
+    python -m mlx_flash.server [--model DIR] --memory-budget 50% [--max-context 2048] [--kv-bits 8]
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
-with "stream": true for server-sent events). Responses follow the shapes of
-mlx-lm's server (and OpenAI's). Requests are served one at a time (the neuron
-caches and the engine are per model), the others wait in order. A client that
-disconnects stops its generation; a failed request never stops the server.
-Binds to 127.0.0.1 unless told otherwise.
+Request handling comes from `mlx_lm.server`: /v1/models, /v1/completions, /v1/chat/completions
+(+ "stream": true), /health, the LRU prompt cache (a new chat turn prefills only its new
+tokens), stop sequences, logprobs, tool calls and the OpenAI response shapes. This module adds
+what a budget needs: the model from `mlx_flash.load`, one request at a time (the neuron caches
+are per process), the prompt cache inside the budget, prompts that must fit --max-context, and a
+5xx JSON error for a request that fails mid-generation (a flash ReadError), after which the
+server goes on. Binds to 127.0.0.1 unless told otherwise.
 """
 
 import argparse
 import json
+import logging
 import sys
 import threading
-import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from functools import partial
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 
+from mlx_lm import server
+from mlx_lm.models.cache import LRUPromptCache
+
+from .default_model import default_model_dir
 from .errors import FlashError
+from .loader import load
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.code = status, code
+class ModelProvider(server.ModelProvider):
+    """mlx-lm's ModelProvider for one flash directory, loaded at start (a budget that cannot hold
+    fails there, not at the first request). A request naming another model gets mlx-lm's 404."""
 
+    def __init__(self, cli_args: argparse.Namespace):
+        cli_args.model = str(cli_args.model or default_model_dir())
+        super().__init__(cli_args)
+        self.name = Path(cli_args.model).name
+        self._model_map[self.name] = cli_args.model
+        self.load_default()
 
-class ModelService:
-    """One loaded model; `generate` runs one request at a time (a fair lock: FIFO order)."""
-
-    def __init__(self, path, max_context: int = 2048, **load_kwargs):
-        from .default_model import default_model_dir
-        from .loader import load
-
-        self.path = Path(path) if path else default_model_dir()
-        self.name = self.path.name
-        self.max_context = max_context
-        self.model, self.tokenizer = load(self.path, context=max_context, **load_kwargs)
-        self._queue = []
-        self._queue_cv = threading.Condition()
-        self.created = int(time.time())
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        if model_path != self.cli_args.model:
+            raise ValueError(f"model {model_path!r} not found: this server has {self.name!r}")
+        if adapter_path is not None or draft_model_path is not None:
+            raise ValueError("adapters and draft models are not supported with a flash model")
+        args = self.cli_args
+        model, tokenizer = load(
+            model_path, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
+            context=args.max_context, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+            prompt_caches=args.prompt_cache_size,  # the stored caches are planned inside the budget
+        )
+        self.model_key = (model_path, None, None)
+        self.model, self.tokenizer, self.flash = model, tokenizer, model.flash
+        self.processor = self.draft_model = None
+        # One request at a time: mlx-lm's BatchGenerator would run several through the one neuron cache
+        self.is_batchable = False
+        args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
 
     def close(self):
-        self.model.flash.close()
+        self.flash.close()  # mlx-lm's generation thread resets the provider (drops the model) when it stops
+        self.reset()
 
-    def _turn(self):
-        """FIFO turn-taking: a ticket per request, served in arrival order."""
-        ticket = object()
-        with self._queue_cv:
-            self._queue.append(ticket)
-            self._queue_cv.wait_for(lambda: self._queue[0] is ticket)
-        return ticket
 
-    def _done(self, ticket):
-        with self._queue_cv:
-            self._queue.remove(ticket)
-            self._queue_cv.notify_all()
+class ResponseGenerator(server.ResponseGenerator):
+    def _tokenize(self, tokenizer, request, args):
+        prompt, *rest = super()._tokenize(tokenizer, request, args)
+        room = self.cli_args.max_context - len(prompt)
+        if room < 1:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) does not fit the context of "
+                             f"{self.cli_args.max_context} tokens (--max-context)")
+        args.max_tokens = min(args.max_tokens, room)  # the KV cache holds max_context tokens, no more
+        return (prompt, *rest)
 
-    def prompt_tokens(self, body: dict, chat: bool):
-        tok = self.tokenizer
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages
-            ):
-                raise RequestError(400, "'messages' must be a non-empty list of {role, content} objects")
-            if tok.chat_template is not None:
-                return list(tok.apply_chat_template(messages, add_generation_prompt=True))
-            return tok.encode("\n".join(m["content"] for m in messages))
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise RequestError(400, "'prompt' must be a string")
-        return tok.encode(prompt)
-
-    def generate(self, tokens, max_tokens: int, temperature: float, top_p: float, stop):
-        """Yield (text segment, finish_reason or None, generation response) under the model's turn."""
-        from mlx_lm import stream_generate
-        from mlx_lm.sample_utils import make_sampler
-
-        ticket = self._turn()
+    def _serve_single(self, request, stream):
+        stats = self.model_provider.model.flash.stats
+        stats.reset()  # per request: a long-running server would otherwise keep every token's stats
         try:
-            text = ""
-            flash = self.model.flash
-            for r in stream_generate(
-                self.model, self.tokenizer, tokens, max_tokens=max_tokens, sampler=make_sampler(temperature, top_p),
-                prefill_step_size=flash.plan.prefill_step(flash.fd.config, self.max_context),  # within the budget
-            ):
-                text += r.text
-                hit = next((s for s in stop if s in text), None)
-                if hit is not None:
-                    cut = text.index(hit)
-                    yield r.text[: max(0, len(r.text) - (len(text) - cut))], "stop", r
-                    return
-                yield r.text, r.finish_reason, r
+            super()._serve_single(request, stream)
         finally:
-            self._done(ticket)
+            stats.end()
 
 
-def _params(body: dict, service: ModelService, n_prompt: int):
-    def number(key, default, kind, lo, hi):
-        v = body.get(key, default)
-        if v is None:
-            v = default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and int(v) != v) or not lo <= v <= hi:
-            raise RequestError(400, f"'{key}' must be a {kind.__name__} in [{lo}, {hi}]")
-        return kind(v)
+class APIHandler(server.APIHandler):
+    def handle_models_request(self):
+        # mlx-lm lists the Hugging Face cache, whose models this server cannot load
+        provider = self.response_generator.model_provider
+        data = [{"id": provider.name, "object": "model", "created": self.created, "owned_by": "mlx_flash"}]
+        self._json(200, {"object": "list", "data": data})
 
-    max_tokens = number("max_tokens", 256, int, 1, service.max_context)
-    if n_prompt + max_tokens > service.max_context:
-        raise RequestError(
-            400,
-            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of {service.max_context} tokens",
-            "context_length_exceeded",
-        )
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(400, "'stop' must be a string or a list of strings")
-    return dict(
-        max_tokens=max_tokens,
-        temperature=number("temperature", 0.0, float, 0.0, 10.0),
-        top_p=number("top_p", 1.0, float, 0.0, 1.0),
-        stop=stop,
-    )
+    def handle_text_completions(self):
+        if not isinstance(self.body.get("prompt"), str):
+            raise ValueError("'prompt' must be a string")  # mlx-lm answers it with a 400
+        return super().handle_text_completions()
 
-
-def make_handler(service: ModelService):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):  # quiet; errors are still answered as JSON
-            pass
-
-        # -- helpers ---------------------------------------------------------
-        def _json(self, status: int, obj: dict):
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str, code: str = "invalid_request_error"):
-            self._json(status, {"error": {"message": message, "type": code, "code": status}})
-
-        def _body(self) -> dict:
-            try:
-                length = int(self.headers.get("Content-Length", 0))
-            except ValueError:
-                raise RequestError(400, "bad Content-Length") from None
-            try:
-                body = json.loads(self.rfile.read(length) or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise RequestError(400, f"malformed JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise RequestError(400, "the request body must be a JSON object")
-            model = body.get("model")
-            if model not in (None, "", "default", service.name, str(service.path)):
-                raise RequestError(404, f"model {model!r} not found (this server has {service.name!r})", "model_not_found")
-            return body
-
-        # -- routes ------------------------------------------------------------
-        def do_GET(self):
-            if self.path.rstrip("/") in ("/v1/models", "/models"):
-                self._json(200, {"object": "list", "data": [
-                    {"id": service.name, "object": "model", "created": service.created, "owned_by": "mlx_flash"}
-                ]})
-            elif self.path.rstrip("/") in ("/health", ""):
-                self._json(200, {"status": "ok"})
-            else:
-                self._error(404, f"no route {self.path}", "not_found")
-
-        def do_POST(self):
-            route = self.path.rstrip("/")
-            chat = route in ("/v1/chat/completions", "/chat/completions")
-            if not chat and route not in ("/v1/completions", "/completions"):
-                return self._error(404, f"no route {self.path}", "not_found")
-            try:
-                body = self._body()
-                tokens = service.prompt_tokens(body, chat)
-                params = _params(body, service, len(tokens))
-                stream = bool(body.get("stream", False))
-            except RequestError as e:
-                return self._error(e.status, str(e), e.code)
-            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-            try:
-                if stream:
-                    self._stream(rid, chat, tokens, params)
-                else:
-                    self._complete(rid, chat, tokens, params)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True  # the client left: generation already stopped
-            except Exception as e:  # any failure answers this request only; the server goes on
-                self.close_connection = True
-                if not getattr(self, "_sent_headers", False):
-                    self._error(500, f"{type(e).__name__}: {e}", "server_error")
-
-        def _choice(self, chat, text, finish, delta=False):
-            if chat:
-                key = "delta" if delta else "message"
-                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-        def _envelope(self, rid, chat, choice, stream):
-            obj = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
-            return {"id": rid, "object": obj, "created": int(time.time()), "model": service.name, "choices": [choice]}
-
-        def _complete(self, rid, chat, tokens, params):
-            text, finish, n = "", "length", 0
-            for seg, fin, _ in service.generate(tokens, **params):
-                text += seg
-                n += 1
-                if fin:
-                    finish = fin
-            resp = self._envelope(rid, chat, self._choice(chat, text, finish), False)
-            resp["usage"] = {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n}
-            self._json(200, resp)
-
-        def _stream(self, rid, chat, tokens, params):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self._sent_headers = True
+    def handle_completion(self, request, stop_words):
+        try:
+            super().handle_completion(request, stop_words)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client left: mlx-lm's `finally` stopped its generation
+        except Exception as e:  # e.g. a flash ReadError mid-generation: this request fails, the server goes on
+            logging.exception("request failed")
             self.close_connection = True
-            gen = service.generate(tokens, **params)
-            try:
-                for seg, fin, _ in gen:
-                    chunk = self._envelope(rid, chat, self._choice(chat, seg, fin, delta=True), True)
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                    self.wfile.flush()
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-            finally:
-                gen.close()  # a disconnect (write error) ends the generation here
+            error = {"error": f"{type(e).__name__}: {e}", "type": "server_error"}
+            if self.stream:  # the 200 and earlier events are out: end the stream with the error
+                self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+            else:
+                self._headers_buffer = []  # mlx-lm's 200 is still buffered (sent by end_headers): drop it
+                self._json(500, error)
 
-    return Handler
+    def _json(self, status: int, obj: dict):
+        data = json.dumps(obj).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, fmt, *args):
+        logging.debug(fmt, *args)
 
 
-def serve(service: ModelService, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
-    """Start serving in a background thread; returns the server (server.shutdown() to stop)."""
-    httpd = ThreadingHTTPServer((host, port), make_handler(service))
+def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 8080):
+    """The HTTP server and mlx-lm's generation thread (started) for `provider`.
+    Stop with httpd.shutdown(), generator.stop_and_join(), provider.close()."""
+    plan = provider.model.flash.plan
+    # Every stored cache is one KV cache of --max-context tokens (allocated whole, see loader.make_cache)
+    max_bytes = plan.prompt_cache if plan.budget is not None else 1 << 63
+    generator = ResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size, max_bytes))
+    httpd = ThreadingHTTPServer((host, port), partial(APIHandler, generator))
     httpd.daemon_threads = True
+    return httpd, generator
+
+
+def serve(provider: ModelProvider, host: str = "127.0.0.1", port: int = 8080):
+    """`make_server`, serving in a background thread."""
+    httpd, generator = make_server(provider, host, port)
     threading.Thread(target=httpd.serve_forever, daemon=True, name="mlx_flash.server").start()
-    return httpd
+    return httpd, generator
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(description="OpenAI-compatible server for a flash model.")
+    p = argparse.ArgumentParser(description="OpenAI-compatible server for a flash model (mlx-lm's server).")
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2-135M-Instruct).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--memory-budget", default=None, help="Bytes, 2GB, 512MiB or 50%% of the model.")
     p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "predictor", "dip"])
     p.add_argument("--window", type=int, default=5)
-    p.add_argument("--max-context", type=int, default=2048, help="Prompt + generated tokens per request (sizes the KV cache).")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="Prompt + generated tokens per request (sizes the KV cache in the budget).")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="Quantise the KV cache (default: float).")
+    p.add_argument("--kv-group-size", type=int, default=64, help="Group size of the quantised KV cache.")
+    p.add_argument("--prompt-cache-size", type=int, default=1,
+                   help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off).")
+    p.add_argument("--max-tokens", type=int, default=512, help="Default maximum tokens to generate.")
+    p.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature.")
+    p.add_argument("--top-p", type=float, default=1.0, help="Default nucleus sampling top-p.")
+    p.add_argument("--chat-template-args", type=json.loads, default={},
+                   help="JSON arguments for the tokenizer's apply_chat_template.")
+    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default=[],
+                   help="CORS origins allowed (default: none; '*' for any).")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # the rest of what mlx-lm's server reads, at its defaults (draft models and adapters are refused)
+    p.set_defaults(adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
+                   chat_template="", use_default_chat_template=False, top_k=0, min_p=0.0, pipeline=False,
+                   decode_concurrency=1, prompt_concurrency=1, prefill_step_size=2048, quantized_kv_start=0)
     return p
 
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     try:
-        service = ModelService(args.model, args.max_context, memory_budget=args.memory_budget,
-                               sparsity=args.sparsity, window=args.window)
+        provider = ModelProvider(args)
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(service))
-    print(f"serving {service.name} on http://{args.host}:{httpd.server_address[1]}/v1", file=sys.stderr, flush=True)
+    flash = provider.model.flash
+    print(flash.plan.describe({k: v.stride for k, v in flash.fd.layouts.items()},
+                              {k: r.n_units for k, r in flash.fd.layers[0].items()}), file=sys.stderr)
+    httpd, generator = make_server(provider, args.host, args.port)
+    print(f"serving {provider.name} on http://{args.host}:{httpd.server_address[1]}/v1 (context {args.max_context} "
+          f"tokens, KV cache {args.kv_bits or 'float'}{'-bit' if args.kv_bits else ''}, "
+          f"{args.prompt_cache_size} stored in the prompt cache)", file=sys.stderr, flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         httpd.server_close()
-        service.close()
+        generator.stop_and_join()
+        provider.close()
     return 0
 
 

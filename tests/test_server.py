@@ -1,5 +1,7 @@
-"""The OpenAI-compatible server: round trips, streaming, bad requests, disconnects, no leaks."""
+"""The server (mlx-lm's, on a flash model): round trips, streaming, bad requests, disconnects, read
+errors, no leaks, and prompt-cache reuse across chat turns."""
 
+import errno
 import http.client
 import json
 import os
@@ -10,8 +12,11 @@ import mlx.core as mx
 import pytest
 
 from mlx_flash.convert import convert
+from mlx_flash.errors import ReadError
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.server import ModelService, serve
+from mlx_flash.server import ModelProvider, serve, setup_arg_parser
+
+CONTEXT = 128
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +24,15 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("srv")
     # vocab 257: id 256 is <|endoftext|>, so the tiny tokenizer has an EOS
     path = convert(str(make_tiny_model_dir("llama", root / "src", vocab_size=257)), root / "tiny", progress=False)
-    service = ModelService(path, max_context=128, memory_budget="300%", sparsity="dense")
-    httpd = serve(service, port=0)
-    yield service, httpd.server_address[1]
+    args = setup_arg_parser().parse_args(["--model", str(path), "--max-context", str(CONTEXT),
+                                          "--memory-budget", "300%", "--sparsity", "dense"])
+    provider = ModelProvider(args)
+    httpd, generator = serve(provider, port=0)
+    yield provider, generator, httpd.server_address[1]
     httpd.shutdown()
     httpd.server_close()
-    service.close()
+    generator.stop_and_join()
+    provider.close()
 
 
 def request(port, method, path, body=None, raw=None):
@@ -37,79 +45,139 @@ def request(port, method, path, body=None, raw=None):
     return r.status, payload
 
 
+def events(payload: bytes):
+    return [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
+
+
 def test_models(server):
-    service, port = server
+    provider, _, port = server
     status, payload = request(port, "GET", "/v1/models")
-    assert status == 200 and json.loads(payload)["data"][0]["id"] == service.name
+    assert status == 200 and json.loads(payload)["data"][0]["id"] == provider.name
 
 
 def test_chat_and_completion_round_trip(server):
-    service, port = server
+    provider, _, port = server
     status, payload = request(port, "POST", "/v1/chat/completions",
                               {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
     r = json.loads(payload)
     assert status == 200 and r["object"] == "chat.completion"
-    assert r["choices"][0]["message"]["role"] == "assistant" and isinstance(r["choices"][0]["message"]["content"], str)
+    assert r["choices"][0]["message"]["role"] == "assistant"
     assert r["usage"]["completion_tokens"] <= 5 and r["choices"][0]["finish_reason"] in ("length", "stop")
-    status, payload = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 4, "model": service.name})
+    status, payload = request(port, "POST", "/v1/completions",
+                              {"prompt": "abc", "max_tokens": 4, "model": provider.name, "logprobs": True})
     r = json.loads(payload)
     assert status == 200 and r["object"] == "text_completion" and r["usage"]["prompt_tokens"] == 3
+    assert len(r["choices"][0]["logprobs"]["content"]) == 4  # mlx-lm's logprobs
 
 
 def test_completion_is_greedy_and_matches_library(server):
     from mlx_lm import generate
 
-    service, port = server
+    provider, _, port = server
     _, payload = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 6})
-    assert json.loads(payload)["choices"][0]["text"] == generate(service.model, service.tokenizer, "abc", max_tokens=6)
+    assert json.loads(payload)["choices"][0]["text"] == generate(provider.model, provider.tokenizer, "abc", max_tokens=6)
 
 
 def test_streaming(server):
-    _, port = server
+    _, _, port = server
     status, payload = request(port, "POST", "/v1/chat/completions",
                               {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True})
     assert status == 200
-    events = [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert 1 <= len(chunks) <= 6 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    ev = events(payload)
+    assert ev[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in ev[:-1]]
+    assert 1 <= len(chunks) <= 7 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 @pytest.mark.parametrize(
     "raw, status, text",
     [
-        (b"{not json", 400, "malformed JSON"),
-        (b"[1, 2]", 400, "JSON object"),
+        (b"{not json", 400, "Invalid JSON"),
+        (b"[1, 2]", 400, "JSON dictionary"),
         (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "not found"),
         (json.dumps({"prompt": 5}).encode(), 400, "'prompt' must be a string"),
         (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
-        (json.dumps({"prompt": "x" * 200, "max_tokens": 10}).encode(), 400, "exceeds the context"),
+        # mlx-lm answers any request it cannot start with a 404
+        (json.dumps({"prompt": "x" * (CONTEXT + 10), "max_tokens": 10}).encode(), 404, "does not fit the context"),
     ],
 )
 def test_bad_requests(server, raw, status, text):
-    _, port = server
+    _, _, port = server
     got, payload = request(port, "POST", "/v1/completions", raw=raw)
-    assert got == status and text in json.loads(payload)["error"]["message"]
+    assert got == status and text in json.loads(payload)["error"]
     assert request(port, "GET", "/v1/models")[0] == 200  # still serving
 
 
+def test_max_tokens_is_cut_to_the_context(server):
+    _, _, port = server
+    prompt = "x" * (CONTEXT - 4)
+    _, payload = request(port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 50})
+    r = json.loads(payload)
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] <= CONTEXT
+
+
 def test_client_disconnect_stops_generation(server):
-    service, port = server
+    provider, _, port = server
     _, payload = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 100})
     assert json.loads(payload)["usage"]["completion_tokens"] == 100  # undisturbed, it runs to the end
-    stats = service.model.flash.stats
-    before = len(stats.tokens)
     body = json.dumps({"prompt": "abc", "max_tokens": 100, "stream": True}).encode()
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    s.recv(200)  # headers and the first event have started
+    s.recv(200)  # the response has started
     s.close()
     time.sleep(1.0)
+    assert len(provider.flash.stats.tokens) < 50  # this request's tokens (the stats restart per request)
     status, _ = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 2})
     assert status == 200  # the server goes on, and got its turn: the abandoned generation ended
-    assert len(stats.tokens) - before < 50
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_read_error_fails_the_request_not_the_server(server, monkeypatch, stream):
+    provider, _, port = server
+    engine, calls = provider.flash, []
+    ffn = engine.ffn
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) > 4:  # after the prompt and a token or so
+            raise ReadError(errno.EIO, "injected EIO", "ffn.bin")
+        return ffn(*args)
+
+    monkeypatch.setattr(engine, "ffn", failing)
+    status, payload = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 20, "stream": stream})
+    if stream:  # the 200 was sent with the first event: the stream ends with the error
+        assert status == 200 and "ReadError" in json.loads(events(payload)[-1])["error"]
+    else:
+        assert status == 500 and "ReadError: [Errno 5] injected EIO" in json.loads(payload)["error"]
+    monkeypatch.undo()
+    status, payload = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 3})
+    assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 3
+
+
+def chat(port, messages, max_tokens=6):
+    status, payload = request(port, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
+    assert status == 200
+    r = json.loads(payload)
+    return r["choices"][0]["message"]["content"], r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def test_prompt_cache_reuse_gives_the_tokens_of_a_fresh_prefill(server):
+    """Each turn after the first prefills only its new tokens (from the stored cache of the last turn)
+    and answers exactly as a fresh prefill of the whole history does (greedy)."""
+    _, generator, port = server
+    messages = [{"role": "user", "content": "a cat story"}]
+    for turn in range(3):
+        generator.prompt_cache.trim_to(n_sequences=0)  # nothing stored: a fresh prefill
+        fresh, cached = chat(port, messages)
+        assert cached == 0
+        if turn:
+            generator.prompt_cache.trim_to(n_sequences=0)
+            chat(port, messages[:-2])  # the previous turn again: its cache is stored
+            reused, cached = chat(port, messages)
+            assert cached > 0 and reused == fresh
+        messages += [{"role": "assistant", "content": fresh}, {"role": "user", "content": f"then {turn}?"}]
 
 
 def _open_fds():
@@ -125,7 +193,7 @@ def _settled_fds(limit, timeout=5.0):
 
 
 def test_twenty_requests_do_not_leak(server):
-    _, port = server
+    provider, generator, port = server
     for _ in range(3):
         request(port, "POST", "/v1/completions", {"prompt": "warm", "max_tokens": 4})
     time.sleep(0.2)
@@ -134,15 +202,16 @@ def test_twenty_requests_do_not_leak(server):
         assert request(port, "POST", "/v1/completions", {"prompt": f"req {i}", "max_tokens": 4})[0] == 200
     assert _settled_fds(fds) <= fds
     assert mx.get_active_memory() <= mem + (1 << 20)
+    assert 0 < generator.prompt_cache.nbytes <= provider.flash.plan.prompt_cache  # stored caches, within the plan
 
 
 def test_openai_client(server):
     openai = pytest.importorskip("openai")
-    service, port = server
+    provider, _, port = server
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-    r = client.chat.completions.create(model=service.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    r = client.chat.completions.create(model=provider.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert r.choices[0].message.role == "assistant"
-    parts = list(client.completions.create(model=service.name, prompt="abc", max_tokens=4, stream=True))
+    parts = list(client.completions.create(model=provider.name, prompt="abc", max_tokens=4, stream=True))
     assert parts and parts[0].object == "text_completion"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="abc", max_tokens=2)
