@@ -133,6 +133,35 @@ def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, tran
     return mx.array(y).reshape(*x.shape[:-1], y.shape[0])
 
 
+DEQUANT_CHUNK_BYTES = 8 << 20  # float32 weights dequantised at a time for prompts (bounded temporaries)
+DEQUANT_MIN_ROWS = 8  # below, dequantising costs more than MLX's kernel saves (benchmarks/cpu_facts.py: 16 rows 3x faster)
+
+
+def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> mx.array:
+    """mx.quantized_matmul, faster on the CPU: one float32 row natively (`matvec`); DEQUANT_MIN_ROWS or more
+    float32 rows (prompts) as OpenBLAS float32 matmuls of weights dequantised a chunk of rows at a time, which on this
+    CPU is several times faster than MLX's quantised kernel (BENCHMARKS.md, "CPU kernels"); else MLX's op."""
+    y = matvec(x, weight, scales, biases, group_size, bits, transpose)
+    if y is not None:
+        return y
+    if not (available() and x.dtype == mx.float32 and x.size >= DEQUANT_MIN_ROWS * x.shape[-1]):
+        return mx.quantized_matmul(x, weight, scales, biases, transpose=transpose, group_size=group_size, bits=bits)
+    n = weight.shape[-1] * 32 // bits
+    per = max(1, DEQUANT_CHUNK_BYTES // (4 * n))
+    out = None
+    for i in range(0, weight.shape[0], per):
+        s, b = scales[i : i + per].astype(mx.float32), biases[i : i + per].astype(mx.float32)  # float16 would round
+        w = mx.dequantize(weight[i : i + per], s, b, group_size, bits)
+        if transpose:  # x @ W^T: a chunk of output columns
+            part = x @ w.T
+            out = [part] if out is None else out + [part]
+        else:  # x @ W: a chunk of the inner dimension
+            part = x[..., i : i + per] @ w
+            out = part if out is None else out + part
+        mx.eval(part if transpose else out)  # one chunk's dequantised weights alive at a time
+    return mx.concatenate(out, axis=-1) if transpose else out
+
+
 # -- the model's quantised layers ------------------------------------------------------------------
 
 
@@ -144,12 +173,12 @@ def _layer_matvec(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
 
 
 class QuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose one-row float32 products (decode) run natively."""
+    """nn.QuantizedLinear whose float32 products run as `quantized_matmul` above on the CPU."""
 
     def __call__(self, x):
-        y = _layer_matvec(self, x)
-        if y is None:
+        if getattr(self, "mode", "affine") != "affine" or not available():
             return super().__call__(x)
+        y = quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
         return y + self["bias"] if "bias" in self else y
 
 

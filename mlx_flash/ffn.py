@@ -28,10 +28,7 @@ def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict) -> 
     if quant is None:
         return x @ w if info["transposed"] else x @ w.T
     s, b, gs, bits = arrays[f"{name}.scales"], arrays[f"{name}.biases"], quant["group_size"], quant["bits"]
-    y = cpu_gemv.matvec(x, w, s, b, gs, bits, transpose=not info["transposed"])
-    if y is None:
-        y = mx.quantized_matmul(x, w, s, b, transpose=not info["transposed"], group_size=gs, bits=bits)
-    return y
+    return cpu_gemv.quantized_matmul(x, w, s, b, gs, bits, transpose=not info["transposed"])
 
 
 def ffn_forward(x: mx.array, arrays: Dict[str, mx.array], ffn: dict, bias: Optional[Dict[str, mx.array]] = None) -> mx.array:

@@ -177,7 +177,7 @@ def _ops_row_dot(x, rows, slots, m: RowMatrix):
         return x @ w.astype(x.dtype).T
     s = _gather(rows, slots, m.scales).astype(x.dtype)
     b = _gather(rows, slots, m.biases).astype(x.dtype)
-    return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=m.group_size, bits=m.bits)
+    return cpu_gemv.quantized_matmul(x, w, s, b, m.group_size, m.bits, transpose=True)
 
 
 def _ops_row_axpy(w, rows, slots, m: RowMatrix):
@@ -186,7 +186,7 @@ def _ops_row_axpy(w, rows, slots, m: RowMatrix):
         return w @ wt.astype(w.dtype)
     s = _gather(rows, slots, m.scales).astype(w.dtype)
     b = _gather(rows, slots, m.biases).astype(w.dtype)
-    return mx.quantized_matmul(w, wt, s, b, transpose=False, group_size=m.group_size, bits=m.bits)
+    return cpu_gemv.quantized_matmul(w, wt, s, b, m.group_size, m.bits, transpose=False)
 
 
 # -- the native CPU path ----------------------------------------------------------------
