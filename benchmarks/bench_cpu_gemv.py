@@ -32,29 +32,39 @@ SHAPES = [  # (name, rows, n, bits, scale dtype): rows of n values each
 ]
 
 
+def quantized(rows, n, bits, scale_dtype, group_size=64):
+    """A random rows x n matrix quantised to bits, its scales and biases in scale_dtype."""
+    wq, s, b = mx.quantize(mx.random.normal((rows, n)), group_size=group_size, bits=bits)
+    s, b = s.astype(scale_dtype), b.astype(scale_dtype)
+    mx.eval(wq, s, b)
+    return wq, s, b
+
+
+def mlx_vs_native(wq, s, b, bits, transpose, group_size=64, rounds=3, repeats=5):
+    """(MLX ms, native ms) for one float32 row against wq: medians of rounds x repeats, interleaved."""
+    sf, bf = s.astype(mx.float32), b.astype(mx.float32)  # MLX wants the scales in x's dtype
+    x = mx.random.normal((1, wq.shape[-1] * 32 // bits if transpose else wq.shape[0]))
+    mx.eval(sf, bf, x)
+
+    def mlx_op():
+        return mx.quantized_matmul(x, wq, sf, bf, transpose=transpose, group_size=group_size, bits=bits)
+
+    def native():
+        return cpu_gemv.matvec(x, wq, s, b, group_size, bits, transpose)
+
+    a, c = [], []
+    for _ in range(rounds):  # interleaved, so load changes hit both
+        a.append(median_ms(mlx_op, repeats))
+        c.append(median_ms(native, repeats))
+    return float(np.median(a)), float(np.median(c))
+
+
 def matvecs(group_size=64):
     rows = []
     for name, r, n, bits, sdt in SHAPES:
-        w = mx.random.normal((r, n))
-        wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
-        s, b = s.astype(sdt), b.astype(sdt)
-        sf, bf = s.astype(mx.float32), b.astype(mx.float32)  # MLX wants the scales in x's dtype
-        mx.eval(wq, s, b, sf, bf)
+        wq, s, b = quantized(r, n, bits, sdt, group_size)
         for transpose, what in ((True, "x @ W^T (row_dot)"), (False, "c @ W (row_axpy)")):
-            x = mx.random.normal((1, n if transpose else r))
-            mx.eval(x)
-
-            def mlx_op():
-                return mx.quantized_matmul(x, wq, sf, bf, transpose=transpose, group_size=group_size, bits=bits)
-
-            def native():
-                return cpu_gemv.matvec(x, wq, s, b, group_size, bits, transpose)
-
-            a, c = [], []
-            for _ in range(3):  # interleaved, so load changes hit both
-                a.append(median_ms(mlx_op, 5))
-                c.append(median_ms(native, 5))
-            a, c = float(np.median(a)), float(np.median(c))
+            a, c = mlx_vs_native(wq, s, b, bits, transpose, group_size)
             rows.append({"matrix": name, "product": what, "bits": bits, "rows": r, "n": n, "mlx_ms": a,
                          "native_ms": c, "speedup": a / c, "native_gweights_per_s": r * n / c / 1e6})
     return rows

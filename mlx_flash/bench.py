@@ -11,8 +11,8 @@ Configurations (each starts with cold caches: a fresh engine, O_DIRECT reads, so
   hybrid-prefetch  hybrid with two buffers of the budget reading the next layer's uncached units
               while a layer computes (runtime.Prefetch; what `load` does for --sparsity dense)
   sparsity    the sparsifier's active set read every token, no unit cache (no reuse)
-  window-unbundled  sparsifier + window-k cache (k=5) under the budget, UNBUNDLED: each unit is
-              read as one request per matrix (gate/up/down), never coalesced (see UnbundledReader)
+  window-unbundled  sparsifier + window-k cache (k=5) under the budget, UNBUNDLED: one request per
+              matrix (gate/up/down) per run of neighbouring units (see UnbundledReader)
   all         sparsifier + window-k cache + bundles (one request per unit, neighbours coalesced)
   mlx-lm      every weight in DRAM (the flash dir loaded resident), when it fits: the ceiling
 
@@ -56,7 +56,7 @@ DESCRIPTIONS = {
     "hybrid": "dense, budget filled with cached units, the rest streamed",
     "hybrid-prefetch": "hybrid, the next layer's uncached units read while a layer computes",
     "sparsity": "sparsifier, no unit cache (no reuse)",
-    "window-unbundled": "sparsifier + window cache, one request per matrix (unbundled)",
+    "window-unbundled": "sparsifier + window cache, one request per matrix per run of neighbours (unbundled)",
     "all": "sparsifier + window cache + bundling",
     "mlx-lm": "all weights in DRAM (ceiling)",
 }
@@ -88,15 +88,17 @@ class TimedSparsifier:
 
 
 class UnbundledReader:
-    """Ablates bundling: reads each unit as `pieces` separate requests (one per matrix: gate, up,
-    down), never coalesced, as when every matrix is stored on its own and a neuron's rows are
-    far apart.
+    """Ablates bundling: reads units as `pieces` requests per run of neighbouring units (one per
+    matrix: gate, up, down), as when every matrix is stored on its own (matrix-major): a matrix's
+    rows of neighbouring neurons are still adjacent, so a run of k units adjacent in the file (and
+    in the destination: misses get consecutive cache slots) costs `pieces` requests of k x the
+    piece size instead of one of k x the stride. Units that are not neighbours are never merged
+    (no gaps filled).
 
-    The pieces are read from their real places inside the bundle (so the data and the tokens stay
-    right); only the request pattern changes: `pieces` x the requests, each 1/pieces of the size,
-    and no merging of neighbouring units (a matrix-major file could merge the rows of neighbouring
-    neurons; at the densities used here few active neurons are neighbours). Piece size: stride /
-    pieces rounded down to the alignment, the last piece takes the remainder."""
+    The data is read from its real place in the bundled file (so the data and the tokens stay
+    right): the run's bytes are split into `pieces` consecutive requests of those sizes; only the
+    request pattern changes. Piece size: stride / pieces rounded down to the alignment, the last
+    piece takes the remainder."""
 
     def __init__(self, reader, fd: FlashDir, pieces: int):
         self.reader, self.fd, self.pieces = reader, fd, pieces
@@ -116,11 +118,14 @@ class UnbundledReader:
             unit_o.append(o + k)
             unit_d.append(d + k)
         uo, ud = np.concatenate(unit_o), np.concatenate(unit_d)
-        lo = np.array(starts, dtype=np.int64)
-        o = (uo[:, None] + lo[None]).reshape(-1)
-        d = (ud[:, None] + lo[None]).reshape(-1)
-        ln = np.tile(np.array(sizes, dtype=np.int64), len(uo))
-        return o, ln, d
+        order = np.argsort(uo, kind="stable")
+        uo, ud = uo[order], ud[order]
+        first = np.flatnonzero(np.r_[True, (np.diff(uo) != stride) | (np.diff(ud) != stride)])  # runs
+        k = np.diff(np.r_[first, len(uo)])[:, None]
+        lo, size = np.array(starts, dtype=np.int64)[None], np.array(sizes, dtype=np.int64)[None]
+        o = (uo[first][:, None] + k * lo).reshape(-1)
+        d = (ud[first][:, None] + k * lo).reshape(-1)
+        return o, (k * size).reshape(-1), d
 
     def submit(self, dest, offsets, lengths, dest_offsets, *, coalesce: bool = True):
         offsets, lengths, dest_offsets = (np.asarray(x, dtype=np.int64) for x in (offsets, lengths, dest_offsets))

@@ -1,10 +1,10 @@
 """Use OpenBLAS for MLX's CPU matmuls on Linux.
 
-The `mlx[cpu]` wheel bundles the reference (netlib) BLAS, 7-50x slower than
-OpenBLAS for float32 matmuls. Loading OpenBLAS with RTLD_GLOBAL before
-`mlx.core` is imported makes MLX resolve its BLAS symbols there (measured
-here: equal to LD_PRELOAD). mlx_flash does this on import unless
-MLX_FLASH_OPENBLAS=0; if mlx was imported first, it says how to fix it.
+The `mlx[cpu]` wheel bundles the reference (netlib) BLAS, 8-11x slower than
+OpenBLAS for a float32 64x4096 @ 4096x4096 gemm here (benchmarks/cpu_facts.py).
+Loading OpenBLAS with RTLD_GLOBAL before `mlx.core` is imported makes MLX resolve
+its BLAS symbols there (measured here: equal to LD_PRELOAD). mlx_flash does this on
+import unless MLX_FLASH_OPENBLAS=0; if mlx was imported first, it says how to fix it.
 """
 
 import ctypes
@@ -48,7 +48,7 @@ def use_openblas() -> str:
     if path is not None and _loaded(path):
         status = "openblas"
     elif path is None:
-        status = "reference BLAS (install libopenblas0-pthread for 7-50x faster float32 matmuls)"
+        status = "reference BLAS (install libopenblas0-pthread for ~10x faster float32 matmuls)"
         warnings.warn(f"mlx_flash: {status}", stacklevel=3)
     elif "mlx.core" in sys.modules:
         status = f"reference BLAS (mlx was imported before mlx_flash; import mlx_flash first or set LD_PRELOAD={path})"

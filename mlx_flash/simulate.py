@@ -11,7 +11,7 @@ machine, per layer and token:
    dense configurations read every unit not cached, no-cache ones every active unit;
 2. flash time = bytes / flash_bandwidth(mean request size); requests: bundled units merge with
    neighbours closer than the reader's max gap (the gap is read too, as the pread pool does);
-   unbundled: one request per matrix per unit; dense streaming: 1 MiB sequential requests;
+   unbundled: one request per matrix per run of neighbouring units; dense streaming: 1 MiB sequential requests;
 3. DRAM time = (resident bytes + bytes of the units used) / DRAM bandwidth, plus a fixed overhead
    per layer (the runtime's per-layer work: Python, planning, small kernels);
 4. token latency = flash + DRAM time (the runtime does not overlap them).
@@ -135,8 +135,8 @@ def simulate_config(name: str, r: dict, bench: dict, trace, machine: dict, token
                 continue
             if dense:  # streamed through the scratch buffer in order: big sequential reads
                 req = max(1, -(-nbytes // MIB))
-            elif name == "window-unbundled":  # one request per matrix, no merging
-                req = len(read) * pieces
+            elif name == "window-unbundled":  # one request per matrix per run of neighbours, no gaps read
+                req = coalesce(read, stride, 0)[0] * pieces
             else:
                 req, nbytes = coalesce(read, stride, max_gap)
             size = nbytes / req

@@ -2,6 +2,7 @@
 traces round-trip and replay exactly, the simulator's estimate for this machine is near the measured."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -73,14 +74,34 @@ def test_naive_reads_every_unit_and_the_others_read_less(bench_result, tiny_dir)
     assert 0 < c["hybrid"]["bytes_per_token"] < c["naive"]["bytes_per_token"]
     assert c["sparsity"]["bytes_per_token"] < c["naive"]["bytes_per_token"]
     assert c["all"]["bytes_per_token"] < c["sparsity"]["bytes_per_token"]
-    # unbundled asks for the same bytes in more, smaller requests (and fills no gaps at the device)
-    assert c["window-unbundled"]["bytes_requested_per_token"] == c["all"]["bytes_requested_per_token"]
-    assert c["window-unbundled"]["bytes_per_token"] == c["window-unbundled"]["bytes_requested_per_token"]
-    assert c["window-unbundled"]["requests_per_token"] > c["all"]["requests_per_token"]
+    # unbundled asks for the same bytes in more, smaller requests (and fills no gaps at the device):
+    # one per matrix per run of neighbours, while "all" reads a run (or several, across small gaps) at once
+    u = c["window-unbundled"]
+    pieces = min(len(fd.ffn["matrices"]), u["stride"] // fd.alignment)  # each at least one alignment unit
+    assert u["bytes_requested_per_token"] == c["all"]["bytes_requested_per_token"]
+    assert u["bytes_per_token"] == u["bytes_requested_per_token"]
+    assert u["requests_per_token"] > c["all"]["requests_per_token"]
+    assert u["requests_per_token"] < pieces * u["bytes_requested_per_token"] / u["stride"]  # neighbours merged
     assert c["hybrid"]["dram_weights_bytes"] <= res["budget_bytes"]
     assert c["hybrid-prefetch"]["dram_weights_bytes"] <= res["budget_bytes"]
     assert c["hybrid-prefetch"]["bytes_requested_per_token"] == pytest.approx(c["hybrid"]["bytes_requested_per_token"], rel=0.05)
     assert res["targets"]["io_bytes_naive_over_all"] > 1
+
+
+def test_unbundled_reads_one_request_per_matrix_per_run_of_neighbours():
+    stride = 48  # three 16-byte pieces at alignment 4
+    units = np.array([6, 0, 1, 2, 5, 9])
+    slots = np.array([5, 0, 1, 2, 3, 4])  # 0-2 neighbours in the file and in the cache; 5, 6 only in the file
+    fd = SimpleNamespace(alignment=4)
+    o, ln, d = bench.UnbundledReader(None, fd, 3)._split(units * stride, np.full(6, stride), slots * stride, stride)
+    assert ln.tolist() == [48] * 3 + [16] * 9  # runs 0-2, 5, 6, 9: one request per piece each
+    file = np.arange(10 * stride)  # each "byte" its own offset
+    got, want = np.full(6 * stride, -1), np.full(6 * stride, -1)
+    for oi, li, di in zip(o, ln, d):
+        got[di:di + li] = file[oi:oi + li]
+    for u, s in zip(units, slots):
+        want[s * stride:(s + 1) * stride] = file[u * stride:(u + 1) * stride]
+    assert np.array_equal(got, want)
 
 
 def test_synthetic_builder_makes_the_requested_shapes(tmp_path):
