@@ -133,7 +133,7 @@ def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, tran
     return mx.array(y).reshape(*x.shape[:-1], y.shape[0])
 
 
-DEQUANT_CHUNK_BYTES = 8 << 20  # float32 weights dequantised at a time for prompts (bounded temporaries)
+DEQUANT_CHUNK_BYTES = 2 << 20  # float32 weights dequantised at a time for prompts (bounded temporaries)
 DEQUANT_MIN_ROWS = 8  # below, dequantising costs more than MLX's kernel saves (benchmarks/cpu_facts.py: 16 rows 3x faster)
 
 
