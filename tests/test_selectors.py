@@ -153,3 +153,20 @@ def test_uncalibrated_and_unmeasured_directories_run_dense(dirs):
         make_sparsifier(fd, "sketch")
     save_selector(fd, "sketch", None, bits=2, group_size=32, density=[0.5] * len(fd.layers))  # no measurement
     assert isinstance(make_sparsifier(FlashDir(path), "auto"), Dense)
+
+
+def test_generate_stats_name_the_selector(dirs):
+    import subprocess
+
+    _, _, data = dirs
+    path = _flash(dirs, "gen")
+    _calibrate(path, data, "--max-ppl-increase", "10")
+    nbytes = FlashDir(path).manifest["sparsity"]["selector"]["nbytes"]
+    run = [sys.executable, "-m", "mlx_flash.generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "3",
+           "--memory-budget", "250%", "--stats", "--max-ppl-increase"]
+    r = subprocess.run(run + ["10"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "selector: sketch 2-bit gate/up" in r.stdout and f"extra {nbytes / 1024:.1f} KiB" in r.stdout
+    r = subprocess.run(run + ["-1"], capture_output=True, text=True, timeout=300)  # nothing is good enough: dense
+    assert r.returncode == 0, r.stderr
+    assert "selector: dense" in r.stdout
