@@ -1,7 +1,15 @@
-"""Calibrate a flash directory on real text: low-rank predictors, DIP densities, neuron order, a quality report.
+"""Calibrate a flash directory on real text: the neuron selector it ships, predictors, DIP densities,
+neuron order, a quality report.
 
-    python -m mlx_flash.calibrate [--model DIR] [--data FILE ...] [--rank 64] [--density 0.5]
-        [--dip-target 0.5] [--dip-per-layer] [--reorder] [--report OUT_DIR]
+    python -m mlx_flash.calibrate [--model DIR] [--data FILE ...] [--density 0.5]
+        [--selector auto|sketch|wina|dip|predictor|none] [--max-ppl-increase 0.10]
+        [--rank 64] [--dip-target 0.5] [--dip-per-layer] [--reorder] [--report OUT_DIR]
+
+By default it only collects activations and calibrates the selector (`calibrate_selector`): the
+candidates for the directory's layout at MLP density --density, cheapest DRAM first, measured on
+held-out text; the first within --max-ppl-increase (else the best) is recorded in the manifest with
+its measured increase, and `--sparsity auto` uses it. Predictors and DIP densities (below) are
+trained for --selector predictor, --report or --dip-per-layer.
 
 1. Activations: every layers[i].mlp of a resident float32 model records its input x on the
    calibration text (default: the first half of the bundled WikiText-2 test split); the true
@@ -158,13 +166,15 @@ def dip_candidates(target: float, count: int = 5) -> List[float]:
     return sorted(set(round(float(v), 4) for v in np.linspace(lo, hi, count)))
 
 
-def calibrate_dip(model, ctl, batches: np.ndarray, target: float, count: int = 5, progress: bool = False) -> dict:
-    """Ratio search: for each split (d_in, 3t - 2 d_in), the calibration NLL; the best split for every layer."""
+def calibrate_dip(model, ctl, batches: np.ndarray, target: float, count: int = 5, progress: bool = False,
+                  mode: str = "dip", **kw) -> dict:
+    """Ratio search: for each split (d_in, 3t - 2 d_in), the calibration NLL; the best split for every layer.
+    mode "wina" (with kw input_norm / neuron_norm) searches the split of weight-aware DIP."""
     L = ctl.n_layers
     results = []
-    for d_in in tqdm(dip_candidates(target, count), desc=f"dip {target:.0%}", disable=not progress):
+    for d_in in tqdm(dip_candidates(target, count), desc=f"{mode} {target:.0%}", disable=not progress):
         d_out = min(1.0, max(0.0, 3 * target - 2 * d_in))
-        ctl.set_mode("dip", input_density=[d_in] * L, neuron_density=[d_out] * L)
+        ctl.set_mode(mode, input_density=[d_in] * L, neuron_density=[d_out] * L, **kw)
         nll = sequence_nll(model, ctl, batches)
         results.append({"input_density": d_in, "neuron_density": d_out, "nll": nll,
                         "realised_mlp_density": float(ctl.realised()["mlp"].mean())})
@@ -319,6 +329,102 @@ def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, coun
             "search": uni["search"], "per_layer": info}
 
 
+# -- selector: the one the directory ships -----------------------------------------------------------
+SKETCH_BITS = (2, 3, 4)  # tried cheapest first
+
+
+def selector_candidates(layout: str, selector: str = "auto", group_size: int = 64) -> List[dict]:
+    """The selectors calibration tries, cheapest DRAM first. auto: the sketches on the neurons layout,
+    DIP and WINA on the dip layout (the predictor only when asked: it is worse than a 2-bit sketch of
+    the same size on SmolLM2, BENCHMARKS.md)."""
+    if selector == "auto":
+        names = ["dip", "wina"] if layout == "dip" else ["sketch"]
+    else:
+        names = [selector]
+    out = []
+    for name in names:
+        if name == "sketch":
+            out += [{"name": "sketch", "bits": b, "group_size": group_size} for b in SKETCH_BITS]
+        else:
+            out.append({"name": name})
+    return out
+
+
+def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights, xs, calib: np.ndarray,
+                   dip_count: int = 5, predictor: Optional[dict] = None, progress: bool = False):
+    """(Controller mode and kwargs, manifest info, arrays to save or None) for one candidate at `density`."""
+    L = len(weights)
+    name = cand["name"]
+    if name == "sketch":
+        from .selectors import build_sketch, dequantized_sketch
+
+        bits, gs = cand["bits"], cand["group_size"]
+        arrays = build_sketch(weights, xs, bits, gs)
+        info = {"bits": bits, "group_size": gs, "density": [density] * L}
+        return ("sketch", {"sketch": dequantized_sketch(arrays, bits, gs), "neuron_density": info["density"]},
+                info, arrays)
+    if name in ("dip", "wina"):
+        kw = {}
+        if name == "wina":
+            from .selectors import wina_norms
+
+            n_in, n_out = wina_norms(weights)
+            kw = {"input_norm": [mx.array(v) for v in n_in], "neuron_norm": [mx.array(v) for v in n_out]}
+        split = calibrate_dip(model, ctl, calib, density, dip_count, progress, mode=name, **kw)
+        info = {"input_density": split["input_density"], "neuron_density": split["neuron_density"],
+                "density": [density] * L}
+        return name, dict(kw, input_density=info["input_density"], neuron_density=info["neuron_density"]), info, None
+    if name == "predictor":
+        info = {"density": [density] * L}
+        return "predictor", {"predictors": predictor["weights"], "predictor_density": density}, info, None
+    raise ValueError(f"unknown selector {name!r}")
+
+
+def calibrate_selector(fd: FlashDir, model, ctl, calib: np.ndarray, held: np.ndarray, xs, weights,
+                       density: float = 0.5, selector: str = "auto", max_ppl_increase: float = 0.10,
+                       predictor: Optional[dict] = None, save: bool = True, progress: bool = False) -> dict:
+    """Measure the candidates at MLP density `density` on held-out text, cheapest DRAM first, and keep
+    the first whose perplexity increase is within `max_ppl_increase` (else the best one measured).
+    Saved as the directory's selector with the measured increase (`--sparsity auto` checks it)."""
+    ctl.set_mode("dense")
+    dense = perplexity(model, ctl, held)
+    tried, best = [], None
+    for cand in tqdm(selector_candidates(fd.ffn.get("layout", "neurons"), selector), desc="selector",
+                     disable=not progress):
+        mode, kw, info, arrays = selector_setup(fd, model, ctl, cand, density, weights, xs, calib,
+                                                predictor=predictor, progress=progress)
+        ctl.set_mode(mode, **kw)
+        ppl = perplexity(model, ctl, held)
+        nbytes = int(sum(v.nbytes for a in arrays for v in a.values())) if arrays else _kw_nbytes(kw)
+        row = dict(cand, ppl=ppl, dense_ppl=dense, ppl_increase=ppl / dense - 1, nbytes=nbytes)
+        tried.append(row)
+        if best is None or row["ppl_increase"] < best[0]["ppl_increase"]:
+            best = (row, info, arrays)
+        if row["ppl_increase"] <= max_ppl_increase:
+            best = (row, info, arrays)
+            break
+    ctl.set_mode("dense")
+    row, info, arrays = best
+    entry = dict(info, ppl=row["ppl"], dense_ppl=dense, ppl_increase=row["ppl_increase"],
+                 held_out_tokens=int(held.shape[0] * (held.shape[1] - 1)))
+    if save:
+        from .selectors import save_selector
+
+        save_selector(fd, row["name"], arrays, **entry, **({} if arrays else {"nbytes": row["nbytes"]}))
+    return {"name": row["name"], **entry, "nbytes": row["nbytes"], "tried": tried}
+
+
+def _kw_nbytes(kw: dict) -> int:
+    """Resident bytes of a candidate's arrays as the runtime keeps them (norms, predictors)."""
+    n = 0
+    for v in kw.values():
+        if isinstance(v, list) and v and isinstance(v[0], mx.array):
+            n += sum(a.nbytes for a in v)
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            n += sum(a.nbytes for d in v for a in d.values())
+    return int(n)
+
+
 # -- 5. report ------------------------------------------------------------------------------------
 def bytes_per_token(fd: FlashDir, ctl, mode: str) -> Dict[str, float]:
     """Bytes a runtime would read per token: the selected units x their stride (no cache), and the
@@ -465,6 +571,13 @@ def setup_arg_parser():
     p.add_argument("--dip-sensitivity", choices=["kl", "nll"], default="kl",
                    help="--dip-per-layer: KL to the dense model with the other layers dense (default), or the NLL "
                         "change with the other layers at the uniform split.")
+    p.add_argument("--selector", choices=["auto", "sketch", "wina", "dip", "predictor", "none"], default="auto",
+                   help="The selector the directory ships (manifest sparsity.selector, used by --sparsity auto). "
+                        "auto: the cheapest sketch (2/3/4-bit gate/up) within --max-ppl-increase on the neurons "
+                        "layout, DIP or WINA on the dip layout.")
+    p.add_argument("--max-ppl-increase", type=float, default=0.10,
+                   help="Largest held-out perplexity increase a selector may cost (0.10 = +10%%).")
+    p.add_argument("--selector-seqs", type=int, default=2, help="Held-out sequences that measure the selector.")
     p.add_argument("--no-predictor", action="store_true")
     p.add_argument("--no-dip", action="store_true")
     p.add_argument("--reorder", action="store_true", help="Rewrite ffn.bin with hot, co-active neurons adjacent.")
@@ -504,7 +617,7 @@ def run(args) -> dict:
     # 2. predictors (the neurons layout serves them; the report uses them on any layout)
     want_densities = sorted(set(args.densities) | {args.density}) if args.report else [args.density]
     predictors = {}
-    if not args.no_predictor:
+    if not args.no_predictor and (args.selector == "predictor" or args.report):
         for d in want_densities:
             if d >= 1:
                 continue
@@ -521,7 +634,7 @@ def run(args) -> dict:
 
     # 3. DIP
     dip = {}
-    if glu and not args.no_dip:
+    if glu and not args.no_dip and (args.report or args.dip_per_layer):
         dip_batches = calib[: args.dip_seqs]
         for d in sorted(set(want_densities if args.report else []) | {args.dip_target}):
             if args.dip_per_layer:
@@ -546,13 +659,22 @@ def run(args) -> dict:
         for p in predictors.values():  # keep the in-memory predictors in the new order for the report
             p["weights"] = [{"A": w["A"], "B": w["B"][mx.array(pm)]} for w, pm in zip(p["weights"], perm)]
         out["reordered"] = True
+        model, ctl = eval_model(fd)  # the weights moved: the selector and report see the new order
+        weights = [dense_ffn_weights(fd, i) for i in range(len(fd.layers))]
+
+    # the selector the directory ships (measured on held-out text; --sparsity auto checks the increase)
+    if glu and args.selector != "none":
+        held = token_batches(tok, read_text(args.eval_data or args.data, args.eval_half), args.seq_len,
+                             args.selector_seqs)
+        out["selector"] = calibrate_selector(fd, model, ctl, calib[: args.dip_seqs], held, xs, weights,
+                                             args.density, args.selector, args.max_ppl_increase,
+                                             predictors.get(args.density), progress=progress)
+        fd = FlashDir(fd.path)
 
     # 5. report
     if args.report:
         report_dir = Path(args.report)
         report_dir.mkdir(parents=True, exist_ok=True)
-        if args.reorder:  # the model's weights moved: rebuild it from the rewritten directory
-            model, ctl = eval_model(fd)
         held = token_batches(tok, read_text(args.eval_data or args.data, args.eval_half), args.seq_len, args.eval_seqs)
         out["quality"] = quality_report(fd, model, ctl, held, args.densities,
                                         predictors, dip, args.gamma,
@@ -581,6 +703,12 @@ def main():
               f"{np.mean(r['neuron_density']):.3f} (means over layers), realised MLP density {r['realised_mlp_density']:.3f}")
         if pl:
             print("  per-layer MLP density: " + " ".join(f"{v:.2f}" for v in pl["mlp_density"]))
+    sel = out.get("selector")
+    if sel:
+        cfg = f" {sel['bits']}-bit" if "bits" in sel else ""
+        print(f"selector: {sel['name']}{cfg} at MLP density {np.mean(sel['density']):.2f}: perplexity "
+              f"{sel['ppl']:.2f} vs dense {sel['dense_ppl']:.2f} ({sel['ppl_increase']:+.1%}), "
+              f"DRAM {sel['nbytes'] / 2**20:.1f} MiB")
     if "quality" in out:
         print(format_table(out))
 

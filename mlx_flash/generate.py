@@ -15,7 +15,7 @@ from .budget import fmt_bytes
 from .errors import FlashError
 from .flash_format import FlashDir
 from .default_model import default_model_dir
-from .loader import load, load_tokenizer
+from .loader import MAX_PPL_INCREASE, load, load_tokenizer
 from .stats import Stats
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -49,7 +49,11 @@ def setup_arg_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p.")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed.")
     p.add_argument("--memory-budget", default=None, help="Memory for weights, caches and KV cache: bytes, 2GB, 512MiB or 50%% of the model (default: all).")
-    p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "predictor", "dip"], help="How each token's active neurons are chosen.")
+    p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "predictor", "dip", "wina", "sketch"],
+                   help="How each token's active neurons are chosen (auto: the directory's calibrated selector, "
+                        "if within --max-ppl-increase; else dense).")
+    p.add_argument("--max-ppl-increase", type=float, default=MAX_PPL_INCREASE,
+                   help="auto: the largest perplexity increase (measured at calibration) accepted from a selector.")
     p.add_argument("--density", type=float, default=None, help="oracle: keep this fraction of GLU outputs; dip: input and neuron density.")
     p.add_argument("--gamma", type=float, default=1.0, help="DIP-CA cache-aware weight for uncached units (1 = off, paper: 0.2).")
     p.add_argument("--window", type=int, default=5, help="Keep neurons active in the last K tokens cached.")
@@ -93,6 +97,9 @@ def print_stats(engine, out=sys.stdout):
     if mx.default_device() == mx.cpu:
         print(f"CPU: quantised decode matvecs {'native (kernels/cpu_gemv.c)' if cpu_gemv.available() else 'MLX ops'}, "
               f"BLAS {blas.status}", file=out)
+    sp = engine.sparsifier
+    detail = f" {sp.bits}-bit gate/up" if getattr(sp, "bits", None) else ""
+    print(f"selector: {sp.name}{detail}, resident {fmt_bytes(getattr(sp, 'nbytes', 0))} (the plan's extra)", file=out)
     print(engine.plan.describe({k: v.stride for k, v in engine.fd.layouts.items()},
                                {k: r.n_units for k, r in engine.fd.layers[0].items()}), file=out)
 
@@ -122,6 +129,7 @@ def main(argv=None):
             direct=not args.cached_io, context=len(prompt) + args.max_tokens,  # the KV cache it will need
             prefetch=not args.no_prefetch,
             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+            max_ppl_increase=args.max_ppl_increase,
         )
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

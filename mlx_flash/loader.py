@@ -100,37 +100,73 @@ def load_tokenizer(fd: FlashDir):
     return _load(fd.path, eos_token_ids=fd.config.get("eos_token_id"))
 
 
-def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.0, threshold=None):
-    """Build the sparsifier named `sparsity` for a flash directory ("auto": the best it is calibrated for)."""
-    from .sparsity import DIP, Dense, Oracle, Predictor
+MAX_PPL_INCREASE = 0.10  # what --sparsity auto accepts from a calibrated selector by default
+
+
+def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.0, threshold=None,
+                    max_ppl_increase: float = MAX_PPL_INCREASE):
+    """Build the sparsifier named `sparsity` for a flash directory.
+
+    "auto": the directory's calibrated selector if its perplexity increase, measured at calibration,
+    is at most `max_ppl_increase`; otherwise dense. Dense and oracle serve every layout; the lossy
+    selectors need the calibration the directory records (a directory calibrated for one refuses another)."""
+    from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch
 
     calib = fd.manifest.get("sparsity") or {}
+    sel = calib.get("selector")
     if sparsity == "auto":
-        sparsity = "predictor" if "predictor" in calib else "dip" if "dip" in calib else "dense"
-    if fd.ffn.get("layout") == "dip" and sparsity != "dip":
-        raise FlashError(f"{fd.path} has the dip layout, which only serves --sparsity dip")
-    n = fd.ffn["intermediate_size"]
+        ok = sel is not None and sel.get("ppl_increase", float("inf")) <= max_ppl_increase
+        sparsity = sel["name"] if ok else "dense"
+    if sparsity not in SPARSITIES:
+        raise FlashError(f"unknown sparsity {sparsity!r} (choose from auto, {', '.join(SPARSITIES)})")
+    if sparsity in LOSSY and sel is not None and sel["name"] != sparsity:
+        raise FlashError(f"{fd.path} is calibrated for --sparsity {sel['name']}, not {sparsity}: "
+                         f"run python -m mlx_flash.calibrate --selector {sparsity} to change it")
+    dip_layout = fd.ffn.get("layout") == "dip"
+    if sparsity in ("dip", "wina") and not dip_layout:
+        raise FlashError(f"--sparsity {sparsity} needs a flash directory converted with --layout dip ({fd.path} is not)")
+    if sparsity in ("predictor", "sketch") and dip_layout:
+        raise FlashError(f"--sparsity {sparsity} needs the neurons layout: {fd.path} has the dip layout "
+                         "(it serves dense, oracle, dip and wina)")
+    n, layers = fd.ffn["intermediate_size"], len(fd.layers)
+    own = sel if sel is not None and sel["name"] == sparsity else {}
+    if density is not None:
+        dens = [float(density)] * layers
+    else:
+        dens = own.get("density")
     if sparsity == "dense":
         return Dense(n)
     if sparsity == "oracle":
-        return Oracle(fd, density)
+        return Oracle(fd, density, resident=not dip_layout)  # dip layout: the runtime computes the exact GLU
     if sparsity == "predictor":
         weights = fd.load_predictors()
         if weights is None:
-            raise FlashError(f"{fd.path} has no predictors: run python -m mlx_flash.calibrate first")
-        return Predictor(weights, threshold if threshold is not None else calib["predictor"].get("threshold", 0.5))
+            raise FlashError(f"{fd.path} has no predictors: run python -m mlx_flash.calibrate --selector predictor first")
+        t = threshold if threshold is not None else calib["predictor"].get("threshold", 0.5)
+        return Predictor(weights, t, dens[0] if dens else None)
+    if sparsity == "sketch":
+        if not own:
+            raise FlashError(f"{fd.path} has no sketch: run python -m mlx_flash.calibrate --selector sketch first")
+        from .selectors import load_selector_arrays
+
+        return Sketch(load_selector_arrays(fd), fd.ffn["activation"], own["bits"], own["group_size"],
+                      dens or [0.5] * layers, gamma)
+    # dip / wina: per-layer input and neuron densities
+    legacy = calib.get("dip", {}) if sparsity == "dip" else {}
+    if density is not None:
+        d_in = d_out = dens
+    elif "input_density" in own or "input_density" in legacy:
+        d_in = own.get("input_density", legacy.get("input_density"))
+        d_out = own.get("neuron_density", legacy.get("neuron_density"))
+    else:
+        d_in = d_out = [0.5] * layers
     if sparsity == "dip":
-        if fd.ffn.get("layout") != "dip":
-            raise FlashError(f"--sparsity dip needs a flash directory converted with --layout dip ({fd.path} is not)")
-        layers = len(fd.layers)
-        if density is not None:
-            d_in = d_out = [float(density)] * layers
-        elif "dip" in calib:
-            d_in, d_out = calib["dip"]["input_density"], calib["dip"]["neuron_density"]
-        else:
-            d_in = d_out = [0.5] * layers
         return DIP(list(d_in), list(d_out), gamma)
-    raise FlashError(f"unknown sparsity {sparsity!r} (choose from auto, dense, oracle, predictor, dip)")
+    from .quality import dense_ffn_weights
+    from .selectors import wina_norms
+
+    norms = wina_norms([dense_ffn_weights(fd, i) for i in range(layers)])
+    return WINA(list(d_in), list(d_out), *norms, gamma=gamma)
 
 
 def load(
@@ -151,6 +187,7 @@ def load(
     kv_bits: int = None,
     kv_group_size: int = 64,
     prompt_caches: int = 0,
+    max_ppl_increase: float = MAX_PPL_INCREASE,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -162,7 +199,8 @@ def load(
     dtype: mx.float32 runs activations in float32 (see `cpu_float32`); the default without Metal,
     where float16 matmuls do not use BLAS (~35x slower). Otherwise the stored dtype is kept.
     sparsifier: an object with the sparsity.py interface (e.g. a `Predictor` trained in memory); it
-    replaces `sparsity`/`density`/`gamma`. `model.flash.attach` swaps engines later.
+    replaces `sparsity`/`density`/`gamma`. max_ppl_increase: what "auto" accepts (make_sparsifier).
+    `model.flash.attach` swaps engines later.
     prefetch: dense decoding reads the next layer's uncached units while a layer computes (two buffers
     in the budget; see runtime.Prefetch). False: one layer after the other (for A/B runs).
     kv_bits: 4 or 8 quantises the KV cache (mlx-lm's QuantizedKVCache, `kv_group_size` elements per
@@ -182,7 +220,7 @@ def load(
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
     if sparsifier is None:
-        sparsifier = make_sparsifier(fd, sparsity, density, gamma)
+        sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
     extra = getattr(sparsifier, "nbytes", 0)  # the selector's own DRAM (predictors, the oracle's copy)
     if dtype is None and not mx.metal.is_available():

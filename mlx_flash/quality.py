@@ -19,6 +19,9 @@ Modes (`Controller.mode`):
     dip-ca     DIP with cache-aware scores (DIP eq. 10): a per-layer LFU NeuronCache is
                simulated token by token (the runtime's cache class, no bytes moved), and
                |x| / |GLU| of units not in the cache are scaled by gamma before top-K.
+    wina       DIP with |x_j| scaled by ||[gate; up][:, j]|| and |GLU_i| by ||down[:, i]||
+    sketch     m_out = top-K of |act(G~ x) * (U~ x)|, G~ / U~ the sketch's low-bit gate / up
+               (held here dequantised to float32: the same values, fast CPU matmuls)
 
 The controller also counts selected units (the realised density) and, for cached modes,
 misses (the units a runtime with that cache would read), and can record each FFN input
@@ -39,7 +42,8 @@ from .sparsity import top_k
 
 from tqdm import tqdm
 
-MODES = ("dense", "oracle", "predictor", "dip", "dip-ca")
+MODES = ("dense", "oracle", "predictor", "dip", "dip-ca", "wina", "sketch")
+DIP_MODES = ("dip", "dip-ca", "wina")  # prune gate/up inputs first
 
 
 # -- weights -----------------------------------------------------------------------------
@@ -101,6 +105,10 @@ class Controller:
     density: float = 1.0  # oracle: fraction of neurons kept
     predictors: Optional[List[Dict[str, mx.array]]] = None
     threshold: float = 0.5
+    predictor_density: Optional[float] = None  # set: top-K predictor logits per token, not the threshold
+    input_norm: Optional[List[mx.array]] = None  # wina
+    neuron_norm: Optional[List[mx.array]] = None  # wina
+    sketch: Optional[List[Dict[str, mx.array]]] = None  # sketch: per layer {"gate", "up"} [n, d] float32
     input_density: Optional[List[float]] = None  # dip
     neuron_density: Optional[List[float]] = None  # dip
     gamma: float = 0.2  # dip-ca
@@ -140,7 +148,7 @@ class Controller:
         d_in = self.selected["inputs"] / t / max(self.sizes.get("inputs", 1), 1)
         d_out = self.selected["neurons"] / t / max(self.sizes.get("neurons", 1), 1)
         if "inputs" not in self.sizes:
-            d_in = np.ones(self.n_layers) if self.kind == "glu" and self.mode in ("dip", "dip-ca") else d_out
+            d_in = np.ones(self.n_layers) if self.kind == "glu" and self.mode in DIP_MODES else d_out
         mlp = (2 * d_in + d_out) / 3 if self.kind == "glu" else d_out
         return {"input": d_in, "neuron": d_out, "mlp": mlp}
 
@@ -162,22 +170,24 @@ class Controller:
         act = ACTIVATIONS[self.activation]
         n, d = w["gate"].shape
         self.sizes["neurons"] = n
-        if self.mode in ("dip", "dip-ca"):
+        if self.mode in DIP_MODES:
             self.sizes["inputs"] = d
             k_in = round(self.input_density[layer] * d)
-            if self.mode == "dip":
-                m_in = _top_k_mask(mx.abs(x), k_in)
+            s_in = mx.abs(x) * (self.input_norm[layer] if self.mode == "wina" else 1)
+            if self.mode != "dip-ca":
+                m_in = _top_k_mask(s_in, k_in)
             else:
-                m_in = self._cached_masks(layer, "inputs", np.array(mx.abs(x)), k_in, d)
+                m_in = self._cached_masks(layer, "inputs", np.array(s_in), k_in, d)
             xm = x * m_in
             h = act(xm @ w["gate"].T) * (xm @ w["up"].T)
             k_out = round(self.neuron_density[layer] * n)
-            if self.mode == "dip":
-                m_out = _top_k_mask(mx.abs(h), k_out)
+            s_out = mx.abs(h) * (self.neuron_norm[layer] if self.mode == "wina" else 1)
+            if self.mode != "dip-ca":
+                m_out = _top_k_mask(s_out, k_out)
             else:
-                m_out = self._cached_masks(layer, "neurons", np.array(mx.abs(h)), k_out, n)
+                m_out = self._cached_masks(layer, "neurons", np.array(s_out), k_out, n)
             self.selected["inputs"][layer] += float(mx.sum(m_in).item())
-            if self.count_misses and self.mode == "dip":
+            if self.count_misses and self.mode != "dip-ca":
                 self._count_misses(layer, "inputs", np.array(m_in) > 0, d)
         else:
             h = act(x @ w["gate"].T) * (x @ w["up"].T)
@@ -218,8 +228,14 @@ class Controller:
         if self.mode == "predictor":
             p = self.predictors[layer]
             z = (x @ p["A"].T) @ p["B"].T
+            if self.predictor_density is not None:
+                return _top_k_mask(z, round(self.predictor_density * z.shape[-1]))
             t = float(np.log(self.threshold / (1 - self.threshold)))
             return (z > t).astype(mx.float32)
+        if self.mode == "sketch":
+            sk = self.sketch[layer]
+            s = mx.abs(ACTIVATIONS[self.activation](x @ sk["gate"].T) * (x @ sk["up"].T))
+            return _top_k_mask(s, round(self.neuron_density[layer] * h.shape[-1]))
         raise ValueError(f"mode {self.mode!r} needs the glu dip path")
 
     # -- caches (dip-ca, and miss counting) -------------------------------------------

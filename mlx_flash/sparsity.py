@@ -9,6 +9,13 @@
     dip        Dynamic Input Pruning (needs the dip layout): top-K of |x| picks gate/up
                input columns, top-K of the pruned |GLU| picks down rows; with gamma < 1
                the scores prefer cached units (DIP-CA).
+    wina       weight-aware DIP (WINA): DIP with input j scored |x_j| ||[gate; up][:, j]|| and
+               neuron i |h_i| ||down[:, i]|| (dip layout; resident: two norm vectors a layer).
+    sketch     top-K of |act(g~) u~|, g~ and u~ from resident low-bit copies of gate and up
+               (neurons layout): the estimate ranks neurons, the runtime reads their exact rows.
+
+On the dip layout every sparsifier drives `select_inputs` / `select_neurons`; dense and oracle
+take every input column there, so the GLU they see is exact (the oracle needs no copy).
 
 A sparsifier sees the FFN input of one token (x [d], float32 numpy) and returns
 sorted unit ids (int32). DIP needs the gate/up result to choose down rows, so
@@ -24,7 +31,8 @@ import numpy as np
 from .ffn import ACTIVATIONS, project
 from .neuron_cache import cache_aware_scores
 
-SPARSITIES = ("dense", "oracle", "predictor", "dip")
+SPARSITIES = ("dense", "oracle", "predictor", "dip", "wina", "sketch")
+LOSSY = ("predictor", "dip", "wina", "sketch")  # need a calibration; dense and oracle serve every directory
 
 
 def top_k(scores: np.ndarray, k: int) -> np.ndarray:
@@ -48,19 +56,27 @@ class Dense:
     def select(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
         return self._all
 
+    def select_inputs(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
+        return np.arange(x.shape[0], dtype=np.int32)
+
+    def select_neurons(self, layer: int, glu: np.ndarray, cached=None) -> np.ndarray:
+        return self._all
+
 
 class Oracle:
-    """Exact active sets from the true activations (its own resident copy of fc1 or gate+up)."""
+    """Exact active sets from the true activations. On the neurons layout it keeps its own resident
+    copy of fc1 or gate+up; on the dip layout (`resident=False`) it reads every input column and
+    ranks the exact GLU the runtime computed."""
 
     name = "oracle"
 
-    def __init__(self, fd, density: Optional[float] = None):
+    def __init__(self, fd, density: Optional[float] = None, resident: bool = True):
         self.ffn = fd.ffn
         self.density = density
         self.bias = {}
         names = ("gate", "up") if self.ffn["kind"] == "glu" else ("fc1",)
         self.arrays: List[Dict[str, mx.array]] = []
-        for i in range(len(fd.layers)):
+        for i in range(len(fd.layers) if resident else 0):
             a = fd.unpack_layer(i)
             keep = {k: v for k, v in a.items() if k.split(".")[0] in names}
             mx.eval(keep)
@@ -81,7 +97,13 @@ class Oracle:
         return np.array(h.astype(mx.float32))[0]
 
     def select(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
-        h = np.abs(self.activations(layer, x))
+        return self.select_neurons(layer, self.activations(layer, x))
+
+    def select_inputs(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
+        return np.arange(x.shape[0], dtype=np.int32)
+
+    def select_neurons(self, layer: int, glu: np.ndarray, cached=None) -> np.ndarray:
+        h = np.abs(glu)
         if self.density is None:
             return np.flatnonzero(h).astype(np.int32)
         return top_k(h, round(self.density * h.shape[0]))
@@ -92,10 +114,11 @@ class Predictor:
 
     name = "predictor"
 
-    def __init__(self, weights: List[Dict[str, mx.array]], threshold: float = 0.5):
+    def __init__(self, weights: List[Dict[str, mx.array]], threshold: float = 0.5, density: Optional[float] = None):
         self.weights = weights  # per layer {"A": [rank, d], "B": [n, rank]}
         self.nbytes = sum(v.nbytes for w in weights for v in w.values())  # DRAM held: in the budget
         self.threshold = threshold
+        self.density = density  # set: the top-K logits per token instead of the threshold
 
     def logits(self, layer: int, x: np.ndarray) -> np.ndarray:
         w = self.weights[layer]
@@ -103,9 +126,12 @@ class Predictor:
         return np.array(z.astype(mx.float32))[0]
 
     def select(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
+        z = self.logits(layer, x)
+        if self.density is not None:
+            return top_k(z, round(self.density * z.shape[0]))
         # sigmoid(z) > t  <=>  z > logit(t)
         t = np.log(self.threshold / (1 - self.threshold))
-        return np.flatnonzero(self.logits(layer, x) > t).astype(np.int32)
+        return np.flatnonzero(z > t).astype(np.int32)
 
 
 @dataclass
@@ -124,3 +150,70 @@ class DIP:
     def select_neurons(self, layer: int, glu: np.ndarray, cached: Optional[np.ndarray] = None) -> np.ndarray:
         s = cache_aware_scores(np.abs(glu), cached, self.gamma)
         return top_k(s, round(self.neuron_density[layer] * glu.shape[0]))
+
+
+class WINA(DIP):
+    """Weight-aware DIP: |x_j| and |h_i| scaled by the norms of the weights they multiply
+    (input j: ||[gate; up][:, j]||, neuron i: ||down[:, i]||), so a small input on heavy columns
+    can outrank a large one on light columns."""
+
+    def __init__(self, input_density, neuron_density, input_norm, neuron_norm, gamma: float = 1.0):
+        super().__init__(input_density, neuron_density, gamma)
+        self.name = "wina"
+        self.input_norm, self.neuron_norm = input_norm, neuron_norm  # per layer [d], [n] float32
+        self.nbytes = sum(v.nbytes for v in input_norm + neuron_norm)
+
+    def select_inputs(self, layer, x, cached=None):
+        return super().select_inputs(layer, x * self.input_norm[layer], cached)
+
+    def select_neurons(self, layer, glu, cached=None):
+        return super().select_neurons(layer, glu * self.neuron_norm[layer], cached)
+
+
+class Sketch:
+    """Top-K of the estimated |act(gate x) * (up x)| from resident low-bit copies of gate and up
+    (`sketch_layer`); the runtime then reads the chosen neurons' exact rows."""
+
+    name = "sketch"
+
+    def __init__(self, layers: List[Dict[str, mx.array]], activation: str, bits: int, group_size: int,
+                 density: List[float], gamma: float = 1.0):
+        self.layers, self.bits, self.group_size = layers, bits, group_size
+        self.act = ACTIVATIONS[activation]
+        self.density, self.gamma = list(density), gamma
+        self.nbytes = sum(v.nbytes for a in layers for v in a.values())
+
+    def estimate(self, layer: int, x: mx.array) -> mx.array:
+        """|act(g~) * u~| for every neuron: x [..., d] -> [..., n]."""
+        a = self.layers[layer]
+        if "input_scale" in a:  # columns were scaled by s before quantising (selectors.build_sketch)
+            x = x / a["input_scale"]
+
+        def mm(name):
+            return mx.quantized_matmul(x, a[f"{name}.weight"], a[f"{name}.scales"], a[f"{name}.biases"],
+                                       transpose=True, group_size=self.group_size, bits=self.bits)
+
+        return mx.abs(self.act(mm("gate")) * mm("up"))
+
+    def select(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
+        s = np.array(self.estimate(layer, mx.array(x)[None]).astype(mx.float32))[0]
+        s = cache_aware_scores(s, cached, self.gamma)
+        return top_k(s, round(self.density[layer] * s.shape[0]))
+
+
+def sketch_layer(w: Dict[str, mx.array], bits: int, group_size: int) -> Dict[str, mx.array]:
+    """Low-bit copies of one layer's gate and up ([n, d] float rows), quantised along d with float16
+    scales and biases: what `Sketch` keeps resident."""
+    out = {}
+    for name in ("gate", "up"):
+        q, s, b = mx.quantize(w[name].astype(mx.float16), group_size=group_size, bits=bits)
+        out.update({f"{name}.weight": q, f"{name}.scales": s, f"{name}.biases": b})
+    mx.eval(out)
+    return out
+
+
+def weight_norms(w: Dict[str, mx.array]):
+    """WINA's column norms of one layer: ||[gate; up][:, j]|| [d] and ||down[:, i]|| [n] (float32 numpy)."""
+    gu = mx.sqrt(mx.sum(w["gate"] ** 2, axis=0) + mx.sum(w["up"] ** 2, axis=0))
+    down = mx.sqrt(mx.sum(w["down"] ** 2, axis=1))  # canonical down rows [n, d]: neuron i's output column
+    return np.array(gu), np.array(down)

@@ -31,10 +31,19 @@ def read_text(paths: Sequence = None, half: str = "all") -> str:
     return "\n".join(parts)
 
 
-def token_batches(tokenizer, text: str, seq_len: int, n_seqs: int) -> np.ndarray:
-    """[n, seq_len + 1] token windows (inputs + next-token targets), consecutive and non-overlapping."""
-    ids = np.array(tokenizer.encode(text), dtype=np.int32)
-    n = min(n_seqs, len(ids) // (seq_len + 1))
+def token_batches(tokenizer, text: str, seq_len: int, n_seqs: int, bos: bool = True) -> np.ndarray:
+    """[n, seq_len + 1] token windows (inputs + next-token targets), consecutive and non-overlapping.
+
+    Each window starts with the tokenizer's BOS token when it has one (bos=True), as the model saw in
+    training, followed by seq_len tokens of text; without a BOS token the windows are seq_len + 1 text
+    tokens. The text is tokenized as plain text: WikiText's literal `<unk>` stays text."""
+    ids = np.array(tokenizer.encode(text, add_special_tokens=False), dtype=np.int32)
+    first = getattr(tokenizer, "bos_token_id", None) if bos else None
+    width = seq_len if first is not None else seq_len + 1
+    n = min(n_seqs, len(ids) // width)
     if n == 0:
-        raise ValueError(f"text too short: {len(ids)} tokens for one sequence of {seq_len + 1}")
-    return ids[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+        raise ValueError(f"text too short: {len(ids)} tokens for one sequence of {width}")
+    rows = ids[: n * width].reshape(n, width)
+    if first is not None:
+        rows = np.concatenate([np.full((n, 1), first, dtype=np.int32), rows], axis=1)
+    return rows

@@ -85,6 +85,23 @@ def test_dip_full_density_equals_dense(flash_dirs):
         model.flash.close()
 
 
+@pytest.mark.parametrize("sparsity", ["dense", "oracle"])
+def test_dip_layout_serves_the_lossless_modes(flash_dirs, sparsity):
+    """Dense and oracle on the dip layout: every input column and every (non-zero) neuron, read through
+    the inputs / neurons regions; the oracle ranks the exact GLU the runtime computed (no copy)."""
+    path = flash_dirs["llama", "dip"]
+    ref, fd = load_resident(path)
+    model, _ = load(path, memory_budget=small_budget(path), sparsity=sparsity, context=CONTEXT)
+    try:
+        assert model.flash.sparsifier.name == sparsity and model.flash.plan.extra == 0
+        assert greedy(model, 32) == greedy(ref, 32)
+        model.flash.stats.end()
+        n = fd.layers[0]["inputs"].n_units + fd.layers[0]["neurons"].n_units
+        assert all(a == n for t in model.flash.stats.decode_tokens() for a in t.active)
+    finally:
+        model.flash.close()
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.2])
 def test_dip_layer_matches_reference(flash_dirs, gamma):
     """One decode step of one layer against DIP computed from the dense weights (DIP eq. 8)."""
@@ -163,8 +180,10 @@ def test_bad_options(flash_dirs):
         load(flash_dirs["llama", "neurons"], sparsity="dip")
     with pytest.raises(FlashError, match="no predictors"):
         load(flash_dirs["llama", "neurons"], sparsity="predictor")
-    with pytest.raises(FlashError, match="only serves --sparsity dip"):
-        load(flash_dirs["llama", "dip"], sparsity="oracle")
+    with pytest.raises(FlashError, match="needs the neurons layout"):
+        load(flash_dirs["llama", "dip"], sparsity="sketch")
+    with pytest.raises(FlashError, match="unknown sparsity"):
+        load(flash_dirs["llama", "neurons"], sparsity="magic")
 
 
 def test_parse_size():
