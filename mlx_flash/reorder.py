@@ -154,14 +154,14 @@ def read_stats(path, sparsity: str = "auto", cache_fraction: float = 0.1, tokens
     from mlx_lm.generate import generate_step
 
     from .budget import min_budget
-    from .loader import load
+    from .loader import load, make_sparsifier
 
     fd = FlashDir(path)
     resident = fd.resident_nbytes(lambda k: "float32")
-    preds = fd.load_predictors() if sparsity == "predictor" else None
-    extra = sum(v.nbytes for w in preds for v in w.values()) if preds else 0
+    sp = make_sparsifier(fd, sparsity, load_kw.pop("density", None), load_kw.pop("gamma", 1.0))
+    extra = getattr(sp, "nbytes", 0)  # the selector's DRAM (predictors, the oracle's copy) is in the budget
     budget = min_budget(fd, context, extra=extra, resident=resident) + int(cache_fraction * fd.ffn_bytes)
-    model, tok = load(path, memory_budget=budget, sparsity=sparsity, context=context, **load_kw)
+    model, tok = load(path, memory_budget=budget, sparsifier=sp, context=context, **load_kw)
     try:
         ids = mx.array(tok.encode(prompt))
         gen = generate_step(ids, model, max_tokens=tokens)
