@@ -380,6 +380,7 @@ class Prefetch:
         stride = engine.fd.layouts["neurons"].stride
         self.buffers = [AlignedBuffer(rows * stride, engine.fd.alignment) for _ in range(2)]
         self.rows = [b.rows(stride) for b in self.buffers]
+        mx.eval(self.rows)  # views now: a lazy one would need this thread's stream where it is used (a server thread)
         self.pending = {}  # layer -> (buffer index, units, wait)
         self.wasted_bytes = 0
 

@@ -338,6 +338,21 @@ def test_dense_prefetch_reads_ahead_and_keeps_the_tokens(deep_tiny):
         plain.flash.close()
 
 
+def test_prefetch_serves_another_thread(deep_tiny):
+    """Loaded on one thread, generating on another (mlx-lm's server does): MLX streams are per thread."""
+    import threading
+
+    model, _ = load(deep_tiny, memory_budget=prefetch_budget(deep_tiny), sparsity="dense", context=CONTEXT)
+    out = {}
+    try:
+        t = threading.Thread(target=lambda: out.update(tokens=greedy(model, 8)))
+        t.start()
+        t.join()
+        assert len(out.get("tokens", [])) == 8 and model.flash.prefetch is not None
+    finally:
+        model.flash.close()
+
+
 def test_a_prefetch_that_does_not_match_is_not_used_and_counts_as_waste(deep_tiny):
     path = deep_tiny
     model, _ = load(path, memory_budget=prefetch_budget(path), sparsity="dense", context=CONTEXT)
