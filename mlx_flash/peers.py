@@ -14,9 +14,9 @@ the run caches, so mmap readers pay for their cache as on a machine with that mu
 
 Systems (all on the same weights: the GGUF, its mlx_flash conversion, and that conversion
 exported for mlx-lm by mlx_flash.export):
-  llama.cpp             llama-completion with its defaults (2 threads): weights repacked into
+  llama.cpp             llama-bench's tg test with its defaults (2 threads): weights repacked into
                         anonymous memory on x86 (AVX2), so a cap below the model kills it
-  llama.cpp mmap        the same with --no-repack -lm mmap: weights used in place from the mmap'd file
+  llama.cpp mmap        the same with --repack 0 -lm mmap: weights used in place from the mmap'd file
   mlx-lm                python -m mlx_lm generate on the export (capped, and once without a cap)
   mlx_flash dense       python -m mlx_flash.generate --memory-budget <budget> --sparsity dense
   mlx_flash dip         --sparsity dip on a dip-layout conversion calibrated by mlx_flash.calibrate
@@ -25,7 +25,8 @@ If mlx_flash is OOM-killed under its cap, it is run again with a cap 25% larger 
 again, in 25% steps, until it finishes) and recorded as a separate row labelled with the factor.
 
 Measured per run (mlx_flash.cap): tokens/s of generation only, as each system reports it
-(llama.cpp's "eval time", mlx-lm's "Generation: ... tokens-per-sec"; prompt and load excluded),
+(llama-bench's tg avg_ts after its warm-up token, mlx-lm's "Generation: ... tokens-per-sec" after
+the prompt; load excluded),
 peak RSS, the cgroup's peak (page cache included), OOM kill. Bytes read from the device per
 generated token: (device bytes of an N-token run - those of a 1-token run) / (N - 1), the
 1-token run done once per system and budget, so loading and the prompt cancel out.
@@ -51,9 +52,8 @@ from .budget import fmt_bytes
 from .cap import run_capped
 
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
-LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")
+LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-CTX = 256  # llama.cpp's context: the KV cache mlx-lm and mlx_flash allocate for a short prompt (steps of 256)
 OOM_RETRY = 1.25  # an OOM-killed mlx_flash runs again under a cap this much larger (then again)
 MAX_RETRIES = 4
 
@@ -136,8 +136,11 @@ def prepare(model: str, progress: bool = True) -> dict:
 
 # -- the systems ---------------------------------------------------------------------------------------
 def _llama_cmd(paths, tokens, extra=()):
-    return [llama_cpp_bin("llama-completion"), "-m", paths["gguf"], "-p", PROMPT, "-n", tokens, "-t", 2,
-            "-c", CTX, "--temp", 0, "--ignore-eos", "-no-cnv", "--no-warmup", *extra]
+    # llama-bench: its tg test times generation only, after a one-token warm-up (which, like the others'
+    # prompt, faults the weights in); it prints JSON synchronously (llama-completion's timing lines, from
+    # its logging thread, were sometimes lost at exit)
+    return [str(a) for a in (llama_cpp_bin("llama-bench"), "-m", paths["gguf"], "-p", 0, "-n", tokens, "-t", 2,
+                             "-r", 1, "-o", "json", *extra)]
 
 
 def _mlx_lm_cmd(paths, tokens):
@@ -155,7 +158,7 @@ def _flash_cmd(dir_key, sparsity):
 # name -> (command builder (paths, tokens, budget bytes), the path it runs on)
 SYSTEMS = {
     "llama.cpp": (lambda p, n, b: _llama_cmd(p, n), "gguf"),
-    "llama.cpp mmap": (lambda p, n, b: _llama_cmd(p, n, ["--no-repack", "-lm", "mmap"]), "gguf"),
+    "llama.cpp mmap": (lambda p, n, b: _llama_cmd(p, n, ["--repack", 0, "-lm", "mmap"]), "gguf"),
     "mlx-lm": (lambda p, n, b: _mlx_lm_cmd(p, n), "mlx"),
     "mlx_flash dense": (_flash_cmd("flash", "dense"), "flash"),
     "mlx_flash dip": (_flash_cmd("flash_dip", "dip"), "flash_dip"),
@@ -163,17 +166,18 @@ SYSTEMS = {
 UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference
 
 _MLX_GEN = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
-_LLAMA_EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
 
 
 def parse_speed(system: str, out: str):
     """(generated tokens, tokens/s of generation) from a system's output, or (None, None)."""
     if system.startswith("llama.cpp"):
-        m = _LLAMA_EVAL.search(out)
-        if m and int(m.group(2)) > 0:
-            ms, n = float(m.group(1)), int(m.group(2))
-            return n + 1, n / ms * 1e3  # the first token comes from the prompt's evaluation
-        return None, None
+        start, end = out.find("["), out.rfind("]")
+        try:
+            tests = json.loads(out[start:end + 1]) if start >= 0 else []
+        except json.JSONDecodeError:
+            return None, None
+        tg = [t for t in tests if t.get("n_gen")]
+        return (tg[0]["n_gen"], tg[0]["avg_ts"]) if tg else (None, None)
     m = _MLX_GEN.search(out)
     return (int(m.group(1)), float(m.group(2))) if m else (None, None)
 
@@ -189,7 +193,7 @@ def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
     cmd = builder(paths, tokens, budget)
     r = run_capped(cmd, cap, drop=files, timeout=timeout)
     out = r.stdout + "\n" + r.stderr
-    n, tps = parse_speed(system, out)
+    n, tps = parse_speed(system, r.stdout if system.startswith("llama.cpp") else out)
     rec = {"system": system, "tokens": tokens, "cap": cap, "returncode": r.returncode, "oom": r.oom_killed,
            "timed_out": r.timed_out, "generated": n, "tok_s": tps if r.ok else None, "read_bytes": r.read_bytes,
            "max_rss": r.max_rss, "cgroup_peak": r.cgroup_peak, "major_faults": r.major_faults, "wall_s": r.wall_s}
