@@ -163,7 +163,7 @@ SYSTEMS = {
     "mlx_flash dense": (_flash_cmd("flash", "dense"), "flash"),
     "mlx_flash dip": (_flash_cmd("flash_dip", "dip"), "flash_dip"),
 }
-UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference
+UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference (--uncapped)
 
 _MLX_GEN = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
 
@@ -203,7 +203,7 @@ def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
 
 
 def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
-        log=None) -> dict:
+        log=None, uncapped=UNCAPPED) -> dict:
     from .bench_io import machine_info
     from .flash_format import FlashDir
 
@@ -218,7 +218,7 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
            "rounds": rounds, "budgets": list(budgets), "prompt": PROMPT, "machine": machine_info(str(paths["flash"])),
            "versions": versions, "runs": []}
     # (system, budget %, cap); budget None: no cap
-    plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems if s in UNCAPPED]
+    plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems if s in uncapped]
     jobs = []
     for r in range(rounds):
         k = r % len(systems)
@@ -260,6 +260,15 @@ def _retry(system, paths, tokens, budget, cap, files, timeout, retry, key) -> di
     retry.setdefault(key, factor)
     rec["system"] = f"{system} (cap x{factor:.2f})"
     return rec
+
+
+def merge(results) -> dict:
+    """Results of several runs on the same model (e.g. budgets measured separately) as one."""
+    res = dict(results[0], runs=[r for res in results for r in res["runs"]])
+    res["budgets"] = sorted({b for r in results for b in r["budgets"]})
+    res["rounds"] = max(r["rounds"] for r in results)
+    res["summary"] = summarize(res["runs"])
+    return res
 
 
 def _describe(rec) -> str:
@@ -320,15 +329,16 @@ def _label(pct) -> str:
 
 
 def ratios(summary, budgets) -> dict:
-    """Per budget: mlx_flash dense, and the best mlx_flash row, over llama.cpp mmap (tokens/s)."""
+    """Per budget: mlx_flash dense, and the best mlx_flash row, over llama.cpp mmap (tokens/s). When
+    mlx_flash was OOM-killed under the cap, its labelled run under the larger cap stands in (named)."""
     out = {}
     for b in map(_label, budgets):
         ref = summary.get("llama.cpp mmap", {}).get(b, {}).get("tok_s")
         flash = {s: v[b]["tok_s"] for s, v in summary.items() if s.startswith("mlx_flash") and b in v and v[b]["tok_s"]}
-        dense = flash.get("mlx_flash dense")
-        best = max(flash.items(), key=lambda kv: kv[1]) if flash else None
-        out[b] = {"dense": dense / ref if ref and dense else None,
-                  "best": best[1] / ref if ref and best else None, "best_system": best[0] if best else None}
+        dense = min((s for s in flash if s.startswith("mlx_flash dense")), key=len, default=None)
+        best = max(flash, key=flash.get, default=None)
+        out[b] = {"dense": flash[dense] / ref if ref and dense else None, "dense_system": dense,
+                  "best": flash[best] / ref if ref and best else None, "best_system": best}
     return out
 
 
@@ -346,16 +356,19 @@ def table(res) -> str:
             if s is None:
                 cells.append("")
                 continue
-            speed = (f"**{s['tok_s']:.2f} tok/s**" if s["tok_s"] else "failed") + \
-                (f", OOM-killed {s['oom']}/{s['runs']}" if s["oom"] else "")
-            bpt = f"{fmt_bytes(s['bytes_per_token'])}/tok" if s["bytes_per_token"] is not None else "- /tok"
+            speed = ", ".join(([f"**{s['tok_s']:.2f} tok/s**"] if s["tok_s"] else [] if s["oom"] else ["failed"])
+                              + ([f"OOM-killed {s['oom']}/{s['runs']}"] if s["oom"] else []))
+            bpt = [f"{fmt_bytes(s['bytes_per_token'])}/tok"] if s["bytes_per_token"] is not None else []
             peak = f"RSS {fmt_bytes(s['max_rss'])}" + (f", cg {fmt_bytes(s['cgroup_peak'])}" if s["cgroup_peak"] else "")
-            cells.append(f"{speed}; {bpt}; {peak}")
+            cells.append("; ".join([speed] + bpt + [peak]))
         rows.append(f"| {system} | " + " | ".join(cells) + " |")
     r = ratios(summary, res["budgets"])
     rows += ["", "| tok/s ratio | " + " | ".join(_label(b) for b in res["budgets"]) + " |",
              "|---" * (len(res["budgets"]) + 1) + "|",
-             "| mlx_flash dense / llama.cpp mmap | " + " | ".join(_x(r[_label(b)]["dense"]) for b in res["budgets"]) + " |",
+             "| mlx_flash dense / llama.cpp mmap | " + " | ".join(
+                 _x(r[_label(b)]["dense"]) + (f" ({r[_label(b)]['dense_system']})"
+                                              if r[_label(b)]["dense_system"] not in (None, "mlx_flash dense") else "")
+                 for b in res["budgets"]) + " |",
              "| best mlx_flash / llama.cpp mmap | " + " | ".join(
                  _x(r[_label(b)]["best"]) + (f" ({r[_label(b)]['best_system']})" if r[_label(b)]["best"] else "")
                  for b in res["budgets"]) + " |"]
@@ -418,10 +431,14 @@ def setup_arg_parser():
     p.add_argument("--rounds", type=int, default=3, help="Rounds (each runs every system at every budget).")
     p.add_argument("--tokens", type=int, default=None, help="Generated tokens per run (default 64; --quick 8).")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of: {', '.join(SYSTEMS)}.")
+    p.add_argument("--uncapped", default=",".join(UNCAPPED),
+                   help="Systems also run without a cap (comma-separated; '' for none).")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds before a run is killed.")
     p.add_argument("--json", default=None, help="Write the results here.")
     p.add_argument("--plot", default=None, help="Write the tokens/s plot here (png).")
     p.add_argument("--quick", action="store_true", help="One round of 8 tokens.")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="Summarise earlier --json results (e.g. one run per budget) instead of running.")
     return p
 
 
@@ -434,7 +451,11 @@ def main(argv=None):
     bad = set(systems) - set(SYSTEMS)
     if bad:
         raise SystemExit(f"unknown systems {sorted(bad)} (choose from {', '.join(SYSTEMS)})")
-    res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True)
+    if a.from_json:
+        res = merge([json.loads(Path(f).read_text()) for f in a.from_json])
+    else:
+        res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True,
+                  uncapped=[s for s in a.uncapped.split(",") if s])
     print(header(res))
     print(table(res))
     if a.json:

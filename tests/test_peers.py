@@ -85,3 +85,14 @@ def test_llama_cpp_runs_the_tiny_gguf(tiny_gguf):
     rec = peers.run_one("llama.cpp mmap", {"gguf": tiny_gguf}, 8, None, "1GiB", [tiny_gguf], timeout=120)
     assert rec["returncode"] == 0 and not rec["oom"], rec.get("error")
     assert rec["generated"] == 8 and rec["tok_s"] > 0 and rec["max_rss"] > 0
+
+
+def test_merge_runs_of_separate_budgets():
+    a, b = canned(), canned()
+    a["runs"] = [_run("llama.cpp mmap", 50, 2.0), _run("llama.cpp mmap", 50, 5.0, tokens=1)]
+    b["runs"] = [_run("llama.cpp mmap", 25, 1.0), _run("llama.cpp mmap", 25, 5.0, tokens=1)]
+    b["budgets"] = [25]
+    a["rounds"] = b["rounds"] = 1
+    m = peers.merge([a, b])
+    assert m["budgets"] == [25, 50]
+    assert m["summary"]["llama.cpp mmap"]["25%"]["tok_s"] == 1.0 and m["summary"]["llama.cpp mmap"]["50%"]["tok_s"] == 2.0
