@@ -403,17 +403,17 @@ def plot(res, out):
     budgets = res["budgets"]
     for system, by in res["summary"].items():
         ys = [by.get(_label(b), {}).get("tok_s") for b in budgets]
-        if not any(ys):
-            oom = [b for b in budgets if by.get(_label(b), {}).get("oom")]
-            ax.scatter(oom, [0] * len(oom), marker="x", label=f"{system} (OOM-killed)")
-            continue
-        line, = ax.plot(budgets, [y if y else float("nan") for y in ys], marker="o", label=system)
         oom = [b for b, y in zip(budgets, ys) if not y and by.get(_label(b), {}).get("oom")]
-        if oom:
-            ax.scatter(oom, [0] * len(oom), marker="x", color=line.get_color())
+        if any(ys):
+            color = ax.plot(budgets, [y if y else float("nan") for y in ys], marker="o", label=system)[0].get_color()
+            if oom:
+                ax.scatter(oom, [0] * len(oom), marker="x", color=color)
+        else:
+            color = ax.scatter(oom, [0] * len(oom), marker="x", label=f"{system} (OOM-killed)").get_facecolor()[0]
         nocap = by.get("no cap", {}).get("tok_s")
         if nocap:
-            ax.axhline(nocap, ls=":", color=line.get_color(), lw=1)
+            ax.axhline(nocap, ls=":", color=color, lw=1)
+            ax.annotate(f"{system}, no cap", (budgets[0], nocap), fontsize=7, color=color, va="bottom")
     ax.set_xlabel("memory budget (% of the model's weight bytes; cap = budget + Python baseline)")
     ax.set_ylabel("generation tokens/s (median)")
     ax.set_title(f"{res['model']}: tokens/s under a hard memory cap (x: OOM-killed, dotted: no cap)", fontsize=9)
