@@ -203,7 +203,9 @@ def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
 
 
 def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
-        log=None, uncapped=UNCAPPED) -> dict:
+        log=None, uncapped=UNCAPPED, out=None) -> dict:
+    """Every system at every budget, `rounds` times; `out`: a JSON file rewritten after every run (a long
+    run that is stopped keeps what it measured)."""
     from .bench_io import machine_info
     from .flash_format import FlashDir
 
@@ -243,6 +245,8 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
             res["runs"].append(rec2)
             if log:
                 bar.write(_describe(rec2))
+        if out:
+            Path(out).write_text(json.dumps(dict(res, summary=summarize(res["runs"])), indent=2))
     res["summary"] = summarize(res["runs"])
     return res
 
@@ -455,7 +459,7 @@ def main(argv=None):
         res = merge([json.loads(Path(f).read_text()) for f in a.from_json])
     else:
         res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True,
-                  uncapped=[s for s in a.uncapped.split(",") if s])
+                  uncapped=[s for s in a.uncapped.split(",") if s], out=a.json)
     print(header(res))
     print(table(res))
     if a.json:
