@@ -203,9 +203,10 @@ def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
 
 
 def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
-        log=None, uncapped=UNCAPPED, out=None) -> dict:
+        log=None, uncapped=UNCAPPED, out=None, cap_factor: float = 1.0) -> dict:
     """Every system at every budget, `rounds` times; `out`: a JSON file rewritten after every run (a long
-    run that is stopped keeps what it measured)."""
+    run that is stopped keeps what it measured). cap_factor != 1: every cap scaled by it, and every
+    capped row labelled "(cap xF)"."""
     from .bench_io import machine_info
     from .flash_format import FlashDir
 
@@ -217,7 +218,7 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     versions = _versions()
     res = {"model": model, "paths": {k: str(v) for k, v in paths.items()}, "weight_bytes": weights,
            "flash_bytes": FlashDir(paths["flash"]).model_bytes, "baseline_rss": baseline, "tokens": tokens,
-           "rounds": rounds, "budgets": list(budgets), "prompt": PROMPT, "machine": machine_info(str(paths["flash"])),
+           "rounds": rounds, "cap_factor": cap_factor, "budgets": list(budgets), "prompt": PROMPT, "machine": machine_info(str(paths["flash"])),
            "versions": versions, "runs": []}
     # (system, budget %, cap); budget None: no cap
     plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems if s in uncapped]
@@ -232,10 +233,12 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     retry = {}  # (system, budget %) -> the cap factor that first let an OOM-killed mlx_flash finish
     for rnd, system, pct, n in bar:
         budget = int(weights * pct / 100) if pct is not None else None
-        cap = budget + baseline if budget is not None else None
+        cap = int((budget + baseline) * cap_factor) if budget is not None else None
         bar.set_postfix_str(f"{system} @ {pct}%" if pct else f"{system}, no cap")
         rec = run_one(system, paths, n, budget if budget is not None else weights, cap, files, timeout)
         rec.update(round=rnd, budget_pct=pct, budget=budget)
+        if cap is not None and cap_factor != 1:
+            rec["system"] = f"{system} (cap x{cap_factor:.2f})"
         res["runs"].append(rec)
         if log:
             bar.write(_describe(rec))
@@ -384,7 +387,7 @@ def _x(v) -> str:
 
 
 def _cap(res, label) -> int:
-    return int(res["weight_bytes"] * float(label[:-1]) / 100) + res["baseline_rss"]
+    return int((int(res["weight_bytes"] * float(label[:-1]) / 100) + res["baseline_rss"]) * res.get("cap_factor", 1))
 
 
 def header(res) -> str:
@@ -438,6 +441,8 @@ def setup_arg_parser():
     p.add_argument("--uncapped", default=",".join(UNCAPPED),
                    help="Systems also run without a cap (comma-separated; '' for none).")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds before a run is killed.")
+    p.add_argument("--cap-factor", type=float, default=1.0,
+                   help="Scale every cap by this (rows labelled), e.g. 1.25 where a system crawls under its cap.")
     p.add_argument("--json", default=None, help="Write the results here.")
     p.add_argument("--plot", default=None, help="Write the tokens/s plot here (png).")
     p.add_argument("--quick", action="store_true", help="One round of 8 tokens.")
@@ -459,7 +464,7 @@ def main(argv=None):
         res = merge([json.loads(Path(f).read_text()) for f in a.from_json])
     else:
         res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True,
-                  uncapped=[s for s in a.uncapped.split(",") if s], out=a.json)
+                  uncapped=[s for s in a.uncapped.split(",") if s], out=a.json, cap_factor=a.cap_factor)
     print(header(res))
     print(table(res))
     if a.json:
