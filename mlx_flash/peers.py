@@ -49,7 +49,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .budget import fmt_bytes
-from .cap import run_capped
+from .cap import exit_on_sigterm, run_capped
 
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
 LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
@@ -453,6 +453,7 @@ def setup_arg_parser():
 
 def main(argv=None):
     a = setup_arg_parser().parse_args(argv)
+    exit_on_sigterm()
     tokens = a.tokens or (8 if a.quick else 64)
     rounds = 1 if a.quick else a.rounds
     budgets = [int(b) for b in a.budgets.split(",") if b]
