@@ -145,13 +145,14 @@ def _llama_cmd(paths, tokens, extra=()):
 
 def _mlx_lm_cmd(paths, tokens):
     return [sys.executable, "-m", "mlx_lm", "generate", "--model", paths["mlx"], "--max-tokens", tokens,
-            "--prompt", PROMPT, "--ignore-chat-template", "--temp", 0]
+            "--prompt", paths.get("prompt", PROMPT), "--ignore-chat-template", "--temp", 0]
 
 
 def _flash_cmd(dir_key, sparsity):
     def cmd(paths, tokens, budget):
         return [sys.executable, "-m", "mlx_flash.generate", "--model", paths[dir_key], "--memory-budget", budget,
-                "--sparsity", sparsity, "--max-tokens", tokens, "--prompt", PROMPT, "--ignore-chat-template"]
+                "--sparsity", sparsity, "--max-tokens", tokens, "--prompt", paths.get("prompt", PROMPT),
+                "--ignore-chat-template"]
     return cmd
 
 
@@ -203,7 +204,7 @@ def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
 
 
 def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
-        log=None, uncapped=UNCAPPED, out=None, cap_factor: float = 1.0) -> dict:
+        log=None, uncapped=UNCAPPED, out=None, cap_factor: float = 1.0, prompt: str = PROMPT) -> dict:
     """Every system at every budget, `rounds` times; `out`: a JSON file rewritten after every run (a long
     run that is stopped keeps what it measured). cap_factor != 1: every cap scaled by it, and every
     capped row labelled "(cap xF)"."""
@@ -215,10 +216,11 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     weights = paths["gguf"].stat().st_size  # the source model, the same absolute cap for every system
     baseline = measure_baseline()
     files = list(paths.values())
+    paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
     versions = _versions()
-    res = {"model": model, "paths": {k: str(v) for k, v in paths.items()}, "weight_bytes": weights,
+    res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k != "prompt"}, "weight_bytes": weights,
            "flash_bytes": FlashDir(paths["flash"]).model_bytes, "baseline_rss": baseline, "tokens": tokens,
-           "rounds": rounds, "cap_factor": cap_factor, "budgets": list(budgets), "prompt": PROMPT, "machine": machine_info(str(paths["flash"])),
+           "rounds": rounds, "cap_factor": cap_factor, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
            "versions": versions, "runs": []}
     # (system, budget %, cap); budget None: no cap
     plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems if s in uncapped]
@@ -445,6 +447,9 @@ def setup_arg_parser():
                    help="Scale every cap by this (rows labelled), e.g. 1.25 where a system crawls under its cap.")
     p.add_argument("--json", default=None, help="Write the results here.")
     p.add_argument("--plot", default=None, help="Write the tokens/s plot here (png).")
+    p.add_argument("--prompt", default=PROMPT,
+                   help="Prompt of the Python systems (the synthetic 7B's tokenizer is byte-level: one token a byte, "
+                        "and its prefill is slow on a CPU; use a short one there).")
     p.add_argument("--quick", action="store_true", help="One round of 8 tokens.")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="Summarise earlier --json results (e.g. one run per budget) instead of running.")
@@ -465,7 +470,8 @@ def main(argv=None):
         res = merge([json.loads(Path(f).read_text()) for f in a.from_json])
     else:
         res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True,
-                  uncapped=[s for s in a.uncapped.split(",") if s], out=a.json, cap_factor=a.cap_factor)
+                  uncapped=[s for s in a.uncapped.split(",") if s], out=a.json, cap_factor=a.cap_factor,
+                  prompt=a.prompt)
     print(header(res))
     print(table(res))
     if a.json:
