@@ -202,16 +202,22 @@ def run_capped(cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Opt
                                  preexec_fn=cgroup.enter if cgroup else None, start_new_session=True)
             timed_out = False
             deadline = None if timeout is None else t0 + timeout
-            while True:  # wait4 (not Popen.wait): it returns the child's rusage
-                pid, status, ru = os.wait4(p.pid, os.WNOHANG if deadline else 0)
-                if pid:
-                    break
-                if time.perf_counter() > deadline:
-                    timed_out = True
-                    os.killpg(p.pid, signal.SIGKILL)
-                    deadline = None
-                else:
-                    time.sleep(0.05)
+            try:
+                while True:  # wait4 (not Popen.wait): it returns the child's rusage
+                    pid, status, ru = os.wait4(p.pid, os.WNOHANG if deadline else 0)
+                    if pid:
+                        break
+                    if time.perf_counter() > deadline:
+                        timed_out = True
+                        os.killpg(p.pid, signal.SIGKILL)
+                        deadline = None
+                    else:
+                        time.sleep(0.05)
+            except BaseException:  # interrupted: take the child down too, so its cgroup can go
+                os.killpg(p.pid, signal.SIGKILL)
+                os.waitpid(p.pid, 0)
+                p.returncode = -signal.SIGKILL
+                raise
             wall = time.perf_counter() - t0
             p.returncode = os.waitstatus_to_exitcode(status)
             out.seek(0)
@@ -244,8 +250,14 @@ def setup_arg_parser():
     return p
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so a running child is killed and its cgroup removed on the way out."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
+    exit_on_sigterm()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         print("error: no command given (put it after --)", file=sys.stderr)

@@ -59,3 +59,17 @@ def test_cgroup_is_removed():
 def test_no_cap_runs_with_rusage():
     r = run_capped(["true"], None)
     assert r.ok and r.backend == "none" and r.cgroup_peak is None
+
+
+def test_sigterm_kills_the_child_and_removes_the_cgroup(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "mlx_flash.cap", "--limit", "200MiB", "--", "sleep", "60"])
+    c = _Cgroup(64 * MiB)
+    c.remove()
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 128 + signal.SIGTERM
+    assert not [n for n in os.listdir(c.path.parent) if n.startswith(f"mlx_flash_cap_{p.pid}_")]

@@ -1,0 +1,98 @@
+"""mlx_flash.peers: the summary / table / ratio logic on canned runs, the synthetic GGUF writer, and
+(where llama.cpp is already built: the tests never build it) one real llama.cpp run."""
+
+import gguf
+import pytest
+
+from mlx_flash import peers
+from mlx_flash.convert import convert
+from mlx_flash.flash_format import FlashDir
+from mlx_flash.synthetic_gguf import write_gguf
+
+MiB = 1 << 20
+
+
+def _run(system, pct, tok_s, tokens=9, read=100 * MiB, oom=False, rnd=0):
+    return {"system": system, "budget_pct": pct, "tokens": tokens, "generated": tokens if tok_s else None,
+            "tok_s": tok_s, "oom": oom, "returncode": -9 if oom else 0, "read_bytes": read, "max_rss": 50 * MiB,
+            "cgroup_peak": 60 * MiB, "round": rnd}
+
+
+def canned():
+    runs = []
+    for rnd, (a, b) in enumerate([(1.0, 2.0), (3.0, 2.5), (2.0, 9.0)]):
+        runs += [_run("llama.cpp mmap", 50, a, read=10 * MiB + 8 * 4 * MiB, rnd=rnd),
+                 _run("mlx_flash dense", 50, b, read=20 * MiB + 8 * 2 * MiB, rnd=rnd),
+                 _run("llama.cpp", 50, None, oom=True, rnd=rnd)]
+    runs += [_run("llama.cpp mmap", 50, 5.0, tokens=1, read=10 * MiB), _run("mlx_flash dense", 50, 5.0, tokens=1, read=20 * MiB),
+             _run("llama.cpp", 50, None, tokens=1, oom=True)]
+    return {"model": "canned", "budgets": [50], "weight_bytes": 1000 * MiB, "baseline_rss": 100 * MiB,
+            "summary": peers.summarize(runs)}
+
+
+def test_summary_medians_bytes_per_token_and_oom():
+    s = canned()["summary"]
+    assert s["llama.cpp mmap"]["50%"]["tok_s"] == 2.0
+    assert s["mlx_flash dense"]["50%"]["tok_s"] == 2.5
+    assert s["llama.cpp mmap"]["50%"]["bytes_per_token"] == 4 * MiB  # (N-token run - 1-token run) / (N - 1)
+    assert s["mlx_flash dense"]["50%"]["bytes_per_token"] == 2 * MiB
+    assert s["llama.cpp"]["50%"]["tok_s"] is None and s["llama.cpp"]["50%"]["oom"] == 3
+
+
+def test_ratios_and_table():
+    res = canned()
+    r = peers.ratios(res["summary"], [50])["50%"]
+    assert r["dense"] == pytest.approx(1.25) and r["best_system"] == "mlx_flash dense"
+    t = peers.table(res)
+    assert "OOM-killed 3/3" in t and "1.25x" in t and "cap 600.0 MiB" in t
+
+
+def test_parse_speed():
+    mlx = "==========\nPrompt: 5 tokens, 10.0 tokens-per-sec\nGeneration: 8 tokens, 3.250 tokens-per-sec\n"
+    assert peers.parse_speed("mlx-lm", mlx) == (8, 3.25)
+    llama = '[\n  {"n_prompt": 0, "n_gen": 8, "avg_ts": 3.5, "n_threads": 2}\n]\n'
+    assert peers.parse_speed("llama.cpp mmap", llama) == (8, 3.5)
+    assert peers.parse_speed("llama.cpp", "killed") == (None, None)
+
+
+def test_plot(tmp_path):
+    res = canned()
+    peers.plot(res, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_gguf("tiny", tmp_path_factory.mktemp("gguf") / "tiny.gguf", progress=False, vocab_size=320)
+
+
+def test_synthetic_gguf_is_read_and_converted(tiny_gguf, tmp_path):
+    r = gguf.GGUFReader(str(tiny_gguf))
+    shapes = {t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in r.tensors}
+    assert shapes["blk.0.ffn_down.weight"] == ("Q4_0", [512, 128])  # ne: [n_ff, d]
+    assert shapes["token_embd.weight"] == ("Q4_0", [128, 320])
+    fd = FlashDir(convert(str(tiny_gguf), tmp_path / "flash", progress=False))
+    assert fd.config["intermediate_size"] == 512 and len(fd.layers) == 4
+
+
+def _built(name):
+    exe = peers.cache_root() / "llama.cpp" / peers.LLAMA_CPP_PYTHON / "build" / "bin" / name
+    return exe if exe.is_file() else None
+
+
+@pytest.mark.skipif(_built("llama-bench") is None, reason="llama.cpp is not built (python -m mlx_flash.peers builds it)")
+def test_llama_cpp_runs_the_tiny_gguf(tiny_gguf):
+    rec = peers.run_one("llama.cpp mmap", {"gguf": tiny_gguf}, 8, None, "1GiB", [tiny_gguf], timeout=120)
+    assert rec["returncode"] == 0 and not rec["oom"], rec.get("error")
+    assert rec["generated"] == 8 and rec["tok_s"] > 0 and rec["max_rss"] > 0
+
+
+def test_merge_runs_of_separate_budgets():
+    a, b = canned(), canned()
+    a["runs"] = [_run("llama.cpp mmap", 50, 2.0), _run("llama.cpp mmap", 50, 5.0, tokens=1)]
+    b["runs"] = [_run("llama.cpp mmap", 25, 1.0), _run("llama.cpp mmap", 25, 5.0, tokens=1)]
+    b["budgets"] = [25]
+    a["rounds"] = b["rounds"] = 1
+    m = peers.merge([a, b])
+    assert m["budgets"] == [25, 50]
+    assert m["summary"]["llama.cpp mmap"]["25%"]["tok_s"] == 1.0 and m["summary"]["llama.cpp mmap"]["50%"]["tok_s"] == 2.0
