@@ -34,6 +34,13 @@ def peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
+def baseline_command(model_dir) -> list:
+    """A child process that only builds the baseline for `model_dir` (mlx, mlx-lm, the model's tokenizer):
+    its peak RSS is the baseline a hard cap adds to a budget."""
+    return [sys.executable, "-c", "import sys, mlx_flash, mlx_lm; from mlx_flash.flash_format import FlashDir; "
+            "from mlx_flash.loader import load_tokenizer; load_tokenizer(FlashDir(sys.argv[1]))", str(model_dir)]
+
+
 def reset_peak() -> bool:
     """Restart the peak from the current RSS (Linux: writing 5 to /proc/self/clear_refs); False if unsupported."""
     try:

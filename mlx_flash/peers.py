@@ -6,7 +6,7 @@
 For each budget (a fraction of the model's weight bytes: the size of its GGUF file, the source
 all three systems run), every system generates from the same weights in a memory cgroup capped at
 
-    cap = budget + baseline,   baseline = peak RSS of `python -c "import mlx_flash, mlx_lm"`
+    cap = budget + baseline,   baseline = peak RSS of python with mlx_flash, mlx_lm and the model's tokenizer
 
 (the interpreter and libraries every Python system pays; llama.cpp gets the same cap). The
 page cache of every model file is dropped before each run, and the cgroup is charged for what
@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from .budget import fmt_bytes
 from .cap import exit_on_sigterm, run_capped
+from .memory import baseline_command
 
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
 LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
@@ -183,9 +184,12 @@ def parse_speed(system: str, out: str):
     return (int(m.group(1)), float(m.group(2))) if m else (None, None)
 
 
-def measure_baseline() -> int:
-    """Peak RSS of a Python interpreter that imported mlx_flash and mlx_lm (what every Python system pays)."""
-    r = run_capped([sys.executable, "-c", "import mlx_flash, mlx_lm"], None)
+def measure_baseline(flash_dir) -> int:
+    """Peak RSS of a Python interpreter with mlx_flash and mlx_lm imported and the model's tokenizer loaded
+    (what every Python system pays before any weight; the baseline mlx_flash's budget is above: memory.py)."""
+    r = run_capped(baseline_command(flash_dir), None)
+    if not r.ok:
+        raise RuntimeError(f"measuring the baseline failed: {r.stderr.strip()[-500:]}")
     return r.max_rss
 
 
@@ -214,7 +218,7 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     paths = prepare(model, progress)
     systems = [s for s in (systems or SYSTEMS) if SYSTEMS[s][1] in paths]
     weights = paths["gguf"].stat().st_size  # the source model, the same absolute cap for every system
-    baseline = measure_baseline()
+    baseline = measure_baseline(paths["flash"])
     files = list(paths.values())
     paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
     versions = _versions()
@@ -395,7 +399,7 @@ def _cap(res, label) -> int:
 def header(res) -> str:
     m, v = res["machine"], res["versions"]
     return (f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
-            f"{fmt_bytes(res['flash_bytes'])}: down_proj 8-bit); baseline (python + mlx_flash + mlx_lm peak RSS) "
+            f"{fmt_bytes(res['flash_bytes'])}: down_proj 8-bit); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
             f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; {res['tokens']} tokens, "
             f"{res['rounds']} rounds\n"
             f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "

@@ -26,14 +26,10 @@ def test_memory_readings_move():
     assert memory.reset_peak() and memory.peak_rss() < before + (48 << 20)
 
 
-BASELINE = ("import mlx_flash, mlx_lm; from mlx_lm.utils import load_tokenizer; "
-            "from mlx_flash.default_model import default_model_dir; load_tokenizer(default_model_dir())")
-
-
 @pytest.fixture(scope="module")
 def baseline() -> int:
     """Peak RSS of the interpreter with mlx and mlx-lm imported and the default model's tokenizer loaded."""
-    r = run_capped([sys.executable, "-c", BASELINE])
+    r = run_capped(memory.baseline_command(default_model_dir()))
     assert r.ok, r.stderr
     return r.max_rss
 

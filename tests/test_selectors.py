@@ -13,7 +13,7 @@ from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load, make_sparsifier
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.quality import dense_ffn_weights, eval_model, perplexity
+from mlx_flash.quality import dense_ffn_weights, eval_model
 from mlx_flash.selectors import build_sketch, dequantized_sketch, save_selector
 from mlx_flash.sparsity import WINA, Dense, Predictor, Sketch, top_k
 
