@@ -21,7 +21,7 @@ def test_no_import_cycles():
     for m in graph.find_modules_that_directly_import("mlx_flash"):
         graph.remove_import(importer=m, imported="mlx_flash")
     cycles = [
-        " -> ".join([a] + graph.find_shortest_chain(importer=b, imported=a))
+        " -> ".join([a, *graph.find_shortest_chain(importer=b, imported=a)])
         for a in sorted(graph.modules)
         for b in graph.find_modules_directly_imported_by(a)
         if graph.chain_exists(importer=b, imported=a)
