@@ -194,7 +194,8 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
     budget None: no budget (every unit cached).
     `prefetch` (dense decoding of a plain `neurons` layout): every uncached unit is read every token, so two
     buffers of the uncached rows let layer l+1's reads run while layer l computes; they come off the caches:
-    L * c + 2 * (n - c) rows fill what is left. Without room for them the plan has none."""
+    L * c + 2 * (n - c) rows fill what is left. Below that (two whole layers do not fit) the caches stay
+    empty and the buffers take what is left, the first units of each layer read ahead, the rest on demand."""
     limit = budget if budget is not None else 1 << 62
     fixed = fixed_bytes(fd, context, dtype_size, extra, resident, kv_bits, kv_group_size, prompt_caches)
     groups = list(groups)
@@ -207,6 +208,8 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
         c = (left - 2 * n * s) // ((L - 2) * s)  # cached rows per layer
         if 0 <= c < n:
             per_layer, prefetch_rows = c * s, n - c
+        elif c < 0 and left >= 2 * s:  # a row held ahead costs 2 rows of memory, a cached one L: all to the buffers
+            per_layer, prefetch_rows = 0, left // (2 * s)
     capacity = []
     for regions in fd.layers:
         rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)

@@ -176,10 +176,16 @@ class FlashEngine:
         if len(plan.overflow_neurons):
             mx.eval(y)
             positions = np.searchsorted(active, plan.overflow_neurons)
-            prefetched = self.prefetch.take(layer, plan.overflow_neurons) if self.prefetch else None
-            if prefetched is not None:  # read while the layers before computed
-                return self._add(y, fn, prefetched, np.arange(len(positions)), positions)
-            for chunk, rows in self._stream(layer, region, plan.overflow_neurons):
+            overflow = plan.overflow_neurons
+            prefetched = self.prefetch.take(layer, overflow) if self.prefetch else None
+            if prefetched is not None:  # the first units, read while the layers before computed
+                k = len(prefetched)
+                y = self._add(y, fn, prefetched, np.arange(k), positions[:k])
+                overflow, positions = overflow[k:], positions[k:]
+                if not len(overflow):
+                    return y
+                mx.eval(y)
+            for chunk, rows in self._stream(layer, region, overflow):
                 part = fn(rows, mx.arange(len(chunk)), positions[chunk])
                 mx.eval(part)  # before the next chunk overwrites the scratch rows
                 y = y + part
@@ -371,9 +377,10 @@ class FlashEngine:
 class Prefetch:
     """Dense decoding reads the same uncached units of every layer every token (a layer's cache, once
     full, keeps its lowest units and the rest overflow: one contiguous range). So while layer l computes,
-    layer l+1's (after the last layer: the next token's first) are read into the other of two buffers.
-    A layer whose overflow turns out different (the cache was still filling) streams as before and the
-    prefetched bytes count as waste."""
+    layer l+1's (after the last layer: the next token's first) are read into the other of two buffers;
+    buffers smaller than the overflow (a tight budget) take its first units and the rest streams when the
+    layer runs. A layer whose overflow turns out different (the cache was still filling) streams as
+    before and the prefetched bytes count as waste."""
 
     def __init__(self, engine: "FlashEngine", rows: int):
         self.engine = engine
@@ -388,9 +395,9 @@ class Prefetch:
         cache = self.engine.caches[layer]["neurons"]
         if layer in self.pending or cache.num_used < cache.capacity:  # still filling: the plan may admit more
             return
-        units = np.flatnonzero(~cache.cached_mask()).astype(np.int32)
+        units = np.flatnonzero(~cache.cached_mask()).astype(np.int32)[: len(self.rows[0])]
         free = {0, 1} - {b for b, _, _ in self.pending.values()}
-        if not len(units) or len(units) > len(self.rows[0]) or not free:
+        if not len(units) or not free:
             return
         b = min(free)  # the other buffer: the current layer computes from its own until the next sync
         buf = self.buffers[b]
@@ -398,15 +405,15 @@ class Prefetch:
         self.pending[layer] = (b, units, self.engine._submit(layer, "neurons", units, buf.buffer, dest))
 
     def take(self, layer: int, units: np.ndarray) -> Optional[mx.array]:
-        """The rows of `units` read ahead for `layer` (waited for), or None if they were not."""
+        """The rows of the first units of `units` read ahead for `layer` (waited for), or None."""
         if layer not in self.pending:
             return None
         b, read, wait = self.pending.pop(layer)
         wait()
-        if not np.array_equal(read, units):
+        if not np.array_equal(read, units[: len(read)]):
             self.wasted_bytes += len(read) * self.rows[b].shape[1]
             return None
-        return self.rows[b][: len(units)]
+        return self.rows[b][: len(read)]
 
     def drain(self):
         """Wait for the reads in flight (their errors are moot: nothing will use them)."""

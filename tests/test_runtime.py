@@ -338,6 +338,26 @@ def test_dense_prefetch_reads_ahead_and_keeps_the_tokens(deep_tiny):
         plain.flash.close()
 
 
+def test_a_tight_budget_reads_the_first_units_ahead(deep_tiny):
+    """Under two whole layers of room: no unit cached, buffers of part of a layer read its first units
+    ahead and the rest streams when the layer runs; the tokens stay the resident model's."""
+    path = deep_tiny
+    fd = FlashDir(path)
+    n, s = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride
+    ref, _ = load_resident(path)
+    model, _ = load(path, memory_budget=min_budget(fd, CONTEXT) + n * s, sparsity="dense", context=CONTEXT)
+    try:
+        plan = model.flash.plan
+        assert plan.capacity[0]["neurons"] == 0 and 0 < plan.prefetch_rows < n
+        sizes = []
+        take = model.flash.prefetch.take
+        model.flash.prefetch.take = lambda layer, units: (lambda r: sizes.append(None if r is None else len(r)) or r)(take(layer, units))
+        assert greedy(model, 12) == greedy(ref, 12)
+        assert sizes.count(plan.prefetch_rows) >= 10 * len(fd.layers) and model.flash.prefetch.wasted_bytes == 0
+    finally:
+        model.flash.close()
+
+
 def test_prefetch_serves_another_thread(deep_tiny):
     """Loaded on one thread, generating on another (mlx-lm's server does): MLX streams are per thread."""
     import threading
