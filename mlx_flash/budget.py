@@ -97,12 +97,15 @@ def describe_streamed(groups) -> str:
     return ", ".join(parts)
 
 
-KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many tokens
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many tokens (the max context is reported in them)
+KV_ALIGN = 32
 
 
 def kv_tokens(context: int) -> int:
-    """Tokens the KV cache holds for `context`: whole steps of KV_STEP."""
-    return -(-context // KV_STEP) * KV_STEP
+    """Tokens a KV cache is allocated for: `context` + 1 (mlx-lm computes one token ahead) in whole
+    KV_ALIGN steps. With a budget each cache is allocated whole, once (loader.make_cache), so a short
+    run does not pay for mlx-lm's 256-token steps (256 MiB of float32 KV on a 7B)."""
+    return -(-(context + 1) // KV_ALIGN) * KV_ALIGN
 
 
 def head_dim(config: dict) -> int:

@@ -17,10 +17,10 @@ from mlx_flash.offload import stream_groups
 def test_kv_cache_bytes_counts_codes_scales_and_biases():
     config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
               "head_dim": 64}
-    assert kv_cache_bytes(config, 300, 4) == 2 * 30 * 3 * 64 * 512 * 4  # two 256-token steps
+    assert kv_cache_bytes(config, 300, 4) == 2 * 30 * 3 * 64 * 320 * 4  # 301 tokens in whole 32-token steps
     # 8 bits: 64 one-byte codes + a float32 scale and bias per vector of 64
-    assert kv_cache_bytes(config, 256, 4, bits=8, group_size=64) == 2 * 30 * 3 * (64 + 8) * 256
-    assert kv_cache_bytes(config, 256, 4, bits=4, group_size=32) == 2 * 30 * 3 * (32 + 16) * 256
+    assert kv_cache_bytes(config, 255, 4, bits=8, group_size=64) == 2 * 30 * 3 * (64 + 8) * 256
+    assert kv_cache_bytes(config, 255, 4, bits=4, group_size=32) == 2 * 30 * 3 * (32 + 16) * 256
 
 
 @pytest.mark.parametrize("kv_bits", [None, 8, 4])
