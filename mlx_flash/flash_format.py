@@ -643,3 +643,21 @@ class FlashWriter:
 
     def abort(self):
         self._ffn.close()
+
+
+def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:
+    """One layer's FFN matrices as float32 canonical rows [n, d] (gate/up/down or fc1/fc2), dequantised."""
+    arrays = fd.unpack_layer(layer)
+    col = "down" if fd.ffn["kind"] == "glu" else "fc2"
+    out = {}
+    for name, info in fd.ffn["matrices"].items():
+        w = arrays[f"{name}.weight"]
+        q = info["quantization"]
+        if q is not None:
+            w = mx.dequantize(w, arrays[f"{name}.scales"], arrays[f"{name}.biases"], q["group_size"], q["bits"])
+        w = w.astype(mx.float32)
+        if info["transposed"] and name != col:  # dip layout: gate/up stored by input column [d, n]
+            w = w.T
+        out[name] = w
+    mx.eval(out)
+    return out

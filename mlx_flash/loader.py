@@ -162,7 +162,7 @@ def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.
         d_in = d_out = [0.5] * layers
     if sparsity == "dip":
         return DIP(list(d_in), list(d_out), gamma)
-    from .quality import dense_ffn_weights
+    from .flash_format import dense_ffn_weights
     from .selectors import wina_norms
 
     norms = wina_norms([dense_ffn_weights(fd, i) for i in range(layers)])

@@ -36,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .ffn import ACTIVATIONS
-from .flash_format import FlashDir
+from .flash_format import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
 from .neuron_cache import NeuronCache, cache_aware_scores
 from .sparsity import top_k
 
@@ -47,24 +47,6 @@ DIP_MODES = ("dip", "dip-ca", "wina")  # prune gate/up inputs first
 
 
 # -- weights -----------------------------------------------------------------------------
-def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:
-    """One layer's FFN matrices as float32 canonical rows [n, d] (gate/up/down or fc1/fc2), dequantised."""
-    arrays = fd.unpack_layer(layer)
-    col = "down" if fd.ffn["kind"] == "glu" else "fc2"
-    out = {}
-    for name, info in fd.ffn["matrices"].items():
-        w = arrays[f"{name}.weight"]
-        q = info["quantization"]
-        if q is not None:
-            w = mx.dequantize(w, arrays[f"{name}.scales"], arrays[f"{name}.biases"], q["group_size"], q["bits"])
-        w = w.astype(mx.float32)
-        if info["transposed"] and name != col:  # dip layout: gate/up stored by input column [d, n]
-            w = w.T
-        out[name] = w
-    mx.eval(out)
-    return out
-
-
 def unit_strides(fd: FlashDir) -> Dict[str, int]:
     """Bytes on flash per unit of each region ("neurons", and "inputs" for the dip layout)."""
     return {name: r.stride for name, r in fd.layers[0].items()}
