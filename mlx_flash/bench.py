@@ -337,7 +337,10 @@ def choose_sparsifier(fd, density, trace=None):
     calib = fd.manifest.get("sparsity") or {}
     if fd.ffn.get("layout") == "dip":
         raise SystemExit("bench needs the neurons layout (its dense baselines cannot run on a dip-layout directory)")
-    if "predictor" in calib:
+    sel = calib.get("selector")
+    if sel is not None and sel["name"] not in ("dip", "wina"):  # the selector the directory ships
+        return make_sparsifier(fd, sel["name"]), f"{sel['name']} (calibrated)"
+    if "predictor" in calib and sel is None:
         return make_sparsifier(fd, "predictor"), "predictor (calibrated)"
     return make_sparsifier(fd, "oracle", density), (
         f"oracle top-K |GLU| at density {density} (stand-in: the directory has no predictor/dip calibration)")

@@ -339,6 +339,9 @@ def selector_candidates(layout: str, selector: str = "auto", group_size: int = 6
     the same size on SmolLM2, BENCHMARKS.md)."""
     if selector == "auto":
         names = ["dip", "wina"] if layout == "dip" else ["sketch"]
+    elif (selector in ("dip", "wina")) != (layout == "dip"):
+        raise ValueError(f"--selector {selector} does not serve the {layout} layout "
+                         "(neurons: sketch, predictor; dip: dip, wina)")
     else:
         names = [selector]
     out = []
@@ -691,7 +694,10 @@ def run(args) -> dict:
 
 def main():
     args = setup_arg_parser().parse_args()
-    out = run(args)
+    try:
+        out = run(args)
+    except ValueError as e:  # e.g. a selector the layout cannot serve
+        raise SystemExit(f"error: {e}")
     p = out.get("predictor")
     if p:
         print(f"predictors: threshold {p['threshold']:.3f}, mean recall {np.mean(p['recall']):.3f}, "

@@ -54,7 +54,7 @@ def setup_arg_parser():
                         "if within --max-ppl-increase; else dense).")
     p.add_argument("--max-ppl-increase", type=float, default=MAX_PPL_INCREASE,
                    help="auto: the largest perplexity increase (measured at calibration) accepted from a selector.")
-    p.add_argument("--density", type=float, default=None, help="oracle: keep this fraction of GLU outputs; dip: input and neuron density.")
+    p.add_argument("--density", type=float, default=None, help="oracle, sketch, predictor: keep this fraction of neurons (top-K); dip, wina: input and neuron density.")
     p.add_argument("--gamma", type=float, default=1.0, help="DIP-CA cache-aware weight for uncached units (1 = off, paper: 0.2).")
     p.add_argument("--window", type=int, default=5, help="Keep neurons active in the last K tokens cached.")
     p.add_argument("--cache-policy", default="window", choices=["window", "lru", "lfu"], help="Neuron cache eviction policy.")

@@ -170,3 +170,12 @@ def test_generate_stats_name_the_selector(dirs):
     r = subprocess.run(run + ["-1"], capture_output=True, text=True, timeout=300)  # nothing is good enough: dense
     assert r.returncode == 0, r.stderr
     assert "selector: dense" in r.stdout
+
+
+def test_candidates_follow_the_layout():
+    from mlx_flash.calibrate import selector_candidates
+
+    assert [c["bits"] for c in selector_candidates("neurons")] == [2, 3, 4]  # cheapest DRAM first
+    assert [c["name"] for c in selector_candidates("dip")] == ["dip", "wina"]
+    with pytest.raises(ValueError, match="does not serve the dip layout"):
+        selector_candidates("dip", "sketch")
