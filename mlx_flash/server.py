@@ -147,7 +147,7 @@ def setup_arg_parser():
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--memory-budget", default=None, help="Bytes, 2GB, 512MiB or 50%% of the model.")
-    p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "predictor", "dip"])
+    p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "sketch", "wina", "dip", "predictor"])
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--max-context", type=int, default=2048,
                    help="Prompt + generated tokens per request (sizes the KV cache in the budget).")
