@@ -9,3 +9,18 @@ from mlx_flash.texts import read_text
 def wikitext() -> str:
     """The WikiText-2 test split the package ships."""
     return read_text()
+
+
+CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random llama model directory and a short text file to calibrate on: (root, src, text path)."""
+    from mlx_flash.models.tiny import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("tiny")
+    src = make_tiny_model_dir("llama", root / "src")
+    data = root / "text.txt"
+    data.write_text(CALIBRATION_TEXT)
+    return root, src, data

@@ -25,18 +25,6 @@ from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll
 from mlx_flash.reorder import neuron_order, read_stats, reorder, reorder_group
 
-TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("calib")
-    src = make_tiny_model_dir("llama", root / "src")
-    data = root / "text.txt"
-    data.write_text(TEXT)
-    return root, src, data
-
-
 def _flash(tiny, name, **kw):
     root, src, _ = tiny
     return convert(str(src), root / name, progress=False, **kw)

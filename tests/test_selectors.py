@@ -12,25 +12,12 @@ from mlx_flash.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load, make_sparsifier
-from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.quality import dense_ffn_weights, eval_model
 from mlx_flash.selectors import build_sketch, dequantized_sketch, save_selector
 from mlx_flash.sparsity import WINA, Dense, Predictor, Sketch, top_k
 
-TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sel")
-    src = make_tiny_model_dir("llama", root / "src")
-    data = root / "text.txt"
-    data.write_text(TEXT)
-    return root, src, data
-
-
-def _flash(dirs, name, layout="neurons"):
-    root, src, _ = dirs
+def _flash(tiny, name, layout="neurons"):
+    root, src, _ = tiny
     return convert(str(src), root / name, layout=layout, alignment=512, progress=False)
 
 
@@ -81,9 +68,9 @@ def test_predictor_top_k_and_dense_on_every_layout():
 
 
 # -- a directory ships one selector ---------------------------------------------------------------
-def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(dirs):
-    _, _, data = dirs
-    path = _flash(dirs, "sketch")
+def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(tiny):
+    _, _, data = tiny
+    path = _flash(tiny, "sketch")
     _calibrate(path, data, "--max-ppl-increase", "10")
     fd = FlashDir(path)
     sel = fd.manifest["sparsity"]["selector"]
@@ -109,9 +96,9 @@ def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(dirs):
     assert make_sparsifier(fd, "dense").name == "dense" and make_sparsifier(fd, "oracle").name == "oracle"
 
 
-def test_sketch_selection_in_runtime_equals_controller(dirs):
+def test_sketch_selection_in_runtime_equals_controller(tiny):
     """The runtime's quantised sketch and the controller's dequantised copy choose the same neurons."""
-    path = _flash(dirs, "same")
+    path = _flash(tiny, "same")
     fd = FlashDir(path)
     w = [dense_ffn_weights(fd, i) for i in range(len(fd.layers))]
     arrays = build_sketch(w, None, 3, 32)
@@ -127,9 +114,9 @@ def test_sketch_selection_in_runtime_equals_controller(dirs):
         assert len(a) == len(b) and len(a ^ b) <= 0.1 * len(a)
 
 
-def test_wina_on_the_dip_layout(dirs):
-    _, _, data = dirs
-    path = _flash(dirs, "dip", layout="dip")
+def test_wina_on_the_dip_layout(tiny):
+    _, _, data = tiny
+    path = _flash(tiny, "dip", layout="dip")
     _calibrate(path, data, "--selector", "wina")
     fd = FlashDir(path)
     sel = fd.manifest["sparsity"]["selector"]
@@ -145,8 +132,8 @@ def test_wina_on_the_dip_layout(dirs):
         make_sparsifier(fd, "dip")
 
 
-def test_uncalibrated_and_unmeasured_directories_run_dense(dirs):
-    path = _flash(dirs, "plain")
+def test_uncalibrated_and_unmeasured_directories_run_dense(tiny):
+    path = _flash(tiny, "plain")
     fd = FlashDir(path)
     assert isinstance(make_sparsifier(fd, "auto"), Dense)
     with pytest.raises(FlashError, match="has no sketch"):
@@ -155,11 +142,11 @@ def test_uncalibrated_and_unmeasured_directories_run_dense(dirs):
     assert isinstance(make_sparsifier(FlashDir(path), "auto"), Dense)
 
 
-def test_generate_stats_name_the_selector(dirs):
+def test_generate_stats_name_the_selector(tiny):
     import subprocess
 
-    _, _, data = dirs
-    path = _flash(dirs, "gen")
+    _, _, data = tiny
+    path = _flash(tiny, "gen")
     _calibrate(path, data, "--max-ppl-increase", "10")
     nbytes = FlashDir(path).manifest["sparsity"]["selector"]["nbytes"]
     run = [sys.executable, "-m", "mlx_flash.generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "3",
