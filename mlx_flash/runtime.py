@@ -4,9 +4,10 @@
       misses --reader (pread pool)--> cache rows;  overflow --reader--> scratch, used uncached
       cache rows + x --gather_ffn--> FFN output
 
-Prompts (more than one token) stream each layer's FFN sequentially in large
-reads through a scratch buffer instead, and seed the caches with the units of
-the last `window` prompt tokens.
+Prompts (more than one token) use the union of their tokens' active sets the same
+way, or every unit once that union passes half a layer (the dip layout streams each
+layer sequentially through the scratch buffer and seeds its caches instead).
+Dense decoding reads the next layer's uncached units while a layer computes (Prefetch).
 
 Encoded layouts (bitmap-compressed pruned rows, flash_format v2): every read goes
 through the scratch buffer as encoded units and is expanded (BundleLayout.expand:
