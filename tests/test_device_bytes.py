@@ -38,7 +38,10 @@ def test_device_bytes_match_the_kernels_count(budget):
         kernel, pool = kernel_read_bytes() - kernel0, stats.device_bytes() - pool0
         assert pool > 20 << 20  # dense at this budget reads most of the FFN every token
         assert kernel == pytest.approx(pool, rel=0.03)
-        assert sum(t.bytes_read for t in stats.tokens) == pool  # every byte lands in some token
+        # every byte lands in some token, but reads started for a token that never came (the next
+        # layer read ahead, the next streamed layer) may finish after the last one closed
+        in_tokens = sum(t.bytes_read for t in stats.tokens)
+        assert in_tokens <= pool and in_tokens == pytest.approx(pool, rel=0.02)
         # gap fills and alignment come on top of what was asked (per token too, but a streamed layer
         # prefetched for the next token may land in either)
         assert sum(t.bytes_read for t in stats.tokens) >= sum(t.bytes_requested for t in stats.tokens)
