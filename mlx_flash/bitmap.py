@@ -1,6 +1,6 @@
 """ENDOR bitmap sparse rows: a pruned row stored as a bitmap of its non-zeros plus the packed values.
 
-ENDOR (../shared/papers/endor-bitmap-sparse-format.txt) stores an unstructured-sparse weight
+ENDOR ("ENDOR: Hardware-Friendly Sparse Format for Offloaded LLM Inference") stores an unstructured-sparse weight
 row as a bitmap of the non-zero positions and the non-zero values, in order, so that a 50%
 pruned float16 matrix takes ~56% of its dense bytes. Units on flash must be fixed-stride, so
 every encoded row of a matrix gets the same `capacity` (value slots): the largest non-zero
