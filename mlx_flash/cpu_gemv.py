@@ -182,6 +182,17 @@ class QuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+class QuantizedHead(nn.QuantizedLinear):
+    """An untied LM head: one row natively, prompts as MLX's op. Not `QuantizedLinear`'s prompt path, which
+    evaluates as it goes: mlx-lm discards a prompt's logits, and lazily they are never computed."""
+
+    def __call__(self, x):
+        y = _layer_matvec(self, x)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose as_linear (a tied LM head) runs natively for one row."""
 
@@ -195,9 +206,9 @@ def patch(model: nn.Module) -> nn.Module:
     weights and MLX's behaviour for everything else unchanged). Returns the model."""
     if _native is None:
         return model
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = QuantizedLinear  # same data, one method more: no re-quantisation
+    for path, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:  # same data, one method more: no re-quantisation
+            m.__class__ = QuantizedHead if path.split(".")[-1] == "lm_head" else QuantizedLinear
         elif type(m) is nn.QuantizedEmbedding:
             m.__class__ = QuantizedEmbedding
     return model

@@ -123,3 +123,18 @@ def test_several_rows_dequantise_in_chunks(monkeypatch, transpose):
     got = cpu_gemv.quantized_matmul(x, q, s, b, 32, 4, transpose=transpose)
     assert len(calls) == 10 and got.shape == want.shape
     assert np.allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_an_untied_head_leaves_prompt_logits_lazy(monkeypatch):
+    """The LM head's prompt logits, which mlx-lm discards, are not computed by the prompt path's evaluations."""
+    model = nn.Module()
+    model.proj, model.lm_head = nn.Linear(64, 64), nn.Linear(64, 96)
+    nn.quantize(model, group_size=32, bits=4)
+    cpu_gemv.patch(model)
+    assert type(model.lm_head) is cpu_gemv.QuantizedHead and type(model.proj) is cpu_gemv.QuantizedLinear
+    calls = []
+    dequantize = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or dequantize(*a, **k))
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 16, 64)).astype(np.float32))
+    model.lm_head(model.proj(x))
+    assert len(calls) == 1  # the projection's prompt path dequantised; the head's matmul stays lazy
