@@ -23,6 +23,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -322,6 +323,63 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out) {
     }
 }
 
+/* -- columns with block scales (convert --down-bits source) -----------------------------------
+   A matrix quantised along its input dimension (down_proj: each group spans `gs` neurons) and
+   stored per neuron keeps the source's codes: row j holds q_j[0..n) packed like the rows above,
+   without scales; the groups' scales and biases are two tables S, B [n_blocks, n]:
+
+       W_j[i] = S[blk_j][i] q_j[i] + B[blk_j][i]
+
+   block_axpy(c[k], ...)  out[i] = sum_j c[j] W_{slots[j]}[i]
+   sums c_j q_j over each run of rows with the same block (sorted neurons: one run per block),
+   then scales the run's sum once: S and B are read once per block, not once per row. */
+static void block_axpy_impl(const Rows *r, const float *c, float *out, const int32_t *blk, const uint8_t *S,
+                            const uint8_t *B) {
+    const int avx = use_avx2(r), nt = threads_for(r), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size;
+    (void)nt;
+    memset(out, 0, sizeof(float) * (size_t)r->n);
+#pragma omp parallel num_threads(nt)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        const int i0 = (int)(32 * (chunks * t / T)), len = (int)(32 * (chunks * (t + 1) / T)) - i0;
+        float *acc = len > 0 ? malloc(3 * sizeof(float) * (size_t)len) : NULL;
+        if (acc != NULL) {
+            float *s = acc + len, *b = acc + 2 * len;
+            Py_ssize_t j = 0;
+            while (j < r->k) {
+                const int32_t g = blk[j];
+                float csum = 0.0f;
+                int any = 0;
+                memset(acc, 0, sizeof(float) * (size_t)len);
+                while (j < r->k && blk[j] == g) {
+                    const uint8_t *w[AXPY_BLOCK];
+                    float a[AXPY_BLOCK];
+                    int m = 0;
+                    for (; j < r->k && blk[j] == g && m < AXPY_BLOCK; j++) {
+                        if (c[j] == 0.0f) continue;
+                        w[m] = r->w + row_of(r, j) * r->w_stride + (Py_ssize_t)i0 * r->bits / 8;
+                        a[m] = c[j];
+                        csum += c[j];
+                        m++;
+                    }
+                    if (m) axpy_block(acc, w, a, m, len, r->bits, avx);
+                    any |= m;
+                }
+                if (!any) continue;
+                scales_f32(S + g * table_row + (Py_ssize_t)i0 * scale_size, r->stype, len, s, avx);
+                scales_f32(B + g * table_row + (Py_ssize_t)i0 * scale_size, r->stype, len, b, avx);
+                for (int i = 0; i < len; i++) out[i0 + i] += s[i] * acc[i] + b[i] * csum;
+            }
+            free(acc);
+        }
+    }
+}
+
 /* -- Python ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -436,6 +494,82 @@ static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
     return run_product(args, "row_axpy", 1, row_axpy_impl);
 }
 
+/* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type) */
+static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt;
+    Py_ssize_t w_off, n_blocks;
+    Buffers B;
+    Rows r;
+    Py_buffer blk;
+    int have_blk = 0;
+    memset(&B, 0, sizeof(B));
+    memset(&r, 0, sizeof(r));
+    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni", &vec, &out, &w, &w_off, &r.w_stride, &slots, &r.k, &r.n, &r.bits,
+                          &blocks, &S, &Bt, &n_blocks, &r.stype))
+        return NULL;
+    r.gs = 32;
+    const char *err = NULL;
+    if (get(&B, 0, vec, 0, "vector") || get(&B, 1, out, 1, "out") || get(&B, 2, w, 0, "weights") ||
+        get(&B, 3, S, 0, "scales") || get(&B, 4, Bt, 0, "biases"))
+        goto fail;
+    if ((r.bits != 2 && r.bits != 4 && r.bits != 8) || r.n <= 0 || r.n % 32 || r.k < 0 || r.stype < 0 || r.stype > 2 ||
+        n_blocks <= 0)
+        err = "block_axpy: bits must be 2, 4 or 8 and n a positive multiple of 32";
+    else if (B.views[0].len != r.k * 4 || B.views[1].len != (Py_ssize_t)r.n * 4)
+        err = "block_axpy: vector must be float32 [k] and out float32 [n]";
+    else if (B.views[3].len < n_blocks * r.n * (r.stype == SCALE_F32 ? 4 : 2) || B.views[4].len != B.views[3].len)
+        err = "block_axpy: scales and biases must be [n_blocks, n] of the scale type";
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto fail;
+    }
+    if (PyObject_GetBuffer(blocks, &blk, PyBUF_C_CONTIGUOUS) != 0) goto fail;
+    have_blk = 1;
+    if (blk.len != r.k * 4) {
+        PyErr_SetString(PyExc_ValueError, "block_axpy: blocks must be int32 [k]");
+        goto fail;
+    }
+    const int32_t *bl = (const int32_t *)blk.buf;
+    Py_ssize_t max_row = r.k - 1;
+    if (slots != Py_None) {
+        if (get(&B, 5, slots, 0, "slots")) goto fail;
+        if (B.views[5].len != r.k * 4) {
+            PyErr_SetString(PyExc_ValueError, "block_axpy: slots must be int32 [k]");
+            goto fail;
+        }
+        r.slots = (const int32_t *)B.views[5].buf;
+        max_row = -1;
+        for (Py_ssize_t j = 0; j < r.k; j++) {
+            if (r.slots[j] < 0) {
+                PyErr_Format(PyExc_IndexError, "block_axpy: negative slot %d", r.slots[j]);
+                goto fail;
+            }
+            if (r.slots[j] > max_row) max_row = r.slots[j];
+        }
+    }
+    for (Py_ssize_t j = 0; j < r.k; j++)
+        if (bl[j] < 0 || bl[j] >= n_blocks) {
+            PyErr_Format(PyExc_IndexError, "block_axpy: block %d outside [0, %zd)", bl[j], n_blocks);
+            goto fail;
+        }
+    if (w_off < 0 || r.w_stride < 0 || (max_row >= 0 && w_off + max_row * r.w_stride + (Py_ssize_t)r.n * r.bits / 8 > B.views[2].len)) {
+        PyErr_Format(PyExc_IndexError, "block_axpy: row %zd of the weights is outside their %zd-byte buffer", max_row,
+                     B.views[2].len);
+        goto fail;
+    }
+    r.w = (const uint8_t *)B.views[2].buf + w_off;
+    Py_BEGIN_ALLOW_THREADS block_axpy_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, bl,
+                                           (const uint8_t *)B.views[3].buf, (const uint8_t *)B.views[4].buf);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&blk);
+    release(&B);
+    Py_RETURN_NONE;
+fail:
+    if (have_blk) PyBuffer_Release(&blk);
+    release(&B);
+    return NULL;
+}
+
 static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     (void)self;
     int on = PyObject_IsTrue(arg);
@@ -464,6 +598,9 @@ static PyMethodDef methods[] = {
      "row_dot" ARGS_DOC "out[j] = sum_i vec[i] W[slots[j]][i]; vec float32 [n], out float32 [k]"},
     {"row_axpy", py_row_axpy, METH_VARARGS,
      "row_axpy" ARGS_DOC "out[i] = sum_j vec[j] W[slots[j]][i]; vec float32 [k], out float32 [n]"},
+    {"block_axpy", py_block_axpy, METH_VARARGS,
+     "block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, scales, biases, n_blocks, scale_type)\n"
+     "out[i] = sum_j vec[j] (S[blocks[j]][i] q_{slots[j]}[i] + B[blocks[j]][i]); rows hold codes only"},
     {"info", py_info, METH_NOARGS, "info() -> {'avx2': CPU has it, 'simd': AVX2 loops in use, 'threads': n}"},
     {"set_simd", py_set_simd, METH_O, "set_simd(on): use the AVX2 loops where the CPU has them (default) or the scalar ones"},
     {NULL, NULL, 0, NULL}};

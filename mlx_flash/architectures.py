@@ -11,7 +11,8 @@ row i of each. The "dip" layout (GLU only) instead stores gate/up by input
 column, since DIP prunes their inputs, and down by neuron. Quantised rows (MLX affine quantisation groups run along d) are
 stored as their .weight/.scales/.biases rows. The transposed down/fc2 rows
 cannot keep the source quantisation (its groups span 32 neurons), so they are
-dequantised and either re-quantised along d_model or kept in float.
+dequantised and either re-quantised along d_model or kept in float, or (`resident_scales`)
+stored as the source's codes with the groups' scales and biases resident.
 """
 
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ class FFNAdapter:
             region = "inputs" if layout == "dip" and name != self.col_matrix else "neurons"
             if prune is None and not transposed and _quant_of(lin) == quant:
                 arrays = {k: lin[k] for k in ("weight", "scales", "biases") if k in lin}
+            elif quant is not None and quant.get("resident_scales"):
+                arrays, tables = _source_columns(lin, quant, name)
+                resident.update({f"{name}.{k}": v for k, v in tables.items()})
             else:
                 rows = _dense_weight(lin)
                 rows = rows.T if transposed else rows
@@ -117,6 +121,30 @@ def _quant_of(lin) -> Optional[dict]:
     if mode != "affine":
         raise UnsupportedArchitectureError(f"quantisation mode {mode!r} is not supported (only affine)")
     return {"bits": lin.bits, "group_size": lin.group_size}
+
+
+def _source_columns(lin, quant: dict, name: str):
+    """A matrix quantised along its input ([out, n_in], groups of `group_size` inputs) as per-input rows of
+    its codes, exactly: ({"weight": [n_in, out * bits / 32] uint32}, {"scales", "biases": [n_in / group_size, out]}),
+    the tables to keep resident (W[:, i] = scales[i // group_size] * q_i + biases[i // group_size])."""
+    want = {"bits": quant["bits"], "group_size": quant["group_size"]}
+    if _quant_of(lin) is None:  # a float source quantised now, as mlx-lm would store it
+        w, scales, biases = mx.quantize(lin["weight"], quant["group_size"], quant["bits"])
+    elif _quant_of(lin) == want:
+        w, scales, biases = lin["weight"], lin["scales"], lin["biases"]
+    else:
+        raise UnsupportedArchitectureError(
+            f"{name}: stored as {_quant_of(lin)}, so its codes cannot be kept as {want} (--down-bits source)")
+    return {"weight": transpose_codes(w, quant["bits"])}, {"scales": scales.T, "biases": biases.T}
+
+
+def transpose_codes(w: mx.array, bits: int) -> mx.array:
+    """Packed codes of a [rows, n] matrix (uint32 [rows, n * bits / 32], MLX's packing: least significant
+    first) -> the packed codes of its transpose [n, rows * bits / 32]."""
+    per = 32 // bits
+    shifts = mx.arange(per, dtype=mx.uint32) * bits
+    codes = ((w[..., None] >> shifts) & ((1 << bits) - 1)).reshape(w.shape[0], -1).T  # [n, rows]
+    return (codes.reshape(codes.shape[0], -1, per) << shifts).sum(axis=-1).astype(mx.uint32)
 
 
 def _dense_weight(lin) -> mx.array:

@@ -136,6 +136,12 @@ def convert(
             down_bits = 8  # measured on SmolLM2: 4-bit down re-quantised along d_model costs +4.9% ppl, 8-bit none
         if down_bits == "float":
             ffn_quant[adapter.col_matrix] = None
+        elif down_bits == "source":
+            if quant is None or quant["bits"] not in (2, 4, 8) or layout != "neurons" or prune is not None:
+                raise FlashError("--down-bits source keeps a 2/4/8-bit quantised model's down codes per neuron (groups' "
+                                 f"scales resident); it needs the neurons layout without --prune (got quantisation {quant}, "
+                                 f"layout {layout!r}, prune {prune!r})")
+            ffn_quant[adapter.col_matrix] = {**quant, "resident_scales": True}
         elif down_bits is not None and quant is not None:
             ffn_quant[adapter.col_matrix] = {"bits": int(down_bits), "group_size": quant["group_size"]}
 
@@ -283,11 +289,13 @@ def setup_arg_parser():
     parser.add_argument("-d", "--dequantize", action="store_true", help="Store a quantised source in float.")
     parser.add_argument(
         "--down-bits",
-        choices=["4", "8", "float"],
+        choices=["4", "8", "float", "source"],
         default=None,
-        help="Quantised models only: how down/fc2 rows are stored per neuron, re-quantised along d_model "
-        "or float (exact, larger bundles). Default: 8 for 4-bit models (4 bits costs +4.9%% perplexity on "
-        "SmolLM2, see BENCHMARKS.md), else the model's bits.",
+        help="Quantised models only: how down/fc2 rows are stored per neuron, re-quantised along d_model, "
+        "float (exact, larger bundles) or source (exact and smallest: the source's codes per neuron, the "
+        "groups' scales and biases resident, 1/8 of the matrix at 4-bit group 32; neurons layout, dense and "
+        "selectors that read no down row norms from flash). Default: 8 for 4-bit models (4 bits costs +4.9%% "
+        "perplexity on SmolLM2, see BENCHMARKS.md), else the model's bits.",
     )
     parser.add_argument(
         "--layout",

@@ -162,6 +162,49 @@ def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits:
     return mx.concatenate(out, axis=-1) if transpose else out
 
 
+# -- columns with block scales (convert --down-bits source) -----------------------------------------
+
+
+def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, scales, biases, n: int, bits: int) -> np.ndarray:
+    """float32 [n]: out = sum_j c[j] W_j, W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j the codes of
+    row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's) and scales/biases [n_blocks, n]."""
+    c = np.ascontiguousarray(c, dtype=np.float32).reshape(-1)
+    blocks = np.ascontiguousarray(blocks, dtype=np.int32).reshape(-1)
+    out = np.empty(n, dtype=np.float32)
+    _native.block_axpy(c, out, codes, w_off, w_stride, _slots(slots), len(c), n, bits, blocks, scales, biases,
+                       scales.shape[0], SCALE_TYPES[scales.dtype])
+    return out
+
+
+def block_applies(c: mx.array, n: int, bits: int, scales: mx.array) -> bool:
+    """Whether `block_axpy` computes c's product: one float32 row on the CPU, 2/4/8-bit codes, n % 32 == 0."""
+    return (c.dtype == mx.float32 and c.size == c.shape[-1] and available() and bits in (2, 4, 8) and n % 32 == 0
+            and scales.dtype in SCALE_TYPES and contiguous(scales))
+
+
+def block_matmul(c: mx.array, codes: mx.array, blocks: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
+    """c [..., k] @ W [k, n] with W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j = codes[j] ([k, n * bits / 32]
+    uint32): one float32 row natively (`block_axpy`), else in MLX ops a chunk of rows at a time (bounded temporaries)."""
+    n = codes.shape[-1] * 32 // bits
+    if block_applies(c, n, bits, scales) and contiguous(codes):
+        row = codes.shape[-1] * 4
+        y = block_axpy(np.asarray(c), codes, 0, row, None, np.asarray(blocks), scales, biases, n, bits)
+        return mx.array(y).reshape(*c.shape[:-1], n)
+    per = max(1, DEQUANT_CHUNK_BYTES // (4 * n))
+    out = None
+    for i in range(0, codes.shape[0], per):
+        q = codes[i : i + per]
+        ones = mx.ones((q.shape[0], n // 32), dtype=c.dtype)  # the codes themselves, as floats
+        w = mx.dequantize(q, ones, mx.zeros_like(ones), 32, bits)
+        blk = blocks[i : i + per]
+        w = scales[blk].astype(c.dtype) * w + biases[blk].astype(c.dtype)
+        part = c[..., i : i + per] @ w
+        out = part if out is None else out + part
+        if codes.shape[0] > per:
+            mx.eval(out)  # one chunk's weights alive at a time
+    return out
+
+
 # -- the model's quantised layers ------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 import mlx.core as mx
 from tqdm import tqdm
 
-from .architectures import adapter_for
+from .architectures import adapter_for, transpose_codes
 from .errors import FlashError
 from .flash_format import FlashDir
 from .gguf import _ShardWriter
@@ -59,8 +59,14 @@ def ffn_matrices(fd: FlashDir, layer: int, down_bits) -> dict:
         if not info["transposed"]:  # [n, d] rows: gate/up in mlx-lm's own layout and quantisation
             out[name] = {k: arrays[f"{name}.{k}"] for k in ("weight", "scales", "biases") if f"{name}.{k}" in arrays}
             continue
-        w = _dense(arrays, name, info).T  # stored [in, out] -> mlx-lm's [out, in]
         q = info["quantization"] or fd.manifest.get("quantization")
+        if q.get("resident_scales"):  # the source's codes and group scales: its exact [out, in] layout again
+            tables = fd.load_resident()
+            prefix = f"{fd.ffn['mlp_paths'][layer]}.{name}"
+            out[name] = {"weight": transpose_codes(arrays[f"{name}.weight"], q["bits"]),
+                         "scales": tables[f"{prefix}.scales"].T, "biases": tables[f"{prefix}.biases"].T}
+            continue
+        w = _dense(arrays, name, info).T  # stored [in, out] -> mlx-lm's [out, in]
         bits = down_bits if name == col else (q or {}).get("bits")
         if bits in (None, "float") or q is None:
             out[name] = {"weight": w.astype(mx.float16)}
@@ -90,6 +96,8 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
         prefix, _, leaf = k.rpartition(".")
         mlp, _, canon = prefix.rpartition(".")
         if mlp in fd.ffn["mlp_paths"] and canon in module:
+            if leaf != "bias":  # group scales of source codes (--down-bits source): ffn_matrices writes them
+                continue
             writer.add(f"{mlp}.{module[canon]}.{leaf}", resident[k])
         else:
             writer.add(k, resident[k])

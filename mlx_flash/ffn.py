@@ -18,15 +18,20 @@ from . import cpu_gemv
 ACTIVATIONS = {"silu": nn.silu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
-def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict) -> mx.array:
+def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict, resident: Optional[Dict[str, mx.array]] = None) -> mx.array:
     """x times one stored FFN matrix.
 
     Stored rows are [out, in] (y = x @ rows^T) unless info["transposed"], when they
     are [in, out] (y = x @ rows), as for down/fc2 and the dip layout's gate/up.
+    Rows of source codes (quantisation "resident_scales") take their groups' scales and biases
+    from `resident` ("down.scales" / "down.biases").
     """
     w, quant = arrays[f"{name}.weight"], info["quantization"]
     if quant is None:
         return x @ w if info["transposed"] else x @ w.T
+    if quant.get("resident_scales"):
+        blocks = mx.arange(w.shape[0]) // quant["group_size"]
+        return cpu_gemv.block_matmul(x, w, blocks, resident[f"{name}.scales"], resident[f"{name}.biases"], quant["bits"])
     s, b, gs, bits = arrays[f"{name}.scales"], arrays[f"{name}.biases"], quant["group_size"], quant["bits"]
     return cpu_gemv.quantized_matmul(x, w, s, b, gs, bits, transpose=not info["transposed"])
 
@@ -38,11 +43,11 @@ def ffn_forward(x: mx.array, arrays: Dict[str, mx.array], ffn: dict, bias: Optio
     bias = bias or {}
     if ffn["kind"] == "glu":
         h = act(project(x, arrays, "gate", m["gate"])) * project(x, arrays, "up", m["up"])
-        return project(h, arrays, "down", m["down"])
+        return project(h, arrays, "down", m["down"], bias)
     h = project(x, arrays, "fc1", m["fc1"])
     if "fc1" in bias:
         h = h + bias["fc1"]
-    y = project(act(h), arrays, "fc2", m["fc2"])
+    y = project(act(h), arrays, "fc2", m["fc2"], bias)
     if "fc2" in bias:
         y = y + bias["fc2"]
     return y

@@ -653,7 +653,14 @@ def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:
     for name, info in fd.ffn["matrices"].items():
         w = arrays[f"{name}.weight"]
         q = info["quantization"]
-        if q is not None:
+        if q is not None and q.get("resident_scales"):  # the source's codes; the groups' scales are resident
+            tables = fd.load_resident()
+            prefix = f"{fd.ffn['mlp_paths'][layer]}.{name}"
+            blocks = mx.arange(w.shape[0]) // q["group_size"]
+            ones = mx.ones((w.shape[0], w.shape[1] * 32 // q["bits"] // 32), dtype=mx.float32)
+            codes = mx.dequantize(w, ones, mx.zeros_like(ones), 32, q["bits"])
+            w = tables[f"{prefix}.scales"][blocks].astype(mx.float32) * codes + tables[f"{prefix}.biases"][blocks].astype(mx.float32)
+        elif q is not None:
             w = mx.dequantize(w, arrays[f"{name}.scales"], arrays[f"{name}.biases"], q["group_size"], q["bits"])
         w = w.astype(mx.float32)
         if info["transposed"] and name != col:  # dip layout: gate/up stored by input column [d, n]

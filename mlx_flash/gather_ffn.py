@@ -323,3 +323,26 @@ def row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str
     if _cpu_ok(w, rows, m):
         return mx.array(cpu_gemv.row_axpy(np.asarray(w), _cpu_rows(rows, m), np.asarray(slots))).reshape(*lead, m.n)
     return _ops_row_axpy(w, rows, slots, m)
+
+
+def block_row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str, quant: dict, units,
+                   scales: mx.array, biases: mx.array) -> mx.array:
+    """`row_axpy` for rows that hold only the source's codes of matrix `name` (quantisation
+    "resident_scales", convert --down-bits source): unit units[j] (in slot slots[j]) is in group
+    units[j] // group_size, whose scales/biases [n_out] are rows of the resident tables. Natively for one
+    float32 row on the CPU, else MLX ops (also on Metal: no kernel of its own yet)."""
+    slots = _check(w, rows, slots, "w")
+    codes = layout.component(f"{name}.weight")
+    bits = int(quant["bits"])
+    n = codes.shape[0] * 32 // bits
+    blocks = np.asarray(units, dtype=np.int32) // int(quant["group_size"])
+    lead, k = w.shape[:-1], slots.shape[0]
+    if w.shape[-1] != k or len(blocks) != k:
+        raise ValueError(f"block_row_axpy: w has {w.shape[-1]} weights per row, {len(blocks)} units for {k} slots")
+    if k == 0 or 0 in lead:
+        return mx.zeros((*lead, n), dtype=w.dtype)
+    if cpu_gemv.block_applies(w, n, bits, scales) and cpu_gemv.contiguous(rows):
+        y = cpu_gemv.block_axpy(np.asarray(w), rows, codes.offset, rows.shape[1], np.asarray(slots), blocks, scales,
+                                biases, n, bits)
+        return mx.array(y).reshape(*lead, n)
+    return cpu_gemv.block_matmul(w, _gather(rows, slots, codes), mx.array(blocks), scales, biases, bits)

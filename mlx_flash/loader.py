@@ -57,7 +57,8 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
         )
     for i, layer in enumerate(model.layers):
         prefix = paths[i] + "."
-        bias = {k[len(prefix) :].split(".")[0]: weights.pop(k) for k in list(weights) if k.startswith(prefix)}
+        # "fc1.bias" -> "fc1"; other resident FFN tensors ("down.scales": convert --down-bits source) keep their name
+        bias = {k[len(prefix) :].removesuffix(".bias"): weights.pop(k) for k in list(weights) if k.startswith(prefix)}
         layer.mlp = make_ffn(i, bias)
 
     if "quantization" in config:

@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import ReadError
 from .ffn import ACTIVATIONS, project
-from .gather_ffn import row_axpy, row_dot
+from .gather_ffn import block_row_axpy, row_axpy, row_dot
 from .neuron_cache import NeuronCache
 from .reader import aligned_buffer
 from .sparsity import Dense
@@ -241,15 +241,22 @@ class FlashEngine:
         m, layout = self.info["matrices"], self.fd.layouts["neurons"]
         act, kw = ACTIVATIONS[self.info["activation"]], {"use_metal": self.use_metal}
 
+        def out(h, rows, slots, pos, name):
+            q = m[name]["quantization"]
+            if q is not None and q.get("resident_scales"):  # the source's codes; group scales resident
+                return block_row_axpy(h, rows, slots, layout, name, q, active[pos], bias[f"{name}.scales"],
+                                      bias[f"{name}.biases"])
+            return row_axpy(h, rows, slots, layout, name, q, **kw)
+
         def fn(rows, slots, pos):
             if self.info["kind"] == "glu":
                 g = row_dot(x, rows, slots, layout, "gate", m["gate"]["quantization"], **kw)
                 u = row_dot(x, rows, slots, layout, "up", m["up"]["quantization"], **kw)
-                return row_axpy(act(g) * u, rows, slots, layout, "down", m["down"]["quantization"], **kw)
+                return out(act(g) * u, rows, slots, pos, "down")
             h = row_dot(x, rows, slots, layout, "fc1", m["fc1"]["quantization"], **kw)
             if "fc1" in bias:
                 h = h + bias["fc1"][mx.array(active[pos])].astype(h.dtype)
-            return row_axpy(act(h), rows, slots, layout, "fc2", m["fc2"]["quantization"], **kw)
+            return out(act(h), rows, slots, pos, "fc2")
 
         return fn
 

@@ -1,0 +1,108 @@
+"""convert --down-bits source: down_proj's codes per neuron, exactly as the source quantised them, the
+groups' scales and biases resident (cpu_gemv.block_axpy / block_matmul, gather_ffn.block_row_axpy)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_flash import FlashError, cpu_gemv
+from mlx_flash.budget import min_budget
+from mlx_flash.convert import convert
+from mlx_flash.flash_format import FlashDir, dense_ffn_weights
+from mlx_flash.loader import load, load_resident
+from mlx_flash.models.tiny import make_tiny_model_dir
+
+CONTEXT = 128
+PROMPT = [1, 5, 9, 33, 7, 100, 3]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src-codes")
+    src = make_tiny_model_dir("llama", root / "src", num_hidden_layers=3)
+    return src, convert(str(src), root / "flash", bits=4, group_size=32, down_bits="source", alignment=512, progress=False)
+
+
+def greedy(model, n=24):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+def test_down_is_the_source_quantisation_exactly(dirs):
+    """The stored codes and resident group scales give back mx.quantize's down_proj bit for bit, in bundles
+    of gate and up rows plus 4-bit codes."""
+    src, path = dirs
+    fd = FlashDir(path)
+    assert fd.ffn["matrices"]["down"]["quantization"] == {"bits": 4, "group_size": 32, "resident_scales": True}
+    comps = {c.name: c.nbytes for c in fd.layouts["neurons"].components}
+    assert [c for c in comps if c.startswith("down.")] == ["down.weight"]
+    w = mx.load(str(src / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
+    want = mx.dequantize(*mx.quantize(w, 32, 4), 32, 4).astype(mx.float32).T  # canonical [n, d]
+    got = dense_ffn_weights(fd, 1)["down"]
+    assert mx.array_equal(got, want)
+    assert comps["down.weight"] == fd.ffn["hidden_size"] // 2  # 4-bit codes, nothing else
+
+
+def test_native_block_axpy_equals_mlx_ops():
+    rng = np.random.default_rng(0)
+    k, n, nb = 40, 96, 6
+    for bits in (2, 4, 8):
+        codes = mx.array(rng.integers(0, 2**32, (k, n * bits // 32), dtype=np.uint64).astype(np.uint32))
+        blocks = np.sort(rng.integers(0, nb, k)).astype(np.int32)
+        S, B = (mx.array(rng.standard_normal((nb, n)).astype(np.float16)) for _ in range(2))
+        c = rng.standard_normal(k).astype(np.float32)
+        c[3] = 0.0
+        q = np.array(mx.dequantize(codes, mx.ones((k, n // 32)), mx.zeros((k, n // 32)), 32, bits))
+        want = c @ (np.array(S.astype(mx.float32))[blocks] * q + np.array(B.astype(mx.float32))[blocks])
+        ops = cpu_gemv.block_matmul(mx.array(c)[None], codes, mx.array(blocks), S, B, bits)  # two-dim: MLX ops
+        assert np.allclose(np.array(ops)[0], want, atol=1e-3 * np.abs(want).max())
+        # rows in slots of a wider buffer at an offset, in any order
+        slots = rng.permutation(k).astype(np.int32)
+        stride = n * bits // 8 + 16
+        buf = np.zeros((k, stride), np.uint8)
+        buf[slots, 8 : 8 + n * bits // 8] = np.array(codes).view(np.uint8)
+        for order in (np.arange(k), rng.permutation(k)):
+            got = cpu_gemv.block_axpy(c[order], buf.reshape(-1), 8, stride, slots[order], blocks[order], S, B, n, bits)
+            assert np.allclose(got, want, atol=1e-3 * np.abs(want).max())
+        with pytest.raises(IndexError):
+            cpu_gemv.block_axpy(c, buf.reshape(-1), 8, stride, slots, np.full(k, nb, np.int32), S, B, n, bits)
+        with pytest.raises(IndexError):
+            cpu_gemv.block_axpy(c, buf.reshape(-1), 8, stride, slots + k, blocks, S, B, n, bits)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_streamed_dense_tokens_equal_the_resident_model(dirs, prefetch):
+    """Under a budget of a fraction of the FFN, dense streaming through block_row_axpy gives the resident
+    model's tokens (ResidentFFN through block_matmul), the resident tables counted in the budget."""
+    _, path = dirs
+    ref, fd = load_resident(path)
+    budget = min_budget(fd, CONTEXT) + int(0.6 * fd.ffn_bytes)
+    model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT, prefetch=prefetch)
+    try:
+        assert greedy(model) == greedy(ref)
+        model.flash.stats.end()
+        assert sum(t.misses for t in model.flash.stats.decode_tokens()) > 0
+        tables = sum(fd.resident_index()[f"{p}.down.{k}"].nbytes for p in fd.ffn["mlp_paths"] for k in ("scales", "biases"))
+        assert model.flash.plan.resident >= tables > 0
+    finally:
+        model.flash.close()
+
+
+def test_refused_where_it_cannot_apply(dirs, tmp_path):
+    src, _ = dirs
+    with pytest.raises(FlashError, match="--down-bits source"):
+        convert(str(src), tmp_path / "dip", bits=4, down_bits="source", layout="dip", progress=False)
+    with pytest.raises(FlashError, match="--down-bits source"):
+        convert(str(src), tmp_path / "float", down_bits="source", progress=False)  # float model, no --bits
+
+
+def test_export_gives_back_the_source_quantisation(dirs, tmp_path):
+    """mlx_flash.export of a source-codes directory writes down_proj exactly as mlx-lm quantises it."""
+    from mlx_flash.export import export
+
+    src, path = dirs
+    out = export(path, tmp_path / "mlx", progress=False)
+    w = mx.load(str(src / "model.safetensors"))["model.layers.2.mlp.down_proj.weight"]
+    got = {k: v for f in out.glob("*.safetensors") for k, v in mx.load(str(f)).items()}
+    for k, want in zip(("weight", "scales", "biases"), mx.quantize(w, 32, 4)):
+        assert mx.array_equal(got[f"model.layers.2.mlp.down_proj.{k}"], want), k
