@@ -155,14 +155,15 @@ def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, 
     return sum(with_streamed(fixed_bytes(fd, context, dtype_size, extra, resident), list(groups)).values())
 
 
-def choose_streamed(groups, fixed: dict, budget: int, context: int):
-    """The groups to stream (the shortest prefix of `groups`, cheapest first, that fits; then any
-    that fit back are kept resident) and the fixed parts with them. BudgetError if none fits."""
+def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
+    """The groups to stream (`always`, then the shortest prefix of the other `groups`, cheapest first, that
+    fits; then any of those that fit back are kept resident) and the fixed parts with them. BudgetError if
+    none fits."""
     def fits(streamed):
         return sum(with_streamed(fixed, streamed).values()) <= budget
 
-    streamed = []
-    for g in groups:
+    streamed = list(always)
+    for g in (g for g in groups if g not in streamed):
         if fits(streamed):
             break
         streamed.append(g)
@@ -178,7 +179,7 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int):
             + (f" + extra {fmt_bytes(f['extra'])}" if f["extra"] else "")
             + f" need {fmt_bytes(sum(f.values()))} before any FFN unit is cached"
         )
-    for g in reversed(streamed[:-1]):  # the last one made it fit
+    for g in reversed(streamed[len(always) : -1]):  # the last one made it fit
         rest = [s for s in streamed if s is not g]
         if fits(rest):
             streamed = rest
@@ -202,7 +203,11 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
     limit = budget if budget is not None else 1 << 62
     fixed = fixed_bytes(fd, context, dtype_size, extra, resident, kv_bits, kv_group_size, prompt_caches)
     groups = list(groups)
-    streamed, f = choose_streamed(groups, fixed, limit, context)
+    # an input embedding streamed by rows reads a row per token, and the bytes it frees (past its two loads'
+    # buffers) cache FFN units instead: worth it whenever some unit would not be cached
+    rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
+    rows = rows if budget is not None and limit < sum(fixed.values()) + fd.ffn_bytes else []
+    streamed, f = choose_streamed(groups, fixed, limit, context, always=rows)
     left = limit - sum(f.values())
     per_layer = left // len(fd.layers)
     prefetch_rows = 0

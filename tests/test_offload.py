@@ -96,6 +96,31 @@ def test_planner_streams_cheapest_first_and_keeps_what_fits(dirs):
         plan_memory(fd, floor - 1, CONTEXT, 4, resident=resident, groups=groups)
 
 
+def test_a_large_input_embedding_is_streamed_by_rows_whenever_units_go_uncached(tmp_path):
+    """An untied embedding read a row per token frees its bytes for FFN units: the planner streams it as
+    soon as the budget cannot cache every unit, though the resident weights fit, and the tokens stay."""
+    src = make_tiny_model_dir("llama", tmp_path / "src", num_hidden_layers=3, vocab_size=4096, tie_word_embeddings=False)
+    path = convert(str(src), tmp_path / "flash", alignment=512, progress=False)
+    fd, groups, _, resident_floor = floors(path)
+    rows = [g for g in groups if g.kind == "rows"]
+    assert len(rows) == 1 and rows[0].nbytes > 2 * rows[0].load_bytes
+    resident = fd.resident_nbytes(CAST)
+    budget = resident_floor + fd.ffn_bytes // 2
+    plan = plan_memory(fd, budget, CONTEXT, 4, resident=resident, groups=groups)
+    assert plan.streamed == rows
+    everything = plan_memory(fd, resident_floor + 2 * fd.ffn_bytes, CONTEXT, 4, resident=resident, groups=groups)
+    assert everything.streamed == []
+    assert sum(c["neurons"] for c in plan.capacity) > sum(
+        c["neurons"] for c in plan_memory(fd, budget, CONTEXT, 4, resident=resident).capacity)  # groups=(): resident
+    ref, _ = load_resident(path)
+    model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT)
+    try:
+        assert model.flash.plan.streamed == rows
+        assert greedy(model, 16) == greedy(ref, 16)
+    finally:
+        model.flash.close()
+
+
 def test_spread_order():
     assert sorted(_spread(6)) == list(range(6))
     assert _spread(8)[:2] == [0, 4] and sorted(_spread(8)[:4]) == [0, 2, 4, 6]  # prefixes are evenly spread
