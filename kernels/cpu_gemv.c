@@ -11,6 +11,7 @@
        weights  w + w_off + r * w_stride   n * bits / 8 bytes
        scales   s + s_off + r * s_stride   n / group_size values (float16, bfloat16 or float32)
        biases   b + b_off + r * b_stride   likewise;  W_r[i] = scale_g * q_i + bias_g
+                                           (symmetric: none stored, bias_g = -2^(bits-1) scale_g)
 
    so one neuron-cache buffer (w, s and b the same buffer at different offsets) and the
    three arrays of an nn.QuantizedLinear (stride = one row each) are both described.
@@ -45,6 +46,7 @@ typedef struct {
     const int32_t *slots; /* NULL: rows 0..k-1 */
     Py_ssize_t k;
     int n, bits, gs, stype;
+    int sym; /* symmetric (llama.cpp's Q4_0 / Q8_0): no biases stored, bias = -2^(bits-1) scale */
 } Rows;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -212,6 +214,16 @@ static void scales_f32(const uint8_t *p, int stype, int groups, float *dst, int 
     for (int g = 0; g < groups; g++) dst[g] = load_scale(p, stype, g);
 }
 
+/* A row's biases: stored, or (symmetric) -2^(bits-1) times its scales. */
+static void biases_f32(const Rows *r, const uint8_t *p, int groups, const float *scale, float *dst, int fast) {
+    if (r->sym) {
+        const float off = -(float)(1 << (r->bits - 1));
+        for (int g = 0; g < groups; g++) dst[g] = off * scale[g];
+    } else {
+        scales_f32(p, r->stype, groups, dst, fast);
+    }
+}
+
 static int simd_allowed = 1; /* set_simd(False): the scalar loops, for tests */
 
 static int use_avx2(const Rows *r) { return simd_allowed && cpu_has_avx2() && (r->bits == 4 || r->bits == 8) && r->gs % 32 == 0; }
@@ -247,7 +259,7 @@ static void row_dot_impl(const Rows *r, const float *x, float *out) {
         const uint8_t *w = r->w + row * r->w_stride;
         float scale[groups], bias[groups], acc = 0.0f;
         scales_f32(r->s + row * r->s_stride, r->stype, groups, scale, avx);
-        scales_f32(r->b + row * r->b_stride, r->stype, groups, bias, avx);
+        biases_f32(r, r->b + row * r->b_stride, groups, scale, bias, avx);
         for (int g = 0; g < groups; g++) {
             const float *xg = x + g * r->gs;
             const uint8_t *wg = w + g * group_bytes;
@@ -301,7 +313,7 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out) {
                 Py_ssize_t row = row_of(r, j);
                 w[m] = r->w + row * r->w_stride;
                 scales_f32(r->s + row * r->s_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, a[m], avx);
-                scales_f32(r->b + row * r->b_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, bias, avx);
+                biases_f32(r, r->b + row * r->b_stride + (Py_ssize_t)g0 * scale_size, g1 - g0, a[m], bias, avx);
                 for (int g = 0; g < g1 - g0; g++) {
                     a[m][g] *= cj;
                     bias_sum[g] += cj * bias[g];
@@ -372,7 +384,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                 }
                 if (!any) continue;
                 scales_f32(S + g * table_row + (Py_ssize_t)i0 * scale_size, r->stype, len, s, avx);
-                scales_f32(B + g * table_row + (Py_ssize_t)i0 * scale_size, r->stype, len, b, avx);
+                biases_f32(r, B + g * table_row + (Py_ssize_t)i0 * scale_size, len, s, b, avx);
                 for (int i = 0; i < len; i++) out[i0 + i] += s[i] * acc[i] + b[i] * csum;
             }
             free(acc);
@@ -412,8 +424,9 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     PyObject *vec, *out, *w, *s, *b, *slots;
     Py_ssize_t w_off, s_off, b_off;
     memset(B, 0, sizeof(*B));
-    if (!PyArg_ParseTuple(args, "OOOnnOnnOnnOniiii", &vec, &out, &w, &w_off, &r->w_stride, &s, &s_off, &r->s_stride, &b,
-                          &b_off, &r->b_stride, &slots, &r->k, &r->n, &r->bits, &r->gs, &r->stype))
+    r->sym = 0;
+    if (!PyArg_ParseTuple(args, "OOOnnOnnOnnOniiii|p", &vec, &out, &w, &w_off, &r->w_stride, &s, &s_off, &r->s_stride, &b,
+                          &b_off, &r->b_stride, &slots, &r->k, &r->n, &r->bits, &r->gs, &r->stype, &r->sym))
         return -1;
     if (get(B, 0, vec, 0, "vector") || get(B, 1, out, 1, "out") || get(B, 2, w, 0, "weights") ||
         get(B, 3, s, 0, "scales") || get(B, 4, b, 0, "biases"))
@@ -505,8 +518,8 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
     int have_blk = 0;
     memset(&B, 0, sizeof(B));
     memset(&r, 0, sizeof(r));
-    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni", &vec, &out, &w, &w_off, &r.w_stride, &slots, &r.k, &r.n, &r.bits,
-                          &blocks, &S, &Bt, &n_blocks, &r.stype))
+    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni|p", &vec, &out, &w, &w_off, &r.w_stride, &slots, &r.k, &r.n, &r.bits,
+                          &blocks, &S, &Bt, &n_blocks, &r.stype, &r.sym))
         return NULL;
     r.gs = 32;
     const char *err = NULL;
@@ -591,7 +604,7 @@ static PyObject *py_info(PyObject *self, PyObject *noargs) {
 
 #define ARGS_DOC                                                                                              \
     "(vec, out, w, w_off, w_stride, s, s_off, s_stride, b, b_off, b_stride, slots, k, n, bits, group_size, " \
-    "scale_type)\n"
+    "scale_type, symmetric=False)\n"
 
 static PyMethodDef methods[] = {
     {"row_dot", py_row_dot, METH_VARARGS,
@@ -599,7 +612,8 @@ static PyMethodDef methods[] = {
     {"row_axpy", py_row_axpy, METH_VARARGS,
      "row_axpy" ARGS_DOC "out[i] = sum_j vec[j] W[slots[j]][i]; vec float32 [k], out float32 [n]"},
     {"block_axpy", py_block_axpy, METH_VARARGS,
-     "block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, scales, biases, n_blocks, scale_type)\n"
+     "block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, scales, biases, n_blocks, scale_type, "
+     "symmetric=False)\n"
      "out[i] = sum_j vec[j] (S[blocks[j]][i] q_{slots[j]}[i] + B[blocks[j]][i]); rows hold codes only"},
     {"info", py_info, METH_NOARGS, "info() -> {'avx2': CPU has it, 'simd': AVX2 loops in use, 'threads': n}"},
     {"set_simd", py_set_simd, METH_O, "set_simd(on): use the AVX2 loops where the CPU has them (default) or the scalar ones"},

@@ -69,10 +69,14 @@ class FFNAdapter:
             lin, quant = linears[name], quantization[name]
             transposed = name == self.col_matrix or layout == "dip"
             region = "inputs" if layout == "dip" and name != self.col_matrix else "neurons"
-            if prune is None and not transposed and _quant_of(lin) == quant:
+            if prune is None and not transposed and _quant_of(lin) == _bits(quant):
                 arrays = {k: lin[k] for k in ("weight", "scales", "biases") if k in lin}
+                if quant.get("symmetric") and _symmetric(lin, quant, name):
+                    del arrays["biases"]
             elif quant is not None and quant.get("resident_scales"):
                 arrays, tables = _source_columns(lin, quant, name)
+                if quant.get("symmetric") and _symmetric(lin, quant, name):
+                    tables.pop("biases")
                 resident.update({f"{name}.{k}": v for k, v in tables.items()})
             else:
                 rows = _dense_weight(lin)
@@ -123,11 +127,29 @@ def _quant_of(lin) -> Optional[dict]:
     return {"bits": lin.bits, "group_size": lin.group_size}
 
 
+def _bits(quant: Optional[dict]) -> Optional[dict]:
+    return None if quant is None else {"bits": quant["bits"], "group_size": quant["group_size"]}
+
+
+def symmetric(lin) -> bool:
+    """Whether a quantised linear's biases are -2^(bits-1) times its scales (llama.cpp's Q4_0 / Q8_0): then
+    they need not be stored."""
+    q = _quant_of(lin)
+    return q is not None and bool(mx.array_equal(lin["biases"], lin["scales"] * -(1 << (q["bits"] - 1))))
+
+
+def _symmetric(lin, quant, name) -> bool:
+    if not symmetric(lin):
+        raise UnsupportedArchitectureError(f"{name}: quantisation not symmetric in this layer, as in the first "
+                                           "(llama.cpp type mixed per layer): convert without --down-bits source")
+    return True
+
+
 def _source_columns(lin, quant: dict, name: str):
     """A matrix quantised along its input ([out, n_in], groups of `group_size` inputs) as per-input rows of
     its codes, exactly: ({"weight": [n_in, out * bits / 32] uint32}, {"scales", "biases": [n_in / group_size, out]}),
     the tables to keep resident (W[:, i] = scales[i // group_size] * q_i + biases[i // group_size])."""
-    want = {"bits": quant["bits"], "group_size": quant["group_size"]}
+    want = _bits(quant)
     if _quant_of(lin) is None:  # a float source quantised now, as mlx-lm would store it
         w, scales, biases = mx.quantize(lin["weight"], quant["group_size"], quant["bits"])
     elif _quant_of(lin) == want:

@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
 from . import __version__
-from .architectures import adapter_for
+from .architectures import adapter_for, symmetric
 from .bitmap import capacity_for_sparsity
 from .errors import FlashError
 from .flash_format import DEFAULT_ALIGNMENT, BundleLayout, Encoding, FlashWriter, dtype_name
@@ -142,6 +142,9 @@ def convert(
                                  f"scales resident); it needs the neurons layout without --prune (got quantisation {quant}, "
                                  f"layout {layout!r}, prune {prune!r})")
             ffn_quant[adapter.col_matrix] = {**quant, "resident_scales": True}
+            first = adapter._linears(model_obj.layers[0].mlp)
+            if all(symmetric(first[m]) for m in adapter.matrices):  # Q4_0 / Q8_0: the biases follow from the scales
+                ffn_quant = {m: {**q, "symmetric": True} for m, q in ffn_quant.items()}
         elif down_bits is not None and quant is not None:
             ffn_quant[adapter.col_matrix] = {"bits": int(down_bits), "group_size": quant["group_size"]}
 

@@ -72,6 +72,7 @@ class QuantRows:
     bits: int
     group_size: int
     scale_dtype: mx.Dtype
+    symmetric: bool = False  # no biases stored (b is ignored): bias = -2^(bits-1) * scale, as llama.cpp's Q4_0
 
     @classmethod
     def of_matrix(cls, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> "QuantRows":
@@ -82,7 +83,12 @@ class QuantRows:
 
     def _args(self, slots, k):
         return (self.w, self.w_off, self.w_stride, self.s, self.s_off, self.s_stride, self.b, self.b_off,
-                self.b_stride, slots, k, self.n, self.bits, self.group_size, SCALE_TYPES[self.scale_dtype])
+                self.b_stride, slots, k, self.n, self.bits, self.group_size, SCALE_TYPES[self.scale_dtype], self.symmetric)
+
+
+def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
+    """The biases a symmetric quantisation implies (llama.cpp's Q4_0 / Q8_0 in MLX's affine form)."""
+    return scales * -(1 << (bits - 1))
 
 
 def _slots(slots) -> Optional[np.ndarray]:
@@ -167,12 +173,15 @@ def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits:
 
 def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, scales, biases, n: int, bits: int) -> np.ndarray:
     """float32 [n]: out = sum_j c[j] W_j, W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j the codes of
-    row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's) and scales/biases [n_blocks, n]."""
+    row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's) and scales/biases [n_blocks, n]
+    (biases None: symmetric)."""
+    symmetric = biases is None
+    biases = scales if symmetric else biases
     c = np.ascontiguousarray(c, dtype=np.float32).reshape(-1)
     blocks = np.ascontiguousarray(blocks, dtype=np.int32).reshape(-1)
     out = np.empty(n, dtype=np.float32)
     _native.block_axpy(c, out, codes, w_off, w_stride, _slots(slots), len(c), n, bits, blocks, scales, biases,
-                       scales.shape[0], SCALE_TYPES[scales.dtype])
+                       scales.shape[0], SCALE_TYPES[scales.dtype], symmetric)
     return out
 
 
@@ -184,12 +193,14 @@ def block_applies(c: mx.array, n: int, bits: int, scales: mx.array) -> bool:
 
 def block_matmul(c: mx.array, codes: mx.array, blocks: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
     """c [..., k] @ W [k, n] with W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j = codes[j] ([k, n * bits / 32]
-    uint32): one float32 row natively (`block_axpy`), else in MLX ops a chunk of rows at a time (bounded temporaries)."""
+    uint32; biases None: symmetric): one float32 row natively (`block_axpy`), else in MLX ops a chunk of rows at a
+    time (bounded temporaries)."""
     n = codes.shape[-1] * 32 // bits
     if block_applies(c, n, bits, scales) and contiguous(codes):
         row = codes.shape[-1] * 4
         y = block_axpy(np.asarray(c), codes, 0, row, None, np.asarray(blocks), scales, biases, n, bits)
         return mx.array(y).reshape(*c.shape[:-1], n)
+    biases = symmetric_biases(scales, bits) if biases is None else biases
     per = max(1, DEQUANT_CHUNK_BYTES // (4 * n))
     out = None
     for i in range(0, codes.shape[0], per):

@@ -31,6 +31,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from .architectures import adapter_for, transpose_codes
+from .cpu_gemv import symmetric_biases
 from .errors import FlashError
 from .flash_format import FlashDir
 from .gguf import _ShardWriter
@@ -63,8 +64,10 @@ def ffn_matrices(fd: FlashDir, layer: int, down_bits) -> dict:
         if q.get("resident_scales"):  # the source's codes and group scales: its exact [out, in] layout again
             tables = fd.load_resident()
             prefix = f"{fd.ffn['mlp_paths'][layer]}.{name}"
-            out[name] = {"weight": transpose_codes(arrays[f"{name}.weight"], q["bits"]),
-                         "scales": tables[f"{prefix}.scales"].T, "biases": tables[f"{prefix}.biases"].T}
+            scales = tables[f"{prefix}.scales"]
+            biases = tables.get(f"{prefix}.biases", symmetric_biases(scales, q["bits"]))
+            out[name] = {"weight": transpose_codes(arrays[f"{name}.weight"], q["bits"]), "scales": scales.T,
+                         "biases": biases.T}
             continue
         w = _dense(arrays, name, info).T  # stored [in, out] -> mlx-lm's [out, in]
         bits = down_bits if name == col else (q or {}).get("bits")

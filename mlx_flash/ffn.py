@@ -24,14 +24,14 @@ def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict, res
     Stored rows are [out, in] (y = x @ rows^T) unless info["transposed"], when they
     are [in, out] (y = x @ rows), as for down/fc2 and the dip layout's gate/up.
     Rows of source codes (quantisation "resident_scales") take their groups' scales and biases
-    from `resident` ("down.scales" / "down.biases").
+    from `resident` ("down.scales" / "down.biases"; no biases: symmetric).
     """
     w, quant = arrays[f"{name}.weight"], info["quantization"]
     if quant is None:
         return x @ w if info["transposed"] else x @ w.T
     if quant.get("resident_scales"):
         blocks = mx.arange(w.shape[0]) // quant["group_size"]
-        return cpu_gemv.block_matmul(x, w, blocks, resident[f"{name}.scales"], resident[f"{name}.biases"], quant["bits"])
+        return cpu_gemv.block_matmul(x, w, blocks, resident[f"{name}.scales"], resident.get(f"{name}.biases"), quant["bits"])
     s, b, gs, bits = arrays[f"{name}.scales"], arrays[f"{name}.biases"], quant["group_size"], quant["bits"]
     return cpu_gemv.quantized_matmul(x, w, s, b, gs, bits, transpose=not info["transposed"])
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import bitmap
+from .cpu_gemv import symmetric_biases
 from .errors import FlashFormatError
 
 FORMAT_NAME = "mlx_flash"
@@ -544,6 +545,10 @@ class FlashDir:
         arrays = {}
         for name, layout in self.layouts.items():
             arrays.update(layout.unpack(layout.expand(mx.array(self.read_region(layer, name)))))
+        for name, info in self.ffn["matrices"].items():  # symmetric rows store no biases: the consumers get them
+            q = info["quantization"]
+            if q is not None and q.get("symmetric") and f"{name}.scales" in arrays:
+                arrays[f"{name}.biases"] = symmetric_biases(arrays[f"{name}.scales"], q["bits"])
         return arrays
 
     def verify(self, progress=None) -> None:
@@ -659,7 +664,9 @@ def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:
             blocks = mx.arange(w.shape[0]) // q["group_size"]
             ones = mx.ones((w.shape[0], w.shape[1] * 32 // q["bits"] // 32), dtype=mx.float32)
             codes = mx.dequantize(w, ones, mx.zeros_like(ones), 32, q["bits"])
-            w = tables[f"{prefix}.scales"][blocks].astype(mx.float32) * codes + tables[f"{prefix}.biases"][blocks].astype(mx.float32)
+            scales = tables[f"{prefix}.scales"]
+            biases = tables.get(f"{prefix}.biases", symmetric_biases(scales, q["bits"]))
+            w = scales[blocks].astype(mx.float32) * codes + biases[blocks].astype(mx.float32)
         elif q is not None:
             w = mx.dequantize(w, arrays[f"{name}.scales"], arrays[f"{name}.biases"], q["group_size"], q["bits"])
         w = w.astype(mx.float32)

@@ -100,6 +100,7 @@ class RowMatrix:
     n: int  # logical row length (dequantised)
     bits: int  # 0: float rows
     group_size: int
+    symmetric: bool = False  # no biases component: bias = -2^(bits-1) * scale
 
     @property
     def float_dtype(self) -> mx.Dtype:
@@ -109,14 +110,18 @@ class RowMatrix:
     @property
     def metal_ok(self) -> bool:
         """Whether the Metal kernels can read it: offsets aligned to the element size, bits 2/4/8."""
+        if self.symmetric:  # the kernels read stored biases
+            return False
         comps = [self.weight] + ([self.scales, self.biases] if self.bits else [])
         aligned = all(c.offset % _DTYPES[c.dtype].size == 0 for c in comps)
         return aligned and self.bits in (0, 2, 4, 8) and (self.bits == 0 or self.group_size % (32 // self.bits) == 0)
 
 
 @lru_cache(maxsize=256)
-def row_matrix(layout: BundleLayout, name: str, bits: Optional[int] = None, group_size: Optional[int] = None) -> RowMatrix:
-    """Resolve matrix `name` ("gate", "fc1", ...) of `layout` for quantisation (bits, group_size) or float (None)."""
+def row_matrix(layout: BundleLayout, name: str, bits: Optional[int] = None, group_size: Optional[int] = None,
+               symmetric: bool = False) -> RowMatrix:
+    """Resolve matrix `name` ("gate", "fc1", ...) of `layout` for quantisation (bits, group_size[, symmetric: no
+    biases stored]) or float (None)."""
     comps = {c.name: c for c in layout.components}
     weight = comps.get(f"{name}.weight")
     if weight is None:
@@ -129,6 +134,8 @@ def row_matrix(layout: BundleLayout, name: str, bits: Optional[int] = None, grou
             raise ValueError(f"{name}.weight is {weight.dtype}: quantised rows need quant={{'bits', 'group_size'}}")
         return RowMatrix(name, weight, None, None, weight.shape[0], 0, 1)
     scales, biases = comps.get(f"{name}.scales"), comps.get(f"{name}.biases")
+    if symmetric:
+        biases = scales
     if weight.dtype != "uint32" or scales is None or biases is None:
         raise ValueError(f"{name}: quant={{'bits': {bits}, ...}} but the layout does not hold quantised rows of it")
     if bits not in (2, 3, 4, 5, 6, 8):
@@ -139,13 +146,13 @@ def row_matrix(layout: BundleLayout, name: str, bits: Optional[int] = None, grou
             f"{name}: {n} values need {n // group_size} groups of {group_size}, "
             f"scales/biases have {scales.shape}/{biases.shape}"
         )
-    return RowMatrix(name, weight, scales, biases, n, bits, group_size)
+    return RowMatrix(name, weight, scales, None if symmetric else biases, n, bits, group_size, symmetric)
 
 
 def _matrix(layout, name, quant) -> RowMatrix:
     if quant is None:
         return row_matrix(layout, name)
-    return row_matrix(layout, name, int(quant["bits"]), int(quant["group_size"]))
+    return row_matrix(layout, name, int(quant["bits"]), int(quant["group_size"]), bool(quant.get("symmetric")))
 
 
 # -- the MLX-ops path ----------------------------------------------------------------
@@ -175,8 +182,7 @@ def _ops_row_dot(x, rows, slots, m: RowMatrix):
     w = _gather(rows, slots, m.weight)
     if not m.bits:
         return x @ w.astype(x.dtype).T
-    s = _gather(rows, slots, m.scales).astype(x.dtype)
-    b = _gather(rows, slots, m.biases).astype(x.dtype)
+    s, b = _scales_biases(rows, slots, m, x.dtype)
     return cpu_gemv.quantized_matmul(x, w, s, b, m.group_size, m.bits, transpose=True)
 
 
@@ -184,9 +190,14 @@ def _ops_row_axpy(w, rows, slots, m: RowMatrix):
     wt = _gather(rows, slots, m.weight)
     if not m.bits:
         return w @ wt.astype(w.dtype)
-    s = _gather(rows, slots, m.scales).astype(w.dtype)
-    b = _gather(rows, slots, m.biases).astype(w.dtype)
+    s, b = _scales_biases(rows, slots, m, w.dtype)
     return cpu_gemv.quantized_matmul(w, wt, s, b, m.group_size, m.bits, transpose=False)
+
+
+def _scales_biases(rows, slots, m: RowMatrix, dtype):
+    s = _gather(rows, slots, m.scales).astype(dtype)
+    b = cpu_gemv.symmetric_biases(s, m.bits) if m.symmetric else _gather(rows, slots, m.biases).astype(dtype)
+    return s, b
 
 
 # -- the native CPU path ----------------------------------------------------------------
@@ -198,8 +209,9 @@ def _cpu_ok(v: mx.array, rows: mx.array, m: RowMatrix) -> bool:
 
 def _cpu_rows(rows: mx.array, m: RowMatrix) -> cpu_gemv.QuantRows:
     stride = rows.shape[1]
-    return cpu_gemv.QuantRows(rows, m.weight.offset, stride, rows, m.scales.offset, stride, rows, m.biases.offset,
-                              stride, m.n, m.bits, m.group_size, m.float_dtype)
+    b = m.scales if m.symmetric else m.biases  # (ignored when symmetric)
+    return cpu_gemv.QuantRows(rows, m.weight.offset, stride, rows, m.scales.offset, stride, rows, b.offset,
+                              stride, m.n, m.bits, m.group_size, m.float_dtype, m.symmetric)
 
 
 # -- the Metal path ------------------------------------------------------------------
@@ -330,7 +342,7 @@ def block_row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, nam
     """`row_axpy` for rows that hold only the source's codes of matrix `name` (quantisation
     "resident_scales", convert --down-bits source): unit units[j] (in slot slots[j]) is in group
     units[j] // group_size, whose scales/biases [n_out] are rows of the resident tables. Natively for one
-    float32 row on the CPU, else MLX ops (also on Metal: no kernel of its own yet)."""
+    float32 row on the CPU, else MLX ops (also on Metal: no kernel of its own yet). biases None: symmetric."""
     slots = _check(w, rows, slots, "w")
     codes = layout.component(f"{name}.weight")
     bits = int(quant["bits"])

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .architectures import adapter_for
 from .budget import fmt_bytes
 from .cap import exit_on_sigterm, run_capped
 from .memory import baseline_command
@@ -114,12 +115,14 @@ def prepare(model: str, progress: bool = True) -> dict:
             write_gguf(model, gguf, progress=progress)
         flash = None
     root = cache_root() / "peers" / (model if model in ("small", "llama-7b") else Path(model).stem)
+    mlx = root / "mlx"
     if flash is None:
-        flash = root / "flash"
+        # the GGUF's own down_proj codes (exact, 4.5-5 bits a weight where 8-bit rows would take 8.5), and
+        # 512: O_DIRECT's minimum (4096 would pad the 7B's 7168 B bundles to 8192)
+        flash, mlx = root / "flash-source", root / "mlx-source"
         if not (flash / "flash.json").is_file():
-            # 512: O_DIRECT's minimum; the default 4096 would pad the 7B's 9728 B bundles to 12288 (+26%)
-            convert(str(gguf), flash, alignment=512, progress=progress)
-    paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": root / "mlx"}
+            convert(str(gguf), flash, alignment=512, down_bits="source", progress=progress)
+    paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx}
     if not (paths["mlx"] / "config.json").is_file():
         shutil.rmtree(paths["mlx"], ignore_errors=True)
         export(flash, paths["mlx"], progress=progress)
@@ -223,7 +226,7 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
     versions = _versions()
     res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k != "prompt"}, "weight_bytes": weights,
-           "flash_bytes": FlashDir(paths["flash"]).model_bytes, "baseline_rss": baseline, "tokens": tokens,
+           "flash_bytes": FlashDir(paths["flash"]).model_bytes, "flash_down": down_storage(FlashDir(paths["flash"])), "baseline_rss": baseline, "tokens": tokens,
            "rounds": rounds, "cap_factor": cap_factor, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
            "versions": versions, "runs": []}
     # (system, budget %, cap); budget None: no cap
@@ -396,10 +399,18 @@ def _cap(res, label) -> int:
     return int((int(res["weight_bytes"] * float(label[:-1]) / 100) + res["baseline_rss"]) * res.get("cap_factor", 1))
 
 
+def down_storage(fd) -> str:
+    """How the flash directory stores down_proj per neuron, for the header."""
+    q = fd.ffn["matrices"][adapter_for(fd.config).col_matrix]["quantization"]
+    if q is None:
+        return "down_proj float"
+    return "down_proj the source's codes" if q.get("resident_scales") else f"down_proj {q['bits']}-bit"
+
+
 def header(res) -> str:
     m, v = res["machine"], res["versions"]
     return (f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
-            f"{fmt_bytes(res['flash_bytes'])}: down_proj 8-bit); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
+            f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
             f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; {res['tokens']} tokens, "
             f"{res['rounds']} rounds\n"
             f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "

@@ -245,7 +245,7 @@ class FlashEngine:
             q = m[name]["quantization"]
             if q is not None and q.get("resident_scales"):  # the source's codes; group scales resident
                 return block_row_axpy(h, rows, slots, layout, name, q, active[pos], bias[f"{name}.scales"],
-                                      bias[f"{name}.biases"])
+                                      bias.get(f"{name}.biases"))  # None: symmetric
             return row_axpy(h, rows, slots, layout, name, q, **kw)
 
         def fn(rows, slots, pos):

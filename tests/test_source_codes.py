@@ -106,3 +106,56 @@ def test_export_gives_back_the_source_quantisation(dirs, tmp_path):
     got = {k: v for f in out.glob("*.safetensors") for k, v in mx.load(str(f)).items()}
     for k, want in zip(("weight", "scales", "biases"), mx.quantize(w, 32, 4)):
         assert mx.array_equal(got[f"model.layers.2.mlp.down_proj.{k}"], want), k
+
+
+def test_a_symmetric_source_stores_no_biases(tmp_path):
+    """A Q4_0 GGUF (llama.cpp's symmetric 4-bit: bias = -8 * scale) keeps its codes and scales only: bundles of
+    gate/up rows without biases plus down codes, no resident down biases; the weights are the GGUF's exactly
+    and dense streaming gives the resident model's tokens."""
+    from mlx_flash.source import load_source_model, resolve_source
+    from mlx_flash.synthetic_gguf import write_gguf
+
+    gguf = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=320)
+    path = convert(str(gguf), tmp_path / "flash", down_bits="source", alignment=512, progress=False)
+    fd = FlashDir(path)
+    for name in ("gate", "up", "down"):
+        assert fd.ffn["matrices"][name]["quantization"]["symmetric"] is True
+    comps = {c.name for c in fd.layouts["neurons"].components}
+    assert comps == {"gate.weight", "gate.scales", "up.weight", "up.scales", "down.weight"}
+    assert not any(k.endswith("down.biases") for k in fd.resident_index())
+    src, _ = load_source_model(resolve_source(str(gguf), tmp_path))
+    mlp = src.layers[2].mlp
+    weights = dense_ffn_weights(fd, 2)
+    for name, lin in (("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+        dtype = mx.float32 if name == "down" else lin.scales.dtype  # as dense_ffn_weights computes each
+        want = mx.dequantize(lin.weight, lin.scales.astype(dtype), lin.biases.astype(dtype), 32, 4).astype(mx.float32)
+        assert mx.array_equal(weights[name], want.T if name == "down" else want), name
+    ref, _ = load_resident(path)
+    budget = min_budget(fd, CONTEXT) + int(0.5 * fd.ffn_bytes)
+    model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT)
+    try:
+        assert greedy(model) == greedy(ref)
+    finally:
+        model.flash.close()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_native_symmetric_rows_equal_stored_biases(bits):
+    """row_dot / row_axpy / block_axpy with symmetric=True (no biases read) equal the same products with the
+    biases -2^(bits-1) * scales stored."""
+    rng = np.random.default_rng(1)
+    k, n = 24, 128
+    w = mx.array(rng.integers(0, 2**32, (k, n * bits // 32), dtype=np.uint64).astype(np.uint32))
+    s = mx.array(rng.standard_normal((k, n // 32)).astype(np.float16))
+    b = cpu_gemv.symmetric_biases(s, bits)
+    stored = cpu_gemv.QuantRows.of_matrix(w, s, b, 32, bits)
+    sym = cpu_gemv.QuantRows.of_matrix(w, s, mx.zeros_like(s) + 7, 32, bits)  # wrong biases, never read
+    sym = cpu_gemv.QuantRows(**{**sym.__dict__, "symmetric": True})
+    x, c = rng.standard_normal(n).astype(np.float32), rng.standard_normal(k).astype(np.float32)
+    assert np.allclose(cpu_gemv.row_dot(x, sym, k=k), cpu_gemv.row_dot(x, stored, k=k), rtol=1e-5, atol=1e-4)
+    assert np.allclose(cpu_gemv.row_axpy(c, sym), cpu_gemv.row_axpy(c, stored), rtol=1e-5, atol=1e-4)
+    blocks = np.arange(k, dtype=np.int32) // 8
+    tables = mx.array(rng.standard_normal((3, n)).astype(np.float16))
+    args = (c, w, 0, n * bits // 8, None, blocks)
+    assert np.allclose(cpu_gemv.block_axpy(*args, tables, None, n, bits),
+                       cpu_gemv.block_axpy(*args, tables, cpu_gemv.symmetric_biases(tables, bits), n, bits), rtol=1e-5, atol=1e-4)
