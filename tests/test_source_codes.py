@@ -70,14 +70,16 @@ def test_native_block_axpy_equals_mlx_ops():
             cpu_gemv.block_axpy(c, buf.reshape(-1), 8, stride, slots + k, blocks, S, B, n, bits)
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_streamed_dense_tokens_equal_the_resident_model(dirs, prefetch):
-    """Under a budget of a fraction of the FFN, dense streaming through block_row_axpy gives the resident
-    model's tokens (ResidentFFN through block_matmul), the resident tables counted in the budget."""
+@pytest.mark.parametrize("sparsity,prefetch", [("dense", True), ("dense", False), ("oracle", False)])
+def test_streamed_tokens_equal_the_resident_model(dirs, sparsity, prefetch):
+    """Under a budget of a fraction of the FFN, streaming through block_row_axpy gives the resident model's
+    tokens (ResidentFFN through block_matmul), the resident tables counted in the budget."""
+    from mlx_flash.sparsity import Oracle
+
     _, path = dirs
     ref, fd = load_resident(path)
-    budget = min_budget(fd, CONTEXT) + int(0.6 * fd.ffn_bytes)
-    model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT, prefetch=prefetch)
+    budget = min_budget(fd, CONTEXT) + int(0.6 * fd.ffn_bytes) + (Oracle(fd).nbytes if sparsity == "oracle" else 0)
+    model, _ = load(path, memory_budget=budget, sparsity=sparsity, context=CONTEXT, prefetch=prefetch)
     try:
         assert greedy(model) == greedy(ref)
         model.flash.stats.end()
