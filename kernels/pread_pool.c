@@ -28,6 +28,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,7 +114,17 @@ struct pool {
     atomic_llong requests;        /* read syscalls issued (after coalescing) */
     atomic_llong reads;           /* non-empty requests given by callers */
     atomic_llong batches;
+    int inflight;       /* batches queued or being read (pool mutex) */
+    int64_t busy_since; /* when inflight last went from 0 to 1, ns (pool mutex) */
+    atomic_llong busy_ns; /* time with at least one batch in flight: bytes_read / busy_ns is the pool's
+                             throughput while it had work, comparable with fio's */
 };
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 static inline int64_t align_down(int64_t x, int64_t a) { return x - (x % a); }
 static inline int64_t align_up(int64_t x, int64_t a) { return align_down(x + a - 1, a); }
@@ -295,6 +306,7 @@ static void *worker_main(void *arg) {
         }
         if (--b->active == 0) {
             b->finished = 1;
+            if (--p->inflight == 0) atomic_fetch_add_explicit(&p->busy_ns, now_ns() - p->busy_since, memory_order_relaxed);
             pthread_cond_broadcast(&b->cond);
         }
     }
@@ -321,6 +333,7 @@ static int pool_enqueue(pool_t *p, batch_t *b) {
         pthread_mutex_unlock(&p->mu);
         return 0;
     }
+    if (p->inflight++ == 0) p->busy_since = now_ns();
     b->qnext = NULL;
     if (p->tail)
         p->tail->qnext = b;
@@ -754,6 +767,8 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
     atomic_init(&self->p.requests, 0);
     atomic_init(&self->p.reads, 0);
     atomic_init(&self->p.batches, 0);
+    atomic_init(&self->p.busy_ns, 0);
+    self->p.inflight = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = pool_start(&self->p, path_bytes, threads, direct);
@@ -988,10 +1003,13 @@ static PyObject *Pool_exit(PoolObject *self, PyObject *args) {
 static PyObject *Pool_stats(PoolObject *self, PyObject *unused) {
     (void)unused;
     pool_t *p = &self->p;
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L}", "bytes_read", (long long)atomic_load(&p->bytes_read),
+    pthread_mutex_lock(&p->mu); /* the busy period in progress counts up to now */
+    long long busy = (long long)atomic_load(&p->busy_ns) + (p->inflight ? now_ns() - p->busy_since : 0);
+    pthread_mutex_unlock(&p->mu);
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L}", "bytes_read", (long long)atomic_load(&p->bytes_read),
                          "bytes_requested", (long long)atomic_load(&p->bytes_requested), "requests",
                          (long long)atomic_load(&p->requests), "reads", (long long)atomic_load(&p->reads), "batches",
-                         (long long)atomic_load(&p->batches));
+                         (long long)atomic_load(&p->batches), "busy_ns", busy);
 }
 
 static PyObject *Pool_reset_stats(PoolObject *self, PyObject *unused) {
@@ -1002,6 +1020,10 @@ static PyObject *Pool_reset_stats(PoolObject *self, PyObject *unused) {
     atomic_store(&p->requests, 0);
     atomic_store(&p->reads, 0);
     atomic_store(&p->batches, 0);
+    pthread_mutex_lock(&p->mu);
+    atomic_store(&p->busy_ns, 0);
+    p->busy_since = now_ns();
+    pthread_mutex_unlock(&p->mu);
     Py_RETURN_NONE;
 }
 

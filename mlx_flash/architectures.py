@@ -71,7 +71,7 @@ class FFNAdapter:
             region = "inputs" if layout == "dip" and name != self.col_matrix else "neurons"
             if prune is None and not transposed and _quant_of(lin) == _bits(quant):
                 arrays = {k: lin[k] for k in ("weight", "scales", "biases") if k in lin}
-                if quant.get("symmetric") and _symmetric(lin, quant, name):
+                if quant is not None and quant.get("symmetric") and _symmetric(lin, quant, name):
                     del arrays["biases"]
             elif quant is not None and quant.get("resident_scales"):
                 arrays, tables = _source_columns(lin, quant, name)

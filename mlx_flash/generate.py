@@ -86,6 +86,7 @@ def print_stats(engine, out=sys.stdout):
             f"read {fmt_bytes(s['bytes_per_token'])}/token at the device ({fmt_bytes(s['bytes_requested_per_token'])} asked)"
             + (f" (of which resident weights streamed {fmt_bytes(s['streamed_bytes_per_token'])})"
                if s["streamed_bytes_per_token"] else "")
+            + (f" at {fmt_bytes(s['read_bytes_per_s'])}/s while reads were in flight" if s["read_bytes_per_s"] else "")
             + f", hit rate {s['hit_rate']:.1%}, "
             f"active units/layer {s['active_per_layer']:.1f}",
             file=out,

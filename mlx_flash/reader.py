@@ -4,7 +4,7 @@
     rows = aligned_rows(capacity, stride, reader.alignment)  # cache matrix, rows aligned
     reader.read(rows.base, file_offsets, lengths, rows.dest_offsets(slots))  # one call per batch
     h = reader.submit(rows.base, ...); ...compute...; reader.wait(h)
-    reader.stats()   # bytes_read, bytes_requested, requests (syscalls), reads, batches
+    reader.stats()   # bytes_read, bytes_requested, requests (syscalls), reads, batches, busy_ns
 
 `file_offsets`, `lengths` and `dest_offsets` are equal-length int64 arrays (anything
 `np.asarray(..., np.int64)` accepts); read i copies file[file_offsets[i] : +lengths[i]] to
@@ -38,6 +38,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
@@ -276,7 +277,8 @@ class NativeReader:
 
     def stats(self) -> dict:
         """Cumulative counters: bytes_read (from the file, incl. gaps and bounce supersets),
-        bytes_requested, requests (read syscalls after coalescing), reads, batches."""
+        bytes_requested, requests (read syscalls after coalescing), reads, batches, busy_ns (time with
+        a batch in flight: bytes_read / busy_ns is the pool's throughput while it had work)."""
         return self._pool.stats()
 
     def reset_stats(self) -> None:
@@ -394,7 +396,8 @@ class PythonReader:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._closed = False
-        self._stats = dict(bytes_read=0, bytes_requested=0, requests=0, reads=0, batches=0)
+        self._stats = dict(bytes_read=0, bytes_requested=0, requests=0, reads=0, batches=0, busy_ns=0)
+        self._inflight, self._busy_since = 0, 0  # as the native pool: time with a batch in flight
 
     def _round_request(self, v: int) -> int:
         a = self.alignment
@@ -630,7 +633,22 @@ class PythonReader:
             self._stats["reads"] += nreads
             self._stats["bytes_requested"] += total
             futures = [self._executor.submit(self._run_one, mv, r, scratch, state) for r in runs]
+            if futures:
+                if self._inflight == 0:
+                    self._busy_since = time.monotonic_ns()
+                self._inflight += 1
+                left = [len(futures)]
+                for f in futures:
+                    f.add_done_callback(lambda _, left=left: self._run_done(left))
         return _PyHandle(futures, (dest, mv, scratch), total, state)
+
+    def _run_done(self, left):
+        with self._lock:
+            left[0] -= 1
+            if left[0] == 0:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._stats["busy_ns"] += time.monotonic_ns() - self._busy_since
 
     def wait(self, handle: _PyHandle) -> int:
         """Block until the batch is done; returns its bytes requested. Raises ReadError."""
@@ -652,12 +670,16 @@ class PythonReader:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(self._stats)
+            out = dict(self._stats)
+            if self._inflight:  # the busy period in progress counts up to now
+                out["busy_ns"] += time.monotonic_ns() - self._busy_since
+            return out
 
     def reset_stats(self) -> None:
         with self._lock:
             for k in self._stats:
                 self._stats[k] = 0
+            self._busy_since = time.monotonic_ns()
 
     @property
     def fd(self) -> int:

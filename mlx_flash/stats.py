@@ -14,6 +14,7 @@ class TokenStats:
     expand_s: float = 0.0  # expanding encoded (bitmap) units read into dense rows
     total_s: float = 0.0  # wall time of the whole token (set by the generate loop)
     bytes_read: int = 0  # read at the device by the runtime's readers (gap fills and alignment included)
+    busy_s: float = 0.0  # time the readers had reads in flight (summed over readers)
     bytes_requested: int = 0  # the bytes asked for: FFN units and streamed resident weights
     streamed_bytes: int = 0  # of which resident weights streamed below the resident floor (offload.py)
     hits: int = 0
@@ -47,18 +48,23 @@ class Stats:
         self.tokens: List[TokenStats] = []
         self.current = TokenStats()
         self._t0 = None
-        self._read0 = 0
+        self._read0 = self._busy0 = 0
         self._between_forwards = True
 
     def device_bytes(self) -> int:
         return sum(r.stats()["bytes_read"] for r in self.readers)
 
+    def _counters(self):
+        stats = [r.stats() for r in self.readers]
+        return sum(s["bytes_read"] for s in stats), sum(s.get("busy_ns", 0) for s in stats) / 1e9
+
     def _close(self, now: float):
-        read = self.device_bytes()
+        read, busy = self._counters()
         self.current.total_s = now - self._t0
         self.current.bytes_read = read - self._read0
+        self.current.busy_s = busy - self._busy0
         self.tokens.append(self.current)
-        self._read0 = read
+        self._read0, self._busy0 = read, busy
 
     def touch(self, prefill: bool):
         if self._between_forwards:
@@ -73,7 +79,7 @@ class Stats:
         if self._t0 is not None:
             self._close(now)
         else:
-            self._read0 = self.device_bytes()
+            self._read0, self._busy0 = self._counters()
         self.current = TokenStats(prefill=prefill)
         self._t0 = now
 
@@ -118,6 +124,9 @@ class Stats:
             "total_ms_p10": float(np.percentile([t.total_s * 1e3 for t in toks], 10)),
             "total_ms_p90": float(np.percentile([t.total_s * 1e3 for t in toks], 90)),
             "bytes_per_token": float(np.mean([t.bytes_read for t in toks])),
+            # the readers' throughput while they had reads in flight (compare with fio at the request size)
+            "read_bytes_per_s": (sum(t.bytes_read for t in toks) / sum(t.busy_s for t in toks)
+                                 if sum(t.busy_s for t in toks) > 0 else None),
             "bytes_requested_per_token": float(np.mean([t.bytes_requested for t in toks])),
             "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])),
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,

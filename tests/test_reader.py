@@ -553,6 +553,7 @@ def test_fallback_equals_native_byte_for_byte(data_file, direct):
             r.read(out, fo, ln, do)
             outs.append(out)
             stats = r.stats()
+            del stats["busy_ns"]  # a time
             outs.append(stats)
     assert np.array_equal(outs[0], outs[2])
     assert outs[1] == outs[3]  # same plan: same syscalls, same bytes read
@@ -584,3 +585,30 @@ def test_bench_io_runs(tmp_path, capsys, monkeypatch):
     assert len(res["points"]) == 4 and res["recommended_threads"] in (1, 2)
     assert "| block |" in capsys.readouterr().out
     assert not (tmp_path / "bench_io.bin").exists()  # deleted without --keep
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_busy_time_counts_time_with_reads_in_flight(tmp_path, native):
+    """busy_ns grows while a batch is in flight and not while the pool is idle (bytes_read / busy_ns is the
+    pool's throughput, compared with fio's); reset_stats zeroes it."""
+    import time as _time
+
+    from mlx_flash.reader import aligned_buffer, have_native, open_reader
+
+    if native and not have_native():
+        pytest.skip("native pool not built")
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    r = open_reader(str(path), threads=4, direct=False, native=native)
+    try:
+        buf, base = aligned_buffer(8 << 20, 4096)
+        offs = np.arange(0, 8 << 20, 1 << 20, dtype=np.int64)
+        r.read(buf, offs, np.full(len(offs), 1 << 20), base + offs)
+        busy = r.stats()["busy_ns"]
+        assert busy > 0
+        _time.sleep(0.05)
+        assert r.stats()["busy_ns"] == busy  # idle time is not busy
+        r.reset_stats()
+        assert r.stats()["busy_ns"] == 0
+    finally:
+        r.close()
