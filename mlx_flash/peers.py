@@ -45,6 +45,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from tqdm import tqdm
 
@@ -156,7 +157,7 @@ def _flash_cmd(dir_key, sparsity):
     def cmd(paths, tokens, budget):
         return [sys.executable, "-m", "mlx_flash.generate", "--model", paths[dir_key], "--memory-budget", budget,
                 "--sparsity", sparsity, "--max-tokens", tokens, "--prompt", paths.get("prompt", PROMPT),
-                "--ignore-chat-template"]
+                "--ignore-chat-template", "--stats"]
     return cmd
 
 
@@ -171,6 +172,32 @@ SYSTEMS = {
 UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference (--uncapped)
 
 _MLX_GEN = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
+_FLASH_SUMMARY = re.compile(r"summary over \d+ tokens \(medians\): io ([\d.]+) ms.*?total ([\d.]+) ms"
+                            r"(?:.*? at ([\d.]+) (B|KiB|MiB|GiB)/s while reads were in flight)?")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def parse_flash_stats(out: str) -> dict:
+    """From `generate --stats`: the I/O wait's share of a token (medians) and the readers' throughput while
+    reads were in flight (bytes/s), or {}."""
+    m = _FLASH_SUMMARY.search(out)
+    if not m:
+        return {}
+    io, total = float(m.group(1)), float(m.group(2))
+    return {"io_share": io / total if total else None,
+            "read_bytes_per_s": float(m.group(3)) * _UNITS[m.group(4)] if m.group(3) else None}
+
+
+def fio_reference(path: Path, threads: int, seconds: float = 3.0) -> Optional[dict]:
+    """fio's random O_DIRECT reads of the runtime's request size (1 MiB) with its thread count, on the flash
+    directory's own ffn.bin (read only): what the readers' throughput is compared with. None without fio."""
+    from .bench_io import run_fio
+    from .reader import DEFAULT_MAX_REQUEST_BYTES
+
+    if shutil.which("fio") is None:
+        return None
+    gib_s, iops = run_fio(str(path), path.stat().st_size, DEFAULT_MAX_REQUEST_BYTES, threads, seconds)
+    return {"block": DEFAULT_MAX_REQUEST_BYTES, "threads": threads, "bytes_per_s": gib_s * 2**30, "iops": iops}
 
 
 def parse_speed(system: str, out: str):
@@ -205,6 +232,8 @@ def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
     rec = {"system": system, "tokens": tokens, "cap": cap, "returncode": r.returncode, "oom": r.oom_killed,
            "timed_out": r.timed_out, "generated": n, "tok_s": tps if r.ok else None, "read_bytes": r.read_bytes,
            "max_rss": r.max_rss, "cgroup_peak": r.cgroup_peak, "major_faults": r.major_faults, "wall_s": r.wall_s}
+    if system.startswith("mlx_flash"):
+        rec.update(parse_flash_stats(out))
     if not r.ok and not r.oom_killed:
         rec["error"] = out.strip().splitlines()[-3:]
     return rec
@@ -225,9 +254,12 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     files = list(paths.values())
     paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
     versions = _versions()
+    from .reader import DEFAULT_THREADS
+
+    fio = fio_reference(FlashDir(paths["flash"]).ffn_path, DEFAULT_THREADS)
     res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k != "prompt"}, "weight_bytes": weights,
            "flash_bytes": FlashDir(paths["flash"]).model_bytes, "flash_down": down_storage(FlashDir(paths["flash"])), "baseline_rss": baseline, "tokens": tokens,
-           "rounds": rounds, "cap_factor": cap_factor, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
+           "rounds": rounds, "cap_factor": cap_factor, "fio": fio, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
            "versions": versions, "runs": []}
     # (system, budget %, cap); budget None: no cap
     plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems if s in uncapped]
@@ -326,7 +358,9 @@ def summarize(runs) -> dict:
              "tok_s_all": speeds,
              "max_rss": _median([r["max_rss"] for r in full]),
              "cgroup_peak": _median([r["cgroup_peak"] for r in full if r["cgroup_peak"]]),
-             "bytes_per_token": None}
+             "bytes_per_token": None,
+             "io_share": _median([r.get("io_share") for r in full if r["tok_s"]]),
+             "read_bytes_per_s": _median([r.get("read_bytes_per_s") for r in full if r["tok_s"]])}
         ok = [r for r in full if r["tok_s"]]
         if ok and short and ok[0]["generated"] and ok[0]["generated"] > 1:
             per = [(r["read_bytes"] - short[0]["read_bytes"]) / (r["generated"] - 1) for r in ok]
@@ -376,7 +410,12 @@ def table(res) -> str:
                               + ([f"OOM-killed {s['oom']}/{s['runs']}"] if s["oom"] else []))
             bpt = [f"{fmt_bytes(s['bytes_per_token'])}/tok"] if s["bytes_per_token"] is not None else []
             peak = f"RSS {fmt_bytes(s['max_rss'])}" + (f", cg {fmt_bytes(s['cgroup_peak'])}" if s["cgroup_peak"] else "")
-            cells.append("; ".join([speed] + bpt + [peak]))
+            io = [f"I/O wait {s['io_share']:.0%}"] if s.get("io_share") is not None else []
+            if s.get("read_bytes_per_s"):
+                fio = res.get("fio")
+                io.append(f"reads at {fmt_bytes(s['read_bytes_per_s'])}/s"
+                          + (f" ({s['read_bytes_per_s'] / fio['bytes_per_s']:.0%} of fio)" if fio else ""))
+            cells.append("; ".join([speed] + bpt + io + [peak]))
         rows.append(f"| {system} | " + " | ".join(cells) + " |")
     r = ratios(summary, res["budgets"])
     rows += ["", "| tok/s ratio | " + " | ".join(_label(b) for b in res["budgets"]) + " |",
@@ -414,7 +453,9 @@ def header(res) -> str:
             f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; {res['tokens']} tokens, "
             f"{res['rounds']} rounds\n"
             f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "
-            f"python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items()))
+            f"python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items())
+            + (f"\nfio, same run: random O_DIRECT reads of {fmt_bytes(res['fio']['block'])} with {res['fio']['threads']} "
+               f"threads on ffn.bin: {fmt_bytes(res['fio']['bytes_per_s'])}/s" if res.get("fio") else ""))
 
 
 def plot(res, out):

@@ -96,3 +96,16 @@ def test_merge_runs_of_separate_budgets():
     m = peers.merge([a, b])
     assert m["budgets"] == [25, 50]
     assert m["summary"]["llama.cpp mmap"]["25%"]["tok_s"] == 1.0 and m["summary"]["llama.cpp mmap"]["50%"]["tok_s"] == 2.0
+
+
+def test_parse_flash_stats_reads_the_generate_summary():
+    from mlx_flash.peers import parse_flash_stats
+
+    line = ("summary over 10 tokens (medians): io 810.57 ms, mm 13.33 ms, compute 1918.61 ms, total 2725.61 ms "
+            "(0.37 tok/s); read 2.3 GiB/token at the device (2.3 GiB asked) at 912.5 MiB/s while reads were in "
+            "flight, hit rate 1.8%, active units/layer 11008.0")
+    got = parse_flash_stats("noise\n" + line + "\nmore")
+    assert got["io_share"] == pytest.approx(810.57 / 2725.61)
+    assert got["read_bytes_per_s"] == pytest.approx(912.5 * 2**20)
+    assert parse_flash_stats(line.replace(" at 912.5 MiB/s while reads were in flight", ""))["read_bytes_per_s"] is None
+    assert parse_flash_stats("no summary") == {}
