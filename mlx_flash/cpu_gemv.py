@@ -191,6 +191,15 @@ def block_applies(c: mx.array, n: int, bits: int, scales: mx.array) -> bool:
             and scales.dtype in SCALE_TYPES and contiguous(scales))
 
 
+def block_dequantize(codes: mx.array, blocks: mx.array, scales: mx.array, biases: Optional[mx.array], bits: int,
+                     dtype=mx.float32) -> mx.array:
+    """W [k, n]: W_j = scales[blocks[j]] * q_j + biases[blocks[j]] (biases None: symmetric) in `dtype`."""
+    biases = symmetric_biases(scales, bits) if biases is None else biases
+    ones = mx.ones((codes.shape[0], codes.shape[-1] * 32 // bits // 32), dtype=dtype)  # the codes, as floats
+    q = mx.dequantize(codes, ones, mx.zeros_like(ones), 32, bits)
+    return scales[blocks].astype(dtype) * q + biases[blocks].astype(dtype)
+
+
 def block_matmul(c: mx.array, codes: mx.array, blocks: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
     """c [..., k] @ W [k, n] with W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j = codes[j] ([k, n * bits / 32]
     uint32; biases None: symmetric): one float32 row natively (`block_axpy`), else in MLX ops a chunk of rows at a
@@ -200,15 +209,10 @@ def block_matmul(c: mx.array, codes: mx.array, blocks: mx.array, scales: mx.arra
         row = codes.shape[-1] * 4
         y = block_axpy(np.asarray(c), codes, 0, row, None, np.asarray(blocks), scales, biases, n, bits)
         return mx.array(y).reshape(*c.shape[:-1], n)
-    biases = symmetric_biases(scales, bits) if biases is None else biases
     per = max(1, DEQUANT_CHUNK_BYTES // (4 * n))
     out = None
     for i in range(0, codes.shape[0], per):
-        q = codes[i : i + per]
-        ones = mx.ones((q.shape[0], n // 32), dtype=c.dtype)  # the codes themselves, as floats
-        w = mx.dequantize(q, ones, mx.zeros_like(ones), 32, bits)
-        blk = blocks[i : i + per]
-        w = scales[blk].astype(c.dtype) * w + biases[blk].astype(c.dtype)
+        w = block_dequantize(codes[i : i + per], blocks[i : i + per], scales, biases, bits, c.dtype)
         part = c[..., i : i + per] @ w
         out = part if out is None else out + part
         if codes.shape[0] > per:

@@ -62,10 +62,8 @@ def ffn_matrices(fd: FlashDir, layer: int, down_bits) -> dict:
             continue
         q = info["quantization"] or fd.manifest.get("quantization")
         if q.get("resident_scales"):  # the source's codes and group scales: its exact [out, in] layout again
-            tables = fd.load_resident()
-            prefix = f"{fd.ffn['mlp_paths'][layer]}.{name}"
-            scales = tables[f"{prefix}.scales"]
-            biases = tables.get(f"{prefix}.biases", symmetric_biases(scales, q["bits"]))
+            scales, biases = fd.group_tables(layer, name)
+            biases = symmetric_biases(scales, q["bits"]) if biases is None else biases
             out[name] = {"weight": transpose_codes(arrays[f"{name}.weight"], q["bits"]), "scales": scales.T,
                          "biases": biases.T}
             continue

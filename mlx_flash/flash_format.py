@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import bitmap
-from .cpu_gemv import symmetric_biases
+from .cpu_gemv import block_dequantize, symmetric_biases
 from .errors import FlashFormatError
 
 FORMAT_NAME = "mlx_flash"
@@ -551,6 +551,13 @@ class FlashDir:
                 arrays[f"{name}.biases"] = symmetric_biases(arrays[f"{name}.scales"], q["bits"])
         return arrays
 
+    def group_tables(self, layer: int, name: str):
+        """(scales, biases or None if symmetric) [n / group_size, d] of matrix `name` stored as the source's
+        codes (convert --down-bits source), from resident.safetensors."""
+        tables = self.load_resident()
+        prefix = f"{self.ffn['mlp_paths'][layer]}.{name}"
+        return tables[f"{prefix}.scales"], tables.get(f"{prefix}.biases")
+
     def verify(self, progress=None) -> None:
         """Re-check sizes, alignment and checksums; raise FlashFormatError naming the first bad part."""
         if _sha256(self.path / RESIDENT) != self.manifest["resident"]["sha256"]:
@@ -659,14 +666,8 @@ def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:
         w = arrays[f"{name}.weight"]
         q = info["quantization"]
         if q is not None and q.get("resident_scales"):  # the source's codes; the groups' scales are resident
-            tables = fd.load_resident()
-            prefix = f"{fd.ffn['mlp_paths'][layer]}.{name}"
             blocks = mx.arange(w.shape[0]) // q["group_size"]
-            ones = mx.ones((w.shape[0], w.shape[1] * 32 // q["bits"] // 32), dtype=mx.float32)
-            codes = mx.dequantize(w, ones, mx.zeros_like(ones), 32, q["bits"])
-            scales = tables[f"{prefix}.scales"]
-            biases = tables.get(f"{prefix}.biases", symmetric_biases(scales, q["bits"]))
-            w = scales[blocks].astype(mx.float32) * codes + biases[blocks].astype(mx.float32)
+            w = block_dequantize(w, blocks, *fd.group_tables(layer, name), q["bits"])
         elif q is not None:
             w = mx.dequantize(w, arrays[f"{name}.scales"], arrays[f"{name}.biases"], q["group_size"], q["bits"])
         w = w.astype(mx.float32)
