@@ -207,11 +207,24 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
     # buffers) cache FFN units instead: worth it whenever some unit would not be cached
     rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
     rows = rows if budget is not None and limit < sum(fixed.values()) + fd.ffn_bytes else []
-    streamed, f = choose_streamed(groups, fixed, limit, context, always=rows)
+    prefetch = prefetch and list(fd.layouts) == ["neurons"] and not fd.layouts["neurons"].encoded and len(fd.layers) > 2
+    streamed, f = None, None
+    if prefetch and budget is not None and groups:
+        # below the resident floor, two whole layers of read-ahead come before resident attention layers: a
+        # streamed attention layer adds its bytes to a token's reads, where reads not overlapped with compute
+        # add their whole time
+        whole = dict(fixed, prefetch=2 * fd.layers[0]["neurons"].n_units * fd.layouts["neurons"].stride)
+        try:
+            streamed, f = choose_streamed(groups, whole, limit, context, always=rows)
+            f.pop("prefetch")
+        except BudgetError:
+            pass
+    if f is None:
+        streamed, f = choose_streamed(groups, fixed, limit, context, always=rows)
     left = limit - sum(f.values())
     per_layer = left // len(fd.layers)
     prefetch_rows = 0
-    if prefetch and list(fd.layouts) == ["neurons"] and not fd.layouts["neurons"].encoded and len(fd.layers) > 2:
+    if prefetch:
         n, s, L = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride, len(fd.layers)
         c = (left - 2 * n * s) // ((L - 2) * s)  # cached rows per layer
         if 0 <= c < n:

@@ -121,6 +121,30 @@ def test_a_large_input_embedding_is_streamed_by_rows_whenever_units_go_uncached(
         model.flash.close()
 
 
+def test_below_the_resident_floor_two_whole_layers_are_read_ahead_first(dirs):
+    """Dense read-ahead of whole layers takes precedence over resident attention layers (more are streamed),
+    the plan stays inside the budget and the tokens stay the resident model's."""
+    path = dirs["llama"]
+    fd, groups, floor, resident_floor = floors(path)
+    resident = fd.resident_nbytes(CAST)
+    n, stride = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride
+    budget = (floor + resident_floor) // 2 + 2 * n * stride
+    plain = plan_memory(fd, budget, CONTEXT, 4, resident=resident, groups=groups)
+    ahead = plan_memory(fd, budget, CONTEXT, 4, resident=resident, groups=groups, prefetch=True)
+    layers = [len([g for g in p.streamed if g.kind == "layer"]) for p in (plain, ahead)]
+    assert ahead.prefetch_rows + ahead.capacity[0]["neurons"] == n and layers[1] > layers[0]  # all uncached read ahead
+    assert plain.prefetch_rows == 0
+    used = ahead.resident + ahead.kv_cache + ahead.scratch + ahead.workspace + ahead.streaming
+    assert used + ahead.cache_bytes({"neurons": stride}) + 2 * ahead.prefetch_rows * stride <= budget
+    ref, _ = load_resident(path)
+    model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT)
+    try:
+        assert model.flash.plan.prefetch_rows == ahead.prefetch_rows
+        assert greedy(model, 16) == greedy(ref, 16)
+    finally:
+        model.flash.close()
+
+
 def test_spread_order():
     assert sorted(_spread(6)) == list(range(6))
     assert _spread(8)[:2] == [0, 4] and sorted(_spread(8)[:4]) == [0, 2, 4, 6]  # prefixes are evenly spread
