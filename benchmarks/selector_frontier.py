@@ -1,7 +1,9 @@
 """Neuron selectors on one frontier: perplexity increase vs bytes read per token, with their DRAM.
 
-    python benchmarks/selectors.py [--model DIR] [--dip-model DIR] [--densities 0.75,0.5,0.3]
+    python benchmarks/selector_frontier.py [--model DIR] [--dip-model DIR] [--densities 0.75,0.5,0.3]
         [--eval-seqs 3] [--out benchmarks/selectors_smollm2.json]
+
+(Not named selectors.py: a script's directory comes first on sys.path, and the stdlib has a selectors module.)
 
 Every selector runs in quality.py's masked evaluation on the same resident float32 model (the
 neurons-layout directory's weights), at each MLP density:
