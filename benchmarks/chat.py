@@ -13,7 +13,11 @@ to the first token, decode tokens/s and the bytes the server process read at the
 (/proc/PID/io read_bytes), split at the first streamed token into prefill (request sent -> first
 token) and decode (first token -> end). A prompt-cache configuration's turns are compared with
 its cold counterpart (the same server flags without the prompt cache) on the same turn: its
-prefill bytes and time to first token over theirs.
+prefill bytes and time to first token over theirs. Under a budget the stored prompt cache takes
+room the plan would otherwise give to resident weights and unit caches, so the cold counterpart
+runs another plan; "evicted each turn" is the prompt-cache server itself with its stored cache
+evicted before every turn (by an unrelated one-token completion; LRU of one), a cold prefill on
+the same plan.
 
 The server runs at --log-level INFO, so each turn also has the server's own bytes per forward pass
 (`mlx_flash.server.read_summary`): the prompt's prefill passes, then the single-token passes.
@@ -50,7 +54,9 @@ CONFIGS = {
     "float KV, no prompt cache": {"budget": True, "flags": ["--prompt-cache-size", "0"]},
     "8-bit KV, no prompt cache": {"budget": True, "flags": ["--kv-bits", "8", "--prompt-cache-size", "0"]},
     "8-bit KV, prompt cache": {"budget": True, "flags": ["--kv-bits", "8", "--prompt-cache-size", "1"],
-                               "cold": "8-bit KV, no prompt cache"},
+                               "cold": "8-bit KV, no prompt cache", "same_plan": "8-bit KV, prompt cache evicted each turn"},
+    "8-bit KV, prompt cache evicted each turn": {"budget": True, "flags": ["--kv-bits", "8", "--prompt-cache-size", "1"],
+                                                 "evict": True},
     "resident, no prompt cache": {"budget": False, "flags": ["--prompt-cache-size", "0"]},
     "resident, prompt cache": {"budget": False, "flags": ["--prompt-cache-size", "1"],
                                "cold": "resident, no prompt cache"},
@@ -154,6 +160,20 @@ def turn(server, messages, max_tokens):
     }
 
 
+def evict(server):
+    """An unrelated one-token completion (no chat template: no common prefix), whose stored cache
+    replaces the conversation's in an LRU of one."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 1}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    if r.status != 200:
+        raise RuntimeError(f"evicting: {r.status}")
+    server.reads.get(timeout=600)
+
+
 def run_config(model, args, name, first):
     from tqdm import tqdm
 
@@ -162,12 +182,14 @@ def run_config(model, args, name, first):
     try:
         messages, turns = [], []
         for q in tqdm([first] + QUESTIONS, desc=name, leave=False):
+            if cfg.get("evict") and messages:
+                evict(server)
             messages.append({"role": "user", "content": q})
             reply, stats = turn(server, messages, args.max_tokens)
             messages.append({"role": "assistant", "content": reply})
             turns.append(dict(stats, reply=reply))
         return {"flags": cfg["flags"], "memory_budget": args.memory_budget if cfg["budget"] else None,
-                "cold": cfg.get("cold"), "server_log": server.log, "turns": turns}
+                "cold": cfg.get("cold"), "same_plan": cfg.get("same_plan"), "server_log": server.log, "turns": turns}
     finally:
         server.close()
 
@@ -176,20 +198,25 @@ def _over(x, cold):
     return x / cold if cold >= MiB else None  # a cold turn that read (next to) nothing: no ratio
 
 
+def _vs(t, c) -> dict:
+    return {"prefill_bytes": _over(t["prefill_bytes"], c["prefill_bytes"]),
+            "prefill_pass_bytes": _over(sum(t["server_passes"]["prefill_passes"]),
+                                        sum(c["server_passes"]["prefill_passes"])),
+            "ttft_s": t["ttft_s"] / c["ttft_s"]}
+
+
 def compare(results) -> dict:
-    """Per prompt-cache configuration and turn, over its cold counterpart's on the same turn: the
-    prefill bytes (request -> first token), the bytes of the prefill passes alone (the server's
-    count) and the time to the first token."""
+    """Per prompt-cache configuration and turn, over its cold counterpart's on the same turn (and
+    "same_plan": over the evicted run's): the prefill bytes (request -> first token), the bytes of
+    the prefill passes alone (the server's count) and the time to the first token."""
     out = {}
     for name, res in results.items():
         cold = results.get(res.get("cold") or "")
         if cold is None:
             continue
-        out[name] = [{"prefill_bytes": _over(t["prefill_bytes"], c["prefill_bytes"]),
-                      "prefill_pass_bytes": _over(sum(t["server_passes"]["prefill_passes"]),
-                                                  sum(c["server_passes"]["prefill_passes"])),
-                      "ttft_s": t["ttft_s"] / c["ttft_s"]}
-                     for t, c in zip(res["turns"], cold["turns"])]
+        same = results.get(res.get("same_plan") or "")
+        out[name] = [dict(_vs(t, c), same_plan=_vs(t, s) if same else None)
+                     for t, c, s in zip(res["turns"], cold["turns"], (same or cold)["turns"])]
     return out
 
 
@@ -204,14 +231,17 @@ def _ratio(x) -> str:
 def table(results) -> str:
     vs = compare(results)
     rows = [("| configuration | budget | turn | prompt tokens | cached | TTFT s | decode tok/s | prefill MiB | "
-             "decode MiB | prefill / cold | TTFT / cold |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode MiB | prefill / cold | TTFT / cold | prefill / cold, same plan | TTFT / cold, same plan |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, res in results.items():
         for i, t in enumerate(res["turns"]):
             r = vs[name][i] if name in vs else {}
+            same = r.get("same_plan") or {}
             rows.append(f"| {name} | {res.get('memory_budget') or 'none'} | {i + 1} | {t['prompt_tokens']} | "
                         f"{t['cached_tokens']} | {t['ttft_s']:.1f} | {t['decode_tok_s'] or 0:.2f} | "
                         f"{_mib(t['prefill_bytes'])} | {_mib(t['decode_bytes'])} | "
-                        f"{_ratio(r.get('prefill_bytes'))} | {_ratio(r.get('ttft_s'))} |")
+                        f"{_ratio(r.get('prefill_bytes'))} | {_ratio(r.get('ttft_s'))} | "
+                        f"{_ratio(same.get('prefill_bytes'))} | {_ratio(same.get('ttft_s'))} |")
     return "\n".join(rows)
 
 
@@ -237,16 +267,19 @@ def verdict(results) -> str:
     at most half of a cold request's time to the first token."""
     lines = []
     for name, rows in compare(results).items():
-        later = rows[1:]
-        b = [r["prefill_bytes"] for r in later]
-        t = [r["ttft_s"] for r in later]
-        if any(x is None for x in b):
-            bytes_part = "prefill bytes: the cold run read < 1 MiB on some of these turns (no ratio)"
-        else:
-            bytes_part = (f"prefill bytes {min(b):.3f}-{max(b):.3f} of a cold prefill's "
-                          f"({'meets' if max(b) < 0.1 else 'misses'} < 0.1)")
-        lines.append(f"{name}, turns 2-5: {bytes_part}; time to first token {min(t):.3f}-{max(t):.3f} of a "
-                     f"cold request's ({'meets' if max(t) <= 0.5 else 'misses'} <= 0.5)")
+        refs = [("cold: " + results[name]["cold"], rows[1:])]
+        if rows[0]["same_plan"] is not None:
+            refs.append(("cold, same plan: " + results[name]["same_plan"], [r["same_plan"] for r in rows[1:]]))
+        for ref, later in refs:
+            b = [r["prefill_bytes"] for r in later]
+            t = [r["ttft_s"] for r in later]
+            if any(x is None for x in b):
+                bytes_part = "prefill bytes: the cold run read < 1 MiB on some of these turns (no ratio)"
+            else:
+                bytes_part = (f"prefill bytes {min(b):.3f}-{max(b):.3f} of a cold prefill's "
+                              f"({'meets' if max(b) < 0.1 else 'misses'} < 0.1)")
+            lines.append(f"{name}, turns 2-5 ({ref}): {bytes_part}; time to first token {min(t):.3f}-{max(t):.3f} "
+                         f"of a cold request's ({'meets' if max(t) <= 0.5 else 'misses'} <= 0.5)")
     return "\n".join(lines)
 
 
@@ -261,7 +294,7 @@ def plot(out, path):
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(10, 4.2))
     for name, res in results.items():
         turns = range(1, len(res["turns"]) + 1)
-        style = {"marker": "o", "ls": "-" if "prompt cache" in name and "no prompt cache" not in name else "--"}
+        style = {"marker": "o", "ls": "-" if res.get("cold") else "--"}  # solid: the prompt cache reused
         label = f"{name} ({'budget ' + res['memory_budget'] if res.get('memory_budget') else 'no budget'})"
         ax_t.plot(turns, [t["ttft_s"] for t in res["turns"]], label=label, **style)
         ax_b.plot(turns, [t["prefill_bytes"] / MiB for t in res["turns"]], label=label, **style)
@@ -275,8 +308,8 @@ def plot(out, path):
         ax.set_xticks(range(1, 6))
         ax.grid(alpha=0.3)
     ax_b.legend(fontsize=7)
-    fig.suptitle(f"{Path(out['model']).name}: a five-turn chat through mlx_flash.server, prompt cache on (solid) "
-                 f"and off (dashed)", fontsize=9)
+    fig.suptitle(f"{Path(out['model']).name}: a five-turn chat through mlx_flash.server, prompt cache reused (solid) "
+                 f"or not (dashed)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
