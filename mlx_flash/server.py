@@ -9,10 +9,11 @@ tokens), stop sequences, logprobs, tool calls and the OpenAI response shapes. Th
 what a budget needs: the model from `mlx_flash.load`, one request at a time (the neuron caches
 are per process), the prompt cache inside the budget, prompts that must fit --max-context, and a
 5xx JSON error for a request that fails mid-generation (a flash ReadError), after which the
-server goes on. Binds to 127.0.0.1 unless told otherwise.
+server goes on. Binds to 127.0.0.1 unless told otherwise. At --log-level INFO each request logs
+the device bytes of its forward passes ("flash reads: {json}", see `read_summary`).
 """
 
-import argparse
+import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
 import json
 import logging
 import sys
@@ -29,6 +30,8 @@ from mlx_lm.models.cache import LRUPromptCache
 from .default_model import default_model_dir
 from .errors import FlashError
 from .loader import load
+
+log = logging.getLogger(__name__)
 
 
 class ModelProvider(server.ModelProvider):
@@ -82,6 +85,17 @@ class ResponseGenerator(server.ResponseGenerator):
             super()._serve_single(request, stream)
         finally:
             stats.end()
+            if log.isEnabledFor(logging.INFO):
+                log.info("flash reads: %s", json.dumps(read_summary(stats)))
+
+
+def read_summary(stats) -> dict:
+    """A request's device bytes per forward pass, from the runtime's own counters: the prompt's
+    prefill passes (several tokens each), then the single-token passes (the prompt's last token,
+    which gives the first generated token, then one per generated token; mlx-lm runs each one
+    pass ahead of the token it streams)."""
+    return {"prefill_passes": [t.bytes_read for t in stats.tokens if t.prefill],
+            "decode_passes": [t.bytes_read for t in stats.tokens if not t.prefill]}
 
 
 class APIHandler(server.APIHandler):
@@ -93,7 +107,7 @@ class APIHandler(server.APIHandler):
 
     def handle_text_completions(self):
         if not isinstance(self.body.get("prompt"), str):
-            raise ValueError("'prompt' must be a string")  # mlx-lm answers it with a 400
+            raise ValueError("'prompt' must be a string")  # noqa: TRY004  (mlx-lm answers a ValueError with a 400)
         return super().handle_text_completions()
 
     def handle_completion(self, request, stop_words):
@@ -102,7 +116,7 @@ class APIHandler(server.APIHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left: mlx-lm's `finally` stopped its generation
         except Exception as e:  # e.g. a flash ReadError mid-generation: this request fails, the server goes on
-            logging.exception("request failed")
+            log.exception("request failed")
             self.close_connection = True
             error = {"error": f"{type(e).__name__}: {e}", "type": "server_error"}
             if self.stream:  # the 200 and earlier events are out: end the stream with the error
@@ -119,7 +133,7 @@ class APIHandler(server.APIHandler):
         self.wfile.write(data)
 
     def log_message(self, fmt, *args):
-        logging.debug(fmt, *args)
+        log.debug(fmt, *args)
 
 
 def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 8080):

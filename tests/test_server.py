@@ -4,6 +4,7 @@ errors, no leaks, and prompt-cache reuse across chat turns."""
 import errno
 import http.client
 import json
+import logging
 import os
 import socket
 import time
@@ -178,6 +179,30 @@ def test_prompt_cache_reuse_gives_the_tokens_of_a_fresh_prefill(server):
             reused, cached = chat(port, messages)
             assert cached > 0 and reused == fresh
         messages += [{"role": "assistant", "content": fresh}, {"role": "user", "content": f"then {turn}?"}]
+
+
+def test_each_request_logs_its_reads_per_forward_pass(server, caplog):
+    """At INFO the server logs a request's device bytes pass by pass (benchmarks/chat.py splits a
+    turn's reads with it): its prompt's prefill passes, then one single-token pass per generated token
+    and one ahead; together, every byte the request read."""
+    provider, _, port = server
+    flash = provider.model.flash
+    flash.reset()  # cold unit caches: this request reads
+    caplog.set_level(logging.INFO)
+    prompt = "abcdefghij" * 3
+    read0 = flash.stats.device_bytes()
+    status, payload = request(port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 5})
+    r = json.loads(payload)
+    assert status == 200
+    deadline = time.time() + 10  # logged by the generation thread once the request is done
+    while not (logged := [m for m in caplog.messages if m.startswith("flash reads: ")]) and time.time() < deadline:
+        time.sleep(0.01)
+    reads = json.loads(logged[-1][len("flash reads: "):])
+    step = provider.cli_args.prefill_step_size
+    assert len(reads["prefill_passes"]) == -(-(r["usage"]["prompt_tokens"] - 1) // step)
+    assert r["choices"][0]["finish_reason"] == "length"  # (the tiny model's greedy reply has no EOS here)
+    assert len(reads["decode_passes"]) == r["usage"]["completion_tokens"] + 1
+    assert sum(reads["prefill_passes"]) + sum(reads["decode_passes"]) == flash.stats.device_bytes() - read0 > 0
 
 
 def _open_fds():
