@@ -27,13 +27,6 @@ the client's "prefill" bytes hold all three. Greedy decoding, so every configura
 same history as long as their tokens agree.
 """
 
-import sys
-from pathlib import Path
-
-# benchmarks/selectors.py would shadow the standard library's `selectors` (http.client and subprocess
-# import it): the repo root replaces the script's directory on the path
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import argparse
 import http.client
 import json
@@ -41,9 +34,11 @@ import os
 import queue
 import re
 import subprocess
+import sys
 import threading
 import time
 from importlib.metadata import version
+from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 
