@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-import mlx_flash  # noqa: F401, I001  (before mlx.core: loads OpenBLAS on Linux)
+import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
