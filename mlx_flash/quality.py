@@ -280,21 +280,30 @@ def collect_inputs(model, ctl, batches: np.ndarray, progress: bool = False) -> L
 
 
 # -- perplexity -----------------------------------------------------------------------------
-def sequence_nll(model, ctl: Controller, batches: np.ndarray) -> float:
-    """Mean next-token negative log-likelihood over the batches (one sequence per forward, cold caches)."""
+def sequence_nll(model, ctl: Optional[Controller], batches: np.ndarray, first: int = 0, on_logits=None) -> float:
+    """Mean next-token negative log-likelihood over the batches (one sequence per forward, cold caches).
+
+    Each row is scored from the prediction at position `first` on: 0 (texts.token_batches) scores
+    every token after the first; n_ctx // 2 scores what llama-perplexity scores (texts.llama_ppl_chunks).
+    ctl None: any model (e.g. mlx-lm's). on_logits(i, logits [n scored, vocab] float32): called per row."""
     total, count = 0.0, 0
-    for row in batches:
-        ctl.new_sequence()
+    for i, row in enumerate(batches):
+        if not 0 <= first < row.shape[0] - 1:
+            raise ValueError(f"first={first} leaves nothing to score in a row of {row.shape[0]} tokens")
+        if ctl is not None:
+            ctl.new_sequence()
         x = mx.array(row[None, :-1])
-        logits = model(x).astype(mx.float32)
-        loss = nn.losses.cross_entropy(logits, mx.array(row[None, 1:]), reduction="sum")
+        logits = model(x)[:, first:].astype(mx.float32)
+        loss = nn.losses.cross_entropy(logits, mx.array(row[None, first + 1:]), reduction="sum")
         total += float(loss.item())
-        count += row.shape[0] - 1
+        count += row.shape[0] - 1 - first
+        if on_logits is not None:
+            on_logits(i, logits[0])
     return total / count
 
 
-def perplexity(model, ctl: Controller, batches: np.ndarray) -> float:
-    return float(np.exp(sequence_nll(model, ctl, batches)))
+def perplexity(model, ctl: Optional[Controller], batches: np.ndarray, first: int = 0, on_logits=None) -> float:
+    return float(np.exp(sequence_nll(model, ctl, batches, first, on_logits)))
 
 
 # -- activation statistics -------------------------------------------------------------------
