@@ -273,13 +273,13 @@ def main(argv=None):
         base = LlamaLogProbs(base_file)
 
         chunks = llama_ppl_chunks(tok, seen, args.ctx, args.chunks, bos=args.bos)
-        n_text_tokens = len(tok.encode(seen, add_special_tokens=False))
-        ours = chunks.copy()
+        ids = tok.encode(seen, add_special_tokens=False)
+        # llama.cpp's file has the ids as tokenized (each chunk's BOS overwrite is undone after decoding)
+        stream = np.array(([tok.bos_token_id] if args.bos else []) + ids, dtype=np.int32)
+        ours = stream[: chunks.size].reshape(chunks.shape)
         theirs = np.array(base.tokens)
-        if args.bos:  # llama.cpp's file keeps each chunk's first token as tokenized (its BOS overwrite is undone)
-            theirs[:, 0] = ours[:, 0]
         tokens = {"llama_chunks": base.n_chunk, "mlx_flash_chunks": int(len(chunks)),
-                  "text_tokens_hf": n_text_tokens, "ids_compared": int(theirs.size),
+                  "text_tokens_hf": len(ids), "ids_compared": int(theirs.size),
                   "ids_differing": int((ours != theirs).sum()) if ours.shape == theirs.shape else None,
                   "scored_tokens": int(len(chunks) * (args.ctx - 1 - first))}
         tqdm.write(f"tokens: {tokens}")
