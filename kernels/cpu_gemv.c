@@ -435,6 +435,28 @@ static int get(Buffers *B, int i, PyObject *obj, int writable, const char *what)
     return 0;
 }
 
+/* r->slots from `slots` (None: rows 0..k-1), checked: int32 [k], none negative; *max_row: the largest row. */
+static int parse_slots(Buffers *B, Rows *r, PyObject *slots, const char *fn, Py_ssize_t *max_row) {
+    r->slots = NULL;
+    *max_row = r->k - 1;
+    if (slots == Py_None) return 0;
+    if (get(B, 5, slots, 0, "slots")) return -1;
+    if (B->views[5].len != r->k * 4) {
+        PyErr_Format(PyExc_ValueError, "%s: slots must be int32 [%zd]", fn, r->k);
+        return -1;
+    }
+    r->slots = (const int32_t *)B->views[5].buf;
+    *max_row = -1;
+    for (Py_ssize_t j = 0; j < r->k; j++) {
+        if (r->slots[j] < 0) {
+            PyErr_Format(PyExc_IndexError, "%s: negative slot %d", fn, r->slots[j]);
+            return -1;
+        }
+        if (r->slots[j] > *max_row) *max_row = r->slots[j];
+    }
+    return 0;
+}
+
 /* Parse the common arguments and check every row touched lies inside its buffer. */
 static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is_rows) {
     PyObject *vec, *out, *w, *s, *b, *slots;
@@ -462,24 +484,8 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
                      B->views[0].len, B->views[1].len, vec_len, out_len);
         return -1;
     }
-    r->slots = NULL;
-    Py_ssize_t max_row = r->k - 1;
-    if (slots != Py_None) {
-        if (get(B, 5, slots, 0, "slots")) return -1;
-        if (B->views[5].len != r->k * 4) {
-            PyErr_Format(PyExc_ValueError, "%s: slots must be int32 [%zd]", fn, r->k);
-            return -1;
-        }
-        r->slots = (const int32_t *)B->views[5].buf;
-        max_row = -1;
-        for (Py_ssize_t j = 0; j < r->k; j++) {
-            if (r->slots[j] < 0) {
-                PyErr_Format(PyExc_IndexError, "%s: negative slot %d", fn, r->slots[j]);
-                return -1;
-            }
-            if (r->slots[j] > max_row) max_row = r->slots[j];
-        }
-    }
+    Py_ssize_t max_row;
+    if (parse_slots(B, r, slots, fn, &max_row)) return -1;
     Py_ssize_t scale_size = r->stype == SCALE_F32 ? 4 : 2, groups = r->n / r->gs;
     const Py_ssize_t offs[3] = {w_off, s_off, b_off}, strides[3] = {r->w_stride, r->s_stride, r->b_stride};
     const Py_ssize_t sizes[3] = {(Py_ssize_t)r->n * r->bits / 8, groups * scale_size, groups * scale_size};
@@ -523,7 +529,7 @@ static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
     return run_product(args, "row_axpy", 1, row_axpy_impl);
 }
 
-/* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type) */
+/* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type, symmetric=False) */
 static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt;
@@ -560,23 +566,8 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
         goto fail;
     }
     const int32_t *bl = (const int32_t *)blk.buf;
-    Py_ssize_t max_row = r.k - 1;
-    if (slots != Py_None) {
-        if (get(&B, 5, slots, 0, "slots")) goto fail;
-        if (B.views[5].len != r.k * 4) {
-            PyErr_SetString(PyExc_ValueError, "block_axpy: slots must be int32 [k]");
-            goto fail;
-        }
-        r.slots = (const int32_t *)B.views[5].buf;
-        max_row = -1;
-        for (Py_ssize_t j = 0; j < r.k; j++) {
-            if (r.slots[j] < 0) {
-                PyErr_Format(PyExc_IndexError, "block_axpy: negative slot %d", r.slots[j]);
-                goto fail;
-            }
-            if (r.slots[j] > max_row) max_row = r.slots[j];
-        }
-    }
+    Py_ssize_t max_row;
+    if (parse_slots(&B, &r, slots, "block_axpy", &max_row)) goto fail;
     for (Py_ssize_t j = 0; j < r.k; j++)
         if (bl[j] < 0 || bl[j] >= n_blocks) {
             PyErr_Format(PyExc_IndexError, "block_axpy: block %d outside [0, %zd)", bl[j], n_blocks);

@@ -21,6 +21,7 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cpu_gemv import symmetric_biases
 from .errors import UnsupportedArchitectureError
 
 
@@ -63,7 +64,7 @@ class FFNAdapter:
         """
         if layout not in self.layouts():
             raise UnsupportedArchitectureError(f"layout {layout!r} is not available for {self.kind} FFNs")
-        linears = self._linears(mlp)
+        linears = self.linears(mlp)
         regions, resident, info = {}, {}, {}
         for name in self.matrices:
             lin, quant = linears[name], quantization[name]
@@ -71,11 +72,11 @@ class FFNAdapter:
             region = "inputs" if layout == "dip" and name != self.col_matrix else "neurons"
             if prune is None and not transposed and _quant_of(lin) == _bits(quant):
                 arrays = {k: lin[k] for k in ("weight", "scales", "biases") if k in lin}
-                if quant is not None and quant.get("symmetric") and _symmetric(lin, quant, name):
+                if quant is not None and quant.get("symmetric") and _require_symmetric(lin, name):
                     del arrays["biases"]
             elif quant is not None and quant.get("resident_scales"):
                 arrays, tables = _source_columns(lin, quant, name)
-                if quant.get("symmetric") and _symmetric(lin, quant, name):
+                if quant.get("symmetric") and _require_symmetric(lin, name):
                     tables.pop("biases")
                 resident.update({f"{name}.{k}": v for k, v in tables.items()})
             else:
@@ -94,7 +95,8 @@ class FFNAdapter:
             info[name] = {"quantization": quant, "transposed": transposed, "region": region}
         return regions, resident, info
 
-    def _linears(self, mlp: nn.Module) -> Dict[str, nn.Module]:
+    def linears(self, mlp: nn.Module) -> Dict[str, nn.Module]:
+        """{canonical matrix name: the linear module} of an mlp (a fused gate_up split in two)."""
         if not self.fused_gate_up:
             return {m: getattr(mlp, n) for m, n in zip(self.matrices, self.names)}
         gate_up, down = getattr(mlp, self.names[0]), getattr(mlp, self.names[1])
@@ -135,10 +137,10 @@ def symmetric(lin) -> bool:
     """Whether a quantised linear's biases are -2^(bits-1) times its scales (llama.cpp's Q4_0 / Q8_0): then
     they need not be stored."""
     q = _quant_of(lin)
-    return q is not None and bool(mx.array_equal(lin["biases"], lin["scales"] * -(1 << (q["bits"] - 1))))
+    return q is not None and bool(mx.array_equal(lin["biases"], symmetric_biases(lin["scales"], q["bits"])))
 
 
-def _symmetric(lin, quant, name) -> bool:
+def _require_symmetric(lin, name) -> bool:
     if not symmetric(lin):
         raise UnsupportedArchitectureError(f"{name}: quantisation not symmetric in this layer, as in the first "
                                            "(llama.cpp type mixed per layer): convert without --down-bits source")

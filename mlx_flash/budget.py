@@ -205,8 +205,8 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
     groups = list(groups)
     # an input embedding streamed by rows reads a row per token, and the bytes it frees (past its two loads'
     # buffers) cache FFN units instead: worth it whenever some unit would not be cached
-    rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
-    rows = rows if budget is not None and limit < sum(fixed.values()) + fd.ffn_bytes else []
+    by_rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
+    by_rows = by_rows if budget is not None and limit < sum(fixed.values()) + fd.ffn_bytes else []
     prefetch = prefetch and list(fd.layouts) == ["neurons"] and not fd.layouts["neurons"].encoded and len(fd.layers) > 2
     streamed, f = None, None
     if prefetch and budget is not None and groups:
@@ -215,12 +215,12 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
         # add their whole time
         whole = dict(fixed, prefetch=2 * fd.layers[0]["neurons"].n_units * fd.layouts["neurons"].stride)
         try:
-            streamed, f = choose_streamed(groups, whole, limit, context, always=rows)
+            streamed, f = choose_streamed(groups, whole, limit, context, always=by_rows)
             f.pop("prefetch")
         except BudgetError:
             pass
     if f is None:
-        streamed, f = choose_streamed(groups, fixed, limit, context, always=rows)
+        streamed, f = choose_streamed(groups, fixed, limit, context, always=by_rows)
     left = limit - sum(f.values())
     per_layer = left // len(fd.layers)
     prefetch_rows = 0

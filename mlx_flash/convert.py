@@ -142,7 +142,7 @@ def convert(
                                  f"scales resident); it needs the neurons layout without --prune (got quantisation {quant}, "
                                  f"layout {layout!r}, prune {prune!r})")
             ffn_quant[adapter.col_matrix] = {**quant, "resident_scales": True}
-            first = adapter._linears(model_obj.layers[0].mlp)
+            first = adapter.linears(model_obj.layers[0].mlp)
             if all(symmetric(first[m]) for m in adapter.matrices):  # Q4_0 / Q8_0: the biases follow from the scales
                 ffn_quant = {m: {**q, "symmetric": True} for m, q in ffn_quant.items()}
         elif down_bits is not None and quant is not None:

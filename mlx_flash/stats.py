@@ -52,9 +52,10 @@ class Stats:
         self._between_forwards = True
 
     def device_bytes(self) -> int:
-        return sum(r.stats()["bytes_read"] for r in self.readers)
+        return self._counters()[0]
 
     def _counters(self):
+        """(bytes read at the device, seconds with reads in flight), summed over the readers."""
         stats = [r.stats() for r in self.readers]
         return sum(s["bytes_read"] for s in stats), sum(s.get("busy_ns", 0) for s in stats) / 1e9
 

@@ -32,7 +32,7 @@ def _check_bundles(fd, model, col_quant):
     adapter = ADAPTERS[fd.architecture]
     for i in range(len(fd.layers)):
         rows = fd.unpack_layer(i)
-        linears = adapter._linears(model.layers[i].mlp)  # canonical rows straight from the source modules
+        linears = adapter.linears(model.layers[i].mlp)  # canonical rows straight from the source modules
         for name in adapter.row_matrices:
             for key in ("weight", "scales", "biases"):
                 if key in linears[name]:
@@ -77,7 +77,7 @@ def test_quantised_bundles(arch, tiny_dirs, tmp_path):
     src, _ = load_source_model(tiny_dirs[arch], lazy=False)
     for i in range(len(fd.layers)):
         rows = fd.unpack_layer(i)
-        linears = adapter._linears(src.layers[i].mlp)
+        linears = adapter.linears(src.layers[i].mlp)
         for name in adapter.matrices:
             w = linears[name]["weight"]
             col = name == adapter.col_matrix
@@ -108,7 +108,7 @@ def test_dip_layout(bits, tiny_dirs, tmp_path):
     assert [fd.layers[0][r].n_units for r in ("inputs", "neurons")] == [hidden, n]
     for i in range(len(fd.layers)):
         arrays = fd.unpack_layer(i)
-        linears = ADAPTERS["llama"]._linears(src.layers[i].mlp)
+        linears = ADAPTERS["llama"].linears(src.layers[i].mlp)
         for name in ("gate", "up", "down"):
             w = linears[name]["weight"].T
             if bits is None:

@@ -37,7 +37,7 @@ def test_bundles_bit_exact(source, flash_exact):
     adapter = ADAPTERS["llama"]
     for i in range(len(fd.layers)):
         arrays = fd.unpack_layer(i)
-        linears = adapter._linears(src.layers[i].mlp)
+        linears = adapter.linears(src.layers[i].mlp)
         for name in ("gate", "up"):
             for key in ("weight", "scales", "biases"):
                 assert np.array_equal(np.array(arrays[f"{name}.{key}"]), np.array(linears[name][key])), (i, name, key)
