@@ -16,6 +16,7 @@ from .errors import FlashError
 from .flash_format import FlashDir
 from .default_model import default_model_dir
 from .loader import MAX_PPL_INCREASE, load, load_tokenizer
+from .sparsity import SPARSITIES
 from .stats import Stats
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -49,7 +50,7 @@ def setup_arg_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p.")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed.")
     p.add_argument("--memory-budget", default=None, help="Memory for weights, caches and KV cache: bytes, 2GB, 512MiB or 50%% of the model (default: all).")
-    p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "predictor", "dip", "wina", "sketch"],
+    p.add_argument("--sparsity", default="auto", choices=["auto", *SPARSITIES],
                    help="How each token's active neurons are chosen (auto: the directory's calibrated selector, "
                         "if within --max-ppl-increase; else dense).")
     p.add_argument("--max-ppl-increase", type=float, default=MAX_PPL_INCREASE,

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from .default_model import default_model_dir
 from .errors import FlashError
 from .loader import load
+from .sparsity import SPARSITIES
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def setup_arg_parser():
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--memory-budget", default=None, help="Bytes, 2GB, 512MiB or 50%% of the model.")
-    p.add_argument("--sparsity", default="auto", choices=["auto", "dense", "oracle", "sketch", "wina", "dip", "predictor"])
+    p.add_argument("--sparsity", default="auto", choices=["auto", *SPARSITIES])
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--max-context", type=int, default=2048,
                    help="Prompt + generated tokens per request (sizes the KV cache in the budget).")
