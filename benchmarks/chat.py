@@ -20,10 +20,10 @@ evicted before every turn (by an unrelated one-token completion; LRU of one), a 
 the same plan.
 
 The server runs at --log-level INFO, so each turn also has the server's own bytes per forward pass
-(`mlx_flash.server.read_summary`): the prompt's prefill passes, then the single-token passes.
-mlx-lm computes one token ahead, so the first streamed token arrives after the prefill passes,
-the pass on the prompt's last token (which gives the first token) and the next token's pass:
-the client's "prefill" bytes hold all three. Greedy decoding, so every configuration sees the
+(`mlx_flash.server.read_summary`): the prompt's prefill passes (the last one gives the first
+token), then the single-token passes. The first streamed token arrives after the prefill passes
+only (`mlx_flash.generate.generate_step`; mlx-lm's loop would add a pass on the prompt's last
+token and one on the next token before it). Greedy decoding, so every configuration sees the
 same history as long as their tokens agree.
 """
 

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from .default_model import default_model_dir
 from .errors import FlashError
+from .generate import stream_generate
 from .loader import load
 from .sparsity import SPARSITIES
 
@@ -82,9 +83,12 @@ class ResponseGenerator(server.ResponseGenerator):
     def _serve_single(self, request, stream):
         stats = self.model_provider.model.flash.stats
         stats.reset()  # per request: a long-running server would otherwise keep every token's stats
+        # mlx-lm's handler calls the `stream_generate` of its module: the flash loop has two passes fewer
+        mlx_lm_generate, server.stream_generate = server.stream_generate, stream_generate
         try:
             super()._serve_single(request, stream)
         finally:
+            server.stream_generate = mlx_lm_generate
             stats.end()
             if log.isEnabledFor(logging.INFO):
                 log.info("flash reads: %s", json.dumps(read_summary(stats)))
@@ -92,9 +96,9 @@ class ResponseGenerator(server.ResponseGenerator):
 
 def read_summary(stats) -> dict:
     """A request's device bytes per forward pass, from the runtime's own counters: the prompt's
-    prefill passes (several tokens each), then the single-token passes (the prompt's last token,
-    which gives the first generated token, then one per generated token; mlx-lm runs each one
-    pass ahead of the token it streams)."""
+    prefill passes (several tokens each; the last gives the first generated token), then the
+    single-token passes (one per further generated token, and one that feeds the last into the
+    stored prompt cache: see `generate.generate_step`)."""
     return {"prefill_passes": [t.bytes_read for t in stats.tokens if t.prefill],
             "decode_passes": [t.bytes_read for t in stats.tokens if not t.prefill]}
 

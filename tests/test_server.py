@@ -183,8 +183,9 @@ def test_prompt_cache_reuse_gives_the_tokens_of_a_fresh_prefill(server):
 
 def test_each_request_logs_its_reads_per_forward_pass(server, caplog):
     """At INFO the server logs a request's device bytes pass by pass (benchmarks/chat.py splits a
-    turn's reads with it): its prompt's prefill passes, then one single-token pass per generated token
-    and one ahead; together, every byte the request read."""
+    turn's reads with it): its prompt's prefill passes (the last ends with the prompt's last token and
+    gives the first generated token), then one single-token pass per further generated token and one
+    that feeds the last into the stored prompt cache; together, every byte the request read."""
     provider, _, port = server
     flash = provider.model.flash
     flash.reset()  # cold unit caches: this request reads
@@ -199,9 +200,9 @@ def test_each_request_logs_its_reads_per_forward_pass(server, caplog):
         time.sleep(0.01)
     reads = json.loads(logged[-1][len("flash reads: "):])
     step = provider.cli_args.prefill_step_size
-    assert len(reads["prefill_passes"]) == -(-(r["usage"]["prompt_tokens"] - 1) // step)
+    assert len(reads["prefill_passes"]) == -(-r["usage"]["prompt_tokens"] // step)
     assert r["choices"][0]["finish_reason"] == "length"  # (the tiny model's greedy reply has no EOS here)
-    assert len(reads["decode_passes"]) == r["usage"]["completion_tokens"] + 1
+    assert len(reads["decode_passes"]) == r["usage"]["completion_tokens"]
     assert sum(reads["prefill_passes"]) + sum(reads["decode_passes"]) == flash.stats.device_bytes() - read0 > 0
 
 

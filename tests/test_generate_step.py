@@ -1,0 +1,106 @@
+"""The generation loop (`mlx_flash.generate.generate_step` / `stream_generate`): mlx-lm's tokens, log-probs
+and responses, two forward passes fewer before the first token, and a caller's prompt cache left holding
+every token it was given, as mlx-lm leaves it (its server stores the cache under prompt + reply)."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlx_flash.budget import min_budget
+from mlx_flash.convert import convert
+from mlx_flash.flash_format import FlashDir
+from mlx_flash.generate import generate_step, stream_generate
+from mlx_flash.loader import load
+from mlx_flash.models.tiny import make_tiny_model_dir
+
+PROMPT = [1, 5, 9, 33, 7, 100, 3] * 4
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    path = convert(str(make_tiny_model_dir("llama", root / "src", vocab_size=257)), root / "flash", progress=False)
+    fd = FlashDir(path)
+    # dense streaming with caches for a third of the FFN: every pass reads
+    model, tokenizer = load(path, memory_budget=min_budget(fd, CONTEXT) + fd.ffn_bytes // 3, sparsity="dense",
+                            context=CONTEXT)
+    yield model, tokenizer
+    model.flash.close()
+
+
+def run(step_fn, model, n, **kwargs):
+    tokens, logprobs = zip(*step_fn(mx.array(PROMPT), model, max_tokens=n, **kwargs))
+    return list(tokens), np.stack([np.array(lp) for lp in logprobs])
+
+
+@pytest.mark.parametrize("prefill_step_size", [5, 64])
+def test_tokens_and_logprobs_are_mlx_lm_s(flash, prefill_step_size):
+    model, _ = flash
+    for kwargs in ({}, {"logits_processors": make_logits_processors(repetition_penalty=1.5)}):
+        ours = run(generate_step, model, 12, prefill_step_size=prefill_step_size, **kwargs)
+        theirs = run(mlx_lm_generate_step, model, 12, prefill_step_size=prefill_step_size, **kwargs)
+        assert ours[0] == theirs[0]
+        np.testing.assert_allclose(ours[1], theirs[1], atol=1e-4)
+
+
+def passes_before_first_token(step_fn, model, step):
+    stats = model.flash.stats
+    model.flash.reset()  # cold caches: every pass reads
+    stats.reset()
+    gen = step_fn(mx.array(PROMPT), model, max_tokens=4, prefill_step_size=step)
+    next(gen)
+    stats.end()
+    passes, read = len(stats.tokens), stats.device_bytes()
+    gen.close()
+    return passes, read
+
+
+def test_the_first_token_follows_the_prompt_s_own_passes(flash):
+    """mlx-lm gives the prompt's last token a pass of its own and computes the second token before
+    yielding the first; here the first token comes after ceil(prompt / step) passes and reads less."""
+    model, _ = flash
+    ours, ours_read = passes_before_first_token(generate_step, model, 8)
+    theirs, theirs_read = passes_before_first_token(mlx_lm_generate_step, model, 8)
+    assert ours == math.ceil(len(PROMPT) / 8) == theirs - 2
+    assert 0 < ours_read < theirs_read
+
+
+@pytest.mark.parametrize("stop_after", [2, None])
+def test_a_prompt_cache_holds_every_token_and_continues_like_a_fresh_prefill(flash, stop_after):
+    model, tokenizer = flash
+    cache = make_prompt_cache(model)
+    reply = []
+    for r in stream_generate(model, tokenizer, PROMPT, max_tokens=6, prompt_cache=cache, prefill_step_size=8):
+        reply.append(r.token)
+        if len(reply) == stop_after:
+            break  # a client that stops reading: the generator is closed here
+    assert cache[0].offset == len(PROMPT) + len(reply)
+    turn = [4, 8, 15]
+    cached = [r.token for r in stream_generate(model, tokenizer, turn, max_tokens=6, prompt_cache=cache)]
+    fresh = [r.token for r in stream_generate(model, tokenizer, PROMPT + reply + turn, max_tokens=6)]
+    assert cached == fresh
+
+
+def test_refusals(flash):
+    model, tokenizer = flash
+    with pytest.raises(ValueError, match="draft"):
+        next(stream_generate(model, tokenizer, PROMPT, draft_model=model))
+    with pytest.raises(ValueError, match="empty"):
+        next(generate_step(mx.array([], dtype=mx.int32), model))
+
+
+def test_the_prompt_s_head_runs_on_its_last_position_only(flash, monkeypatch):
+    """The logits of a prompt chunk's other positions are never used: [positions, vocab] is not computed."""
+    model, _ = flash
+    tied = getattr(model, "lm_head", None) is None
+    owner, name = (model.model.embed_tokens, "as_linear") if tied else (model, "lm_head")
+    head, shapes = getattr(owner, name), []
+    monkeypatch.setattr(owner, name, lambda x: shapes.append(x.shape) or head(x))
+    next(generate_step(mx.array(PROMPT), model, prefill_step_size=64))
+    assert [s[1] for s in shapes] == [1]
