@@ -241,19 +241,18 @@ def table(results) -> str:
 
 
 def passes_table(results) -> str:
-    """The server's own split of the bytes before the first streamed token."""
+    """The server's own split of a turn's bytes: the prompt's passes (before the first streamed token),
+    then the single-token passes (one per later token, and one feeding the last into the prompt cache)."""
     vs = compare(results)
-    rows = [("| configuration | turn | prefill passes | their MiB | / cold | pass on the last prompt token MiB | "
-             "next token's pass MiB | later passes MiB (mean) |"), "|---|---|---|---|---|---|---|---|"]
+    rows = ["| configuration | turn | prompt passes | their MiB | / cold | single-token passes | MiB each (mean) |",
+            "|---|---|---|---|---|---|---|"]
     for name, res in results.items():
         for i, t in enumerate(res["turns"]):
             p = t["server_passes"]
             pre, dec = p["prefill_passes"], p["decode_passes"]
-            later = dec[2:]
             r = vs[name][i] if name in vs else {}
             rows.append(f"| {name} | {i + 1} | {len(pre)} | {_mib(sum(pre))} | {_ratio(r.get('prefill_pass_bytes'))} | "
-                        f"{_mib(dec[0]) if dec else '-'} | {_mib(dec[1]) if len(dec) > 1 else '-'} | "
-                        f"{_mib(sum(later) / len(later)) if later else '-'} |")
+                        f"{len(dec)} | {_mib(sum(dec) / len(dec)) if dec else '-'} |")
     return "\n".join(rows)
 
 
