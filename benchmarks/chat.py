@@ -5,7 +5,7 @@ memory budget and with everything resident.
         --plot benchmarks/chat_smollm2.png
     python benchmarks/chat.py --from-json benchmarks/chat_smollm2.json [--plot OUT.png]
 
-The first user message is ~350 tokens of WikiText-2 (mlx_flash.texts.read_text()), then four short
+The first user message is ~350 tokens (--first-tokens) of WikiText-2 (mlx_flash.texts.read_text()), then four short
 questions on the growing history (the model's own replies included). Each configuration starts
 its own server process (the budgeted ones with --memory-budget, the "everything resident" ones
 with none, the server's default); per turn the client (http.client, streaming) measures the time
@@ -332,6 +332,7 @@ def main():
     p.add_argument("--memory-budget", default="50%", help="The budget of the budgeted configurations.")
     p.add_argument("--max-context", type=int, default=768)
     p.add_argument("--max-tokens", type=int, default=32, help="Tokens per reply.")
+    p.add_argument("--first-tokens", type=int, default=350, help="Tokens of WikiText-2 in the first message.")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", default=None, help="Write the results as JSON here.")
     p.add_argument("--plot", default=None, help="Plot time to first token and prefill bytes per turn here (png).")
@@ -347,10 +348,10 @@ def main():
         from mlx_flash.loader import load_tokenizer
 
         model = args.model or default_model_dir()
-        first = first_message(load_tokenizer(FlashDir(model)))
+        first = first_message(load_tokenizer(FlashDir(model)), args.first_tokens)
         load0 = os.getloadavg()
         results = {name: run_config(model, args, name, first) for name in args.configs}
-        out = {"model": str(model), "memory_budget": args.memory_budget, "max_context": args.max_context,
+        out = {"model": str(model), "memory_budget": args.memory_budget, "max_context": args.max_context, "first_tokens": args.first_tokens,
                "max_tokens": args.max_tokens, "questions": QUESTIONS, "machine": machine_info(str(model)),
                "versions": {"mlx-lm": version("mlx-lm"), "mlx_flash": version("mlx-flash-runtime")},
                "load_average": {"start": [round(x, 1) for x in load0],

@@ -51,6 +51,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
         weights = model.sanitize(weights)
 
     paths = fd.ffn["mlp_paths"]
+    ffn_tensors = []  # outside model.parameters() (private to the FFN): evaluated below with them
     if len(paths) != len(model.layers) or len(fd.layers) != len(model.layers):
         raise FlashFormatError(
             f"{fd.path}: manifest has {len(fd.layers)} FFN layers, the model config {len(model.layers)}"
@@ -60,6 +61,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
         # "fc1.bias" -> "fc1"; other resident FFN tensors ("down.scales": convert --down-bits source) keep their name
         bias = {k[len(prefix) :].removesuffix(".bias"): weights.pop(k) for k in list(weights) if k.startswith(prefix)}
         layer.mlp = make_ffn(i, bias)
+        ffn_tensors.append(bias)
 
     if "quantization" in config:
         nn.quantize(
@@ -77,7 +79,9 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashFormatError(f"{fd.path}: resident weights do not match the architecture ({e})") from None
-    mx.eval(model.parameters())
+    # now, in this thread: MLX streams are per thread, and a lazy load left for another thread (mlx-lm's
+    # server generates in its own) fails there ("no Stream(cpu, 0) in current thread")
+    mx.eval(model.parameters(), ffn_tensors)
     model.eval()
     return model
 

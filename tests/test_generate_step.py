@@ -3,6 +3,7 @@ and responses, two forward passes fewer before the first token, and a caller's p
 every token it was given, as mlx-lm leaves it (its server stores the cache under prompt + reply)."""
 
 import math
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -104,3 +105,25 @@ def test_the_prompt_s_head_runs_on_its_last_position_only(flash, monkeypatch):
     monkeypatch.setattr(owner, name, lambda x: shapes.append(x.shape) or head(x))
     next(generate_step(mx.array(PROMPT), model, prefill_step_size=64))
     assert [s[1] for s in shapes] == [1]
+
+
+def test_a_model_loaded_in_one_thread_generates_in_another(tmp_path):
+    """mlx-lm's server generates in its own thread and MLX's streams are per thread: nothing the load
+    leaves lazy (here OPT's resident FFN biases) may be evaluated there first."""
+    path = convert(str(make_tiny_model_dir("opt", tmp_path / "src")), tmp_path / "flash", progress=False)
+    model, _ = load(path, sparsity="dense")
+    try:
+        out = {}
+
+        def generate():
+            try:
+                out["tokens"] = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=4)]
+            except Exception as e:  # noqa: BLE001  (reported below)
+                out["error"] = e
+
+        thread = threading.Thread(target=generate)  # first: nothing evaluated in this thread since the load
+        thread.start()
+        thread.join()
+        assert out == {"tokens": [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=4)]}
+    finally:
+        model.flash.close()
