@@ -55,7 +55,7 @@ from .default_model import cache_root
 from . import memory
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .flash_format import FlashDir
-from .loader import cpu_cast, load, load_resident, make_sparsifier
+from .loader import cpu_cast, load, load_resident, load_tokenizer, make_sparsifier
 from .offload import stream_groups
 from .reader import aligned_buffer, open_reader
 
@@ -392,6 +392,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     if budget < lowest:
         raise SystemExit(f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
                          f"{lowest / fd.model_bytes:.0%} of the model, with attention and embeddings streamed)")
+    load_tokenizer(fd)  # as `load` does, the baseline is taken after the tokenizer (and its imports)
     baseline = memory.rss()  # before the sparsifier's arrays: they are in the budget, so in the peak
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
     dense = Dense(fd.ffn["intermediate_size"])
@@ -455,7 +456,8 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
             timed = TimedSparsifier(sp)
             engine = make_engine(model, fd, rd, timed, budget, context, "window", window, unit_cache, prefetch, extra)
             engine.stats.baseline_rss = baseline
-            mx.clear_cache()  # the previous configuration's buffers: not this one's peak
+            gc.collect()  # the previous engine (a cycle with its read-ahead) and its buffers: not this one's peak
+            mx.clear_cache()
             memory.reset_peak()
             if progress:
                 print(f"[bench] {name}{f' (round {round_ + 1}/{rounds})' if rounds > 1 else ''}: "
@@ -640,7 +642,6 @@ def main(argv=None):
         kind = "synthetic"
     else:
         from .default_model import default_model_dir
-        from .loader import load_tokenizer
         from .texts import read_text
 
         path = a.model or default_model_dir()
