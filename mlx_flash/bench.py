@@ -19,7 +19,15 @@ Configurations (each starts with cold caches: a fresh engine, O_DIRECT reads, so
 Sparsifier: dip if the directory has the dip layout and calibration, else predictor if calibrated,
 else oracle top-K |GLU| at --density (a stand-in: its own resident copy of gate/up, its time is
 reported as "select ms" inside compute). Synthetic models (--synthetic) replay a SmolLM2 trace
-(mlx_flash.trace) mapped onto their layers: select ms ~ 0.
+(mlx_flash.trace) mapped onto their layers: select ms ~ 0. The trace is the selector SmolLM2's
+directory ships (its calibrated sketch) if it has one, else the oracle's, labelled as the upper bound.
+
+The budget plan counts the sparsifier's own DRAM (`selector_bytes`): a calibrated selector's arrays,
+and for a replayed trace what its selector would keep on THIS model (a sketch's bytes per gate/up
+weight x this model's gate/up weights); if it does not fit at all, its configurations are reported
+as skipped, with the reason. Each configuration runs on a model that streams what its own plan
+streams (a selector's DRAM or read-ahead buffers can push attention layers out of DRAM): the model
+is reloaded when that changes.
 
 Per configuration: DRAM for weights (resident + unit caches, from the budget plan), flash->DRAM
 bytes/token, effective read GB/s (bytes / I/O time), I/O, memory-management and compute ms/token,
@@ -30,6 +38,7 @@ batch synchronously. The I/O target compares I/O ms with bytes / the fio figure 
 """
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -46,7 +55,7 @@ from .default_model import cache_root
 from . import memory
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .flash_format import FlashDir
-from .loader import cpu_cast, load, load_resident, make_sparsifier
+from .loader import cpu_cast, load, load_resident, load_tokenizer, make_sparsifier
 from .offload import stream_groups
 from .reader import aligned_buffer, open_reader
 
@@ -145,16 +154,28 @@ def resident_bytes(fd) -> int:
     return fd.resident_nbytes(cpu_cast)
 
 
+def selector_bytes(sparsifier) -> int:
+    """The sparsifier's DRAM the plan counts: a calibrated selector's arrays, a replayed trace's selector
+    on this model; not the oracle stand-in's gate/up copy (a test instrument: the upper bound)."""
+    return 0 if sparsifier.name == "oracle" else int(getattr(sparsifier, "nbytes", 0))
+
+
+def engine_plan(fd, budget: int, context: int, extra: int = 0, prefetch: bool = False):
+    """The budget plan of one configuration (float32 activations, as `load` plans on the CPU)."""
+    return plan_memory(fd, budget, context, 4, extra, resident=resident_bytes(fd),
+                       groups=stream_groups(fd, cpu_cast, context), prefetch=prefetch)
+
+
 def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy="window", window=5,
-                unit_cache=True, prefetch=False):
-    """A fresh FlashEngine (cold caches) for `budget`, swapped into every layer of `model`.
+                unit_cache=True, prefetch=False, extra: int = 0):
+    """A fresh FlashEngine (cold caches) for `budget`, with `extra` bytes of it the sparsifier's, swapped
+    into every layer of `model`.
 
     unit_cache=False: no FFN unit cached (the naive and sparsity-only configurations). Streamed
-    resident weights (the model was loaded with this budget) stay streamed (attach moves the streamer)."""
+    resident weights (the model was loaded with this plan's, see `run`) stay streamed (attach moves the streamer)."""
     from .runtime import FlashEngine
 
-    plan = plan_memory(fd, budget, context, 4, 0, resident=resident_bytes(fd),
-                       groups=stream_groups(fd, cpu_cast, context), prefetch=prefetch)
+    plan = engine_plan(fd, budget, context, extra, prefetch)
     if not unit_cache:
         plan.capacity = [{name: 0 for name in caps} for caps in plan.capacity]
     scratch = min(plan.workspace // 2, plan.scratch)
@@ -247,9 +268,12 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
     per_batch = req / max(1, reader_stats.get("batches", 1))  # requests per read() call
     out = {
         "tokens": n,
-        "dram_weights_bytes": plan.resident + cache,
+        "dram_weights_bytes": plan.resident + cache + plan.extra,
         "resident_bytes": plan.resident,
         "cache_bytes": cache,
+        "selector_bytes": plan.extra,
+        "streamed": describe_streamed(plan.streamed) if plan.streamed else None,
+        "streamed_attention_layers": sum(g.kind == "layer" for g in plan.streamed),
         "budget_bytes": plan.budget,
         "cache_units_per_layer": plan.capacity[0].get("neurons", 0),
         "bytes_per_token": float(bytes_tok.mean()) if n else 0.0,  # at the device
@@ -311,29 +335,34 @@ def mem_available() -> int:
 # -- driver --------------------------------------------------------------------------------------
 
 
-def default_trace(density: float = 0.2, tokens: int = 256):
-    """The SmolLM2 oracle trace on WikiText-2 (recorded once, cached)."""
+def default_trace(density: float = 0.2, tokens: int = 256, model=None):
+    """The SmolLM2 trace on WikiText-2 (recorded once, cached): of the selector the directory ships (its
+    calibrated sketch) if it has one, else the oracle's (the upper bound). `model`: another directory."""
+    from .default_model import default_model_dir
     from .trace import Trace, record
 
+    fd = FlashDir(model if model is not None else default_model_dir())
+    sel = (fd.manifest.get("sparsity") or {}).get("selector") or {}
+    sparsity, tag = ("sketch", f"sketch{sel['bits']}b-g{sel['group_size']}") if sel.get("name") == "sketch" else ("oracle", "oracle")
     root = cache_root() / "traces"
-    path = root / f"smollm2-oracle-{density:g}-{tokens}.npz"
+    path = root / f"{'smollm2' if model is None else fd.path.name}-{tag}-{density:g}-{tokens}.npz"
     if not path.is_file():
         root.mkdir(parents=True, exist_ok=True)
-        print(f"[bench] recording the SmolLM2 trace into {path} (once)", file=sys.stderr)
-        record(None, "oracle", density, tokens).save(path)
+        print(f"[bench] recording the {tag} trace of {fd.path} into {path} (once)", file=sys.stderr)
+        record(fd.path, sparsity, density, tokens).save(path)
     return Trace.load(path), path
 
 
 def choose_sparsifier(fd, density, trace=None):
     """(sparsifier, description): trace replay, else dip / predictor / oracle as calibrated."""
-    from .trace import TraceSparsifier
+    from .trace import TraceSparsifier, describe_selector, gate_up_weights
 
     if trace is not None:
         tr, src = trace
-        sp = TraceSparsifier(tr, len(fd.layers), fd.ffn["intermediate_size"])
-        return sp, (f"trace replay of {src} ({tr.meta.get('sparsity')} density {tr.meta.get('density')}, "
+        sp = TraceSparsifier(tr, len(fd.layers), fd.ffn["intermediate_size"], weights=gate_up_weights(fd))
+        return sp, (f"trace replay of {src} ({describe_selector(tr.meta)}, density {tr.meta.get('density')}, "
                     f"{tr.n_layers} layers x {tr.n_units} neurons mapped onto {len(fd.layers)} x "
-                    f"{fd.ffn['intermediate_size']})")
+                    f"{fd.ffn['intermediate_size']}; its DRAM here {fmt_bytes(sp.nbytes)})")
     calib = fd.manifest.get("sparsity") or {}
     if fd.ffn.get("layout") == "dip":
         raise SystemExit("bench needs the neurons layout (its dense baselines cannot run on a dip-layout directory)")
@@ -352,44 +381,83 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
 
     rounds > 1: the flash configurations run `rounds` times, alternating, so that a slow spell of
     a shared machine or disk hits all of them; each reports its median round (by total ms)."""
+    from .sparsity import Dense
+
     fd = FlashDir(path)
     context = prompt_tokens + tokens + 8
     budget = parse_size(memory_budget, fd.model_bytes)
-    floor = min_budget(fd, context, 4, resident=resident_bytes(fd))
-    lowest = min_streaming_budget(fd, context, 4, resident=resident_bytes(fd), groups=stream_groups(fd, cpu_cast, context))
+    resident, groups = resident_bytes(fd), stream_groups(fd, cpu_cast, context)
+    floor = min_budget(fd, context, 4, resident=resident)
+    lowest = min_streaming_budget(fd, context, 4, resident=resident, groups=groups)
     if budget < lowest:
         raise SystemExit(f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
                          f"{lowest / fd.model_bytes:.0%} of the model, with attention and embeddings streamed)")
-    # below the resident floor, every configuration streams the same resident weights (offload.py)
-    model, tok = load(path, memory_budget=min(floor, budget), sparsity="dense", context=context, threads=threads)
-    reader, baseline = model.flash.reader, model.flash.stats.baseline_rss
+    load_tokenizer(fd)  # as `load` does, the baseline is taken after the tokenizer (and its imports)
+    baseline = memory.rss()  # before the sparsifier's arrays: they are in the budget, so in the peak
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
-    from .sparsity import Dense
-
     dense = Dense(fd.ffn["intermediate_size"])
+    sparse_bytes = selector_bytes(sparse)
+    sparse_lowest = min_streaming_budget(fd, context, 4, sparse_bytes, resident=resident, groups=groups)
+    no_fit = None
+    if budget < sparse_lowest:
+        no_fit = (f"the selector's DRAM ({fmt_bytes(sparse_bytes)}) does not fit the budget: with it the smallest "
+                  f"budget that loads is {fmt_bytes(sparse_lowest)} ({sparse_lowest / fd.model_bytes:.0%} of the model)")
+        if progress:
+            print(f"[bench] {no_fit}; its configurations are skipped", file=sys.stderr)
     if prompt is None:
         rng = np.random.default_rng(0)
         prompt = rng.integers(0, fd.config["vocab_size"], prompt_tokens).tolist()
     prompt = list(prompt)[:prompt_tokens]
     pieces = len(fd.ffn["matrices"])
-    setups = {  # sparsifier, reader, unit cache, prefetch
-        "naive": (dense, reader, False, False),
-        "hybrid": (dense, reader, True, False),
-        "hybrid-prefetch": (dense, reader, True, True),
-        "sparsity": (sparse, reader, False, False),
-        "window-unbundled": (sparse, UnbundledReader(reader, fd, pieces), True, False),
-        "all": (sparse, reader, True, False),
+    setups = {  # sparsifier, unbundled reader, unit cache, prefetch
+        "naive": (dense, False, False, False),
+        "hybrid": (dense, False, True, False),
+        "hybrid-prefetch": (dense, False, True, True),
+        "sparsity": (sparse, False, False, False),
+        "window-unbundled": (sparse, True, True, False),
+        "all": (sparse, False, True, False),
     }
+
+    def release(model):  # its caches, readers and weights
+        model.flash.caches = None
+        model.flash.close()
+
+    def paths(plan):
+        return [g.path for g in plan.streamed]
+
+    model = reader = streamed = None
     runs = {name: [] for name in configs if name != "mlx-lm"}
     for round_ in range(rounds):
         for name in runs:
-            sp, rd, unit_cache, prefetch = setups[name]
+            sp, unbundled, unit_cache, prefetch = setups[name]
+            if sp is sparse and no_fit:
+                runs[name].append({"skipped": no_fit})
+                continue
+            extra = selector_bytes(sp)
+            plan = engine_plan(fd, budget, context, extra, prefetch)
+            if model is None or paths(model.flash.plan) != paths(plan):
+                # the model streams what this plan streams (below the resident floor, read-ahead buffers or a
+                # selector's DRAM push attention layers out): loaded with the same plan
+                if model is not None:
+                    release(model)
+                    model = None
+                    gc.collect()
+                    mx.clear_cache()
+                model = load(path, memory_budget=budget, sparsifier=sp if extra else dense, context=context,
+                             threads=threads, prefetch=prefetch, dtype=mx.float32)[0]
+                model.flash.caches = None  # make_engine allocates its own
+                if paths(model.flash.plan) != paths(plan):
+                    raise RuntimeError(f"bench: the model streams {paths(model.flash.plan)}, its plan {paths(plan)}")
+                reader = model.flash.reader
+                streamed = plan.streamed if streamed is None else streamed
+            rd = UnbundledReader(reader, fd, pieces) if unbundled else reader
             if hasattr(sp, "reset"):
                 sp.reset(0)
             timed = TimedSparsifier(sp)
-            engine = make_engine(model, fd, rd, timed, budget, context, "window", window, unit_cache, prefetch)
+            engine = make_engine(model, fd, rd, timed, budget, context, "window", window, unit_cache, prefetch, extra)
             engine.stats.baseline_rss = baseline
-            mx.clear_cache()  # the previous configuration's buffers: not this one's peak
+            gc.collect()  # the previous engine (a cycle with its read-ahead) and its buffers: not this one's peak
+            mx.clear_cache()
             memory.reset_peak()
             if progress:
                 print(f"[bench] {name}{f' (round {round_ + 1}/{rounds})' if rounds > 1 else ''}: "
@@ -405,10 +473,13 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
             runs[name].append(r)
     results = {}
     for name, rs in runs.items():  # the median round; every round's total kept
+        if "skipped" in rs[0]:
+            results[name] = rs[0]
+            continue
         results[name] = sorted(rs, key=lambda r: r["total_ms"])[len(rs) // 2]
         results[name]["rounds_total_ms"] = [r["total_ms"] for r in rs]
-    model.flash.caches = None
-    model.flash.close()
+    if model is not None:
+        release(model)
     if "mlx-lm" in configs:
         need = fd.model_bytes * 2  # float32 casts of norms/scales + the flash model still loaded
         if need < mem_available() * 0.8:
@@ -420,13 +491,14 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
             results["mlx-lm"] = {"skipped": f"does not fit: needs ~{fmt_bytes(need)}, {fmt_bytes(mem_available())} free"}
     out = {
         "model": str(path), "model_bytes": fd.model_bytes, "ffn_bytes": fd.ffn_bytes,
-        "resident_bytes_loaded": resident_bytes(fd),
+        "resident_bytes_loaded": resident,
         "memory_budget": memory_budget, "budget_bytes": budget, "min_budget_bytes": lowest,
         "resident_floor_bytes": floor,
-        "streamed": describe_streamed(model.flash.plan.streamed) if model.flash.plan.streamed else None,
-        "tokens": tokens, "prompt_tokens": len(prompt), "threads": reader.threads, "window": window,
+        "streamed": describe_streamed(streamed) if streamed else None,
+        "tokens": tokens, "prompt_tokens": len(prompt), "threads": getattr(reader, "threads", threads), "window": window,
         "max_gap_bytes": getattr(reader, "max_gap_bytes", None),
-        "sparsifier": sparse_desc, "stride": fd.layouts["neurons"].disk_stride, "row_stride": fd.layouts["neurons"].stride,
+        "sparsifier": sparse_desc, "selector_bytes": sparse_bytes, "selector_min_budget_bytes": sparse_lowest,
+        "stride": fd.layouts["neurons"].disk_stride, "row_stride": fd.layouts["neurons"].stride,
         "units_per_layer": fd.ffn["intermediate_size"], "layers": len(fd.layers),
         "configs": results,
     }
@@ -437,6 +509,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
 def targets(res) -> dict:
     """The issue's targets for sparsity + window + bundling ("all")."""
     t = {}
+    res = {k: r for k, r in res.items() if "skipped" not in r}
     a, nv, hy = res.get("all"), res.get("naive"), res.get("hybrid")
     if a and nv and a.get("bytes_per_token"):
         t["io_bytes_naive_over_all"] = nv["bytes_per_token"] / a["bytes_per_token"]
@@ -451,6 +524,10 @@ def targets(res) -> dict:
     hp = res.get("hybrid-prefetch")
     if hy and hp:  # the same dense reads, serial vs read ahead: the I/O hidden behind compute
         t["latency_hybrid_over_hybrid_prefetch"] = hy["total_ms"] / hp["total_ms"]
+    dense = hp or hy  # dense mode as `load` runs it (read-ahead), else without
+    if a and dense and dense.get("bytes_per_token"):  # issue #14: the shipped selector reads <= 1/3 of dense mode's bytes, its DRAM in the budget
+        t["io_bytes_all_over_dense"] = a["bytes_per_token"] / dense["bytes_per_token"]
+        t["io_bytes_third_of_dense_met"] = t["io_bytes_all_over_dense"] <= 1 / 3
     if a and a.get("io_vs_disk"):
         t["io_vs_disk"] = a["io_vs_disk"]
         t["io_target_1.5x_met"] = a["io_vs_disk"] <= 1.5
@@ -479,8 +556,9 @@ def table(res) -> str:
         disk_s = "-" if disk is None else f"{disk:.2f}" + (f" (fio {fio:.2f})" if fio else "") + \
             f" @ {fmt_bytes(r['mean_request_bytes'])}"
         streamed = f" (resident weights {fmt_bytes(r['streamed_bytes_per_token'])})" if r.get("streamed_bytes_per_token") else ""
+        selector = f" (selector {fmt_bytes(r['selector_bytes'])})" if r.get("selector_bytes") else ""
         rows.append(
-            f"| {name} | {fmt_bytes(r['dram_weights_bytes'])} | {fmt_bytes(r['bytes_per_token'])}{streamed} | "
+            f"| {name} | {fmt_bytes(r['dram_weights_bytes'])}{selector} | {fmt_bytes(r['bytes_per_token'])}{streamed} | "
             f"{_f(r.get('read_gbps'), '{:.2f}')} | {disk_s} | {r['io_ms']:.1f} | {r['mm_ms']:.1f} | "
             f"{r['compute_ms']:.1f} ({r['select_ms']:.1f}) | {r['total_ms']:.1f} ({r['total_ms_p10']:.1f}-"
             f"{r['total_ms_p90']:.1f}) | {r['hit_rate']:.1%} |"
@@ -564,7 +642,6 @@ def main(argv=None):
         kind = "synthetic"
     else:
         from .default_model import default_model_dir
-        from .loader import load_tokenizer
         from .texts import read_text
 
         path = a.model or default_model_dir()

@@ -2,7 +2,7 @@
 neuron order, a quality report.
 
     python -m mlx_flash.calibrate [--model DIR] [--data FILE ...] [--density 0.5]
-        [--selector auto|sketch|wina|dip|predictor|none] [--max-ppl-increase 0.10]
+        [--selector auto|sketch|wina|dip|predictor|none] [--sketch-bits 2,3,4] [--max-ppl-increase 0.10]
         [--rank 64] [--dip-target 0.5] [--dip-per-layer] [--reorder] [--report OUT_DIR]
 
 By default it only collects activations and calibrates the selector (`calibrate_selector`): the
@@ -333,10 +333,11 @@ def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, coun
 SKETCH_BITS = (2, 3, 4)  # tried cheapest first
 
 
-def selector_candidates(layout: str, selector: str = "auto", group_size: int = 64) -> List[dict]:
-    """The selectors calibration tries, cheapest DRAM first. auto: the sketches on the neurons layout,
-    DIP and WINA on the dip layout (the predictor only when asked: it is worse than a 2-bit sketch of
-    the same size on SmolLM2, BENCHMARKS.md)."""
+def selector_candidates(layout: str, selector: str = "auto", group_size: int = 64,
+                        sketch_bits: Sequence[int] = SKETCH_BITS) -> List[dict]:
+    """The selectors calibration tries, cheapest DRAM first. auto: the sketches (of `sketch_bits`) on the
+    neurons layout, DIP and WINA on the dip layout (the predictor only when asked: it is worse than a
+    2-bit sketch of the same size on SmolLM2, BENCHMARKS.md)."""
     if selector == "auto":
         names = ["dip", "wina"] if layout == "dip" else ["sketch"]
     elif (selector in ("dip", "wina")) != (layout == "dip"):
@@ -347,7 +348,7 @@ def selector_candidates(layout: str, selector: str = "auto", group_size: int = 6
     out = []
     for name in names:
         if name == "sketch":
-            out += [{"name": "sketch", "bits": b, "group_size": group_size} for b in SKETCH_BITS]
+            out += [{"name": "sketch", "bits": b, "group_size": group_size} for b in sorted(sketch_bits)]
         else:
             out.append({"name": name})
     return out
@@ -385,14 +386,15 @@ def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights
 
 def calibrate_selector(fd: FlashDir, model, ctl, calib: np.ndarray, held: np.ndarray, xs, weights,
                        density: float = 0.5, selector: str = "auto", max_ppl_increase: float = 0.10,
-                       predictor: Optional[dict] = None, save: bool = True, progress: bool = False) -> dict:
+                       predictor: Optional[dict] = None, save: bool = True, progress: bool = False,
+                       sketch_bits: Sequence[int] = SKETCH_BITS) -> dict:
     """Measure the candidates at MLP density `density` on held-out text, cheapest DRAM first, and keep
     the first whose perplexity increase is within `max_ppl_increase` (else the best one measured).
     Saved as the directory's selector with the measured increase (`--sparsity auto` checks it)."""
     ctl.set_mode("dense")
     dense = perplexity(model, ctl, held)
     tried, best = [], None
-    for cand in tqdm(selector_candidates(fd.ffn.get("layout", "neurons"), selector), desc="selector",
+    for cand in tqdm(selector_candidates(fd.ffn.get("layout", "neurons"), selector, sketch_bits=sketch_bits), desc="selector",
                      disable=not progress):
         mode, kw, info, arrays = selector_setup(fd, model, ctl, cand, density, weights, xs, calib,
                                                 predictor=predictor, progress=progress)
@@ -581,6 +583,8 @@ def setup_arg_parser():
     p.add_argument("--max-ppl-increase", type=float, default=0.10,
                    help="Largest held-out perplexity increase a selector may cost (0.10 = +10%%).")
     p.add_argument("--selector-seqs", type=int, default=2, help="Held-out sequences that measure the selector.")
+    p.add_argument("--sketch-bits", type=lambda s: [int(b) for b in s.split(",")], default=list(SKETCH_BITS),
+                   help="Sketch widths tried, e.g. 4 or 3,4 (default 2,3,4).")
     p.add_argument("--no-predictor", action="store_true")
     p.add_argument("--no-dip", action="store_true")
     p.add_argument("--reorder", action="store_true", help="Rewrite ffn.bin with hot, co-active neurons adjacent.")
@@ -671,7 +675,8 @@ def run(args) -> dict:
                              args.selector_seqs)
         out["selector"] = calibrate_selector(fd, model, ctl, calib[: args.dip_seqs], held, xs, weights,
                                              args.density, args.selector, args.max_ppl_increase,
-                                             predictors.get(args.density), progress=progress)
+                                             predictors.get(args.density), progress=progress,
+                                             sketch_bits=args.sketch_bits)
         fd = FlashDir(fd.path)
 
     # 5. report

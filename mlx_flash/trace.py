@@ -6,11 +6,13 @@ Recording runs the model (default: SmolLM2, `default_model.default_model_dir()`)
 (WikiText-2 test by default) with every FFN resident, in one teacher-forced forward pass,
 captures each layer's FFN input per token and asks the sparsifier which neurons it selects.
 So a trace holds the per-token, per-layer active sets the runtime would see on that text
-(oracle: the top-K of the true |GLU| at `density`; predictor: its predictions; dense: all).
-DIP is not recorded (its two-step selection needs the dip layout).
+(oracle: the top-K of the true |GLU| at `density`; sketch: the directory's calibrated sketch, top-K
+of its estimate at `density`; predictor: its predictions; dense: all). DIP is not recorded (its
+two-step selection needs the dip layout).
 
 Saved as .npz: `active` = np.packbits of a bool [tokens, layers, neurons] array along the
-neuron axis, `tokens` (ids), and `meta` (JSON: model, sparsifier, density, text offset).
+neuron axis, `tokens` (ids), and `meta` (JSON: model, sparsifier, density, text offset, and
+`selector`: what chose the sets and its DRAM, see `selector_info`).
 
 Mapping onto a larger model (`MappedTrace`, used by the synthetic benchmarks):
 
@@ -31,6 +33,11 @@ Replay: `TraceSparsifier(trace)` has the Dense/Oracle interface (`select(layer, 
 seeding (the last `window` prompt tokens, layer by layer) and decoding (one call per layer per
 token) both walk the trace in order. Load the model with sparsity="dense" and set
 `model.flash.sparsifier = TraceSparsifier(...)`.
+
+Its `nbytes` is the DRAM the recorded selector would keep on the model replaying the trace, for
+the budget plan: a sketch's bytes per gate/up weight times that model's gate/up weights. The
+oracle's trace is the upper bound and counts nothing (deploying it would take its own dense
+gate/up copy).
 """
 
 import argparse
@@ -116,17 +123,59 @@ def as_mapped(trace, n_layers: int, n_units: int, seed: int = 0):
     return MappedTrace(base, n_layers, n_units, seed)
 
 
+def gate_up_weights(fd) -> int:
+    """Weights a selector's low-bit copy covers: every layer's gate and up (fc1 without a GLU)."""
+    per_layer = fd.ffn["hidden_size"] * fd.ffn["intermediate_size"]
+    return len(fd.layers) * per_layer * (2 if fd.ffn["kind"] == "glu" else 1)
+
+
+def selector_info(sp, fd) -> dict:
+    """meta["selector"] of a trace recorded with `sp` on `fd`. A sketch's DRAM is kept per gate/up
+    weight (its input scales, 4 bytes a column, are included: ~0.2%), so it scales to any model."""
+    if sp.name == "sketch":
+        w = gate_up_weights(fd)
+        return {"name": "sketch", "bits": sp.bits, "group_size": sp.group_size, "nbytes": int(sp.nbytes),
+                "gate_up_weights": w, "bytes_per_weight": sp.nbytes / w}
+    if sp.name == "oracle":
+        return {"name": "oracle", "upper_bound": True}
+    return {"name": sp.name}
+
+
+def selector_nbytes(meta: dict, weights: Optional[int] = None) -> int:
+    """DRAM the selector that recorded a trace keeps on a model of `weights` gate/up weights (None: the
+    recording model's); 0 when the trace records no cost (the oracle's: the upper bound)."""
+    sel = meta.get("selector") or {}
+    if "bytes_per_weight" not in sel:
+        return 0
+    return round(sel["bytes_per_weight"] * (sel["gate_up_weights"] if weights is None else weights))
+
+
+def describe_selector(meta: dict) -> str:
+    """The recorded selector, for tables: e.g. "sketch 4-bit (group 64)", "oracle (upper bound, not deployable)"."""
+    sel = meta.get("selector") or {"name": meta.get("sparsity", "?")}  # traces from before meta["selector"]
+    if sel["name"] == "sketch":
+        return f"sketch {sel['bits']}-bit (group {sel['group_size']}, {sel['bytes_per_weight']:.3f} B per gate/up weight)"
+    if sel["name"] == "oracle":
+        return "oracle (upper bound, not deployable)"
+    return sel["name"] if sel["name"] == "dense" else f"{sel['name']} (its DRAM not counted)"
+
+
 class TraceSparsifier:
-    """Replays recorded active sets: select(layer, x, cached) -> sorted int32 ids (x is ignored)."""
+    """Replays recorded active sets: select(layer, x, cached) -> sorted int32 ids (x is ignored).
+
+    `weights`: the replaying model's gate/up weights (`gate_up_weights`), for `nbytes` (module doc)."""
 
     name = "trace"
 
-    def __init__(self, trace, n_layers: int = None, n_units: int = None, seed: int = 0, start: int = 0):
+    def __init__(self, trace, n_layers: int = None, n_units: int = None, seed: int = 0, start: int = 0,
+                 weights: int = None):
         if isinstance(trace, (str, Path)):
             trace = Trace.load(trace)
         if n_layers is not None:
             trace = as_mapped(trace, n_layers, n_units, seed)
         self.trace = trace
+        self.meta = (trace.trace if isinstance(trace, MappedTrace) else trace).meta
+        self.nbytes = selector_nbytes(self.meta, weights)
         self.start = start
         self.calls = {}
 
@@ -177,7 +226,8 @@ class _Capture:
 def record(path=None, sparsity: str = "oracle", density: Optional[float] = 0.2, tokens: int = 256,
            text: Optional[str] = None, offset: int = 0) -> Trace:
     """Record a Trace of the model at `path` (default: SmolLM2) on `tokens` tokens of `text`
-    (default: WikiText-2 test, from character `offset`)."""
+    (default: WikiText-2 test, from character `offset`). sparsity "sketch": the directory's calibrated
+    sketch, at `density` (None: its calibrated densities), one token at a time as the runtime asks it."""
     from .default_model import default_model_dir
     from .loader import load_resident, load_tokenizer, make_sparsifier
     from .sparsity import top_k
@@ -208,15 +258,18 @@ def record(path=None, sparsity: str = "oracle", density: Optional[float] = 0.2, 
             for t in range(len(ids)):
                 active[t, layer, sp.select(layer, x[t])] = True
     meta = {"model": str(path), "sparsity": sparsity, "density": density, "tokens": len(ids),
-            "text": "wikitext-2 test" if text is None or offset >= 0 else "custom", "offset": offset}
+            "text": "wikitext-2 test" if text is None or offset >= 0 else "custom", "offset": offset,
+            "realised_density": float(active.mean()), "selector": selector_info(sp, fd)}
     return Trace(active, np.array(ids), meta)
 
 
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Record per-layer FFN active sets of a model on real text.")
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2, converted once).")
-    p.add_argument("--sparsity", default="oracle", choices=["oracle", "predictor", "dense"])
-    p.add_argument("--density", type=float, default=0.2, help="oracle: share of neurons kept per token (top-K |GLU|).")
+    p.add_argument("--sparsity", default="oracle", choices=["oracle", "sketch", "predictor", "dense"],
+                   help="sketch: the directory's calibrated sketch (python -m mlx_flash.calibrate --selector sketch).")
+    p.add_argument("--density", type=float, default=0.2,
+                   help="oracle / sketch: share of neurons kept per token (top-K of |GLU| / of the sketch's estimate).")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--offset", type=int, default=0, help="Character offset into WikiText-2 test.")
     p.add_argument("--out", required=True)
@@ -225,9 +278,9 @@ def setup_arg_parser():
 
 def main():
     a = setup_arg_parser().parse_args()
-    tr = record(a.model, a.sparsity, a.density if a.sparsity == "oracle" else None, a.tokens, offset=a.offset)
+    tr = record(a.model, a.sparsity, a.density if a.sparsity in ("oracle", "sketch") else None, a.tokens, offset=a.offset)
     out = tr.save(a.out)
-    print(f"wrote {out}: {tr.n_tokens} tokens x {tr.n_layers} layers x {tr.n_units} neurons, "
+    print(f"wrote {out}: {describe_selector(tr.meta)}, {tr.n_tokens} tokens x {tr.n_layers} layers x {tr.n_units} neurons, "
           f"density {tr.density():.3f}, reuse from the previous token {tr.reuse(1):.1%}, from the last 5 {tr.reuse(5):.1%}")
 
 

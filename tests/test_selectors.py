@@ -163,6 +163,7 @@ def test_candidates_follow_the_layout():
     from mlx_flash.calibrate import selector_candidates
 
     assert [c["bits"] for c in selector_candidates("neurons")] == [2, 3, 4]  # cheapest DRAM first
+    assert [c["bits"] for c in selector_candidates("neurons", sketch_bits=[4, 3])] == [3, 4]  # --sketch-bits
     assert [c["name"] for c in selector_candidates("dip")] == ["dip", "wina"]
     with pytest.raises(ValueError, match="does not serve the dip layout"):
         selector_candidates("dip", "sketch")
