@@ -102,7 +102,7 @@ KV_ALIGN = 32
 
 
 def kv_tokens(context: int) -> int:
-    """Tokens a KV cache is allocated for: `context` + 1 (mlx-lm computes one token ahead) in whole
+    """Tokens a KV cache is allocated for: `context` + 1 (mlx-lm's own loop computes one token ahead) in whole
     KV_ALIGN steps. With a budget each cache is allocated whole, once (loader.make_cache), so a short
     run does not pay for mlx-lm's 256-token steps (256 MiB of float32 KV on a 7B)."""
     return -(-(context + 1) // KV_ALIGN) * KV_ALIGN
