@@ -14,20 +14,8 @@ from .errors import (  # noqa: E402
     SourceError,
     UnsupportedArchitectureError,
 )
+from .generation import generate, stream_generate  # noqa: E402  (`python -m mlx_flash.generate` is the command)
 from .loader import load  # noqa: E402
-
-
-def __getattr__(name):
-    # Lazily, so `python -m mlx_flash.generate` does not find its module imported already.
-    if name in ("generate", "stream_generate"):
-        import importlib
-
-        module = importlib.import_module(".generate", __name__)
-
-        fns = {"generate": module.generate, "stream_generate": module.stream_generate}
-        globals().update(fns)  # replaces the submodule attribute the import just set
-        return fns[name]
-    raise AttributeError(f"module 'mlx_flash' has no attribute {name!r}")
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The generation loop (`mlx_flash.generate.generate_step` / `stream_generate`): mlx-lm's tokens, log-probs
+"""The generation loop (`mlx_flash.generation`: `generate_step`, `stream_generate`): mlx-lm's tokens, log-probs
 and responses, two forward passes fewer before the first token, and a caller's prompt cache left holding
 every token it was given, as mlx-lm leaves it (its server stores the cache under prompt + reply)."""
 
@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
-from mlx_flash.generate import generate_step, stream_generate
+from mlx_flash.generation import generate_step, stream_generate
 from mlx_flash.loader import load
 from mlx_flash.models.tiny import make_tiny_model_dir
 

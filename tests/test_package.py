@@ -27,3 +27,11 @@ def test_no_import_cycles():
         if graph.chain_exists(importer=b, imported=a)
     ]
     assert cycles == []
+
+
+def test_generate_stays_the_function_whatever_is_imported():
+    """`mlx_flash.generate(...)` is the function even after the server (which runs the same loop) is imported."""
+    import mlx_flash
+    import mlx_flash.server  # noqa: F401
+
+    assert callable(mlx_flash.generate) and callable(mlx_flash.stream_generate)
