@@ -20,6 +20,7 @@ def generate_step(prompt, model, *, max_tokens: int = 256, sampler=None, logits_
     import mlx.core as mx
     from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import greedy_sampler
 
     if input_embeddings is not None:
         raise ValueError("input embeddings are not supported by mlx_flash")
@@ -28,7 +29,7 @@ def generate_step(prompt, model, *, max_tokens: int = 256, sampler=None, logits_
     own_cache = prompt_cache is None
     if own_cache:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
-    sampler = sampler or (lambda logprobs: mx.argmax(logprobs, axis=-1))
+    sampler = sampler or greedy_sampler
     progress = prompt_progress_callback or (lambda *_: None)
     history = None  # the tokens so far, for the logits processors
 
