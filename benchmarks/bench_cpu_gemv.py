@@ -5,7 +5,7 @@
 
 1. One-row products of the shapes the models use (SmolLM2-135M, LLaMA-7B), each way round:
    MLX's op and the native kernel, medians of interleaved repeats.
-2. --decode: mlx_flash.bench's hybrid / all / mlx-lm rows with the native kernels off, then on
+2. --decode: mlx_flash.tools.bench's hybrid / all / mlx-lm rows with the native kernels off, then on
    (the same model, budget and trace).
 """
 

@@ -21,7 +21,7 @@ import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
 import numpy as np  # noqa: E402
 
 from mlx_flash import bench  # noqa: E402
-from mlx_flash.bench_io import machine_info  # noqa: E402
+from mlx_flash.tools.bench_io import machine_info  # noqa: E402
 from mlx_flash.budget import parse_size  # noqa: E402
 from mlx_flash.flash_format import FlashDir  # noqa: E402
 from mlx_flash.default_model import default_model_dir  # noqa: E402
@@ -41,7 +41,7 @@ def main():
     a = p.parse_args()
 
     if a.synthetic:
-        from mlx_flash.synthetic import build
+        from mlx_flash.tools.synthetic import build
 
         path, trace = build(a.synthetic), bench.default_trace(a.density)
     else:

@@ -34,13 +34,13 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_flash import __version__, bitmap
-from mlx_flash.bench import decode, resident_bytes
-from mlx_flash.bench_io import machine_info
+from mlx_flash.tools.bench import decode, resident_bytes
+from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
-from mlx_flash.gguf import default_gguf_path
+from mlx_flash.default_model import default_gguf_path
 from mlx_flash.loader import load, load_tokenizer
-from mlx_flash.quality import eval_model, perplexity
+from mlx_flash.calib.quality import eval_model, perplexity
 from mlx_flash.texts import read_text, token_batches
 
 VARIANTS = {  # name: convert options

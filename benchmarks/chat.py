@@ -342,7 +342,7 @@ def main():
     if args.from_json:
         out = json.loads(Path(args.from_json).read_text())
     else:
-        from mlx_flash.bench_io import machine_info
+        from mlx_flash.tools.bench_io import machine_info
         from mlx_flash.default_model import default_model_dir
         from mlx_flash.flash_format import FlashDir
         from mlx_flash.loader import load_tokenizer

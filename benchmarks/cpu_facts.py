@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_flash import blas
-from mlx_flash.bench_io import machine_info
+from mlx_flash.tools.bench_io import machine_info
 from bench_cpu_gemv import mlx_vs_native, quantized  # noqa: E402  (this script's directory is on sys.path)
 from bench_gather_ffn import median_ms  # noqa: E402
 

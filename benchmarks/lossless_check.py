@@ -16,7 +16,7 @@ import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from mlx_flash.bench_io import machine_info
+from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.budget import parse_size
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load, load_resident, load_tokenizer

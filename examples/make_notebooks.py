@@ -74,7 +74,7 @@ NOTEBOOKS = {
             "WikiText-2; we then measure perplexity on held-out text from the second half, next to dense and the "
             "oracle (top-K of the true |GLU|, the headroom). DIP-CA prefers units an LFU cache already holds.\n\n"
             "Everything runs on a float32 resident copy with the active sets applied as masks "
-            "(`mlx_flash.quality`), so nothing is written to the model directory. This is a quick look: 256 "
+            "(`mlx_flash.calib.quality`), so nothing is written to the model directory. This is a quick look: 256 "
             "held-out tokens, so the numbers are noisy. BENCHMARKS.md (Calibration) has the full table, with "
             "predictors and more tokens."
         ),
@@ -118,7 +118,7 @@ NOTEBOOKS = {
     "04_bench.ipynb": [
         new_markdown_cell(
             "# Where the time goes: the flash runtime benchmark\n\n"
-            "`mlx_flash.bench` decodes the same prompt under each configuration of the paper's ablation, each "
+            "`mlx_flash.tools.bench` decodes the same prompt under each configuration of the paper's ablation, each "
             "with cold caches: **naive** (every FFN unit read per token), **hybrid** (dense, budget filled with "
             "cached units), **sparsity** (active units only, no cache), **window-unbundled** and **all** "
             "(sparsity + window cache, without and with bundling) and **mlx-lm** (all weights in DRAM).\n\n"

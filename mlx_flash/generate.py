@@ -11,11 +11,12 @@ import sys
 
 import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 
+from . import blas, cpu_gemv
 from .budget import fmt_bytes
+from .default_model import default_model_dir
 from .errors import FlashError
 from .flash_format import FlashDir
 from .generation import print_response_stats, stream_generate
-from .default_model import default_model_dir
 from .loader import MAX_PPL_INCREASE, load, load_tokenizer
 from .sparsity import SPARSITIES
 from .stats import Stats
@@ -56,7 +57,6 @@ def setup_arg_parser():
 def print_stats(engine, out=sys.stdout):
     import mlx.core as mx
 
-    from . import blas, cpu_gemv
 
     stats: Stats = engine.stats
     print("\n" + "=" * 10 + " per-token stats (decode) " + "=" * 10, file=out)

@@ -9,10 +9,17 @@ from mlx.utils import tree_unflatten
 
 from . import cpu_gemv, memory
 from .architectures import adapter_for
-from .errors import FlashError, FlashFormatError
+from .budget import head_dim, kv_tokens, parse_size, plan_memory
 from .default_model import default_model_dir
+from .errors import FlashError, FlashFormatError
 from .ffn import ResidentFFN
-from .flash_format import FlashDir
+from .flash_format import RESIDENT, FlashDir, dense_ffn_weights
+from .models import get_model_classes
+from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
+from .reader import open_reader
+from .runtime import FlashEngine, FlashFFN
+from .selectors import load_selector_arrays, wina_norms
+from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch
 
 
 def cpu_float32(name: str) -> bool:
@@ -35,7 +42,6 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     wrap: module path -> function replacing that module (its weights are then not loaded: offload.py)."""
     from mlx_lm.utils import infer_quant_config
 
-    from .models import get_model_classes
 
     config = fd.config
     adapter_for(config)
@@ -115,7 +121,6 @@ def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.
     "auto": the directory's calibrated selector if its perplexity increase, measured at calibration,
     is at most `max_ppl_increase`; otherwise dense. Dense and oracle serve every layout; the lossy
     selectors need the calibration the directory records (a directory calibrated for one refuses another)."""
-    from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch
 
     calib = fd.manifest.get("sparsity") or {}
     sel = calib.get("selector")
@@ -152,7 +157,6 @@ def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.
     if sparsity == "sketch":
         if not own:
             raise FlashError(f"{fd.path} has no sketch: run python -m mlx_flash.calibrate --selector sketch first")
-        from .selectors import load_selector_arrays
 
         return Sketch(load_selector_arrays(fd), fd.ffn["activation"], own["bits"], own["group_size"],
                       dens or [0.5] * layers, gamma)
@@ -167,8 +171,6 @@ def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.
         d_in = d_out = [0.5] * layers
     if sparsity == "dip":
         return DIP(list(d_in), list(d_out), gamma)
-    from .flash_format import dense_ffn_weights
-    from .selectors import wina_norms
 
     norms = wina_norms([dense_ffn_weights(fd, i) for i in range(layers)])
     return WINA(list(d_in), list(d_out), *norms, gamma=gamma)
@@ -213,12 +215,6 @@ def load(
     prompt_caches: room in the budget for this many KV caches of `context` tokens stored between
     requests (the server's prompt cache): `model.flash.plan.prompt_cache` bytes.
     """
-    from .budget import head_dim, kv_tokens, parse_size, plan_memory
-    from .flash_format import RESIDENT
-    from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
-    from .reader import open_reader
-    from .runtime import FlashEngine, FlashFFN
-    from .sparsity import Dense
 
     fd = FlashDir(path if path is not None else default_model_dir())
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top

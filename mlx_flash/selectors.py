@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .errors import FlashFormatError
 from .flash_format import FlashDir
 from .sparsity import sketch_layer, weight_norms
 
@@ -81,7 +82,6 @@ def save_selector(fd: FlashDir, name: str, arrays: Optional[Sequence[Dict[str, m
 
 
 def load_selector_arrays(fd: FlashDir) -> List[Dict[str, mx.array]]:
-    from .errors import FlashFormatError
 
     entry = fd.manifest["sparsity"]["selector"]
     path = fd.path / entry["file"]

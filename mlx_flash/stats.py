@@ -6,6 +6,8 @@ from typing import List
 
 import numpy as np
 
+from .memory import peak_rss
+
 
 @dataclass
 class TokenStats:
@@ -99,7 +101,6 @@ class Stats:
 
     def peak_rss(self):
         """Peak RSS of the process above the baseline `load` recorded (None without one)."""
-        from .memory import peak_rss
 
         return None if self.baseline_rss is None else peak_rss() - self.baseline_rss
 

@@ -15,7 +15,7 @@ from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.trace import MappedTrace, RecordingSparsifier, Trace, TraceSparsifier, record
+from mlx_flash.calib.trace import MappedTrace, RecordingSparsifier, Trace, TraceSparsifier, record
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 

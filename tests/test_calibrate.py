@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash.calibrate import (
+from mlx_flash.calib.calibrate import (
     allocate_densities,
     calibrate_dip,
     calibrate_dip_per_layer,
@@ -22,8 +22,8 @@ from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load_resident, make_sparsifier
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll
-from mlx_flash.reorder import neuron_order, read_stats, reorder, reorder_group
+from mlx_flash.calib.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll
+from mlx_flash.calib.reorder import neuron_order, read_stats, reorder, reorder_group
 
 def _flash(tiny, name, **kw):
     root, src, _ = tiny

@@ -1,11 +1,11 @@
-"""mlx_flash.cap: a command under a hard memory cap (needs a writable memory cgroup)."""
+"""mlx_flash.tools.cap: a command under a hard memory cap (needs a writable memory cgroup)."""
 
 import os
 import sys
 
 import pytest
 
-from mlx_flash.cap import CapError, _Cgroup, run_capped
+from mlx_flash.tools.cap import CapError, _Cgroup, run_capped
 
 MiB = 1 << 20
 

@@ -16,7 +16,7 @@ from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir, FlashWriter
 from mlx_flash.loader import load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.source import load_source_model
+from mlx_flash.convert.source import load_source_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt"]
 TOKENS = mx.array([[1, 5, 9, 33, 7, 100, 3, 42]])

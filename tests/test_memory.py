@@ -9,7 +9,7 @@ import pytest
 import mlx_flash
 from mlx_flash import memory
 from mlx_flash.budget import parse_size
-from mlx_flash.cap import run_capped
+from mlx_flash.tools.cap import run_capped
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.errors import BudgetError, CapError
 from mlx_flash.flash_format import FlashDir

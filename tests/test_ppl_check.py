@@ -14,7 +14,7 @@ import pytest
 
 from mlx_flash import peers
 from mlx_flash.default_model import DEFAULT_MODEL, cache_root
-from mlx_flash.quality import perplexity, sequence_nll
+from mlx_flash.calib.quality import perplexity, sequence_nll
 from mlx_flash.texts import llama_ppl_chunks, token_batches
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from mlx_flash import bitmap, prune
 from mlx_flash.convert import convert
 from mlx_flash.loader import load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.source import load_source_model
+from mlx_flash.convert.source import load_source_model
 
 
 def _brute_force(w, norms, sparsity):

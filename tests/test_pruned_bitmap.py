@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlx_flash import FlashError
-from mlx_flash.bench import resident_bytes
+from mlx_flash.tools.bench import resident_bytes
 from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashFormatError
@@ -136,7 +136,7 @@ def test_bitmap_dense_sparsifier_streams_overflow(dirs):
 
 
 def test_reorder_keeps_the_encoding(dirs, tmp_path):
-    from mlx_flash.reorder import reorder
+    from mlx_flash.calib.reorder import reorder
 
     path = _copy(dirs, tmp_path)
     before = FlashDir(path)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from mlx_flash import FlashError
-from mlx_flash.calibrate import main as calibrate_main
+from mlx_flash.calib.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load, make_sparsifier
-from mlx_flash.quality import dense_ffn_weights, eval_model
+from mlx_flash.calib.quality import dense_ffn_weights, eval_model
 from mlx_flash.selectors import build_sketch, dequantized_sketch, save_selector
 from mlx_flash.sparsity import WINA, Dense, Predictor, Sketch, top_k
 
@@ -160,7 +160,7 @@ def test_generate_stats_name_the_selector(tiny):
 
 
 def test_candidates_follow_the_layout():
-    from mlx_flash.calibrate import selector_candidates
+    from mlx_flash.calib.calibrate import selector_candidates
 
     assert [c["bits"] for c in selector_candidates("neurons")] == [2, 3, 4]  # cheapest DRAM first
     assert [c["bits"] for c in selector_candidates("neurons", sketch_bits=[4, 3])] == [3, 4]  # --sketch-bits

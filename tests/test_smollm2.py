@@ -9,9 +9,10 @@ from mlx_lm.generate import generate_step
 from mlx_flash.architectures import ADAPTERS
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
-from mlx_flash.gguf import default_gguf_path, gguf_to_mlx_dir
+from mlx_flash.convert.gguf import gguf_to_mlx_dir
+from mlx_flash.default_model import default_gguf_path
 from mlx_flash.loader import load_resident, load_tokenizer
-from mlx_flash.source import load_source_model
+from mlx_flash.convert.source import load_source_model
 from mlx_flash.sparsity import Oracle
 
 PROMPT = "The history of the city begins"

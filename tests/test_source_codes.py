@@ -99,8 +99,8 @@ def test_refused_where_it_cannot_apply(dirs, tmp_path):
 
 
 def test_export_gives_back_the_source_quantisation(dirs, tmp_path):
-    """mlx_flash.export of a source-codes directory writes down_proj exactly as mlx-lm quantises it."""
-    from mlx_flash.export import export
+    """mlx_flash.convert.export of a source-codes directory writes down_proj exactly as mlx-lm quantises it."""
+    from mlx_flash.convert.export import export
 
     src, path = dirs
     out = export(path, tmp_path / "mlx", progress=False)
@@ -114,8 +114,8 @@ def test_a_symmetric_source_stores_no_biases(tmp_path):
     """A Q4_0 GGUF (llama.cpp's symmetric 4-bit: bias = -8 * scale) keeps its codes and scales only: bundles of
     gate/up rows without biases plus down codes, no resident down biases; the weights are the GGUF's exactly
     and dense streaming gives the resident model's tokens."""
-    from mlx_flash.source import load_source_model, resolve_source
-    from mlx_flash.synthetic_gguf import write_gguf
+    from mlx_flash.convert.source import load_source_model, resolve_source
+    from mlx_flash.tools.synthetic_gguf import write_gguf
 
     gguf = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=320)
     path = convert(str(gguf), tmp_path / "flash", down_bits="source", alignment=512, progress=False)

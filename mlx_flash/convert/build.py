@@ -32,13 +32,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
-from . import __version__
-from .architectures import adapter_for, symmetric
-from .bitmap import capacity_for_sparsity
-from .errors import FlashError
-from .flash_format import DEFAULT_ALIGNMENT, BundleLayout, Encoding, FlashWriter, dtype_name
+from .. import __version__
+from ..architectures import adapter_for, symmetric
+from ..bitmap import capacity_for_sparsity
+from ..errors import FlashError
+from ..flash_format import DEFAULT_ALIGNMENT, BundleLayout, Encoding, FlashDir, FlashWriter, dtype_name
+from ..texts import wikitext
 from .prune import stored_row_pruner, text_input_norms
-from .texts import wikitext
 from .source import copy_tokenizer, load_source_model, mlp_paths, resolve_source
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -336,7 +336,6 @@ def main():
         )
     except FlashError as e:
         raise SystemExit(f"error: {e}")
-    from .flash_format import FlashDir
 
     fd = FlashDir(out)
     units = ", ".join(

@@ -34,13 +34,13 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-
-from .ffn import ACTIVATIONS
-from .flash_format import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
-from .neuron_cache import NeuronCache, cache_aware_scores
-from .sparsity import top_k
-
 from tqdm import tqdm
+
+from ..ffn import ACTIVATIONS
+from ..flash_format import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
+from ..loader import build_model
+from ..neuron_cache import NeuronCache, cache_aware_scores
+from ..sparsity import top_k
 
 MODES = ("dense", "oracle", "predictor", "dip", "dip-ca", "wina", "sketch")
 DIP_MODES = ("dip", "dip-ca", "wina")  # prune gate/up inputs first
@@ -253,7 +253,6 @@ def eval_model(fd: FlashDir, **controller_kw):
     """(model, controller): a resident float32 model of `fd` whose FFNs are EvalFFNs (nothing quantised)."""
     from mlx_lm.utils import dequantize_model
 
-    from .loader import build_model
 
     ctl = Controller(fd.ffn["kind"], fd.ffn["activation"], len(fd.layers), **controller_kw)
 

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from .architectures import adapter_for
-from .errors import SourceError, UnsupportedArchitectureError
+from ..architectures import adapter_for
+from ..errors import SourceError, UnsupportedArchitectureError
+from ..models import get_model_classes
+from .gguf import gguf_to_mlx_dir
 
 TOKENIZER_FILES = (
     "tokenizer*",
@@ -36,7 +38,6 @@ def resolve_source(src: str, workdir: Path) -> Path:
     if path.is_file():
         if not _is_gguf(path):
             raise SourceError(f"{path}: not a GGUF file (expected a model directory, a hub id or a .gguf file)")
-        from .gguf import gguf_to_mlx_dir
 
         return gguf_to_mlx_dir(path, workdir / "gguf-source")
     if path.is_dir():
@@ -74,7 +75,6 @@ def load_source_model(model_dir: Path, lazy: bool = True):
     """Load an mlx-lm model directory: (model, config). Unsupported architectures fail before any weight is read."""
     from mlx_lm.utils import load_model
 
-    from .models import get_model_classes
 
     adapter_for(read_config(model_dir))
     try:

@@ -41,6 +41,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..ffn import ACTIVATIONS, project
+from ..loader import load_resident, load_tokenizer
+from ..texts import read_text, token_batches
+from .source import load_source_model
 
 
 def _to_numpy_f32(a) -> np.ndarray:
@@ -144,7 +148,6 @@ class _Recorder(nn.Module):
         self._add("x", x)
         mlp = self._mlp
         if self._down is None:  # mlx_flash.ffn.ResidentFFN: h from the stored rows
-            from .ffn import ACTIVATIONS, project
 
             ffn, arrays, bias = mlp._ffn, mlp._arrays, mlp._bias or {}
             m, act = ffn["matrices"], ACTIVATIONS[ffn["activation"]]
@@ -186,7 +189,7 @@ def _layers(model):
 def collect_input_norms(model, batches: np.ndarray, progress: bool = False) -> List[Dict[str, np.ndarray]]:
     """L2 norm over all calibration tokens of every FFN input channel, per layer.
 
-    model: an mlx-lm model (mlx_flash.source.load_source_model) or a resident flash model
+    model: an mlx-lm model (mlx_flash.convert.source.load_source_model) or a resident flash model
     (mlx_flash.loader.load_resident(path)[0], whose mlps are ResidentFFN: then "h" is in the
     stored (possibly reordered) neuron order of the flash directory).
     batches: int token ids [n_seqs, seq_len] (one sequence per forward pass).
@@ -218,14 +221,12 @@ def wikitext_input_norms(path, n_seqs: int = 32, seq_len: int = 512, text_path: 
 
     path = Path(path)
     if (path / "flash.json").is_file():
-        from .loader import load_resident, load_tokenizer
 
         model, fd = load_resident(path)
         tok = load_tokenizer(fd)
     else:
         from mlx_lm.utils import load_tokenizer as _load_tokenizer
 
-        from .source import load_source_model
 
         model, _ = load_source_model(path)
         tok = _load_tokenizer(path)
@@ -236,7 +237,6 @@ def text_input_norms(model, tokenizer, text_path: Optional[Path] = None, n_seqs:
                      progress: bool = False) -> List[Dict[str, np.ndarray]]:
     """collect_input_norms on up to n_seqs x seq_len tokens of the first half of `text_path`
     (default WikiText-2 test: its second half is where quality.py measures perplexity)."""
-    from .texts import read_text, token_batches
 
     text = read_text([text_path] if text_path else None, half="first")
     text = text[: 16 * n_seqs * (seq_len + 1)]  # enough for the tokens needed (>= 1 char per token), fast to encode

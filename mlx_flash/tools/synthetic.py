@@ -1,0 +1,204 @@
+"""Synthetic flash directories: exact shapes of a larger model, random weights.
+
+    python -m mlx_flash.synthetic --preset llama-7b [--storage q4|float16] [--out DIR]
+
+Built once and cached under ~/.cache/mlx_flash/synthetic/<preset>[-<storage>] ($MLX_FLASH_CACHE
+moves the root). Written with FlashWriter layer by layer, so memory stays at one layer of bundles
+plus the resident part; the directory appears (renamed from a temporary name) only when complete.
+
+Storage:
+  q4      (default) gate/up 4-bit and down 8-bit per neuron (group 64), as `convert` stores a 4-bit
+          model; the resident part (attention, embeddings, lm_head) 4-bit, norms float16.
+  float16 everything float16 (a 7B FFN is ~8.6 GB: slow to build).
+Weights are random bytes with small positive scales and centring biases, so activations stay finite;
+tokens are meaningless: only the timings and bytes matter. The tokenizer is the byte-level one of the
+tiny test models. Alignment 512 (O_DIRECT's minimum on this disk) so bundles are not padded
+(7B q4: 9216 B per neuron, 4096 alignment would pad it to 12288).
+Active sets for these models come from a recorded trace (mlx_flash.calib.trace).
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+import mlx_flash  # noqa: F401
+
+from .. import __version__
+from ..default_model import cache_root
+from ..flash_format import FlashDir, FlashWriter
+from ..models import get_model_classes
+from ..models.tiny import save_tiny_tokenizer
+
+PRESETS = {
+    # LLaMA-1/2 7B
+    "llama-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
+    # Llama 3.2 1B
+    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                     tie_word_embeddings=True),
+    # OPT 6.7B (the paper's ReLU model)
+    "opt-6.7b": dict(model_type="opt", hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                     num_attention_heads=32, vocab_size=50272, word_embed_proj_dim=4096,
+                     do_layer_norm_before=True, activation_function="relu", enable_bias=True,
+                     layer_norm_elementwise_affine=True, tie_word_embeddings=True),
+    # tests only
+    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                 tie_word_embeddings=False),
+}
+_COMMON = {"llama": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096),
+           "opt": dict(max_position_embeddings=2048)}
+GROUP = 64
+
+
+def preset_config(name: str) -> dict:
+    c = dict(PRESETS[name])
+    c.update(_COMMON[c["model_type"]])
+    c.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return c
+
+
+def n_units(config: dict) -> int:
+    return config.get("intermediate_size") or config["ffn_dim"]
+
+
+def _quantized(rng, rows: int, cols: int, bits: int, scale: float):
+    """Random affine-quantised rows: weight uint32 [rows, cols*bits/32], scales/biases f16 [rows, cols/GROUP]."""
+    w = np.frombuffer(rng.bytes(rows * cols * bits // 8), dtype=np.uint32).reshape(rows, cols * bits // 32)
+    levels = (1 << bits) - 1
+    s = (rng.uniform(0.5, 1.5, size=(rows, cols // GROUP)) * scale / levels).astype(np.float16)
+    b = (-s.astype(np.float32) * levels / 2).astype(np.float16)
+    return {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}
+
+
+def _float(rng, rows: int, cols: int, scale: float):
+    return {"weight": mx.array((rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np.float16))}
+
+
+def _ffn_regions(config, storage, rng):
+    d, n = config["hidden_size"], n_units(config)
+    s = 1.0 / np.sqrt(d)
+    if config["model_type"] == "opt":
+        names = (("fc1", 4), ("fc2", 8))
+    else:
+        names = (("gate", 4), ("up", 4), ("down", 8))
+    arrays, info = {}, {}
+    for name, b in names:
+        q = None if storage == "float16" else {"bits": b, "group_size": GROUP}
+        part = _float(rng, n, d, s) if q is None else _quantized(rng, n, d, b, s * np.sqrt(3) * 2)
+        arrays.update({f"{name}.{k}": v for k, v in part.items()})
+        info[name] = {"quantization": q, "transposed": name in ("down", "fc2"), "region": "neurons"}
+    bias = {}
+    if config["model_type"] == "opt":
+        bias = {"fc1.bias": mx.array((rng.standard_normal(n) * 0.02).astype(np.float16)),
+                "fc2.bias": mx.array(np.zeros(d, np.float16))}
+    return {"neurons": arrays}, bias, info
+
+
+def _resident(config, storage, rng):
+    """Random resident weights with the architecture's names (the model is built lazily: no big allocation)."""
+
+    model_class, args_class = get_model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    paths = []
+    names = {id(m): name for name, m in model.named_modules()}
+    for layer in model.layers:
+        paths.append(names[id(layer.mlp)])
+        layer.mlp = nn.Module()
+    out = {}
+    quant = {}
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim == 2 and storage != "float16" and p.shape[-1] % GROUP == 0:
+            prefix = name[: -len(".weight")]
+            q = _quantized(rng, p.shape[0], p.shape[1], 4, 2.0 / np.sqrt(p.shape[1]) * np.sqrt(3))
+            out.update({f"{prefix}.{k}": v for k, v in q.items()})
+            quant[prefix] = True
+        elif p.ndim == 2:
+            out[name] = _float(rng, p.shape[0], p.shape[1], 1.0 / np.sqrt(p.shape[1]))["weight"]
+        elif name.endswith("bias"):
+            out[name] = mx.zeros(p.shape, mx.float16)
+        else:  # norms
+            out[name] = mx.ones(p.shape, mx.float16)
+    del model
+    return out, paths
+
+
+def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: bool = True) -> Path:
+    """Build the synthetic flash directory of preset `name` (if missing) and return its path."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    if storage not in ("q4", "float16"):
+        raise ValueError("storage must be q4 or float16")
+    out = Path(out) if out is not None else cache_root() / "synthetic" / (name if storage == "q4" else f"{name}-{storage}")
+    if (out / "flash.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = preset_config(name)
+    if storage == "q4":
+        config["quantization"] = {"group_size": GROUP, "bits": 4}
+    rng = np.random.default_rng(seed)
+    layers = config["num_hidden_layers"]
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
+        writer = FlashWriter(Path(work) / "flash", alignment=512)
+        resident, paths = _resident(config, storage, rng)
+        info = None
+        for i in range(layers):
+            regions, bias, info = _ffn_regions(config, storage, rng)
+            writer.add_layer(regions)
+            resident.update({f"{paths[i]}.{k}": v for k, v in bias.items()})
+            del regions
+            if progress:
+                print(f"\r[synthetic {name}] layer {i + 1}/{layers}", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        opt = config["model_type"] == "opt"
+        manifest = {
+            "architecture": config["model_type"],
+            "dtype": "float16",
+            "quantization": None if storage == "float16" else {"bits": 4, "group_size": GROUP},
+            "ffn": {
+                "kind": "relu" if opt else "glu",
+                "activation": "relu" if opt else "silu",
+                "layout": "neurons",
+                "hidden_size": config["hidden_size"],
+                "intermediate_size": n_units(config),
+                "matrices": info,
+                "mlp_paths": paths,
+            },
+            "neuron_order": None,
+            "source": {"model": f"synthetic:{name}", "storage": storage, "seed": seed,
+                       "created_by": f"mlx_flash {__version__}"},
+        }
+        writer.finish(config, resident, manifest)
+
+        save_tiny_tokenizer(writer.path, 256)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(writer.path, out)
+    FlashDir(out)  # opens: manifest, sizes, alignment
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description="Build a synthetic flash directory (exact shapes, random weights).")
+    p.add_argument("--preset", required=True, choices=list(PRESETS))
+    p.add_argument("--storage", default="q4", choices=["q4", "float16"])
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    path = build(a.preset, a.out, a.storage)
+    fd = FlashDir(path)
+    print(f"{path}: resident {fd.resident_bytes / 2**30:.2f} GiB, ffn.bin {fd.ffn_bytes / 2**30:.2f} GiB, "
+          f"{len(fd.layers)} layers x {fd.layers[0]['neurons'].n_units} neurons x {fd.layers[0]['neurons'].stride} B")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS, llama only), random Q4_0 weights.
+
+    python -m mlx_flash.synthetic_gguf --preset llama-7b --out FILE
+
+So llama.cpp, mlx-lm and mlx_flash can run the same weights of a model we have no real weights
+for: this file goes to llama.cpp as it is, through `mlx_flash.convert` to mlx_flash, and through
+`mlx_flash.convert.export` to mlx-lm. Speed does not depend on the values; only the shapes and bytes matter.
+
+Every 2-D weight is Q4_0 (32 values per 18-byte block: a float16 scale, 16 bytes of nibbles),
+with random nibbles and a scale giving each row's outputs about unit variance; norms are float32
+ones. The tokenizer is byte-level BPE ("gpt2", pre-tokenizer "default"): the 256 byte symbols,
+one merge, <|endoftext|> (BOS/EOS) and filler tokens up to the vocabulary size.
+Tensors are generated and written one at a time (memory: one tensor, at most the 7B's embedding,
+74 MB), into a temporary name renamed when complete.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..models.tiny import _bytes_to_unicode
+from .synthetic import PRESETS, preset_config
+
+Q4_0_BLOCK = 32
+Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
+
+
+def _q4_0(rng, rows: int, cols: int) -> np.ndarray:
+    """Random Q4_0 rows as raw bytes [rows, cols / 32 * 18]: values d * (q - 8), q uniform in 0..15."""
+    blocks = rng.integers(0, 256, size=(rows, cols // Q4_0_BLOCK, Q4_0_BYTES), dtype=np.uint8)
+    d = np.float16(1.0 / (np.sqrt(cols) * 4.6))  # 4.6: the std of q - 8
+    blocks[..., :2] = np.frombuffer(d.tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def tokenizer_tokens(vocab_size: int):
+    """(tokens, token types, merges, eos id) of the byte-level tokenizer padded to `vocab_size`."""
+    from gguf import TokenType
+
+
+    byte_map = _bytes_to_unicode()
+    tokens = [byte_map[b] for b in range(256)] + ["Ġt", "<|endoftext|>"]
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokens)} tokens")
+    types = [TokenType.NORMAL] * 257 + [TokenType.CONTROL]
+    tokens += [f"<|filler{i}|>" for i in range(vocab_size - len(tokens))]
+    types += [TokenType.UNUSED] * (vocab_size - len(types))
+    return tokens, types, ["Ġ t"], 257
+
+
+def _tensors(c: dict):
+    """(GGUF name, rows, cols) of every tensor in llama.cpp's order; cols == 0: a 1-D norm of `rows`."""
+    d, ff, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    yield "token_embd.weight", v, d
+    for i in range(c["num_hidden_layers"]):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", d, 0
+        yield b + "attn_q.weight", q, d
+        yield b + "attn_k.weight", kv, d
+        yield b + "attn_v.weight", kv, d
+        yield b + "attn_output.weight", d, q
+        yield b + "ffn_norm.weight", d, 0
+        yield b + "ffn_gate.weight", ff, d
+        yield b + "ffn_up.weight", ff, d
+        yield b + "ffn_down.weight", d, ff
+    yield "output_norm.weight", d, 0
+    if not c.get("tie_word_embeddings"):
+        yield "output.weight", v, d
+
+
+def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrides) -> Path:
+    """Write preset `preset` (with config `overrides`, e.g. vocab_size=512) as a random-Q4_0 GGUF file."""
+    import gguf
+
+    c = preset_config(preset)
+    c.update(overrides)
+    if c["model_type"] != "llama":
+        raise ValueError(f"{preset}: only llama presets can be written as GGUF")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    arch = "llama"
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(f"synthetic {preset}")
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_vocab_size(c["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    tokens, types, merges, eos = tokenizer_tokens(c["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(eos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+
+    specs = list(_tensors(c))
+    for name, rows, cols in specs:
+        if cols:
+            w.add_tensor_info(name, (rows, cols // Q4_0_BLOCK * Q4_0_BYTES), np.dtype(np.uint8),
+                              rows * cols // Q4_0_BLOCK * Q4_0_BYTES, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        else:
+            w.add_tensor_info(name, (rows,), np.dtype(np.float32), rows * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    from tqdm import tqdm
+
+    for name, rows, cols in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
+        w.write_tensor_data(_q4_0(rng, rows, cols) if cols else np.ones(rows, np.float32))
+    w.close()
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Write a synthetic GGUF file (a preset's shapes, random Q4_0 weights).")
+    p.add_argument("--preset", required=True, choices=[k for k, v in PRESETS.items() if v["model_type"] == "llama"])
+    p.add_argument("--out", required=True, help="Output .gguf file.")
+    a = p.parse_args(argv)
+    path = write_gguf(a.preset, a.out)
+    print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
