@@ -18,7 +18,9 @@ import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from mlx_flash import bench, cpu_gemv
+from mlx_flash import cpu_gemv
+
+from mlx_flash.tools import bench
 from bench_gather_ffn import median_ms  # noqa: E402  (this script's directory is on sys.path)
 
 SHAPES = [  # (name, rows, n, bits, scale dtype): rows of n values each

@@ -32,7 +32,8 @@ import mlx_flash  # noqa: E402,F401  (loads OpenBLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_flash import gather_ffn as gf  # noqa: E402
+from mlx_flash import compute as gf  # noqa: E402
+from mlx_flash.compute.ops import gather  # noqa: E402
 from mlx_flash.ffn import ACTIVATIONS, ffn_forward  # noqa: E402
 from mlx_flash.flash_format import BundleLayout  # noqa: E402
 
@@ -115,7 +116,7 @@ def main():
                 return gf.row_axpy(silu(g) * u, rows, slots, layout, "down", quant, use_metal=False)
 
             def gather():
-                return [gf._gather(rows, slots, c) for c in layout.components]
+                return [gather(rows, slots, c) for c in layout.components]
 
             t_sparse = median_ms(sparse, args.repeats)
             t_gather = median_ms(gather, args.repeats)

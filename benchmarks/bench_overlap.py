@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
 import numpy as np  # noqa: E402
 
-from mlx_flash import bench  # noqa: E402
+from mlx_flash.tools import bench  # noqa: E402
 from mlx_flash.tools.bench_io import machine_info  # noqa: E402
 from mlx_flash.budget import parse_size  # noqa: E402
 from mlx_flash.flash_format import FlashDir  # noqa: E402

@@ -81,7 +81,7 @@ NOTEBOOKS = {
         new_code_cell(
             "import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\n"
             "import matplotlib.pyplot as plt\n"
-            "from mlx_flash import calibrate"
+            "from mlx_flash.calib import calibrate"
         ),
         new_code_cell(
             "# gamma 0.7: the DIP-CA strength that helps this model (0.2, the paper's, starves it; see BENCHMARKS.md)\n"
@@ -129,7 +129,7 @@ NOTEBOOKS = {
         ),
         new_code_cell(
             "import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\n"
-            "from mlx_flash import bench"
+            "from mlx_flash.tools import bench"
         ),
         new_code_cell(
             "# the same as: python -m mlx_flash.bench --memory-budget 65% --quick --tokens 16 --no-fio\n"

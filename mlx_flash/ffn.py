@@ -18,6 +18,11 @@ from . import cpu_gemv
 ACTIVATIONS = {"silu": nn.silu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
+def glu(gate: mx.array, up: mx.array, activation: str) -> mx.array:
+    """act(gate) * up: a GLU FFN's hidden units from its gate and up projections."""
+    return ACTIVATIONS[activation](gate) * up
+
+
 def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict, resident: Optional[Dict[str, mx.array]] = None) -> mx.array:
     """x times one stored FFN matrix.
 
@@ -42,7 +47,7 @@ def ffn_forward(x: mx.array, arrays: Dict[str, mx.array], ffn: dict, bias: Optio
     act = ACTIVATIONS[ffn["activation"]]
     bias = bias or {}
     if ffn["kind"] == "glu":
-        h = act(project(x, arrays, "gate", m["gate"])) * project(x, arrays, "up", m["up"])
+        h = glu(project(x, arrays, "gate", m["gate"]), project(x, arrays, "up", m["up"]), ffn["activation"])
         return project(h, arrays, "down", m["down"], bias)
     h = project(x, arrays, "fc1", m["fc1"])
     if "fc1" in bias:

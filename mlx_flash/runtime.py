@@ -1,8 +1,9 @@
 """The flash runtime: per decode step and layer, choose units, fetch misses, compute the FFN.
 
-    x --sparsifier--> active units --NeuronCache.plan--> hits + misses
+    x --backend.prepare--> the backend's form (a decode row on the CPU: numpy, the layer's one sync)
+      --sparsifier--> active units --NeuronCache.plan--> hits + misses
       misses --reader (pread pool)--> cache rows;  overflow --reader--> scratch, used uncached
-      cache rows + x --gather_ffn--> FFN output
+      cache rows + x --backend.units--> FFN output (compute/: one backend per layout)
 
 Prompts (more than one token) use the union of their tokens' active sets the same
 way, or every unit once that union passes half a layer (the dip layout streams each
@@ -23,8 +24,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import ReadError
-from .ffn import ACTIVATIONS, project
-from .gather_ffn import block_row_axpy, row_axpy, row_dot
+from .compute import backend_for
+from .ffn import glu, project
 from .neuron_cache import NeuronCache
 from .reader import aligned_buffer
 from .sparsity import Dense
@@ -64,6 +65,7 @@ class FlashEngine:
             }
             for i, regions in enumerate(fd.layers)
         ]
+        self.backends = {name: backend_for(layout, fd.ffn, use_metal) for name, layout in fd.layouts.items()}
         self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)  # >= a dense row
         self.prefetch = Prefetch(self, prefetch_rows) if prefetch_rows else None
 
@@ -155,51 +157,48 @@ class FlashEngine:
         s.hits += len(active) - len(plan.miss_neurons) - len(plan.overflow_neurons)
         return plan, wait
 
-    def _sum_over(self, layer: int, region: str, active: np.ndarray, fn):
-        """sum of fn(rows, slots, positions) over the active units: cached ones in place, overflow streamed.
+    def _sum_over(self, layer: int, region: str, active: np.ndarray, fn, zero):
+        """sum of fn(rows, slots, positions) over the active units: cached ones in place, overflow streamed;
+        `zero` when there are none.
 
-        `positions` index into `active` (sorted); fn returns an mx.array. The hits are computed
-        while the misses are being read (I/O overlapped with compute), then the misses.
+        `positions` index into `active` (sorted); fn returns the backend's form. The hits are computed
+        while the misses are being read (I/O overlapped with compute: the native kernels run eagerly,
+        the MLX backends when the hits are evaluated), then the misses.
         """
+        backend = self.backends[region]
         plan, wait = self._fetch(layer, region, active)
         if not self.overlap:
             wait()
         rows = self.caches[layer][region].rows
         cached = np.flatnonzero(plan.slots >= 0)
         missed = np.isin(active[cached], plan.miss_neurons)
-        y = self._add(None, fn, rows, plan.slots[cached[~missed]], cached[~missed])
-        if y is not None:
-            mx.eval(y)  # the hits' share, computed while the pool reads the misses
-        wait()
-        y = self._add(y, fn, rows, plan.slots[cached[missed]], cached[missed])
-        if y is None:  # nothing cached: a zero of the right shape
-            y = fn(rows, mx.array(plan.slots[cached]), cached)
+        y = self._add(None, fn, rows, plan.slots[cached[~missed]], cached[~missed], backend)
+        wait()  # before anything reads the misses' rows
+        y = self._add(y, fn, rows, plan.slots[cached[missed]], cached[missed], backend)
         if len(plan.overflow_neurons):
-            mx.eval(y)
             positions = np.searchsorted(active, plan.overflow_neurons)
             overflow = plan.overflow_neurons
             prefetched = self.prefetch.take(layer, overflow) if self.prefetch else None
             if prefetched is not None:  # the first units, read while the layers before computed
                 k = len(prefetched)
-                y = self._add(y, fn, prefetched, np.arange(k), positions[:k])
+                y = self._add(y, fn, prefetched, np.arange(k), positions[:k], backend)
                 overflow, positions = overflow[k:], positions[k:]
-                if not len(overflow):
-                    return y
-                mx.eval(y)
+            if len(overflow) and y is not None:
+                backend.sync(y)  # what used the prefetch buffer, before the other layer's reads refill it
             for chunk, rows in self._stream(layer, region, overflow):
-                part = fn(rows, mx.arange(len(chunk)), positions[chunk])
-                mx.eval(part)  # before the next chunk overwrites the scratch rows
-                y = y + part
-        return y
+                part = fn(rows, np.arange(len(chunk)), positions[chunk])
+                backend.sync(part)  # before the next chunk overwrites the scratch rows
+                y = part if y is None else y + part
+        return zero if y is None else y
 
-    def _add(self, y, fn, rows, slots, positions):
-        """y + fn over `positions` (rows[slots]), chunk by chunk, so one chunk's gathered rows exist at a time."""
-        per = max(1, self.scratch.nbytes // rows.shape[1])  # bounds the gathered copy: see budget.py
+    def _add(self, y, fn, rows, slots, positions, backend):
+        """y + fn over `positions` (rows[slots]), chunk by chunk, so one chunk's gathered rows exist at a time
+        (MLX ops gather them: see budget.py)."""
+        per = max(1, self.scratch.nbytes // rows.shape[1])
         for start in range(0, len(positions), per):
-            if y is not None:
-                mx.eval(y)
-            pos = positions[start : start + per]
-            part = fn(rows, mx.array(slots[start : start + per]), pos)
+            if y is not None and start:
+                backend.sync(y)
+            part = fn(rows, slots[start : start + per], positions[start : start + per])
             y = part if y is None else y + part
         return y
 
@@ -208,14 +207,17 @@ class FlashEngine:
         B, L, _ = x.shape
         self.stats.touch(prefill=B * L > 1)
         xc = x.astype(self.compute_dtype)
+        backend = self.backends["inputs" if self.dip_layout else "neurons"]
         try:
             if B * L > 1:
                 y = self._prefill(layer, xc, bias)
             else:
-                xv = np.array(xc.reshape(-1))  # evaluates everything before this FFN
+                xb = backend.prepare(xc)  # on the CPU: the host row (evaluates everything before this FFN)
+                xv = backend.host(xb)[0]  # what the selector reads
                 if self.prefetch is not None:  # the next layer's (next token's, after the last) reads go out now
                     self.prefetch.start((layer + 1) % len(self.caches))
-                y = self._decode_dip(layer, xv, xc) if self.dip_layout else self._decode(layer, xv, xc, bias)
+                y = self._decode_dip(layer, xv, xb) if self.dip_layout else self._decode(layer, xv, xb, bias)
+                y = self.backends["neurons"].finish(y, xc)
         except ReadError:
             # units admitted to this layer's caches for the failed read map to rows never filled:
             # forget them (the layer starts cold), so later tokens never compute on unread bytes
@@ -234,55 +236,29 @@ class FlashEngine:
     def _decode(self, layer, xv, x, bias):
         active = self.sparsifier.select(layer, xv, self._cached_mask(layer, "neurons"))
         self.stats.current.active.append(len(active))
-        return self._sum_over(layer, "neurons", active, self._units_fn(x, active, bias))
+        return self._sum_over(layer, "neurons", active, self._units_fn(x, active, bias),
+                              self.backends["neurons"].zeros(x))
 
     def _units_fn(self, x, active, bias):
-        """fn(rows, slots, positions) for `_sum_over`: the FFN of x [..., d] restricted to those units."""
-        m, layout = self.info["matrices"], self.fd.layouts["neurons"]
-        act, kw = ACTIVATIONS[self.info["activation"]], {"use_metal": self.use_metal}
-
-        def out(h, rows, slots, pos, name):
-            q = m[name]["quantization"]
-            if q is not None and q.get("resident_scales"):  # the source's codes; group scales resident
-                return block_row_axpy(h, rows, slots, layout, name, q, active[pos], bias[f"{name}.scales"],
-                                      bias.get(f"{name}.biases"))  # None: symmetric
-            return row_axpy(h, rows, slots, layout, name, q, **kw)
-
-        def fn(rows, slots, pos):
-            if self.info["kind"] == "glu":
-                g = row_dot(x, rows, slots, layout, "gate", m["gate"]["quantization"], **kw)
-                u = row_dot(x, rows, slots, layout, "up", m["up"]["quantization"], **kw)
-                return out(act(g) * u, rows, slots, pos, "down")
-            h = row_dot(x, rows, slots, layout, "fc1", m["fc1"]["quantization"], **kw)
-            if "fc1" in bias:
-                h = h + bias["fc1"][mx.array(active[pos])].astype(h.dtype)
-            return out(act(h), rows, slots, pos, "fc2")
-
-        return fn
+        """fn(rows, slots, positions) for `_sum_over`: the FFN of x restricted to those units."""
+        backend = self.backends["neurons"]
+        return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias)
 
     def _decode_dip(self, layer, xv, x):
-        m, dip = self.info["matrices"], self.sparsifier
-        act, kw = ACTIVATIONS[self.info["activation"]], {"use_metal": self.use_metal}
-        lay_in, lay_out = self.fd.layouts["inputs"], self.fd.layouts["neurons"]
+        dip, b_in, b_out = self.sparsifier, self.backends["inputs"], self.backends["neurons"]
         # 1. gate/up from the input columns with the largest |x| (cache-aware if gamma < 1)
         inputs = dip.select_inputs(layer, xv, self._cached_mask(layer, "inputs"))
-        x_in = x[..., mx.array(inputs)]
-
-        def gate_up(rows, slots, pos):
-            w = x_in[..., mx.array(pos)]
-            return mx.stack([row_axpy(w, rows, slots, lay_in, name, m[name]["quantization"], **kw) for name in ("gate", "up")])
-
-        g, u = self._sum_over(layer, "inputs", inputs, gate_up)
-        h = act(g) * u
+        x_in = b_in.index(x, inputs)
+        gu = self._sum_over(layer, "inputs", inputs,  # (never empty: DIP keeps at least one input)
+                            lambda rows, slots, pos: b_in.input_columns(b_in.index(x_in, pos), rows, slots), None)
+        h = b_in.glu(gu[0], gu[1])
         # 2. down rows of the largest pruned GLU outputs
-        neurons = dip.select_neurons(layer, np.array(h.reshape(-1)), self._cached_mask(layer, "neurons"))
+        neurons = dip.select_neurons(layer, b_in.host(h)[0], self._cached_mask(layer, "neurons"))
         self.stats.current.active.append(len(inputs) + len(neurons))
-        h_out = h[..., mx.array(neurons)]
-
-        def down(rows, slots, pos):
-            return row_axpy(h_out[..., mx.array(pos)], rows, slots, lay_out, "down", m["down"]["quantization"], **kw)
-
-        return self._sum_over(layer, "neurons", neurons, down)
+        h_out = b_out.index(h, neurons)
+        return self._sum_over(layer, "neurons", neurons,
+                              lambda rows, slots, pos: b_out.row_axpy(b_out.index(h_out, pos), rows, slots, "down"),
+                              b_out.zeros(x))
 
     def _cached_mask(self, layer: int, region: str) -> Optional[np.ndarray]:
         gamma = getattr(self.sparsifier, "gamma", 1.0)
@@ -298,17 +274,18 @@ class FlashEngine:
             return self._prefill_dip(layer, x)
         n = self.fd.layers[layer]["neurons"].n_units
         units = np.arange(n, dtype=np.int32)
+        backend = self.backends["neurons"]
         if not isinstance(self.sparsifier, Dense):
             t = time.perf_counter()
             seen = np.zeros(n, dtype=bool)
-            for v in np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32)):  # the layer input on the host, once
+            for v in backend.host(x):  # the layer input on the host, once
                 seen[self.sparsifier.select(layer, v)] = True
                 if seen.sum() > n // 2:
                     break
             else:
                 units = np.flatnonzero(seen).astype(np.int32)
             self.stats.current.mm_s += time.perf_counter() - t
-        return self._sum_over(layer, "neurons", units, self._units_fn(x, units, bias))
+        return self._sum_over(layer, "neurons", units, self._units_fn(x, units, bias), backend.zeros(x))
 
     def _prefill_dip(self, layer: int, x: mx.array) -> mx.array:
         """Dense FFN over a prompt in the dip layout, the layer streamed sequentially; the caches are seeded on the way."""
@@ -320,7 +297,7 @@ class FlashEngine:
             xs = x[..., int(pos[0]) : int(pos[-1]) + 1]
             g, u = g + project(xs, a, "gate", info["matrices"]["gate"]), u + project(xs, a, "up", info["matrices"]["up"])
             mx.eval(g, u)
-        h = ACTIVATIONS[info["activation"]](g) * u
+        h = glu(g, u, info["activation"])
         y = 0
         for pos, rows in self._stream_all(layer, "neurons"):
             a = self.fd.layouts["neurons"].unpack(rows)

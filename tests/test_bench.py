@@ -10,7 +10,7 @@ import pytest
 import mlx_flash  # noqa: F401
 import mlx.core as mx
 
-from mlx_flash import bench, simulate, synthetic
+from mlx_flash.tools import bench, simulate, synthetic
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load

@@ -1,4 +1,4 @@
-"""gather_ffn: row_dot / row_axpy straight from cache rows, against float64 numpy references.
+"""compute: row_dot / row_axpy straight from cache rows, against float64 numpy references.
 
 The MLX-ops path runs everywhere; the native CPU path (cpu_gemv) wherever MLX computes on the
 CPU, with its SIMD and its scalar loops. The Metal kernels run only on Apple silicon: their
@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import gather_ffn as gf
+from mlx_flash import compute as gf
+from mlx_flash.compute import metal as gm
 from mlx_flash.ffn import ACTIVATIONS, ffn_forward, project
 from mlx_flash.flash_format import BundleLayout
 
@@ -168,7 +169,7 @@ def test_computes_in_the_dtype_of_x(xdtype, kind):
 def test_leading_dims_unaligned_offsets_and_slot_types():
     rng = np.random.default_rng(3)
     c = Cache(rng, {"gate": ("float16", 64), "up": ("q8", 64), "down": ("float32", 32)}, n_units=9, pad=True)
-    assert any(not gf.row_matrix(c.layout, n).metal_ok for n in ("gate", "down"))  # misaligned after the pad
+    assert any(not gm.supports(gf.row_matrix(c.layout, n)) for n in ("gate", "down"))  # misaligned after the pad
     units = np.array([8, 0, 0, 5])
     x = rng.standard_normal((2, 1, 64)).astype(np.float32)  # [B, L, d] as the model calls it
     for slots in (c.slots_for(units), np.asarray(c.slot_of_unit[units]), list(c.slot_of_unit[units]),
@@ -289,11 +290,11 @@ def test_errors():
 
 
 def test_kernels_built_at_import():
-    assert gf.kernel_path() is not None and gf.kernel_path().name == "gather_ffn.metal"
-    assert gf._row_dot_kernel is not None and gf._row_axpy_kernel is not None
-    assert set(gf.KERNEL_SOURCES) == {"header", "row_dot", "row_axpy"}
-    assert "simd_sum" in gf.KERNEL_SOURCES["row_dot"]
-    assert gf.metal_available() == mx.metal.is_available()
+    assert gm.kernel_path() is not None and gm.kernel_path().name == "gather_ffn.metal"
+    assert gm._row_dot_kernel is not None and gm._row_axpy_kernel is not None
+    assert set(gm.KERNEL_SOURCES) == {"header", "row_dot", "row_axpy"}
+    assert "simd_sum" in gm.KERNEL_SOURCES["row_dot"]
+    assert gm.available() == mx.metal.is_available()
 
 
 # -- Metal vs MLX ops (Apple silicon only) -------------------------------------------------
@@ -412,20 +413,20 @@ CTYPE = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"
 
 def _cxx_kernel(which, m, xdtype):
     """One instantiation of a kernel body as a C++ function plus an extern "C" launcher."""
-    src = gf.KERNEL_SOURCES[which]
+    src = gm.KERNEL_SOURCES[which]
     a = "x" if which == "row_dot" else "w"
     tmpl = dict(T=CTYPE[m.float_dtype], TO=CTYPE[xdtype], N=m.n, BITS=m.bits, GS=m.group_size,
                 W_OFF=m.weight.offset, S_OFF=m.scales.offset if m.bits else 0,
-                B_OFF=m.biases.offset if m.bits else 0, TC=gf._AXPY_TC, TJ=gf._AXPY_TJ)
+                B_OFF=m.biases.offset if m.bits else 0, TC=gm._AXPY_TC, TJ=gm._AXPY_TJ)
     consts = "\n".join(f"typedef {v} {k};" if k in ("T", "TO") else f"constexpr int {k} = {v};"
                        for k, v in tmpl.items())
     fn = f"{which}_{len(_CXX_CASES)}"
     if which == "row_dot":
-        grid, group = "{32 * uint(k), uint(B), 1}", f"{{{gf._ROW_DOT_THREADGROUP}, 1, 1}}"
+        grid, group = "{32 * uint(k), uint(B), 1}", f"{{{gm._ROW_DOT_THREADGROUP}, 1, 1}}"
     else:
         cols = m.n // (32 // m.bits if m.bits else 1)
-        groups = -(-cols // gf._AXPY_TC)
-        grid, group = f"{{{groups * gf._AXPY_TC}, {gf._AXPY_TJ}, uint(B)}}", f"{{{gf._AXPY_TC}, {gf._AXPY_TJ}, 1}}"
+        groups = -(-cols // gm._AXPY_TC)
+        grid, group = f"{{{groups * gm._AXPY_TC}, {gm._AXPY_TJ}, uint(B)}}", f"{{{gm._AXPY_TC}, {gm._AXPY_TJ}, 1}}"
     body = textwrap.indent(src, "    ")
     _CXX_CASES.append(fn)
     return f"""
@@ -458,7 +459,7 @@ def test_kernel_bodies_emulated_on_cpu(tmp_path):
     caches = [Cache(rng, {"gate": (k, d), "down": (k, n_out)}, n_units=40, alignment=512) for k in KINDS]
     xdtypes = [mx.float32, mx.float32, mx.float16, mx.float32, mx.bfloat16]
     _CXX_CASES.clear()
-    pieces, cases = [gf.KERNEL_SOURCES["header"]], []
+    pieces, cases = [gm.KERNEL_SOURCES["header"]], []
     for c, xdt in zip(caches, xdtypes):
         for which, name in (("row_dot", "gate"), ("row_axpy", "down")):
             m = gf.row_matrix(c.layout, name, *(() if c.quant[name] is None else

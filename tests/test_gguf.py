@@ -728,7 +728,7 @@ def test_gemma3_norm_shift_matters(tmp_path, monkeypatch):
     """Without undoing llama.cpp's + 1 on Gemma's norms the weights (and the model) come out wrong."""
     import dataclasses
 
-    import mlx_flash.default_model as g
+    import mlx_flash.convert.gguf as g
     from mlx_flash.models.tiny import make_tiny_model_dir
 
     hf = make_tiny_model_dir("gemma3_text", tmp_path / "hf", seed=1)

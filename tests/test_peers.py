@@ -4,7 +4,7 @@
 import gguf
 import pytest
 
-from mlx_flash import peers
+from mlx_flash.tools import peers
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.tools.synthetic_gguf import write_gguf

@@ -9,7 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import bitmap, prune
+from mlx_flash import bitmap
+
+from mlx_flash.convert import prune
 from mlx_flash.convert import convert
 from mlx_flash.loader import load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir

@@ -574,7 +574,7 @@ def test_bench_io_runs(tmp_path, capsys, monkeypatch):
     import json
     import sys
 
-    from mlx_flash import bench_io
+    from mlx_flash.tools import bench_io
 
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["bench_io", "--dir", str(tmp_path), "--size-gib", "0.02", "--block-sizes",

@@ -1,5 +1,5 @@
 """convert --down-bits source: down_proj's codes per neuron, exactly as the source quantised them, the
-groups' scales and biases resident (cpu_gemv.block_axpy / block_matmul, gather_ffn.block_row_axpy)."""
+groups' scales and biases resident (cpu_gemv.block_axpy / block_matmul, compute.block_row_axpy)."""
 
 import mlx.core as mx
 import numpy as np

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_flash import BudgetError
-from mlx_flash import bench
+from mlx_flash.tools import bench
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
 from mlx_flash.calib.calibrate import main as calibrate_main
 from mlx_flash.convert import convert

@@ -1,0 +1,101 @@
+"""The native CPU backend (kernels/cpu_gemv.c through cpu_gemv.py), when MLX computes on the CPU: one
+float32 row (a decode step) against 2/4/8-bit rows read in place in the cache buffer.
+
+A decode step's layer input becomes a numpy row once (`prepare`: the layer's one synchronisation) and
+stays one until `finish`; the kernels run eagerly with the GIL released, so the pool's reads of the
+misses go on meanwhile. Prompts (several rows) take the MLX-ops path it inherits.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .. import cpu_gemv
+from ..ffn import ACTIVATIONS, glu
+from .ops import OpsBackend
+from .rows import RowMatrix, slots_array
+
+
+def supports(m: RowMatrix) -> bool:
+    """Whether the kernels compute with matrix m's rows."""
+    return m.bits > 0 and cpu_gemv.supports(m.bits, m.group_size, m.n, m.float_dtype)
+
+
+def _quant_rows(rows: mx.array, m: RowMatrix) -> cpu_gemv.QuantRows:
+    stride = rows.shape[1]
+    b = m.scales if m.symmetric else m.biases  # (ignored when symmetric)
+    return cpu_gemv.QuantRows(rows, m.weight.offset, stride, rows, m.scales.offset, stride, rows, b.offset,
+                              stride, m.n, m.bits, m.group_size, m.float_dtype, m.symmetric)
+
+
+class CpuBackend(OpsBackend):
+    name = "cpu"
+
+    def prepare(self, x: mx.array):
+        if x.dtype == mx.float32 and x.size == x.shape[-1]:
+            return np.array(x.reshape(-1))
+        return x  # a prompt: MLX ops
+
+    def host(self, x) -> np.ndarray:
+        return x[None] if isinstance(x, np.ndarray) else super().host(x)
+
+    def sync(self, y) -> None:
+        if not isinstance(y, np.ndarray):  # (numpy: computed already)
+            super().sync(y)
+
+    def finish(self, y, like: mx.array) -> mx.array:
+        if not isinstance(y, np.ndarray):
+            return super().finish(y, like)
+        return mx.array(y).reshape(*like.shape[:-1], y.shape[-1]).astype(like.dtype)
+
+    def take(self, v: mx.array, units: np.ndarray, like):
+        return np.asarray(v.astype(mx.float32))[units] if isinstance(like, np.ndarray) else super().take(v, units, like)
+
+    def index(self, v, idx: np.ndarray):
+        return v[..., idx] if isinstance(v, np.ndarray) else super().index(v, idx)
+
+    def zeros(self, x):
+        return np.zeros_like(x) if isinstance(x, np.ndarray) else super().zeros(x)
+
+    def input_columns(self, w, rows, slots):
+        if not isinstance(w, np.ndarray):
+            return super().input_columns(w, rows, slots)
+        return np.stack([self.row_axpy(w, rows, slots, name) for name in ("gate", "up")])
+
+    # MLX's activations on the host row (computed by MLX, so the values equal the resident model's)
+    def activation(self, h):
+        if not isinstance(h, np.ndarray):
+            return super().activation(h)
+        return np.asarray(ACTIVATIONS[self.ffn["activation"]](mx.array(h)))
+
+    def glu(self, g, u):
+        if not isinstance(g, np.ndarray):
+            return super().glu(g, u)
+        return np.asarray(glu(mx.array(g), mx.array(u), self.ffn["activation"]))
+
+    def row_dot(self, x, rows, slots, name: str):
+        if not isinstance(x, np.ndarray):
+            return super().row_dot(x, rows, slots, name)
+        if not cpu_gemv.contiguous(rows):  # (a strided view: the kernels read rows a stride apart)
+            return np.asarray(super().row_dot(mx.array(x), rows, slots, name))
+        return cpu_gemv.row_dot(x, _quant_rows(rows, self.matrix(name)), slots_array(slots))
+
+    def row_axpy(self, w, rows, slots, name: str):
+        if not isinstance(w, np.ndarray):
+            return super().row_axpy(w, rows, slots, name)
+        if not cpu_gemv.contiguous(rows):
+            return np.asarray(super().row_axpy(mx.array(w), rows, slots, name))
+        return cpu_gemv.row_axpy(w, _quant_rows(rows, self.matrix(name)), slots_array(slots))
+
+    def block_row_axpy(self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array]):
+        if not isinstance(w, np.ndarray):
+            return super().block_row_axpy(w, rows, slots, name, units, scales, biases)
+        if not (cpu_gemv.contiguous(rows, scales) and scales.dtype in cpu_gemv.SCALE_TYPES):
+            return np.asarray(super().block_row_axpy(mx.array(w), rows, slots, name, units, scales, biases))
+        q = self.quant[name]
+        codes = self.layout.component(f"{name}.weight")
+        bits = int(q["bits"])
+        blocks = np.asarray(units, dtype=np.int32) // int(q["group_size"])
+        return cpu_gemv.block_axpy(w, rows, codes.offset, rows.shape[1], slots_array(slots), blocks, scales, biases,
+                                   codes.shape[0] * 32 // bits, bits)
