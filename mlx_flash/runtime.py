@@ -1,7 +1,7 @@
 """The flash runtime: per decode step and layer, choose units, fetch misses, compute the FFN.
 
     x --backend.prepare--> the backend's form (a decode row on the CPU: numpy, the layer's one sync)
-      --sparsifier--> active units --NeuronCache.plan--> hits + misses
+      --sparsifier--> active units --UnitCache.plan--> hits + misses
       misses --reader (pread pool)--> cache rows;  overflow --reader--> scratch, used uncached
       cache rows + x --backend.units--> FFN output (compute/: one backend per layout)
 
@@ -26,7 +26,7 @@ import numpy as np
 from .errors import ReadError
 from .compute import backend_for
 from .ffn import glu, project
-from .neuron_cache import NeuronCache
+from .unit_cache import UnitCache
 from .reader import aligned_buffer
 from .sparsity import Dense
 from .stats import Stats
@@ -57,9 +57,9 @@ class FlashEngine:
         self.stats = Stats([reader])
         self.streamer = None  # offload.ResidentStreamer when resident weights are streamed too
         self.overlap = True  # compute cached hits while misses are read (False: wait first; for A/B runs)
-        self.caches: List[Dict[str, NeuronCache]] = [
+        self.caches: List[Dict[str, UnitCache]] = [
             {
-                name: NeuronCache(r.n_units, capacity[i][name], fd.layouts[name].stride, policy=policy, window=window,
+                name: UnitCache(r.n_units, capacity[i][name], fd.layouts[name].stride, policy=policy, window=window,
                                   alignment=fd.alignment)
                 for name, r in regions.items()
             }
@@ -137,7 +137,7 @@ class FlashEngine:
         for positions, rows in self._chunks(layer, region, units):
             yield positions, rows
             chunk = units[positions]
-            slots = cache.neuron_to_slot[chunk]
+            slots = cache.unit_to_slot[chunk]
             keep = slots >= 0
             if keep.any():
                 t = time.perf_counter()
@@ -152,9 +152,9 @@ class FlashEngine:
         plan = cache.plan(active)
         s = self.stats.current
         s.mm_s += time.perf_counter() - t
-        wait = self._read_into_cache(layer, region, plan.miss_neurons, plan.miss_slots)
-        s.misses += len(plan.miss_neurons) + len(plan.overflow_neurons)
-        s.hits += len(active) - len(plan.miss_neurons) - len(plan.overflow_neurons)
+        wait = self._read_into_cache(layer, region, plan.miss_units, plan.miss_slots)
+        s.misses += len(plan.miss_units) + len(plan.overflow_units)
+        s.hits += len(active) - len(plan.miss_units) - len(plan.overflow_units)
         return plan, wait
 
     def _sum_over(self, layer: int, region: str, active: np.ndarray, fn, zero):
@@ -171,13 +171,13 @@ class FlashEngine:
             wait()
         rows = self.caches[layer][region].rows
         cached = np.flatnonzero(plan.slots >= 0)
-        missed = np.isin(active[cached], plan.miss_neurons)
+        missed = np.isin(active[cached], plan.miss_units)
         y = self._add(None, fn, rows, plan.slots[cached[~missed]], cached[~missed], backend)
         wait()  # before anything reads the misses' rows
         y = self._add(y, fn, rows, plan.slots[cached[missed]], cached[missed], backend)
-        if len(plan.overflow_neurons):
-            positions = np.searchsorted(active, plan.overflow_neurons)
-            overflow = plan.overflow_neurons
+        if len(plan.overflow_units):
+            positions = np.searchsorted(active, plan.overflow_units)
+            overflow = plan.overflow_units
             prefetched = self.prefetch.take(layer, overflow) if self.prefetch else None
             if prefetched is not None:  # the first units, read while the layers before computed
                 k = len(prefetched)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from .ffn import ACTIVATIONS, project
-from .neuron_cache import cache_aware_scores
+from .unit_cache import cache_aware_scores
 
 SPARSITIES = ("dense", "oracle", "predictor", "dip", "wina", "sketch")
 LOSSY = ("predictor", "dip", "wina", "sketch")  # need a calibration; dense and oracle serve every directory

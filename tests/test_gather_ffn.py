@@ -329,7 +329,7 @@ def test_metal_matches_mlx_ops(kind, B):
 
 @METAL
 def test_metal_reads_a_cache_view_in_place():
-    """The cache is a view into an over-allocated buffer (as NeuronCache makes it): no copy, same result."""
+    """The cache is a view into an over-allocated buffer (as UnitCache makes it): no copy, same result."""
     rng = np.random.default_rng(22)
     c = Cache(rng, {"fc1": ("q4", 128), "fc2": ("float16", 128)}, n_units=20)
     buf = mx.zeros((4096 + c.rows.size,), dtype=mx.uint8)

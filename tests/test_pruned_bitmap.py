@@ -103,7 +103,7 @@ def test_bitmap_generates_like_pruned_dense(dirs, name):
             assert sum(c.stats.misses for c in caches) > 0 and sum(c.stats.evicted for c in caches) > 0
             for i, regions in enumerate(model.flash.caches):
                 c = regions["neurons"]
-                units = dense_fd.read_region(i)[c.slot_to_neuron[: c.num_used]]
+                units = dense_fd.read_region(i)[c.slot_to_unit[: c.num_used]]
                 assert c.num_used > 0 and np.array_equal(c.host[: c.num_used], units), (fmt, i)
         finally:
             model.flash.close()

@@ -16,7 +16,7 @@ Modes (`Controller.mode`):
     oracle     m_out = top-K of the true |GLU| (ReLU: h > 0, identical to dense)
     predictor  m_out = sigmoid(B A x) > threshold (low-rank predictors)
     dip        m_in = top-K of |x|, m_out = top-K of |GLU of the pruned input| (DIP)
-    dip-ca     DIP with cache-aware scores (DIP eq. 10): a per-layer LFU NeuronCache is
+    dip-ca     DIP with cache-aware scores (DIP eq. 10): a per-layer LFU UnitCache is
                simulated token by token (the runtime's cache class, no bytes moved), and
                |x| / |GLU| of units not in the cache are scaled by gamma before top-K.
     wina       DIP with |x_j| scaled by ||[gate; up][:, j]|| and |GLU_i| by ||down[:, i]||
@@ -39,7 +39,7 @@ from tqdm import tqdm
 from ..ffn import ACTIVATIONS
 from ..flash_format import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
 from ..loader import build_model
-from ..neuron_cache import NeuronCache, cache_aware_scores
+from ..unit_cache import UnitCache, cache_aware_scores
 from ..sparsity import top_k
 
 MODES = ("dense", "oracle", "predictor", "dip", "dip-ca", "wina", "sketch")
@@ -221,12 +221,12 @@ class Controller:
         raise ValueError(f"mode {self.mode!r} needs the glu dip path")
 
     # -- caches (dip-ca, and miss counting) -------------------------------------------
-    def _cache(self, layer: int, region: str, n: int) -> NeuronCache:
+    def _cache(self, layer: int, region: str, n: int) -> UnitCache:
         if self._caches is None:
             self._caches = [dict() for _ in range(self.n_layers)]
         c = self._caches[layer].get(region)
         if c is None:
-            c = NeuronCache(n, max(1, round(self.cache_fraction * n)), 512, policy="lfu", alignment=512)
+            c = UnitCache(n, max(1, round(self.cache_fraction * n)), 512, policy="lfu", alignment=512)
             self._caches[layer][region] = c
         return c
 

@@ -78,7 +78,7 @@ def coalesce(ids: np.ndarray, stride: int, max_gap: int) -> tuple:
 
 
 class WindowCache:
-    """Set-level model of NeuronCache's window policy (no buffers): returns the units read per step."""
+    """Set-level model of UnitCache's window policy (no buffers): returns the units read per step."""
 
     def __init__(self, n: int, capacity: int, window: int):
         self.capacity, self.window = capacity, window

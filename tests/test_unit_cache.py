@@ -1,4 +1,4 @@
-"""NeuronCache (paper section 3.3), its policies (window / LRU / LFU) and DIP-CA scores.
+"""UnitCache (paper section 3.3), its policies (window / LRU / LFU) and DIP-CA scores.
 
 The property tests drive random sequences of active sets through a cache, act as the pread
 pool would (write a neuron-specific byte pattern into every miss slot through `host`), and
@@ -18,9 +18,9 @@ import mlx.core as mx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_flash.neuron_cache import (
+from mlx_flash.unit_cache import (
     POLICIES,
-    NeuronCache,
+    UnitCache,
     cache_aware_scores,
     capacity_for_budget,
 )
@@ -46,13 +46,13 @@ def pattern_mx(neurons, row_bytes):
 
 def write_misses(cache, plan):
     """What the pread pool does: write each miss's bundle into its slot."""
-    if plan.miss_neurons.size:
-        cache.host[plan.miss_slots] = pattern_np(plan.miss_neurons, cache.row_bytes)
+    if plan.miss_units.size:
+        cache.host[plan.miss_slots] = pattern_np(plan.miss_units, cache.row_bytes)
 
 
 def check_maps(cache):
     u = cache.num_used
-    s2n, n2s = cache.slot_to_neuron, cache.neuron_to_slot
+    s2n, n2s = cache.slot_to_unit, cache.unit_to_slot
     assert 0 <= u <= cache.capacity
     assert np.all(s2n[u:] == -1), "unused slots must be -1"
     assert np.all(s2n[:u] >= 0)
@@ -65,7 +65,7 @@ def check_maps(cache):
 
 def check_rows(cache, with_mx=True):
     u = cache.num_used
-    neurons = cache.slot_to_neuron[:u]
+    neurons = cache.slot_to_unit[:u]
     assert np.array_equal(cache.host[:u], pattern_np(neurons, cache.row_bytes)), "row content lost its neuron"
     if with_mx and u:
         got = cache.rows[:u]
@@ -128,7 +128,7 @@ def run_and_check(cache, ref, steps, with_mx=True):
     for active, scores in steps:
         active = np.asarray(active, dtype=np.int64)
         used0 = cache.num_used
-        before = cache.slot_to_neuron[:used0].copy()
+        before = cache.slot_to_unit[:used0].copy()
         was_cached = cache.contains(active) if active.size else np.zeros(0, bool)
 
         plan = cache.plan(active, scores)
@@ -136,17 +136,17 @@ def run_and_check(cache, ref, steps, with_mx=True):
 
         # -- every active neuron is cached at its returned slot, or in overflow
         assert plan.slots.shape == active.shape and plan.slots.dtype == np.int32
-        ov = set(plan.overflow_neurons.tolist())
+        ov = set(plan.overflow_units.tolist())
         for x, s in zip(active.tolist(), plan.slots.tolist()):
             if s >= 0:
-                assert cache.neuron_to_slot[x] == s and x not in ov
+                assert cache.unit_to_slot[x] == s and x not in ov
             else:
-                assert x in ov and cache.neuron_to_slot[x] == -1
+                assert x in ov and cache.unit_to_slot[x] == -1
         assert ov <= set(active.tolist())
         assert len(ov) == max(0, active.size - cache.capacity), "overflow iff the active set exceeds capacity"
         # hits were never evicted; misses are exactly the non-cached, non-overflow ones
         assert plan.hits == int(was_cached.sum())
-        assert set(plan.miss_neurons.tolist()) == set(active[~was_cached].tolist()) - ov
+        assert set(plan.miss_units.tolist()) == set(active[~was_cached].tolist()) - ov
         # misses appended at the end, contiguous, after the deletions
         m = plan.miss_slots.size
         assert np.array_equal(plan.miss_slots, np.arange(cache.num_used - m, cache.num_used))
@@ -160,10 +160,10 @@ def run_and_check(cache, ref, steps, with_mx=True):
         assert plan.moved_bytes == plan.moved_rows * cache.row_bytes
         for i in range(new_used):  # survivors below the line keep their slot (no shifting)
             if not gone[i]:
-                assert cache.neuron_to_slot[before[i]] == i
+                assert cache.unit_to_slot[before[i]] == i
         for i in range(new_used, used0):  # survivors above the line moved into holes
             if not gone[i]:
-                assert 0 <= cache.neuron_to_slot[before[i]] < new_used and gone[cache.neuron_to_slot[before[i]]]
+                assert 0 <= cache.unit_to_slot[before[i]] < new_used and gone[cache.unit_to_slot[before[i]]]
 
         check_maps(cache)
         check_rows(cache, with_mx)
@@ -222,7 +222,7 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 @given(data=st.data())
 def test_random_sequences_keep_every_invariant(policy, data):
     n, cap, pol, window, steps = data.draw(scenarios(policy))
-    cache = NeuronCache(n, cap, RB, policy=pol, window=window)
+    cache = UnitCache(n, cap, RB, policy=pol, window=window)
     run_and_check(cache, RefCache(n, cap, pol, window), steps)
 
 
@@ -230,7 +230,7 @@ def test_random_sequences_keep_every_invariant(policy, data):
 @given(scenarios(), st.integers(0, 24))
 def test_reset_mid_sequence_is_a_cold_cache(sc, at):
     n, cap, pol, window, steps = sc
-    cache = NeuronCache(n, cap, RB, policy=pol, window=window)
+    cache = UnitCache(n, cap, RB, policy=pol, window=window)
     at = min(at, len(steps))
     run_and_check(cache, RefCache(n, cap, pol, window), steps[:at], with_mx=False)
     cache.reset()
@@ -243,13 +243,13 @@ def test_reset_mid_sequence_is_a_cold_cache(sc, at):
 @given(st.integers(1, 30), st.integers(1, 6), st.data())
 def test_window_without_pressure_holds_exactly_the_last_k_tokens(n, k, data):
     """capacity >= n: cached set == union of the active sets of the last k tokens."""
-    cache = NeuronCache(n, n, RB, policy="window", window=k)
+    cache = UnitCache(n, n, RB, policy="window", window=k)
     history = []
     for _ in range(data.draw(st.integers(1, 20))):
         active = sorted(set(data.draw(st.lists(st.integers(0, n - 1), max_size=n))))
         history.append(set(active))
         p = cache.plan(np.array(active, dtype=np.int64))
-        assert p.overflow_neurons.size == 0
+        assert p.overflow_units.size == 0
         expect = set().union(*history[-k:])
         assert set(np.flatnonzero(cache.cached_mask()).tolist()) == expect
         check_maps(cache)
@@ -260,7 +260,7 @@ def test_window_without_pressure_holds_exactly_the_last_k_tokens(n, k, data):
 def test_lru_lfu_fill_before_evicting(pol, n, data):
     """LRU/LFU keep everything until full: no eviction while the union seen fits."""
     cap = data.draw(st.integers(1, n))
-    cache = NeuronCache(n, cap, RB, policy=pol)
+    cache = UnitCache(n, cap, RB, policy=pol)
     seen = set()
     for _ in range(data.draw(st.integers(1, 20))):
         active = sorted(set(data.draw(st.lists(st.integers(0, n - 1), max_size=cap))))
@@ -281,7 +281,7 @@ def cached_set(cache):
 
 
 def test_window_example_by_hand():
-    c = NeuronCache(10, 10, RB, policy="window", window=2)
+    c = UnitCache(10, 10, RB, policy="window", window=2)
     c.plan(np.array([0, 1]))
     c.plan(np.array([2]))
     assert cached_set(c) == {0, 1, 2}
@@ -289,21 +289,21 @@ def test_window_example_by_hand():
     assert cached_set(c) == {2, 3} and p.evicted == 2
     p = c.plan(np.array([0, 2]))  # 3 stays (active at step 2), 0 comes back
     assert cached_set(c) == {0, 2, 3} and p.evicted == 0
-    assert p.miss_neurons.tolist() == [0] and p.hits == 1
+    assert p.miss_units.tolist() == [0] and p.hits == 1
 
 
 def test_window_evicts_least_recent_when_full():
-    c = NeuronCache(10, 3, RB, policy="window", window=5)
+    c = UnitCache(10, 3, RB, policy="window", window=5)
     c.plan(np.array([0]))
     c.plan(np.array([1]))
     c.plan(np.array([2]))
     p = c.plan(np.array([2, 3]))  # all still in the window, full: evict 0 (oldest)
     assert cached_set(c) == {1, 2, 3} and p.evicted == 1
-    assert p.overflow_neurons.size == 0
+    assert p.overflow_units.size == 0
 
 
 def test_lru_example_by_hand():
-    c = NeuronCache(10, 3, RB, policy="lru")
+    c = UnitCache(10, 3, RB, policy="lru")
     for x in (0, 1, 2, 3):
         c.plan(np.array([x]))
     assert cached_set(c) == {1, 2, 3}  # 0 was least recent
@@ -315,13 +315,13 @@ def test_lru_example_by_hand():
 
 
 def test_lfu_example_by_hand():
-    c = NeuronCache(10, 2, RB, policy="lfu")
+    c = UnitCache(10, 2, RB, policy="lfu")
     c.plan(np.array([0]))
     c.plan(np.array([0]))
     c.plan(np.array([1]))
     c.plan(np.array([2]))  # 0 used twice, 1 once -> evict 1
     assert cached_set(c) == {0, 2}
-    c2 = NeuronCache(10, 2, RB, policy="lfu")
+    c2 = UnitCache(10, 2, RB, policy="lfu")
     for x in (0, 1, 2):  # equal counts: tie by recency -> evict 0
         c2.plan(np.array([x]))
     assert cached_set(c2) == {1, 2}
@@ -329,24 +329,24 @@ def test_lfu_example_by_hand():
 
 def test_active_neurons_are_never_evicted_even_when_least_used():
     for pol in POLICIES:
-        c = NeuronCache(10, 3, RB, policy=pol, window=1)
+        c = UnitCache(10, 3, RB, policy=pol, window=1)
         for _ in range(5):
             c.plan(np.array([1, 2]))
         c.plan(np.array([0]))  # cold, least used and least recent
         p = c.plan(np.array([0, 5]))
         assert c.contains(0), pol
-        assert p.slots[0] >= 0 and p.overflow_neurons.size == 0
+        assert p.slots[0] >= 0 and p.overflow_units.size == 0
 
 
 def test_deletion_moves_the_last_row_into_the_hole():
-    c = NeuronCache(8, 4, RB, policy="window", window=1)
+    c = UnitCache(8, 4, RB, policy="window", window=1)
     p = c.plan(np.array([0, 1, 2, 3]))
     write_misses(c, p)
     assert p.miss_slots.tolist() == [0, 1, 2, 3]
     p = c.plan(np.array([3, 6]))  # delete 0, 1, 2; 3 moves from slot 3 to slot 0
     assert p.evicted == 3 and p.moved_rows == 1 and p.moved_bytes == RB
     assert c.slots_of([3]).tolist() == [0]
-    assert p.miss_neurons.tolist() == [6] and p.miss_slots.tolist() == [1]
+    assert p.miss_units.tolist() == [6] and p.miss_slots.tolist() == [1]
     assert p.slots.tolist() == [0, 1]
     write_misses(c, p)
     assert np.array_equal(c.host[0], pattern_np([3], RB)[0])
@@ -355,7 +355,7 @@ def test_deletion_moves_the_last_row_into_the_hole():
 
 
 def test_deleting_the_tail_moves_nothing():
-    c = NeuronCache(8, 4, RB, policy="window", window=1)
+    c = UnitCache(8, 4, RB, policy="window", window=1)
     write_misses(c, c.plan(np.array([0, 1, 2, 3])))
     p = c.plan(np.array([0, 1]))
     assert p.evicted == 2 and p.moved_rows == 0 and c.num_used == 2
@@ -363,64 +363,64 @@ def test_deleting_the_tail_moves_nothing():
 
 def test_overflow_exactly_when_active_exceeds_capacity():
     for pol in POLICIES:
-        c = NeuronCache(10, 3, RB, policy=pol)
+        c = UnitCache(10, 3, RB, policy=pol)
         p = c.plan(np.array([0, 1, 2]))
-        assert p.overflow_neurons.size == 0
+        assert p.overflow_units.size == 0
         p = c.plan(np.array([4, 5, 6, 7]))
-        assert p.overflow_neurons.tolist() == [7]  # no scores: highest ids overflow
+        assert p.overflow_units.tolist() == [7]  # no scores: highest ids overflow
         assert p.slots[-1] == -1 and (p.slots[:3] >= 0).all()
         assert cached_set(c) == {4, 5, 6}
 
 
 def test_overflow_keeps_the_highest_scored_misses():
-    c = NeuronCache(10, 2, RB, policy="lfu")
+    c = UnitCache(10, 2, RB, policy="lfu")
     c.plan(np.array([3]))
     p = c.plan(np.array([0, 1, 3]), scores=np.array([0.1, 5.0, 0.0]))
     # 3 is a hit (kept whatever its score); one slot left: 1 beats 0
-    assert cached_set(c) == {1, 3} and p.overflow_neurons.tolist() == [0]
+    assert cached_set(c) == {1, 3} and p.overflow_units.tolist() == [0]
     # scores given per neuron ([n_neurons]) work too
     full = np.zeros(10)
     full[[5, 6, 7]] = [1.0, 3.0, 2.0]
     p = c.plan(np.array([5, 6, 7]), scores=full)
-    assert cached_set(c) == {6, 7} and p.overflow_neurons.tolist() == [5]
+    assert cached_set(c) == {6, 7} and p.overflow_units.tolist() == [5]
     with pytest.raises(ValueError):
         c.plan(np.array([5, 6, 7, 8]), scores=np.zeros(3))
 
 
 def test_capacity_zero_everything_overflows():
     for pol in POLICIES:
-        c = NeuronCache(6, 0, RB, policy=pol)
+        c = UnitCache(6, 0, RB, policy=pol)
         assert c.rows.shape == (0, RB) and c.host.shape == (0, RB)
         for active in ([0, 1, 2], [], [5], [0, 1, 2, 3, 4, 5]):
             p = c.plan(np.array(active, dtype=np.int64))
-            assert p.overflow_neurons.tolist() == active
-            assert (p.slots == -1).all() and p.miss_neurons.size == 0 and p.evicted == 0
+            assert p.overflow_units.tolist() == active
+            assert (p.slots == -1).all() and p.miss_units.size == 0 and p.evicted == 0
             check_maps(c)
         assert c.stats.overflow == 10 and c.stats.read_bytes == 10 * RB
 
 
 def test_empty_active_set():
-    c = NeuronCache(6, 3, RB, policy="window", window=1)
+    c = UnitCache(6, 3, RB, policy="window", window=1)
     c.plan(np.array([1, 2]))
     p = c.plan(np.array([], dtype=np.int64))
     assert p.slots.size == 0 and p.evicted == 2 and c.num_used == 0
 
 
 def test_capacity_above_n_neurons_is_clipped():
-    c = NeuronCache(5, 100, RB)
+    c = UnitCache(5, 100, RB)
     assert c.capacity == 5 and c.rows.shape == (5, RB)
 
 
 def test_invalid_arguments():
     with pytest.raises(ValueError):
-        NeuronCache(4, 2, 1000)  # not a multiple of the alignment
+        UnitCache(4, 2, 1000)  # not a multiple of the alignment
     with pytest.raises(ValueError):
-        NeuronCache(4, 2, RB, policy="fifo")
+        UnitCache(4, 2, RB, policy="fifo")
     with pytest.raises(ValueError):
-        NeuronCache(4, 2, RB, window=0)
+        UnitCache(4, 2, RB, window=0)
     with pytest.raises(ValueError):
-        NeuronCache(4, 2, RB, alignment=3000)
-    c = NeuronCache(4, 2, RB)
+        UnitCache(4, 2, RB, alignment=3000)
+    c = UnitCache(4, 2, RB)
     for bad in ([2, 1], [1, 1], [-1], [4], [[1]], [0.5]):
         with pytest.raises(ValueError):
             c.plan(np.array(bad))
@@ -432,7 +432,7 @@ def test_invalid_arguments():
 
 @pytest.mark.parametrize("cap", [1, 3, 17])
 def test_row0_is_aligned_and_views_share_the_buffer(cap):
-    c = NeuronCache(32, cap, 2 * RB)
+    c = UnitCache(32, cap, 2 * RB)
     whole = np.asarray(memoryview(c.buffer))
     base = whole.__array_interface__["data"][0]
     assert c.buffer.nbytes == cap * 2 * RB + 4096
@@ -445,7 +445,7 @@ def test_row0_is_aligned_and_views_share_the_buffer(cap):
 
 
 def test_host_writes_are_visible_to_mlx_ops_on_rows():
-    c = NeuronCache(8, 4, RB)
+    c = UnitCache(8, 4, RB)
     c.host[2] = 3
     c.host[2, :8] = np.arange(8, dtype=np.uint8)
     assert mx.sum(c.rows[2].astype(mx.int64)).item() == 3 * (RB - 8) + sum(range(8))
@@ -463,10 +463,10 @@ def test_host_writes_are_visible_to_mlx_ops_on_rows():
 
 def test_writes_through_memoryview_of_buffer_land_in_the_slot():
     """The pread pool writes row s at base_offset + s * row_bytes of memoryview(buffer)."""
-    c = NeuronCache(8, 4, RB)
+    c = UnitCache(8, 4, RB)
     p = c.plan(np.array([2, 5, 7]))
     mv = memoryview(c.buffer).cast("B")
-    for x, s in zip(p.miss_neurons, p.miss_slots):
+    for x, s in zip(p.miss_units, p.miss_slots):
         off = c.base_offset + int(s) * RB
         mv[off : off + RB] = pattern_np([x], RB)[0].tobytes()
     check_rows(c)
@@ -477,7 +477,7 @@ def test_native_pread_pool_writes_into_cache_rows(tmp_path):
     n, rb = 12, 2 * RB
     path = os.path.join(tmp_path, "ffn.bin")
     pattern_np(np.arange(n), rb).tofile(path)
-    c = NeuronCache(n, 5, rb, policy="lru")
+    c = UnitCache(n, 5, rb, policy="lru")
     try:
         pool = pp.Pool(path, threads=2)
     except OSError as e:  # a file system without O_DIRECT
@@ -485,7 +485,7 @@ def test_native_pread_pool_writes_into_cache_rows(tmp_path):
     with pool:
         for active in ([1, 2, 3], [3, 4, 9, 10], [0, 1, 2, 3, 4, 5, 6], [9, 11]):
             p = c.plan(np.array(active))
-            m = p.miss_neurons.astype(np.int64)
+            m = p.miss_units.astype(np.int64)
             pool.read(memoryview(c.buffer), m * rb, np.full(m.size, rb, np.int64),
                       c.base_offset + p.miss_slots.astype(np.int64) * rb)
             check_maps(c)
@@ -526,7 +526,7 @@ def test_cache_aware_scores_formula_and_gamma_one():
 
 
 def test_cache_aware_scores_with_a_live_cache_mask():
-    c = NeuronCache(6, 3, RB)
+    c = UnitCache(6, 3, RB)
     c.plan(np.array([4, 5]))
     s = cache_aware_scores(np.ones(6), c.cached_mask())
     assert set(np.argsort(-s, kind="stable")[:2].tolist()) == {4, 5}

@@ -1,13 +1,15 @@
-"""Per-layer DRAM cache of FFN neuron bundles ("LLM in a flash", section 3.3; DIP section 5).
+"""Per-layer DRAM cache of FFN units ("LLM in a flash", section 3.3; DIP section 5).
 
-One `NeuronCache` per layer holds up to `capacity` bundles (one bundle = one neuron's FFN
-weights, `row_bytes` bytes, a multiple of 4096) as the rows of ONE preallocated MLX buffer.
-The buffer is never reallocated: the native pread pool writes missing bundles straight into
-it, and the FFN computes from the rows of the token's active neurons.
+A unit is what one selection picks and one read fetches: a neuron bundle of a dense model (its gate,
+up and down rows), an expert of an MoE layer (its gate, up and down matrices). The cache knows units
+only by id and row bytes. One `UnitCache` per layer holds up to `capacity` units (`row_bytes` bytes
+each) as the rows of ONE preallocated MLX buffer.
+The buffer is never reallocated: the native pread pool writes missing units straight into
+it, and the FFN computes from the rows of the token's active units.
 
 Memory management follows the paper's Figure 6:
 
-1. delete: every neuron that leaves the cache leaves a hole; the hole is filled by moving
+1. delete: every unit that leaves the cache leaves a hole; the hole is filled by moving
    the LAST used row into it (one row copy per hole below the new `num_used`, never a
    shift of everything, never a reallocation), both maps are fixed and `num_used` shrinks;
 2. append: the misses get slots `num_used .. num_used + m - 1`.
@@ -16,9 +18,9 @@ Memory management follows the paper's Figure 6:
 where the caller must read the misses (step 2). Order of one token, per layer:
 
     p = cache.plan(active)                       # deletions + row moves happen here
-    pool.read(offsets_of(p.miss_neurons), dest=memoryview(cache.buffer),
+    pool.read(offsets_of(p.miss_units), dest=memoryview(cache.buffer),
               dest_offsets=cache.base_offset + p.miss_slots * cache.row_bytes)
-    read p.overflow_neurons into a scratch buffer  # did not fit: use once, do not cache
+    read p.overflow_units into a scratch buffer  # did not fit: use once, do not cache
     y = ffn(cache.rows, p.slots, scratch, ...)     # slots == -1 marks the overflow ones
 
 Contract for the caller: no MLX computation that reads `rows` may still be pending when
@@ -29,22 +31,22 @@ thread plans a given layer's cache at a time.
 
 Policies:
 
-* ``"window"`` (the paper's default, k = 5): a neuron stays while it was active in one of
+* ``"window"`` (the paper's default, k = 5): a unit stays while it was active in one of
   the last `window` tokens (the current one included). Each step first deletes cached
-  neurons whose last activity is older than that and that are not active now, then appends
+  units whose last activity is older than that and that are not active now, then appends
   the misses; if the cache is still too full, the least recently active non-active
-  neurons are evicted as well.
+  units are evicted as well.
 * ``"lru"`` / ``"lfu"`` (DIP section 5.1), under the byte budget: keep everything until the
-  cache is full; then each miss evicts the least recently / least frequently used neuron
+  cache is full; then each miss evicts the least recently / least frequently used unit
   that is not in the current active set. LFU counts every activation in the session
   (including activations while not cached: "perfect" LFU, cleared by reset()); its ties
-  are broken by recency, then by neuron id. LRU/window ties are broken by neuron id.
+  are broken by recency, then by unit id. LRU/window ties are broken by unit id.
 
-In every policy the active neurons of the current token are never evicted, so the misses
+In every policy the active units of the current token are never evicted, so the misses
 can always be admitted unless the active set itself is larger than the cache: exactly then
-``len(active) - capacity`` active neurons go to ``overflow_neurons`` (DIP: "loaded directly
+``len(active) - capacity`` active units go to ``overflow_units`` (DIP: "loaded directly
 to the processing unit" without caching). Which misses overflow: the lowest-scored ones if
-`scores` is given, otherwise the highest neuron ids.
+`scores` is given, otherwise the highest unit ids.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import numpy as np
 import mlx.core as mx
 
 __all__ = [
-    "NeuronCache",
+    "UnitCache",
     "Plan",
     "CacheStats",
     "POLICIES",
@@ -67,7 +69,7 @@ __all__ = [
 
 POLICIES = ("window", "lru", "lfu")
 
-_NEVER = np.iinfo(np.int64).min // 4  # last_active of a neuron never seen
+_NEVER = np.iinfo(np.int64).min // 4  # last_active of a unit never seen
 
 
 def capacity_for_budget(budget_bytes: int, row_bytes: int) -> int:
@@ -90,9 +92,9 @@ def cache_aware_scores(
 
     `x_abs`: activation magnitudes (|x| is taken again, so signed values work too), shape
     [..., n]; the max is over the last axis. `cached`: bool mask [n] (or broadcastable),
-    True for neurons currently in the cache. Non-cached neurons are penalised by `gamma`
+    True for units currently in the cache. Non-cached units are penalised by `gamma`
     (0 < gamma <= 1; gamma = 1 gives plain |x| / max|x|). Use the result instead of |x|
-    for top-K so that cached neurons win close calls. An all-zero row gives all-zero
+    for top-K so that cached units win close calls. An all-zero row gives all-zero
     scores (no division by zero). Returns the same kind of array as `x_abs`
     (numpy in, float numpy out; mx in, mx out).
     """
@@ -122,20 +124,20 @@ def cache_aware_scores(
 class Plan:
     """What one token needs from one layer's cache (all arrays numpy)."""
 
-    slots: np.ndarray  # int32 [k]: cache slot of each active neuron, -1 if in overflow
-    miss_neurons: np.ndarray  # int32 [m]: neurons to read from flash into the cache (ascending)
+    slots: np.ndarray  # int32 [k]: cache slot of each active unit, -1 if in overflow
+    miss_units: np.ndarray  # int32 [m]: units to read from flash into the cache (ascending)
     miss_slots: np.ndarray  # int32 [m]: the slot each miss must be written to (ascending, contiguous)
-    overflow_neurons: np.ndarray  # int32 [o]: active neurons that did not fit (read to scratch)
-    evicted: int  # neurons deleted from the cache in this step
+    overflow_units: np.ndarray  # int32 [o]: active units that did not fit (read to scratch)
+    evicted: int  # units deleted from the cache in this step
     moved_rows: int  # rows copied inside DRAM to fill holes (memory-management cost)
     moved_bytes: int = 0  # moved_rows * row_bytes
-    hits: int = 0  # active neurons already cached
+    hits: int = 0  # active units already cached
     step: int = 0  # the token step this plan was made for
 
     @property
-    def read_neurons(self) -> int:
+    def read_units(self) -> int:
         """Bundles to read from flash for this token (misses + overflow)."""
-        return int(self.miss_neurons.size + self.overflow_neurons.size)
+        return int(self.miss_units.size + self.overflow_units.size)
 
 
 @dataclass
@@ -146,7 +148,7 @@ class CacheStats:
     active: int = 0  # sum of active-set sizes
     hits: int = 0
     misses: int = 0  # admitted misses (read into the cache)
-    overflow: int = 0  # active neurons read to scratch, not cached
+    overflow: int = 0  # active units read to scratch, not cached
     evicted: int = 0
     moved_rows: int = 0
     moved_bytes: int = 0
@@ -162,8 +164,8 @@ class CacheStats:
         return self.hits / self.active if self.active else 0.0
 
 
-class NeuronCache:
-    """One layer's DRAM cache of neuron bundles (paper section 3.3).
+class UnitCache:
+    """One layer's DRAM cache of units (paper section 3.3).
 
     Attributes the runtime uses:
 
@@ -173,27 +175,27 @@ class NeuronCache:
     * ``base_offset``: byte offset of row 0 inside ``buffer``; row 0's address is a
       multiple of `alignment` (MLX CPU arrays are not page aligned, O_DIRECT needs it).
     * ``rows``: mx.array view [capacity, row_bytes] uint8 of the same memory (reinterpret
-      with ``rows.view(dtype)`` for the FFN); only rows ``< num_used`` hold bundles.
+      with ``rows.view(dtype)`` for the FFN); only rows ``< num_used`` hold units.
     * ``host``: numpy uint8 view [capacity, row_bytes] of the same memory (no copy).
-    * ``slot_to_neuron`` (int32 [capacity], -1 when free), ``neuron_to_slot`` (int32
-      [n_neurons], -1 when absent), ``num_used`` (slots 0..num_used-1 used, contiguous),
-      ``last_active`` (int64 [n_neurons], last step a neuron was active), ``use_count``
-      (int64 [n_neurons], LFU), ``step`` (tokens planned since reset), ``stats``.
+    * ``slot_to_unit`` (int32 [capacity], -1 when free), ``unit_to_slot`` (int32
+      [n_units], -1 when absent), ``num_used`` (slots 0..num_used-1 used, contiguous),
+      ``last_active`` (int64 [n_units], last step a unit was active), ``use_count``
+      (int64 [n_units], LFU), ``step`` (tokens planned since reset), ``stats``.
     """
 
     def __init__(
         self,
-        n_neurons: int,
+        n_units: int,
         capacity: int,
         row_bytes: int,
         policy: str = "window",
         window: int = 5,
         alignment: int = 4096,
     ):
-        n_neurons, capacity, row_bytes = int(n_neurons), int(capacity), int(row_bytes)
+        n_units, capacity, row_bytes = int(n_units), int(capacity), int(row_bytes)
         window, alignment = int(window), int(alignment)
-        if n_neurons < 0:
-            raise ValueError(f"n_neurons must be >= 0, got {n_neurons}")
+        if n_units < 0:
+            raise ValueError(f"n_units must be >= 0, got {n_units}")
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         if row_bytes <= 0:
@@ -206,10 +208,10 @@ class NeuronCache:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if policy == "window" and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        # More slots than neurons can never be used; do not allocate them.
-        capacity = min(capacity, n_neurons)
+        # More slots than units can never be used; do not allocate them.
+        capacity = min(capacity, n_units)
 
-        self.n_neurons = n_neurons
+        self.n_units = n_units
         self.capacity = capacity
         self.row_bytes = row_bytes
         self.policy = policy
@@ -228,10 +230,10 @@ class NeuronCache:
         self.rows = self.buffer[self.base_offset : self.base_offset + nbytes].reshape(capacity, row_bytes)
         mx.eval(self.rows)
 
-        self.slot_to_neuron = np.full(capacity, -1, dtype=np.int32)
-        self.neuron_to_slot = np.full(n_neurons, -1, dtype=np.int32)
-        self.last_active = np.full(n_neurons, _NEVER, dtype=np.int64)
-        self.use_count = np.zeros(n_neurons, dtype=np.int64)
+        self.slot_to_unit = np.full(capacity, -1, dtype=np.int32)
+        self.unit_to_slot = np.full(n_units, -1, dtype=np.int32)
+        self.last_active = np.full(n_units, _NEVER, dtype=np.int64)
+        self.use_count = np.zeros(n_units, dtype=np.int64)
         self.num_used = 0
         self.step = 0
         self.stats = CacheStats(row_bytes=row_bytes)
@@ -244,22 +246,22 @@ class NeuronCache:
         return self.capacity * self.row_bytes
 
     def cached_mask(self) -> np.ndarray:
-        """bool [n_neurons]: True for neurons currently in the cache."""
-        return self.neuron_to_slot >= 0
+        """bool [n_units]: True for units currently in the cache."""
+        return self.unit_to_slot >= 0
 
-    def cached_neurons(self) -> np.ndarray:
-        """int32 [num_used]: the neuron in each used slot, in slot order (a copy)."""
-        return self.slot_to_neuron[: self.num_used].copy()
+    def cached_units(self) -> np.ndarray:
+        """int32 [num_used]: the unit in each used slot, in slot order (a copy)."""
+        return self.slot_to_unit[: self.num_used].copy()
 
-    def contains(self, neurons) -> Union[bool, np.ndarray]:
-        """Whether each neuron is cached (bool for a scalar, bool array otherwise)."""
-        idx = np.asarray(neurons)
-        res = self.neuron_to_slot[idx] >= 0
+    def contains(self, units) -> Union[bool, np.ndarray]:
+        """Whether each unit is cached (bool for a scalar, bool array otherwise)."""
+        idx = np.asarray(units)
+        res = self.unit_to_slot[idx] >= 0
         return bool(res) if idx.ndim == 0 else res
 
-    def slots_of(self, neurons) -> np.ndarray:
-        """int32 slot of each neuron, -1 where not cached."""
-        return self.neuron_to_slot[np.asarray(neurons)]
+    def slots_of(self, units) -> np.ndarray:
+        """int32 slot of each unit, -1 where not cached."""
+        return self.unit_to_slot[np.asarray(units)]
 
     def row_address(self, slot: int = 0) -> int:
         """Address of row `slot` in memory (for alignment checks and native callers)."""
@@ -268,12 +270,12 @@ class NeuronCache:
     # ------------------------------------------------------------------ state
 
     def reset(self, stats: bool = True) -> None:
-        """Cold cache: forget every neuron, history and (by default) the counters.
+        """Cold cache: forget every unit, history and (by default) the counters.
 
         The buffer is kept (its bytes are left as they are; they are garbage once
         num_used = 0)."""
-        self.slot_to_neuron.fill(-1)
-        self.neuron_to_slot.fill(-1)
+        self.slot_to_unit.fill(-1)
+        self.unit_to_slot.fill(-1)
         self.last_active.fill(_NEVER)
         self.use_count.fill(0)
         self.num_used = 0
@@ -286,26 +288,26 @@ class NeuronCache:
     def _check_active(self, active) -> np.ndarray:
         a = np.asarray(active)
         if a.ndim != 1:
-            raise ValueError(f"active must be a 1-D array of neuron ids, got shape {a.shape}")
+            raise ValueError(f"active must be a 1-D array of unit ids, got shape {a.shape}")
         if a.size == 0:
             return a.astype(np.int64)
         if not np.issubdtype(a.dtype, np.integer):
             raise ValueError(f"active must hold integers, got dtype {a.dtype}")
         a = a.astype(np.int64, copy=False)
-        if a[0] < 0 or a[-1] >= self.n_neurons:
-            raise ValueError(f"active neuron ids must lie in [0, {self.n_neurons})")
+        if a[0] < 0 or a[-1] >= self.n_units:
+            raise ValueError(f"active unit ids must lie in [0, {self.n_units})")
         if a.size > 1 and not np.all(a[1:] > a[:-1]):
             raise ValueError("active must be sorted and unique")
         return a
 
     def _victims(self, cand: np.ndarray, m: int) -> np.ndarray:
-        """The `m` candidate neurons (int64 ids) to evict first under the policy."""
+        """The `m` candidate units (int64 ids) to evict first under the policy."""
         if m <= 0:
             return cand[:0]
         if m >= cand.size:
             return cand
-        n = max(self.n_neurons, 1)
-        last = self.last_active[cand]  # cached neurons were all active once: 0 <= last < step
+        n = max(self.n_units, 1)
+        last = self.last_active[cand]  # cached units were all active once: 0 <= last < step
         steps = self.step + 1
         if self.policy == "lfu":
             cnt = self.use_count[cand]
@@ -320,26 +322,26 @@ class NeuronCache:
             else:
                 order = np.lexsort((cand, last))
                 return cand[order[:m]]
-        # keys are unique (they embed the neuron id), so the partition is exact
+        # keys are unique (they embed the unit id), so the partition is exact
         return cand[np.argpartition(key, m - 1)[:m]]
 
     def plan(self, active, scores: Optional[np.ndarray] = None) -> Plan:
-        """Admit one token's active set (sorted unique int neuron ids).
+        """Admit one token's active set (sorted unique int unit ids).
 
         Deletes/evicts per policy, moves rows to keep slots 0..num_used-1 contiguous
         (the copies happen here, through `host`), assigns slots to the misses, updates
         recency/frequency and advances the step. The caller then writes each
-        ``miss_neurons[i]`` into slot ``miss_slots[i]`` and reads ``overflow_neurons`` into a
+        ``miss_units[i]`` into slot ``miss_slots[i]`` and reads ``overflow_units`` into a
         scratch buffer. `scores` (optional, [len(active)] aligned with `active`, or
-        [n_neurons]) decides which misses overflow when the active set exceeds the
+        [n_units]) decides which misses overflow when the active set exceeds the
         capacity: the highest-scored misses are cached.
         """
         act = self._check_active(active)
         k = act.size
         t = self.step
         used = self.num_used
-        s2n = self.slot_to_neuron
-        n2s = self.neuron_to_slot
+        s2n = self.slot_to_unit
+        n2s = self.unit_to_slot
 
         act_slots = n2s[act]
         hit = act_slots >= 0
@@ -347,7 +349,7 @@ class NeuronCache:
         miss = act[~hit]
         n_admit = min(miss.size, self.capacity - n_hit)  # hits are never evicted
 
-        # ---- choose the neurons to delete (never one of the current active set)
+        # ---- choose the units to delete (never one of the current active set)
         cached = s2n[:used].astype(np.int64)
         keep_active = np.zeros(used, dtype=bool)
         keep_active[act_slots[hit]] = True
@@ -390,11 +392,11 @@ class NeuronCache:
                 sc = np.asarray(scores)
                 if sc.shape == (k,):
                     ms = sc[~hit]
-                elif sc.shape == (self.n_neurons,):
+                elif sc.shape == (self.n_units,):
                     ms = sc[miss]
                 else:
                     raise ValueError(
-                        f"scores must have shape ({k},) or ({self.n_neurons},), got {sc.shape}"
+                        f"scores must have shape ({k},) or ({self.n_units},), got {sc.shape}"
                     )
                 order = np.argsort(-ms.astype(np.float64), kind="stable")
                 adm_mask = np.zeros(miss.size, dtype=bool)
@@ -429,9 +431,9 @@ class NeuronCache:
 
         return Plan(
             slots=n2s[act],
-            miss_neurons=admitted.astype(np.int32),
+            miss_units=admitted.astype(np.int32),
             miss_slots=miss_slots,
-            overflow_neurons=overflow.astype(np.int32),
+            overflow_units=overflow.astype(np.int32),
             evicted=int(n_del),
             moved_rows=int(moved),
             moved_bytes=int(moved) * self.row_bytes,
@@ -441,7 +443,7 @@ class NeuronCache:
 
     def __repr__(self) -> str:
         return (
-            f"NeuronCache(n_neurons={self.n_neurons}, capacity={self.capacity}, "
+            f"UnitCache(n_units={self.n_units}, capacity={self.capacity}, "
             f"row_bytes={self.row_bytes}, policy={self.policy!r}, window={self.window}, "
             f"num_used={self.num_used}, step={self.step})"
         )
