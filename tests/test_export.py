@@ -19,7 +19,7 @@ PROMPT = "Hello, tiny world!"
 def flash_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     src = make_tiny_model_dir("llama", root / "src")
-    return convert(str(src), root / "flash", bits=4, group_size=32, progress=False)  # 4-bit, down 8-bit per neuron
+    return convert(str(src), root / "flash", bits=4, group_size=32, down_bits="8", progress=False)  # down 8-bit per neuron
 
 
 def _greedy(model, tokenizer, n=12):

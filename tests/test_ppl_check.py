@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_flash.tools import peers
-from mlx_flash.default_model import DEFAULT_MODEL, cache_root
+from mlx_flash.default_model import default_model_dir
 from mlx_flash.calib.quality import perplexity, sequence_nll
 from mlx_flash.texts import llama_ppl_chunks, token_batches
 
@@ -76,7 +76,7 @@ def _llama_perplexity():
     return exe if exe.is_file() else None
 
 
-@pytest.mark.skipif(_llama_perplexity() is None or not (cache_root() / DEFAULT_MODEL / "flash.json").is_file(),
+@pytest.mark.skipif(_llama_perplexity() is None or not (default_model_dir() / "flash.json").is_file(),
                     reason="llama-perplexity not built or the default model not converted (python -m mlx_flash.peers does both)")
 def test_mlx_flash_matches_llama_perplexity(tmp_path):
     """Same GGUF, same tokens, same scored positions: token ids identical, perplexity within 2%."""

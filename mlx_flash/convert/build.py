@@ -132,8 +132,8 @@ def convert(
         else:
             quant = _model_quantization(model_obj)
         ffn_quant = {m: quant for m in adapter.matrices}
-        if down_bits is None and quant is not None and quant["bits"] == 4:
-            down_bits = 8  # measured on SmolLM2: 4-bit down re-quantised along d_model costs +4.9% ppl, 8-bit none
+        if down_bits is None:
+            down_bits = _default_down_bits(quant, layout, prune)
         if down_bits == "float":
             ffn_quant[adapter.col_matrix] = None
         elif down_bits == "source":
@@ -192,6 +192,24 @@ def convert(
         copy_tokenizer(src_dir, writer.path)
         os.replace(writer.path, out)
     return out
+
+
+def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str]):
+    """How down/fc2 rows are stored when --down-bits is not given, said on stdout: a 2/4/8-bit source keeps its own
+    codes per neuron (the weights are the source's, and no unit is larger than the source's bytes); where that layout
+    does not apply (dip layout, pruning), 8 bits for a 4-bit model (re-quantised to 4 bits along d_model, SmolLM2 lost
+    4.9% perplexity; 8 bits nothing measurable), else the model's bits."""
+    if quant is None:
+        return None
+    if quant["bits"] in (2, 4, 8) and layout == "neurons" and prune is None:
+        print(f"down rows: the model's {quant['bits']}-bit codes per neuron, their group scales resident (the model's "
+              "weights and bytes; --down-bits 8 re-quantises them along d_model instead)")
+        return "source"
+    if quant["bits"] == 4:
+        print("down rows: re-quantised to 8 bits along d_model (the source's codes need the neurons layout without "
+              "pruning; 4 bits would cost 4.9% perplexity on SmolLM2)")
+        return 8
+    return None
 
 
 def auto_alignment(regions, encodings=None) -> int:
@@ -297,8 +315,9 @@ def setup_arg_parser():
         help="Quantised models only: how down/fc2 rows are stored per neuron, re-quantised along d_model, "
         "float (exact, larger bundles) or source (exact and smallest: the source's codes per neuron, the "
         "groups' scales and biases resident, 1/8 of the matrix at 4-bit group 32; neurons layout, dense and "
-        "selectors that read no down row norms from flash). Default: 8 for 4-bit models (4 bits costs +4.9%% "
-        "perplexity on SmolLM2, see BENCHMARKS.md), else the model's bits.",
+        "selectors that read no down row norms from flash). Default: source for 2/4/8-bit models in the neurons "
+        "layout without pruning; else 8 for 4-bit models (4 bits costs +4.9%% perplexity on SmolLM2, see "
+        "BENCHMARKS.md), else the model's bits.",
     )
     parser.add_argument(
         "--layout",
