@@ -8,11 +8,14 @@
 
 A bundle holds one neuron's FFN weights contiguously, as rows of "components"
 (e.g. gate.weight, up.weight, down.weight for SwiGLU; fc1.weight, fc2.weight
-for ReLU; quantised matrices add .scales/.biases). Bundles are padded to
-`stride` bytes, a multiple of the alignment, so every bundle starts aligned
-and can be read with O_DIRECT. The manifest lists the components with their
+for ReLU; quantised matrices add .scales/.biases). The manifest lists the components with their
 dtype, per-neuron shape and byte offset inside the bundle, so a reader can
 view any bundle (or a cache row holding one) as arrays without copying.
+
+Each layer's region starts at a multiple of `alignment` (O_DIRECT's rule, flash pages); inside it
+bundles are `stride` bytes apart, a multiple of `unit_alignment`. Format v3 packs them
+(unit_alignment 16: no padding is read with them; the reader reads a run of units, or a scattered
+one, as the aligned superset of its pages); v1/v2 pad every bundle to the alignment.
 
 Format v2 adds encoded components: a component with an "encoding" entry is stored
 on flash in that encoding (only "bitmap": ENDOR rows of a pruned matrix, see
@@ -37,8 +40,9 @@ from .cpu_gemv import block_dequantize, symmetric_biases
 from .errors import FlashFormatError
 
 FORMAT_NAME = "mlx_flash"
-FORMAT_VERSION = 2  # v2: encoded components; v1 (no encodings) is still read and written
-VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # v3: packed units; v2: encoded components; v1 (neither) is still read and written
+VERSIONS = (1, 2, 3)
+PACKED_UNIT_ALIGNMENT = 16  # packed units: room for any component's element alignment (Metal reads words in place)
 MANIFEST = "flash.json"
 RESIDENT = "resident.safetensors"
 FFN = "ffn.bin"
@@ -358,6 +362,7 @@ class FlashDir:
         m = self.manifest
         try:
             self.alignment = int(m["alignment"])
+            self.unit_alignment = int(m.get("unit_alignment", self.alignment))  # v1/v2: units padded to the alignment
             self.layouts: Dict[str, BundleLayout] = {k: BundleLayout.from_json(v) for k, v in m["layouts"].items()}
             self.layers: List[Dict[str, Region]] = [
                 {
@@ -372,6 +377,8 @@ class FlashDir:
                         raise ValueError(f"layer {r.layer} region {r.name}: stride differs from its layout")
             if self.version == 1 and any(l.encoded for l in self.layouts.values()):
                 raise ValueError("encoded components need format version 2")
+            if self.version < 3 and self.unit_alignment != self.alignment:
+                raise ValueError("packed units need format version 3")
         except FlashFormatError as e:
             raise FlashFormatError(f"{self.path / MANIFEST}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
@@ -414,9 +421,10 @@ class FlashDir:
             raise FlashFormatError(f"{self.path / RESIDENT}: {size} bytes, manifest says {expected} (truncated or replaced)")
         size = (self.path / FFN).stat().st_size
         for r in self.regions():
-            if r.offset % self.alignment or r.stride % self.alignment:
+            if r.offset % self.alignment or r.stride % self.unit_alignment:
                 raise FlashFormatError(
-                    f"layer {r.layer} {r.name}: offset {r.offset} or stride {r.stride} not aligned to {self.alignment}"
+                    f"layer {r.layer} {r.name}: offset {r.offset} not aligned to {self.alignment} or stride "
+                    f"{r.stride} to {self.unit_alignment}"
                 )
             if r.offset + r.nbytes > size:
                 raise FlashFormatError(
@@ -590,13 +598,19 @@ def _sha256(path: Path) -> str:
 class FlashWriter:
     """Writes a flash directory into `path` (the caller picks a temporary name and renames)."""
 
-    def __init__(self, path, alignment: int = DEFAULT_ALIGNMENT, encodings: Optional[Dict[str, Encoding]] = None):
-        """`encodings` (component name -> Encoding): store those components encoded (format v2)."""
+    def __init__(self, path, alignment: int = DEFAULT_ALIGNMENT, encodings: Optional[Dict[str, Encoding]] = None,
+                 unit_alignment: Optional[int] = None):
+        """`encodings` (component name -> Encoding): store those components encoded (format v2). Regions start at
+        multiples of `alignment`; units are `unit_alignment` apart (None: the alignment, every unit padded to it;
+        PACKED_UNIT_ALIGNMENT: packed, format v3)."""
         if alignment < 512 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 512, got {alignment}")
+        unit_alignment = alignment if unit_alignment is None else unit_alignment
+        if unit_alignment < PACKED_UNIT_ALIGNMENT or unit_alignment & (unit_alignment - 1) or unit_alignment > alignment:
+            raise ValueError(f"unit alignment must be a power of two in [{PACKED_UNIT_ALIGNMENT}, {alignment}], got {unit_alignment}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=False)
-        self.alignment = alignment
+        self.alignment, self.unit_alignment = alignment, unit_alignment
         self.encodings = dict(encodings or {})
         self.layouts: Dict[str, BundleLayout] = {}
         self.layers: List[Dict[str, Region]] = []
@@ -609,15 +623,16 @@ class FlashWriter:
         layer = {}
         for name, arrays in regions.items():
             enc = {k: e for k, e in self.encodings.items() if k in arrays}
-            layout = BundleLayout.from_arrays(arrays, self.alignment, enc)
+            layout = BundleLayout.from_arrays(arrays, self.unit_alignment, enc)
             if self.layouts.setdefault(name, layout) != layout:
                 raise ValueError(f"every layer must have the same {name!r} layout")
             rows = layout.pack(arrays)
             if layout.encoded:
-                dense = BundleLayout.from_arrays(arrays, self.alignment).pack(arrays)
+                dense = BundleLayout.from_arrays(arrays, self.unit_alignment).pack(arrays)
                 if not np.array_equal(np.array(layout.expand(mx.array(rows), use_metal=False)), dense):
                     raise FlashFormatError(f"layer {len(self.layers)} {name}: encoded units do not expand to the dense ones")
-            offset = self._ffn.tell()
+            offset = _round_up(self._ffn.tell(), self.alignment)  # regions start aligned (O_DIRECT)
+            self._ffn.write(b"\0" * (offset - self._ffn.tell()))
             self._ffn.write(rows.data)
             layer[name] = Region(len(self.layers), name, offset, rows.shape[0], layout.disk_stride, zlib.crc32(rows))
         self.layers.append(layer)
@@ -630,9 +645,11 @@ class FlashWriter:
             json.dump(config, f, indent=2)
         full = {
             "format": FORMAT_NAME,
-            "format_version": 2 if any(l.encoded for l in self.layouts.values()) else 1,
+            "format_version": 3 if self.unit_alignment != self.alignment else (
+                2 if any(l.encoded for l in self.layouts.values()) else 1),
             **manifest,
             "alignment": self.alignment,
+            "unit_alignment": self.unit_alignment,
             "layouts": {k: v.to_json() for k, v in self.layouts.items()},
             "layers": [
                 {

@@ -55,7 +55,7 @@ def greedy(model, n=24):
 def test_format_and_pruning(dirs):
     for name in VARIANTS:
         dense, enc = FlashDir(dirs[name, "dense"]), FlashDir(dirs[name, "bitmap"])
-        assert (dense.version, enc.version) == (1, 2)  # unencoded dirs stay readable by v1 readers
+        assert (dense.version, enc.version) == (3, 3)  # packed units (v3); padded, they stay v1 and v2: below
         ld, le = dense.layouts["neurons"], enc.layouts["neurons"]
         assert le.stride == ld.stride and ld.disk_stride == ld.stride  # cache rows stay dense
         assert le.disk_stride < ld.stride and le.disk_nbytes < 0.8 * ld.nbytes
@@ -145,7 +145,7 @@ def test_reorder_keeps_the_encoding(dirs, tmp_path):
     rng = np.random.default_rng(0)
     reorder(path, [rng.permutation(r["neurons"].n_units) for r in before.layers])
     after = FlashDir(path)
-    assert after.version == 2 and after.layouts == before.layouts
+    assert after.version == before.version and after.layouts == before.layouts
     model, _ = load_resident(path)
     assert greedy(model, 8) == expected
 
@@ -218,12 +218,15 @@ def test_corrupted_encoded_bytes(dirs, tmp_path):
 
 
 def test_v1_directory_still_loads(dirs, tmp_path):
-    """A directory written before format v2 (no encodings, version 1) loads and generates."""
+    """A directory written as before format v2 (no encodings, units padded: version 1) loads and generates; so does a
+    pruned one written as v2 (encoded, padded)."""
     src = dirs["src"]["llama"]
-    path = convert(str(src), tmp_path / "v1", alignment=512, progress=False)
+    path = convert(str(src), tmp_path / "v1", alignment=512, unit_alignment=None, progress=False)
     m = json.loads((path / "flash.json").read_text())
     assert m["format_version"] == 1 and "disk_stride" not in m["layouts"]["neurons"]
     assert all("encoding" not in c and "disk_offset" not in c for c in m["layouts"]["neurons"]["components"])
+    v2 = convert(str(src), tmp_path / "v2", unit_alignment=None, prune_format="bitmap", **PRUNE)
+    assert FlashDir(v2).version == 2
     ref, fd = load_resident(path)
     model, _ = load(path, memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.1 * fd.ffn_bytes) + Oracle(fd).nbytes, sparsity="oracle", context=CONTEXT)
     try:

@@ -213,6 +213,30 @@ def test_small_aligned_bundles_go_straight_to_the_destination(data_file, native,
             assert st["bytes_read"] > 100 * stride
 
 
+def test_packed_units_at_every_offset(data_file, native, direct):
+    """Packed units (format v3: 1376 B apart, SmolLM2's unit size, so they straddle 512 B blocks at every phase)
+    read into packed cache rows: scattered units, runs starting mid-block, single units; bytes exact, and the
+    device reads the aligned superset of each run's blocks and no more."""
+    path, data = data_file
+    stride, n = 1376, 64
+    units = data[: n * stride].reshape(n, stride)
+    rng = np.random.default_rng(8)
+    cases = [np.arange(n), np.array([3]), np.arange(5, 12), np.sort(rng.choice(n, 20, replace=False)), np.array([n - 1, 0])]
+    for chosen in cases:
+        base, off = aligned_buffer(len(chosen) * stride, 16)
+        slots = rng.permutation(len(chosen))
+        with open_reader(path, threads=2, direct=direct, native=native) as r:
+            r.read(base, chosen * stride, np.full(len(chosen), stride), off + slots * stride)
+            st, a = r.stats(), r.alignment
+        got = np.frombuffer(memoryview(base), np.uint8)[off : off + len(chosen) * stride].reshape(-1, stride)
+        assert np.array_equal(got[slots], units[chosen]), chosen
+        blocks = set()  # the aligned blocks the chosen units span
+        for u in chosen:
+            blocks.update(range(u * stride // a, -(-(u + 1) * stride // a)))
+        assert len(chosen) * stride <= st["bytes_read"] <= max(len(blocks) * a, len(chosen) * stride) + (
+            r.max_gap_bytes if hasattr(r, "max_gap_bytes") else 0) * len(chosen)
+
+
 def test_overlapping_and_duplicate_requests(data_file, native, direct):
     path, data = data_file
     fo = np.array([0, 0, A, 2 * A - 100, 10 * A, 10 * A + A])

@@ -107,7 +107,8 @@ def reorder(path, perms: Sequence[np.ndarray], progress: bool = False) -> Path:
     for d in (tmp, old):
         if d.exists():
             shutil.rmtree(d)
-    writer = FlashWriter(tmp, fd.alignment, {k: e for l in fd.layouts.values() for k, e in l.encodings().items()})
+    writer = FlashWriter(tmp, fd.alignment, {k: e for l in fd.layouts.values() for k, e in l.encodings().items()},
+                         fd.unit_alignment)
     try:
         for i in tqdm(range(len(fd.layers)), desc="reorder", unit="layer", disable=not progress):
             regions = {}

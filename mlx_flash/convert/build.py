@@ -36,7 +36,8 @@ from .. import __version__
 from ..architectures import adapter_for, symmetric
 from ..bitmap import capacity_for_sparsity
 from ..errors import FlashError
-from ..flash_format import DEFAULT_ALIGNMENT, BundleLayout, Encoding, FlashDir, FlashWriter, dtype_name
+from ..flash_format import (DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, FlashDir, FlashWriter,
+                            dtype_name)
 from ..texts import wikitext
 from .prune import stored_row_pruner, text_input_norms
 from .source import copy_tokenizer, load_source_model, mlp_paths, resolve_source
@@ -74,6 +75,7 @@ def convert(
     down_bits=None,
     alignment: Optional[int] = None,
     layout: str = "neurons",
+    unit_alignment: Optional[int] = PACKED_UNIT_ALIGNMENT,
     progress: bool = True,
     prune: Optional[str] = None,
     prune_sparsity: float = 0.5,
@@ -160,7 +162,8 @@ def convert(
                 if prune is not None and prune_format != "dense":
                     encodings = bitmap_encodings(regions["neurons"], adapter.matrices, ffn_quant, prune_sparsity,
                                                  strict=prune_format == "bitmap")
-                writer = FlashWriter(work / "flash", alignment or auto_alignment(regions, encodings), encodings)
+                writer = FlashWriter(work / "flash", alignment or auto_alignment(regions, encodings), encodings,
+                                     unit_alignment)
             writer.add_layer(regions)
             resident_ffn.update({f"{paths[i]}.{k}": v for k, v in biases.items()})
             layer.mlp = nn.Module()  # drop the FFN so the resident set below excludes it
@@ -337,7 +340,12 @@ def setup_arg_parser():
                              "auto (default): bitmap where the rows allow it, dense for 4-bit ones.")
     parser.add_argument(
         "--alignment", type=int, default=None,
-        help="Bundle alignment in bytes (power of two >= 512; default 4096, or 512 for bundles under 4 KiB).",
+        help="Alignment of each layer's region in bytes (power of two >= 512; default 4096, or 512 for bundles under 4 KiB).",
+    )
+    parser.add_argument(
+        "--unit-alignment", type=int, default=PACKED_UNIT_ALIGNMENT,
+        help=f"Bytes between units are a multiple of this (default {PACKED_UNIT_ALIGNMENT}: units packed, no padding read "
+        "with them; the --alignment value pads every unit to it, as format v1/v2 did).",
     )
     return parser
 
@@ -350,6 +358,7 @@ def main():
             bits = "auto"
         out = convert(
             args.model, args.out, args.dtype, bits, args.group_size, args.dequantize, args.down_bits, args.alignment, args.layout,
+            unit_alignment=args.unit_alignment,
             prune=args.prune, prune_sparsity=args.prune_sparsity, prune_text=args.prune_text, prune_format=args.prune_format,
             prune_seqs=args.prune_seqs, prune_seq_len=args.prune_seq_len,
         )

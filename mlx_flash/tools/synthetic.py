@@ -33,7 +33,7 @@ import mlx_flash  # noqa: F401
 
 from .. import __version__
 from ..default_model import cache_root
-from ..flash_format import FlashDir, FlashWriter
+from ..flash_format import PACKED_UNIT_ALIGNMENT, FlashDir, FlashWriter
 from ..models import get_model_classes
 from ..models.tiny import save_tiny_tokenizer
 
@@ -148,7 +148,7 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
     rng = np.random.default_rng(seed)
     layers = config["num_hidden_layers"]
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
-        writer = FlashWriter(Path(work) / "flash", alignment=512)
+        writer = FlashWriter(Path(work) / "flash", alignment=512, unit_alignment=PACKED_UNIT_ALIGNMENT)  # as convert writes
         resident, paths = _resident(config, storage, rng)
         info = None
         for i in range(layers):
