@@ -86,6 +86,8 @@ def print_stats(engine, out=sys.stdout):
     sp = engine.sparsifier
     detail = f" {sp.bits}-bit gate/up" if getattr(sp, "bits", None) else ""
     print(f"selector: {sp.name}{detail}, resident {fmt_bytes(getattr(sp, 'nbytes', 0))} (the plan's extra)", file=out)
+    if engine.why:
+        print(engine.why, file=out)
     print(engine.plan.describe({k: v.stride for k, v in engine.fd.layouts.items()},
                                {k: r.n_units for k, r in engine.fd.layers[0].items()}), file=out)
 

@@ -5,11 +5,12 @@ from typing import Callable, Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
 from . import cpu_gemv, memory
 from .architectures import adapter_for
-from .budget import head_dim, kv_tokens, parse_size, plan_memory
+from .budget import fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
 from .default_model import default_model_dir
 from .errors import FlashError, FlashFormatError
 from .ffn import ResidentFFN
@@ -176,6 +177,31 @@ def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.
     return WINA(list(d_in), list(d_out), *norms, gamma=gamma)
 
 
+def region_densities(fd: FlashDir, sparsifier) -> Dict[str, list]:
+    """Per region, the fraction of each layer's units the sparsifier uses per token (dense: all); a predictor by
+    threshold: the density its calibration measured (1 if none was recorded)."""
+    n = len(fd.layers)
+    if isinstance(sparsifier, (DIP, WINA)):
+        return {"inputs": list(sparsifier.input_density), "neurons": list(sparsifier.neuron_density)}
+    d = getattr(sparsifier, "density", None)
+    if d is None and not isinstance(sparsifier, Dense):
+        d = ((fd.manifest.get("sparsity") or {}).get("selector") or {}).get("density")
+    d = [1.0] * n if d is None else [float(d)] * n if np.isscalar(d) else list(d)
+    return {name: d for name in fd.layers[0]}
+
+
+def read_bytes_per_token(fd: FlashDir, plan, densities: Dict[str, list]) -> float:
+    """Device bytes per decode token the plan implies: per layer and region the uncached share of the units used
+    (a dense token reads every unit its cache does not hold; a selector's units are cached by chance, capacity / n
+    of them, a bound its temporal reuse only improves), plus the resident weights streamed every token."""
+    total = 0.0
+    for regions, caps in zip(fd.layers, plan.capacity):
+        for name, r in regions.items():
+            d, hit = densities[name][r.layer], caps[name] / max(r.n_units, 1)
+            total += (r.n_units - caps[name] if d >= 1 else d * r.n_units * (1 - hit)) * r.stride
+    return total + sum(g.nbytes for g in plan.streamed if g.kind != "rows")
+
+
 def load(
     path=None,
     memory_budget=None,
@@ -220,25 +246,42 @@ def load(
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
+    auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
         sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
-    extra = getattr(sparsifier, "nbytes", 0)  # the selector's own DRAM (predictors, the oracle's copy)
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
     cast = cpu_cast if dtype == mx.float32 else None
     if kv_bits is not None and (kv_bits not in (2, 3, 4, 6, 8) or head_dim(fd.config) % kv_group_size):
         raise FlashError(f"kv_bits={kv_bits}, kv_group_size={kv_group_size}: needs bits in 2, 3, 4, 6, 8 and a "
                          f"group size dividing the head dimension ({head_dim(fd.config)})")
-    plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra,
-                       resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
-                       prefetch=prefetch and isinstance(sparsifier, Dense),
-                       kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
+
+    def plan_for(sp):
+        return plan_memory(fd, budget, context, dtype.size if dtype else 2, getattr(sp, "nbytes", 0),  # its DRAM
+                           resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
+                           prefetch=prefetch and isinstance(sp, Dense),
+                           kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
+
+    plan, why = plan_for(sparsifier), None
+    if auto and not isinstance(sparsifier, Dense):
+        # a selector only where it reads fewer bytes than dense at this budget: its DRAM pushes cached units out
+        dense = Dense(fd.ffn["intermediate_size"])
+        dense_plan = plan_for(dense)
+        mine = read_bytes_per_token(fd, plan, region_densities(fd, sparsifier))
+        theirs = read_bytes_per_token(fd, dense_plan, region_densities(fd, dense))
+        if mine >= theirs:
+            why = (f"auto: dense, since the calibrated {sparsifier.name} would read {fmt_bytes(mine)} a token at this "
+                   f"budget against dense's {fmt_bytes(theirs)} (its {fmt_bytes(sparsifier.nbytes)} of DRAM leaves fewer "
+                   "units cached)")
+            sparsifier, plan = dense, dense_plan
+        else:
+            why = f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
     reader = open_reader(fd.ffn_path, direct=direct, **({"threads": threads} if threads else {}))
     scratch = min(plan.workspace // 2, plan.scratch)
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
                          compute_dtype=dtype or mx.float32, prefetch_rows=plan.prefetch_rows)
-    engine.plan = plan
+    engine.plan, engine.why = plan, why
     engine.stats.baseline_rss = baseline
     if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds
         mx.set_cache_limit(plan.workspace)

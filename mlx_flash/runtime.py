@@ -56,6 +56,7 @@ class FlashEngine:
         self.use_metal = use_metal
         self.stats = Stats([reader])
         self.streamer = None  # offload.ResidentStreamer when resident weights are streamed too
+        self.why = None  # why load's --sparsity auto chose this sparsifier
         self.overlap = True  # compute cached hits while misses are read (False: wait first; for A/B runs)
         self.caches: List[Dict[str, UnitCache]] = [
             {

@@ -11,7 +11,8 @@ from mlx_flash import FlashError
 from mlx_flash.calib.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
-from mlx_flash.loader import load, make_sparsifier
+from mlx_flash.budget import min_budget
+from mlx_flash.loader import cpu_cast, load, make_sparsifier
 from mlx_flash.calib.quality import dense_ffn_weights, eval_model
 from mlx_flash.selectors import build_sketch, dequantized_sketch, save_selector
 from mlx_flash.sparsity import WINA, Dense, Predictor, Sketch, top_k
@@ -68,6 +69,12 @@ def test_predictor_top_k_and_dense_on_every_layout():
 
 
 # -- a directory ships one selector ---------------------------------------------------------------
+def _tight(fd):
+    """A budget with room for the sketch and a tenth of the FFN's units."""
+    return min_budget(fd, 64, resident=fd.resident_nbytes(cpu_cast)) + fd.manifest["sparsity"]["selector"]["nbytes"] + (
+        fd.ffn_bytes // 10)
+
+
 def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(tiny):
     _, _, data = tiny
     path = _flash(tiny, "sketch")
@@ -81,10 +88,16 @@ def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(tiny):
     model, ctl = eval_model(fd)
     ctl.set_mode("sketch", sketch=dequantized_sketch(sp.layers, sp.bits, sp.group_size), neuron_density=sp.density)
     assert sel["held_out_tokens"] == 32
-    model_, tok = load(path, sparsity="auto", max_ppl_increase=10, context=64)
-    try:
+    model_, tok = load(path, memory_budget=_tight(fd), sparsity="auto", max_ppl_increase=10, context=64)
+    try:  # few units cached: the sketch reads fewer bytes than dense, with its DRAM in the plan
         assert model_.flash.plan.extra == model_.flash.sparsifier.nbytes == sel["nbytes"]
-        assert model_.flash.sparsifier.name == "sketch"
+        assert model_.flash.sparsifier.name == "sketch" and model_.flash.why.startswith("auto: sketch")
+    finally:
+        model_.flash.close()
+    model_, tok = load(path, sparsity="auto", max_ppl_increase=10, context=64)
+    try:  # every unit cached: nothing to save, and the sketch's DRAM would be spent for nothing
+        assert model_.flash.sparsifier.name == "dense" and model_.flash.plan.extra == 0
+        assert model_.flash.why.startswith("auto: dense, since the calibrated sketch would read")
     finally:
         model_.flash.close()
     # a measured increase above what the user allows: auto falls back to dense
@@ -150,13 +163,18 @@ def test_generate_stats_name_the_selector(tiny):
     _calibrate(path, data, "--max-ppl-increase", "10")
     nbytes = FlashDir(path).manifest["sparsity"]["selector"]["nbytes"]
     run = [sys.executable, "-m", "mlx_flash.generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "3",
-           "--memory-budget", "250%", "--stats", "--max-ppl-increase"]
-    r = subprocess.run(run + ["10"], capture_output=True, text=True, timeout=300)
+           "--stats", "--max-ppl-increase"]
+    tight = ["--memory-budget", str(_tight(FlashDir(path)))]
+    r = subprocess.run(run + ["10"] + tight, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "selector: sketch 2-bit gate/up" in r.stdout and f"extra {nbytes / 1024:.1f} KiB" in r.stdout
-    r = subprocess.run(run + ["-1"], capture_output=True, text=True, timeout=300)  # nothing is good enough: dense
+    assert "auto: sketch" in r.stdout
+    r = subprocess.run(run + ["-1"] + tight, capture_output=True, text=True, timeout=300)  # nothing is good enough
     assert r.returncode == 0, r.stderr
     assert "selector: dense" in r.stdout
+    r = subprocess.run(run + ["10", "--memory-budget", "250%"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr  # all cached: the sketch would save no read
+    assert "selector: dense" in r.stdout and "auto: dense, since the calibrated sketch would read" in r.stdout
 
 
 def test_candidates_follow_the_layout():
