@@ -36,7 +36,6 @@ rotated each round, because the disk is noisy.
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -54,7 +53,7 @@ from ..architectures import adapter_for
 from ..budget import fmt_bytes
 from ..convert.build import convert
 from ..convert.export import export
-from ..default_model import default_gguf_path
+from ..default_model import cache_root, default_gguf_path
 from ..flash_format import FlashDir
 from ..loader import default_model_dir
 from ..memory import baseline_command
@@ -68,10 +67,6 @@ LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 OOM_RETRY = 1.25  # an OOM-killed mlx_flash runs again under a cap this much larger (then again)
 MAX_RETRIES = 4
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MLX_FLASH_CACHE", Path.home() / ".cache" / "mlx_flash"))
 
 
 # -- llama.cpp, built from the sources vendored in llama-cpp-python's sdist ---------------------------
