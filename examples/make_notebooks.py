@@ -33,7 +33,7 @@ NOTEBOOKS = {
             "# Running in less memory than the model\n\n"
             "The budget covers resident weights, the KV cache, scratch buffers and the per-layer neuron "
             "caches. Below it, mlx_flash streams FFN neurons from flash for every token; below the "
-            "resident weights themselves (about 64% of this model), attention layers and the embedding / LM "
+            "resident weights themselves (about 75% of this model at this context), attention layers and the embedding / LM "
             "head are streamed too. Here we compare three budgets and read the per-token stats and what the "
             "planner decided."
         ),
@@ -43,7 +43,7 @@ NOTEBOOKS = {
         ),
         new_code_cell(
             "results = {}\n"
-            "for budget in ['25%', '65%', '100%']:\n"
+            "for budget in ['25%', '75%', '100%']:\n"
             "    model, tokenizer = mlx_flash.load(memory_budget=budget, sparsity='dense', context=128)\n"
             "    generate(model, tokenizer, 'Once upon a time', max_tokens=16)\n"
             "    model.flash.stats.end()\n"
@@ -62,8 +62,8 @@ NOTEBOOKS = {
             "    bottom = [x + y for x, y in zip(bottom, vals)]\n"
             "ax.set_ylabel('ms / token (median)'); ax.set_xlabel('memory budget'); ax.legend()\n"
             "fig.savefig('budget_breakdown.png', dpi=100, bbox_inches='tight')\n"
-            "assert results['25%']['bytes_per_token'] > results['65%']['bytes_per_token'] > results['100%']['bytes_per_token']\n"
-            "assert results['25%']['streamed_bytes_per_token'] > 0 == results['65%']['streamed_bytes_per_token']"
+            "assert results['25%']['bytes_per_token'] > results['75%']['bytes_per_token'] > results['100%']['bytes_per_token']\n"
+            "assert results['25%']['streamed_bytes_per_token'] > 0 == results['75%']['streamed_bytes_per_token']"
         ),
     ],
     "03_calibrate_dip_density_vs_perplexity.ipynb": [
@@ -122,8 +122,8 @@ NOTEBOOKS = {
             "with cold caches: **naive** (every FFN unit read per token), **hybrid** (dense, budget filled with "
             "cached units), **sparsity** (active units only, no cache), **window-unbundled** and **all** "
             "(sparsity + window cache, without and with bundling) and **mlx-lm** (all weights in DRAM).\n\n"
-            "Quick mode on the default model at a 65% budget, where the resident weights still fit (below "
-            "about 64% the planner streams attention layers too: see BENCHMARKS.md). The uncalibrated default "
+            "Quick mode on the default model at an 80% budget, where the resident weights still fit (below "
+            "about 78% the planner streams attention layers or the LM head too: see BENCHMARKS.md). The uncalibrated default "
             "model uses an oracle stand-in sparsifier. 16 "
             "tokens per configuration on this machine's disk: a quick look; BENCHMARKS.md has the full runs."
         ),
@@ -132,8 +132,8 @@ NOTEBOOKS = {
             "from mlx_flash.tools import bench"
         ),
         new_code_cell(
-            "# the same as: python -m mlx_flash.bench --memory-budget 65% --quick --tokens 16 --no-fio\n"
-            "res = bench.main(['--memory-budget', '65%', '--quick', '--tokens', '16', '--no-fio'])"
+            "# the same as: python -m mlx_flash.bench --memory-budget 80% --quick --tokens 16 --no-fio\n"
+            "res = bench.main(['--memory-budget', '80%', '--quick', '--tokens', '16', '--no-fio'])"
         ),
         new_code_cell(
             "fig = bench.figure(res)  # ms/token: I/O, memory management, compute, the sparsifier's selection\n"

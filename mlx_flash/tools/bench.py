@@ -117,7 +117,7 @@ class UnbundledReader:
 
     def __init__(self, reader, fd: FlashDir, pieces: int):
         self.reader, self.fd, self.pieces = reader, fd, pieces
-        self.alignment = fd.alignment
+        self.alignment = fd.unit_alignment  # pieces start where a matrix-major file would put them
 
     def __getattr__(self, name):
         return getattr(self.reader, name)
