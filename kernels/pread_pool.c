@@ -41,7 +41,7 @@
 #define IOV_MAX 1024
 #endif
 #define MAX_IOV (IOV_MAX < 1024 ? IOV_MAX : 1024)
-#define BOUNCE_BYTES ((int64_t)1 << 20) /* per-thread bounce buffer for unaligned runs */
+#define BOUNCE_BYTES ((int64_t)1 << 20) /* default per-thread bounce buffer for unaligned runs */
 #define MAX_THREADS 1024
 
 /* ------------------------------------------------------------------------------------ */
@@ -98,6 +98,7 @@ struct pool {
     int64_t alignment;
     int64_t max_gap;
     int64_t max_request;
+    int64_t bounce_bytes; /* each worker's bounce buffer: its memory, touched as unaligned runs need it */
     int nthreads;
     pid_t pid; /* the process that started the threads (a forked child has none) */
     worker_t *workers;
@@ -177,14 +178,14 @@ static int read_bounce(pool_t *p, worker_t *w, int64_t off, int64_t len, struct 
     if (!w->bounce) {
         void *mem = NULL;
         size_t al = (size_t)(A > 64 ? A : 64);
-        if (posix_memalign(&mem, al, (size_t)BOUNCE_BYTES) != 0) {
+        if (posix_memalign(&mem, al, (size_t)p->bounce_bytes) != 0) {
             *err = ENOMEM;
             return -1;
         }
         w->bounce = mem;
     }
     while (pos < end) {
-        int64_t chunk = end - pos < BOUNCE_BYTES ? end - pos : BOUNCE_BYTES;
+        int64_t chunk = end - pos < p->bounce_bytes ? end - pos : p->bounce_bytes;
         int64_t n = 0;
         while (n < chunk) {
             ssize_t m = pread(p->fd, w->bounce + n, (size_t)(chunk - n), (off_t)(pos + n));
@@ -721,18 +722,22 @@ static void pool_shutdown(pool_t *p) {
 }
 
 static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"path", "threads", "direct", "alignment", "max_gap", "max_request", NULL};
+    static char *kwlist[] = {"path", "threads", "direct", "alignment", "max_gap", "max_request", "bounce", NULL};
     PyObject *path_obj = NULL, *path_bytes = NULL;
     int threads = 32, direct = 1;
-    long long alignment = 0, max_gap = 0, max_request = 1 << 20;
+    long long alignment = 0, max_gap = 0, max_request = 1 << 20, bounce = BOUNCE_BYTES;
     if (self->p.workers || self->path) {
         PyErr_SetString(PyExc_RuntimeError, "Pool.__init__ called twice");
         return -1;
     }
     self->p.fd = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$ipLLL", kwlist, &path_obj, &threads, &direct, &alignment, &max_gap,
-                                     &max_request))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$ipLLLL", kwlist, &path_obj, &threads, &direct, &alignment, &max_gap,
+                                     &max_request, &bounce))
         return -1;
+    if (bounce < 4096) {
+        PyErr_Format(PyExc_ValueError, "bounce must be >= 4096 bytes, got %lld", bounce);
+        return -1;
+    }
     if (!PyUnicode_FSConverter(path_obj, &path_bytes)) return -1;
     self->path = PyUnicode_DecodeFSDefault(PyBytes_AS_STRING(path_bytes));
     if (!self->path) {
@@ -762,6 +767,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw) {
     self->p.alignment = 1; /* F_NOCACHE (macOS) has no alignment rule; cached mode neither */
 #endif
     self->p.max_gap = max_gap;
+    self->p.bounce_bytes = align_up(bounce, 4096); /* a multiple of any O_DIRECT alignment */
     atomic_init(&self->p.bytes_read, 0);
     atomic_init(&self->p.bytes_requested, 0);
     atomic_init(&self->p.requests, 0);

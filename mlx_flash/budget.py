@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
 from .errors import BudgetError
+from .reader import DEFAULT_THREADS
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
+# Packed units (format v3) are read through each reader thread's bounce buffer (O_DIRECT wants aligned offsets,
+# lengths and addresses): its memory is in the budget, so it is kept small.
+FFN_BOUNCE_BYTES = 64 << 10
 
 
 def parse_size(size: Union[int, float, str, None], total: int = None) -> int:
@@ -132,10 +136,15 @@ def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int
         "resident": fd.resident_bytes if resident is None else resident,
         "kv_cache": kv,
         "prompt_cache": prompt_caches * kv,  # each stored cache is one KV cache of `context` tokens
-        "scratch": scratch + fd.alignment * n_buffers,
+        "scratch": scratch + fd.alignment * n_buffers + bounce_bytes(fd),
         "workspace": 2 * scratch,
         "extra": extra,
     }
+
+
+def bounce_bytes(fd) -> int:
+    """Memory of the FFN reader's bounce buffers: packed units are read through them."""
+    return DEFAULT_THREADS * FFN_BOUNCE_BYTES if fd.unit_alignment < fd.alignment else 0
 
 
 def min_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None) -> int:

@@ -63,7 +63,7 @@ DEFAULT_THREADS = 32
 DEFAULT_ALIGNMENT = 4096
 DEFAULT_MAX_GAP_BYTES = 12 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-_BOUNCE_BYTES = 1 << 20
+DEFAULT_BOUNCE_BYTES = 1 << 20  # per thread, for unaligned runs (memory touched only as far as a run needs it)
 _F_NOCACHE = 48  # fcntl.h on macOS
 
 
@@ -247,6 +247,7 @@ class NativeReader:
         alignment: Optional[int] = None,
         max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        bounce_bytes: int = DEFAULT_BOUNCE_BYTES,
     ):
         if _native is None:
             raise ImportError("mlx_flash._pread_pool is not built (pip install -e . with a C compiler)")
@@ -257,6 +258,7 @@ class NativeReader:
             alignment=alignment or 0,
             max_gap=max_gap_bytes,
             max_request=max_request_bytes,
+            bounce=bounce_bytes,
         )
 
     def read(self, dest, file_offsets, lengths, dest_offsets, *, coalesce: bool = True) -> int:
@@ -363,6 +365,7 @@ class PythonReader:
         alignment: Optional[int] = None,
         max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        bounce_bytes: int = DEFAULT_BOUNCE_BYTES,
     ):
         if not 1 <= threads <= 1024:
             raise ValueError(f"threads must be in 1..1024, got {threads}")
@@ -389,7 +392,10 @@ class PythonReader:
         except OSError as e:
             mode = "uncached (O_DIRECT/F_NOCACHE)" if direct else "cached"
             raise _read_error(self.path, e.errno, 0, 0, f"cannot open for {mode} reads: {e.strerror}") from None
+        if bounce_bytes < 4096:
+            raise ValueError(f"bounce_bytes must be >= 4096, got {bounce_bytes}")
         self.threads = threads
+        self._bounce_bytes = -(-int(bounce_bytes) // 4096) * 4096
         self._max_gap = int(max_gap_bytes)
         self._max_request = self._round_request(int(max_request_bytes))
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="mlx_flash-read")
@@ -561,13 +567,13 @@ class PythonReader:
             if left == 0:
                 return calls, nread
         # unaligned: read the aligned superset into the bounce buffer, copy the wanted bytes
-        bounce = self._bounce(_BOUNCE_BYTES)
+        bounce = self._bounce(self._bounce_bytes)
         bmv = memoryview(bounce)
         start, end = off - off % A, -(-(off + left) // A) * A
         pos, k, within = start, 0, 0
         try:
             while pos < end:
-                chunk = min(end - pos, _BOUNCE_BYTES)
+                chunk = min(end - pos, self._bounce_bytes)
                 n = 0
                 while n < chunk:
                     try:
@@ -710,6 +716,7 @@ def open_reader(
     alignment: Optional[int] = None,
     max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    bounce_bytes: int = DEFAULT_BOUNCE_BYTES,
 ):
     """Open `path` for batched reads. native=None: the C pool when built, else the Python
     fallback; True/False force one (True raises ImportError when the extension is missing).
@@ -717,9 +724,9 @@ def open_reader(
     refuses O_DIRECT (tmpfs) raises ReadError. alignment=None: the O_DIRECT alignment the
     filesystem reports (`dio_alignment`, 512 on this project's disk), else 4096; requests,
     destinations and file offsets aligned to it are read straight into the destination,
-    the others through a bounce buffer. `reader.alignment` tells which was chosen."""
+    the others through a bounce buffer of `bounce_bytes` per thread. `reader.alignment` tells which was chosen."""
     kw = dict(threads=threads, direct=direct, alignment=alignment, max_gap_bytes=max_gap_bytes,
-              max_request_bytes=max_request_bytes)
+              max_request_bytes=max_request_bytes, bounce_bytes=bounce_bytes)
     if native is None:
         native = have_native()
     return NativeReader(path, **kw) if native else PythonReader(path, **kw)

@@ -213,6 +213,19 @@ def test_small_aligned_bundles_go_straight_to_the_destination(data_file, native,
             assert st["bytes_read"] > 100 * stride
 
 
+def test_a_small_bounce_buffer_reads_long_unaligned_runs(data_file, native, direct):
+    """bounce_bytes (the FFN reader's is small: its memory is in the budget) only sets the chunk an unaligned run is
+    read in: a run 40x its size, at an odd offset into an odd destination, is exact."""
+    path, data = data_file
+    fo, ln, do = np.array([777]), np.array([40 * 4096 + 5]), np.array([3])
+    out = bytearray(int(ln[0]) + 8)
+    with open_reader(path, threads=2, direct=direct, native=native, bounce_bytes=4096) as r:
+        r.read(out, fo, ln, do)
+    _check(out, data, fo, ln, do)
+    with pytest.raises(ValueError, match="bounce"):
+        open_reader(path, native=native, bounce_bytes=100)
+
+
 def test_packed_units_at_every_offset(data_file, native, direct):
     """Packed units (format v3: 1376 B apart, SmolLM2's unit size, so they straddle 512 B blocks at every phase)
     read into packed cache rows: scattered units, runs starting mid-block, single units; bytes exact, and the
