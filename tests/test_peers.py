@@ -76,7 +76,7 @@ def test_synthetic_gguf_is_read_and_converted(tiny_gguf, tmp_path):
 
 
 def _built(name):
-    exe = peers.cache_root() / "llama.cpp" / peers.LLAMA_CPP_PYTHON / "build" / "bin" / name
+    exe = peers.llama_cpp_path(name)
     return exe if exe.is_file() else None
 
 

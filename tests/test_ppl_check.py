@@ -72,7 +72,7 @@ def test_sequence_nll_scores_from_first():
 
 
 def _llama_perplexity():
-    exe = peers.cache_root() / "llama.cpp" / peers.LLAMA_CPP_PYTHON / "build" / "bin" / "llama-perplexity"
+    exe = peers.llama_cpp_path("llama-perplexity")
     return exe if exe.is_file() else None
 
 

@@ -36,6 +36,7 @@ rotated each round, because the disk is noisy.
 
 import argparse
 import json
+import platform
 import re
 import shutil
 import statistics
@@ -69,12 +70,23 @@ OOM_RETRY = 1.25  # an OOM-killed mlx_flash runs again under a cap this much lar
 MAX_RETRIES = 4
 
 
+# The CPU's own instructions, but not AMX: a VM may report AMX without enabling its tile state, and then
+# llama.cpp's first prompt matmul dies of SIGILL (seen on this project's machines). The flags name the build.
+LLAMA_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_BUILD = "build-noamx"
+
+
 # -- llama.cpp, built from the sources vendored in llama-cpp-python's sdist ---------------------------
+def llama_cpp_path(name: str) -> Path:
+    """Where the llama.cpp program `name` is once built (it may not be)."""
+    return cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON / LLAMA_BUILD / "bin" / name
+
+
 def llama_cpp_bin(name: str) -> Path:
     """Path of the llama.cpp program `name`, built once (several minutes) into
     ~/.cache/mlx_flash/llama.cpp/<version>."""
     root = cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON
-    exe = root / "build" / "bin" / name
+    exe = llama_cpp_path(name)
     if exe.is_file():
         return exe
     src = root / "src"
@@ -92,9 +104,10 @@ def llama_cpp_bin(name: str) -> Path:
     print(f"[peers] building llama.cpp ({', '.join(LLAMA_TARGETS)}) in {root}: several minutes, once; "
           f"log in {root / 'build.log'}", file=sys.stderr)
     with open(root / "build.log", "w") as log:
-        subprocess.run(["cmake", "-S", src, "-B", root / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                        "-DCMAKE_BUILD_TYPE=Release"], check=True, stdout=log, stderr=subprocess.STDOUT)
-        subprocess.run(["cmake", "--build", root / "build", "-j2", "--target", *LLAMA_TARGETS], check=True,
+        amx = [f"-DCMAKE_C_FLAGS={LLAMA_NO_AMX}", f"-DCMAKE_CXX_FLAGS={LLAMA_NO_AMX}"] if platform.machine() == "x86_64" else []
+        subprocess.run(["cmake", "-S", src, "-B", root / LLAMA_BUILD, "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                        "-DCMAKE_BUILD_TYPE=Release", *amx], check=True, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(["cmake", "--build", root / LLAMA_BUILD, "-j2", "--target", *LLAMA_TARGETS], check=True,
                        stdout=log, stderr=subprocess.STDOUT)
     return exe
 
