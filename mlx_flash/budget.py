@@ -142,9 +142,16 @@ def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int
     }
 
 
+def ffn_reader_threads(fd) -> int:
+    """The FFN reader's threads: DEFAULT_THREADS, fewer for a model whose layers are a few bounce buffers long
+    (a thread per 64 KiB of a layer's units is all a sweep of it can use)."""
+    largest = max(r.nbytes for r in fd.regions())
+    return max(4, min(DEFAULT_THREADS, largest // FFN_BOUNCE_BYTES))
+
+
 def bounce_bytes(fd) -> int:
     """Memory of the FFN reader's bounce buffers: packed units are read through them."""
-    return DEFAULT_THREADS * FFN_BOUNCE_BYTES if fd.unit_alignment < fd.alignment else 0
+    return ffn_reader_threads(fd) * FFN_BOUNCE_BYTES if fd.unit_alignment < fd.alignment else 0
 
 
 def min_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None) -> int:

@@ -10,14 +10,14 @@ from mlx.utils import tree_unflatten
 
 from . import cpu_gemv, memory
 from .architectures import adapter_for
-from .budget import FFN_BOUNCE_BYTES, fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
+from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
 from .default_model import default_model_dir
 from .errors import FlashError, FlashFormatError
 from .ffn import ResidentFFN
 from .flash_format import RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
 from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
-from .reader import DEFAULT_THREADS, open_reader
+from .reader import open_reader
 from .runtime import FlashEngine, FlashFFN
 from .selectors import load_selector_arrays, wina_norms
 from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch
@@ -277,7 +277,8 @@ def load(
             sparsifier, plan = dense, dense_plan
         else:
             why = f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
-    reader = open_reader(fd.ffn_path, direct=direct, threads=threads or DEFAULT_THREADS, bounce_bytes=FFN_BOUNCE_BYTES)
+    # (threads other than the plan's: its bounce buffers are threads x FFN_BOUNCE_BYTES of a packed directory)
+    reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES)
     scratch = min(plan.workspace // 2, plan.scratch)
     engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
                          compute_dtype=dtype or mx.float32, prefetch_rows=plan.prefetch_rows)
