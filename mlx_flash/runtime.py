@@ -78,12 +78,27 @@ class FlashEngine:
             return lambda: None
         r = self.fd.layers[layer][region]
         offsets = r.offset + units.astype(np.int64) * r.stride
-        lengths = np.full(len(units), r.stride, dtype=np.int64)
+        return self._submit_ranges(buffer, offsets, np.full(len(units), r.stride, dtype=np.int64), dest)
+
+    def _submit_run(self, layer: int, region: str, first: int, n: int, buffer: mx.array, base: int):
+        """Start reading units first..first+n-1, neighbours on flash, as the aligned superset of their bytes into
+        `buffer` at byte `base` (aligned, with room for n strides and two alignments): one direct read, where
+        packed units read one by one would go through the pool's bounce buffers. Returns (wait, the byte offset
+        of the first unit in `buffer`)."""
+        r, a = self.fd.layers[layer][region], max(1, self.reader.alignment)
+        lo = r.offset + first * r.stride
+        start, end = lo // a * a, -(-(lo + n * r.stride) // a) * a
+        wait = self._submit_ranges(buffer, np.array([start]), np.array([end - start]), np.array([base]), n * r.stride)
+        return wait, base + lo - start
+
+    def _submit_ranges(self, buffer, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, requested=None):
+        """The reads of `_submit`; `requested`: the units' bytes among them (default all: the alignment a run's
+        superset adds is counted at the device, not as asked)."""
         t = time.perf_counter()
-        handle = self.reader.submit(buffer, offsets, lengths, dest.astype(np.int64))
+        handle = self.reader.submit(buffer, offsets.astype(np.int64), lengths.astype(np.int64), dest.astype(np.int64))
         s = self.stats.current
         s.io_s += time.perf_counter() - t
-        s.bytes_requested += int(lengths.sum())
+        s.bytes_requested += int(lengths.sum()) if requested is None else requested
 
         def wait():
             t = time.perf_counter()
@@ -114,14 +129,20 @@ class FlashEngine:
         sized so that those stay within the scratch size too.
         """
         layout = self.fd.layouts[region]
-        disk = layout.disk_stride
-        per = self.scratch.nbytes // layout.stride
+        disk, slack = layout.disk_stride, 2 * max(1, self.reader.alignment)
+        per = max(1, (self.scratch.nbytes - slack) // layout.stride)
         rows = self.scratch.rows(disk)
         for start in range(0, len(units), per):
             chunk = units[start : start + per]
-            dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * disk
-            self._read(layer, region, chunk, self.scratch.buffer, dest)
-            out = rows[: len(chunk)]
+            if chunk[-1] - chunk[0] == len(chunk) - 1 and len(chunk) * disk + slack <= self.scratch.nbytes:
+                wait, at = self._submit_run(layer, region, int(chunk[0]), len(chunk), self.scratch.buffer,
+                                            self.scratch.base_offset)  # a run on flash: one aligned read
+                wait()
+                out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
+            else:
+                dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * disk
+                self._read(layer, region, chunk, self.scratch.buffer, dest)
+                out = rows[: len(chunk)]
             if layout.encoded:
                 t = time.perf_counter()
                 out = layout.expand(out, self.use_metal)
@@ -132,8 +153,6 @@ class FlashEngine:
     def _stream(self, layer: int, region: str, units: np.ndarray):
         """`_chunks`, and units that are in the region's cache (e.g. just seeded by a prompt) get
         their cache row refreshed from the streamed rows: no second read."""
-        layout = self.fd.layouts[region]
-        host = self.scratch.host(layout.stride)
         cache = self.caches[layer][region]
         for positions, rows in self._chunks(layer, region, units):
             yield positions, rows
@@ -142,7 +161,7 @@ class FlashEngine:
             keep = slots >= 0
             if keep.any():
                 t = time.perf_counter()
-                cache.host[slots[keep]] = (np.asarray(rows) if layout.encoded else host[: len(chunk)])[keep]
+                cache.host[slots[keep]] = np.asarray(rows)[keep]
                 self.stats.current.mm_s += time.perf_counter() - t
 
     def _fetch(self, layer: int, region: str, active: np.ndarray):
@@ -371,10 +390,11 @@ class Prefetch:
     def __init__(self, engine: "FlashEngine", rows: int):
         self.engine = engine
         stride = engine.fd.layouts["neurons"].stride
-        self.buffers = [AlignedBuffer(rows * stride, engine.fd.alignment) for _ in range(2)]
-        self.rows = [b.rows(stride) for b in self.buffers]
+        self.slack = 2 * max(1, engine.reader.alignment)  # a run's aligned superset
+        self.buffers = [AlignedBuffer(rows * stride + self.slack, engine.fd.alignment) for _ in range(2)]
+        self.rows = [b.rows(stride)[:rows] for b in self.buffers]
         mx.eval(self.rows)  # views now: a lazy one would need this thread's stream where it is used (a server thread)
-        self.pending = {}  # layer -> (buffer index, units, wait)
+        self.pending = {}  # layer -> (buffer index, units, wait, their rows)
         self.wasted_bytes = 0
 
     def start(self, layer: int):
@@ -382,28 +402,34 @@ class Prefetch:
         if layer in self.pending or cache.num_used < cache.capacity:  # still filling: the plan may admit more
             return
         units = np.flatnonzero(~cache.cached_mask()).astype(np.int32)[: len(self.rows[0])]
-        free = {0, 1} - {b for b, _, _ in self.pending.values()}
+        free = {0, 1} - {b for b, _, _, _ in self.pending.values()}
         if not len(units) or not free:
             return
         b = min(free)  # the other buffer: the current layer computes from its own until the next sync
-        buf = self.buffers[b]
-        dest = buf.base_offset + np.arange(len(units), dtype=np.int64) * cache.row_bytes
-        self.pending[layer] = (b, units, self.engine._submit(layer, "neurons", units, buf.buffer, dest))
+        buf, stride = self.buffers[b], cache.row_bytes
+        if units[-1] - units[0] == len(units) - 1:  # the usual case: a run on flash, one aligned read
+            wait, at = self.engine._submit_run(layer, "neurons", int(units[0]), len(units), buf.buffer, buf.base_offset)
+            rows = buf.buffer[at : at + len(units) * stride].reshape(len(units), stride)
+            mx.eval(rows)  # a view now, as self.rows
+        else:
+            dest = buf.base_offset + np.arange(len(units), dtype=np.int64) * stride
+            wait, rows = self.engine._submit(layer, "neurons", units, buf.buffer, dest), self.rows[b][: len(units)]
+        self.pending[layer] = (b, units, wait, rows)
 
     def take(self, layer: int, units: np.ndarray) -> Optional[mx.array]:
         """The rows of the first units of `units` read ahead for `layer` (waited for), or None."""
         if layer not in self.pending:
             return None
-        b, read, wait = self.pending.pop(layer)
+        b, read, wait, rows = self.pending.pop(layer)
         wait()
         if not np.array_equal(read, units[: len(read)]):
             self.wasted_bytes += len(read) * self.rows[b].shape[1]
             return None
-        return self.rows[b][: len(read)]
+        return rows
 
     def drain(self):
         """Wait for the reads in flight (their errors are moot: nothing will use them)."""
-        for _, _, wait in self.pending.values():
+        for _, _, wait, _ in self.pending.values():
             try:
                 wait()
             except Exception:
@@ -421,7 +447,3 @@ class AlignedBuffer:
     def rows(self, stride: int) -> mx.array:
         n = self.nbytes // stride
         return self.buffer[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
-
-    def host(self, stride: int) -> np.ndarray:
-        n = self.nbytes // stride
-        return np.asarray(memoryview(self.buffer))[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
