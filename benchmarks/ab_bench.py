@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 
-def run(checkout: Path, bench_args, json_path: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
+def run(checkout: Path, bench_args, json_path: Path, cache: Path = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout), **({"MLX_FLASH_CACHE": str(cache)} if cache else {}))
     subprocess.run([sys.executable, "-m", "mlx_flash.bench", *bench_args, "--json", str(json_path)], env=env,
                    check=True, stdout=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     return json.loads(json_path.read_text())
@@ -31,6 +31,9 @@ def main():
     p.add_argument("--new", type=Path, required=True)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--separate-caches", type=Path, default=None,
+                   help="Give each side its own MLX_FLASH_CACHE under this folder (when their formats differ, e.g. the "
+                   "synthetic models each builds).")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the bench's own arguments")
     args = p.parse_args()
     bench_args = [a for a in args.bench_args if a != "--"]
@@ -38,7 +41,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for side in ("old", "new"):
-                res = run(getattr(args, side).resolve(), bench_args, Path(tmp) / f"{side}{r}.json")
+                cache = args.separate_caches / side if args.separate_caches else None
+                res = run(getattr(args, side).resolve(), bench_args, Path(tmp) / f"{side}{r}.json", cache)
                 rounds[side].append(res["configs"])
                 print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v['total_ms']:.1f} ms" for k, v in res["configs"].items()),
                       file=sys.stderr)
