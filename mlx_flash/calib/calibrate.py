@@ -364,7 +364,6 @@ def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights
     L = len(weights)
     name = cand["name"]
     if name == "sketch":
-
         bits, gs = cand["bits"], cand["group_size"]
         arrays = build_sketch(weights, xs, bits, gs)
         info = {"bits": bits, "group_size": gs, "density": [density] * L}
@@ -373,7 +372,6 @@ def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights
     if name in ("dip", "wina"):
         kw = {}
         if name == "wina":
-
             n_in, n_out = wina_norms(weights)
             kw = {"input_norm": [mx.array(v) for v in n_in], "neuron_norm": [mx.array(v) for v in n_out]}
         split = calibrate_dip(model, ctl, calib, density, dip_count, progress, mode=name, **kw)
@@ -415,7 +413,6 @@ def calibrate_selector(fd: FlashDir, model, ctl, calib: np.ndarray, held: np.nda
     entry = dict(info, ppl=row["ppl"], dense_ppl=dense, ppl_increase=row["ppl_increase"],
                  held_out_tokens=int(held.shape[0] * (held.shape[1] - 1)))
     if save:
-
         save_selector(fd, row["name"], arrays, **entry, **({} if arrays else {"nbytes": row["nbytes"]}))
     return {"name": row["name"], **entry, "nbytes": row["nbytes"], "tried": tried}
 
@@ -653,7 +650,6 @@ def run(args) -> dict:
 
     # 4. neuron order
     if args.reorder:
-
         group = reorder_group(fd)
         perm = [neuron_order(activation_targets(x, w, fd.ffn["kind"], fd.ffn["activation"], args.density), group)
                 for x, w in zip(xs, weights)]

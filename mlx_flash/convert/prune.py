@@ -221,7 +221,6 @@ def wikitext_input_norms(path, n_seqs: int = 32, seq_len: int = 512, text_path: 
 
     path = Path(path)
     if (path / "flash.json").is_file():
-
         model, fd = load_resident(path)
         tok = load_tokenizer(fd)
     else:

@@ -634,12 +634,10 @@ def main(argv=None):
 
     trace, prompt, kind = None, None, "real"
     if a.synthetic:
-
         path = build(a.synthetic)
         trace = (Trace.load(a.trace), a.trace) if a.trace else default_trace(a.density)
         kind = "synthetic"
     else:
-
         path = a.model or default_model_dir()
         if a.trace:
             trace = (Trace.load(a.trace), a.trace)

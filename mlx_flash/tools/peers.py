@@ -118,22 +118,18 @@ def prepare(model: str, progress: bool = True) -> dict:
     once under ~/.cache/mlx_flash/peers/<name>."""
 
     if model == "small":
-
         gguf, flash = default_gguf_path(), default_model_dir()
     else:
         gguf = Path(model) if model != "llama-7b" else cache_root() / "peers" / model / "model.Q4_0.gguf"
         if model == "llama-7b" and not gguf.is_file():
-
             write_gguf(model, gguf, progress=progress)
         flash = None
     root = cache_root() / "peers" / (model if model in ("small", "llama-7b") else Path(model).stem)
     mlx = root / "mlx"
-    if flash is None:
-        # the GGUF's own down_proj codes (exact, 4.5-5 bits a weight where 8-bit rows would take 8.5), and
-        # 512: O_DIRECT's minimum (4096 would pad the 7B's 7168 B bundles to 8192)
-        flash, mlx = root / "flash-source", root / "mlx-source"
+    if flash is None:  # convert's defaults, as a user converts: the GGUF's own codes, units packed
+        flash, mlx = root / "flash", root / "mlx"
         if not (flash / "flash.json").is_file():
-            convert(str(gguf), flash, alignment=512, down_bits="source", progress=progress)
+            convert(str(gguf), flash, progress=progress)
     paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx}
     if not (paths["mlx"] / "config.json").is_file():
         shutil.rmtree(paths["mlx"], ignore_errors=True)

@@ -209,7 +209,6 @@ def main(argv=None):
     if a.trace:
         trace = Trace.load(a.trace)
     else:
-
         trace = default_trace()[0]
     sim = simulate(bench, trace, [m for m in a.machines.split(",") if m])
     print(f"simulated {sim['model']} at budget {sim['budget']}, {sim['tokens']} tokens (trace-driven; "
