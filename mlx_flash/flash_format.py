@@ -275,7 +275,7 @@ class BundleLayout:
         try:
             return bitmap.encode_rows(values, e.capacity, mask=mask)[0]
         except ValueError as err:
-            raise ValueError(f"{c.name}: {err} (prune it to at most {e.capacity} non-zeros per row)") from None
+            raise ValueError(f"{c.name}: {err} (prune it to at most {e.capacity} non-zeros per row)") from err
 
     @staticmethod
     def _affine_zero(c: Component, scales: mx.array, biases: mx.array) -> mx.array:
@@ -380,9 +380,9 @@ class FlashDir:
             if self.version < 3 and self.unit_alignment != self.alignment:
                 raise ValueError("packed units need format version 3")
         except FlashFormatError as e:
-            raise FlashFormatError(f"{self.path / MANIFEST}: {e}") from None
+            raise FlashFormatError(f"{self.path / MANIFEST}: {e}") from e
         except (KeyError, TypeError, ValueError) as e:
-            raise FlashFormatError(f"{self.path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})") from None
+            raise FlashFormatError(f"{self.path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})") from e
         self.config = self._read_json("config.json")
         self._check_files()
         self._resident_index = None
@@ -396,7 +396,7 @@ class FlashDir:
             with open(p) as f:
                 return json.load(f)
         except json.JSONDecodeError as e:
-            raise FlashFormatError(f"{p}: not valid JSON ({e})") from None
+            raise FlashFormatError(f"{p}: not valid JSON ({e})") from e
 
     def _read_manifest(self):
         m = self._read_json(MANIFEST)
@@ -477,7 +477,7 @@ class FlashDir:
                 if name != "__metadata__"
             }
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise FlashFormatError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
+            raise FlashFormatError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from e
         for t in index.values():
             if t.offset + t.nbytes > self.resident_bytes or t.nbytes != int(np.prod(t.shape)) * t.dtype.size:
                 raise FlashFormatError(f"{path}: tensor {t.name} has inconsistent offsets in the header")
@@ -505,7 +505,7 @@ class FlashDir:
         try:
             return mx.load(str(self.path / RESIDENT))
         except Exception as e:
-            raise FlashFormatError(f"{self.path / RESIDENT}: cannot be read ({e})") from None
+            raise FlashFormatError(f"{self.path / RESIDENT}: cannot be read ({e})") from e
 
     def load_predictors(self) -> Optional[List[Dict[str, mx.array]]]:
         """Low-rank predictors per layer ({"A": [rank, d], "B": [n, rank]}), or None if not calibrated."""
@@ -519,7 +519,7 @@ class FlashDir:
             w = mx.load(str(path))
             return [{"A": w[f"{i}.A"], "B": w[f"{i}.B"]} for i in range(len(self.layers))]
         except Exception as e:
-            raise FlashFormatError(f"{path}: cannot be read ({e})") from None
+            raise FlashFormatError(f"{path}: cannot be read ({e})") from e
 
     def update_manifest(self, **fields) -> None:
         """Set top-level manifest fields (e.g. calibration results), atomically."""

@@ -85,7 +85,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise FlashFormatError(f"{fd.path}: resident weights do not match the architecture ({e})") from None
+        raise FlashFormatError(f"{fd.path}: resident weights do not match the architecture ({e})") from e
     # now, in this thread: MLX streams are per thread, and a lazy load left for another thread (mlx-lm's
     # server generates in its own) fails there ("no Stream(cpu, 0) in current thread")
     mx.eval(model.parameters(), ffn_tensors)

@@ -391,7 +391,7 @@ class PythonReader:
                 fcntl.fcntl(self._fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE), 1)
         except OSError as e:
             mode = "uncached (O_DIRECT/F_NOCACHE)" if direct else "cached"
-            raise _read_error(self.path, e.errno, 0, 0, f"cannot open for {mode} reads: {e.strerror}") from None
+            raise _read_error(self.path, e.errno, 0, 0, f"cannot open for {mode} reads: {e.strerror}") from e
         if bounce_bytes < 4096:
             raise ValueError(f"bounce_bytes must be >= 4096, got {bounce_bytes}")
         self.threads = threads
@@ -546,7 +546,7 @@ class PythonReader:
                 except InterruptedError:
                     continue
                 except OSError as e:
-                    raise self._fail(run, e.errno, off - foff) from None
+                    raise self._fail(run, e.errno, off - foff) from e
                 finally:
                     calls += 1
                 if n == 0:
@@ -581,7 +581,7 @@ class PythonReader:
                     except InterruptedError:
                         continue
                     except OSError as e:
-                        raise self._fail(run, e.errno, off - foff) from None
+                        raise self._fail(run, e.errno, off - foff) from e
                     finally:
                         calls += 1
                     if m == 0:

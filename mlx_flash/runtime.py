@@ -362,12 +362,14 @@ class FlashEngine:
         self.stats.readers.append(streamer.reader)
 
     def close(self):
-        """Release the readers' files and threads."""
-        if self.prefetch is not None:
-            self.prefetch.drain()
-        self.reader.close()
-        if self.streamer is not None:
-            self.streamer.close()
+        """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
+        try:
+            if self.prefetch is not None:
+                self.prefetch.drain()
+        finally:
+            self.reader.close()
+            if self.streamer is not None:
+                self.streamer.close()
 
     def reset(self):
         """Cold caches and fresh stats (e.g. between benchmark runs)."""
@@ -428,13 +430,17 @@ class Prefetch:
         return rows
 
     def drain(self):
-        """Wait for the reads in flight (their errors are moot: nothing will use them)."""
-        for _, _, wait, _ in self.pending.values():
+        """Wait for the reads in flight. A read that failed raises its ReadError here: nothing will use its rows,
+        but the disk failing is news (the caller reporting a failed layer chains it)."""
+        pending, self.pending = list(self.pending.values()), {}
+        errors = []
+        for _, _, wait, _ in pending:
             try:
                 wait()
-            except Exception:
-                pass
-        self.pending.clear()
+            except ReadError as e:  # wait for the others first: their buffers must not be reused while in flight
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class AlignedBuffer:

@@ -304,3 +304,24 @@ def test_killed_conversion_leaves_nothing_that_loads(tiny_dirs, tmp_path):
         assert leftover.name.startswith(".out.")
         with pytest.raises(FlashFormatError):
             FlashDir(leftover / "flash")
+
+
+def test_a_malformed_manifest_error_keeps_its_cause(tiny_dirs, tmp_path):
+    """The typed error says what is wrong, and its cause (the JSON or key error) is kept for whoever debugs it."""
+    import shutil
+
+    from mlx_flash.errors import FlashFormatError
+
+    path = convert(str(tiny_dirs["llama"]), tmp_path / "f", progress=False)
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    (bad / "flash.json").write_text("{not json")
+    with pytest.raises(FlashFormatError, match="not valid JSON") as e:
+        FlashDir(bad)
+    assert isinstance(e.value.__cause__, json.JSONDecodeError)
+    m = json.loads((path / "flash.json").read_text())
+    del m["layouts"]
+    (bad / "flash.json").write_text(json.dumps(m))
+    with pytest.raises(FlashFormatError, match="malformed manifest") as e:
+        FlashDir(bad)
+    assert isinstance(e.value.__cause__, KeyError)

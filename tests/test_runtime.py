@@ -295,6 +295,24 @@ def test_a_read_error_leaves_no_unread_rows_behind(flash_dirs):
         model.flash.close()
 
 
+def test_a_failed_read_ahead_is_not_swallowed(deep_tiny):
+    """A read ahead (the next layer's units) that fails raises when it is drained: on close, after the readers
+    are released (close can be called again), and nothing reports success over it."""
+    from mlx_flash.errors import ReadError
+
+    model, _ = load(deep_tiny, memory_budget=prefetch_budget(deep_tiny), sparsity="dense", context=CONTEXT)
+    engine = model.flash
+    greedy(model, 8)  # caches full: each layer now reads the next one's units ahead
+    engine.reader = FailingReader(engine.reader, ok=0)
+    engine.prefetch.pending.clear()
+    engine.prefetch.start(1)
+    assert 1 in engine.prefetch.pending
+    with pytest.raises(ReadError, match="injected EIO"):
+        engine.close()
+    assert engine.prefetch.pending == {}
+    engine.close()  # released: a second close does nothing
+
+
 @pytest.fixture(scope="module")
 def deep_tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("deep")

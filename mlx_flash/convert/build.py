@@ -251,7 +251,7 @@ def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
     try:
         norms = text_input_norms(model, load_tokenizer(src_dir), text, n_seqs, seq_len, progress)
     except (OSError, ValueError) as e:
-        raise FlashError(f"--prune-text {text or wikitext()}: {e}") from None
+        raise FlashError(f"--prune-text {text or wikitext()}: {e}") from e
     finally:
         if quantized:
             model.update_modules(tree_unflatten(quantized))

@@ -489,7 +489,7 @@ def _check_file(path: Path) -> None:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise SourceError(f"{path}: cannot be read ({e})") from None
+        raise SourceError(f"{path}: cannot be read ({e})") from e
     if len(magic) < 4:
         raise SourceError(f"{path}: not a GGUF file (only {len(magic)} bytes long)")
     if magic != GGUF_MAGIC:
@@ -546,8 +546,6 @@ def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
             arrays, meta = mx.load(str(path), return_metadata=True)
             return _MxSource(arrays, Meta({k: _plain(v) for k, v in meta.items()}, path))
         except Exception as e:  # an unsupported tensor type, or a damaged file: the reader tells which
-            if "past the end of the file" in str(e):  # mx.load's own truncation check: no need to ask the reader
-                raise SourceError(f"{path}: truncated or corrupted GGUF file ({e})") from None
             mx_error = e
     import gguf
 
@@ -558,7 +556,7 @@ def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
         detail = mx_error if mx_error is not None else e
         raise SourceError(
             f"{path}: cannot read the GGUF file (truncated or corrupted?): {type(detail).__name__}: {detail}"
-        ) from None
+        ) from e
     return _ReaderSource(reader, meta)
 
 

@@ -60,7 +60,7 @@ def _download(repo_id: str) -> Path:
             )
         )
     except Exception as e:  # offline, unknown repo, gated repo: all end the same way
-        raise SourceError(f"cannot fetch {repo_id!r} from the Hugging Face Hub: {type(e).__name__}: {e}") from None
+        raise SourceError(f"cannot fetch {repo_id!r} from the Hugging Face Hub: {type(e).__name__}: {e}") from e
 
 
 def read_config(model_dir: Path) -> dict:
@@ -68,7 +68,7 @@ def read_config(model_dir: Path) -> dict:
         with open(model_dir / "config.json") as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise SourceError(f"{model_dir / 'config.json'}: cannot be read ({e})") from None
+        raise SourceError(f"{model_dir / 'config.json'}: cannot be read ({e})") from e
 
 
 def load_source_model(model_dir: Path, lazy: bool = True):
@@ -82,9 +82,9 @@ def load_source_model(model_dir: Path, lazy: bool = True):
     except UnsupportedArchitectureError:
         raise
     except FileNotFoundError as e:
-        raise SourceError(f"{model_dir}: {e}") from None
+        raise SourceError(f"{model_dir}: {e}") from e
     except Exception as e:
-        raise SourceError(f"{model_dir}: cannot load the model ({type(e).__name__}: {e})") from None
+        raise SourceError(f"{model_dir}: cannot load the model ({type(e).__name__}: {e})") from e
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:

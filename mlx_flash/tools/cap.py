@@ -106,7 +106,7 @@ class _Cgroup:
         try:
             self.path.mkdir()
         except OSError as e:
-            raise CapError(f"cannot create the memory cgroup {self.path}: {e}") from None
+            raise CapError(f"cannot create the memory cgroup {self.path}: {e}") from e
         try:
             if self.backend == "cgroup1":
                 _write(self.path / "memory.limit_in_bytes", limit)
@@ -121,7 +121,7 @@ class _Cgroup:
                     _write(self.path / "memory.swap.max", 0)
         except OSError as e:
             self.remove()
-            raise CapError(f"cannot set the memory limit of {self.path}: {e}") from None
+            raise CapError(f"cannot set the memory limit of {self.path}: {e}") from e
 
     def enter(self) -> None:
         """In the child between fork and exec: move it into the cgroup before it allocates anything."""
@@ -191,7 +191,7 @@ def run_capped(cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Opt
             backend = cgroup.backend
         except CapError as first:
             if not _systemd_run_works():
-                raise CapError(f"{first}; systemd-run --scope does not work here either") from None
+                raise CapError(f"{first}; systemd-run --scope does not work here either") from first
             backend = "systemd-run"
             argv = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={limit}", "-p", "MemorySwapMax=0",
                     "--", *cmd]
