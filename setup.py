@@ -37,14 +37,16 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         mlx,
-        "mlx-lm>=0.30",
+        "mlx-lm>=0.30,<0.33",  # server.py, generation.py and models/ use private parts: tests/test_mlx_lm_contract.py
         "numpy",
         "huggingface_hub",
-        "safetensors",
         "tokenizers",
         "transformers",
         "gguf",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "grimp", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib"]},
+    extras_require={
+        "plot": ["matplotlib"],  # the commands' --plot flags (mlx_flash/plot.py)
+        "test": ["pytest", "grimp", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+    },
 )

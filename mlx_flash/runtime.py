@@ -16,6 +16,7 @@ MLX ops, or the Metal kernel on Apple silicon) into dense rows, which fill the c
 rows or are used directly. Cache rows are always dense, so compute is unchanged.
 """
 
+import math
 import time
 from typing import Dict, List, Optional
 
@@ -129,8 +130,10 @@ class FlashEngine:
         sized so that those stay within the scratch size too.
         """
         layout = self.fd.layouts[region]
-        disk, slack = layout.disk_stride, 2 * max(1, self.reader.alignment)
-        per = max(1, (self.scratch.nbytes - slack) // layout.stride)
+        a = max(1, self.reader.alignment)
+        disk, slack = layout.disk_stride, 2 * a
+        step = a // math.gcd(disk, a)  # chunks of whole blocks: no block is read twice by neighbouring runs
+        per = max(1, (self.scratch.nbytes - slack) // layout.stride // step * step)
         rows = self.scratch.rows(disk)
         for start in range(0, len(units), per):
             chunk = units[start : start + per]

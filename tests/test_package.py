@@ -31,3 +31,14 @@ def test_generate_stays_the_function_whatever_is_imported():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_plotting_without_matplotlib_says_what_to_install(monkeypatch):
+    import pytest
+
+    from mlx_flash import FlashError
+    from mlx_flash.plot import pyplot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import raises ImportError
+    with pytest.raises(FlashError, match=r"mlx-flash-runtime\[plot\]"):
+        pyplot()

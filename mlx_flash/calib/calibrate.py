@@ -48,6 +48,7 @@ from tqdm import tqdm
 from ..default_model import default_model_dir
 from ..flash_format import FlashDir
 from ..loader import load_tokenizer
+from ..plot import pyplot
 from ..selectors import build_sketch, dequantized_sketch, save_selector, wina_norms
 from ..texts import read_text, token_batches
 from .quality import (
@@ -450,7 +451,6 @@ def quality_report(fd: FlashDir, model, ctl, batches: np.ndarray, densities: Seq
                    dip: Optional[Dict[float, dict]] = None, gamma: float = 0.2, cache_fraction: float = 0.5,
                    progress: bool = False) -> dict:
     """Perplexity and bytes per token on `batches` for dense, oracle, predictor and DIP / DIP-CA."""
-    L = ctl.n_layers
     runs = [("dense", 1.0, {})]
     glu = fd.ffn["kind"] == "glu"
     for d in densities:
@@ -497,10 +497,7 @@ def density_sweep(path=None, data: Sequence = None, densities: Sequence[float] =
 
 
 def plot_report(report: dict, path: Path, title: str = "") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     ax = axes[0]

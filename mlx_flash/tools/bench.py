@@ -52,12 +52,26 @@ import numpy as np
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 
 from .. import memory
-from ..budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
-from ..calib.trace import Trace, TraceSparsifier, describe_selector, gate_up_weights, record
+from ..budget import (
+    describe_streamed,
+    fmt_bytes,
+    min_budget,
+    min_streaming_budget,
+    parse_size,
+    plan_memory,
+)
+from ..calib.trace import (
+    Trace,
+    TraceSparsifier,
+    describe_selector,
+    gate_up_weights,
+    record,
+)
 from ..default_model import cache_root, default_model_dir
 from ..flash_format import FlashDir
 from ..loader import cpu_cast, load, load_resident, load_tokenizer, make_sparsifier
 from ..offload import stream_groups
+from ..plot import pyplot
 from ..reader import aligned_buffer, open_reader
 from ..runtime import FlashEngine
 from ..sparsity import Dense
@@ -568,7 +582,7 @@ def table(res) -> str:
 
 def figure(res, title=None):
     """The stacked-bar latency breakdown (ms/token per configuration) as a matplotlib Figure."""
-    import matplotlib.pyplot as plt
+    plt = pyplot(headless=False)
 
     names = [n for n, r in res["configs"].items() if "skipped" not in r]
     io = np.array([res["configs"][n]["io_ms"] for n in names])
@@ -592,10 +606,7 @@ def figure(res, title=None):
 
 def plot(res, out, title=None):
     """`figure` saved to the file `out` (headless: the Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig = figure(res, title)
     fig.savefig(out, dpi=110)

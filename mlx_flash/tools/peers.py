@@ -58,6 +58,7 @@ from ..default_model import cache_root, default_gguf_path
 from ..flash_format import FlashDir
 from ..loader import default_model_dir
 from ..memory import baseline_command
+from ..plot import pyplot
 from ..reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .bench_io import machine_info, run_fio
 from .cap import exit_on_sigterm, run_capped
@@ -460,10 +461,7 @@ def header(res) -> str:
 
 
 def plot(res, out):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     budgets = res["budgets"]

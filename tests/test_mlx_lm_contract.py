@@ -1,0 +1,35 @@
+"""The parts of mlx-lm that mlx_flash builds on although they are not its public API: private functions it
+calls, methods its server overrides, a module attribute it swaps. setup.py bounds mlx-lm below the next minor
+release; this fails loudly, naming the part, when an mlx-lm inside that bound changes one of them."""
+
+import importlib
+import inspect
+
+import pytest
+
+# (module, attribute path, the parameters mlx_flash relies on, in order)
+RELIED_ON = [
+    ("mlx_lm.utils", "_get_classes", ["config"]),  # models.get_model_classes defers to it
+    ("mlx_lm.generate", "maybe_quantize_kv_cache", ["prompt_cache", "quantized_kv_start", "kv_group_size", "kv_bits"]),
+    ("mlx_lm.generate", "generation_stream", None),  # generation.generate_step computes on it
+    ("mlx_lm.server", "stream_generate", ["model", "tokenizer", "prompt", "max_tokens"]),  # swapped per request
+    ("mlx_lm.server", "ModelProvider.__init__", ["self", "cli_args"]),
+    ("mlx_lm.server", "ModelProvider._load", ["self", "model_path", "adapter_path", "draft_model_path"]),
+    ("mlx_lm.server", "ModelProvider.load_default", ["self"]),
+    ("mlx_lm.server", "ResponseGenerator._tokenize", ["self", "tokenizer", "request", "args"]),
+    ("mlx_lm.server", "ResponseGenerator._serve_single", ["self", "request", "stream"]),
+    ("mlx_lm.server", "APIHandler.handle_models_request", ["self"]),
+    ("mlx_lm.server", "APIHandler.handle_text_completions", ["self"]),
+    ("mlx_lm.server", "APIHandler.handle_completion", ["self", "request", "stop_words"]),
+]
+
+
+@pytest.mark.parametrize("module,path,params", RELIED_ON, ids=[f"{m}.{p}" for m, p, _ in RELIED_ON])
+def test_mlx_lm_still_has_what_mlx_flash_relies_on(module, path, params):
+    obj = importlib.import_module(module)  # (not attribute access: mlx_lm.generate is also a function)
+    for name in path.split("."):
+        assert hasattr(obj, name), f"mlx-lm {module}.{path}: gone (mlx_flash relies on it; see setup.py's bound)"
+        obj = getattr(obj, name)
+    if params is not None:
+        have = list(inspect.signature(obj).parameters)
+        assert have[: len(params)] == params, f"mlx-lm {module}.{path}{inspect.signature(obj)} changed: mlx_flash calls it as ({', '.join(params)})"
