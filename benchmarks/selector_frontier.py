@@ -1,7 +1,7 @@
 """Neuron selectors on one frontier: perplexity increase vs bytes read per token, with their DRAM.
 
     python benchmarks/selector_frontier.py [--model DIR] [--dip-model DIR] [--densities 0.75,0.5,0.3]
-        [--eval-seqs 3] [--out benchmarks/selectors_smollm2.json]
+        [--eval-seqs 3] [--out benchmarks/results/selectors_smollm2.json]
 
 (Not named selectors.py: a script's directory comes first on sys.path, and the stdlib has a selectors module.)
 
@@ -104,7 +104,7 @@ def main():
     p.add_argument("--cache-fraction", type=float, default=0.5, help="DRAM for cache + selector, as a share of the FFN bytes.")
     p.add_argument("--predictor", action="store_true", help="Also train and measure the low-rank predictor (top-K).")
     p.add_argument("--only", default=None, help="Comma-separated selector names to run (default: all).")
-    p.add_argument("--out", default="benchmarks/selectors_smollm2.json")
+    p.add_argument("--out", default="benchmarks/results/selectors_smollm2.json")
     p.add_argument("--append", action="store_true", help="Keep --out's rows of the selectors not run now.")
     args = p.parse_args()
 
