@@ -37,7 +37,8 @@ import numpy as np
 
 from . import bitmap
 from .cpu_gemv import block_dequantize, symmetric_biases
-from .errors import FlashFormatError
+from .errors import FlashFormatError, ReadError
+from .reader import open_reader
 
 FORMAT_NAME = "mlx_flash"
 FORMAT_VERSION = 3  # v3: packed units; v2: encoded components; v1 (neither) is still read and written
@@ -347,6 +348,10 @@ class Region:
     def unit_offset(self, unit: int) -> int:
         return self.offset + unit * self.stride
 
+    def unit_offsets(self, units) -> np.ndarray:
+        """int64 file offsets of `units` in ffn.bin, each `stride` bytes long: the one place units become bytes."""
+        return self.offset + np.asarray(units, dtype=np.int64) * self.stride
+
 
 class FlashDir:
     """A flash directory opened for reading: manifest checked, files present, sizes right.
@@ -541,11 +546,11 @@ class FlashDir:
         """All units of one layer's region as [n_units, stride] uint8 (one sequential read)."""
         r = self.layers[layer][name]
         buf = np.empty((r.n_units, r.stride), dtype=np.uint8)
-        with open(self.ffn_path, "rb") as f:
-            f.seek(r.offset)
-            got = f.readinto(memoryview(buf).cast("B"))
-        if got != r.nbytes:
-            raise FlashFormatError(f"{self.ffn_path}: short read in layer {layer} ({got} of {r.nbytes} bytes)")
+        try:  # through the reader, as every read (cached: a whole region, read once at load)
+            with open_reader(self.ffn_path, threads=1, direct=False) as reader:
+                reader.read(buf, [r.offset], [r.nbytes], [0])
+        except ReadError as e:
+            raise FlashFormatError(f"{self.ffn_path}: cannot read layer {layer} ({e})") from e
         return buf
 
     def unpack_layer(self, layer: int) -> Dict[str, mx.array]:

@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map, tree_unflatten
 
-from .reader import aligned_buffer
+from .reader import aligned_buffer, aligned_span
 
 HEAD_CHUNK_BYTES = 2 << 20  # LM head rows per streamed chunk: large reads, little memory
 STREAM_THREADS = 8  # a few large reads per load
@@ -114,7 +114,8 @@ class _Load:
         for t, rs, shape in zip(tensors, ranges, shapes):
             spans = []
             for off, n in rs:
-                lo, hi = off - off % a, min(-(-(off + n) // a) * a, file_size)
+                lo, hi = aligned_span(off, n, a)
+                hi = min(hi, file_size)
                 offsets.append(lo), lengths.append(hi - lo), dests.append(pos)
                 spans.append((pos + off - lo, n))
                 pos += -(-(hi - lo) // a) * a

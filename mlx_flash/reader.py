@@ -110,6 +110,11 @@ def address_of(buf) -> int:
     return np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, np.uint8).ctypes.data
 
 
+def aligned_span(offset: int, length: int, alignment: int):
+    """(start, end): the smallest range of whole `alignment` blocks that holds [offset, offset + length)."""
+    return offset // alignment * alignment, -(-(offset + length) // alignment) * alignment
+
+
 def aligned_buffer(nbytes: int, alignment: int = DEFAULT_ALIGNMENT, dtype=mx.uint8) -> Tuple[mx.array, int]:
     """An evaluated 1-D mx.array `base` and the byte offset of its first `alignment`-aligned
     byte, with at least `nbytes` bytes from there on. Read into `base` at dest offsets

@@ -28,7 +28,7 @@ from .errors import ReadError
 from .compute import backend_for
 from .ffn import glu, project
 from .unit_cache import UnitCache
-from .reader import aligned_buffer
+from .reader import aligned_buffer, aligned_span
 from .sparsity import Dense
 from .stats import Stats
 
@@ -78,17 +78,16 @@ class FlashEngine:
         if len(units) == 0:
             return lambda: None
         r = self.fd.layers[layer][region]
-        offsets = r.offset + units.astype(np.int64) * r.stride
-        return self._submit_ranges(buffer, offsets, np.full(len(units), r.stride, dtype=np.int64), dest)
+        return self._submit_ranges(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64), dest)
 
     def _submit_run(self, layer: int, region: str, first: int, n: int, buffer: mx.array, base: int):
         """Start reading units first..first+n-1, neighbours on flash, as the aligned superset of their bytes into
         `buffer` at byte `base` (aligned, with room for n strides and two alignments): one direct read, where
         packed units read one by one would go through the pool's bounce buffers. Returns (wait, the byte offset
         of the first unit in `buffer`)."""
-        r, a = self.fd.layers[layer][region], max(1, self.reader.alignment)
-        lo = r.offset + first * r.stride
-        start, end = lo // a * a, -(-(lo + n * r.stride) // a) * a
+        r = self.fd.layers[layer][region]
+        lo = r.unit_offset(first)
+        start, end = aligned_span(lo, n * r.stride, max(1, self.reader.alignment))
         wait = self._submit_ranges(buffer, np.array([start]), np.array([end - start]), np.array([base]), n * r.stride)
         return wait, base + lo - start
 
