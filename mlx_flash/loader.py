@@ -12,7 +12,7 @@ from . import cpu_gemv, memory
 from .architectures import adapter_for
 from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
 from .default_model import default_model_dir
-from .errors import FlashError, FlashFormatError
+from .errors import BudgetError, FlashError, FlashFormatError
 from .ffn import ResidentFFN
 from .flash_format import RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
@@ -263,7 +263,16 @@ def load(
                            prefetch=prefetch and isinstance(sp, Dense),
                            kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
 
-    plan, why = plan_for(sparsifier), None
+    why = None
+    try:
+        plan = plan_for(sparsifier)
+    except BudgetError:
+        if not auto or isinstance(sparsifier, Dense):
+            raise
+        why = (f"auto: dense, since the calibrated {sparsifier.name}'s {fmt_bytes(sparsifier.nbytes)} of DRAM does not "
+               "fit this budget")
+        sparsifier = Dense(fd.ffn["intermediate_size"])
+        plan = plan_for(sparsifier)
     if auto and not isinstance(sparsifier, Dense):
         # a selector only where it reads fewer bytes than dense at this budget: its DRAM pushes cached units out
         dense = Dense(fd.ffn["intermediate_size"])

@@ -11,8 +11,9 @@ from mlx_flash import FlashError
 from mlx_flash.calib.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
-from mlx_flash.budget import min_budget
+from mlx_flash.budget import min_budget, min_streaming_budget
 from mlx_flash.loader import cpu_cast, load, make_sparsifier
+from mlx_flash.offload import stream_groups
 from mlx_flash.calib.quality import dense_ffn_weights, eval_model
 from mlx_flash.selectors import build_sketch, dequantized_sketch, save_selector
 from mlx_flash.sparsity import WINA, Dense, Predictor, Sketch, top_k
@@ -98,6 +99,12 @@ def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(tiny):
     try:  # every unit cached: nothing to save, and the sketch's DRAM would be spent for nothing
         assert model_.flash.sparsifier.name == "dense" and model_.flash.plan.extra == 0
         assert model_.flash.why.startswith("auto: dense, since the calibrated sketch would read")
+    finally:
+        model_.flash.close()
+    floor = min_streaming_budget(fd, 64, resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 64))
+    model_, tok = load(path, memory_budget=floor + sel["nbytes"] // 2, sparsity="auto", max_ppl_increase=10, context=64)
+    try:  # room for dense, not for the sketch's DRAM: dense, and why (no BudgetError)
+        assert model_.flash.sparsifier.name == "dense" and "does not fit this budget" in model_.flash.why
     finally:
         model_.flash.close()
     # a measured increase above what the user allows: auto falls back to dense
