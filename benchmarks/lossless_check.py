@@ -14,7 +14,7 @@ import sys
 
 import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_flash.generation import generate_step  # the loop users run
 
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.budget import parse_size

@@ -69,6 +69,7 @@ from ..calib.trace import (
 )
 from ..default_model import cache_root, default_model_dir
 from ..flash_format import FlashDir
+from ..generation import generate_step
 from ..loader import cpu_cast, load, load_resident, load_tokenizer, make_sparsifier
 from ..offload import stream_groups
 from ..plot import pyplot
@@ -208,25 +209,17 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
 
 
 def decode(model, prompt, n: int, on_prefill=None):
-    """Prefill `prompt`, then greedily decode `n` tokens one at a time; returns per-token wall times."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    if len(prompt) > 1:  # as mlx-lm: the prompt's logits are never computed, only its last token's
-        model(mx.array(prompt[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-    logits = model(mx.array(prompt[-1:])[None], cache=cache)
-    y = mx.argmax(logits[:, -1], axis=-1)
-    mx.eval(y)
-    if on_prefill:
-        on_prefill()
-    times = []
-    for _ in range(n):
+    """Greedily generate `n` tokens after `prompt` with the loop users run (`generation.generate_step`, mlx-lm's
+    greedy sampler); returns each decode token's wall time (between the loop's yields). `on_prefill` runs once the
+    prompt's pass has yielded the first token, before any decode pass."""
+    times, t = [], None
+    for i, _ in enumerate(generate_step(mx.array(prompt), model, max_tokens=n + 1)):
+        if i == 0:
+            if on_prefill:
+                on_prefill()
+        else:
+            times.append(time.perf_counter() - t)
         t = time.perf_counter()
-        logits = model(y[None], cache=cache)
-        y = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(y)
-        times.append(time.perf_counter() - t)
     return times
 
 
