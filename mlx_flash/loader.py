@@ -17,7 +17,7 @@ from .ffn import ResidentFFN
 from .flash_format import RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
 from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
-from .reader import open_reader
+from .reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .runtime import FlashEngine, FlashFFN
 from .selectors import load_selector_arrays, wina_norms
 from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch
@@ -190,15 +190,19 @@ def region_densities(fd: FlashDir, sparsifier) -> Dict[str, list]:
     return {name: d for name in fd.layers[0]}
 
 
-def read_bytes_per_token(fd: FlashDir, plan, densities: Dict[str, list]) -> float:
-    """Device bytes per decode token the plan implies: per layer and region the uncached share of the units used
-    (a dense token reads every unit its cache does not hold; a selector's units are cached by chance, capacity / n
-    of them, a bound its temporal reuse only improves), plus the resident weights streamed every token."""
+def read_bytes_per_token(fd: FlashDir, plan, densities: Dict[str, list], max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES) -> float:
+    """Device bytes per decode token the plan implies, for choosing: a dense token reads exactly the units its
+    cache does not hold; a selector's token reads its units as missed (what its window cache keeps of them
+    depends on how its choices repeat: SmolLM2's calibrated sketch hit 0.5%) and, with each, the gap before it
+    when the pool fills it (gaps under max_gap_bytes are read, not skipped: at density d the gap before a unit
+    is (1 - d) / d units long), plus the resident weights streamed every token. Checked against --stats on
+    SmolLM2 (benchmarks/auto_vs_dense.py)."""
     total = 0.0
     for regions, caps in zip(fd.layers, plan.capacity):
         for name, r in regions.items():
-            d, hit = densities[name][r.layer], caps[name] / max(r.n_units, 1)
-            total += (r.n_units - caps[name] if d >= 1 else d * r.n_units * (1 - hit)) * r.stride
+            d = densities[name][r.layer]
+            per_unit = min(1 / max(d, 1e-6), 1 + max_gap_bytes / r.stride)  # units' worth read per unit used
+            total += (r.n_units - caps[name] if d >= 1 else min(r.n_units, d * r.n_units * per_unit)) * r.stride
     return total + sum(g.nbytes for g in plan.streamed if g.kind != "rows")
 
 
@@ -282,7 +286,7 @@ def load(
         if mine >= theirs:
             why = (f"auto: dense, since the calibrated {sparsifier.name} would read {fmt_bytes(mine)} a token at this "
                    f"budget against dense's {fmt_bytes(theirs)} (its {fmt_bytes(sparsifier.nbytes)} of DRAM leaves fewer "
-                   "units cached)")
+                   "units cached, and its scattered units read the gaps between them)")
             sparsifier, plan = dense, dense_plan
         else:
             why = f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
