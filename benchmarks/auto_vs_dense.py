@@ -28,7 +28,7 @@ def generate(path: Path, budget: str, sparsity: str) -> dict:
                        capture_output=True, text=True, check=True)
     read = re.search(r"read ([\d.]+) (KiB|MiB|GiB)/token at the device", r.stdout)
     scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[read.group(2)]
-    selector = re.search(r"^selector: (\S+)", r.stdout, re.M).group(1)
+    selector = re.search(r"^selector: (\w+)", r.stdout, re.M).group(1)
     why = re.search(r"^auto: .*$", r.stdout, re.M)
     return {"bytes_per_token": float(read.group(1)) * scale, "selector": selector, "why": why and why.group(0)}
 
