@@ -62,7 +62,7 @@ class FlashEngine:
         self.caches: List[Dict[str, UnitCache]] = [
             {
                 name: UnitCache(r.n_units, capacity[i][name], fd.layouts[name].stride, policy=policy, window=window,
-                                  alignment=fd.unit_alignment)  # packed rows: reads go through the pool's bounce buffers
+                                alignment=fd.unit_alignment)  # packed rows: scattered reads bounce
                 for name, r in regions.items()
             }
             for i, regions in enumerate(fd.layers)

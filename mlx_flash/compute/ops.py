@@ -19,7 +19,7 @@ import numpy as np
 from .. import cpu_gemv
 from ..ffn import ACTIVATIONS, glu
 from ..flash_format import _DTYPES, BundleLayout, Component
-from .rows import RowMatrix, check_float, check_rows, matrix
+from .rows import RowMatrix, matrix
 
 _WORDS = (mx.uint32, mx.uint16, mx.uint8)
 
@@ -145,7 +145,3 @@ class OpsBackend:
         codes = gather(rows, mx.array(slots), self.layout.component(f"{name}.weight"))
         blocks = mx.array(np.asarray(units, dtype=np.int32) // int(q["group_size"]))
         return cpu_gemv.block_matmul(w, codes, blocks, scales, biases, int(q["bits"]))
-
-    def check(self, a, rows, what: str) -> None:
-        check_float(a, what)
-        check_rows(rows)
