@@ -292,10 +292,8 @@ def load(
             why = f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
     # (threads other than the plan's: its bounce buffers are threads x FFN_BOUNCE_BYTES of a packed directory)
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES)
-    scratch = min(plan.workspace // 2, plan.scratch)
-    engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, use_metal=use_metal,
-                         compute_dtype=dtype or mx.float32, prefetch_rows=plan.prefetch_rows)
-    engine.plan, engine.why = plan, why
+    engine = FlashEngine.from_plan(fd, plan, reader, sparsifier, policy, window, use_metal, dtype or mx.float32)
+    engine.why = why
     engine.stats.baseline_rss = baseline
     if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds
         mx.set_cache_limit(plan.workspace)

@@ -71,6 +71,16 @@ class FlashEngine:
         self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)  # >= a dense row
         self.prefetch = Prefetch(self, prefetch_rows) if prefetch_rows else None
 
+    @classmethod
+    def from_plan(cls, fd, plan, reader, sparsifier, policy: str = "window", window: int = 5, use_metal=None,
+                  compute_dtype=mx.float32) -> "FlashEngine":
+        """The engine a budget plan (budget.plan_memory) describes: its caches, scratch and read-ahead buffers; for
+        load and the bench alike."""
+        engine = cls(fd, reader, sparsifier, plan.capacity, min(plan.workspace // 2, plan.scratch), policy, window,
+                     compute_dtype=compute_dtype, use_metal=use_metal, prefetch_rows=plan.prefetch_rows)
+        engine.plan = plan
+        return engine
+
     # -- I/O -------------------------------------------------------------------
     def _submit(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
         """Start reading `units` of a region to byte offsets `dest` of `buffer` (one batch; the pool

@@ -198,10 +198,7 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
     plan = engine_plan(fd, budget, context, extra, prefetch)
     if not unit_cache:
         plan.capacity = [{name: 0 for name in caps} for caps in plan.capacity]
-    scratch = min(plan.workspace // 2, plan.scratch)
-    engine = FlashEngine(fd, reader, sparsifier, plan.capacity, scratch, policy, window, compute_dtype=mx.float32,
-                         prefetch_rows=plan.prefetch_rows)
-    engine.plan = plan
+    engine = FlashEngine.from_plan(fd, plan, reader, sparsifier, policy, window)
     old = engine.attach(model)
     if old is not None and old is not engine:
         old.caches = None  # free the previous configuration's cache buffers
