@@ -24,6 +24,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -251,7 +252,15 @@ static inline void prefetch_span(const uint8_t *p, Py_ssize_t bytes) {
     for (Py_ssize_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
+static void row_dot_q8(const Rows *r, const float *x, float *out, int path);
+static int int8_path(const Rows *r);
+
 static void row_dot_impl(const Rows *r, const float *x, float *out) {
+    const int path = int8_path(r);
+    if (path) {
+        row_dot_q8(r, x, out, path);
+        return;
+    }
     const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
     const int avx = use_avx2(r);
     float xsum[groups > 0 ? groups : 1];
@@ -277,6 +286,237 @@ static void row_dot_impl(const Rows *r, const float *x, float *out) {
             const uint8_t *wg = w + g * group_bytes;
             float q = avx ? qdot_avx2(xg, wg, r->gs, r->bits) : qdot_scalar(xg, wg, r->gs, r->bits);
             acc += scale[g] * q + bias[g] * xsum[g];
+        }
+        out[j] = acc;
+    }
+}
+
+/* -- int8 activations against 4- and 8-bit codes (llama.cpp's Q8 x Q4 idea) ----------------------
+   x is quantised once per call to int8 in blocks of 32 (xq = round(x / dx), dx = max|x| / 127), and each
+   block's dot with a row's codes is an integer sum (VNNI's vpdpbusd, or AVX2's pmaddubsw + pmaddwd):
+
+       x . W_r = sum_g s_g sum_{i in g} q_i x_i + b_g sum_{i in g} x_i
+              ~= sum_g s_g sum_{b in g} dx_b (q_b . xq_b) + b_g xs_g      (xs_g = sum_{b in g} dx_b sum xq_b)
+
+   The only error is x's rounding (|x_i - dx xq_i| <= dx / 2), as in llama.cpp's quantised matvecs, except
+   for a few outliers kept in float (find_outliers): the result is exactly W . x~ for the rounded x~. (xs from x itself would leave the codes' offset times the
+   rounding errors uncancelled: q ~ 2^(bits-1) + W / s, and b ~ -2^(bits-1) s.)
+   xq's order follows the codes' packing. 8 bits: element order. 4 bits (low nibble = even element):
+   blocks in pairs, 64 bytes per pair [even 16 of block 2p, even of 2p+1, odd of 2p, odd of 2p+1], so one
+   32-byte load of codes (two blocks) meets its activations in two 32-byte loads; a last unpaired block is
+   [even 16, odd 16]. */
+
+#define MAX_OUTLIERS 8 /* elements of x kept in float (LLM.int8()'s decomposition): |x_i| > OUTLIER_RMS rms(x) */
+#define OUTLIER_RMS 6.0f
+
+typedef struct {
+    int8_t *xq;
+    int n_out;                   /* outliers: x[out_idx[t]] = out_val[t], rounded as 0 */
+    int out_idx[MAX_OUTLIERS];
+    float out_val[MAX_OUTLIERS];
+    float *dx; /* per block of 32 */
+    float *xs; /* per group: the sum of the rounded x */
+    float *dxv; /* 4 bits: each block's dx 4 times (a block pair's 8 int32 lanes, block by block) */
+} QX;
+
+/* Where block b's even (or, for 8 bits, all) and odd elements sit in xq. */
+static inline void block_slots(int b, int blocks, int bits, int *even, int *odd) {
+    if (bits == 8) {
+        *even = 32 * b;
+        *odd = -1;
+        return;
+    }
+    const int base = 64 * (b / 2);
+    if (b % 2 == 0 && b + 1 == blocks) { /* unpaired */
+        *even = base;
+        *odd = base + 16;
+    } else {
+        *even = base + 16 * (b % 2);
+        *odd = base + 32 + 16 * (b % 2);
+    }
+}
+
+/* The (at most MAX_OUTLIERS) largest |x_i| above OUTLIER_RMS rms(x): a normed layer input has a few channels
+   tens of times the others (SmolLM2's last layers: max / mean 30-50), and one in a block of 32 would round
+   the other 31 to a handful of levels. */
+static void find_outliers(const float *x, int n, QX *q) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float limit = OUTLIER_RMS * sqrtf(ss / (float)n);
+    q->n_out = 0;
+    for (int i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        if (!(a > limit)) continue;
+        int t = q->n_out < MAX_OUTLIERS ? q->n_out++ : -1;
+        if (t < 0) { /* full: replace the smallest if this one is larger */
+            t = 0;
+            for (int u = 1; u < MAX_OUTLIERS; u++)
+                if (fabsf(q->out_val[u]) < fabsf(q->out_val[t])) t = u;
+            if (fabsf(q->out_val[t]) >= a) continue;
+        }
+        q->out_idx[t] = i;
+        q->out_val[t] = x[i];
+    }
+}
+
+static void quantize_x(const float *x, int n, int gs, int bits, QX *q) {
+    const int blocks = n / 32;
+    for (int g = 0; g < n / gs; g++) q->xs[g] = 0.0f;
+    find_outliers(x, n, q);
+    for (int b = 0; b < blocks; b++) {
+        float xb[32];
+        memcpy(xb, x + 32 * b, sizeof(xb));
+        for (int t = 0; t < q->n_out; t++)
+            if (q->out_idx[t] / 32 == b) xb[q->out_idx[t] % 32] = 0.0f;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        q->dx[b] = d;
+        for (int t = 0; t < 4; t++) q->dxv[4 * b + t] = d;
+        int even, odd;
+        block_slots(b, blocks, bits, &even, &odd);
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            const int8_t v = (int8_t)lrintf(xb[i] * inv);
+            sum += v;
+            if (bits == 8)
+                q->xq[even + i] = v;
+            else
+                q->xq[(i % 2 ? odd : even) + i / 2] = v;
+        }
+        q->xs[32 * b / gs] += d * (float)sum;
+    }
+}
+
+/* One row's integer block dots, the reference for the SIMD loops below. */
+static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs, int bits) {
+    const int blocks = n / 32, per_group = gs / 32;
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        int even, odd, sum = 0;
+        block_slots(b, blocks, bits, &even, &odd);
+        if (bits == 8) {
+            for (int i = 0; i < 32; i++) sum += (int)w[32 * b + i] * q->xq[even + i];
+        } else {
+            for (int i = 0; i < 16; i++) sum += (w[16 * b + i] & 15) * q->xq[even + i] + (w[16 * b + i] >> 4) * q->xq[odd + i];
+        }
+        acc += scale[b / per_group] * q->dx[b] * (float)sum;
+    }
+    for (int g = 0; g < n / gs; g++) acc += bias[g] * q->xs[g];
+    return acc;
+}
+
+#if HAVE_X86
+/* The 8 int32 lanes of a block pair's (or block's) products; VNNI's vpdpbusd where the CPU has it, else
+   pmaddubsw (no saturation: 4-bit codes times |xq| <= 127) then pmaddwd. */
+#define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+
+#define Q8DOT_BODY(DP)                                                                                          \
+    const int blocks = n / 32, per_group = gs / 32;                                                           \
+    const __m256i nib = _mm256_set1_epi8(0x0f);                                                               \
+    const __m256i pair_idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);                                        \
+    __m256 acc = _mm256_setzero_ps();                                                                         \
+    int b = 0;                                                                                                \
+    if (bits == 4) {                                                                                          \
+        for (; b + 1 < blocks; b += 2) { /* two blocks: 32 bytes of codes, 64 of activations */               \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 * b));                              \
+            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib); \
+            const int8_t *xb = q->xq + 32 * b;                                                                \
+            __m256i p = DP(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xb));              \
+            p = DP(p, hi, _mm256_loadu_si256((const __m256i *)(xb + 32)));                                    \
+            const __m256 s = per_group == 1                                                                   \
+                                 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(         \
+                                                                _mm_loadl_epi64((const __m128i *)(scale + b)))), \
+                                                            pair_idx)                                        \
+                                 : _mm256_set1_ps(scale[b / per_group]);                                     \
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_loadu_ps(q->dxv + 4 * b)), s, acc); \
+        }                                                                                                     \
+        if (b < blocks) { /* the unpaired last block */                                                      \
+            const __m128i v = _mm_loadu_si128((const __m128i *)(w + 16 * b));                                 \
+            const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);               \
+            const __m256i p = DP(_mm256_setzero_si256(), c, _mm256_loadu_si256((const __m256i *)(q->xq + 32 * b))); \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[b / per_group] * q->dx[b]), acc); \
+        }                                                                                                     \
+    } else {                                                                                                  \
+        for (; b < blocks; b++) {                                                                             \
+            const __m256i p = DP(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w + 32 * b)),   \
+                                 _mm256_loadu_si256((const __m256i *)(q->xq + 32 * b)));                      \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[b / per_group] * q->dx[b]), acc); \
+        }                                                                                                     \
+    }                                                                                                         \
+    const int groups = n / gs;                                                                                \
+    int g = 0;                                                                                                \
+    for (; g + 8 <= groups; g += 8)                                                                           \
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(q->xs + g), acc);                    \
+    float r = hsum(acc);                                                                                      \
+    for (; g < groups; g++) r += bias[g] * q->xs[g];                                                          \
+    return r;
+
+#define DP_VNNI(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define DP_AVX2(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+
+VNNI static float q8dot_vnni(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs, int bits) {
+    Q8DOT_BODY(DP_VNNI)
+}
+
+AVX2 static float q8dot_avx2(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs, int bits) {
+    Q8DOT_BODY(DP_AVX2)
+}
+
+static int cpu_has_vnni(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+    }
+    return cached;
+}
+#else
+static int cpu_has_vnni(void) { return 0; }
+#endif
+
+static int int8_allowed = 1; /* set_int8(False): float activations, for references */
+
+/* 0: float activations; 1: scalar int8 loops; 2: AVX2; 3: VNNI. 8-bit codes need VNNI (pmaddubsw would
+   saturate) or the scalar loops. */
+static int int8_path(const Rows *r) {
+    if (!int8_allowed || (r->bits != 4 && r->bits != 8) || r->gs % 32) return 0;
+    if (!simd_allowed) return 1;
+    if (cpu_has_vnni()) return 3;
+    return r->bits == 4 && cpu_has_avx2() ? 2 : 0;
+}
+
+static void row_dot_q8(const Rows *r, const float *x, float *out, int path) {
+    const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
+    int8_t xq[r->n] __attribute__((aligned(32)));
+    float dx[r->n / 32], xs[groups], dxv[r->n / 8];
+    QX q = {.xq = xq, .dx = dx, .xs = xs, .dxv = dxv};
+    quantize_x(x, r->n, r->gs, r->bits, &q);
+#pragma omp parallel for schedule(static) num_threads(threads_for(r))
+    for (Py_ssize_t j = 0; j < r->k; j++) {
+        Py_ssize_t row = row_of(r, j);
+        float scale[groups], bias[groups];
+        if (j + PREFETCH_AHEAD < r->k) {
+            const Py_ssize_t next = row_of(r, j + PREFETCH_AHEAD);
+            prefetch_span(r->w + next * r->w_stride, (Py_ssize_t)groups * group_bytes);
+            prefetch_span(r->s + next * r->s_stride, (Py_ssize_t)groups * (r->stype == SCALE_F32 ? 4 : 2));
+        }
+        scales_f32(r->s + row * r->s_stride, r->stype, groups, scale, path > 1);
+        biases_f32(r, r->b + row * r->b_stride, groups, scale, bias, path > 1);
+        const uint8_t *w = r->w + row * r->w_stride;
+        float acc;
+#if HAVE_X86
+        if (path == 3)
+            acc = q8dot_vnni(w, &q, scale, bias, r->n, r->gs, r->bits);
+        else if (path == 2)
+            acc = q8dot_avx2(w, &q, scale, bias, r->n, r->gs, r->bits);
+        else
+#endif
+            acc = q8dot_scalar(w, &q, scale, bias, r->n, r->gs, r->bits);
+        for (int t = 0; t < q.n_out; t++) { /* the outliers, in float */
+            const int i = q.out_idx[t], g = i / r->gs;
+            const int code = r->bits == 8 ? w[i] : (w[i / 2] >> (4 * (i % 2))) & 15;
+            acc += (scale[g] * (float)code + bias[g]) * q.out_val[t];
         }
         out[j] = acc;
     }
@@ -457,6 +697,40 @@ static int parse_slots(Buffers *B, Rows *r, PyObject *slots, const char *fn, Py_
     return 0;
 }
 
+/* bits, group size, n and scale type make sense */
+static int check_shape(const Rows *r, const char *fn) {
+    if (r->bits != 2 && r->bits != 4 && r->bits != 8) {
+        PyErr_Format(PyExc_ValueError, "%s: bits must be 2, 4 or 8, got %d", fn, r->bits);
+        return -1;
+    }
+    if (r->gs <= 0 || r->n <= 0 || r->n % r->gs || (r->gs * r->bits) % 8 || r->stype < 0 || r->stype > 2 || r->k < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: bad shape (n=%d, group_size=%d, k=%zd, scale type %d)", fn, r->n, r->gs, r->k,
+                     r->stype);
+        return -1;
+    }
+    return 0;
+}
+
+/* Point r at its weights, scales and biases (views[0..2] at offsets offs), each row up to max_row checked
+   against its buffer. */
+static int bind_rows(const Py_buffer *views, const Py_ssize_t offs[3], Py_ssize_t max_row, Rows *r, const char *fn) {
+    Py_ssize_t scale_size = r->stype == SCALE_F32 ? 4 : 2, groups = r->n / r->gs;
+    const Py_ssize_t strides[3] = {r->w_stride, r->s_stride, r->b_stride};
+    const Py_ssize_t sizes[3] = {(Py_ssize_t)r->n * r->bits / 8, groups * scale_size, groups * scale_size};
+    const char *names[3] = {"weights", "scales", "biases"};
+    for (int i = 0; i < 3; i++) {
+        if (offs[i] < 0 || strides[i] < 0 || (max_row >= 0 && offs[i] + max_row * strides[i] + sizes[i] > views[i].len)) {
+            PyErr_Format(PyExc_IndexError, "%s: row %zd of the %s (offset %zd, stride %zd, %zd bytes) is outside its %zd-byte buffer",
+                         fn, max_row, names[i], offs[i], strides[i], sizes[i], views[i].len);
+            return -1;
+        }
+    }
+    r->w = (const uint8_t *)views[0].buf + offs[0];
+    r->s = (const uint8_t *)views[1].buf + offs[1];
+    r->b = (const uint8_t *)views[2].buf + offs[2];
+    return 0;
+}
+
 /* Parse the common arguments and check every row touched lies inside its buffer. */
 static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is_rows) {
     PyObject *vec, *out, *w, *s, *b, *slots;
@@ -469,15 +743,7 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     if (get(B, 0, vec, 0, "vector") || get(B, 1, out, 1, "out") || get(B, 2, w, 0, "weights") ||
         get(B, 3, s, 0, "scales") || get(B, 4, b, 0, "biases"))
         return -1;
-    if (r->bits != 2 && r->bits != 4 && r->bits != 8) {
-        PyErr_Format(PyExc_ValueError, "%s: bits must be 2, 4 or 8, got %d", fn, r->bits);
-        return -1;
-    }
-    if (r->gs <= 0 || r->n <= 0 || r->n % r->gs || (r->gs * r->bits) % 8 || r->stype < 0 || r->stype > 2 || r->k < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: bad shape (n=%d, group_size=%d, k=%zd, scale type %d)", fn, r->n, r->gs, r->k,
-                     r->stype);
-        return -1;
-    }
+    if (check_shape(r, fn)) return -1;
     Py_ssize_t vec_len = vec_is_rows ? r->k : r->n, out_len = vec_is_rows ? r->n : r->k;
     if (B->views[0].len != vec_len * 4 || B->views[1].len != out_len * 4) {
         PyErr_Format(PyExc_ValueError, "%s: vector has %zd bytes and out %zd, expected float32 [%zd] and [%zd]", fn,
@@ -486,22 +752,8 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     }
     Py_ssize_t max_row;
     if (parse_slots(B, r, slots, fn, &max_row)) return -1;
-    Py_ssize_t scale_size = r->stype == SCALE_F32 ? 4 : 2, groups = r->n / r->gs;
-    const Py_ssize_t offs[3] = {w_off, s_off, b_off}, strides[3] = {r->w_stride, r->s_stride, r->b_stride};
-    const Py_ssize_t sizes[3] = {(Py_ssize_t)r->n * r->bits / 8, groups * scale_size, groups * scale_size};
-    const char *names[3] = {"weights", "scales", "biases"};
-    for (int i = 0; i < 3; i++) {
-        if (offs[i] < 0 || strides[i] < 0 ||
-            (max_row >= 0 && offs[i] + max_row * strides[i] + sizes[i] > B->views[2 + i].len)) {
-            PyErr_Format(PyExc_IndexError, "%s: row %zd of the %s (offset %zd, stride %zd, %zd bytes) is outside its %zd-byte buffer",
-                         fn, max_row, names[i], offs[i], strides[i], sizes[i], B->views[2 + i].len);
-            return -1;
-        }
-    }
-    r->w = (const uint8_t *)B->views[2].buf + w_off;
-    r->s = (const uint8_t *)B->views[3].buf + s_off;
-    r->b = (const uint8_t *)B->views[4].buf + b_off;
-    return 0;
+    const Py_ssize_t offs[3] = {w_off, s_off, b_off};
+    return bind_rows(B->views + 2, offs, max_row, r, fn);
 }
 
 typedef void (*Product)(const Rows *, const float *, float *);
@@ -596,11 +848,226 @@ fail:
     return NULL;
 }
 
+/* -- one attention block of a decode step, natively ---------------------------------------
+   A llama-style block for one token (MLX's ops would cost ~15 dispatches and a synchronisation):
+
+       h = rms_norm(x) * norm1;  q, k, v = Wq h, Wk h, Wv h;  rope(q, k) at pos;  K[pos], V[pos] = k, v
+       a_head = softmax(scale q_head . K[0..pos]) V[0..pos]     (kv head = head / (n_heads / n_kv))
+       x += Wo a;  h2 = rms_norm(x) * norm2                     (the FFN's input)
+
+   Wq..Wo are `linear` handles: quantised rows bound once (their buffers held until the handle goes). */
+
+#define LINEAR_CAPSULE "mlx_flash._cpu_gemv.linear"
+
+typedef struct {
+    Rows r;
+    Py_buffer views[3];
+} Linear;
+
+static void linear_free(PyObject *capsule) {
+    Linear *L = PyCapsule_GetPointer(capsule, LINEAR_CAPSULE);
+    if (L == NULL) return;
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&L->views[i]);
+    PyMem_Free(L);
+}
+
+/* linear(w, w_off, w_stride, s, s_off, s_stride, b, b_off, b_stride, k, n, bits, group_size, scale_type, symmetric) */
+static PyObject *py_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj[3];
+    Py_ssize_t offs[3];
+    Linear *L = PyMem_Calloc(1, sizeof(Linear));
+    if (L == NULL) return PyErr_NoMemory();
+    Rows *r = &L->r;
+    int got = 0;
+    if (!PyArg_ParseTuple(args, "OnnOnnOnnniiii|p", &obj[0], &offs[0], &r->w_stride, &obj[1], &offs[1], &r->s_stride,
+                          &obj[2], &offs[2], &r->b_stride, &r->k, &r->n, &r->bits, &r->gs, &r->stype, &r->sym) ||
+        check_shape(r, "linear"))
+        goto fail;
+    for (; got < 3; got++)
+        if (PyObject_GetBuffer(obj[got], &L->views[got], PyBUF_C_CONTIGUOUS) != 0) goto fail;
+    if (bind_rows(L->views, offs, r->k - 1, r, "linear")) goto fail;
+    PyObject *capsule = PyCapsule_New(L, LINEAR_CAPSULE, linear_free);
+    if (capsule != NULL) return capsule;
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&L->views[i]);
+    PyMem_Free(L);
+    return NULL;
+}
+
+static void rms_norm(const float *x, const float *w, float eps, int d, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < d; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = 0; i < d; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* MLX's RoPE of one head at position pos: pairs (i, i + dims/2), or (2i, 2i + 1) if traditional */
+static void rope(float *v, int dims, const float *inv_freq, float pos, int traditional) {
+    for (int i = 0; i < dims / 2; i++) {
+        const float t = pos * inv_freq[i], c = cosf(t), s = sinf(t);
+        const int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + dims / 2;
+        const float x1 = v[a], x2 = v[b];
+        v[a] = x1 * c - x2 * s;
+        v[b] = x1 * s + x2 * c;
+    }
+}
+
+typedef struct {
+    float *x, *h;
+    const float *norm1, *norm2, *inv_freq;
+    float *kc, *vc;
+    const Rows *q, *k, *v, *o;
+    float eps, scale, rope_pos;
+    Py_ssize_t pos, cap;
+    int d, n_heads, n_kv, hd, rope_dims, traditional;
+} Block;
+
+static void attention_impl(const Block *B, float *scratch) {
+    const int d = B->d, nh = B->n_heads, hd = B->hd, group = B->n_heads / B->n_kv;
+    const Py_ssize_t T = B->pos + 1;
+    float *hn = scratch, *q = hn + d, *kv = q + nh * hd, *att = kv + 2 * B->n_kv * hd, *o = att + nh * hd,
+          *scores = o + d; /* nh * T */
+    rms_norm(B->x, B->norm1, B->eps, d, hn);
+    row_dot_impl(B->q, hn, q);
+    row_dot_impl(B->k, hn, kv);
+    row_dot_impl(B->v, hn, kv + B->n_kv * hd);
+    for (int h = 0; h < nh; h++) rope(q + h * hd, B->rope_dims, B->inv_freq, B->rope_pos, B->traditional);
+    for (int h = 0; h < B->n_kv; h++) {
+        rope(kv + h * hd, B->rope_dims, B->inv_freq, B->rope_pos, B->traditional);
+        memcpy(B->kc + (h * B->cap + B->pos) * hd, kv + h * hd, sizeof(float) * (size_t)hd);
+        memcpy(B->vc + (h * B->cap + B->pos) * hd, kv + (B->n_kv + h) * hd, sizeof(float) * (size_t)hd);
+    }
+#pragma omp parallel for schedule(static) num_threads(T * nh * hd >= MIN_WORK_PER_THREAD ? 2 : 1)
+    for (int h = 0; h < nh; h++) {
+        const float *qh = q + h * hd, *K = B->kc + (Py_ssize_t)(h / group) * B->cap * hd,
+                    *V = B->vc + (Py_ssize_t)(h / group) * B->cap * hd;
+        float *sc = scores + (Py_ssize_t)h * T, *out = att + h * hd, mx = -INFINITY, sum = 0.0f;
+        for (Py_ssize_t t = 0; t < T; t++) {
+            float dot = 0.0f;
+            for (int i = 0; i < hd; i++) dot += qh[i] * K[t * hd + i];
+            sc[t] = dot * B->scale;
+            mx = sc[t] > mx ? sc[t] : mx;
+        }
+        for (Py_ssize_t t = 0; t < T; t++) {
+            sc[t] = expf(sc[t] - mx);
+            sum += sc[t];
+        }
+        memset(out, 0, sizeof(float) * (size_t)hd);
+        for (Py_ssize_t t = 0; t < T; t++) {
+            const float p = sc[t] / sum;
+            for (int i = 0; i < hd; i++) out[i] += p * V[t * hd + i];
+        }
+    }
+    row_dot_impl(B->o, att, o);
+    for (int i = 0; i < d; i++) B->x[i] += o[i];
+    rms_norm(B->x, B->norm2, B->eps, d, B->h);
+}
+
+static const Rows *linear_rows(PyObject *capsule, const char *what) {
+    Linear *L = PyCapsule_GetPointer(capsule, LINEAR_CAPSULE);
+    if (L == NULL) PyErr_Format(PyExc_TypeError, "attention: %s must be a linear(...) handle", what);
+    return L ? &L->r : NULL;
+}
+
+/* attention(x, h, norm1, norm2, eps, q, k, v, o, kc, vc, pos, cap, n_heads, n_kv, head_dim, inv_freq, traditional,
+             rope_pos, scale): x (float32 [d]) += the block's output, h = the FFN's input; kc, vc float32
+             [n_kv, cap, head_dim] get position pos. inv_freq: float32 [rope_dims / 2]. */
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *x, *h, *n1, *n2, *caps[4], *kc, *vc, *inv;
+    Block blk;
+    memset(&blk, 0, sizeof(blk));
+    if (!PyArg_ParseTuple(args, "OOOOfOOOOOOnniiiOpff", &x, &h, &n1, &n2, &blk.eps, &caps[0], &caps[1], &caps[2],
+                          &caps[3], &kc, &vc, &blk.pos, &blk.cap, &blk.n_heads, &blk.n_kv, &blk.hd, &inv,
+                          &blk.traditional, &blk.rope_pos, &blk.scale))
+        return NULL;
+    const Rows **lin[4] = {&blk.q, &blk.k, &blk.v, &blk.o};
+    const char *names[4] = {"q", "k", "v", "o"};
+    for (int i = 0; i < 4; i++)
+        if ((*lin[i] = linear_rows(caps[i], names[i])) == NULL) return NULL;
+    Buffers Bf;
+    memset(&Bf, 0, sizeof(Bf));
+    Py_buffer extra[3];
+    int held = 0;
+    PyObject *result = NULL;
+    if (get(&Bf, 0, x, 1, "x") || get(&Bf, 1, h, 1, "h") || get(&Bf, 2, n1, 0, "norm1") || get(&Bf, 3, n2, 0, "norm2") ||
+        get(&Bf, 4, kc, 1, "keys") || get(&Bf, 5, vc, 1, "values"))
+        goto done;
+    if (PyObject_GetBuffer(inv, &extra[0], PyBUF_C_CONTIGUOUS) != 0) goto done;
+    held = 1;
+    const int d = (int)(Bf.views[0].len / 4), nh = blk.n_heads, nkv = blk.n_kv, hd = blk.hd;
+    blk.d = d;
+    blk.rope_dims = (int)(2 * (extra[0].len / 4));
+    const Py_ssize_t cache_len = (Py_ssize_t)nkv * blk.cap * hd * 4;
+    if (nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || blk.pos < 0 || blk.pos >= blk.cap || blk.rope_dims > hd ||
+        Bf.views[1].len != Bf.views[0].len || Bf.views[2].len != Bf.views[0].len || Bf.views[3].len != Bf.views[0].len ||
+        Bf.views[4].len < cache_len || Bf.views[5].len < cache_len || blk.q->n != d || blk.q->k != nh * hd ||
+        blk.k->n != d || blk.k->k != nkv * hd || blk.v->n != d || blk.v->k != nkv * hd || blk.o->n != nh * hd ||
+        blk.o->k != d) {
+        PyErr_Format(PyExc_ValueError, "attention: shapes disagree (d=%d, heads %d/%d x %d, pos %zd of %zd, rope dims %d)",
+                     d, nh, nkv, hd, blk.pos, blk.cap, blk.rope_dims);
+        goto done;
+    }
+    blk.x = Bf.views[0].buf;
+    blk.h = Bf.views[1].buf;
+    blk.norm1 = Bf.views[2].buf;
+    blk.norm2 = Bf.views[3].buf;
+    blk.kc = Bf.views[4].buf;
+    blk.vc = Bf.views[5].buf;
+    blk.inv_freq = extra[0].buf;
+    float *scratch = PyMem_RawMalloc(sizeof(float) * ((size_t)3 * d + 2 * (size_t)nh * hd + 2 * (size_t)nkv * hd +
+                                                      (size_t)nh * (blk.pos + 1)));
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS attention_impl(&blk, scratch);
+    Py_END_ALLOW_THREADS PyMem_RawFree(scratch);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (held) PyBuffer_Release(&extra[0]);
+    release(&Bf);
+    return result;
+}
+
+/* silu_mul(g, u): g = silu(g) * u in place (float32 [n]), the GLU of a decode step */
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *g, *u;
+    if (!PyArg_ParseTuple(args, "OO", &g, &u)) return NULL;
+    Buffers Bf;
+    memset(&Bf, 0, sizeof(Bf));
+    PyObject *result = NULL;
+    if (get(&Bf, 0, g, 1, "gate") || get(&Bf, 1, u, 0, "up")) goto done;
+    if (Bf.views[0].len != Bf.views[1].len || Bf.views[0].len % 4) {
+        PyErr_SetString(PyExc_ValueError, "silu_mul: gate and up must be float32 arrays of one length");
+        goto done;
+    }
+    float *gv = Bf.views[0].buf;
+    const float *uv = Bf.views[1].buf;
+    for (Py_ssize_t i = 0; i < Bf.views[0].len / 4; i++) gv[i] = gv[i] / (1.0f + expf(-gv[i])) * uv[i];
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&Bf);
+    return result;
+}
+
 static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     (void)self;
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
     simd_allowed = on;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_int8(PyObject *self, PyObject *arg) {
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    int8_allowed = on;
     Py_RETURN_NONE;
 }
 
@@ -611,8 +1078,8 @@ static PyObject *py_info(PyObject *self, PyObject *noargs) {
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i}", "avx2", cpu_has_avx2(), "simd", simd_allowed && cpu_has_avx2(), "threads",
-                         threads);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i}", "avx2", cpu_has_avx2(), "vnni", cpu_has_vnni(), "simd",
+                         simd_allowed && cpu_has_avx2(), "int8", int8_allowed, "threads", threads);
 }
 
 #define ARGS_DOC                                                                                              \
@@ -628,6 +1095,16 @@ static PyMethodDef methods[] = {
      "block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, scales, biases, n_blocks, scale_type, "
      "symmetric=False)\n"
      "out[i] = sum_j vec[j] (S[blocks[j]][i] q_{slots[j]}[i] + B[blocks[j]][i]); rows hold codes only"},
+    {"linear", py_linear, METH_VARARGS,
+     "linear(w, w_off, w_stride, s, s_off, s_stride, b, b_off, b_stride, k, n, bits, group_size, scale_type, "
+     "symmetric=False) -> a handle on k quantised rows (buffers held), for attention()"},
+    {"attention", py_attention, METH_VARARGS,
+     "attention(x, h, norm1, norm2, eps, q, k, v, o, keys, values, pos, cap, n_heads, n_kv, head_dim, inv_freq, "
+     "traditional, rope_pos, scale): one llama attention block of a decode step in place (x += block(x); "
+     "h = the FFN's input; keys/values [n_kv, cap, head_dim] get position pos)"},
+    {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(g, u): g = silu(g) * u in place (float32)"},
+    {"set_int8", py_set_int8, METH_O,
+     "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},
     {"info", py_info, METH_NOARGS, "info() -> {'avx2': CPU has it, 'simd': AVX2 loops in use, 'threads': n}"},
     {"set_simd", py_set_simd, METH_O, "set_simd(on): use the AVX2 loops where the CPU has them (default) or the scalar ones"},
     {NULL, NULL, 0, NULL}};

@@ -26,9 +26,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-# Before libgomp starts: idle OpenMP threads sleep instead of spinning, since they share
-# the cores with MLX's own threads and the pread pool.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before libgomp starts: idle OpenMP threads spin briefly, then sleep. A decode step runs several
+# parallel loops per layer a few microseconds apart, and waking a sleeping thread costs more than a
+# small matvec (SmolLM2 decoding: 39 tokens/s with OMP_WAIT_POLICY=PASSIVE, 75 with this); longer
+# spins would take the cores the pread pool and MLX share.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 try:
     from . import _cpu_gemv as _native
@@ -40,13 +42,24 @@ SCALE_TYPES = {mx.float16: 0, mx.bfloat16: 1, mx.float32: 2}
 enabled = os.environ.get("MLX_FLASH_CPU_KERNELS", "1") != "0"
 
 
+def set_int8_activations(on: bool) -> None:
+    """row_dot with x rounded to int8 per block of 32 against 4/8-bit codes (integer dot products, as
+    llama.cpp's Q8 x Q4 kernels; the default: 2-4x faster) or in float32 (the reference; MLX_FLASH_INT8=0).
+    A few outlier elements of x stay in float either way (kernels/cpu_gemv.c)."""
+    if _native is not None:
+        _native.set_int8(bool(on))
+
+
+set_int8_activations(os.environ.get("MLX_FLASH_INT8", "1") != "0")
+
+
 def available() -> bool:
     """The extension is built, enabled, and MLX computes on the CPU."""
     return _native is not None and enabled and mx.default_device() == mx.cpu
 
 
 def info() -> dict:
-    """{'avx2': CPU has it, 'simd': AVX2 loops in use, 'threads': OpenMP threads} ({} if not built)."""
+    """{"avx2", "vnni": CPU has them, "simd": AVX2 loops in use, "int8": int8 activations, "threads": OpenMP threads} ({} if not built)."""
     return _native.info() if _native is not None else {}
 
 
@@ -112,6 +125,17 @@ def row_axpy(c: np.ndarray, q: QuantRows, slots=None) -> np.ndarray:
     out = np.empty(q.n, dtype=np.float32)
     _native.row_axpy(c, out, *q._args(_slots(slots), len(c)))
     return out
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> None:
+    """g = silu(g) * u in place (float32 rows of one length): a SwiGLU's hidden units."""
+    _native.silu_mul(g, u)
+
+
+def linear(q: "QuantRows", rows: int):
+    """A native handle on `rows` rows of q (their buffers held while it lives), for `_native.attention`."""
+    return _native.linear(q.w, q.w_off, q.w_stride, q.s, q.s_off, q.s_stride, q.b, q.b_off, q.b_stride, rows, q.n,
+                          q.bits, q.group_size, SCALE_TYPES[q.scale_dtype], q.symmetric)
 
 
 def contiguous(*arrays) -> bool:

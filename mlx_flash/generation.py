@@ -39,7 +39,11 @@ def generate_step(prompt, model, *, max_tokens: int = 256, sampler=None, logits_
         if logits_processors:
             history = tokens if history is None else mx.concat([history, tokens])
         with mx.stream(stream or generation_stream), _head_on_last_position(model, len(tokens) > 1 and logits):
-            out = model(tokens[None], cache=prompt_cache)
+            decoder = getattr(model, "decoder", None)  # a flash model's native CPU decode step
+            if decoder is not None and decoder.applies(tokens, prompt_cache):
+                out = decoder(tokens.item(), prompt_cache)
+            else:
+                out = model(tokens[None], cache=prompt_cache)
             maybe_quantize_kv_cache(prompt_cache, quantized_kv_start, kv_group_size, kv_bits)
             if not logits:  # the head's output is never evaluated
                 mx.eval([c.state for c in prompt_cache])

@@ -11,6 +11,7 @@ from mlx.utils import tree_unflatten
 from . import cpu_gemv, memory
 from .architectures import adapter_for
 from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
+from .decode import HostDecoder, HostKVCache
 from .default_model import default_model_dir
 from .errors import BudgetError, FlashError, FlashFormatError
 from .ffn import ResidentFFN
@@ -310,6 +311,7 @@ def load(
         wrap = {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
     model = build_model(fd, make_ffn, dtype, wrap)
     model.flash = engine
+    model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
                                kv_group_size)
     return model, tokenizer
@@ -325,8 +327,13 @@ def make_cache(model, tokens: int = None, kv_bits: int = None, kv_group_size: in
     caches = type(model).make_cache(model) if hasattr(type(model), "make_cache") else [KVCache() for _ in model.layers]
     if kv_bits is not None and any(type(c) is not KVCache for c in caches):
         raise FlashError(f"kv_bits: {type(model).__module__} uses {type(caches[0]).__name__}, not only plain KV caches")
+    host = getattr(model, "decoder", None) is not None  # its native decode step writes host buffers
     for i, c in enumerate(caches):
         if type(c) is KVCache:
-            caches[i] = c = QuantizedKVCache(kv_group_size, kv_bits) if kv_bits is not None else c
+            if kv_bits is not None:
+                c = QuantizedKVCache(kv_group_size, kv_bits)
+            elif host:
+                c = HostKVCache()
+            caches[i] = c
             c.step = tokens or c.step
     return caches

@@ -237,33 +237,49 @@ class FlashEngine:
     # -- FFN -------------------------------------------------------------------
     def ffn(self, layer: int, x: mx.array, bias: Dict[str, mx.array]) -> mx.array:
         B, L, _ = x.shape
-        self.stats.touch(prefill=B * L > 1)
         xc = x.astype(self.compute_dtype)
+        backend = self.backends["neurons"]
+        if B * L > 1:
+            y = self._guarded(layer, True, lambda: self._prefill(layer, xc, bias))
+        else:  # on the CPU, prepare gives the host row (evaluating everything before this FFN)
+            y = self._guarded(layer, False, lambda: backend.finish(self._step(layer, self._input(xc), bias), xc))
+        if "fc2" in bias:
+            y = y + bias["fc2"].astype(y.dtype)
+        return y.astype(x.dtype)
+
+    def ffn_row(self, layer: int, x: np.ndarray, bias: Dict[str, mx.array]) -> np.ndarray:
+        """`ffn` of one decode step's host row x (float32 [d]) on the native CPU backend: the entry of
+        decode.HostDecoder, whose layers never leave the host."""
+        y = self._guarded(layer, False, lambda: self._step(layer, x, bias))
+        return y + np.asarray(bias["fc2"], dtype=np.float32) if "fc2" in bias else y
+
+    def _input(self, x: mx.array):
+        return self.backends["inputs" if self.dip_layout else "neurons"].prepare(x)
+
+    def _step(self, layer: int, xb, bias):
+        """A decode step's FFN of the layer input xb (in the backend's form), in that form."""
         backend = self.backends["inputs" if self.dip_layout else "neurons"]
+        xv = backend.host(xb)[0]  # what the selector reads
+        if self.prefetch is not None:  # the next layer's (next token's, after the last) reads go out now
+            self.prefetch.start((layer + 1) % len(self.caches))
+        return self._decode_dip(layer, xv, xb) if self.dip_layout else self._decode(layer, xv, xb, bias)
+
+    def _guarded(self, layer: int, prefill: bool, compute):
+        """compute() as layer `layer`'s FFN of a forward pass: its stats, and after a failed read the layer's
+        caches forget the units admitted for it (rows never filled), so later tokens never compute on unread bytes."""
+        self.stats.touch(prefill=prefill)
         try:
-            if B * L > 1:
-                y = self._prefill(layer, xc, bias)
-            else:
-                xb = backend.prepare(xc)  # on the CPU: the host row (evaluates everything before this FFN)
-                xv = backend.host(xb)[0]  # what the selector reads
-                if self.prefetch is not None:  # the next layer's (next token's, after the last) reads go out now
-                    self.prefetch.start((layer + 1) % len(self.caches))
-                y = self._decode_dip(layer, xv, xb) if self.dip_layout else self._decode(layer, xv, xb, bias)
-                y = self.backends["neurons"].finish(y, xc)
+            y = compute()
         except ReadError:
-            # units admitted to this layer's caches for the failed read map to rows never filled:
-            # forget them (the layer starts cold), so later tokens never compute on unread bytes
             for cache in self.caches[layer].values():
                 cache.reset(stats=False)
             if self.prefetch is not None:
                 self.prefetch.drain()
             self.stats.forward_done()
             raise
-        if "fc2" in bias:
-            y = y + bias["fc2"].astype(y.dtype)
         if layer == len(self.caches) - 1:
             self.stats.forward_done()
-        return y.astype(x.dtype)
+        return y
 
     def _decode(self, layer, xv, x, bias):
         active = self.sparsifier.select(layer, xv, self._cached_mask(layer, "neurons"))

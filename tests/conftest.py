@@ -14,6 +14,17 @@ def wikitext() -> str:
 CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40
 
 
+@pytest.fixture
+def float_activations():
+    """Float32 activations in the native matvecs. Their int8 default rounds x per block (as llama.cpp does), so
+    a test comparing with another path's arithmetic (MLX's ops, stock mlx-lm) would hold only to that rounding."""
+    from mlx_flash import cpu_gemv
+
+    cpu_gemv.set_int8_activations(False)
+    yield
+    cpu_gemv.set_int8_activations(True)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random llama model directory and a short text file to calibrate on: (root, src, text path)."""

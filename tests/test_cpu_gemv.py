@@ -7,7 +7,8 @@ import pytest
 
 from mlx_flash import cpu_gemv
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
+pytestmark = [pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU"),
+              pytest.mark.usefixtures("float_activations")]  # int8 activations: tests/test_decode.py
 
 
 @pytest.fixture(params=["simd", "scalar"], autouse=True)

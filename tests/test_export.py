@@ -26,6 +26,7 @@ def _greedy(model, tokenizer, n=12):
     return mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=n)
 
 
+@pytest.mark.usefixtures("float_activations")  # against stock mlx-lm
 @pytest.mark.parametrize("down_bits,tol", [("float", 1e-2), ("8", 5e-2)])
 def test_mlx_lm_runs_the_flash_weights(flash_dir, tmp_path, down_bits, tol):
     out = export(flash_dir, tmp_path / "mlx", down_bits, progress=False)

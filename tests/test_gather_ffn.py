@@ -528,6 +528,7 @@ def native(request, monkeypatch):
 
 @pytest.mark.parametrize("kinds", [("q4", "q8"), ("q8", "q4"), ("q2", "q4")])
 @pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.usefixtures("float_activations")
 def test_native_cpu_rows_match_numpy(native, kinds, pad):
     """One float32 row (decode) against quantised cache rows: computed in place by the C kernels
     (every scale dtype, group size, unaligned offsets, repeated / unsorted / empty slot lists)."""

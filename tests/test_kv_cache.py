@@ -7,6 +7,7 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_flash.budget import kv_cache_bytes, parse_size, plan_memory
+from mlx_flash.decode import HostKVCache
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.errors import FlashError
 from mlx_flash.flash_format import FlashDir
@@ -30,7 +31,7 @@ def test_cache_after_chat_turns_is_the_planned_size(kv_bits):
     model, tok = load(default_model_dir(), memory_budget="300%", context=300, kv_bits=kv_bits)
     try:
         cache = make_prompt_cache(model)
-        assert all(type(c) is (QuantizedKVCache if kv_bits else KVCache) for c in cache)
+        assert all(type(c) is (QuantizedKVCache if kv_bits else HostKVCache) for c in cache)  # (native decode: host KV)
         for text in ("The history of the city begins", " and then, a century later,"):
             for _ in stream_generate(model, tok, tok.encode(text), max_tokens=20, prompt_cache=cache):
                 pass

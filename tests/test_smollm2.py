@@ -85,6 +85,7 @@ def test_tokenizer_in_flash_dir(flash_exact):
     assert len(tok.encode(" the")) == 1 and len(tok.encode("2024")) == 4  # byte-level BPE, single digits
 
 
+@pytest.mark.usefixtures("float_activations")  # against stock mlx-lm
 def test_oracle_streaming_equals_mlx_lm(source, flash_exact):
     """Oracle sparsity streams the FFN through caches of 10% of it, and gives mlx-lm's own 64 greedy tokens."""
     from mlx_flash.budget import min_budget

@@ -110,6 +110,7 @@ def test_export_gives_back_the_source_quantisation(dirs, tmp_path):
         assert mx.array_equal(got[f"model.layers.2.mlp.down_proj.{k}"], want), k
 
 
+@pytest.mark.usefixtures("float_activations")
 def test_a_symmetric_source_stores_no_biases(tmp_path):
     """A Q4_0 GGUF (llama.cpp's symmetric 4-bit: bias = -8 * scale) keeps its codes and scales only: bundles of
     gate/up rows without biases plus down codes, no resident down biases; the weights are the GGUF's exactly

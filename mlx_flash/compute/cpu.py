@@ -63,7 +63,7 @@ class CpuBackend(OpsBackend):
             return super().input_columns(w, rows, slots)
         return np.stack([self.row_axpy(w, rows, slots, name) for name in ("gate", "up")])
 
-    # MLX's activations on the host row (computed by MLX, so the values equal the resident model's)
+    # the activations on the host row: SiLU natively, the others by MLX
     def activation(self, h):
         if not isinstance(h, np.ndarray):
             return super().activation(h)
@@ -72,6 +72,9 @@ class CpuBackend(OpsBackend):
     def glu(self, g, u):
         if not isinstance(g, np.ndarray):
             return super().glu(g, u)
+        if self.ffn["activation"] == "silu":  # natively, in place (g is this step's own output)
+            cpu_gemv.silu_mul(g, u)
+            return g
         return np.asarray(glu(mx.array(g), mx.array(u), self.ffn["activation"]))
 
     def row_dot(self, x, rows, slots, name: str):

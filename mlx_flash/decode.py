@@ -1,0 +1,181 @@
+"""A decode step of a llama-style flash model on the CPU, natively, layer by layer.
+
+Through MLX's ops a decode step on the CPU costs ~15 op dispatches and a synchronisation per layer
+before its FFN (on SmolLM2-135M, 30 layers: more time than its matvecs). Here the hidden state is one
+float32 host row from the embedding to the head:
+
+    x = embed(token)
+    per layer:  _cpu_gemv.attention(x, h, ...)    x += attention(norm(x)) (KV written in place); h = norm2(x)
+                x += engine.ffn_row(layer, h)      the FFN: the engine's selector, cache and CPU backend
+    logits = head(norm(x))
+
+Prompts, several positions at once and everything else keep mlx-lm's forward: `HostKVCache` is an mlx-lm
+KVCache whose keys and values live in host buffers both paths write. `HostDecoder.of(model)` says which
+models it computes (llama attention, RoPE without scaling, quantised projections and head, MLX on the CPU,
+resident attention weights) and why not when it cannot.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from . import cpu_gemv
+
+
+class HostKVCache(KVCache):
+    """mlx-lm's KVCache (offset, trim, state, masks) with its keys and values in host float32 buffers
+    [1, n_kv, capacity, head_dim], grown `step` positions at a time."""
+
+    def __init__(self, step: int = 256):
+        self.step, self.offset = step, 0
+        self._k = self._v = None
+
+    def reserve(self, n: int, heads: int, head_dim: int, v_dim: Optional[int] = None):
+        """Room for n positions."""
+        if self._k is not None and n <= self._k.shape[2]:
+            return
+        cap = -(-n // self.step) * self.step
+        k = np.zeros((1, heads, cap, head_dim), np.float32)
+        v = np.zeros((1, heads, cap, v_dim or head_dim), np.float32)
+        if self._k is not None:
+            k[:, :, : self.offset], v[:, :, : self.offset] = self._k[:, :, : self.offset], self._v[:, :, : self.offset]
+        self._k, self._v = k, v
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, H, L, D = keys.shape
+        if B != 1:
+            raise ValueError(f"HostKVCache holds one sequence, got a batch of {B}")
+        self.reserve(self.offset + L, H, D, values.shape[3])
+        self._k[:, :, self.offset : self.offset + L] = np.asarray(keys.astype(mx.float32))
+        self._v[:, :, self.offset : self.offset + L] = np.asarray(values.astype(mx.float32))
+        self.offset += L
+        return (mx.array(self._k[:, :, : self.offset]).astype(keys.dtype),
+                mx.array(self._v[:, :, : self.offset]).astype(values.dtype))
+
+    @property
+    def keys(self):
+        return None if self._k is None else mx.array(self._k[:, :, : self.offset])
+
+    @property
+    def values(self):
+        return None if self._v is None else mx.array(self._v[:, :, : self.offset])
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    @state.setter
+    def state(self, v):
+        keys, values, self.offset = v
+        self.step = getattr(self, "step", 256)
+        self._k = None if keys is None else np.array(keys.astype(mx.float32))
+        self._v = None if values is None else np.array(values.astype(mx.float32))
+
+    def empty(self):
+        return self._k is None
+
+    @property
+    def nbytes(self):
+        return 0 if self._k is None else self._k.nbytes + self._v.nbytes
+
+
+def _handle(layer) -> Optional[tuple]:
+    """(native handle, QuantRows) of a quantised linear layer / embedding's rows, None if the kernels cannot read it."""
+    if not isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "bias" in layer:
+        return None
+    if getattr(layer, "mode", "affine") != "affine":
+        return None
+    w, s, b = layer["weight"], layer["scales"], layer["biases"]
+    n = w.shape[-1] * 32 // layer.bits
+    if not (cpu_gemv.supports(layer.bits, layer.group_size, n, s.dtype) and cpu_gemv.contiguous(w, s, b)):
+        return None
+    q = cpu_gemv.QuantRows.of_matrix(w, s, b, layer.group_size, layer.bits)
+    return cpu_gemv.linear(q, w.shape[0]), q
+
+
+def _weight(norm) -> np.ndarray:
+    return np.array(norm.weight.astype(mx.float32))
+
+
+class HostDecoder:
+    """The native decode step of one loaded flash model (see the module's doc)."""
+
+    def __init__(self, model, layers, head):
+        self.model, self.layers, self.head = model, layers, head
+        body = model.model
+        self.norm, self.eps = _weight(body.norm), float(body.norm.eps)
+
+    @classmethod
+    def of(cls, model, engine):
+        """(decoder, None) for a model the native step computes, else (None, why not)."""
+        body = getattr(model, "model", None)
+        if not cpu_gemv.available():
+            return None, "the native CPU kernels are off or MLX computes on a GPU"
+        if getattr(engine, "streamer", None) is not None:
+            return None, "resident weights are streamed"
+        if body is None or not hasattr(body, "layers") or not hasattr(body, "embed_tokens"):
+            return None, "not a decoder-only layers/embed_tokens model"
+        layers = []
+        for i, layer in enumerate(body.layers):
+            why = cls._unsupported(layer)
+            if why:
+                return None, f"layer {i}: {why}"
+            a = layer.self_attn
+            handles = [_handle(getattr(a, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            if any(h is None for h in handles):
+                return None, f"layer {i}: attention projections the native kernels cannot read"
+            rope = a.rope
+            head_dim = a.q_proj["weight"].shape[0] // a.n_heads
+            inv_freq = (rope.base ** (-np.arange(0, rope.dims, 2, dtype=np.float32) / rope.dims)).astype(np.float32)
+            layers.append(dict(
+                norm1=_weight(layer.input_layernorm), norm2=_weight(layer.post_attention_layernorm),
+                eps=float(layer.input_layernorm.eps), linears=[h[0] for h in handles], n_heads=a.n_heads,
+                n_kv=a.n_kv_heads, head_dim=head_dim, inv_freq=inv_freq, traditional=bool(rope.traditional),
+                rope_scale=float(rope.scale), scale=float(a.scale), mlp=layer.mlp))
+        tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+        head = _handle(body.embed_tokens if tied else getattr(model, "lm_head", None))
+        if head is None:
+            return None, "an LM head the native kernels cannot read"
+        if type(body.norm) is not nn.RMSNorm:
+            return None, "the final norm is not RMSNorm"
+        return cls(model, layers, head[1]), None
+
+    @staticmethod
+    def _unsupported(layer) -> Optional[str]:
+        a = getattr(layer, "self_attn", None)
+        if a is None or type(a).__module__ != "mlx_lm.models.llama":
+            return "not llama attention"
+        if type(a.rope) is not nn.RoPE:
+            return f"RoPE {type(a.rope).__name__} (scaled)"
+        if type(layer.input_layernorm) is not nn.RMSNorm or type(layer.post_attention_layernorm) is not nn.RMSNorm:
+            return "norms other than RMSNorm"
+        if not hasattr(layer.mlp, "_engine"):
+            return "an FFN outside the flash engine"
+        return None
+
+    def applies(self, tokens: mx.array, cache) -> bool:
+        """One position, every layer's cache a HostKVCache, and the FFN's engine (the bench swaps engines:
+        each layer's FFN module holds the current one) streams no resident weights."""
+        return (tokens.size == 1 and cache is not None and all(type(c) is HostKVCache for c in cache)
+                and self.layers[0]["mlp"]._engine.streamer is None)
+
+    def __call__(self, token: int, cache) -> mx.array:
+        """Logits [1, 1, vocab] of `token` at the caches' offset; the caches advance by one."""
+        body = self.model.model
+        x = np.array(body.embed_tokens(mx.array([[token]])).astype(mx.float32)).reshape(-1)
+        h = np.empty_like(x)
+        for i, (L, c) in enumerate(zip(self.layers, cache)):
+            pos = c.offset
+            c.reserve(pos + 1, L["n_kv"], L["head_dim"])
+            q, k, v, o = L["linears"]
+            cpu_gemv._native.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
+                                       c._k.shape[2], L["n_heads"], L["n_kv"], L["head_dim"], L["inv_freq"],
+                                       L["traditional"], pos * L["rope_scale"], L["scale"])
+            c.offset = pos + 1
+            x += L["mlp"]._engine.ffn_row(i, h, L["mlp"]._bias)
+        x = x / np.sqrt(np.mean(x * x) + self.eps) * self.norm
+        logits = cpu_gemv.row_dot(x, self.head, k=self.head.w.shape[0])
+        return mx.array(logits).reshape(1, 1, -1)

@@ -1,0 +1,224 @@
+"""The native decode step: int8-activation matvecs (SIMD and scalar loops), the attention block, SiLU,
+HostKVCache, and HostDecoder against mlx-lm's forward on SmolLM2."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_flash import cpu_gemv
+from mlx_flash.decode import HostKVCache
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def loops(request):
+    cpu_gemv._native.set_simd(request.param == "simd")
+    yield request.param
+    cpu_gemv._native.set_simd(True)
+
+
+def quantized(rng, rows, n, bits, group_size, scale_dtype):
+    wq, s, b = mx.quantize(mx.array(rng.standard_normal((rows, n)).astype(np.float32)), group_size=group_size, bits=bits)
+    s, b = s.astype(scale_dtype), b.astype(scale_dtype)
+    mx.eval(wq, s, b)
+    return wq, s, b
+
+
+def rounded(x, limit=6.0, max_outliers=8):
+    """x as the int8 kernels see it: per block of 32 rounded to dx * int8 (dx = max|x| / 127), except the
+    (at most 8) largest elements above `limit` rms(x), kept exactly."""
+    x = x.astype(np.float32)
+    big = np.flatnonzero(np.abs(x) > limit * np.sqrt(np.mean(x * x)))
+    big = big[np.argsort(-np.abs(x[big]))][:max_outliers]
+    rest = x.copy()
+    rest[big] = 0
+    blocks = rest.reshape(-1, 32)
+    dx = np.abs(blocks).max(1, keepdims=True) / np.float32(127)
+    q = np.rint(blocks / np.where(dx > 0, dx, 1)) * dx
+    out = q.reshape(-1)
+    out[big] = x[big]
+    return out.astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size,n", [(32, 576), (32, 608), (64, 1024), (128, 1024)])  # 608: an unpaired block
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32])
+def test_int8_row_dot_is_the_product_with_rounded_x(loops, bits, group_size, n, scale_dtype):
+    """The int8 path computes exactly W . x~ for the rounded x~ (integer block sums), outliers included, and
+    x~ is close to x: within 1% of the float product's scale."""
+    rng = np.random.default_rng(n + bits)
+    wq, s, b = quantized(rng, 96, n, bits, group_size, scale_dtype)
+    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, group_size, bits)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[[5, 300]] = [40.0, -55.0]  # outlier channels, as a normed layer input has
+    assert cpu_gemv.info()["int8"]
+    got = cpu_gemv.row_dot(x, q, k=96)
+    cpu_gemv.set_int8_activations(False)
+    try:
+        exact = cpu_gemv.row_dot(rounded(x), q, k=96)
+        ref = cpu_gemv.row_dot(x, q, k=96)
+    finally:
+        cpu_gemv.set_int8_activations(True)
+    scale = np.abs(ref).max()
+    assert np.abs(got - exact).max() < 2e-5 * scale
+    assert np.abs(got - ref).max() < 1e-2 * scale
+    assert np.abs(got - ref).max() > 0  # the int8 path did run
+
+
+def test_outliers_keep_their_block_exact():
+    """One huge element in a block leaves the other 31 rounded finely (the outlier stays in float)."""
+    rng = np.random.default_rng(3)
+    wq, s, b = quantized(rng, 64, 256, 4, 32, mx.float16)
+    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, 32, 4)
+    x = rng.standard_normal(256).astype(np.float32)
+    x[7] = 200.0
+    got = cpu_gemv.row_dot(x, q, k=64)
+    cpu_gemv.set_int8_activations(False)
+    try:
+        ref = cpu_gemv.row_dot(x, q, k=64)
+    finally:
+        cpu_gemv.set_int8_activations(True)
+    assert np.abs(got - ref).max() < 2e-3 * np.abs(ref).max()
+
+
+def test_silu_mul():
+    rng = np.random.default_rng(0)
+    g, u = rng.standard_normal((2, 1000)).astype(np.float32) * 4
+    want = np.array(nn.silu(mx.array(g)) * mx.array(u))
+    cpu_gemv.silu_mul(g, u)
+    assert np.allclose(g, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one length"):
+        cpu_gemv.silu_mul(g, u[:10])
+
+
+def _block(rng, d=128, nh=4, nkv=2, hd=32):
+    """A random attention block's weights: q, k, v, o as (wq, s, b), norms."""
+    mats = [quantized(rng, r, c, 4, 32, mx.float16) for r, c in ((nh * hd, d), (nkv * hd, d), (nkv * hd, d), (d, nh * hd))]
+    return mats, rng.uniform(0.5, 1.5, d).astype(np.float32), rng.uniform(0.5, 1.5, d).astype(np.float32)
+
+
+def _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd, base=10000.0):
+    """The same block in MLX ops (mlx-lm's llama attention, one token): (x out, h out, k, v)."""
+    def lin(v, m):
+        wq, s, b = m
+        return mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), 32, 4) @ v
+    xm = mx.array(x)
+    h = mx.fast.rms_norm(xm, mx.array(n1), 1e-5)
+    q = lin(h, mats[0]).reshape(1, nh, 1, hd)
+    k = lin(h, mats[1]).reshape(1, nkv, 1, hd)
+    v = lin(h, mats[2]).reshape(1, nkv, 1, hd)
+    q = mx.fast.rope(q, hd, traditional=False, base=base, scale=1.0, offset=pos)
+    k = mx.fast.rope(k, hd, traditional=False, base=base, scale=1.0, offset=pos)
+    keys = mx.concatenate([mx.array(K[None, :, :pos]), k], axis=2)
+    vals = mx.concatenate([mx.array(V[None, :, :pos]), v], axis=2)
+    a = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=hd ** -0.5)
+    xo = xm + lin(a.reshape(-1), mats[3])
+    return np.array(xo), np.array(mx.fast.rms_norm(xo, mx.array(n2), 1e-5)), np.array(k).reshape(nkv, hd)
+
+
+def test_attention_block_equals_mlx(float_activations):
+    rng = np.random.default_rng(5)
+    d, nh, nkv, hd, cap, pos = 128, 4, 2, 32, 16, 9
+    mats, n1, n2 = _block(rng, d, nh, nkv, hd)
+    handles = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*m, 32, 4), m[0].shape[0]) for m in mats]
+    K = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
+    V = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
+    x = rng.standard_normal(d).astype(np.float32)
+    want_x, want_h, want_k = _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd)
+    inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    h = np.empty_like(x)
+    cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, float(pos),
+                               hd ** -0.5)
+    assert np.allclose(x, want_x, rtol=1e-4, atol=1e-4)
+    assert np.allclose(h, want_h, rtol=1e-4, atol=1e-4)
+    assert np.allclose(K[:, pos], want_k, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="shapes disagree"):  # pos past the cache
+        cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, cap, cap, nh, nkv, hd, inv_freq, False, 0.0, 1.0)
+    with pytest.raises(ValueError, match="shapes disagree"):  # q's rows are not heads x head_dim
+        cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, 0, cap, nh, nkv, hd // 2, inv_freq, False, 0.0, 1.0)
+    with pytest.raises(TypeError, match="linear"):
+        cpu_gemv._native.attention(x, h, n1, n2, 1e-5, handles[0], None, *handles[2:], K, V, 0, cap, nh, nkv, hd,
+                                   inv_freq, False, 0.0, 1.0)
+
+
+def test_linear_checks_its_rows():
+    rng = np.random.default_rng(0)
+    wq, s, b = quantized(rng, 8, 64, 4, 32, mx.float16)
+    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, 32, 4)
+    with pytest.raises(IndexError, match="outside"):
+        cpu_gemv.linear(q, 9)
+
+
+def test_host_kv_cache_is_an_mlx_lm_cache():
+    c = HostKVCache(step=4)
+    k = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4)
+    keys, values = c.update_and_fetch(k, -k)
+    assert keys.shape == (1, 2, 3, 4) and np.array_equal(np.array(values), -np.array(k))
+    c.update_and_fetch(k[:, :, :2] + 100, k[:, :, :2])  # grows past its step
+    assert c.offset == 5 and c._k.shape[2] == 8 and np.array_equal(np.array(c.keys[:, :, 3:]), np.array(k[:, :, :2] + 100))
+    assert c.trim(2) == 2 and c.offset == 3 and c.keys.shape[2] == 3
+    d = HostKVCache.from_state(c.state)
+    assert d.offset == 3 and np.array_equal(np.array(d.keys), np.array(c.keys)) and d.nbytes > 0
+    with pytest.raises(ValueError, match="one sequence"):
+        c.update_and_fetch(mx.zeros((2, 2, 1, 4)), mx.zeros((2, 2, 1, 4)))
+
+
+def _greedy(model, prompt, n=24):
+    from mlx_flash.generation import generate_step
+
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    from mlx_flash.convert import convert
+    from mlx_flash.default_model import default_gguf_path
+
+    return convert(str(default_gguf_path()), tmp_path_factory.mktemp("smol") / "flash", progress=False)
+
+
+def test_native_step_gives_mlx_lm_forward_tokens(smol, float_activations):
+    """SmolLM2 (convert's defaults, everything resident): the native decode step's greedy tokens are those of
+    mlx-lm's forward over the same engine, and its caches hold the same keys."""
+    from mlx_flash.loader import load
+
+    model, tok = load(smol)
+    assert model.decoder is not None, model.flash.decoder_why
+    prompt = tok.encode("The history of the city begins")
+    native = _greedy(model, prompt)
+    a, b = model.make_cache(), model.make_cache()
+    assert all(type(c) is HostKVCache for c in a)
+    decoder, model.decoder = model.decoder, None
+    try:
+        assert _greedy(model, prompt) == native
+        # one step each way from the same prompt cache: same logits and keys
+        model(mx.array([prompt]), cache=a), model(mx.array([prompt]), cache=b)
+        la, lb = np.array(model(mx.array([[native[0]]]), cache=a)), np.array(decoder(native[0], b))
+        assert np.abs(la - lb).max() < 1e-3 * np.abs(la).max()
+        assert np.allclose(a[5]._k[:, :, : a[5].offset], b[5]._k[:, :, : b[5].offset], atol=1e-4)
+    finally:
+        model.decoder = decoder
+        model.flash.close()
+
+
+def test_streamed_native_steps_equal_resident(smol):
+    """The FFN streamed through caches of a third of it, int8 activations on: the resident model's tokens."""
+    from mlx_flash.budget import min_budget
+    from mlx_flash.flash_format import FlashDir
+    from mlx_flash.loader import load
+
+    resident, tok = load(smol)
+    prompt = tok.encode("Once upon a time")
+    want = _greedy(resident, prompt, 32)
+    resident.flash.close()
+    fd = FlashDir(smol)
+    model, _ = load(smol, memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 3, context=128)
+    try:
+        assert model.decoder is not None
+        assert _greedy(model, prompt, 32) == want
+        model.flash.stats.end()
+        assert sum(t.misses for t in model.flash.stats.decode_tokens()) > 0
+    finally:
+        model.flash.close()
