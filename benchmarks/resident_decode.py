@@ -19,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import mlx_flash  # (OpenBLAS before mlx.core)
 import mlx.core as mx
-
-import mlx_flash
 from mlx_flash import cpu_gemv
 from mlx_flash.convert import convert
 from mlx_flash.default_model import default_gguf_path, default_model_dir
