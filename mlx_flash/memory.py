@@ -38,7 +38,19 @@ def baseline_command(model_dir) -> list:
     """A child process that only builds the baseline for `model_dir` (mlx, mlx-lm, the model's tokenizer):
     its peak RSS is the baseline a hard cap adds to a budget."""
     return [sys.executable, "-c", "import sys, mlx_flash, mlx_lm; from mlx_flash.flash_format import FlashDir; "
-            "from mlx_flash.loader import load_tokenizer; load_tokenizer(FlashDir(sys.argv[1]))", str(model_dir)]
+            "from mlx_flash.loader import load_tokenizer; load_tokenizer(FlashDir(sys.argv[1])); "
+            "from mlx_flash.memory import print_own_peak; print_own_peak()", str(model_dir)]
+
+
+def print_own_peak() -> None:
+    """Print "VmHWM <kB>", this process's own peak RSS, where /proc has it. (A child's wait4 ru_maxrss can be
+    its parent's RSS at fork: Linux keeps the larger across exec, so a parent that had just loaded a model
+    reports its own size.)"""
+    try:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM"))
+        print("VmHWM", line.split()[1])
+    except (OSError, StopIteration):
+        pass
 
 
 def reset_peak() -> bool:

@@ -1,6 +1,8 @@
 """mlx_flash.tools.peers: the summary / table / ratio logic on canned runs, the synthetic GGUF writer, and
 (where llama.cpp is already built: the tests never build it) one real llama.cpp run."""
 
+from pathlib import Path
+
 import gguf
 import pytest
 
@@ -109,3 +111,13 @@ def test_parse_flash_stats_reads_the_generate_summary():
     assert got["read_bytes_per_s"] == pytest.approx(912.5 * 2**20)
     assert parse_flash_stats(line.replace(" at 912.5 MiB/s while reads were in flight", ""))["read_bytes_per_s"] is None
     assert parse_flash_stats("no summary") == {}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_baseline_is_the_childs_own_peak(tiny_gguf, tmp_path):
+    """A child's wait4 ru_maxrss can be its parent's RSS at fork (Linux keeps the larger across exec): after
+    a parent grew by 1 GiB (as peers does converting a 7B), the baseline is still the child's own."""
+    flash = convert(str(tiny_gguf), tmp_path / "flash", progress=False)
+    big = bytearray(1 << 30)
+    big[:: 4096] = b"x" * len(big[:: 4096])  # touch it: resident
+    assert peers.measure_baseline(flash) < 512 * 2**20
