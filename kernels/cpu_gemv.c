@@ -255,6 +255,21 @@ static inline void prefetch_span(const uint8_t *p, Py_ssize_t bytes) {
 static void row_dot_q8(const Rows *r, const float *x, float *out, int path);
 static int int8_path(const Rows *r);
 
+/* Row j of a dot product: its codes, with its scales and biases as float32 in scale / bias; the row
+   PREFETCH_AHEAD later is asked for meanwhile. */
+static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast) {
+    const int groups = r->n / r->gs, scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    if (j + PREFETCH_AHEAD < r->k) {
+        const Py_ssize_t next = row_of(r, j + PREFETCH_AHEAD);
+        prefetch_span(r->w + next * r->w_stride, (Py_ssize_t)r->n * r->bits / 8);
+        prefetch_span(r->s + next * r->s_stride, (Py_ssize_t)groups * scale_size);
+    }
+    const Py_ssize_t row = row_of(r, j);
+    scales_f32(r->s + row * r->s_stride, r->stype, groups, scale, fast);
+    biases_f32(r, r->b + row * r->b_stride, groups, scale, bias, fast);
+    return r->w + row * r->w_stride;
+}
+
 static void row_dot_impl(const Rows *r, const float *x, float *out) {
     const int path = int8_path(r);
     if (path) {
@@ -271,16 +286,8 @@ static void row_dot_impl(const Rows *r, const float *x, float *out) {
     }
 #pragma omp parallel for schedule(static) num_threads(threads_for(r))
     for (Py_ssize_t j = 0; j < r->k; j++) {
-        Py_ssize_t row = row_of(r, j);
-        const uint8_t *w = r->w + row * r->w_stride;
         float scale[groups], bias[groups], acc = 0.0f;
-        if (j + PREFETCH_AHEAD < r->k) {
-            const Py_ssize_t next = row_of(r, j + PREFETCH_AHEAD);
-            prefetch_span(r->w + next * r->w_stride, (Py_ssize_t)groups * group_bytes);
-            prefetch_span(r->s + next * r->s_stride, (Py_ssize_t)groups * (r->stype == SCALE_F32 ? 4 : 2));
-        }
-        scales_f32(r->s + row * r->s_stride, r->stype, groups, scale, avx);
-        biases_f32(r, r->b + row * r->b_stride, groups, scale, bias, avx);
+        const uint8_t *w = row_start(r, j, scale, bias, avx);
         for (int g = 0; g < groups; g++) {
             const float *xg = x + g * r->gs;
             const uint8_t *wg = w + g * group_bytes;
@@ -487,23 +494,15 @@ static int int8_path(const Rows *r) {
 }
 
 static void row_dot_q8(const Rows *r, const float *x, float *out, int path) {
-    const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
+    const int groups = r->n / r->gs;
     int8_t xq[r->n] __attribute__((aligned(32)));
     float dx[r->n / 32], xs[groups], dxv[r->n / 8];
     QX q = {.xq = xq, .dx = dx, .xs = xs, .dxv = dxv};
     quantize_x(x, r->n, r->gs, r->bits, &q);
 #pragma omp parallel for schedule(static) num_threads(threads_for(r))
     for (Py_ssize_t j = 0; j < r->k; j++) {
-        Py_ssize_t row = row_of(r, j);
         float scale[groups], bias[groups];
-        if (j + PREFETCH_AHEAD < r->k) {
-            const Py_ssize_t next = row_of(r, j + PREFETCH_AHEAD);
-            prefetch_span(r->w + next * r->w_stride, (Py_ssize_t)groups * group_bytes);
-            prefetch_span(r->s + next * r->s_stride, (Py_ssize_t)groups * (r->stype == SCALE_F32 ? 4 : 2));
-        }
-        scales_f32(r->s + row * r->s_stride, r->stype, groups, scale, path > 1);
-        biases_f32(r, r->b + row * r->b_stride, groups, scale, bias, path > 1);
-        const uint8_t *w = r->w + row * r->w_stride;
+        const uint8_t *w = row_start(r, j, scale, bias, path > 1);
         float acc;
 #if HAVE_X86
         if (path == 3)
@@ -1055,20 +1054,21 @@ done:
     return result;
 }
 
-static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
-    (void)self;
+static PyObject *set_flag(int *flag, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
-    simd_allowed = on;
+    *flag = on;
     Py_RETURN_NONE;
+}
+
+static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
+    (void)self;
+    return set_flag(&simd_allowed, arg);
 }
 
 static PyObject *py_set_int8(PyObject *self, PyObject *arg) {
     (void)self;
-    int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    int8_allowed = on;
-    Py_RETURN_NONE;
+    return set_flag(&int8_allowed, arg);
 }
 
 static PyObject *py_info(PyObject *self, PyObject *noargs) {
