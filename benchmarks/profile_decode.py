@@ -34,8 +34,9 @@ def main():
     model, tok = load(args.model, memory_budget=args.memory_budget)
     prompt = mx.array(tok.encode("Once upon a time, in a land far away, there lived"))
     tokens_per_s(model, prompt, 8)  # warm up
-    print(f"{tokens_per_s(model, prompt, args.tokens):.2f} tokens/s (native step: {model.decoder is not None}, "
-          f"{model.flash.decoder_why or ''})")
+    why = model.flash.decoder_why
+    print(f"{tokens_per_s(model, prompt, args.tokens):.2f} tokens/s (native step: "
+          f"{'yes' if model.decoder is not None else f'no, {why}'})")
     if args.prof:
         pr = cProfile.Profile()
         pr.enable()
