@@ -121,3 +121,44 @@ def test_baseline_is_the_childs_own_peak(tiny_gguf, tmp_path):
     big = bytearray(1 << 30)
     big[:: 4096] = b"x" * len(big[:: 4096])  # touch it: resident
     assert peers.measure_baseline(flash) < 512 * 2**20
+
+
+def test_budgets_as_a_share_of_the_weights_or_as_one_absolute_cap():
+    assert peers.budget_and_cap(50, 1000 * MiB, 100 * MiB) == (500 * MiB, 600 * MiB)
+    assert peers.budget_and_cap("2GiB", 1000 * MiB, 100 * MiB) == (2048 * MiB - 100 * MiB, 2048 * MiB)
+    with pytest.raises(ValueError, match="below the Python baseline"):
+        peers.budget_and_cap("64MiB", 1000 * MiB, 100 * MiB)
+    res = canned()
+    res["budgets"] = ["1GiB"]
+    res["summary"] = peers.summarize([dict(r, budget_pct="1GiB") for r in
+                                      [_run("llama.cpp mmap", 0, 2.0), _run("llama.cpp mmap", 0, 5.0, tokens=1),
+                                       _run("mlx_flash dense", 0, 3.0), _run("nunspark", 0, 0.5)]])
+    t = peers.table(res)
+    assert "| cap 1GiB |" in t.splitlines()[0] and "1.50x" in t and "| mlx_flash dense / nunspark | 6.00x |" in t
+
+
+def test_parse_nunspark_speed():
+    out = "Prompt -> 15 tokens\nxyz\n\n--- metrics ---\nbudget                : 1.5GB  (1.50 GB)\n" \
+          "generated tokens      : 4 in 85.7s  (0.05 tok/s, prefetch=on)\npeak unified memory   : 2.20 GB\n"
+    assert peers.parse_speed("nunspark", out) == (4, 0.05)
+    assert peers.parse_speed("nunspark", "Killed") == (None, None)
+
+
+def test_nunspark_budget_backs_off_until_it_holds_the_cap(monkeypatch):
+    """nunspark's --budget does not bound its process: it is lowered by NUNSPARK_BACKOFF until the run holds
+    the cap, the killed attempts are kept under their own label, and later rounds start at what held."""
+    told = []
+
+    def fake(system, paths, tokens, budget, cap, files, timeout=None):
+        told.append(budget)
+        return _run(system, None, None if budget > 500 * MiB else 1.0, oom=budget > 500 * MiB)
+
+    monkeypatch.setattr(peers, "run_one", fake)
+    runs, tried = [], {}
+    rec = peers._nunspark_run({}, 8, 1000 * MiB, 1100 * MiB, [], None, tried, 50, runs)
+    assert not rec["oom"] and rec["system_budget"] == told[-1] <= 500 * MiB
+    assert told == [int(1000 * MiB * peers.NUNSPARK_SHARE), int(int(1000 * MiB * peers.NUNSPARK_SHARE) * peers.NUNSPARK_BACKOFF)]
+    assert [r["system"] for r in runs] == ["nunspark (OOM-killed at its budget)"]
+    told.clear()
+    peers._nunspark_run({}, 8, 1000 * MiB, 1100 * MiB, [], None, tried, 50, runs)
+    assert len(told) == 1 and told[0] <= 500 * MiB

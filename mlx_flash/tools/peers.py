@@ -21,6 +21,14 @@ exported for mlx-lm by mlx_flash.convert.export):
   mlx_flash dense       python -m mlx_flash.generate --memory-budget <budget> --sparsity dense
   mlx_flash dip         --sparsity dip on a dip-layout conversion calibrated by mlx_flash.calib.calibrate
                         (SmolLM2 only: the synthetic 7B has random weights, nothing to calibrate)
+  nunspark              nunspark generate (PyPI: an MLX runtime that streams layers and experts from SSD) on
+                        `nunspark pack` of the export, --io-threads 8 --warm-window 4. Its --budget does not
+                        bound the process, so it starts at NUNSPARK_SHARE of the cap's budget and, when
+                        OOM-killed, runs again with 3/4 of that budget until it holds the cap (the largest
+                        budget that holds it, in those steps); its tokens/s is its own figure, which times
+                        the prompt's pass too (the first token comes out of it)
+A budget is a % of the GGUF's size (cap = budget + baseline) or an absolute hard cap such as 2.5GiB
+(budget = cap - baseline): one cap for every system.
 If mlx_flash is OOM-killed under its cap, it is run again with a cap 25% larger (then larger
 again, in 25% steps, until it finishes) and recorded as a separate row labelled with the factor.
 
@@ -35,6 +43,7 @@ rotated each round, because the disk is noisy.
 """
 
 import argparse
+import importlib.util
 import json
 import platform
 import re
@@ -51,7 +60,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..architectures import adapter_for
-from ..budget import fmt_bytes
+from ..budget import fmt_bytes, parse_size
 from ..convert.build import convert
 from ..convert.export import export
 from ..default_model import cache_root, default_gguf_path
@@ -69,6 +78,8 @@ LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 OOM_RETRY = 1.25  # an OOM-killed mlx_flash runs again under a cap this much larger (then again)
 MAX_RETRIES = 4
+NUNSPARK_SHARE = 0.6  # nunspark's first --budget, of the cap's budget (1.0-1.5 GB held a 2.5 GiB cap; 2.2 did not)
+NUNSPARK_BACKOFF = 0.75
 
 
 # The CPU's own instructions, but not AMX: a VM may report AMX without enabling its tile state, and then
@@ -114,9 +125,9 @@ def llama_cpp_bin(name: str) -> Path:
 
 
 # -- the models: one GGUF, its flash directory, the flash directory exported for mlx-lm -----------------
-def prepare(model: str, progress: bool = True) -> dict:
-    """{"gguf", "flash", "mlx"[, "flash_dip"]} paths for `model` (small, llama-7b or a GGUF file), made
-    once under ~/.cache/mlx_flash/peers/<name>."""
+def prepare(model: str, progress: bool = True, nunspark: bool = False) -> dict:
+    """{"gguf", "flash", "mlx"[, "flash_dip", "nunspark"]} paths for `model` (small, llama-7b or a GGUF file),
+    made once under ~/.cache/mlx_flash/peers/<name>."""
 
     if model == "small":
         gguf, flash = default_gguf_path(), default_model_dir()
@@ -144,6 +155,14 @@ def prepare(model: str, progress: bool = True) -> dict:
             subprocess.run([sys.executable, "-m", "mlx_flash.calibrate", "--model", dip, "--no-predictor",
                             "--num-seqs", "2"], check=True)  # DIP's ratio search uses --dip-seqs (2)
         paths["flash_dip"] = dip
+    if nunspark:  # nunspark's own pieces of the same export
+        if importlib.util.find_spec("nunspark") is None:
+            raise RuntimeError("nunspark is not installed: pip install 'mlx-flash-runtime[peers]' (or nunspark==0.13.0)")
+        packed = root / "nunspark"
+        if not (packed / "manifest.json").is_file():
+            shutil.rmtree(packed, ignore_errors=True)
+            subprocess.run([*NUNSPARK, "pack", paths["mlx"], packed], check=True)
+        paths["nunspark"] = packed
     return paths
 
 
@@ -169,6 +188,14 @@ def _flash_cmd(dir_key, sparsity):
     return cmd
 
 
+NUNSPARK = [sys.executable, "-c", "import sys; from nunspark.cli import main; sys.exit(main())"]
+
+
+def _nunspark_cmd(paths, tokens, budget):
+    return [*NUNSPARK, "generate", paths["nunspark"], "--prompt", paths.get("prompt", PROMPT), "--max-tokens", tokens,
+            "--budget", str(budget), "--io-threads", 8, "--warm-window", 4, "--no-chat-template", "--metrics"]
+
+
 # name -> (command builder (paths, tokens, budget bytes), the path it runs on)
 SYSTEMS = {
     "llama.cpp": (lambda p, n, b: _llama_cmd(p, n), "gguf"),
@@ -176,6 +203,7 @@ SYSTEMS = {
     "mlx-lm": (lambda p, n, b: _mlx_lm_cmd(p, n), "mlx"),
     "mlx_flash dense": (_flash_cmd("flash", "dense"), "flash"),
     "mlx_flash dip": (_flash_cmd("flash_dip", "dip"), "flash_dip"),
+    "nunspark": (_nunspark_cmd, "nunspark"),
 }
 UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference (--uncapped)
 
@@ -183,6 +211,7 @@ _MLX_GEN = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
 _FLASH_SUMMARY = re.compile(r"summary over \d+ tokens \(medians\): io ([\d.]+) ms.*?total ([\d.]+) ms"
                             r"(?:.*? at ([\d.]+) (B|KiB|MiB|GiB)/s while reads were in flight)?")
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_NUNSPARK_GEN = re.compile(r"generated tokens\s*: (\d+) in [\d.]+s\s+\(([\d.]+) tok/s")
 
 
 def parse_flash_stats(out: str) -> dict:
@@ -216,7 +245,7 @@ def parse_speed(system: str, out: str):
             return None, None
         tg = [t for t in tests if t.get("n_gen")]
         return (tg[0]["n_gen"], tg[0]["avg_ts"]) if tg else (None, None)
-    m = _MLX_GEN.search(out)
+    m = (_NUNSPARK_GEN if system.startswith("nunspark") else _MLX_GEN).search(out)
     return (int(m.group(1)), float(m.group(2))) if m else (None, None)
 
 
@@ -231,6 +260,7 @@ def measure_baseline(flash_dir) -> int:
 
 
 def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
+    """One capped run; `budget`: what the system is told (nunspark's own --budget for nunspark)."""
     builder, _ = SYSTEMS[system]
     cmd = builder(paths, tokens, budget)
     r = run_capped(cmd, cap, drop=files, timeout=timeout)
@@ -252,7 +282,7 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     run that is stopped keeps what it measured). cap_factor != 1: every cap scaled by it, and every
     capped row labelled "(cap xF)"."""
 
-    paths = prepare(model, progress)
+    paths = prepare(model, progress, nunspark="nunspark" in (systems or ()))
     systems = [s for s in (systems or SYSTEMS) if SYSTEMS[s][1] in paths]
     weights = paths["gguf"].stat().st_size  # the source model, the same absolute cap for every system
     baseline = measure_baseline(paths["flash"])
@@ -277,10 +307,12 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     bar = tqdm(jobs, desc=f"peers {model}", unit="run", disable=not progress)
     retry = {}  # (system, budget %) -> the cap factor that first let an OOM-killed mlx_flash finish
     for rnd, system, pct, n in bar:
-        budget = int(weights * pct / 100) if pct is not None else None
-        cap = int((budget + baseline) * cap_factor) if budget is not None else None
-        bar.set_postfix_str(f"{system} @ {pct}%" if pct else f"{system}, no cap")
-        rec = run_one(system, paths, n, budget if budget is not None else weights, cap, files, timeout)
+        budget, cap = budget_and_cap(pct, weights, baseline, cap_factor) if pct is not None else (None, None)
+        bar.set_postfix_str(f"{system} @ {_label(pct)}")
+        if system == "nunspark" and cap is not None:
+            rec = _nunspark_run(paths, n, budget, cap, files, timeout, retry, pct, res["runs"])
+        else:
+            rec = run_one(system, paths, n, budget if budget is not None else weights, cap, files, timeout)
         rec.update(round=rnd, budget_pct=pct, budget=budget)
         if cap is not None and cap_factor != 1:
             rec["system"] = f"{system} (cap x{cap_factor:.2f})"
@@ -297,6 +329,34 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
             Path(out).write_text(json.dumps(dict(res, summary=summarize(res["runs"])), indent=2))
     res["summary"] = summarize(res["runs"])
     return res
+
+
+def budget_and_cap(spec, weights: int, baseline: int, cap_factor: float = 1.0):
+    """(budget, cap) in bytes for a budget given as a % of the weights (cap = budget + baseline) or as an
+    absolute cap such as "2.5GiB" (budget = cap - baseline)."""
+    if isinstance(spec, str):
+        cap = int(parse_size(spec) * cap_factor)
+        if cap <= baseline:
+            raise ValueError(f"cap {spec} is below the Python baseline ({fmt_bytes(baseline)})")
+        return cap - baseline, cap
+    budget = int(weights * spec / 100)
+    return budget, int((budget + baseline) * cap_factor)
+
+
+def _nunspark_run(paths, tokens, budget, cap, files, timeout, tried, key, runs) -> dict:
+    """nunspark under `cap` with the largest --budget (NUNSPARK_SHARE of `budget`, then 3/4 of that each
+    time it is OOM-killed) that holds it; the budget that held is kept for later rounds. The killed
+    attempts go into `runs` under their own label."""
+    own = tried.get(("nunspark", key), int(budget * NUNSPARK_SHARE))
+    for _ in range(MAX_RETRIES):
+        rec = run_one("nunspark", paths, tokens, own, cap, files, timeout)
+        rec["system_budget"] = own
+        if not rec["oom"]:
+            break
+        runs.append(dict(rec, system="nunspark (OOM-killed at its budget)", budget_pct=key, budget=budget))
+        own = int(own * NUNSPARK_BACKOFF)
+    tried[("nunspark", key)] = own
+    return rec
 
 
 def _retry(system, paths, tokens, budget, cap, files, timeout, retry, key) -> dict:
@@ -325,7 +385,7 @@ def merge(results) -> dict:
 
 def _describe(rec) -> str:
     status = "OOM" if rec["oom"] else f"{rec['tok_s']:.2f} tok/s" if rec["tok_s"] else f"exit {rec['returncode']}"
-    return (f"  {rec['system']} @ {rec['budget_pct'] or 'no cap'}{'%' if rec['budget_pct'] else ''}, {rec['tokens']} tokens: "
+    return (f"  {rec['system']} @ {_label(rec['budget_pct'])}, {rec['tokens']} tokens: "
             f"{status}, read {fmt_bytes(rec['read_bytes'])}, peak RSS {fmt_bytes(rec['max_rss'])}, {rec['wall_s']:.0f} s")
 
 
@@ -363,7 +423,8 @@ def summarize(runs) -> dict:
              "cgroup_peak": _median([r["cgroup_peak"] for r in full if r["cgroup_peak"]]),
              "bytes_per_token": None,
              "io_share": _median([r.get("io_share") for r in full if r["tok_s"]]),
-             "read_bytes_per_s": _median([r.get("read_bytes_per_s") for r in full if r["tok_s"]])}
+             "read_bytes_per_s": _median([r.get("read_bytes_per_s") for r in full if r["tok_s"]]),
+             "system_budget": _median([r.get("system_budget") for r in full if r["tok_s"]])}
         ok = [r for r in full if r["tok_s"]]
         if ok and short and ok[0]["generated"] and ok[0]["generated"] > 1:
             per = [(r["read_bytes"] - short[0]["read_bytes"]) / (r["generated"] - 1) for r in ok]
@@ -378,7 +439,7 @@ def _median(xs):
 
 
 def _label(pct) -> str:
-    return "no cap" if pct is None else f"{pct}%"
+    return "no cap" if pct is None else f"cap {pct}" if isinstance(pct, str) else f"{pct}%"
 
 
 def ratios(summary, budgets) -> dict:
@@ -390,8 +451,10 @@ def ratios(summary, budgets) -> dict:
         flash = {s: v[b]["tok_s"] for s, v in summary.items() if s.startswith("mlx_flash") and b in v and v[b]["tok_s"]}
         dense = min((s for s in flash if s.startswith("mlx_flash dense")), key=len, default=None)
         best = max(flash, key=flash.get, default=None)
+        ns = summary.get("nunspark", {}).get(b, {}).get("tok_s")
         out[b] = {"dense": flash[dense] / ref if ref and dense else None, "dense_system": dense,
-                  "best": flash[best] / ref if ref and best else None, "best_system": best}
+                  "best": flash[best] / ref if ref and best else None, "best_system": best,
+                  "dense_nunspark": flash[dense] / ns if ns and dense else None}
     return out
 
 
@@ -399,7 +462,7 @@ def table(res) -> str:
     budgets = [_label(b) for b in res["budgets"]] + ["no cap"]
     summary = res["summary"]
     budgets = [b for b in budgets if any(b in v for v in summary.values())]
-    head = "| system | " + " | ".join(f"{b} (cap {fmt_bytes(_cap(res, b))})" if b != "no cap" else b
+    head = "| system | " + " | ".join(f"{b} (cap {fmt_bytes(_cap(res, b))})" if b.endswith("%") else b
                                      for b in budgets) + " |"
     rows = [head, "|---" * (len(budgets) + 1) + "|"]
     for system, by in summary.items():
@@ -414,6 +477,8 @@ def table(res) -> str:
             bpt = [f"{fmt_bytes(s['bytes_per_token'])}/tok"] if s["bytes_per_token"] is not None else []
             peak = f"RSS {fmt_bytes(s['max_rss'])}" + (f", cg {fmt_bytes(s['cgroup_peak'])}" if s["cgroup_peak"] else "")
             io = [f"I/O wait {s['io_share']:.0%}"] if s.get("io_share") is not None else []
+            if s.get("system_budget"):
+                io.append(f"--budget {s['system_budget'] / 1e9:.2f} GB")
             if s.get("read_bytes_per_s"):
                 fio = res.get("fio")
                 io.append(f"reads at {fmt_bytes(s['read_bytes_per_s'])}/s"
@@ -430,6 +495,9 @@ def table(res) -> str:
              "| best mlx_flash / llama.cpp mmap | " + " | ".join(
                  _x(r[_label(b)]["best"]) + (f" ({r[_label(b)]['best_system']})" if r[_label(b)]["best"] else "")
                  for b in res["budgets"]) + " |"]
+    if any(r[_label(b)]["dense_nunspark"] for b in res["budgets"]):
+        rows.append("| mlx_flash dense / nunspark | " + " | ".join(_x(r[_label(b)]["dense_nunspark"])
+                                                                  for b in res["budgets"]) + " |")
     return "\n".join(rows)
 
 
@@ -438,7 +506,8 @@ def _x(v) -> str:
 
 
 def _cap(res, label) -> int:
-    return int((int(res["weight_bytes"] * float(label[:-1]) / 100) + res["baseline_rss"]) * res.get("cap_factor", 1))
+    spec = label[len("cap "):] if label.startswith("cap ") else float(label[:-1])
+    return budget_and_cap(spec, res["weight_bytes"], res["baseline_rss"], res.get("cap_factor", 1))[1]
 
 
 def down_storage(fd) -> str:
@@ -466,11 +535,12 @@ def plot(res, out):
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     budgets = res["budgets"]
+    caps = [_cap(res, _label(b)) / 2**30 for b in budgets]  # x: the hard cap, the same for every system
     for system, by in res["summary"].items():
         ys = [by.get(_label(b), {}).get("tok_s") for b in budgets]
-        oom = [b for b, y in zip(budgets, ys) if not y and by.get(_label(b), {}).get("oom")]
+        oom = [c for b, c, y in zip(budgets, caps, ys) if not y and by.get(_label(b), {}).get("oom")]
         if any(ys):
-            color = ax.plot(budgets, [y if y else float("nan") for y in ys], marker="o", label=system)[0].get_color()
+            color = ax.plot(caps, [y if y else float("nan") for y in ys], marker="o", label=system)[0].get_color()
             if oom:
                 ax.scatter(oom, [0] * len(oom), marker="x", color=color)
         else:
@@ -478,8 +548,8 @@ def plot(res, out):
         nocap = by.get("no cap", {}).get("tok_s")
         if nocap:
             ax.axhline(nocap, ls=":", color=color, lw=1)
-            ax.annotate(f"{system}, no cap", (budgets[0], nocap), fontsize=7, color=color, va="bottom")
-    ax.set_xlabel("memory budget (% of the model's weight bytes; cap = budget + Python baseline)")
+            ax.annotate(f"{system}, no cap", (min(caps), nocap), fontsize=7, color=color, va="bottom")
+    ax.set_xlabel(f"hard memory cap, GiB (the weights: {res['weight_bytes'] / 2**30:.2f} GiB)")
     ax.set_ylabel("generation tokens/s (median)")
     ax.set_title(f"{res['model']}: tokens/s under a hard memory cap (x: OOM-killed, dotted: no cap)", fontsize=9)
     ax.set_ylim(bottom=0)
@@ -492,7 +562,9 @@ def plot(res, out):
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="mlx_flash vs llama.cpp and mlx-lm on the same weights, under a hard memory cap.")
     p.add_argument("--model", default="small", help="small (SmolLM2-135M Q4_1), llama-7b (synthetic, random Q4_0) or a GGUF file.")
-    p.add_argument("--budgets", default="25,50,80", help="Budgets in %% of the model's weight bytes.")
+    p.add_argument("--budgets", default="25,50,80",
+                   help="Budgets in %% of the model's weight bytes (cap = budget + baseline), or hard caps as "
+                        "sizes (2.5GiB,1.9GiB: budget = cap - baseline).")
     p.add_argument("--rounds", type=int, default=3, help="Rounds (each runs every system at every budget).")
     p.add_argument("--tokens", type=int, default=None, help="Generated tokens per run (default 64; --quick 8).")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of: {', '.join(SYSTEMS)}.")
@@ -517,7 +589,7 @@ def main(argv=None):
     exit_on_sigterm()
     tokens = a.tokens or (8 if a.quick else 64)
     rounds = 1 if a.quick else a.rounds
-    budgets = [int(b) for b in a.budgets.split(",") if b]
+    budgets = [b if re.search(r"[A-Za-z]", b) else float(b) if "." in b else int(b) for b in a.budgets.split(",") if b]
     systems = [s for s in a.systems.split(",") if s]
     bad = set(systems) - set(SYSTEMS)
     if bad:
