@@ -46,7 +46,8 @@ from mlx_flash.default_model import default_model_dir  # noqa: E402
 from mlx_flash.flash_format import FlashDir  # noqa: E402
 from mlx_flash.loader import load_tokenizer  # noqa: E402
 from mlx_flash.calib.quality import collect_inputs, dense_ffn_weights, eval_model, perplexity, unit_strides  # noqa: E402
-from mlx_flash.selectors import build_sketch, dequantized_sketch, wina_norms  # noqa: E402
+from mlx_flash.selectors import build_sketch, wina_norms  # noqa: E402
+from mlx_flash.sparsity import Sketch  # noqa: E402
 from mlx_flash.sparsity import Oracle  # noqa: E402
 from mlx_flash.texts import read_text, token_batches  # noqa: E402
 
@@ -124,7 +125,7 @@ def main():
         dfd = FlashDir(args.dip_model)
         strides["dip"], ffn_bytes["dip"] = unit_strides(dfd), dfd.ffn_bytes
     n_in, n_out = wina_norms(weights)
-    norms = {"input_norm": [mx.array(v) for v in n_in], "neuron_norm": [mx.array(v) for v in n_out]}
+    norms = {"input_norm": n_in, "neuron_norm": n_out}
 
     def run(name, mode, target, nbytes, layout="neurons", **kw):
         cache_bytes = args.cache_fraction * ffn_bytes[layout] - nbytes
@@ -171,8 +172,8 @@ def main():
         for b, arrays in sketches.items():
             if want(f"sketch-{b}b"):
                 nb = sum(v.nbytes for a in arrays for v in a.values())
-                rows.append(run(f"sketch-{b}b", "sketch", d, nb, sketch=dequantized_sketch(arrays, b, args.group_size),
-                                neuron_density=[d] * L))
+                rows.append(run(f"sketch-{b}b", "sketch", d, nb,
+                                sketch=Sketch(arrays, fd.ffn["activation"], b, args.group_size, [d] * L)))
         if args.predictor and want("predictor"):
             pr = train_predictors(fd, xs, d, weights=weights, progress=True)
             nb = sum(v.nbytes for w in pr["weights"] for v in w.values())

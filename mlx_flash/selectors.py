@@ -47,19 +47,6 @@ def build_sketch(weights: Sequence[Dict[str, mx.array]], xs: Optional[Sequence[n
     return out
 
 
-def dequantized_sketch(layers: Sequence[Dict[str, mx.array]], bits: int, group_size: int) -> List[Dict[str, mx.array]]:
-    """The sketch as float32 rows G~ / s, U~ / s (for quality.Controller: same estimates, plain matmuls)."""
-    out = []
-    for a in layers:
-        w = {}
-        for name in ("gate", "up"):
-            q = mx.dequantize(a[f"{name}.weight"], a[f"{name}.scales"], a[f"{name}.biases"], group_size, bits)
-            w[name] = q.astype(mx.float32) / a["input_scale"]
-        mx.eval(w)
-        out.append(w)
-    return out
-
-
 def wina_norms(weights: Sequence[Dict[str, mx.array]]):
     """Per layer WINA's norms as (input_norm [d], neuron_norm [n]) lists of float32 numpy arrays."""
     pairs = [weight_norms(w) for w in weights]

@@ -20,6 +20,12 @@ take every input column there, so the GLU they see is exact (the oracle needs no
 A sparsifier sees the FFN input of one token (x [d], float32 numpy) and returns
 sorted unit ids (int32). DIP needs the gate/up result to choose down rows, so
 FlashMLP drives it in two steps (`select_inputs`, `select_neurons`).
+
+Each choice is made by one batched method (`masks`, `input_masks`, `neuron_masks`: rows [T, d] ->
+bool [T, n]); the runtime's `select*` of one token is that method on one row, and calib.quality
+evaluates the same objects on whole sequences: what calibration measures is what the runtime picks.
+Scores that are matmuls (predictor, sketch) are computed a row at a time, because a BLAS product of
+a batch rounds differently from one of a single row and near-ties would swap.
 """
 
 from dataclasses import dataclass, field
@@ -35,15 +41,33 @@ SPARSITIES = ("dense", "oracle", "predictor", "dip", "wina", "sketch")
 LOSSY = ("predictor", "dip", "wina", "sketch")  # need a calibration; dense and oracle serve every directory
 
 
+def top_k_mask(scores: np.ndarray, k: int) -> np.ndarray:
+    """bool [..., n]: the k largest scores of each row."""
+    n = scores.shape[-1]
+    k = max(0, min(int(k), n))
+    mask = np.full(scores.shape, k == n)
+    if 0 < k < n:
+        np.put_along_axis(mask, np.argpartition(-scores, k - 1, axis=-1)[..., :k], True, axis=-1)
+    return mask
+
+
 def top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest scores, sorted by index (int32)."""
-    n = scores.shape[0]
-    k = max(0, min(int(k), n))
-    if k == n:
-        return np.arange(n, dtype=np.int32)
-    if k == 0:
-        return np.zeros(0, dtype=np.int32)
-    return np.sort(np.argpartition(-scores, k - 1)[:k]).astype(np.int32)
+    return _ids(top_k_mask(scores, k))
+
+
+def _ids(mask: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(mask).astype(np.int32)
+
+
+def _rows(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)[None]
+
+
+def _by_row(x: np.ndarray, score) -> np.ndarray:
+    """float32 [T, n]: score(row [1, d] mx.array) of each row of x, evaluated together."""
+    out = [score(mx.array(r[None])) for r in np.asarray(x, dtype=np.float32)]
+    return np.array(mx.concatenate(out).astype(mx.float32))
 
 
 class Dense:
@@ -71,12 +95,12 @@ class Oracle:
     name = "oracle"
 
     def __init__(self, fd, density: Optional[float] = None, resident: bool = True):
-        self.ffn = fd.ffn
+        self.ffn = fd.ffn if fd is not None else None  # None: ranks given activations only (calib.quality)
         self.density = density
         self.bias = {}
-        names = ("gate", "up") if self.ffn["kind"] == "glu" else ("fc1",)
         self.arrays: List[Dict[str, mx.array]] = []
         for i in range(len(fd.layers) if resident else 0):
+            names = ("gate", "up") if self.ffn["kind"] == "glu" else ("fc1",)
             a = fd.unpack_layer(i)
             keep = {k: v for k, v in a.items() if k.split(".")[0] in names}
             mx.eval(keep)
@@ -103,10 +127,12 @@ class Oracle:
         return np.arange(x.shape[0], dtype=np.int32)
 
     def select_neurons(self, layer: int, glu: np.ndarray, cached=None) -> np.ndarray:
+        return _ids(self.neuron_masks(layer, _rows(glu)))
+
+    def neuron_masks(self, layer: int, glu: np.ndarray, cached=None) -> np.ndarray:
+        """The neurons of each row of the exact activations: non-zero, or the top `density` of |h|."""
         h = np.abs(glu)
-        if self.density is None:
-            return np.flatnonzero(h).astype(np.int32)
-        return top_k(h, round(self.density * h.shape[0]))
+        return h != 0 if self.density is None else top_k_mask(h, round(self.density * h.shape[-1]))
 
 
 class Predictor:
@@ -121,17 +147,18 @@ class Predictor:
         self.density = density  # set: the top-K logits per token instead of the threshold
 
     def logits(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """[T, d] rows -> [T, n] logits, row by row (see the module's note)."""
         w = self.weights[layer]
-        z = (mx.array(x)[None] @ w["A"].T) @ w["B"].T
-        return np.array(z.astype(mx.float32))[0]
+        return _by_row(x, lambda r: (r @ w["A"].T) @ w["B"].T)
 
     def select(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
+        return _ids(self.masks(layer, _rows(x)))
+
+    def masks(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
         z = self.logits(layer, x)
         if self.density is not None:
-            return top_k(z, round(self.density * z.shape[0]))
-        # sigmoid(z) > t  <=>  z > logit(t)
-        t = np.log(self.threshold / (1 - self.threshold))
-        return np.flatnonzero(z > t).astype(np.int32)
+            return top_k_mask(z, round(self.density * z.shape[-1]))
+        return z > np.log(self.threshold / (1 - self.threshold))  # sigmoid(z) > t  <=>  z > logit(t)
 
 
 @dataclass
@@ -144,12 +171,20 @@ class DIP:
     name: str = field(default="dip", init=False)
 
     def select_inputs(self, layer: int, x: np.ndarray, cached: Optional[np.ndarray] = None) -> np.ndarray:
-        s = cache_aware_scores(np.abs(x), cached, self.gamma)
-        return top_k(s, round(self.input_density[layer] * x.shape[0]))
+        return _ids(self.input_masks(layer, _rows(x), cached))
 
     def select_neurons(self, layer: int, glu: np.ndarray, cached: Optional[np.ndarray] = None) -> np.ndarray:
+        return _ids(self.neuron_masks(layer, _rows(glu), cached))
+
+    def input_masks(self, layer: int, x: np.ndarray, cached: Optional[np.ndarray] = None) -> np.ndarray:
+        """[T, d] inputs -> bool [T, d]: the gate/up input columns each row keeps."""
+        s = cache_aware_scores(np.abs(x), cached, self.gamma)
+        return top_k_mask(s, round(self.input_density[layer] * x.shape[-1]))
+
+    def neuron_masks(self, layer: int, glu: np.ndarray, cached: Optional[np.ndarray] = None) -> np.ndarray:
+        """[T, n] GLU outputs of the pruned inputs -> bool [T, n]: the down rows each row keeps."""
         s = cache_aware_scores(np.abs(glu), cached, self.gamma)
-        return top_k(s, round(self.neuron_density[layer] * glu.shape[0]))
+        return top_k_mask(s, round(self.neuron_density[layer] * glu.shape[-1]))
 
 
 class WINA(DIP):
@@ -163,11 +198,11 @@ class WINA(DIP):
         self.input_norm, self.neuron_norm = input_norm, neuron_norm  # per layer [d], [n] float32
         self.nbytes = sum(v.nbytes for v in input_norm + neuron_norm)
 
-    def select_inputs(self, layer, x, cached=None):
-        return super().select_inputs(layer, x * self.input_norm[layer], cached)
+    def input_masks(self, layer, x, cached=None):
+        return super().input_masks(layer, x * self.input_norm[layer], cached)
 
-    def select_neurons(self, layer, glu, cached=None):
-        return super().select_neurons(layer, glu * self.neuron_norm[layer], cached)
+    def neuron_masks(self, layer, glu, cached=None):
+        return super().neuron_masks(layer, glu * self.neuron_norm[layer], cached)
 
 
 class Sketch:
@@ -196,9 +231,11 @@ class Sketch:
         return mx.abs(self.act(mm("gate")) * mm("up"))
 
     def select(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
-        s = np.array(self.estimate(layer, mx.array(x)[None]).astype(mx.float32))[0]
-        s = cache_aware_scores(s, cached, self.gamma)
-        return top_k(s, round(self.density[layer] * s.shape[0]))
+        return _ids(self.masks(layer, _rows(x), cached))
+
+    def masks(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
+        s = cache_aware_scores(_by_row(x, lambda r: self.estimate(layer, r)), cached, self.gamma)
+        return top_k_mask(s, round(self.density[layer] * s.shape[-1]))
 
 
 def sketch_layer(w: Dict[str, mx.array], bits: int, group_size: int) -> Dict[str, mx.array]:

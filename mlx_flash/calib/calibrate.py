@@ -49,7 +49,8 @@ from ..default_model import default_model_dir
 from ..flash_format import FlashDir
 from ..loader import load_tokenizer
 from ..plot import pyplot
-from ..selectors import build_sketch, dequantized_sketch, save_selector, wina_norms
+from ..selectors import build_sketch, save_selector, wina_norms
+from ..sparsity import Sketch
 from ..texts import read_text, token_batches
 from .quality import (
     activation_targets,
@@ -368,13 +369,12 @@ def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights
         bits, gs = cand["bits"], cand["group_size"]
         arrays = build_sketch(weights, xs, bits, gs)
         info = {"bits": bits, "group_size": gs, "density": [density] * L}
-        return ("sketch", {"sketch": dequantized_sketch(arrays, bits, gs), "neuron_density": info["density"]},
-                info, arrays)
+        return "sketch", {"sketch": Sketch(arrays, fd.ffn["activation"], bits, gs, info["density"])}, info, arrays
     if name in ("dip", "wina"):
         kw = {}
         if name == "wina":
             n_in, n_out = wina_norms(weights)
-            kw = {"input_norm": [mx.array(v) for v in n_in], "neuron_norm": [mx.array(v) for v in n_out]}
+            kw = {"input_norm": n_in, "neuron_norm": n_out}
         split = calibrate_dip(model, ctl, calib, density, dip_count, progress, mode=name, **kw)
         info = {"input_density": split["input_density"], "neuron_density": split["neuron_density"],
                 "density": [density] * L}
@@ -422,7 +422,7 @@ def _kw_nbytes(kw: dict) -> int:
     """Resident bytes of a candidate's arrays as the runtime keeps them (norms, predictors)."""
     n = 0
     for v in kw.values():
-        if isinstance(v, list) and v and isinstance(v[0], mx.array):
+        if isinstance(v, list) and v and isinstance(v[0], (mx.array, np.ndarray)):
             n += sum(a.nbytes for a in v)
         elif isinstance(v, list) and v and isinstance(v[0], dict):
             n += sum(a.nbytes for d in v for a in d.values())

@@ -9,7 +9,9 @@ quantised matmuls), and the per-token active set of a sparsifier is applied as a
     relu: y = W_fc2 (m_out * relu(W_fc1 x + b1)) + b2
 
 A masked-out neuron / input column contributes exactly what the runtime skips, so the
-result equals the runtime's output for the same active sets (up to float rounding).
+result equals the runtime's output for the same active sets (up to float rounding). The masks
+come from the runtime's own selector objects (mlx_flash.sparsity, `Controller.selector`) applied
+to all of a sequence's rows at once: the units measured here are the units the runtime picks.
 Modes (`Controller.mode`):
 
     dense      no masks
@@ -21,7 +23,7 @@ Modes (`Controller.mode`):
                |x| / |GLU| of units not in the cache are scaled by gamma before top-K.
     wina       DIP with |x_j| scaled by ||[gate; up][:, j]|| and |GLU_i| by ||down[:, i]||
     sketch     m_out = top-K of |act(G~ x) * (U~ x)|, G~ / U~ the sketch's low-bit gate / up
-               (held here dequantised to float32: the same values, fast CPU matmuls)
+               (the runtime's Sketch, quantised matmuls on the sketch's own codes)
 
 The controller also counts selected units (the realised density) and, for cached modes,
 misses (the units a runtime with that cache would read), and can record each FFN input
@@ -39,8 +41,8 @@ from tqdm import tqdm
 from ..ffn import ACTIVATIONS
 from ..flash_format import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
 from ..loader import build_model
-from ..unit_cache import UnitCache, cache_aware_scores
-from ..sparsity import top_k
+from ..unit_cache import UnitCache
+from ..sparsity import DIP, WINA, Oracle, Predictor, Sketch, top_k_mask
 
 MODES = ("dense", "oracle", "predictor", "dip", "dip-ca", "wina", "sketch")
 DIP_MODES = ("dip", "dip-ca", "wina")  # prune gate/up inputs first
@@ -65,17 +67,6 @@ class EvalFFN(nn.Module):
         return self._ctl.forward(self._layer, x, self._w, self._bias).astype(x.dtype)
 
 
-def _top_k_mask(s: mx.array, k: int) -> mx.array:
-    """float32 mask [T, n] of the k largest entries per row of s."""
-    n = s.shape[-1]
-    if k >= n:
-        return mx.ones(s.shape, dtype=mx.float32)
-    if k <= 0:
-        return mx.zeros(s.shape, dtype=mx.float32)
-    idx = mx.argpartition(-s, kth=k - 1, axis=-1)[..., :k]
-    return mx.put_along_axis(mx.zeros(s.shape, dtype=mx.float32), idx, mx.array(1.0), axis=-1)
-
-
 @dataclass
 class Controller:
     """Which units each token uses, for every EvalFFN of one model; plus counters and recording."""
@@ -88,9 +79,9 @@ class Controller:
     predictors: Optional[List[Dict[str, mx.array]]] = None
     threshold: float = 0.5
     predictor_density: Optional[float] = None  # set: top-K predictor logits per token, not the threshold
-    input_norm: Optional[List[mx.array]] = None  # wina
-    neuron_norm: Optional[List[mx.array]] = None  # wina
-    sketch: Optional[List[Dict[str, mx.array]]] = None  # sketch: per layer {"gate", "up"} [n, d] float32
+    input_norm: Optional[List[np.ndarray]] = None  # wina
+    neuron_norm: Optional[List[np.ndarray]] = None  # wina
+    sketch: Optional[Sketch] = None  # the runtime's sketch selector
     input_density: Optional[List[float]] = None  # dip
     neuron_density: Optional[List[float]] = None  # dip
     gamma: float = 0.2  # dip-ca
@@ -100,6 +91,7 @@ class Controller:
     count_misses: bool = False
 
     def __post_init__(self):
+        self._selector = self.selector()
         self.reset_counters()
         self.xs = [[] for _ in range(self.n_layers)]
         self._caches = None
@@ -116,6 +108,7 @@ class Controller:
         self.mode = mode
         for k, v in kw.items():
             setattr(self, k, v)
+        self._selector = self.selector()
         self.reset_counters()
 
     def new_sequence(self):
@@ -135,6 +128,22 @@ class Controller:
         return {"input": d_in, "neuron": d_out, "mlp": mlp}
 
     # -- forward -------------------------------------------------------------------
+    def selector(self):
+        """The runtime's selector object (mlx_flash.sparsity) for the mode, or None (dense): the one code that
+        picks units, here applied to whole sequences at once."""
+        m = self.mode
+        if m == "oracle":  # ReLU: the non-zero activations, which the ReLU itself gives
+            return Oracle(None, self.density, resident=False) if self.kind == "glu" else None
+        if m == "predictor":
+            return Predictor(self.predictors, self.threshold, self.predictor_density)
+        if m == "sketch":
+            return self.sketch  # a sparsity.Sketch (selectors.build_sketch's arrays)
+        if m in DIP_MODES:
+            if m == "wina":
+                return WINA(self.input_density, self.neuron_density, self.input_norm, self.neuron_norm)
+            return DIP(self.input_density, self.neuron_density, self.gamma if m == "dip-ca" else 1.0)
+        return None
+
     def forward(self, layer: int, x: mx.array, w: Dict[str, mx.array], bias: Dict[str, mx.array]) -> mx.array:
         shape = x.shape
         xf = x.astype(mx.float32).reshape(-1, shape[-1])
@@ -148,39 +157,39 @@ class Controller:
             y = self._relu(layer, xf, w, bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
+    def masks(self, layer: int, region: str, a: np.ndarray) -> Optional[np.ndarray]:
+        """bool [T, n]: the units of `region` the selector picks for each row of `a` (inputs: the FFN inputs;
+        neurons: the FFN inputs, or the GLU for DIP / WINA / the oracle); None: all of them. dip-ca picks token
+        by token against a simulated LFU cache, as the runtime's cache would steer it."""
+        sel = self._selector
+        if sel is None:
+            return None
+        if self.mode == "dip-ca":
+            cache = self._cache(layer, region, a.shape[-1])
+            pick = sel.input_masks if region == "inputs" else sel.neuron_masks
+            out = np.zeros(a.shape, dtype=bool)
+            for t in range(a.shape[0]):
+                out[t] = pick(layer, a[t : t + 1], cache.cached_mask())[0]
+                ids = np.flatnonzero(out[t]).astype(np.int32)
+                self.missed[region][layer] += len(ids) - int(cache.contains(ids).sum())
+                cache.plan(ids)
+            return out
+        if region == "inputs":
+            return sel.input_masks(layer, a)
+        if self.mode in DIP_MODES or self.mode == "oracle":
+            return sel.neuron_masks(layer, a)
+        return sel.masks(layer, a)
+
     def _glu(self, layer, x, w):
         act = ACTIVATIONS[self.activation]
         n, d = w["gate"].shape
         self.sizes["neurons"] = n
         if self.mode in DIP_MODES:
             self.sizes["inputs"] = d
-            k_in = round(self.input_density[layer] * d)
-            s_in = mx.abs(x) * (self.input_norm[layer] if self.mode == "wina" else 1)
-            if self.mode != "dip-ca":
-                m_in = _top_k_mask(s_in, k_in)
-            else:
-                m_in = self._cached_masks(layer, "inputs", np.array(s_in), k_in, d)
-            xm = x * m_in
-            h = act(xm @ w["gate"].T) * (xm @ w["up"].T)
-            k_out = round(self.neuron_density[layer] * n)
-            s_out = mx.abs(h) * (self.neuron_norm[layer] if self.mode == "wina" else 1)
-            if self.mode != "dip-ca":
-                m_out = _top_k_mask(s_out, k_out)
-            else:
-                m_out = self._cached_masks(layer, "neurons", np.array(s_out), k_out, n)
-            self.selected["inputs"][layer] += float(mx.sum(m_in).item())
-            if self.count_misses and self.mode != "dip-ca":
-                self._count_misses(layer, "inputs", np.array(m_in) > 0, d)
-        else:
-            h = act(x @ w["gate"].T) * (x @ w["up"].T)
-            m_out = self._neuron_mask(layer, x, h)
-        if m_out is None:
-            self.selected["neurons"][layer] += h.shape[0] * n
-            return h @ w["down"]
-        self.selected["neurons"][layer] += float(mx.sum(m_out).item())
-        if self.count_misses and self.mode != "dip-ca":
-            self._count_misses(layer, "neurons", np.array(m_out) > 0, n)
-        return (h * m_out) @ w["down"]
+            x = x * self._apply(layer, "inputs", x)
+        h = act(x @ w["gate"].T) * (x @ w["up"].T)
+        m_out = self._apply(layer, "neurons", h if self.mode in DIP_MODES or self.mode == "oracle" else x, n)
+        return h @ w["down"] if m_out is None else (h * m_out) @ w["down"]
 
     def _relu(self, layer, x, w, bias):
         n = w["fc1"].shape[0]
@@ -189,36 +198,30 @@ class Controller:
         if "fc1" in bias:
             h = h + bias["fc1"]
         h = mx.maximum(h, 0)
-        m = self._neuron_mask(layer, x, h)
+        m = self._apply(layer, "neurons", x, n)
         if m is None:
             m = (h > 0).astype(mx.float32)  # what a ReLU model needs: the non-zero neurons
-        self.selected["neurons"][layer] += float(mx.sum(m).item())
-        if self.count_misses:
-            self._count_misses(layer, "neurons", np.array(m) > 0, n)
+            self._count(layer, "neurons", np.array(h) > 0)
         y = (h * m) @ w["fc2"]
         if "fc2" in bias:
             y = y + bias["fc2"]
         return y
 
-    def _neuron_mask(self, layer, x, h) -> Optional[mx.array]:
-        if self.mode == "dense":
+    def _apply(self, layer, region, a: mx.array, n: Optional[int] = None) -> Optional[mx.array]:
+        """The float32 mask of `masks` for the rows a, counted (selected units, and misses when asked); None:
+        every unit (dense: nothing leaves MLX)."""
+        if self._selector is None:
+            if self.kind == "glu":
+                self.selected[region][layer] += a.shape[0] * (n or a.shape[-1])
             return None
-        if self.mode == "oracle":
-            if self.kind == "relu":
-                return None
-            return _top_k_mask(mx.abs(h), round(self.density * h.shape[-1]))
-        if self.mode == "predictor":
-            p = self.predictors[layer]
-            z = (x @ p["A"].T) @ p["B"].T
-            if self.predictor_density is not None:
-                return _top_k_mask(z, round(self.predictor_density * z.shape[-1]))
-            t = float(np.log(self.threshold / (1 - self.threshold)))
-            return (z > t).astype(mx.float32)
-        if self.mode == "sketch":
-            sk = self.sketch[layer]
-            s = mx.abs(ACTIVATIONS[self.activation](x @ sk["gate"].T) * (x @ sk["up"].T))
-            return _top_k_mask(s, round(self.neuron_density[layer] * h.shape[-1]))
-        raise ValueError(f"mode {self.mode!r} needs the glu dip path")
+        m = self.masks(layer, region, np.array(a))
+        self._count(layer, region, m)
+        return mx.array(m.astype(np.float32))
+
+    def _count(self, layer, region, m: np.ndarray):
+        self.selected[region][layer] += float(m.sum())
+        if self.count_misses and self.mode != "dip-ca":  # dip-ca counted its own
+            self._count_misses(layer, region, m, m.shape[-1])
 
     # -- caches (dip-ca, and miss counting) -------------------------------------------
     def _cache(self, layer: int, region: str, n: int) -> UnitCache:
@@ -229,17 +232,6 @@ class Controller:
             c = UnitCache(n, max(1, round(self.cache_fraction * n)), 512, policy="lfu", alignment=512)
             self._caches[layer][region] = c
         return c
-
-    def _cached_masks(self, layer, region, a: np.ndarray, k: int, n: int) -> mx.array:
-        """Token by token: cache-aware top-K of |a| against the LFU cache, which then admits the set."""
-        cache = self._cache(layer, region, n)
-        masks = np.zeros(a.shape, dtype=np.float32)
-        for t in range(a.shape[0]):
-            sel = top_k(cache_aware_scores(a[t], cache.cached_mask(), self.gamma), k)
-            masks[t, sel] = 1
-            self.missed[region][layer] += len(sel) - int(cache.contains(sel).sum())
-            cache.plan(sel)
-        return mx.array(masks)
 
     def _count_misses(self, layer, region, masks: np.ndarray, n: int):
         cache = self._cache(layer, region, n)
@@ -316,7 +308,7 @@ def activation_targets(x: np.ndarray, w: Dict[str, mx.array], kind: str, activat
     xm = mx.array(x)
     if kind == "glu":
         h = mx.abs(glu_activations(xm, w, activation))
-        return np.array(_top_k_mask(h, round(density * h.shape[-1]))) > 0
+        return top_k_mask(np.array(h), round(density * h.shape[-1]))
     h = xm @ w["fc1"].T
     if bias is not None:
         h = h + bias
