@@ -14,6 +14,7 @@ from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, k
 from .decode import HostDecoder, HostKVCache
 from .default_model import default_model_dir
 from .errors import BudgetError, FlashError, FlashFormatError
+from .experts import ExpertEngine, FlashSwitchGLU
 from .ffn import ResidentFFN
 from .flash_format import RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
@@ -94,10 +95,44 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     return model
 
 
+def build_moe_model(fd: FlashDir, engine=None, dtype=None) -> nn.Module:
+    """An MoE model with mlx-lm's classes and the resident weights: each SwitchGLU replaced by the engine's
+    FlashSwitchGLU, or (engine None) holding all its experts as read from flash: mlx-lm's own model, the reference."""
+    from mlx_lm.utils import infer_quant_config
+
+    config = fd.config
+    model_class, args_class = get_model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = fd.load_resident()
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and cpu_float32(k) else v
+                   for k, v in weights.items()}
+    paths = {int(i): p for i, p in fd.ffn["switch_paths"].items()}
+    modules = dict(model.named_modules())
+    if engine is None:
+        for i, path in paths.items():
+            weights.update({f"{path}.{k}": v for k, v in fd.unpack_layer(i).items()})
+    else:
+        model.update_modules(tree_unflatten([(p, FlashSwitchGLU(engine, i, modules[p].activation)) for i, p in paths.items()]))
+    if "quantization" in config or engine is None:
+        nn.quantize(model, class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights
+                    and infer_quant_config(p, m, weights))
+        cpu_gemv.patch(model)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise FlashFormatError(f"{fd.path}: resident weights do not match the architecture ({e})") from e
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
 def load_resident(path, dtype=None) -> Tuple[nn.Module, FlashDir]:
     """Load a flash directory with every FFN neuron resident (no streaming): the reference model.
     dtype=mx.float32: the CPU path's activations (see `build_model`)."""
     fd = FlashDir(path)
+    if fd.ffn.get("kind") == "moe":
+        return build_moe_model(fd, None, dtype), fd
 
     def make_ffn(i, bias):
         arrays = fd.unpack_layer(i)
@@ -251,6 +286,14 @@ def load(
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
+    if fd.ffn.get("kind") == "moe":
+        if sparsifier is not None or sparsity not in ("auto", "dense"):
+            raise FlashError(f"sparsity {sparsity!r}: a mixture-of-experts model reads the experts its router picks "
+                             "(exact); neuron sparsity applies to dense models")
+        budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
+        dtype = mx.float32 if dtype is None and not mx.metal.is_available() else dtype
+        return _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, threads, direct, kv_bits,
+                         kv_group_size, prompt_caches), tokenizer
     auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
         sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
@@ -315,6 +358,26 @@ def load(
     model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
                                kv_group_size)
     return model, tokenizer
+
+
+def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, threads, direct, kv_bits, kv_group_size,
+              prompt_caches):
+    """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
+    to choose; the plan gives each layer the same number of expert slots."""
+    cast = cpu_cast if dtype == mx.float32 else None
+    plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, resident=fd.resident_nbytes(cast),
+                       kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
+    reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
+    engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
+    engine.stats.baseline_rss = baseline
+    if budget is not None:
+        mx.set_cache_limit(plan.workspace)
+    model = build_moe_model(fd, engine, dtype)
+    model.flash = engine
+    model.decoder = None
+    model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
+                               kv_group_size)
+    return model
 
 
 def make_cache(model, tokens: int = None, kv_bits: int = None, kv_group_size: int = 64):

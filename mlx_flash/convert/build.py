@@ -39,6 +39,8 @@ from ..errors import FlashError
 from ..flash_format import (DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, FlashDir, FlashWriter,
                             dtype_name)
 from ..texts import wikitext
+from ..experts import is_moe
+from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms
 from .source import copy_tokenizer, load_source_model, mlp_paths, resolve_source
 
@@ -106,6 +108,14 @@ def convert(
         work = Path(work)
         src_dir = resolve_source(model, work)
         model_obj, config = load_source_model(src_dir)
+        if is_moe(config):
+            asked = {"--dtype": dtype, "--bits": bits if bits != "auto" else None, "--dequantize": dequantize or None,
+                     "--down-bits": down_bits, "--prune": prune, "--layout": None if layout == "neurons" else layout}
+            asked = [k for k, v in asked.items() if v is not None]
+            if asked:
+                raise FlashError(f"{' '.join(asked)}: a mixture-of-experts model converts its experts as the source "
+                                 "stores them; these options apply to dense models only")
+            return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress)
         adapter = adapter_for(config)
         norms = None
         if prune is not None and prune_format == "bitmap" and _ffn_bits(bits, dequantize, _model_quantization(model_obj)) == 4:

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from ..architectures import adapter_for
 from ..errors import SourceError, UnsupportedArchitectureError
+from ..experts import is_moe
 from ..models import get_model_classes
 from .gguf import gguf_to_mlx_dir
 
@@ -76,7 +77,9 @@ def load_source_model(model_dir: Path, lazy: bool = True):
     from mlx_lm.utils import load_model
 
 
-    adapter_for(read_config(model_dir))
+    config = read_config(model_dir)
+    if not is_moe(config):
+        adapter_for(config)
     try:
         return load_model(model_dir, lazy=lazy, get_model_classes=get_model_classes)
     except UnsupportedArchitectureError:

@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten
 from . import get_model_classes
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
+TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 _COMMON = {
     "hidden_size": 64,
@@ -101,6 +102,30 @@ _CONFIGS = {
         "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": True,
     },
+    # mixture-of-experts (experts written stacked, as mlx-lm's sanitize leaves them)
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2_moe": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+        "num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    },
+    "olmoe": {
+        "architectures": ["OlmoeForCausalLM"],
+        "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    },
     "opt": {
         "architectures": ["OPTForCausalLM"],
         "ffn_dim": 256,
@@ -117,7 +142,7 @@ _CONFIGS = {
 def tiny_config(arch: str, **overrides) -> dict:
     """The config.json contents `make_tiny_model_dir` writes for `arch`."""
     if arch not in _CONFIGS:
-        raise ValueError(f"Unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+        raise ValueError(f"Unknown tiny arch {arch!r}; choose from {TINY_ARCHS + TINY_MOE_ARCHS}")
     config = {"model_type": arch, **copy.deepcopy(_COMMON), **copy.deepcopy(_CONFIGS[arch])}
     config.update(overrides)
     # Explicit ids, so transformers' per-architecture defaults (e.g. phi3's

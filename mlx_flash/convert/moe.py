@@ -1,0 +1,68 @@
+"""Convert a mixture-of-experts model: each expert of each layer becomes one unit on flash.
+
+The source is whatever mlx-lm loads (a Hugging Face directory with per-expert tensors, which the model's
+`sanitize` stacks, or an mlx-community directory with `switch_mlp` stacked): the experts' codes, scales
+and biases are written as the source stores them (no re-quantisation, so the weights equal the source's);
+routers, norms, attention, embeddings and shared experts stay resident.
+"""
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from .. import __version__
+from ..experts import REGION, expert_arrays, expert_quantization, switch_paths
+from ..flash_format import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
+from .source import copy_tokenizer
+
+
+def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: Path, source: str,
+                alignment: int = None, progress: bool = True) -> Path:
+    """Write `model`'s experts and resident weights as a flash directory at `out` (built in `work`)."""
+    paths = switch_paths(model)
+    modules = dict(model.named_modules())
+    alignment = alignment or DEFAULT_ALIGNMENT
+    writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment)  # an expert read straight into its row
+    quant, n_experts = None, None
+    try:
+        for i in tqdm(range(len(model.layers)), desc="convert", unit="layer", disable=not progress):
+            if i not in paths:
+                writer.add_layer({})
+                continue
+            switch = modules[paths[i]]
+            q = expert_quantization(switch)
+            if quant is not None and q != quant:
+                raise ValueError(f"layer {i}: experts quantised as {q}, earlier layers as {quant}")
+            quant = q
+            arrays = expert_arrays(switch)
+            mx.eval(arrays)
+            n_experts = next(iter(arrays.values())).shape[0]
+            writer.add_layer({REGION: arrays})
+            parent, name = paths[i].rsplit(".", 1)
+            setattr(modules[parent], name, nn.Module())  # the resident set below excludes the experts
+        resident = dict(tree_flatten(model.parameters()))
+        floats = [v.dtype for v in resident.values() if mx.issubdtype(v.dtype, mx.floating)]
+        manifest = {
+            "architecture": config["model_type"],
+            "dtype": dtype_name(floats[0] if floats else mx.float32),
+            "quantization": config.get("quantization"),
+            "ffn": {
+                "kind": "moe",
+                "hidden_size": config["hidden_size"],
+                "n_experts": n_experts,
+                "switch_paths": {str(k): v for k, v in paths.items()},
+                "quantization": quant,
+            },
+            "source": {"model": str(source), "created_by": f"mlx_flash {__version__}"},
+        }
+        writer.finish(config, resident, manifest)
+    except BaseException:
+        writer.abort()
+        raise
+    copy_tokenizer(src_dir, writer.path)
+    os.replace(writer.path, out)
+    return out

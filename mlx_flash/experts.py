@@ -1,0 +1,219 @@
+"""Experts of mixture-of-experts models streamed from flash: an expert is a unit.
+
+mlx-lm's MoE blocks (qwen3_moe, qwen2_moe, mixtral, olmoe, ...) route each token with their own router
+and hand the chosen expert ids to a `SwitchGLU`. `FlashSwitchGLU` takes that module's place, so the
+router, the shared experts and the weighting of the experts' outputs stay mlx-lm's: the selection is the
+model's own top-k, exact. Per layer and forward pass:
+
+    indices --host (the layer's one synchronisation)--> the union of the experts the tokens chose
+      --UnitCache.plan--> hits + misses;  misses --reader (pread pool)--> cache rows, one read per expert
+      (the cache is smaller than the union: the rest through the scratch buffer, uncached)
+      each expert's gate / up / down computed from its cache row in place, for the tokens that chose it
+
+On flash each expert is one unit: its gate, up and down matrices (codes, scales, biases as the source
+stores them) back to back, padded to the alignment so it is read straight into its cache row. At a
+Qwen3-30B-A3B expert (2.5 MiB at 4 bits) that padding is under 0.2% of a read, against a copy of the
+whole expert through bounce buffers per miss.
+"""
+
+import time
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import cpu_gemv
+from .errors import UnsupportedArchitectureError
+from .stats import Stats
+from .unit_cache import UnitCache
+
+REGION = "experts"
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def is_moe(config: dict) -> bool:
+    """Whether a config describes a mixture-of-experts model (its FFNs are expert blocks)."""
+    return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def switch_paths(model: nn.Module) -> Dict[int, str]:
+    """layer index -> module path of that layer's SwitchGLU (layers without experts are left out).
+
+    Raises UnsupportedArchitectureError for expert blocks mlx_flash cannot stream (not a SwitchGLU)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    modules = dict(model.named_modules())
+    paths = {}
+    for i, layer in enumerate(model.layers):
+        prefix = next(p for p, m in modules.items() if m is layer)
+        found = [p for p, m in modules.items() if p.startswith(prefix + ".") and isinstance(m, SwitchGLU)]
+        other = [p for p, m in modules.items() if p.startswith(prefix + ".") and type(m).__name__ in ("SwitchMLP",)]
+        if other:
+            raise UnsupportedArchitectureError(f"{other[0]}: expert blocks of type SwitchMLP are not supported (SwitchGLU only)")
+        if len(found) > 1:
+            raise UnsupportedArchitectureError(f"layer {i} has {len(found)} expert blocks; one per layer is supported")
+        if found:
+            paths[i] = found[0]
+    if not paths:
+        raise UnsupportedArchitectureError(f"{type(model).__module__}: no SwitchGLU expert block found")
+    return paths
+
+
+def expert_arrays(switch: nn.Module) -> Dict[str, mx.array]:
+    """A SwitchGLU's parameters as unit components: 'gate_proj.weight' -> [n_experts, ...] (codes as stored)."""
+    from mlx.utils import tree_flatten
+
+    return {k: v for k, v in tree_flatten(switch.parameters())}
+
+
+def expert_quantization(switch: nn.Module) -> Dict[str, dict]:
+    """projection -> {"bits", "group_size"} of a quantised SwitchGLU, None for float projections."""
+    out = {}
+    for name in PROJECTIONS:
+        p = getattr(switch, name)
+        out[name] = {"bits": p.bits, "group_size": p.group_size} if hasattr(p, "bits") else None
+        if hasattr(p, "mode") and p.mode != "affine":
+            raise UnsupportedArchitectureError(f"{name}: quantisation mode {p.mode!r} (affine only)")
+    return out
+
+
+class Router:
+    """An MoE model's selector as `--stats` reports it: the model's own router (resident, exact)."""
+
+    name = "router (the model's own top-k: exact)"
+    nbytes = 0
+
+
+class FlashSwitchGLU(nn.Module):
+    """Replaces a SwitchGLU: its experts come from the engine's cache of layer `layer`; its activation stays."""
+
+    def __init__(self, engine: "ExpertEngine", layer: int, activation):
+        super().__init__()
+        self._engine, self._layer, self._activation = engine, layer, activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self._engine.experts(self._layer, x, indices, self._activation)
+
+
+class ExpertEngine:
+    """Owns the reader, the per-layer expert caches, the scratch buffer and the stats of an MoE model."""
+
+    def __init__(self, fd, reader, capacity: List[Dict[str, int]], scratch_bytes: int, policy: str = "lru",
+                 window: int = 5, compute_dtype=mx.float32):
+        from .runtime import AlignedBuffer
+
+        self.fd, self.reader = fd, reader
+        self.info = fd.ffn
+        self.layout = fd.layouts[REGION]
+        self.components = {c.name: c for c in self.layout.components}
+        self.quant = fd.ffn["quantization"]
+        self.compute_dtype = compute_dtype
+        self.stats = Stats([reader])
+        self.sparsifier = Router()
+        self.streamer = None
+        self.why = None
+        self.caches: List[UnitCache] = [
+            UnitCache(regions[REGION].n_units, capacity[i].get(REGION, 0), self.layout.stride, policy=policy,
+                      window=window, alignment=fd.alignment) if REGION in regions else None
+            for i, regions in enumerate(fd.layers)
+        ]
+        self.last_layer = max(i for i, c in enumerate(self.caches) if c is not None)
+        self.scratch = AlignedBuffer(max(scratch_bytes, self.layout.stride), fd.alignment)
+
+    @classmethod
+    def from_plan(cls, fd, plan, reader, policy: str = "lru", window: int = 5, compute_dtype=mx.float32):
+        engine = cls(fd, reader, plan.capacity, min(plan.workspace // 2, plan.scratch), policy, window, compute_dtype)
+        engine.plan = plan
+        return engine
+
+    # -- I/O ---------------------------------------------------------------------
+    def _read(self, layer: int, units: np.ndarray, buffer: mx.array, dest: np.ndarray) -> None:
+        """Read whole experts into `buffer` at byte offsets `dest` (one batch; the pool coalesces neighbours)."""
+        if len(units) == 0:
+            return
+        r = self.fd.layers[layer][REGION]
+        s = self.stats.current
+        t = time.perf_counter()
+        handle = self.reader.submit(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64),
+                                    dest.astype(np.int64))
+        self.reader.wait(handle)
+        s.io_s += time.perf_counter() - t
+        s.bytes_requested += len(units) * r.stride
+
+    # -- compute -----------------------------------------------------------------
+    def _matrices(self, row: mx.array, name: str):
+        """(weight, scales, biases, bias) of projection `name` of the expert in `row` (views, no copy)."""
+        parts = {}
+        for part in ("weight", "scales", "biases", "bias"):
+            c = self.components.get(f"{name}.{part}")
+            parts[part] = None if c is None else mx.view(row[c.offset : c.offset + c.nbytes], getattr(mx, c.dtype)).reshape(c.shape)
+        return parts
+
+    def _project(self, x: mx.array, row: mx.array, name: str) -> mx.array:
+        p, q = self._matrices(row, name), self.quant[name]
+        if q is None:
+            y = x @ p["weight"].astype(x.dtype).T
+        else:
+            y = cpu_gemv.quantized_matmul(x, p["weight"], p["scales"], p["biases"], q["group_size"], q["bits"])
+        return y if p["bias"] is None else y + p["bias"].astype(y.dtype)
+
+    def _expert(self, x: mx.array, row: mx.array, activation) -> mx.array:
+        """One expert's output for the tokens x [n, D] that chose it (mlx-lm's SwitchGLU formula)."""
+        h = activation(self._project(x, row, "up_proj"), self._project(x, row, "gate_proj"))
+        return self._project(h, row, "down_proj")
+
+    def experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
+        """SwitchGLU(x, indices): [..., k, D], each token's output of each expert it chose."""
+        shape, k = indices.shape, indices.shape[-1]
+        self.stats.touch(prefill=indices.size > k)
+        chosen = np.array(indices).reshape(-1)  # the layer's one synchronisation: the router's choice
+        units, inverse = np.unique(chosen, return_inverse=True)
+        cache = self.caches[layer]
+        t = time.perf_counter()
+        plan = cache.plan(units)
+        s = self.stats.current
+        s.mm_s += time.perf_counter() - t
+        s.misses += len(plan.miss_units) + len(plan.overflow_units)
+        s.hits += len(units) - len(plan.miss_units) - len(plan.overflow_units)
+        s.active.append(len(units))
+        self._read(layer, plan.miss_units, cache.buffer, cache.base_offset + plan.miss_slots.astype(np.int64) * cache.row_bytes)
+
+        xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
+        outs, order = [], []
+
+        def run(i, row):
+            pos = np.flatnonzero(inverse == i)  # (token, choice) pairs routed to this expert
+            tokens = pos // k
+            xs = xf if len(tokens) == xf.shape[0] and np.array_equal(tokens, np.arange(len(tokens))) else xf[mx.array(tokens)]
+            outs.append(self._expert(xs, row, activation))
+            order.append(pos)
+
+        for i in np.flatnonzero(plan.slots >= 0):
+            run(i, cache.rows[int(plan.slots[i])])
+        overflow = np.flatnonzero(plan.slots < 0)
+        per = max(1, self.scratch.nbytes // self.layout.stride)
+        rows = self.scratch.rows(self.layout.stride)
+        for start in range(0, len(overflow), per):  # more experts than slots: through the scratch, uncached
+            if outs:
+                mx.eval(outs)  # what used the scratch rows before they are overwritten
+            chunk = overflow[start : start + per]
+            self._read(layer, units[chunk], self.scratch.buffer,
+                       self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * self.layout.stride)
+            for j, i in enumerate(chunk):
+                run(i, rows[j])
+        y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(order)))]
+        if len(overflow):
+            mx.eval(y)
+        if layer == self.last_layer:
+            self.stats.forward_done()
+        return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
+
+    def close(self):
+        self.reader.close()
+
+    def reset(self):
+        for c in self.caches:
+            if c is not None:
+                c.reset()
+        self.stats.reset()

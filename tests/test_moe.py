@@ -1,0 +1,142 @@
+"""Mixture-of-experts models from flash: experts as units, the model's own router as the selector."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_flash  # noqa: F401
+from mlx_flash import cpu_gemv
+from mlx_flash.budget import min_budget
+from mlx_flash.convert.build import convert
+from mlx_flash.convert.source import copy_tokenizer, load_source_model
+from mlx_flash.errors import FlashError
+from mlx_flash.experts import REGION, expert_arrays, switch_paths
+from mlx_flash.flash_format import FlashDir
+from mlx_flash.generation import generate_step
+from mlx_flash.loader import load
+from mlx_flash.models.tiny import TINY_MOE_ARCHS, make_tiny_model_dir
+from mlx_flash.reader import DEFAULT_MAX_GAP_BYTES
+
+PROMPT = mx.array([1, 5, 9, 33, 70, 2, 11])
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """arch -> (4-bit mlx-lm source dir, its flash dir converted with convert's defaults)."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for arch in TINY_MOE_ARCHS:
+        src_dir = make_tiny_model_dir(arch, root / f"{arch}-float")
+        model, config = load_source_model(src_dir, lazy=False)
+        model, config = quantize_model(model, config, group_size=32, bits=4)
+        q = root / f"{arch}-q4"
+        save_model(q, model)
+        (q / "config.json").write_text(json.dumps(config))
+        copy_tokenizer(src_dir, q)
+        out[arch] = (q, convert(str(q), root / f"{arch}-flash", progress=False))
+    return out
+
+
+@pytest.fixture
+def float_activations():
+    """The native kernels with float32 activations: the same arithmetic as mlx-lm's, to compare against it."""
+    cpu_gemv.set_int8_activations(False)
+    yield
+    cpu_gemv.set_int8_activations(True)
+
+
+def greedy(model, n=12):
+    return [int(t) for t, _ in generate_step(PROMPT, model, max_tokens=n)]
+
+
+def slots_budget(fd, slots):
+    """A budget that leaves `slots` expert slots per layer."""
+    return min_budget(fd, 64, 4) + slots * len(fd.layers) * fd.layouts[REGION].stride
+
+
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
+def test_experts_are_the_source_codes(moe_dirs, arch):
+    """Each expert unit holds the source's codes, scales and biases bit for bit; routers stay resident."""
+    src_dir, flash_dir = moe_dirs[arch]
+    src, _ = load_source_model(src_dir, lazy=False)
+    fd = FlashDir(flash_dir)
+    modules = dict(src.named_modules())
+    for i, path in switch_paths(src).items():
+        want = expert_arrays(modules[path])
+        got = fd.unpack_layer(i)
+        assert set(got) == set(want)
+        for k in want:
+            assert np.array_equal(np.array(got[k]), np.array(want[k])), (i, k)
+    assert not any("switch_mlp" in k for k in fd.load_resident())
+    assert fd.layers[0][REGION].stride % fd.alignment == 0  # read straight into a cache row
+    fd.verify()
+
+
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
+def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
+    """Under budgets that hold every expert, one slot per layer (fewer than top-k: the rest streamed
+    uncached) and three, greedy tokens equal stock mlx-lm's on the same weights; logits to float rounding."""
+    src_dir, flash_dir = moe_dirs[arch]
+    src, _ = load_source_model(src_dir, lazy=False)
+    ref_tokens, ref_logits = greedy(src), src(PROMPT[None])
+    fd = FlashDir(flash_dir)
+    for budget in (None, slots_budget(fd, 1), slots_budget(fd, 3)):
+        model, _ = load(flash_dir, memory_budget=budget, context=64)
+        try:
+            assert greedy(model) == ref_tokens, budget
+            assert mx.abs(model(PROMPT[None]) - ref_logits).max().item() < 1e-4
+            if budget is not None:
+                assert model.flash.stats.peak_rss() is not None
+        finally:
+            model.flash.close()
+
+
+def test_streamed_equals_all_cached_with_int8_activations(moe_dirs):
+    """The default (int8) kernels: streaming under a budget gives the all-cached model's logits exactly."""
+    _, flash_dir = moe_dirs["qwen3_moe"]
+    fd = FlashDir(flash_dir)
+    full, _ = load(flash_dir, context=64)
+    small, _ = load(flash_dir, memory_budget=slots_budget(fd, 1), context=64)
+    try:
+        assert greedy(full) == greedy(small)
+        assert mx.array_equal(full(PROMPT[None]), small(PROMPT[None]))
+    finally:
+        full.flash.close()
+        small.flash.close()
+
+
+def test_bytes_read_are_the_missed_experts(moe_dirs):
+    """The runtime asks for exactly the experts it missed (admitted or streamed uncached), whole; what the device
+    read adds only the reader's gap fills (whole experts here: a tiny expert is smaller than the largest gap)."""
+    _, flash_dir = moe_dirs["mixtral"]
+    fd = FlashDir(flash_dir)
+    stride = fd.layouts[REGION].stride
+    for budget in (slots_budget(fd, 1), None):
+        model, _ = load(flash_dir, memory_budget=budget, context=64, direct=False)
+        try:
+            greedy(model, 8)
+            model.flash.stats.end()
+            tokens = model.flash.stats.tokens
+            misses, requested = sum(t.misses for t in tokens), sum(t.bytes_requested for t in tokens)
+            device = model.flash.stats.device_bytes()  # the reader's own count
+            assert requested == misses * stride > 0
+            assert sum(t.bytes_read for t in tokens) == device >= requested
+            assert (device - requested) % stride == 0 and (device == requested or stride <= DEFAULT_MAX_GAP_BYTES)
+            assert sum(t.hits for t in tokens) > 0
+        finally:
+            model.flash.close()
+
+
+def test_moe_refuses_what_does_not_apply(moe_dirs, tmp_path):
+    """Neuron sparsity and dense-only conversion options are refused with a clear error; nothing is written."""
+    src_dir, flash_dir = moe_dirs["olmoe"]
+    with pytest.raises(FlashError, match="router"):
+        load(flash_dir, sparsity="dip")
+    with pytest.raises(FlashError, match="--bits"):
+        convert(str(src_dir), tmp_path / "x", bits=8, progress=False)
+    assert not (tmp_path / "x").exists()
