@@ -25,6 +25,7 @@ import numpy as np
 
 from . import cpu_gemv
 from .errors import UnsupportedArchitectureError
+from .runtime import AlignedBuffer
 from .stats import Stats
 from .unit_cache import UnitCache
 
@@ -101,8 +102,6 @@ class ExpertEngine:
 
     def __init__(self, fd, reader, capacity: List[Dict[str, int]], scratch_bytes: int, policy: str = "lru",
                  window: int = 5, compute_dtype=mx.float32):
-        from .runtime import AlignedBuffer
-
         self.fd, self.reader = fd, reader
         self.info = fd.ffn
         self.layout = fd.layouts[REGION]
@@ -158,6 +157,27 @@ class ExpertEngine:
             y = cpu_gemv.quantized_matmul(x, p["weight"], p["scales"], p["biases"], q["group_size"], q["bits"])
         return y if p["bias"] is None else y + p["bias"].astype(y.dtype)
 
+    def _quant_rows(self, host: np.ndarray, slot: int, name: str) -> "cpu_gemv.QuantRows":
+        """Projection `name` of the expert in row `slot` of `host` as the native kernels' rows (no copy, no view)."""
+        q, c = self.quant[name], {p: self.components[f"{name}.{p}"] for p in ("weight", "scales", "biases")}
+        base = slot * host.shape[1]
+        row = lambda p: (base + c[p].offset, c[p].nbytes // c[p].shape[0])  # noqa: E731
+        return cpu_gemv.QuantRows(host, *row("weight"), host, *row("scales"), host, *row("biases"),
+                                  c["weight"].shape[-1] * 32 // q["bits"], q["bits"], q["group_size"],
+                                  getattr(mx, c["scales"].dtype))
+
+    def _native(self, x: mx.array, activation) -> bool:
+        """A decode row the native kernels compute whole: float32 on the CPU, quantised SwiGLU experts."""
+        return (x.shape[0] == 1 and x.dtype == mx.float32 and cpu_gemv.available() and type(activation).__name__ == "SwiGLU"
+                and all(q is not None for q in self.quant.values()) and "gate_proj.bias" not in self.components)
+
+    def _expert_row(self, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
+        """`_expert` of one float32 row on the native kernels, straight from the cache row."""
+        g = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "gate_proj"), k=self.components["gate_proj.weight"].shape[0])
+        u = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "up_proj"), k=len(g))
+        cpu_gemv.silu_mul(g, u)
+        return cpu_gemv.row_dot(g, self._quant_rows(host, slot, "down_proj"), k=self.components["down_proj.weight"].shape[0])
+
     def _expert(self, x: mx.array, row: mx.array, activation) -> mx.array:
         """One expert's output for the tokens x [n, D] that chose it (mlx-lm's SwitchGLU formula)."""
         h = activation(self._project(x, row, "up_proj"), self._project(x, row, "gate_proj"))
@@ -181,28 +201,37 @@ class ExpertEngine:
 
         xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
         outs, order = [], []
+        native = self._native(xf, activation)
+        xv = np.asarray(xf).reshape(-1) if native else None
 
-        def run(i, row):
+        def run(i, rows, host, slot):
             pos = np.flatnonzero(inverse == i)  # (token, choice) pairs routed to this expert
-            tokens = pos // k
-            xs = xf if len(tokens) == xf.shape[0] and np.array_equal(tokens, np.arange(len(tokens))) else xf[mx.array(tokens)]
-            outs.append(self._expert(xs, row, activation))
+            if native:
+                outs.append(self._expert_row(xv, host, slot))
+            else:
+                tokens = pos // k
+                xs = xf if len(tokens) == xf.shape[0] and np.array_equal(tokens, np.arange(len(tokens))) else xf[mx.array(tokens)]
+                outs.append(self._expert(xs, rows[slot], activation))
             order.append(pos)
 
         for i in np.flatnonzero(plan.slots >= 0):
-            run(i, cache.rows[int(plan.slots[i])])
+            run(i, cache.rows, cache.host, int(plan.slots[i]))
         overflow = np.flatnonzero(plan.slots < 0)
         per = max(1, self.scratch.nbytes // self.layout.stride)
         rows = self.scratch.rows(self.layout.stride)
+        host = np.asarray(memoryview(self.scratch.buffer))[self.scratch.base_offset:][: per * self.layout.stride].reshape(per, -1) if len(overflow) else None
         for start in range(0, len(overflow), per):  # more experts than slots: through the scratch, uncached
-            if outs:
+            if outs and not native:  # (native outputs are computed already)
                 mx.eval(outs)  # what used the scratch rows before they are overwritten
             chunk = overflow[start : start + per]
             self._read(layer, units[chunk], self.scratch.buffer,
                        self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * self.layout.stride)
             for j, i in enumerate(chunk):
-                run(i, rows[j])
-        y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(order)))]
+                run(i, rows, host, j)
+        if native:
+            y = mx.array(np.stack(outs)[np.argsort(np.concatenate(order))])
+        else:
+            y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(order)))]
         if len(overflow):
             mx.eval(y)
         if layer == self.last_layer:

@@ -16,7 +16,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.experts import REGION, expert_arrays, switch_paths
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.generation import generate_step
-from mlx_flash.loader import load
+from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import TINY_MOE_ARCHS, make_tiny_model_dir
 from mlx_flash.reader import DEFAULT_MAX_GAP_BYTES
 
@@ -25,20 +25,21 @@ PROMPT = mx.array([1, 5, 9, 33, 70, 2, 11])
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    """arch -> (4-bit mlx-lm source dir, its flash dir converted with convert's defaults)."""
+    """arch -> (4-bit mlx-lm source dir (experts stacked), its flash dir converted with convert's defaults, the float
+    Hugging Face dir it was quantised from)."""
     from mlx_lm.utils import quantize_model, save_model
 
     root = tmp_path_factory.mktemp("moe")
     out = {}
     for arch in TINY_MOE_ARCHS:
-        src_dir = make_tiny_model_dir(arch, root / f"{arch}-float")
+        src_dir = make_tiny_model_dir(arch, root / f"{arch}-float")  # Hugging Face names: a tensor per expert
         model, config = load_source_model(src_dir, lazy=False)
         model, config = quantize_model(model, config, group_size=32, bits=4)
         q = root / f"{arch}-q4"
         save_model(q, model)
         (q / "config.json").write_text(json.dumps(config))
         copy_tokenizer(src_dir, q)
-        out[arch] = (q, convert(str(q), root / f"{arch}-flash", progress=False))
+        out[arch] = (q, convert(str(q), root / f"{arch}-flash", progress=False), src_dir)
     return out
 
 
@@ -62,7 +63,7 @@ def slots_budget(fd, slots):
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
 def test_experts_are_the_source_codes(moe_dirs, arch):
     """Each expert unit holds the source's codes, scales and biases bit for bit; routers stay resident."""
-    src_dir, flash_dir = moe_dirs[arch]
+    src_dir, flash_dir, _ = moe_dirs[arch]
     src, _ = load_source_model(src_dir, lazy=False)
     fd = FlashDir(flash_dir)
     modules = dict(src.named_modules())
@@ -81,7 +82,7 @@ def test_experts_are_the_source_codes(moe_dirs, arch):
 def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
     """Under budgets that hold every expert, one slot per layer (fewer than top-k: the rest streamed
     uncached) and three, greedy tokens equal stock mlx-lm's on the same weights; logits to float rounding."""
-    src_dir, flash_dir = moe_dirs[arch]
+    src_dir, flash_dir, _ = moe_dirs[arch]
     src, _ = load_source_model(src_dir, lazy=False)
     ref_tokens, ref_logits = greedy(src), src(PROMPT[None])
     fd = FlashDir(flash_dir)
@@ -96,9 +97,48 @@ def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
             model.flash.close()
 
 
+def _check_against(src, flash_dir, budgets):
+    """Greedy tokens equal `src`'s (an mlx-lm model) and logits agree to float rounding at each budget (slots/layer)."""
+    ref_tokens, ref_logits = greedy(src), src(PROMPT[None])
+    fd = FlashDir(flash_dir)
+    for slots in budgets:
+        model, _ = load(flash_dir, memory_budget=None if slots is None else slots_budget(fd, slots), context=64)
+        try:
+            assert greedy(model) == ref_tokens, slots
+            assert mx.abs(model(PROMPT[None]) - ref_logits).max().item() < 1e-4
+        finally:
+            model.flash.close()
+
+
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
+def test_hugging_face_directory_with_a_tensor_per_expert(moe_dirs, arch, tmp_path, float_activations):
+    """A float Hugging Face directory (a tensor per expert, stacked by mlx-lm's sanitize) converts with its floats
+    kept and streams as mlx-lm runs it."""
+    hf = moe_dirs[arch][2]
+    flash_dir = convert(str(hf), tmp_path / "flash", progress=False)
+    assert FlashDir(flash_dir).manifest["ffn"]["quantization"]["gate_proj"] is None
+    _check_against(load_source_model(hf, lazy=False)[0], flash_dir, (None, 1))
+
+
+def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations):
+    """A qwen3moe GGUF (stacked Q4_0 experts ffn_*_exps, float router ffn_gate_inp): converted, the model is mlx-lm's
+    on the same weights (gguf_to_mlx_dir) bit for bit, and streaming gives its tokens and logits."""
+    from mlx_flash.convert.gguf import gguf_to_mlx_dir
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    gguf = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, num_hidden_layers=2, vocab_size=512,
+                      num_experts=8, hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, head_dim=64,
+                      num_key_value_heads=2)
+    flash_dir = convert(str(gguf), tmp_path / "flash", progress=False)
+    assert FlashDir(flash_dir).manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32}
+    src, _ = load_source_model(gguf_to_mlx_dir(gguf, tmp_path / "mlx"), lazy=False)
+    assert mx.array_equal(load_resident(flash_dir)[0](PROMPT[None]), src(PROMPT[None]))  # the same weights, float16
+    _check_against(load_resident(flash_dir, dtype=mx.float32)[0], flash_dir, (None, 1, 3))  # the CPU's float32
+
+
 def test_streamed_equals_all_cached_with_int8_activations(moe_dirs):
     """The default (int8) kernels: streaming under a budget gives the all-cached model's logits exactly."""
-    _, flash_dir = moe_dirs["qwen3_moe"]
+    _, flash_dir, _ = moe_dirs["qwen3_moe"]
     fd = FlashDir(flash_dir)
     full, _ = load(flash_dir, context=64)
     small, _ = load(flash_dir, memory_budget=slots_budget(fd, 1), context=64)
@@ -113,7 +153,7 @@ def test_streamed_equals_all_cached_with_int8_activations(moe_dirs):
 def test_bytes_read_are_the_missed_experts(moe_dirs):
     """The runtime asks for exactly the experts it missed (admitted or streamed uncached), whole; what the device
     read adds only the reader's gap fills (whole experts here: a tiny expert is smaller than the largest gap)."""
-    _, flash_dir = moe_dirs["mixtral"]
+    _, flash_dir, _ = moe_dirs["mixtral"]
     fd = FlashDir(flash_dir)
     stride = fd.layouts[REGION].stride
     for budget in (slots_budget(fd, 1), None):
@@ -134,7 +174,7 @@ def test_bytes_read_are_the_missed_experts(moe_dirs):
 
 def test_moe_refuses_what_does_not_apply(moe_dirs, tmp_path):
     """Neuron sparsity and dense-only conversion options are refused with a clear error; nothing is written."""
-    src_dir, flash_dir = moe_dirs["olmoe"]
+    src_dir, flash_dir, _ = moe_dirs["olmoe"]
     with pytest.raises(FlashError, match="router"):
         load(flash_dir, sparsity="dip")
     with pytest.raises(FlashError, match="--bits"):

@@ -82,10 +82,12 @@ def ffn_matrices(fd: FlashDir, layer: int, down_bits) -> dict:
 def export(path, out, down_bits="8", progress: bool = True) -> Path:
     """Write flash directory `path` as an mlx-lm model directory `out`; returns `out`."""
     fd = FlashDir(path)
-    adapter = adapter_for(fd.config)
     out = Path(out)
     if (out / "config.json").exists():
         raise FlashError(f"{out} already holds a model; remove it or choose another --out")
+    if fd.ffn.get("kind") == "moe":
+        return _export_moe(fd, out, progress)
+    adapter = adapter_for(fd.config)
     out.mkdir(parents=True, exist_ok=True)
     module = dict(zip(adapter.matrices, adapter.names))  # canonical -> the architecture's module name
     config = dict(fd.config)
@@ -126,6 +128,24 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
     if quant:
         config["quantization"] = quant
         config["quantization_config"] = dict(quant)
+    return _finish(fd, out, config)
+
+
+def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
+    """An MoE directory: the resident weights and each layer's experts stacked back into its SwitchGLU."""
+    out.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(out, SHARD_BYTES)
+    for k, v in sorted(fd.load_resident().items()):
+        writer.add(k, v)
+    for i, path in tqdm(sorted((int(i), p) for i, p in fd.ffn["switch_paths"].items()), desc="export", unit="layer",
+                        disable=not progress):
+        for k, v in fd.unpack_layer(i).items():
+            writer.add(f"{path}.{k}", v)
+    writer.close()
+    return _finish(fd, out, dict(fd.config))
+
+
+def _finish(fd: FlashDir, out: Path, config: dict) -> Path:
     with open(out / "config.json", "w") as f:
         json.dump(config, f, indent=2)
     for pattern in TOKENIZER_FILES:

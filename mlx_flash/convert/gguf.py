@@ -104,13 +104,13 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
             f"{meta.path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
             f"are not supported for {a}"
         )
-    if meta.get(f"{a}.expert_count", 0):
+    if meta.get(f"{a}.expert_count", 0) and not spec.model_type.endswith("_moe"):
         raise UnsupportedArchitectureError(f"{meta.path}: mixture-of-experts {a} GGUFs are not supported")
     config = {
         "architectures": [spec.hf_class],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": meta.int(f"{a}.feed_forward_length"),
+        "intermediate_size": meta.int(f"{a}.feed_forward_length", meta.int(f"{a}.expert_feed_forward_length", 0)),
         "num_hidden_layers": meta.int(f"{a}.block_count"),
         "num_attention_heads": n_head,
         "num_key_value_heads": meta.int(f"{a}.attention.head_count_kv", n_head),
@@ -143,6 +143,19 @@ def _qwen_config(meta, shapes, spec) -> dict:
     config["hidden_act"] = "silu"
     if spec.model_type == "qwen2" and "blk.0.attn_q.bias" not in shapes:  # mlx-lm's qwen2 always has q/k/v biases
         raise UnsupportedArchitectureError(f"{meta.path}: qwen2 GGUF without attn_q/attn_k/attn_v biases")
+    return config
+
+
+def _qwen3_moe_config(meta, shapes, spec) -> dict:
+    """Qwen3-MoE (llama.cpp "qwen3moe"): every layer's FFN is experts, top-k weights renormalised."""
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    if any(k.endswith("_shexp.weight") for k in shapes):
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with shared experts is not supported")
+    config.update(hidden_act="silu", num_experts=meta.int(f"{a}.expert_count"),
+                  num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+                  moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
+                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     return config
 
 
@@ -243,6 +256,17 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         hf_class="Qwen3ForCausalLM",
         block_names={**_ATTENTION, **_QK_NORM, **_SWIGLU},
         make_config=_qwen_config,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rejected=_ROPE_FREQS,
+    ),
+    "qwen3moe": ArchSpec(
+        model_type="qwen3_moe",
+        hf_class="Qwen3MoeForCausalLM",
+        block_names={**_ATTENTION, **_QK_NORM, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+                     "ffn_gate_exps": "mlp.switch_mlp.gate_proj", "ffn_up_exps": "mlp.switch_mlp.up_proj",
+                     "ffn_down_exps": "mlp.switch_mlp.down_proj"},
+        make_config=_qwen3_moe_config,
         rms_norm_eps=1e-6,
         rope_theta=1e6,
         rejected=_ROPE_FREQS,
@@ -453,8 +477,9 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         base, part = _split_name(t.name)
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = t.data
-        if t.tensor_type in repack and len(shape) == 2 and part == "weight":
-            w, s, b, bits = repack[t.tensor_type](np.asarray(raw).reshape(shape[0], -1))
+        if t.tensor_type in repack and len(shape) in (2, 3) and part == "weight":  # 3-D: stacked experts
+            w, s, b, bits = repack[t.tensor_type](np.asarray(raw).reshape(int(np.prod(shape[:-1])), -1))
+            w, s, b = (a.reshape(*shape[:-1], -1) for a in (w, s, b))
             yield base, part, {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, (
                 GGUF_GROUP_SIZE,
                 bits,

@@ -177,6 +177,13 @@ def _to_hf_names(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.arr
         out.pop("lm_head.weight", None)
     if config["model_type"] == "opt":
         out = {re.sub(r"\.mlp\.(fc[12]\.)", r".\1", k): v for k, v in out.items()}
+    mixtral = config["model_type"] == "mixtral"
+    for k in [k for k in out if ".switch_mlp." in k]:  # stacked experts -> one tensor per expert, as HF stores them
+        stacked = out.pop(k)
+        prefix, proj, part = re.match(r"(.*)\.switch_mlp\.(\w+)\.(\w+)$", k).groups()
+        name = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}[proj] if mixtral else proj
+        for e in range(stacked.shape[0]):
+            out[f"{prefix}.experts.{e}.{name}.{part}"] = stacked[e]
     return out
 
 

@@ -1,6 +1,6 @@
 """mlx_flash against the systems a user would otherwise pick, under a hard memory cap.
 
-    python -m mlx_flash.peers [--model small|llama-7b|GGUF] [--budgets 25,50,80] [--rounds N]
+    python -m mlx_flash.peers [--model small|llama-7b|qwen3-30b-a3b|moe-small|GGUF] [--budgets 25,50,80] [--rounds N]
         [--tokens N] [--json OUT] [--plot OUT.png] [--quick]
 
 For each budget (a fraction of the model's weight bytes: the size of its GGUF file, the source
@@ -71,7 +71,8 @@ from ..plot import pyplot
 from ..reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .bench_io import machine_info, run_fio
 from .cap import exit_on_sigterm, run_capped
-from .synthetic_gguf import write_gguf
+from .synthetic import PRESETS
+from .synthetic_gguf import GGUF_ARCHS, write_gguf
 
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
 LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
@@ -126,17 +127,18 @@ def llama_cpp_bin(name: str) -> Path:
 
 # -- the models: one GGUF, its flash directory, the flash directory exported for mlx-lm -----------------
 def prepare(model: str, progress: bool = True, nunspark: bool = False) -> dict:
-    """{"gguf", "flash", "mlx"[, "flash_dip", "nunspark"]} paths for `model` (small, llama-7b or a GGUF file),
+    """{"gguf", "flash", "mlx"[, "flash_dip", "nunspark"]} paths for `model` (small, a synthetic preset or a GGUF file),
     made once under ~/.cache/mlx_flash/peers/<name>."""
 
+    synthetic = model in PRESETS and PRESETS[model]["model_type"] in GGUF_ARCHS
     if model == "small":
         gguf, flash = default_gguf_path(), default_model_dir()
     else:
-        gguf = Path(model) if model != "llama-7b" else cache_root() / "peers" / model / "model.Q4_0.gguf"
-        if model == "llama-7b" and not gguf.is_file():
+        gguf = cache_root() / "peers" / model / "model.Q4_0.gguf" if synthetic else Path(model)
+        if synthetic and not gguf.is_file():
             write_gguf(model, gguf, progress=progress)
         flash = None
-    root = cache_root() / "peers" / (model if model in ("small", "llama-7b") else Path(model).stem)
+    root = cache_root() / "peers" / (model if model == "small" or synthetic else Path(model).stem)
     mlx = root / "mlx"
     if flash is None:  # convert's defaults, as a user converts: the GGUF's own codes, units packed
         flash, mlx = root / "flash", root / "mlx"
@@ -512,6 +514,8 @@ def _cap(res, label) -> int:
 
 def down_storage(fd) -> str:
     """How the flash directory stores down_proj per neuron, for the header."""
+    if fd.ffn.get("kind") == "moe":
+        return "experts as units, the source's codes"
     q = fd.ffn["matrices"][adapter_for(fd.config).col_matrix]["quantization"]
     if q is None:
         return "down_proj float"
@@ -561,7 +565,7 @@ def plot(res, out):
 
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="mlx_flash vs llama.cpp and mlx-lm on the same weights, under a hard memory cap.")
-    p.add_argument("--model", default="small", help="small (SmolLM2-135M Q4_1), llama-7b (synthetic, random Q4_0) or a GGUF file.")
+    p.add_argument("--model", default="small", help="small (SmolLM2-135M Q4_1), a synthetic preset written as a random Q4_0 GGUF (llama-7b, qwen3-30b-a3b, moe-small) or a GGUF file.")
     p.add_argument("--budgets", default="25,50,80",
                    help="Budgets in %% of the model's weight bytes (cap = budget + baseline), or hard caps as "
                         "sizes (2.5GiB,1.9GiB: budget = cap - baseline).")

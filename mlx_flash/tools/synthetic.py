@@ -33,6 +33,7 @@ import mlx_flash  # noqa: F401
 
 from .. import __version__
 from ..default_model import cache_root
+from ..experts import PROJECTIONS, REGION, is_moe
 from ..flash_format import PACKED_UNIT_ALIGNMENT, FlashDir, FlashWriter
 from ..models import get_model_classes
 from ..models.tiny import save_tiny_tokenizer
@@ -50,12 +51,22 @@ PRESETS = {
                      num_attention_heads=32, vocab_size=50272, word_embed_proj_dim=4096,
                      do_layer_norm_before=True, activation_function="relu", enable_bias=True,
                      layer_norm_elementwise_affine=True, tie_word_embeddings=True),
+    # Qwen3-30B-A3B (mixture of experts: 128 experts of width 768, 8 per token)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    # a small MoE for quick runs (the same structure, 8 layers of 64 experts of 512)
+    "moe-small": dict(model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+                      num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4, head_dim=64, vocab_size=32000, tie_word_embeddings=False),
     # tests only
     "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
                  tie_word_embeddings=False),
 }
 _COMMON = {"llama": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096),
+           "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, decoder_sparse_step=1,
+                             mlp_only_layers=[], norm_topk_prob=True),
            "opt": dict(max_position_embeddings=2048)}
 GROUP = 64
 
@@ -104,6 +115,16 @@ def _ffn_regions(config, storage, rng):
     return {"neurons": arrays}, bias, info
 
 
+def _expert_regions(config, rng):
+    """One layer's experts as convert writes them: SwitchGLU's stacked 4-bit gate/up/down (zero-mean codes)."""
+    d, n, e = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
+    arrays = {}
+    for name, rows, cols in (("gate_proj", n, d), ("up_proj", n, d), ("down_proj", d, n)):
+        q = _quantized(rng, e * rows, cols, 4, np.sqrt(3) * 2 / np.sqrt(cols))
+        arrays.update({f"{name}.{k}": v.reshape(e, rows, -1) for k, v in q.items()})
+    return {REGION: arrays}
+
+
 def _resident(config, storage, rng):
     """Random resident weights with the architecture's names (the model is built lazily: no big allocation)."""
 
@@ -112,8 +133,12 @@ def _resident(config, storage, rng):
     paths = []
     names = {id(m): name for name, m in model.named_modules()}
     for layer in model.layers:
-        paths.append(names[id(layer.mlp)])
-        layer.mlp = nn.Module()
+        if is_moe(config):  # the router stays resident
+            paths.append(names[id(layer.mlp.switch_mlp)])
+            layer.mlp.switch_mlp = nn.Module()
+        else:
+            paths.append(names[id(layer.mlp)])
+            layer.mlp = nn.Module()
     out = {}
     quant = {}
     for name, p in tree_flatten(model.parameters()):
@@ -147,12 +172,16 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
         config["quantization"] = {"group_size": GROUP, "bits": 4}
     rng = np.random.default_rng(seed)
     layers = config["num_hidden_layers"]
+    moe = is_moe(config)
+    if moe and storage != "q4":
+        raise ValueError("MoE presets are 4-bit only")
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
-        writer = FlashWriter(Path(work) / "flash", alignment=512, unit_alignment=PACKED_UNIT_ALIGNMENT)  # as convert writes
+        writer = (FlashWriter(Path(work) / "flash", alignment=4096, unit_alignment=4096) if moe else  # as convert_moe
+                  FlashWriter(Path(work) / "flash", alignment=512, unit_alignment=PACKED_UNIT_ALIGNMENT))  # as convert
         resident, paths = _resident(config, storage, rng)
         info = None
         for i in range(layers):
-            regions, bias, info = _ffn_regions(config, storage, rng)
+            regions, bias, info = (_expert_regions(config, rng), {}, None) if moe else _ffn_regions(config, storage, rng)
             writer.add_layer(regions)
             resident.update({f"{paths[i]}.{k}": v for k, v in bias.items()})
             del regions
@@ -161,11 +190,15 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
         if progress:
             print(file=sys.stderr)
         opt = config["model_type"] == "opt"
+        if moe:
+            q = {"bits": 4, "group_size": GROUP}
+            info = {"kind": "moe", "hidden_size": config["hidden_size"], "n_experts": config["num_experts"],
+                    "switch_paths": {str(i): p for i, p in enumerate(paths)}, "quantization": {m: q for m in PROJECTIONS}}
         manifest = {
             "architecture": config["model_type"],
             "dtype": "float16",
             "quantization": None if storage == "float16" else {"bits": 4, "group_size": GROUP},
-            "ffn": {
+            "ffn": info if moe else {
                 "kind": "relu" if opt else "glu",
                 "activation": "relu" if opt else "silu",
                 "layout": "neurons",

@@ -1,4 +1,4 @@
-"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS, llama only), random Q4_0 weights.
+"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe), random Q4_0 weights.
 
     python -m mlx_flash.synthetic_gguf --preset llama-7b --out FILE
 
@@ -6,9 +6,9 @@ So llama.cpp, mlx-lm and mlx_flash can run the same weights of a model we have n
 for: this file goes to llama.cpp as it is, through `mlx_flash.convert` to mlx_flash, and through
 `mlx_flash.convert.export` to mlx-lm. Speed does not depend on the values; only the shapes and bytes matter.
 
-Every 2-D weight is Q4_0 (32 values per 18-byte block: a float16 scale, 16 bytes of nibbles),
-with random nibbles and a scale giving each row's outputs about unit variance; norms are float32
-ones. The tokenizer is byte-level BPE ("gpt2", pre-tokenizer "default"): the 256 byte symbols,
+Every 2-D weight (and 3-D stacked experts) is Q4_0 (32 values per 18-byte block: a float16 scale, 16 bytes
+of nibbles), with random nibbles and a scale giving each row's outputs about unit variance; norms are float32
+ones, MoE routers float32. MoE presets draw nibbles from 1..15 (zero-mean values: see `_q4_0`). The tokenizer is byte-level BPE ("gpt2", pre-tokenizer "default"): the 256 byte symbols,
 one merge, <|endoftext|> (BOS/EOS) and filler tokens up to the vocabulary size.
 Tensors are generated and written one at a time (memory: one tensor, at most the 7B's embedding,
 74 MB), into a temporary name renamed when complete.
@@ -24,14 +24,20 @@ import numpy as np
 from ..models.tiny import _bytes_to_unicode
 from .synthetic import PRESETS, preset_config
 
+GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe"}  # model_type -> llama.cpp's architecture name
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
 
 
-def _q4_0(rng, rows: int, cols: int) -> np.ndarray:
-    """Random Q4_0 rows as raw bytes [rows, cols / 32 * 18]: values d * (q - 8), q uniform in 0..15."""
+def _q4_0(rng, rows: int, cols: int, zero_mean: bool = False) -> np.ndarray:
+    """Random Q4_0 rows as raw bytes [rows, cols / 32 * 18]: values d * (q - 8), q uniform in 0..15, or in 1..15
+    (`zero_mean`: 0..15 has mean -0.5, a direction shared by every row, which sends every token of an MoE model
+    to the same few experts)."""
     blocks = rng.integers(0, 256, size=(rows, cols // Q4_0_BLOCK, Q4_0_BYTES), dtype=np.uint8)
-    d = np.float16(1.0 / (np.sqrt(cols) * 4.6))  # 4.6: the std of q - 8
+    if zero_mean:
+        lo, hi = rng.integers(1, 16, size=(2, rows, cols // Q4_0_BLOCK, Q4_0_BYTES - 2), dtype=np.uint8)
+        blocks[..., 2:] = lo | (hi << 4)
+    d = np.float16(1.0 / (np.sqrt(cols) * (4.32 if zero_mean else 4.6)))  # the std of q - 8
     blocks[..., :2] = np.frombuffer(d.tobytes(), np.uint8)
     return blocks.reshape(rows, -1)
 
@@ -52,25 +58,38 @@ def tokenizer_tokens(vocab_size: int):
 
 
 def _tensors(c: dict):
-    """(GGUF name, rows, cols) of every tensor in llama.cpp's order; cols == 0: a 1-D norm of `rows`."""
-    d, ff, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    """(GGUF name, shape) of every tensor in llama.cpp's order; a 1-D shape: a float32 norm; "ffn_gate_inp" (the
+    router): float32; the rest Q4_0 (3-D: stacked experts)."""
+    d, v = c["hidden_size"], c["vocab_size"]
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    yield "token_embd.weight", v, d
+    moe = c["model_type"] == "qwen3_moe"
+    yield "token_embd.weight", (v, d)
     for i in range(c["num_hidden_layers"]):
         b = f"blk.{i}."
-        yield b + "attn_norm.weight", d, 0
-        yield b + "attn_q.weight", q, d
-        yield b + "attn_k.weight", kv, d
-        yield b + "attn_v.weight", kv, d
-        yield b + "attn_output.weight", d, q
-        yield b + "ffn_norm.weight", d, 0
-        yield b + "ffn_gate.weight", ff, d
-        yield b + "ffn_up.weight", ff, d
-        yield b + "ffn_down.weight", d, ff
-    yield "output_norm.weight", d, 0
+        yield b + "attn_norm.weight", (d,)
+        yield b + "attn_q.weight", (q, d)
+        yield b + "attn_k.weight", (kv, d)
+        yield b + "attn_v.weight", (kv, d)
+        yield b + "attn_output.weight", (d, q)
+        if moe:
+            yield b + "attn_q_norm.weight", (hd,)
+            yield b + "attn_k_norm.weight", (hd,)
+        yield b + "ffn_norm.weight", (d,)
+        if moe:
+            e, ff = c["num_experts"], c["moe_intermediate_size"]
+            yield b + "ffn_gate_inp.weight", (e, d)
+            yield b + "ffn_gate_exps.weight", (e, ff, d)
+            yield b + "ffn_up_exps.weight", (e, ff, d)
+            yield b + "ffn_down_exps.weight", (e, d, ff)
+        else:
+            ff = c["intermediate_size"]
+            yield b + "ffn_gate.weight", (ff, d)
+            yield b + "ffn_up.weight", (ff, d)
+            yield b + "ffn_down.weight", (d, ff)
+    yield "output_norm.weight", (d,)
     if not c.get("tie_word_embeddings"):
-        yield "output.weight", v, d
+        yield "output.weight", (v, d)
 
 
 def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrides) -> Path:
@@ -79,12 +98,13 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
 
     c = preset_config(preset)
     c.update(overrides)
-    if c["model_type"] != "llama":
-        raise ValueError(f"{preset}: only llama presets can be written as GGUF")
+    if c["model_type"] not in GGUF_ARCHS:
+        raise ValueError(f"{preset}: only {', '.join(GGUF_ARCHS)} presets can be written as GGUF")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    arch = "llama"
+    arch = GGUF_ARCHS[c["model_type"]]
+    moe = arch == "qwen3moe"
     hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(f"synthetic {preset}")
@@ -101,6 +121,10 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     w.add_rope_freq_base(c["rope_theta"])
     w.add_vocab_size(c["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    if moe:
+        w.add_expert_count(c["num_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     tokens, types, merges, eos = tokenizer_tokens(c["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -112,20 +136,27 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     w.add_add_bos_token(False)
 
     specs = list(_tensors(c))
-    for name, rows, cols in specs:
-        if cols:
-            w.add_tensor_info(name, (rows, cols // Q4_0_BLOCK * Q4_0_BYTES), np.dtype(np.uint8),
-                              rows * cols // Q4_0_BLOCK * Q4_0_BYTES, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    for name, shape in specs:
+        if len(shape) == 1 or "ffn_gate_inp" in name:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
         else:
-            w.add_tensor_info(name, (rows,), np.dtype(np.float32), rows * 4)
+            raw = (*shape[:-1], shape[-1] // Q4_0_BLOCK * Q4_0_BYTES)
+            w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     from tqdm import tqdm
 
-    for name, rows, cols in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
-        w.write_tensor_data(_q4_0(rng, rows, cols) if cols else np.ones(rows, np.float32))
+    for name, shape in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
+        if len(shape) == 1:
+            data = np.ones(shape, np.float32)
+        elif "ffn_gate_inp" in name:  # the router: float, as llama.cpp's converter keeps it
+            data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+        else:
+            rows = int(np.prod(shape[:-1]))
+            data = _q4_0(rng, rows, shape[-1], zero_mean=moe).reshape(*shape[:-1], -1)
+        w.write_tensor_data(data)
     w.close()
     os.replace(tmp, out)
     return out
@@ -133,7 +164,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Write a synthetic GGUF file (a preset's shapes, random Q4_0 weights).")
-    p.add_argument("--preset", required=True, choices=[k for k, v in PRESETS.items() if v["model_type"] == "llama"])
+    p.add_argument("--preset", required=True, choices=[k for k, v in PRESETS.items() if v["model_type"] in GGUF_ARCHS])
     p.add_argument("--out", required=True, help="Output .gguf file.")
     a = p.parse_args(argv)
     path = write_gguf(a.preset, a.out)
