@@ -1,13 +1,17 @@
 """Decode speed of an MoE flash directory under memory budgets, with its routing checked.
 
-    python benchmarks/moe_decode.py --model DIR --budgets 25%,50%,none --tokens 32 [--json out.json]
+    python benchmarks/moe_decode.py --model DIR --budgets 25%,50%,none --tokens 64 [--routing model,skewed] [--json out.json]
 
 Random-weight models repeat one token when they generate, so every step would route alike and every
 expert read would hit. Here each step's input is instead a random token id (teacher-forced, the same
 sequence for every budget: labelled "forced random tokens"), which gives routing as varied as random
-weights allow (no reuse beyond chance). Per budget, in a fresh process with the directory's page cache
-dropped: tokens/s over the decode steps (after a 1-token prompt), hit rate of the expert caches, device
-bytes per token, and experts used per layer over the run (the routing check of issue #23).
+weights allow. `--routing skewed` replays a recorded trace instead of the router's choice (labelled: the
+tokens are then not the model's): per layer, experts drawn by Zipf popularity (s = --zipf) and each of the
+previous token's experts kept with probability --burst, the reuse real routers show (published per-layer
+LRU hit rates of real MoE models: 49-82%); the trace is written next to the JSON. Per budget and routing,
+in a fresh process with the directory's page cache dropped: tokens/s over the decode steps (after a 1-token
+prompt), hit rate of the expert caches, device bytes and I/O wait per token, experts used per layer over the
+run (the routing check of issue #23), and what the missed bytes would take at fio's rate of the same run.
 """
 
 import argparse
@@ -15,11 +19,16 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from mlx_flash.flash_format import FlashDir
+from mlx_flash.reader import DEFAULT_THREADS
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import drop_page_cache
+from mlx_flash.tools.peers import fio_reference
 
 _CHILD = """
 import json, statistics, sys, time
@@ -27,14 +36,19 @@ import numpy as np
 import mlx_flash  # noqa: F401
 import mlx.core as mx
 from mlx_flash.loader import load
-model_dir, budget, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model_dir, budget, n, trace = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 model, _ = load(model_dir, memory_budget=None if budget == "none" else budget, context=n + 16)
 e = model.flash
 vocab = e.fd.config["vocab_size"]
 ids = np.random.default_rng(0).integers(0, vocab, n + 1)
+step = [0]
+if trace != "-":  # replay: step s, layer l reads trace[s, l] whatever the router chose
+    replay = np.load(trace)["experts"]
+    e.route = lambda layer, chosen: replay[step[0], layer].astype(chosen.dtype)
 cache = model.make_cache()
 times = []
 for i, t in enumerate(ids):
+    step[0] = i
     tic = time.perf_counter()
     mx.eval(model(mx.array([[int(t)]]), cache=cache))
     times.append(time.perf_counter() - tic)
@@ -42,48 +56,86 @@ e.stats.end()
 toks = e.stats.tokens[1:]
 hits, misses = sum(t.hits for t in toks), sum(t.misses for t in toks)
 per_layer = [int((c.use_count > 0).sum()) for c in e.caches if c is not None]  # every activation counts
-print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]),
+print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]), "token_ms": 1e3 * statistics.median(times[1:]),
                   "hit_rate": hits / max(1, hits + misses), "bytes_per_token": statistics.median(t.bytes_read for t in toks),
+                  "missed_bytes_per_token": statistics.median(t.misses for t in toks) * e.layout.stride,
                   "io_ms": 1e3 * statistics.median(t.io_s for t in toks), "experts_used_per_layer": per_layer,
                   "slots": e.plan.capacity[0].get("experts"), "peak_rss": e.stats.peak_rss()}))
 """
+
+
+def skewed_trace(tokens: int, layers: int, experts: int, k: int, zipf: float, burst: float, seed: int = 0) -> np.ndarray:
+    """[tokens, layers, k] expert ids: each layer's own Zipf popularity over its experts, and each of the
+    previous token's experts kept with probability `burst`."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((tokens, layers, k), dtype=np.int32)
+    for layer in range(layers):
+        p = 1.0 / np.arange(1, experts + 1) ** zipf
+        p = (p / p.sum())[np.argsort(rng.permutation(experts))]  # which expert is popular differs per layer
+        prev = rng.choice(experts, k, replace=False, p=p)
+        for t in range(tokens):
+            keep = prev[rng.random(k) < burst] if t else prev
+            q = p.copy()
+            q[keep] = 0
+            new = rng.choice(experts, k - len(keep), replace=False, p=q / q.sum())
+            out[t, layer] = prev = np.concatenate([keep, new])
+    return out
 
 
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="MoE decode under memory budgets (forced random tokens).")
     p.add_argument("--model", required=True, help="MoE flash directory.")
     p.add_argument("--budgets", default="50%,none", help="Comma-separated budgets (none: every expert cached).")
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--routing", default="model", help="Comma-separated: model (the router's choice), skewed (a replayed trace).")
+    p.add_argument("--zipf", type=float, default=1.0, help="skewed: Zipf exponent of each layer's expert popularity.")
+    p.add_argument("--burst", type=float, default=0.5, help="skewed: chance each of the previous token's experts is kept.")
     p.add_argument("--json", default=None)
     return p
 
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    budgets = args.budgets.split(",")
+    budgets, routings = args.budgets.split(","), args.routing.split(",")
+    fd = FlashDir(args.model)
+    trace = "-"
+    if "skewed" in routings:
+        info, c = fd.ffn, fd.config
+        k = c.get("num_experts_per_tok") or c.get("num_experts_per_token")
+        experts = skewed_trace(args.tokens + 1, len(fd.layers), info["n_experts"], k, args.zipf, args.burst)
+        trace = str(Path(args.json or "moe_trace").with_suffix("")) + "_trace.npz"
+        np.savez_compressed(trace, experts=experts, zipf=args.zipf, burst=args.burst)
+    fio = fio_reference(fd.ffn_path, DEFAULT_THREADS)
     runs = []
-    for r, b in tqdm([(r, b) for r in range(args.rounds) for b in budgets], desc="moe decode", unit="run"):
+    jobs = [(r, b, g) for r in range(args.rounds) for b in budgets for g in routings]
+    for r, b, g in tqdm(jobs, desc="moe decode", unit="run"):
         drop_page_cache([args.model])
-        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, b, str(args.tokens)], capture_output=True,
-                             text=True)
+        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, b, str(args.tokens), trace if g == "skewed" else "-"],
+                             capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"budget {b}: {out.stderr[-2000:]}")
-        runs.append({"round": r, "budget": b, **json.loads(out.stdout.strip().splitlines()[-1])})
-    print(f"{args.model}: {args.tokens} forced random tokens (decode steps), medians over {args.rounds} round(s)")
-    print("| budget | expert slots/layer | tok/s | hit rate | read/token | I/O wait/token | experts used per layer (min-max) |")
-    print("|---|---|---|---|---|---|---|")
-    for b in budgets:
-        rs = [x for x in runs if x["budget"] == b]
-        used = rs[0]["experts_used_per_layer"]
-        print(f"| {b} | {rs[0]['slots']} | {statistics.median(x['tok_s'] for x in rs):.2f} | "
-              f"{statistics.median(x['hit_rate'] for x in rs):.1%} | "
-              f"{statistics.median(x['bytes_per_token'] for x in rs) / 2**20:.1f} MiB | "
-              f"{statistics.median(x['io_ms'] for x in rs):.0f} ms | {min(used)}-{max(used)} |")
+        runs.append({"round": r, "budget": b, "routing": g, **json.loads(out.stdout.strip().splitlines()[-1])})
+    rate = fio["bytes_per_s"] if fio else None
+    print(f"{args.model}: {args.tokens} forced random tokens (decode steps), medians over {args.rounds} round(s); "
+          + (f"fio {rate / 2**30:.2f} GiB/s" if rate else "no fio"))
+    print("| routing | budget | expert slots/layer | tok/s | ms/token | hit rate | read/token (missed experts) | I/O wait/token "
+          "| missed / fio | experts used per layer (min-max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for g in routings:
+        for b in budgets:
+            rs = [x for x in runs if x["budget"] == b and x["routing"] == g]
+            med = lambda key: statistics.median(x[key] for x in rs)  # noqa: E731
+            used = rs[0]["experts_used_per_layer"]
+            label = "model (forced random tokens)" if g == "model" else f"skewed trace (zipf {args.zipf}, burst {args.burst})"
+            print(f"| {label} | {b} | {rs[0]['slots']} | {med('tok_s'):.2f} | {med('token_ms'):.0f} | {med('hit_rate'):.1%} | "
+                  f"{med('bytes_per_token') / 2**20:.1f} MiB ({med('missed_bytes_per_token') / 2**20:.1f} MiB) | "
+                  f"{med('io_ms'):.0f} ms | {1e3 * med('missed_bytes_per_token') / rate:.0f} ms | {min(used)}-{max(used)} |"
+                  if rate else "")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "tokens": args.tokens, "runs": runs, "machine": machine_info(args.model)},
-                      f, indent=1)
+            json.dump({"model": args.model, "tokens": args.tokens, "fio": fio, "trace": None if trace == "-" else trace,
+                       "runs": runs, "machine": machine_info(args.model)}, f, indent=1)
 
 
 if __name__ == "__main__":

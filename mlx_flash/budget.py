@@ -21,6 +21,9 @@ from .errors import BudgetError
 from .reader import DEFAULT_THREADS
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
+# an MoE model's least workspace: its scratch is a few experts, and besides MLX's temporaries the process has
+# its own while decoding (numpy rows, the first token's lazily built kernels and imports: ~4 MiB measured)
+MIN_MOE_WORKSPACE_BYTES = 16 << 20
 # Packed units (format v3) are read through each reader thread's bounce buffer (O_DIRECT wants aligned offsets,
 # lengths and addresses): its memory is in the budget, so it is kept small.
 FFN_BOUNCE_BYTES = 64 << 10
@@ -129,7 +132,10 @@ def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2, bits: int = 
 def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int = None, kv_bits: int = None,
                 kv_group_size: int = 64, prompt_caches: int = 0) -> dict:
     """The parts of the budget that do not depend on it: resident, KV cache, prompt cache, scratch, workspace."""
-    scratch = min(SCRATCH_BYTES, max(r.n_units * fd.layouts[r.name].stride for r in fd.regions()))  # dense rows
+    # a dense layer's rows; an MoE token's experts (more than that stream through it in turns)
+    per_pass = fd.config["num_experts_per_tok"] if fd.ffn.get("kind") == "moe" else None
+    scratch = min(SCRATCH_BYTES, max(min(r.n_units, per_pass or r.n_units) * fd.layouts[r.name].stride
+                                     for r in fd.regions()))
     n_buffers = 1 + sum(len(regions) for regions in fd.layers)  # each is padded to the alignment
     kv = kv_cache_bytes(fd.config, context, dtype_size, kv_bits, kv_group_size)
     return {
@@ -137,7 +143,7 @@ def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int
         "kv_cache": kv,
         "prompt_cache": prompt_caches * kv,  # each stored cache is one KV cache of `context` tokens
         "scratch": scratch + fd.alignment * n_buffers + bounce_bytes(fd),
-        "workspace": 2 * scratch,
+        "workspace": max(2 * scratch, MIN_MOE_WORKSPACE_BYTES if per_pass else 0),
         "extra": extra,
     }
 

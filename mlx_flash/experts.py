@@ -112,6 +112,7 @@ class ExpertEngine:
         self.sparsifier = Router()
         self.streamer = None
         self.why = None
+        self.route = None  # benchmarks: (layer, chosen experts) -> the experts to read instead (a replayed trace)
         self.caches: List[UnitCache] = [
             UnitCache(regions[REGION].n_units, capacity[i].get(REGION, 0), self.layout.stride, policy=policy,
                       window=window, alignment=fd.alignment) if REGION in regions else None
@@ -147,6 +148,9 @@ class ExpertEngine:
         for part in ("weight", "scales", "biases", "bias"):
             c = self.components.get(f"{name}.{part}")
             parts[part] = None if c is None else mx.view(row[c.offset : c.offset + c.nbytes], getattr(mx, c.dtype)).reshape(c.shape)
+        q = self.quant[name]
+        if q is not None and q.get("symmetric"):
+            parts["biases"] = cpu_gemv.symmetric_biases(parts["scales"], q["bits"])
         return parts
 
     def _project(self, x: mx.array, row: mx.array, name: str) -> mx.array:
@@ -159,12 +163,13 @@ class ExpertEngine:
 
     def _quant_rows(self, host: np.ndarray, slot: int, name: str) -> "cpu_gemv.QuantRows":
         """Projection `name` of the expert in row `slot` of `host` as the native kernels' rows (no copy, no view)."""
-        q, c = self.quant[name], {p: self.components[f"{name}.{p}"] for p in ("weight", "scales", "biases")}
+        q, c = self.quant[name], {p: self.components[f"{name}.{p}"] for p in ("weight", "scales")}
+        c["biases"] = self.components.get(f"{name}.biases", c["scales"])  # (symmetric: none stored, none read)
         base = slot * host.shape[1]
         row = lambda p: (base + c[p].offset, c[p].nbytes // c[p].shape[0])  # noqa: E731
         return cpu_gemv.QuantRows(host, *row("weight"), host, *row("scales"), host, *row("biases"),
                                   c["weight"].shape[-1] * 32 // q["bits"], q["bits"], q["group_size"],
-                                  getattr(mx, c["scales"].dtype))
+                                  getattr(mx, c["scales"].dtype), bool(q.get("symmetric")))
 
     def _native(self, x: mx.array, activation) -> bool:
         """A decode row the native kernels compute whole: float32 on the CPU, quantised SwiGLU experts."""
@@ -188,6 +193,8 @@ class ExpertEngine:
         shape, k = indices.shape, indices.shape[-1]
         self.stats.touch(prefill=indices.size > k)
         chosen = np.array(indices).reshape(-1)  # the layer's one synchronisation: the router's choice
+        if self.route is not None:
+            chosen = self.route(layer, chosen)
         units, inverse = np.unique(chosen, return_inverse=True)
         cache = self.caches[layer]
         t = time.perf_counter()

@@ -558,8 +558,8 @@ class FlashDir:
         arrays = {}
         for name, layout in self.layouts.items():
             arrays.update(layout.unpack(layout.expand(mx.array(self.read_region(layer, name)))))
-        for name, info in self.ffn.get("matrices", {}).items():  # symmetric rows store no biases: the consumers get them
-            q = info["quantization"]
+        quant = self.ffn.get("quantization") or {n: m["quantization"] for n, m in self.ffn.get("matrices", {}).items()}
+        for name, q in quant.items():  # symmetric rows store no biases: the consumers get them
             if q is not None and q.get("symmetric") and f"{name}.scales" in arrays:
                 arrays[f"{name}.biases"] = symmetric_biases(arrays[f"{name}.scales"], q["bits"])
         return arrays

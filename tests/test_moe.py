@@ -121,8 +121,9 @@ def test_hugging_face_directory_with_a_tensor_per_expert(moe_dirs, arch, tmp_pat
 
 
 def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations):
-    """A qwen3moe GGUF (stacked Q4_0 experts ffn_*_exps, float router ffn_gate_inp): converted, the model is mlx-lm's
-    on the same weights (gguf_to_mlx_dir) bit for bit, and streaming gives its tokens and logits."""
+    """A qwen3moe GGUF (stacked Q4_0 experts ffn_*_exps, float router ffn_gate_inp): converted, its experts keep
+    Q4_0's bytes, the model is mlx-lm's on the same weights (gguf_to_mlx_dir) bit for bit, and streaming gives its
+    tokens and logits."""
     from mlx_flash.convert.gguf import gguf_to_mlx_dir
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
@@ -130,7 +131,10 @@ def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations):
                       num_experts=8, hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, head_dim=64,
                       num_key_value_heads=2)
     flash_dir = convert(str(gguf), tmp_path / "flash", progress=False)
-    assert FlashDir(flash_dir).manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32}
+    fd = FlashDir(flash_dir)
+    assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True}
+    # an expert holds Q4_0's own bytes (18 per 32 weights: codes and a float16 scale), no MLX biases
+    assert sum(c.nbytes for c in fd.layouts[REGION].components) == 3 * 256 * 64 * 18 // 32
     src, _ = load_source_model(gguf_to_mlx_dir(gguf, tmp_path / "mlx"), lazy=False)
     assert mx.array_equal(load_resident(flash_dir)[0](PROMPT[None]), src(PROMPT[None]))  # the same weights, float16
     _check_against(load_resident(flash_dir, dtype=mx.float32)[0], flash_dir, (None, 1, 3))  # the CPU's float32
@@ -180,3 +184,65 @@ def test_moe_refuses_what_does_not_apply(moe_dirs, tmp_path):
     with pytest.raises(FlashError, match="--bits"):
         convert(str(src_dir), tmp_path / "x", bits=8, progress=False)
     assert not (tmp_path / "x").exists()
+
+
+
+@pytest.fixture(scope="module")
+def moe_gguf_dir(tmp_path_factory):
+    """A qwen3moe GGUF of 170 MB (8 layers of 48 experts, top-8), converted: large enough that 25% of it is
+    mostly expert slots, not the fixed buffers."""
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    root = tmp_path_factory.mktemp("moe-gguf")
+    gguf = write_gguf("moe-small", root / "m.gguf", progress=False, num_hidden_layers=8, vocab_size=2048,
+                      num_experts=48, hidden_size=512, moe_intermediate_size=512, num_attention_heads=4, head_dim=128,
+                      num_key_value_heads=2)
+    return convert(str(gguf), root / "flash", progress=False)
+
+
+def test_percent_budgets_equal_resident(moe_gguf_dir, float_activations):
+    """At 25%, 50% and 100% of the model's bytes, greedy tokens equal the resident model's and logits agree to
+    float rounding; the smaller budgets hold fewer expert slots and read more."""
+    resident, _ = load_resident(moe_gguf_dir, dtype=mx.float32)
+    ref_tokens, ref_logits = greedy(resident), resident(PROMPT[None])
+    slots, reads = [], []
+    for budget in ("25%", "50%", "100%"):
+        model, _ = load(moe_gguf_dir, memory_budget=budget, context=64)
+        try:
+            assert greedy(model) == ref_tokens, budget
+            assert mx.abs(model(PROMPT[None]) - ref_logits).max().item() < 1e-4, budget
+            model.flash.stats.end()
+            slots.append(model.flash.plan.capacity[0][REGION])
+            reads.append(model.flash.stats.device_bytes())
+        finally:
+            model.flash.close()
+    assert 0 < slots[0] < slots[1] < slots[2] and reads[0] > reads[1] > reads[2], (slots, reads)
+
+
+def test_generate_holds_its_budget_under_a_hard_cap(moe_gguf_dir):
+    """`generate --memory-budget 25% --stats` on an MoE directory under a cgroup limit of the budget + the
+    interpreter's baseline: it finishes, and its peak RSS above that baseline is inside the budget."""
+    import re
+    import sys
+
+    from mlx_flash import memory
+    from mlx_flash.errors import CapError
+    from mlx_flash.tools.cap import run_capped
+
+    from mlx_flash.budget import parse_size
+
+    flash_dir = moe_gguf_dir
+    budget = parse_size("25%", FlashDir(flash_dir).model_bytes)
+    base = run_capped(memory.baseline_command(flash_dir))
+    assert base.ok, base.stderr
+    try:
+        r = run_capped([sys.executable, "-m", "mlx_flash.generate", "--model", str(flash_dir), "--memory-budget",
+                        "25%", "--max-tokens", "8", "--stats", "--ignore-chat-template"],
+                       limit=budget + base.max_rss, drop=[flash_dir], timeout=600)
+    except CapError as e:
+        pytest.skip(f"no hard memory cap on this machine: {e}")
+    assert r.ok, r.summary() + "\n" + r.stderr
+    m = re.search(r"memory: peak RSS ([\d.]+) (KiB|MiB|GiB) above the baseline", r.stdout)
+    assert m, r.stdout
+    assert 0 < float(m.group(1)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)] <= budget, r.stdout
+    assert "router (the model's own top-k: exact)" in r.stdout and "hit " in r.stdout

@@ -134,15 +134,25 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
 def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
     """An MoE directory: the resident weights and each layer's experts stacked back into its SwitchGLU."""
     out.mkdir(parents=True, exist_ok=True)
+    config, quant = dict(fd.config), dict(fd.config.get("quantization") or {})
     writer = _ShardWriter(out, SHARD_BYTES)
-    for k, v in sorted(fd.load_resident().items()):
+    resident = fd.load_resident()
+    for k, v in sorted(resident.items()):
         writer.add(k, v)
+        if quant and k.endswith(".weight") and v.ndim == 2 and f"{k[:-len('.weight')]}.scales" not in resident:
+            # a Linear the source left unquantized (the routers): said per module, as mlx-lm's mixed configs do,
+            # for runtimes that otherwise quantize every Linear of a quantized model
+            quant[k[: -len(".weight")]] = False
+    del resident
     for i, path in tqdm(sorted((int(i), p) for i, p in fd.ffn["switch_paths"].items()), desc="export", unit="layer",
                         disable=not progress):
         for k, v in fd.unpack_layer(i).items():
             writer.add(f"{path}.{k}", v)
     writer.close()
-    return _finish(fd, out, dict(fd.config))
+    if quant:
+        config["quantization"] = quant
+        config["quantization_config"] = dict(quant)
+    return _finish(fd, out, config)
 
 
 def _finish(fd: FlashDir, out: Path, config: dict) -> Path:

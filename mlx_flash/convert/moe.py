@@ -2,7 +2,8 @@
 
 The source is whatever mlx-lm loads (a Hugging Face directory with per-expert tensors, which the model's
 `sanitize` stacks, or an mlx-community directory with `switch_mlp` stacked): the experts' codes, scales
-and biases are written as the source stores them (no re-quantisation, so the weights equal the source's);
+and biases are written as the source stores them (no re-quantisation, so the weights equal the source's;
+symmetric codes such as a GGUF's Q4_0 keep no biases, as the source keeps none);
 routers, norms, attention, embeddings and shared experts stay resident.
 """
 
@@ -15,6 +16,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
+from ..cpu_gemv import symmetric_biases
 from ..experts import REGION, expert_arrays, expert_quantization, switch_paths
 from ..flash_format import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
 from .source import copy_tokenizer
@@ -35,11 +37,16 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
                 continue
             switch = modules[paths[i]]
             q = expert_quantization(switch)
+            arrays = expert_arrays(switch)
+            mx.eval(arrays)
+            for name, pq in q.items():  # Q4_0 / Q8_0: the biases follow from the scales, so (as on the source) not stored
+                if pq is not None and mx.array_equal(arrays[f"{name}.biases"],
+                                                     symmetric_biases(arrays[f"{name}.scales"], pq["bits"])):
+                    q[name] = {**pq, "symmetric": True}
+                    del arrays[f"{name}.biases"]
             if quant is not None and q != quant:
                 raise ValueError(f"layer {i}: experts quantised as {q}, earlier layers as {quant}")
             quant = q
-            arrays = expert_arrays(switch)
-            mx.eval(arrays)
             n_experts = next(iter(arrays.values())).shape[0]
             writer.add_layer({REGION: arrays})
             parent, name = paths[i].rsplit(".", 1)

@@ -77,6 +77,10 @@ from .synthetic_gguf import GGUF_ARCHS, write_gguf
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
 LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+# MoE models: the Python systems sample at this temperature (near-uniform tokens), as llama-bench feeds a
+# random token each step; a random-weight model's greedy text repeats one token, which would route every
+# step alike and turn every expert read into a hit
+MOE_TEMP = 10000.0
 OOM_RETRY = 1.25  # an OOM-killed mlx_flash runs again under a cap this much larger (then again)
 MAX_RETRIES = 4
 NUNSPARK_SHARE = 0.6  # nunspark's first --budget, of the cap's budget (1.0-1.5 GB held a 2.5 GiB cap; 2.2 did not)
@@ -179,14 +183,21 @@ def _llama_cmd(paths, tokens, extra=()):
 
 def _mlx_lm_cmd(paths, tokens):
     return [sys.executable, "-m", "mlx_lm", "generate", "--model", paths["mlx"], "--max-tokens", tokens,
-            "--prompt", paths.get("prompt", PROMPT), "--ignore-chat-template", "--temp", 0]
+            "--prompt", paths.get("prompt", PROMPT), "--ignore-chat-template", *_sampling(paths)]
+
+
+def _sampling(paths, seed=True):
+    """Greedy, or for MoE models near-uniform random tokens (MOE_TEMP)."""
+    if not paths.get("moe"):
+        return ["--temp", 0]
+    return ["--temp", MOE_TEMP, *(["--seed", 0] if seed else [])]
 
 
 def _flash_cmd(dir_key, sparsity):
     def cmd(paths, tokens, budget):
         return [sys.executable, "-m", "mlx_flash.generate", "--model", paths[dir_key], "--memory-budget", budget,
                 "--sparsity", sparsity, "--max-tokens", tokens, "--prompt", paths.get("prompt", PROMPT),
-                "--ignore-chat-template", "--stats"]
+                "--ignore-chat-template", "--stats", *_sampling(paths)]
     return cmd
 
 
@@ -195,7 +206,8 @@ NUNSPARK = [sys.executable, "-c", "import sys; from nunspark.cli import main; sy
 
 def _nunspark_cmd(paths, tokens, budget):
     return [*NUNSPARK, "generate", paths["nunspark"], "--prompt", paths.get("prompt", PROMPT), "--max-tokens", tokens,
-            "--budget", str(budget), "--io-threads", 8, "--warm-window", 4, "--no-chat-template", "--metrics"]
+            "--budget", str(budget), "--io-threads", 8, "--warm-window", 4, "--no-chat-template", "--metrics",
+            *_sampling(paths, seed=False)]
 
 
 # name -> (command builder (paths, tokens, budget bytes), the path it runs on)
@@ -290,10 +302,12 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     baseline = measure_baseline(paths["flash"])
     files = list(paths.values())
     paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
+    paths["moe"] = FlashDir(paths["flash"]).ffn.get("kind") == "moe"
     versions = _versions()
 
     fio = fio_reference(FlashDir(paths["flash"]).ffn_path, DEFAULT_THREADS)
-    res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k != "prompt"}, "weight_bytes": weights,
+    res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "moe")},
+           "sampling": " ".join(map(str, _sampling(paths))), "weight_bytes": weights,
            "flash_bytes": FlashDir(paths["flash"]).model_bytes, "flash_down": down_storage(FlashDir(paths["flash"])), "baseline_rss": baseline, "tokens": tokens,
            "rounds": rounds, "cap_factor": cap_factor, "fio": fio, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
            "versions": versions, "runs": []}
@@ -527,7 +541,9 @@ def header(res) -> str:
     return (f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
             f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
             f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; {res['tokens']} tokens, "
-            f"{res['rounds']} rounds\n"
+            f"{res['rounds']} rounds"
+            + (f"; Python systems sample {res['sampling']} (llama-bench: a random token each step)"
+               if res.get("sampling", "--temp 0") != "--temp 0" else "") + "\n"
             f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "
             f"python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items())
             + (f"\nfio, same run: random O_DIRECT reads of {fmt_bytes(res['fio']['block'])} with {res['fio']['threads']} "
