@@ -43,7 +43,9 @@ def setup_arg_parser():
     p.add_argument("--density", type=float, default=None, help="oracle, sketch, predictor: keep this fraction of neurons (top-K); dip, wina: input and neuron density.")
     p.add_argument("--gamma", type=float, default=1.0, help="DIP-CA cache-aware weight for uncached units (1 = off, paper: 0.2).")
     p.add_argument("--window", type=int, default=5, help="Keep neurons active in the last K tokens cached.")
-    p.add_argument("--cache-policy", default="window", choices=["window", "lru", "lfu"], help="Neuron cache eviction policy.")
+    p.add_argument("--cache-policy", default=None, choices=["window", "lru", "lfu"],
+                   help="Unit cache eviction policy (default: window for neurons, lru for experts: a token's experts "
+                        "are few, and the window would drop every expert not used in the last --window tokens).")
     p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="Quantise the KV cache from the first token (default: float).")
     p.add_argument("--kv-group-size", type=int, default=64, help="Group size of the quantised KV cache.")
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")

@@ -247,7 +247,7 @@ def load(
     memory_budget=None,
     sparsity: str = "auto",
     window: int = 5,
-    policy: str = "window",
+    policy: str = None,
     density: float = None,
     gamma: float = 1.0,
     threads: int = None,
@@ -292,7 +292,7 @@ def load(
                              "(exact); neuron sparsity applies to dense models")
         budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
         dtype = mx.float32 if dtype is None and not mx.metal.is_available() else dtype
-        return _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, threads, direct, kv_bits,
+        return _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy or "lru", window, threads, direct, kv_bits,
                          kv_group_size, prompt_caches), tokenizer
     auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
@@ -336,7 +336,7 @@ def load(
             why = f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
     # (threads other than the plan's: its bounce buffers are threads x FFN_BOUNCE_BYTES of a packed directory)
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES)
-    engine = FlashEngine.from_plan(fd, plan, reader, sparsifier, policy, window, use_metal, dtype or mx.float32)
+    engine = FlashEngine.from_plan(fd, plan, reader, sparsifier, policy or "window", window, use_metal, dtype or mx.float32)
     engine.why = why
     engine.stats.baseline_rss = baseline
     if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds

@@ -176,6 +176,30 @@ def test_bytes_read_are_the_missed_experts(moe_dirs):
             model.flash.close()
 
 
+
+def test_experts_stay_cached_while_they_fit(moe_dirs):
+    """Experts default to LRU, not the neurons' window: with room for every expert, one unused for more tokens
+    than the window (5) is still cached when its turn comes again, so each expert is read once."""
+    _, flash_dir, _ = moe_dirs["mixtral"]
+    schedule = [[0, 1]] + [[2, 3]] * 6 + [[0, 1]]
+    step = [-1]
+
+    def route(layer, chosen):  # a replayed routing, as benchmarks/moe_decode.py --routing skewed does
+        step[0] += layer == 0
+        return np.array(schedule[step[0]], dtype=chosen.dtype)
+
+    model, _ = load(flash_dir, context=64)
+    model.flash.route = route
+    try:
+        cache = model.make_cache()
+        for t in range(len(schedule)):
+            mx.eval(model(mx.array([[t + 1]]), cache=cache))
+        model.flash.stats.end()
+        assert sum(t.misses for t in model.flash.stats.tokens) == 4 * len(FlashDir(flash_dir).layers)
+    finally:
+        model.flash.close()
+
+
 def test_moe_refuses_what_does_not_apply(moe_dirs, tmp_path):
     """Neuron sparsity and dense-only conversion options are refused with a clear error; nothing is written."""
     src_dir, flash_dir, _ = moe_dirs["olmoe"]
