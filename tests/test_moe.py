@@ -200,6 +200,22 @@ def test_experts_stay_cached_while_they_fit(moe_dirs):
         model.flash.close()
 
 
+
+def test_export_is_stock_mlx_lm(moe_gguf_dir, tmp_path):
+    """`export` of an MoE directory loads in stock mlx-lm with the flash model's logits; the float routers are
+    marked unquantized per module (runtimes that quantize every Linear otherwise expect codes for them)."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from mlx_flash.convert.export import export
+
+    out = export(moe_gguf_dir, tmp_path / "mlx", progress=False)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert quant["model.layers.0.mlp.gate"] is False and quant["bits"] == 4
+    stock, _ = mlx_lm_load(str(out))
+    resident, _ = load_resident(moe_gguf_dir)
+    assert mx.array_equal(stock(PROMPT[None]), resident(PROMPT[None]))
+
+
 def test_moe_refuses_what_does_not_apply(moe_dirs, tmp_path):
     """Neuron sparsity and dense-only conversion options are refused with a clear error; nothing is written."""
     src_dir, flash_dir, _ = moe_dirs["olmoe"]

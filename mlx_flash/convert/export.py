@@ -124,11 +124,7 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
                 if bits != quant["bits"]:  # e.g. 8-bit down in a 4-bit model: say so, as mlx-lm's own exports do
                     quant[hf] = {"group_size": quant["group_size"], "bits": bits}
     writer.close()
-
-    if quant:
-        config["quantization"] = quant
-        config["quantization_config"] = dict(quant)
-    return _finish(fd, out, config)
+    return _finish(fd, out, config, quant)
 
 
 def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
@@ -149,13 +145,13 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
         for k, v in fd.unpack_layer(i).items():
             writer.add(f"{path}.{k}", v)
     writer.close()
+    return _finish(fd, out, config, quant)
+
+
+def _finish(fd: FlashDir, out: Path, config: dict, quant: dict) -> Path:
     if quant:
         config["quantization"] = quant
         config["quantization_config"] = dict(quant)
-    return _finish(fd, out, config)
-
-
-def _finish(fd: FlashDir, out: Path, config: dict) -> Path:
     with open(out / "config.json", "w") as f:
         json.dump(config, f, indent=2)
     for pattern in TOKENIZER_FILES:
