@@ -21,9 +21,10 @@ from .errors import BudgetError
 from .reader import DEFAULT_THREADS
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
-# an MoE model's least workspace: its scratch is a few experts, and besides MLX's temporaries the process has
-# its own while decoding (numpy rows, the first token's lazily built kernels and imports: ~4 MiB measured)
-MIN_MOE_WORKSPACE_BYTES = 16 << 20
+# an MoE model's least workspace, a dense model's usual one (2 x the 16 MiB scratch): its scratch is only a
+# token's experts, and besides MLX's temporaries the process has its own while decoding (modules imported by
+# the first token, numpy rows, reader threads: 17 MiB measured on a 170 MB model under a hard cap)
+MIN_MOE_WORKSPACE_BYTES = 2 * SCRATCH_BYTES
 # Packed units (format v3) are read through each reader thread's bounce buffer (O_DIRECT wants aligned offsets,
 # lengths and addresses): its memory is in the budget, so it is kept small.
 FFN_BOUNCE_BYTES = 64 << 10

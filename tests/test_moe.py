@@ -229,13 +229,13 @@ def test_moe_refuses_what_does_not_apply(moe_dirs, tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_gguf_dir(tmp_path_factory):
-    """A qwen3moe GGUF of 170 MB (8 layers of 48 experts, top-8), converted: large enough that 25% of it is
+    """A qwen3moe GGUF of 340 MB (8 layers of 96 experts, top-8), converted: large enough that 25% of it is
     mostly expert slots, not the fixed buffers."""
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
     root = tmp_path_factory.mktemp("moe-gguf")
     gguf = write_gguf("moe-small", root / "m.gguf", progress=False, num_hidden_layers=8, vocab_size=2048,
-                      num_experts=48, hidden_size=512, moe_intermediate_size=512, num_attention_heads=4, head_dim=128,
+                      num_experts=96, hidden_size=512, moe_intermediate_size=512, num_attention_heads=4, head_dim=128,
                       num_key_value_heads=2)
     return convert(str(gguf), root / "flash", progress=False)
 
