@@ -10,10 +10,9 @@ model's own top-k, exact. Per layer and forward pass:
       (the cache is smaller than the union: the rest through the scratch buffer, uncached)
       each expert's gate / up / down computed from its cache row in place, for the tokens that chose it
 
-On flash each expert is one unit: its gate, up and down matrices (codes, scales, biases as the source
-stores them) back to back, padded to the alignment so it is read straight into its cache row. At a
-Qwen3-30B-A3B expert (2.5 MiB at 4 bits) that padding is under 0.2% of a read, against a copy of the
-whole expert through bounce buffers per miss.
+On flash each expert is one unit: its gate, up and down matrices (codes, scales, and biases where the
+source has them: symmetric codes such as Q4_0 keep none) back to back, aligned so it is read straight
+into its cache row (a Qwen3-30B-A3B Q4_0 expert, 2,654,208 B, needs no padding at 4 KiB).
 """
 
 import time
@@ -22,6 +21,8 @@ from typing import Dict, List
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from . import cpu_gemv
 from .errors import UnsupportedArchitectureError
@@ -42,8 +43,6 @@ def switch_paths(model: nn.Module) -> Dict[int, str]:
     """layer index -> module path of that layer's SwitchGLU (layers without experts are left out).
 
     Raises UnsupportedArchitectureError for expert blocks mlx_flash cannot stream (not a SwitchGLU)."""
-    from mlx_lm.models.switch_layers import SwitchGLU
-
     modules = dict(model.named_modules())
     paths = {}
     for i, layer in enumerate(model.layers):
@@ -63,9 +62,7 @@ def switch_paths(model: nn.Module) -> Dict[int, str]:
 
 def expert_arrays(switch: nn.Module) -> Dict[str, mx.array]:
     """A SwitchGLU's parameters as unit components: 'gate_proj.weight' -> [n_experts, ...] (codes as stored)."""
-    from mlx.utils import tree_flatten
-
-    return {k: v for k, v in tree_flatten(switch.parameters())}
+    return dict(tree_flatten(switch.parameters()))
 
 
 def expert_quantization(switch: nn.Module) -> Dict[str, dict]:
@@ -103,7 +100,6 @@ class ExpertEngine:
     def __init__(self, fd, reader, capacity: List[Dict[str, int]], scratch_bytes: int, policy: str = "lru",
                  window: int = 5, compute_dtype=mx.float32):
         self.fd, self.reader = fd, reader
-        self.info = fd.ffn
         self.layout = fd.layouts[REGION]
         self.components = {c.name: c for c in self.layout.components}
         self.quant = fd.ffn["quantization"]
@@ -120,6 +116,7 @@ class ExpertEngine:
         ]
         self.last_layer = max(i for i, c in enumerate(self.caches) if c is not None)
         self.scratch = AlignedBuffer(max(scratch_bytes, self.layout.stride), fd.alignment)
+        self.row_layouts = {n: self._row_layout(n) for n, q in self.quant.items() if q is not None}
 
     @classmethod
     def from_plan(cls, fd, plan, reader, policy: str = "lru", window: int = 5, compute_dtype=mx.float32):
@@ -161,15 +158,20 @@ class ExpertEngine:
             y = cpu_gemv.quantized_matmul(x, p["weight"], p["scales"], p["biases"], q["group_size"], q["bits"])
         return y if p["bias"] is None else y + p["bias"].astype(y.dtype)
 
+    def _row_layout(self, name: str) -> tuple:
+        """QuantRows' fields of projection `name` within an expert's row: (offset, stride) of weight, scales and
+        biases (symmetric: none stored, none read; the scales stand in), then n, bits, group size, dtype, symmetric."""
+        q, c = self.quant[name], {p: self.components[f"{name}.{p}"] for p in ("weight", "scales")}
+        c["biases"] = self.components.get(f"{name}.biases", c["scales"])
+        at = [v for p in ("weight", "scales", "biases") for v in (c[p].offset, c[p].nbytes // c[p].shape[0])]
+        return (*at, c["weight"].shape[-1] * 32 // q["bits"], q["bits"], q["group_size"], getattr(mx, c["scales"].dtype),
+                bool(q.get("symmetric")))
+
     def _quant_rows(self, host: np.ndarray, slot: int, name: str) -> "cpu_gemv.QuantRows":
         """Projection `name` of the expert in row `slot` of `host` as the native kernels' rows (no copy, no view)."""
-        q, c = self.quant[name], {p: self.components[f"{name}.{p}"] for p in ("weight", "scales")}
-        c["biases"] = self.components.get(f"{name}.biases", c["scales"])  # (symmetric: none stored, none read)
+        w, ws, s, ss, b, bs, *rest = self.row_layouts[name]  # computed once: this runs 3 times per expert
         base = slot * host.shape[1]
-        row = lambda p: (base + c[p].offset, c[p].nbytes // c[p].shape[0])  # noqa: E731
-        return cpu_gemv.QuantRows(host, *row("weight"), host, *row("scales"), host, *row("biases"),
-                                  c["weight"].shape[-1] * 32 // q["bits"], q["bits"], q["group_size"],
-                                  getattr(mx, c["scales"].dtype), bool(q.get("symmetric")))
+        return cpu_gemv.QuantRows(host, base + w, ws, host, base + s, ss, host, base + b, bs, *rest)
 
     def _native(self, x: mx.array, activation) -> bool:
         """A decode row the native kernels compute whole: float32 on the CPU, quantised SwiGLU experts."""

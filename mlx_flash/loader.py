@@ -286,20 +286,18 @@ def load(
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
+    budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
+    if dtype is None and not mx.metal.is_available():
+        dtype = mx.float32
     if fd.ffn.get("kind") == "moe":
         if sparsifier is not None or sparsity not in ("auto", "dense"):
             raise FlashError(f"sparsity {sparsity!r}: a mixture-of-experts model reads the experts its router picks "
                              "(exact); neuron sparsity applies to dense models")
-        budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
-        dtype = mx.float32 if dtype is None and not mx.metal.is_available() else dtype
         return _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy or "lru", window, threads, direct, kv_bits,
                          kv_group_size, prompt_caches), tokenizer
     auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
         sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
-    budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
-    if dtype is None and not mx.metal.is_available():
-        dtype = mx.float32
     cast = cpu_cast if dtype == mx.float32 else None
     if kv_bits is not None and (kv_bits not in (2, 3, 4, 6, 8) or head_dim(fd.config) % kv_group_size):
         raise FlashError(f"kv_bits={kv_bits}, kv_group_size={kv_group_size}: needs bits in 2, 3, 4, 6, 8 and a "

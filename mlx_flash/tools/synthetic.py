@@ -34,7 +34,7 @@ import mlx_flash  # noqa: F401
 from .. import __version__
 from ..default_model import cache_root
 from ..experts import PROJECTIONS, REGION, is_moe
-from ..flash_format import PACKED_UNIT_ALIGNMENT, FlashDir, FlashWriter
+from ..flash_format import DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, FlashDir, FlashWriter
 from ..models import get_model_classes
 from ..models.tiny import save_tiny_tokenizer
 
@@ -176,7 +176,7 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
     if moe and storage != "q4":
         raise ValueError("MoE presets are 4-bit only")
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
-        writer = (FlashWriter(Path(work) / "flash", alignment=4096, unit_alignment=4096) if moe else  # as convert_moe
+        writer = (FlashWriter(Path(work) / "flash", alignment=DEFAULT_ALIGNMENT, unit_alignment=DEFAULT_ALIGNMENT) if moe else  # as convert_moe
                   FlashWriter(Path(work) / "flash", alignment=512, unit_alignment=PACKED_UNIT_ALIGNMENT))  # as convert
         resident, paths = _resident(config, storage, rng)
         info = None
