@@ -618,17 +618,23 @@ class PythonReader:
             bmv.release()
         return calls, nread
 
-    def _run_one(self, mv, run, scratch, state):
+    def _run_one(self, mv, run, scratch, state, left):
         try:
             calls, nread = self._execute(mv, run, scratch, state["error"] is not None)
         except ReadError as e:
+            calls, nread = 0, 0
             with self._lock:
                 if state["error"] is None:
                     state["error"] = e
-            return
+        # Accounted inside the run, not in a done-callback: a callback may run after `wait` returns.
         with self._lock:
             self._stats["requests"] += calls
             self._stats["bytes_read"] += nread
+            left[0] -= 1
+            if left[0] == 0:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._stats["busy_ns"] += time.monotonic_ns() - self._busy_since
 
     def submit(self, dest, file_offsets, lengths, dest_offsets, *, coalesce: bool = True) -> _PyHandle:
         """Start a batch; returns a handle for `wait` (it keeps `dest` alive)."""
@@ -643,23 +649,13 @@ class PythonReader:
             self._stats["batches"] += 1
             self._stats["reads"] += nreads
             self._stats["bytes_requested"] += total
-            futures = [self._executor.submit(self._run_one, mv, r, scratch, state) for r in runs]
-            if futures:
+            if runs:
                 if self._inflight == 0:
                     self._busy_since = time.monotonic_ns()
                 self._inflight += 1
-                left = [len(futures)]
-                for f in futures:
-                    f.add_done_callback(lambda _, left=left: self._run_done(left))
+            left = [len(runs)]
+            futures = [self._executor.submit(self._run_one, mv, r, scratch, state, left) for r in runs]
         return _PyHandle(futures, (dest, mv, scratch), total, state)
-
-    def _run_done(self, left):
-        with self._lock:
-            left[0] -= 1
-            if left[0] == 0:
-                self._inflight -= 1
-                if self._inflight == 0:
-                    self._stats["busy_ns"] += time.monotonic_ns() - self._busy_since
 
     def wait(self, handle: _PyHandle) -> int:
         """Block until the batch is done; returns its bytes requested. Raises ReadError."""
