@@ -20,6 +20,9 @@
        row_axpy(c[k], ...)  out[i] = sum_j c[j] W_{slots[j]}[i]     (c @ W[slots])
 
    slots=None means rows 0..k-1. Every row touched is checked against the buffers' sizes.
+   Each product also takes m positions at once (x [m, n] -> out [m, k], c [m, k] -> out [m, n]: a
+   verification pass, a short prompt): a row's bytes are read from memory once for all m, so m positions
+   cost the arithmetic of m and the memory traffic of one.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -233,13 +236,14 @@ static int use_avx2(const Rows *r) { return simd_allowed && cpu_has_avx2() && (r
 /* Rows worth one thread: below this, a second thread costs more than it saves. */
 #define MIN_WORK_PER_THREAD (1 << 16)
 
-static int threads_for(const Rows *r) {
+static int threads_for(const Rows *r, int m) {
 #ifdef _OPENMP
-    Py_ssize_t work = r->k * (Py_ssize_t)r->n, t = work / MIN_WORK_PER_THREAD;
+    Py_ssize_t work = r->k * (Py_ssize_t)r->n * m, t = work / MIN_WORK_PER_THREAD;
     int max = omp_get_max_threads();
     return t < 1 ? 1 : (t > max ? max : (int)t);
 #else
     (void)r;
+    (void)m;
     return 1;
 #endif
 }
@@ -252,7 +256,7 @@ static inline void prefetch_span(const uint8_t *p, Py_ssize_t bytes) {
     for (Py_ssize_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
-static void row_dot_q8(const Rows *r, const float *x, float *out, int path);
+static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path);
 static int int8_path(const Rows *r);
 
 /* Row j of a dot product: its codes, with its scales and biases as float32 in scale / bias; the row
@@ -270,32 +274,45 @@ static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float
     return r->w + row * r->w_stride;
 }
 
-static void row_dot_impl(const Rows *r, const float *x, float *out) {
+/* Positions computed per sweep over the rows: their activations stay in L1/L2 while a row is hot. */
+#define POS_TILE 8
+
+/* x [m, n] -> out [m, k] */
+static void row_dot_impl(const Rows *r, const float *x, float *out, int m) {
     const int path = int8_path(r);
     if (path) {
-        row_dot_q8(r, x, out, path);
+        row_dot_q8(r, x, out, m, path);
         return;
     }
     const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
     const int avx = use_avx2(r);
-    float xsum[groups > 0 ? groups : 1];
-    for (int g = 0; g < groups; g++) {
-        float s = 0.0f;
-        for (int i = 0; i < r->gs; i++) s += x[g * r->gs + i];
-        xsum[g] = s;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads_for(r))
-    for (Py_ssize_t j = 0; j < r->k; j++) {
-        float scale[groups], bias[groups], acc = 0.0f;
-        const uint8_t *w = row_start(r, j, scale, bias, avx);
+    float *xsum = malloc(sizeof(float) * (size_t)m * (groups > 0 ? groups : 1));
+    for (int p = 0; p < m; p++)
         for (int g = 0; g < groups; g++) {
-            const float *xg = x + g * r->gs;
-            const uint8_t *wg = w + g * group_bytes;
-            float q = avx ? qdot_avx2(xg, wg, r->gs, r->bits) : qdot_scalar(xg, wg, r->gs, r->bits);
-            acc += scale[g] * q + bias[g] * xsum[g];
+            float s = 0.0f;
+            for (int i = 0; i < r->gs; i++) s += x[(Py_ssize_t)p * r->n + g * r->gs + i];
+            xsum[p * groups + g] = s;
         }
-        out[j] = acc;
+    for (int p0 = 0; p0 < m; p0 += POS_TILE) {
+        const int p1 = p0 + POS_TILE < m ? p0 + POS_TILE : m;
+#pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
+        for (Py_ssize_t j = 0; j < r->k; j++) {
+            float scale[groups], bias[groups];
+            const uint8_t *w = row_start(r, j, scale, bias, avx);
+            for (int p = p0; p < p1; p++) {
+                const float *xp = x + (Py_ssize_t)p * r->n;
+                float acc = 0.0f;
+                for (int g = 0; g < groups; g++) {
+                    const float *xg = xp + g * r->gs;
+                    const uint8_t *wg = w + g * group_bytes;
+                    float q = avx ? qdot_avx2(xg, wg, r->gs, r->bits) : qdot_scalar(xg, wg, r->gs, r->bits);
+                    acc += scale[g] * q + bias[g] * xsum[p * groups + g];
+                }
+                out[(Py_ssize_t)p * r->k + j] = acc;
+            }
+        }
     }
+    free(xsum);
 }
 
 /* -- int8 activations against 4- and 8-bit codes (llama.cpp's Q8 x Q4 idea) ----------------------
@@ -493,32 +510,47 @@ static int int8_path(const Rows *r) {
     return r->bits == 4 && cpu_has_avx2() ? 2 : 0;
 }
 
-static void row_dot_q8(const Rows *r, const float *x, float *out, int path) {
+/* x [m, n] -> out [m, k]: each position quantised once, then POS_TILE positions per sweep over the rows */
+static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path) {
     const int groups = r->n / r->gs;
-    int8_t xq[r->n] __attribute__((aligned(32)));
-    float dx[r->n / 32], xs[groups], dxv[r->n / 8];
-    QX q = {.xq = xq, .dx = dx, .xs = xs, .dxv = dxv};
-    quantize_x(x, r->n, r->gs, r->bits, &q);
-#pragma omp parallel for schedule(static) num_threads(threads_for(r))
-    for (Py_ssize_t j = 0; j < r->k; j++) {
-        float scale[groups], bias[groups];
-        const uint8_t *w = row_start(r, j, scale, bias, path > 1);
-        float acc;
-#if HAVE_X86
-        if (path == 3)
-            acc = q8dot_vnni(w, &q, scale, bias, r->n, r->gs, r->bits);
-        else if (path == 2)
-            acc = q8dot_avx2(w, &q, scale, bias, r->n, r->gs, r->bits);
-        else
-#endif
-            acc = q8dot_scalar(w, &q, scale, bias, r->n, r->gs, r->bits);
-        for (int t = 0; t < q.n_out; t++) { /* the outliers, in float */
-            const int i = q.out_idx[t], g = i / r->gs;
-            const int code = r->bits == 8 ? w[i] : (w[i / 2] >> (4 * (i % 2))) & 15;
-            acc += (scale[g] * (float)code + bias[g]) * q.out_val[t];
-        }
-        out[j] = acc;
+    const size_t n = (size_t)r->n;
+    int8_t *xq = aligned_alloc(32, m * n);
+    float *f = malloc(sizeof(float) * m * (n / 32 + groups + n / 8));
+    QX *q = malloc(sizeof(QX) * (size_t)m);
+    for (int p = 0; p < m; p++) {
+        q[p] = (QX){.xq = xq + p * n, .dx = f + p * (n / 32), .xs = f + m * (n / 32) + (size_t)p * groups,
+                    .dxv = f + m * (n / 32 + groups) + p * (n / 8)};
+        quantize_x(x + p * n, r->n, r->gs, r->bits, &q[p]);
     }
+    for (int p0 = 0; p0 < m; p0 += POS_TILE) {
+        const int p1 = p0 + POS_TILE < m ? p0 + POS_TILE : m;
+#pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
+        for (Py_ssize_t j = 0; j < r->k; j++) {
+            float scale[groups], bias[groups];
+            const uint8_t *w = row_start(r, j, scale, bias, path > 1);
+            for (int p = p0; p < p1; p++) {
+                const QX *qp = &q[p];
+                float acc;
+#if HAVE_X86
+                if (path == 3)
+                    acc = q8dot_vnni(w, qp, scale, bias, r->n, r->gs, r->bits);
+                else if (path == 2)
+                    acc = q8dot_avx2(w, qp, scale, bias, r->n, r->gs, r->bits);
+                else
+#endif
+                    acc = q8dot_scalar(w, qp, scale, bias, r->n, r->gs, r->bits);
+                for (int t = 0; t < qp->n_out; t++) { /* the outliers, in float */
+                    const int i = qp->out_idx[t], g = i / r->gs;
+                    const int code = r->bits == 8 ? w[i] : (w[i / 2] >> (4 * (i % 2))) & 15;
+                    acc += (scale[g] * (float)code + bias[g]) * qp->out_val[t];
+                }
+                out[(Py_ssize_t)p * r->k + j] = acc;
+            }
+        }
+    }
+    free(q);
+    free(f);
+    free(xq);
 }
 
 /* Rows processed together by row_axpy: each pass over `out` adds AXPY_BLOCK rows, so out is
@@ -547,11 +579,19 @@ static void thread_share(Py_ssize_t units, Py_ssize_t *lo, Py_ssize_t *hi) {
     *hi = units * (t + 1) / T;
 }
 
-static void row_axpy_impl(const Rows *r, const float *c, float *out) {
+/* Whether row j's coefficient is non-zero at any of m positions (c [m, k]): zero rows are skipped. */
+static int any_nonzero(const float *c, Py_ssize_t k, Py_ssize_t j, int m) {
+    for (int p = 0; p < m; p++)
+        if (c[p * k + j] != 0.0f) return 1;
+    return 0;
+}
+
+/* c [m, k] -> out [m, n] */
+static void row_axpy_impl(const Rows *r, const float *c, float *out, int m) {
     const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
-    const int avx = use_avx2(r), nt = threads_for(r), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const int avx = use_avx2(r), nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
     (void)nt; /* unused without OpenMP */
-    memset(out, 0, sizeof(float) * (size_t)r->n);
+    memset(out, 0, sizeof(float) * (size_t)r->n * m);
     /* each thread owns a contiguous range of groups (columns) and walks every row over it */
 #pragma omp parallel num_threads(nt)
     {
@@ -559,38 +599,48 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out) {
         thread_share(groups, &lo, &hi);
         const int g0 = (int)lo, g1 = (int)hi;
         const int G = g1 > g0 ? g1 - g0 : 1;
-        float bias_sum[G]; /* sum_j c_j bias_jg, added once per column at the end */
-        float a[AXPY_BLOCK][G], bias[G];
+        /* per position: sum_j c_j bias_jg, added once per column at the end; a block's scales and biases */
+        float *bias_sum = calloc((size_t)m * G, sizeof(float)), *sc = malloc(sizeof(float) * 3 * AXPY_BLOCK * G);
+        float *bias = sc + AXPY_BLOCK * G, *a = bias + AXPY_BLOCK * G;
         const uint8_t *w[AXPY_BLOCK];
-        memset(bias_sum, 0, sizeof(bias_sum));
+        Py_ssize_t jr[AXPY_BLOCK];
         Py_ssize_t j = 0;
         while (j < r->k) {
-            int m = 0; /* gather the next non-zero rows: their weights and c_j * scale */
-            for (; j < r->k && m < AXPY_BLOCK; j++) {
-                float cj = c[j];
-                if (cj == 0.0f) continue;
+            int nr = 0; /* gather the next non-zero rows: their weights, scales and biases */
+            for (; j < r->k && nr < AXPY_BLOCK; j++) {
+                if (!any_nonzero(c, r->k, j, m)) continue;
                 Py_ssize_t row = row_of(r, j);
-                w[m] = r->w + row * r->w_stride;
-                scales_f32(r->s + row * r->s_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, a[m], avx);
-                biases_f32(r, r->b + row * r->b_stride + (Py_ssize_t)g0 * scale_size, g1 - g0, a[m], bias, avx);
-                for (int g = 0; g < g1 - g0; g++) {
-                    a[m][g] *= cj;
-                    bias_sum[g] += cj * bias[g];
-                }
-                m++;
+                w[nr] = r->w + row * r->w_stride;
+                scales_f32(r->s + row * r->s_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, sc + nr * G, avx);
+                biases_f32(r, r->b + row * r->b_stride + (Py_ssize_t)g0 * scale_size, g1 - g0, sc + nr * G,
+                           bias + nr * G, avx);
+                jr[nr++] = j;
             }
-            for (int g = g0; g < g1; g++) {
-                const uint8_t *wg[AXPY_BLOCK];
-                float ag[AXPY_BLOCK];
-                for (int q = 0; q < m; q++) {
-                    wg[q] = w[q] + g * group_bytes;
-                    ag[q] = a[q][g - g0];
+            for (int p = 0; p < m; p++) {
+                for (int q = 0; q < nr; q++) {
+                    const float cj = c[p * r->k + jr[q]];
+                    for (int g = 0; g < g1 - g0; g++) {
+                        a[q * G + g] = sc[q * G + g] * cj;
+                        bias_sum[p * G + g] += cj * bias[q * G + g];
+                    }
                 }
-                axpy_block(out + g * r->gs, wg, ag, m, r->gs, r->bits, avx);
+                float *op = out + (Py_ssize_t)p * r->n;
+                for (int g = g0; g < g1; g++) {
+                    const uint8_t *wg[AXPY_BLOCK];
+                    float ag[AXPY_BLOCK];
+                    for (int q = 0; q < nr; q++) {
+                        wg[q] = w[q] + g * group_bytes;
+                        ag[q] = a[q * G + g - g0];
+                    }
+                    axpy_block(op + g * r->gs, wg, ag, nr, r->gs, r->bits, avx);
+                }
             }
         }
-        for (int g = g0; g < g1; g++)
-            for (int i = 0; i < r->gs; i++) out[g * r->gs + i] += bias_sum[g - g0];
+        for (int p = 0; p < m; p++)
+            for (int g = g0; g < g1; g++)
+                for (int i = 0; i < r->gs; i++) out[(Py_ssize_t)p * r->n + g * r->gs + i] += bias_sum[p * G + g - g0];
+        free(bias_sum);
+        free(sc);
     }
 }
 
@@ -604,45 +654,56 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out) {
    block_axpy(c[k], ...)  out[i] = sum_j c[j] W_{slots[j]}[i]
    sums c_j q_j over each run of rows with the same block (sorted neurons: one run per block),
    then scales the run's sum once: S and B are read once per block, not once per row. */
-/* scratch: 3 * n floats (each thread's sums, scales and biases over its columns) */
+/* c [m, k] -> out [m, n]; scratch: (m + 2) * n floats (each thread's sums per position, scales and biases
+   over its columns) and m more (the sums of c) per thread */
 static void block_axpy_impl(const Rows *r, const float *c, float *out, const int32_t *blk, const uint8_t *S,
-                            const uint8_t *B, float *scratch) {
-    const int avx = use_avx2(r), nt = threads_for(r), scale_size = r->stype == SCALE_F32 ? 4 : 2;
-    const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size;
+                            const uint8_t *B, float *scratch, int m) {
+    const int avx = use_avx2(r), nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size, n = r->n;
     (void)nt;
-    memset(out, 0, sizeof(float) * (size_t)r->n);
+    memset(out, 0, sizeof(float) * (size_t)n * m);
 #pragma omp parallel num_threads(nt)
     {
         Py_ssize_t lo, hi;
         thread_share(chunks, &lo, &hi);
         const int i0 = (int)(32 * lo), len = (int)(32 * (hi - lo));
         if (len > 0) {
-            float *acc = scratch + i0, *s = scratch + r->n + i0, *b = scratch + 2 * r->n + i0;
+            float *acc = scratch + i0, *s = scratch + m * n + i0, *b = scratch + (m + 1) * n + i0;
+            float *csum = malloc(sizeof(float) * (size_t)m);
             Py_ssize_t j = 0;
             while (j < r->k) {
                 const int32_t g = blk[j];
-                float csum = 0.0f;
                 int any = 0;
-                memset(acc, 0, sizeof(float) * (size_t)len);
+                for (int p = 0; p < m; p++) {
+                    csum[p] = 0.0f;
+                    memset(acc + p * n, 0, sizeof(float) * (size_t)len);
+                }
                 while (j < r->k && blk[j] == g) {
                     const uint8_t *w[AXPY_BLOCK];
-                    float a[AXPY_BLOCK];
-                    int m = 0;
-                    for (; j < r->k && blk[j] == g && m < AXPY_BLOCK; j++) {
-                        if (c[j] == 0.0f) continue;
-                        w[m] = r->w + row_of(r, j) * r->w_stride + (Py_ssize_t)i0 * r->bits / 8;
-                        a[m] = c[j];
-                        csum += c[j];
-                        m++;
+                    Py_ssize_t jr[AXPY_BLOCK];
+                    int nr = 0;
+                    for (; j < r->k && blk[j] == g && nr < AXPY_BLOCK; j++) {
+                        if (!any_nonzero(c, r->k, j, m)) continue;
+                        w[nr] = r->w + row_of(r, j) * r->w_stride + (Py_ssize_t)i0 * r->bits / 8;
+                        jr[nr++] = j;
                     }
-                    if (m) axpy_block(acc, w, a, m, len, r->bits, avx);
-                    any |= m;
+                    for (int p = 0; nr && p < m; p++) {
+                        float a[AXPY_BLOCK];
+                        for (int q = 0; q < nr; q++) {
+                            a[q] = c[p * r->k + jr[q]];
+                            csum[p] += a[q];
+                        }
+                        axpy_block(acc + p * n, w, a, nr, len, r->bits, avx);
+                    }
+                    any |= nr;
                 }
                 if (!any) continue;
                 scales_f32(S + g * table_row + (Py_ssize_t)i0 * scale_size, r->stype, len, s, avx);
                 biases_f32(r, B + g * table_row + (Py_ssize_t)i0 * scale_size, len, s, b, avx);
-                for (int i = 0; i < len; i++) out[i0 + i] += s[i] * acc[i] + b[i] * csum;
+                for (int p = 0; p < m; p++)
+                    for (int i = 0; i < len; i++) out[p * n + i0 + i] += s[i] * acc[p * n + i] + b[i] * csum[p];
             }
+            free(csum);
         }
     }
 }
@@ -730,8 +791,9 @@ static int bind_rows(const Py_buffer *views, const Py_ssize_t offs[3], Py_ssize_
     return 0;
 }
 
-/* Parse the common arguments and check every row touched lies inside its buffer. */
-static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is_rows) {
+/* Parse the common arguments and check every row touched lies inside its buffer; *m: the positions (vec holds
+   m rows of its length). */
+static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is_rows, int *m) {
     PyObject *vec, *out, *w, *s, *b, *slots;
     Py_ssize_t w_off, s_off, b_off;
     memset(B, 0, sizeof(*B));
@@ -744,9 +806,10 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
         return -1;
     if (check_shape(r, fn)) return -1;
     Py_ssize_t vec_len = vec_is_rows ? r->k : r->n, out_len = vec_is_rows ? r->n : r->k;
-    if (B->views[0].len != vec_len * 4 || B->views[1].len != out_len * 4) {
-        PyErr_Format(PyExc_ValueError, "%s: vector has %zd bytes and out %zd, expected float32 [%zd] and [%zd]", fn,
-                     B->views[0].len, B->views[1].len, vec_len, out_len);
+    *m = vec_len > 0 ? (int)(B->views[0].len / (vec_len * 4)) : 1;
+    if (*m < 1 || B->views[0].len != *m * vec_len * 4 || B->views[1].len != *m * out_len * 4) {
+        PyErr_Format(PyExc_ValueError, "%s: vector has %zd bytes and out %zd, expected float32 [m, %zd] and [m, %zd]",
+                     fn, B->views[0].len, B->views[1].len, vec_len, out_len);
         return -1;
     }
     Py_ssize_t max_row;
@@ -755,17 +818,18 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     return bind_rows(B->views + 2, offs, max_row, r, fn);
 }
 
-typedef void (*Product)(const Rows *, const float *, float *);
+typedef void (*Product)(const Rows *, const float *, float *, int);
 
 /* Parse, compute with the GIL released, release the buffers. */
 static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Product product) {
     Buffers B;
     Rows r;
-    if (parse(args, &B, &r, fn, vec_is_rows)) {
+    int m;
+    if (parse(args, &B, &r, fn, vec_is_rows, &m)) {
         release(&B);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS product(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf);
+    Py_BEGIN_ALLOW_THREADS product(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
     Py_END_ALLOW_THREADS release(&B);
     Py_RETURN_NONE;
 }
@@ -796,14 +860,16 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
         return NULL;
     r.gs = 32;
     const char *err = NULL;
+    int m = 1;
     if (get(&B, 0, vec, 0, "vector") || get(&B, 1, out, 1, "out") || get(&B, 2, w, 0, "weights") ||
         get(&B, 3, S, 0, "scales") || get(&B, 4, Bt, 0, "biases"))
         goto fail;
     if ((r.bits != 2 && r.bits != 4 && r.bits != 8) || r.n <= 0 || r.n % 32 || r.k < 0 || r.stype < 0 || r.stype > 2 ||
         n_blocks <= 0)
         err = "block_axpy: bits must be 2, 4 or 8 and n a positive multiple of 32";
-    else if (B.views[0].len != r.k * 4 || B.views[1].len != (Py_ssize_t)r.n * 4)
-        err = "block_axpy: vector must be float32 [k] and out float32 [n]";
+    else if ((m = r.k > 0 ? (int)(B.views[0].len / (r.k * 4)) : 1) < 1 || B.views[0].len != m * r.k * 4 ||
+             B.views[1].len != (Py_ssize_t)m * r.n * 4)
+        err = "block_axpy: vector must be float32 [m, k] and out float32 [m, n]";
     else if (B.views[3].len < n_blocks * r.n * (r.stype == SCALE_F32 ? 4 : 2) || B.views[4].len != B.views[3].len)
         err = "block_axpy: scales and biases must be [n_blocks, n] of the scale type";
     if (err) {
@@ -830,13 +896,13 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
         goto fail;
     }
     r.w = (const uint8_t *)B.views[2].buf + w_off;
-    float *scratch = PyMem_RawMalloc(3 * sizeof(float) * (size_t)r.n);
+    float *scratch = PyMem_RawMalloc((size_t)(m + 2) * sizeof(float) * (size_t)r.n);
     if (scratch == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS block_axpy_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, bl,
-                                           (const uint8_t *)B.views[3].buf, (const uint8_t *)B.views[4].buf, scratch);
+                                           (const uint8_t *)B.views[3].buf, (const uint8_t *)B.views[4].buf, scratch, m);
     Py_END_ALLOW_THREADS PyMem_RawFree(scratch);
     PyBuffer_Release(&blk);
     release(&B);
@@ -848,10 +914,11 @@ fail:
 }
 
 /* -- one attention block of a decode step, natively ---------------------------------------
-   A llama-style block for one token (MLX's ops would cost ~15 dispatches and a synchronisation):
+   A llama-style block for m tokens at positions pos..pos+m-1 (MLX's ops would cost ~15 dispatches and a
+   synchronisation), causal: the token at position t attends to 0..t.
 
-       h = rms_norm(x) * norm1;  q, k, v = Wq h, Wk h, Wv h;  rope(q, k) at pos;  K[pos], V[pos] = k, v
-       a_head = softmax(scale q_head . K[0..pos]) V[0..pos]     (kv head = head / (n_heads / n_kv))
+       h = rms_norm(x) * norm1;  q, k, v = Wq h, Wk h, Wv h;  rope(q, k) at t;  K[t], V[t] = k, v
+       a_head = softmax(scale q_head . K[0..t]) V[0..t]         (kv head = head / (n_heads / n_kv))
        x += Wo a;  h2 = rms_norm(x) * norm2                     (the FFN's input)
 
    Wq..Wo are `linear` handles: quantised rows bound once (their buffers held until the handle goes). */
@@ -917,50 +984,70 @@ typedef struct {
     const float *norm1, *norm2, *inv_freq;
     float *kc, *vc;
     const Rows *q, *k, *v, *o;
-    float eps, scale, rope_pos;
+    float eps, scale, rope_scale;
     Py_ssize_t pos, cap;
-    int d, n_heads, n_kv, hd, rope_dims, traditional;
+    int m, d, n_heads, n_kv, hd, rope_dims, traditional;
 } Block;
 
-static void attention_impl(const Block *B, float *scratch) {
-    const int d = B->d, nh = B->n_heads, hd = B->hd, group = B->n_heads / B->n_kv;
-    const Py_ssize_t T = B->pos + 1;
-    float *hn = scratch, *q = hn + d, *kv = q + nh * hd, *att = kv + 2 * B->n_kv * hd, *o = att + nh * hd,
-          *scores = o + d; /* nh * T */
-    rms_norm(B->x, B->norm1, B->eps, d, hn);
-    row_dot_impl(B->q, hn, q);
-    row_dot_impl(B->k, hn, kv);
-    row_dot_impl(B->v, hn, kv + B->n_kv * hd);
-    for (int h = 0; h < nh; h++) rope(q + h * hd, B->rope_dims, B->inv_freq, B->rope_pos, B->traditional);
-    for (int h = 0; h < B->n_kv; h++) {
-        rope(kv + h * hd, B->rope_dims, B->inv_freq, B->rope_pos, B->traditional);
-        memcpy(B->kc + (h * B->cap + B->pos) * hd, kv + h * hd, sizeof(float) * (size_t)hd);
-        memcpy(B->vc + (h * B->cap + B->pos) * hd, kv + (B->n_kv + h) * hd, sizeof(float) * (size_t)hd);
+/* scratch: attention_scratch() floats */
+static size_t attention_scratch(const Block *B, int threads) {
+    const size_t m = B->m, d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv;
+    return m * (3 * d + 2 * nh * hd + 2 * nkv * hd) + (size_t)threads * (B->pos + m);
+}
+
+static void attention_impl(const Block *B, float *scratch, int threads) {
+    const int d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv, group = B->n_heads / B->n_kv, m = B->m;
+    const Py_ssize_t T = B->pos + m; /* the last position's keys */
+    float *hn = scratch, *q = hn + (size_t)m * d, *k = q + (size_t)m * nh * hd, *v = k + (size_t)m * nkv * hd,
+          *att = v + (size_t)m * nkv * hd, *o = att + (size_t)m * nh * hd, *scores = o + (size_t)m * d; /* T per thread */
+    for (int p = 0; p < m; p++) rms_norm(B->x + (size_t)p * d, B->norm1, B->eps, d, hn + (size_t)p * d);
+    row_dot_impl(B->q, hn, q, m);
+    row_dot_impl(B->k, hn, k, m);
+    row_dot_impl(B->v, hn, v, m);
+    for (int p = 0; p < m; p++) {
+        const float at = (float)(B->pos + p) * B->rope_scale;
+        for (int h = 0; h < nh; h++) rope(q + ((size_t)p * nh + h) * hd, B->rope_dims, B->inv_freq, at, B->traditional);
+        for (int h = 0; h < nkv; h++) {
+            float *kh = k + ((size_t)p * nkv + h) * hd;
+            rope(kh, B->rope_dims, B->inv_freq, at, B->traditional);
+            memcpy(B->kc + (h * B->cap + B->pos + p) * hd, kh, sizeof(float) * (size_t)hd);
+            memcpy(B->vc + (h * B->cap + B->pos + p) * hd, v + ((size_t)p * nkv + h) * hd, sizeof(float) * (size_t)hd);
+        }
     }
-#pragma omp parallel for schedule(static) num_threads(T * nh * hd >= MIN_WORK_PER_THREAD ? 2 : 1)
-    for (int h = 0; h < nh; h++) {
-        const float *qh = q + h * hd, *K = B->kc + (Py_ssize_t)(h / group) * B->cap * hd,
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int ph = 0; ph < m * nh; ph++) {
+        const int p = ph / nh, h = ph % nh;
+        int t_id = 0;
+#ifdef _OPENMP
+        t_id = omp_get_thread_num();
+#endif
+        const Py_ssize_t n_keys = B->pos + p + 1;
+        const float *qh = q + (size_t)ph * hd, *K = B->kc + (Py_ssize_t)(h / group) * B->cap * hd,
                     *V = B->vc + (Py_ssize_t)(h / group) * B->cap * hd;
-        float *sc = scores + (Py_ssize_t)h * T, *out = att + h * hd, mx = -INFINITY, sum = 0.0f;
-        for (Py_ssize_t t = 0; t < T; t++) {
+        float *sc = scores + (size_t)t_id * T, *out = att + (size_t)ph * hd, mx = -INFINITY, sum = 0.0f;
+        for (Py_ssize_t t = 0; t < n_keys; t++) {
             float dot = 0.0f;
             for (int i = 0; i < hd; i++) dot += qh[i] * K[t * hd + i];
             sc[t] = dot * B->scale;
             mx = sc[t] > mx ? sc[t] : mx;
         }
-        for (Py_ssize_t t = 0; t < T; t++) {
+        for (Py_ssize_t t = 0; t < n_keys; t++) {
             sc[t] = expf(sc[t] - mx);
             sum += sc[t];
         }
         memset(out, 0, sizeof(float) * (size_t)hd);
-        for (Py_ssize_t t = 0; t < T; t++) {
-            const float p = sc[t] / sum;
-            for (int i = 0; i < hd; i++) out[i] += p * V[t * hd + i];
+        for (Py_ssize_t t = 0; t < n_keys; t++) {
+            const float w = sc[t] / sum;
+            for (int i = 0; i < hd; i++) out[i] += w * V[t * hd + i];
         }
     }
-    row_dot_impl(B->o, att, o);
-    for (int i = 0; i < d; i++) B->x[i] += o[i];
-    rms_norm(B->x, B->norm2, B->eps, d, B->h);
+    row_dot_impl(B->o, att, o, m);
+    for (int p = 0; p < m; p++) {
+        float *xp = B->x + (size_t)p * d;
+        for (int i = 0; i < d; i++) xp[i] += o[(size_t)p * d + i];
+        rms_norm(xp, B->norm2, B->eps, d, B->h + (size_t)p * d);
+    }
 }
 
 static const Rows *linear_rows(PyObject *capsule, const char *what) {
@@ -970,8 +1057,9 @@ static const Rows *linear_rows(PyObject *capsule, const char *what) {
 }
 
 /* attention(x, h, norm1, norm2, eps, q, k, v, o, kc, vc, pos, cap, n_heads, n_kv, head_dim, inv_freq, traditional,
-             rope_pos, scale): x (float32 [d]) += the block's output, h = the FFN's input; kc, vc float32
-             [n_kv, cap, head_dim] get position pos. inv_freq: float32 [rope_dims / 2]. */
+             rope_scale, scale): x (float32 [m, d]: positions pos..pos+m-1) += the block's output, h = the FFN's
+             input; kc, vc float32 [n_kv, cap, head_dim] get those positions. inv_freq: float32 [rope_dims / 2];
+             RoPE at position t * rope_scale. */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *x, *h, *n1, *n2, *caps[4], *kc, *vc, *inv;
@@ -979,7 +1067,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     memset(&blk, 0, sizeof(blk));
     if (!PyArg_ParseTuple(args, "OOOOfOOOOOOnniiiOpff", &x, &h, &n1, &n2, &blk.eps, &caps[0], &caps[1], &caps[2],
                           &caps[3], &kc, &vc, &blk.pos, &blk.cap, &blk.n_heads, &blk.n_kv, &blk.hd, &inv,
-                          &blk.traditional, &blk.rope_pos, &blk.scale))
+                          &blk.traditional, &blk.rope_scale, &blk.scale))
         return NULL;
     const Rows **lin[4] = {&blk.q, &blk.k, &blk.v, &blk.o};
     const char *names[4] = {"q", "k", "v", "o"};
@@ -995,17 +1083,20 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         goto done;
     if (PyObject_GetBuffer(inv, &extra[0], PyBUF_C_CONTIGUOUS) != 0) goto done;
     held = 1;
-    const int d = (int)(Bf.views[0].len / 4), nh = blk.n_heads, nkv = blk.n_kv, hd = blk.hd;
+    const int d = blk.q ? blk.q->n : 0, nh = blk.n_heads, nkv = blk.n_kv, hd = blk.hd;
     blk.d = d;
+    blk.m = d > 0 ? (int)(Bf.views[0].len / (4 * d)) : 0;
     blk.rope_dims = (int)(2 * (extra[0].len / 4));
     const Py_ssize_t cache_len = (Py_ssize_t)nkv * blk.cap * hd * 4;
-    if (nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || blk.pos < 0 || blk.pos >= blk.cap || blk.rope_dims > hd ||
-        Bf.views[1].len != Bf.views[0].len || Bf.views[2].len != Bf.views[0].len || Bf.views[3].len != Bf.views[0].len ||
+    if (nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || blk.m < 1 || Bf.views[0].len != (Py_ssize_t)blk.m * d * 4 ||
+        blk.pos < 0 || blk.pos + blk.m > blk.cap || blk.rope_dims > hd || Bf.views[1].len != Bf.views[0].len ||
+        Bf.views[2].len != d * 4 || Bf.views[3].len != d * 4 ||
         Bf.views[4].len < cache_len || Bf.views[5].len < cache_len || blk.q->n != d || blk.q->k != nh * hd ||
         blk.k->n != d || blk.k->k != nkv * hd || blk.v->n != d || blk.v->k != nkv * hd || blk.o->n != nh * hd ||
         blk.o->k != d) {
-        PyErr_Format(PyExc_ValueError, "attention: shapes disagree (d=%d, heads %d/%d x %d, pos %zd of %zd, rope dims %d)",
-                     d, nh, nkv, hd, blk.pos, blk.cap, blk.rope_dims);
+        PyErr_Format(PyExc_ValueError,
+                     "attention: shapes disagree (d=%d, %d positions, heads %d/%d x %d, pos %zd of %zd, rope dims %d)", d,
+                     blk.m, nh, nkv, hd, blk.pos, blk.cap, blk.rope_dims);
         goto done;
     }
     blk.x = Bf.views[0].buf;
@@ -1015,13 +1106,14 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     blk.kc = Bf.views[4].buf;
     blk.vc = Bf.views[5].buf;
     blk.inv_freq = extra[0].buf;
-    float *scratch = PyMem_RawMalloc(sizeof(float) * ((size_t)3 * d + 2 * (size_t)nh * hd + 2 * (size_t)nkv * hd +
-                                                      (size_t)nh * (blk.pos + 1)));
+    /* (p, head) pairs worth two threads */
+    const int threads = (Py_ssize_t)blk.m * nh * (blk.pos + blk.m) * hd >= MIN_WORK_PER_THREAD ? 2 : 1;
+    float *scratch = PyMem_RawMalloc(sizeof(float) * attention_scratch(&blk, threads));
     if (scratch == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS attention_impl(&blk, scratch);
+    Py_BEGIN_ALLOW_THREADS attention_impl(&blk, scratch, threads);
     Py_END_ALLOW_THREADS PyMem_RawFree(scratch);
     result = Py_None;
     Py_INCREF(result);
@@ -1088,9 +1180,9 @@ static PyObject *py_info(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"row_dot", py_row_dot, METH_VARARGS,
-     "row_dot" ARGS_DOC "out[j] = sum_i vec[i] W[slots[j]][i]; vec float32 [n], out float32 [k]"},
+     "row_dot" ARGS_DOC "out[p, j] = sum_i vec[p, i] W[slots[j]][i]; vec float32 [m, n], out float32 [m, k]"},
     {"row_axpy", py_row_axpy, METH_VARARGS,
-     "row_axpy" ARGS_DOC "out[i] = sum_j vec[j] W[slots[j]][i]; vec float32 [k], out float32 [n]"},
+     "row_axpy" ARGS_DOC "out[p, i] = sum_j vec[p, j] W[slots[j]][i]; vec float32 [m, k], out float32 [m, n]"},
     {"block_axpy", py_block_axpy, METH_VARARGS,
      "block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, scales, biases, n_blocks, scale_type, "
      "symmetric=False)\n"
@@ -1100,8 +1192,8 @@ static PyMethodDef methods[] = {
      "symmetric=False) -> a handle on k quantised rows (buffers held), for attention()"},
     {"attention", py_attention, METH_VARARGS,
      "attention(x, h, norm1, norm2, eps, q, k, v, o, keys, values, pos, cap, n_heads, n_kv, head_dim, inv_freq, "
-     "traditional, rope_pos, scale): one llama attention block of a decode step in place (x += block(x); "
-     "h = the FFN's input; keys/values [n_kv, cap, head_dim] get position pos)"},
+     "traditional, rope_scale, scale): one llama attention block of m positions pos.. in place (x [m, d] += "
+     "block(x), causal; h = the FFN's input; keys/values [n_kv, cap, head_dim] get those positions)"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(g, u): g = silu(g) * u in place (float32)"},
     {"set_int8", py_set_int8, METH_O,
      "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},

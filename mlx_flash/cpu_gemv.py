@@ -111,19 +111,21 @@ def _slots(slots) -> Optional[np.ndarray]:
 
 
 def row_dot(x: np.ndarray, q: QuantRows, slots=None, k: Optional[int] = None) -> np.ndarray:
-    """float32 [k]: out[j] = x . W[slots[j]] (slots None: rows 0..k-1)."""
+    """float32 [..., k]: out[..., j] = x[...] . W[slots[j]] (slots None: rows 0..k-1); x [n] or [m, n] (m
+    positions: each row's bytes are read once for all)."""
     slots = _slots(slots)
     k = len(slots) if slots is not None else k
-    out = np.empty(k, dtype=np.float32)
-    _native.row_dot(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), out, *q._args(slots, k))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((*x.shape[:-1], k), dtype=np.float32)
+    _native.row_dot(x, out, *q._args(slots, k))
     return out
 
 
 def row_axpy(c: np.ndarray, q: QuantRows, slots=None) -> np.ndarray:
-    """float32 [n]: out = sum_j c[j] W[slots[j]] (slots None: rows 0..len(c)-1)."""
-    c = np.ascontiguousarray(c, dtype=np.float32).reshape(-1)
-    out = np.empty(q.n, dtype=np.float32)
-    _native.row_axpy(c, out, *q._args(_slots(slots), len(c)))
+    """float32 [..., n]: out[...] = sum_j c[..., j] W[slots[j]] (slots None: rows 0..k-1); c [k] or [m, k]."""
+    c = np.ascontiguousarray(c, dtype=np.float32)
+    out = np.empty((*c.shape[:-1], q.n), dtype=np.float32)
+    _native.row_axpy(c, out, *q._args(_slots(slots), c.shape[-1]))
     return out
 
 
@@ -160,7 +162,7 @@ def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, tran
     q = QuantRows.of_matrix(weight, scales, biases, group_size, bits)
     xv = np.asarray(x)
     y = row_dot(xv, q, k=weight.shape[0]) if transpose else row_axpy(xv, q)
-    return mx.array(y).reshape(*x.shape[:-1], y.shape[0])
+    return mx.array(y).reshape(*x.shape[:-1], y.shape[-1])
 
 
 DEQUANT_CHUNK_BYTES = 2 << 20  # float32 weights dequantised at a time for prompts (bounded temporaries)
@@ -196,15 +198,15 @@ def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits:
 
 
 def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, scales, biases, n: int, bits: int) -> np.ndarray:
-    """float32 [n]: out = sum_j c[j] W_j, W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j the codes of
-    row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's) and scales/biases [n_blocks, n]
-    (biases None: symmetric)."""
+    """float32 [..., n]: out[...] = sum_j c[..., j] W_j, W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j the
+    codes of row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's) and scales/biases [n_blocks, n]
+    (biases None: symmetric); c [k] or [m, k]."""
     symmetric = biases is None
     biases = scales if symmetric else biases
-    c = np.ascontiguousarray(c, dtype=np.float32).reshape(-1)
+    c = np.ascontiguousarray(c, dtype=np.float32)
     blocks = np.ascontiguousarray(blocks, dtype=np.int32).reshape(-1)
-    out = np.empty(n, dtype=np.float32)
-    _native.block_axpy(c, out, codes, w_off, w_stride, _slots(slots), len(c), n, bits, blocks, scales, biases,
+    out = np.empty((*c.shape[:-1], n), dtype=np.float32)
+    _native.block_axpy(c, out, codes, w_off, w_stride, _slots(slots), c.shape[-1], n, bits, blocks, scales, biases,
                        scales.shape[0], SCALE_TYPES[scales.dtype], symmetric)
     return out
 

@@ -173,7 +173,7 @@ class HostDecoder:
             q, k, v, o = L["linears"]
             cpu_gemv._native.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
                                        c._k.shape[2], L["n_heads"], L["n_kv"], L["head_dim"], L["inv_freq"],
-                                       L["traditional"], pos * L["rope_scale"], L["scale"])
+                                       L["traditional"], L["rope_scale"], L["scale"])
             c.offset = pos + 1
             x += L["mlp"]._engine.ffn_row(i, h, L["mlp"]._bias)
         x = x / np.sqrt(np.mean(x * x) + self.eps) * self.norm

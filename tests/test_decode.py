@@ -129,7 +129,7 @@ def test_attention_block_equals_mlx(float_activations):
     want_x, want_h, want_k = _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd)
     inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
     h = np.empty_like(x)
-    cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, float(pos),
+    cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
                                hd ** -0.5)
     assert np.allclose(x, want_x, rtol=1e-4, atol=1e-4)
     assert np.allclose(h, want_h, rtol=1e-4, atol=1e-4)
@@ -141,6 +141,38 @@ def test_attention_block_equals_mlx(float_activations):
     with pytest.raises(TypeError, match="linear"):
         cpu_gemv._native.attention(x, h, n1, n2, 1e-5, handles[0], None, *handles[2:], K, V, 0, cap, nh, nkv, hd,
                                    inv_freq, False, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_attention_of_several_positions_equals_one_at_a_time(int8):
+    """A block over m positions (a verification pass) is, bit for bit, m blocks of one position in turn: causal,
+    each position's keys written where the next one reads them."""
+    rng = np.random.default_rng(6)
+    d, nh, nkv, hd, cap, pos, m = 128, 4, 2, 32, 24, 5, 7
+    mats, n1, n2 = _block(rng, d, nh, nkv, hd)
+    handles = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*mm, 32, 4), mm[0].shape[0]) for mm in mats]
+    K = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
+    V = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    cpu_gemv.set_int8_activations(int8)
+    try:
+        x1, h1, K1, V1 = x.copy(), np.empty_like(x), K.copy(), V.copy()
+        for p in range(m):
+            row, h = x1[p].copy(), np.empty(d, np.float32)
+            cpu_gemv._native.attention(row, h, n1, n2, 1e-5, *handles, K1, V1, pos + p, cap, nh, nkv, hd, inv_freq,
+                                       False, 1.0, hd ** -0.5)
+            x1[p], h1[p] = row, h
+        hm = np.empty_like(x)
+        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
+                                   hd ** -0.5)
+    finally:
+        cpu_gemv.set_int8_activations(True)
+    assert np.array_equal(x, x1) and np.array_equal(hm, h1)
+    assert np.array_equal(K, K1) and np.array_equal(V, V1)
+    with pytest.raises(ValueError, match="shapes disagree"):  # the last position past the cache
+        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, cap - m + 1, cap, nh, nkv, hd, inv_freq, False,
+                                   1.0, 1.0)
 
 
 def test_linear_checks_its_rows():
