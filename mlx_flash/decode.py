@@ -9,7 +9,12 @@ float32 host row from the embedding to the head:
                 x += engine.ffn_row(layer, h)      the FFN: the engine's selector, cache and CPU backend
     logits = head(norm(x))
 
-Prompts, several positions at once and everything else keep mlx-lm's forward: `HostKVCache` is an mlx-lm
+Below the resident floor (offload.py) the streamed attention layers and LM head chunks are loaded by the
+streamer in the same forward order, and bound for the kernels as they arrive.
+
+Up to MAX_POSITIONS positions go through at once (a speculative verification pass, a short prompt): x is
+[m, d], every matrix's rows are read once for all m, and each position's result is bit for bit what a step
+of it alone gives. Longer prompts and everything else keep mlx-lm's forward: `HostKVCache` is an mlx-lm
 KVCache whose keys and values live in host buffers both paths write. `HostDecoder.of(model)` says which
 models it computes (llama attention, RoPE without scaling, quantised projections and head, MLX on the CPU,
 resident attention weights) and why not when it cannot.
@@ -23,6 +28,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from . import cpu_gemv
+
+MAX_POSITIONS = 64  # per native pass; longer prompts take mlx-lm's forward (its float activations would not fit a budget)
 
 
 class HostKVCache(KVCache):
@@ -96,15 +103,37 @@ def _handle(layer) -> Optional[tuple]:
     return cpu_gemv.linear(q, w.shape[0]), q
 
 
+def _quantised(layer) -> bool:
+    """A quantised linear layer / embedding the kernels may read (checked again when its weights are loaded)."""
+    return (isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and "bias" not in layer
+            and getattr(layer, "mode", "affine") == "affine" and layer.bits in (2, 4, 8))
+
+
 def _weight(norm) -> np.ndarray:
     return np.array(norm.weight.astype(mx.float32))
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _streamed_handles(module, names, rows=None):
+    """Handles on the quantised linears `names` of a streamed module (offload._Streamed), loaded now (rows: a
+    head's chunk); '' names the module itself. The handles keep the loaded buffers alive."""
+    module._use(module._streamer.load(module._path, rows))
+    try:
+        handles = [_handle(getattr(module._inner, n) if n else module._inner) for n in names]
+    finally:
+        module._release()
+    if any(h is None for h in handles):
+        raise RuntimeError(f"{module._path}: streamed weights the native kernels cannot read")
+    return handles
 
 
 class HostDecoder:
     """The native decode step of one loaded flash model (see the module's doc)."""
 
-    def __init__(self, model, layers, head):
-        self.model, self.layers, self.head = model, layers, head
+    def __init__(self, model, layers, head, head_streamed=None):
+        self.model, self.layers, self.head, self.head_streamed = model, layers, head, head_streamed
         body = model.model
         self.norm, self.eps = _weight(body.norm), float(body.norm.eps)
 
@@ -112,10 +141,10 @@ class HostDecoder:
     def of(cls, model, engine):
         """(decoder, None) for a model the native step computes, else (None, why not)."""
         body = getattr(model, "model", None)
+        from .offload import StreamedLayer, StreamedRows
+
         if not cpu_gemv.available():
             return None, "the native CPU kernels are off or MLX computes on a GPU"
-        if getattr(engine, "streamer", None) is not None:
-            return None, "resident weights are streamed"
         if body is None or not hasattr(body, "layers") or not hasattr(body, "embed_tokens"):
             return None, "not a decoder-only layers/embed_tokens model"
         layers = []
@@ -123,29 +152,44 @@ class HostDecoder:
             why = cls._unsupported(layer)
             if why:
                 return None, f"layer {i}: {why}"
-            a = layer.self_attn
-            handles = [_handle(getattr(a, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            if any(h is None for h in handles):
-                return None, f"layer {i}: attention projections the native kernels cannot read"
+            streamed = layer.self_attn if isinstance(layer.self_attn, StreamedLayer) else None
+            a = streamed._inner if streamed is not None else layer.self_attn
+            if streamed is not None:  # bound when loaded; checked by kind now
+                handles = None
+                if not all(_quantised(getattr(a, p)) for p in PROJECTIONS):
+                    return None, f"layer {i}: attention projections the native kernels cannot read"
+            else:
+                handles = [_handle(getattr(a, p)) for p in PROJECTIONS]
+                if any(h is None for h in handles):
+                    return None, f"layer {i}: attention projections the native kernels cannot read"
             rope = a.rope
-            head_dim = a.q_proj["weight"].shape[0] // a.n_heads
+            args = model.args  # (a streamed layer's weights are placeholders until loaded)
+            head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
             inv_freq = (rope.base ** (-np.arange(0, rope.dims, 2, dtype=np.float32) / rope.dims)).astype(np.float32)
             layers.append(dict(
                 norm1=_weight(layer.input_layernorm), norm2=_weight(layer.post_attention_layernorm),
-                eps=float(layer.input_layernorm.eps), linears=[h[0] for h in handles], n_heads=a.n_heads,
+                eps=float(layer.input_layernorm.eps), linears=handles and [h[0] for h in handles], streamed=streamed,
+                n_heads=a.n_heads,
                 n_kv=a.n_kv_heads, head_dim=head_dim, inv_freq=inv_freq, traditional=bool(rope.traditional),
                 rope_scale=float(rope.scale), scale=float(a.scale), mlp=layer.mlp))
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
-        head = _handle(body.embed_tokens if tied else getattr(model, "lm_head", None))
-        if head is None:
-            return None, "an LM head the native kernels cannot read"
+        head_module = body.embed_tokens if tied else getattr(model, "lm_head", None)
+        if isinstance(head_module, StreamedRows):
+            head, head_streamed = None, head_module
+            if not _quantised(head_module._inner):
+                return None, "an LM head the native kernels cannot read"
+        else:
+            head, head_streamed = _handle(head_module), None
+            if head is None:
+                return None, "an LM head the native kernels cannot read"
         if type(body.norm) is not nn.RMSNorm:
             return None, "the final norm is not RMSNorm"
-        return cls(model, layers, head[1]), None
+        return cls(model, layers, head and head[1], head_streamed), None
 
     @staticmethod
     def _unsupported(layer) -> Optional[str]:
         a = getattr(layer, "self_attn", None)
+        a = getattr(a, "_inner", a)  # (streamed: offload.StreamedLayer)
         if a is None or type(a).__module__ != "mlx_lm.models.llama":
             return "not llama attention"
         if type(a.rope) is not nn.RoPE:
@@ -157,25 +201,37 @@ class HostDecoder:
         return None
 
     def applies(self, tokens: mx.array, cache) -> bool:
-        """One position, every layer's cache a HostKVCache, and the FFN's engine (the bench swaps engines:
-        each layer's FFN module holds the current one) streams no resident weights."""
-        return (tokens.size == 1 and cache is not None and all(type(c) is HostKVCache for c in cache)
-                and self.layers[0]["mlp"]._engine.streamer is None)
+        """Up to MAX_POSITIONS positions (one on the dip layout, whose selector takes one), every layer's cache a
+        HostKVCache, and the FFN's engine (the bench swaps engines: each layer's FFN module holds the current one)
+        streams no resident weights."""
+        engine = self.layers[0]["mlp"]._engine
+        return (0 < tokens.size <= (1 if engine.dip_layout else MAX_POSITIONS) and cache is not None
+                and all(type(c) is HostKVCache for c in cache))
 
-    def __call__(self, token: int, cache) -> mx.array:
-        """Logits [1, 1, vocab] of `token` at the caches' offset; the caches advance by one."""
+    def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
+        """Logits [1, m, vocab] of `tokens` (m ints) at the caches' offset (a prompt: [1, 1, vocab] of the last one,
+        and the stats count a prompt pass); the caches advance by m."""
         body = self.model.model
-        x = np.array(body.embed_tokens(mx.array([[token]])).astype(mx.float32)).reshape(-1)
+        self.layers[0]["mlp"]._engine.stats.touch(prefill=prompt)  # (a streamed embedding would begin it as a prompt)
+        ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
+        x = np.array(body.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
         h = np.empty_like(x)
         for i, (L, c) in enumerate(zip(self.layers, cache)):
             pos = c.offset
-            c.reserve(pos + 1, L["n_kv"], L["head_dim"])
-            q, k, v, o = L["linears"]
+            c.reserve(pos + len(x), L["n_kv"], L["head_dim"])
+            q, k, v, o = L["linears"] or [h[0] for h in _streamed_handles(L["streamed"], PROJECTIONS)]
             cpu_gemv._native.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
                                        c._k.shape[2], L["n_heads"], L["n_kv"], L["head_dim"], L["inv_freq"],
                                        L["traditional"], L["rope_scale"], L["scale"])
-            c.offset = pos + 1
-            x += L["mlp"]._engine.ffn_row(i, h, L["mlp"]._bias)
-        x = x / np.sqrt(np.mean(x * x) + self.eps) * self.norm
-        logits = cpu_gemv.row_dot(x, self.head, k=self.head.w.shape[0])
-        return mx.array(logits).reshape(1, 1, -1)
+            c.offset = pos + len(x)
+            x += L["mlp"]._engine.ffn_row(i, h, L["mlp"]._bias, prefill=prompt)
+        if prompt:
+            x = x[-1:]
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.norm
+        if self.head is not None:
+            logits = cpu_gemv.row_dot(x, self.head, k=self.head.w.shape[0])
+        else:  # streamed in chunks of vocabulary rows
+            m = self.head_streamed
+            logits = np.concatenate([cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0])
+                                     for rows in m._streamer.chunks(m._path)], axis=-1)
+        return mx.array(logits).reshape(1, len(x), -1)

@@ -247,22 +247,28 @@ class FlashEngine:
             y = y + bias["fc2"].astype(y.dtype)
         return y.astype(x.dtype)
 
-    def ffn_row(self, layer: int, x: np.ndarray, bias: Dict[str, mx.array]) -> np.ndarray:
-        """`ffn` of one decode step's host row x (float32 [d]) on the native CPU backend: the entry of
-        decode.HostDecoder, whose layers never leave the host."""
-        y = self._guarded(layer, False, lambda: self._step(layer, x, bias))
+    def ffn_row(self, layer: int, x: np.ndarray, bias: Dict[str, mx.array], prefill: bool = False) -> np.ndarray:
+        """`ffn` of a decode step's host rows x (float32 [d], or [m, d]: m positions of a verification pass) on the
+        native CPU backend: the entry of decode.HostDecoder, whose layers never leave the host."""
+        y = self._guarded(layer, prefill, lambda: self._step(layer, x, bias))
         return y + np.asarray(bias["fc2"], dtype=np.float32) if "fc2" in bias else y
 
     def _input(self, x: mx.array):
         return self.backends["inputs" if self.dip_layout else "neurons"].prepare(x)
 
     def _step(self, layer: int, xb, bias):
-        """A decode step's FFN of the layer input xb (in the backend's form), in that form."""
+        """A decode step's FFN of the layer input xb (in the backend's form), in that form. Several rows (the
+        positions of a verification pass, on the host) read the union of their units once; each row is computed
+        over its own units only, as a decode step of it alone would be."""
         backend = self.backends["inputs" if self.dip_layout else "neurons"]
-        xv = backend.host(xb)[0]  # what the selector reads
+        rows = backend.host(xb)  # what the selector reads
         if self.prefetch is not None:  # the next layer's (next token's, after the last) reads go out now
             self.prefetch.start((layer + 1) % len(self.caches))
-        return self._decode_dip(layer, xv, xb) if self.dip_layout else self._decode(layer, xv, xb, bias)
+        if self.dip_layout:
+            if len(rows) > 1:
+                raise ValueError("the dip layout decodes one position at a time")
+            return self._decode_dip(layer, rows[0], xb)
+        return self._decode(layer, rows, xb, bias)
 
     def _guarded(self, layer: int, prefill: bool, compute):
         """compute() as layer `layer`'s FFN of a forward pass: its stats, and after a failed read the layer's
@@ -281,16 +287,24 @@ class FlashEngine:
             self.stats.forward_done()
         return y
 
-    def _decode(self, layer, xv, x, bias):
-        active = self.sparsifier.select(layer, xv, self._cached_mask(layer, "neurons"))
+    def _decode(self, layer, rows, x, bias):
+        cached = self._cached_mask(layer, "neurons")
+        chosen = [self.sparsifier.select(layer, v, cached) for v in rows]
+        active, mask = chosen[0], None
+        if len(chosen) > 1 and any(len(c) != len(active) or not np.array_equal(c, active) for c in chosen[1:]):
+            active = np.unique(np.concatenate(chosen)).astype(np.int32)
+            mask = np.stack([np.isin(active, c) for c in chosen]).astype(np.float32)  # [rows, active]
         self.stats.current.active.append(len(active))
-        return self._sum_over(layer, "neurons", active, self._units_fn(x, active, bias),
+        return self._sum_over(layer, "neurons", active, self._units_fn(x, active, bias, mask),
                               self.backends["neurons"].zeros(x))
 
-    def _units_fn(self, x, active, bias):
-        """fn(rows, slots, positions) for `_sum_over`: the FFN of x restricted to those units."""
+    def _units_fn(self, x, active, bias, mask=None):
+        """fn(rows, slots, positions) for `_sum_over`: the FFN of x restricted to those units (mask [rows, active]:
+        which of them each row of x uses)."""
         backend = self.backends["neurons"]
-        return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias)
+        if mask is None:
+            return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias)
+        return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias, mask[:, pos])
 
     def _decode_dip(self, layer, xv, x):
         dip, b_in, b_out = self.sparsifier, self.backends["inputs"], self.backends["neurons"]

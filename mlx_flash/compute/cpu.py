@@ -38,7 +38,7 @@ class CpuBackend(OpsBackend):
         return x  # a prompt: MLX ops
 
     def host(self, x) -> np.ndarray:
-        return x[None] if isinstance(x, np.ndarray) else super().host(x)
+        return x.reshape(-1, x.shape[-1]) if isinstance(x, np.ndarray) else super().host(x)
 
     def sync(self, y) -> None:
         if not isinstance(y, np.ndarray):  # (numpy: computed already)
@@ -57,6 +57,11 @@ class CpuBackend(OpsBackend):
 
     def zeros(self, x):
         return np.zeros_like(x) if isinstance(x, np.ndarray) else super().zeros(x)
+
+    def _masked(self, h, mask):
+        if isinstance(h, np.ndarray) and mask is not None:
+            return h * mask.reshape(h.shape)
+        return super()._masked(h, mask)
 
     def input_columns(self, w, rows, slots):
         if not isinstance(w, np.ndarray):

@@ -97,16 +97,21 @@ class OpsBackend:
         return glu(g, u, self.ffn["activation"])
 
     # -- the FFN over a set of rows ------------------------------------------------------------
-    def units(self, x, rows: mx.array, slots: np.ndarray, units: np.ndarray, resident: Dict[str, mx.array]):
+    def units(self, x, rows: mx.array, slots: np.ndarray, units: np.ndarray, resident: Dict[str, mx.array],
+              mask: Optional[np.ndarray] = None):
         """The FFN of x [..., d] over the units `units` whose rows are rows[slots]; `resident` holds the
-        layer's resident tables (fc1's bias, the down codes' group scales)."""
+        layer's resident tables (fc1's bias, the down codes' group scales). mask [rows of x, units] (0/1): the
+        units each row uses (None: all)."""
         if self.ffn["kind"] == "glu":
             h = self.glu(self.row_dot(x, rows, slots, "gate"), self.row_dot(x, rows, slots, "up"))
-            return self.out(h, rows, slots, units, "down", resident)
+            return self.out(self._masked(h, mask), rows, slots, units, "down", resident)
         h = self.row_dot(x, rows, slots, "fc1")
         if "fc1" in resident:
             h = h + self.take(resident["fc1"], units, h)
-        return self.out(self.activation(h), rows, slots, units, "fc2", resident)
+        return self.out(self._masked(self.activation(h), mask), rows, slots, units, "fc2", resident)
+
+    def _masked(self, h, mask):
+        return h if mask is None else h * mx.array(mask, dtype=h.dtype)
 
     def out(self, h, rows, slots, units, name: str, resident: Dict[str, mx.array]):
         q = self.quant[name]

@@ -1,0 +1,163 @@
+"""Speculative decoding over streamed weights: draft k tokens cheaply, verify them in one pass of k+1
+positions, keep the accepted prefix. A flash pass reads each needed FFN unit once for all its positions
+(decode.HostDecoder, runtime.FlashEngine._step), so when a token is bound by its reads, several tokens come
+for the bytes of one.
+
+    drafter.propose(tokens, n)   up to n draft tokens following `tokens` (the prompt and the text so far)
+    one pass over [y, d_1..d_k]  the target's logits at k+1 positions
+    accept d_i while it equals the target's own token at position i (greedy: its argmax; sampling: its sample,
+                                 mlx-lm's rule), then the target's token at the first mismatch
+    trim the rejected drafts' keys and values from the caches (mlx-lm's trim_prompt_cache)
+
+Every token yielded is the target's own choice given the tokens before it, so greedy output is the plain
+decode's and sampled output has its distribution. Drafters:
+
+    PromptLookup   n-gram matches in the prompt and the text so far (no model, no memory)
+    ModelDrafter   a small model with the same tokenizer, greedy, on its own trimmable cache
+    AdaptiveDepth  the draft depth from the acceptance seen so far (deeper after full acceptance)
+"""
+
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+
+class PromptLookup:
+    """Draft the tokens that followed the latest earlier occurrence of the longest suffix n-gram
+    (max_ngram down to min_ngram tokens) of the text so far: prompt lookup decoding (Saxena 2023), the
+    n-gram proposer of vLLM and transformers. The index grows incrementally: O(new tokens) per call."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.reset()
+
+    def reset(self):
+        self._index: Dict[tuple, int] = {}  # n-gram -> the end (exclusive) of its latest occurrence
+        self._tokens: List[int] = []
+        self._indexed = 0  # ends below this are in the index
+
+    def propose(self, tokens: List[int], n: int) -> List[int]:
+        if tokens[: len(self._tokens)] != self._tokens[: len(tokens)] or len(tokens) < len(self._tokens):
+            self.reset()  # another text (a new request): start over
+        self._tokens = list(tokens)
+        t = self._tokens
+        for end in range(max(self._indexed, 1), len(t)):  # n-grams ending at `end` with a token after them
+            for k in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._index[tuple(t[end - k : end])] = end
+        self._indexed = max(self._indexed, len(t))
+        if n <= 0:
+            return []
+        for k in range(min(self.max_ngram, len(t) - 1), self.min_ngram - 1, -1):
+            end = self._index.get(tuple(t[len(t) - k :]))
+            if end is not None:
+                return t[end : end + n]
+        return []
+
+    def accepted(self, n: int) -> None:  # (stateless between calls beyond the text itself)
+        pass
+
+
+class ModelDrafter:
+    """Greedy drafts from a small resident model with the target's tokenizer (mlx-lm's draft model), on its own
+    KV cache; after each pass its cache is trimmed back to the accepted tokens."""
+
+    name = "draft-model"
+
+    def __init__(self, model, cache=None):
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+        self.model = model
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        if not can_trim_prompt_cache(self.cache):
+            raise ValueError("the draft model's cache cannot be trimmed (a rotating or quantised cache?)")
+        self._fed: List[int] = []  # the tokens in the draft cache
+
+    def _feed(self, tokens: List[int]) -> Optional[mx.array]:
+        """Run `tokens` through the draft model; the last position's logits."""
+        if not tokens:
+            return None
+        logits = self.model(mx.array(tokens, dtype=mx.uint32)[None], cache=self.cache)[:, -1, :]
+        self._fed += tokens
+        return logits
+
+    def propose(self, tokens: List[int], n: int) -> List[int]:
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        common = 0  # the draft cache keeps the longest prefix it shares with `tokens`
+        for a, b in zip(self._fed, tokens):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # the last token is fed again: its logits are needed
+        trim_prompt_cache(self.cache, len(self._fed) - common)
+        del self._fed[common:]
+        if n <= 0:
+            return []
+        logits = self._feed(tokens[common:])
+        out = []
+        for i in range(n):
+            y = int(mx.argmax(logits, axis=-1).item())
+            out.append(y)
+            if i + 1 < n:
+                logits = self._feed([y])
+        return out
+
+    def accepted(self, n: int) -> None:
+        pass
+
+
+class AdaptiveDepth:
+    """How many tokens to draft next: up to `max_depth`, one more than the last pass accepted, doubled after a
+    pass that accepted everything (deep when drafts keep landing: a pass bound by its reads costs about the
+    same at any width)."""
+
+    def __init__(self, max_depth: int, adaptive: bool = True):
+        if max_depth < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {max_depth}")
+        self.max_depth, self.adaptive = max_depth, adaptive
+        self.depth = max_depth
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        self.depth = min(self.max_depth, 2 * drafted) if accepted == drafted else max(1, accepted + 1)
+
+
+class SpeculativeStats:
+    """What speculation did over a generation: passes, drafted, accepted, generated tokens."""
+
+    def __init__(self):
+        self.passes = self.drafted = self.accepted = self.generated = 0
+
+    def add(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.generated += emitted
+
+    def summary(self) -> dict:
+        return dict(passes=self.passes, drafted=self.drafted, accepted=self.accepted, generated=self.generated,
+                    acceptance=self.accepted / self.drafted if self.drafted else 0.0,
+                    mean_accepted_length=self.generated / self.passes if self.passes else 0.0)
+
+
+def make_drafter(prompt_lookup: bool = False, draft_model=None, max_ngram: int = 3):
+    """The drafter the flags ask for (None: plain decoding)."""
+    if prompt_lookup and draft_model is not None:
+        raise ValueError("choose one draft source: --prompt-lookup or --draft-model")
+    if prompt_lookup:
+        return PromptLookup(max_ngram=max_ngram)
+    return ModelDrafter(draft_model) if draft_model is not None else None
+
+
+def accept(draft: List[int], targets: np.ndarray) -> int:
+    """How many draft tokens the target's own tokens at the same positions confirm (the accepted prefix)."""
+    n = 0
+    while n < len(draft) and int(targets[n]) == draft[n]:
+        n += 1
+    return n
