@@ -81,6 +81,12 @@ class Plan:
     def cache_bytes(self, strides: Dict[str, int]) -> int:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
 
+    def nbytes(self, strides: Dict[str, int]) -> int:
+        """Everything the plan holds in memory."""
+        prefetch = 2 * self.prefetch_rows * strides.get("neurons", 0)
+        return (self.resident + self.kv_cache + self.prompt_cache + self.scratch + self.workspace + self.extra
+                + self.cache_bytes(strides) + self.streaming + prefetch)
+
     def describe(self, strides: Dict[str, int], units: Dict[str, int]) -> str:
         caps = self.capacity[0]
         per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)

@@ -51,6 +51,14 @@ def setup_arg_parser():
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")
     p.add_argument("--no-prefetch", action="store_true", help="Dense: read each layer's uncached units when it runs, not while the previous one computes.")
     p.add_argument("--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE.")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="Speculative decoding with drafts from n-gram matches in the prompt and the text so far "
+                        "(lossless; pays on tasks that reuse their input: summarising, extracting, editing).")
+    p.add_argument("--draft-model", default=None,
+                   help="Speculative decoding with drafts from this flash directory (same tokenizer), resident "
+                        "inside --memory-budget.")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="The deepest draft a pass verifies (default 8; shallower after rejections).")
     p.add_argument("--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary.")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="Stream text as it is generated.")
     return p
@@ -78,6 +86,13 @@ def print_stats(engine, out=sys.stdout):
             f"active units/layer {s['active_per_layer']:.1f}",
             file=out,
         )
+    spec = getattr(engine, "speculative", None)
+    if spec is not None and spec.passes:
+        s, passes = spec.summary(), stats.decode_tokens()
+        print(f"speculative: {s['passes']} passes, {s['drafted']} drafted, {s['accepted']} accepted "
+              f"({s['acceptance']:.1%}), {s['mean_accepted_length']:.2f} tokens a pass; per generated token "
+              f"{fmt_bytes(sum(t.bytes_read for t in passes) / s['generated'])} read at the device, "
+              f"{1e3 * sum(t.total_s for t in passes) / s['generated']:.2f} ms", file=out)
     peak = stats.peak_rss()
     if peak is not None:
         print(f"memory: peak RSS {fmt_bytes(peak)} above the baseline of {fmt_bytes(stats.baseline_rss)} "
@@ -118,7 +133,7 @@ def main(argv=None):
             direct=not args.cached_io, context=len(prompt) + args.max_tokens,  # the KV cache it will need
             prefetch=not args.no_prefetch,
             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-            max_ppl_increase=args.max_ppl_increase,
+            max_ppl_increase=args.max_ppl_increase, draft_model=args.draft_model,
         )
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -128,7 +143,8 @@ def main(argv=None):
     try:
         step = model.flash.plan.prefill_step(model.flash.fd.config, len(prompt) + args.max_tokens)  # within the budget
         for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
-                                        prefill_step_size=step):
+                                        prefill_step_size=step, draft_model=model.draft_model,
+                                        prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens):
             if args.verbose:
                 print(response.text, end="", flush=True)
         if args.verbose and response is not None:

@@ -261,6 +261,7 @@ def load(
     kv_group_size: int = 64,
     prompt_caches: int = 0,
     max_ppl_increase: float = MAX_PPL_INCREASE,
+    draft_model=None,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -280,6 +281,8 @@ def load(
     scale) from the first token; the plan holds it at that size. `model.make_cache()` builds it.
     prompt_caches: room in the budget for this many KV caches of `context` tokens stored between
     requests (the server's prompt cache): `model.flash.plan.prompt_cache` bytes.
+    draft_model: a flash directory with the same tokenizer, loaded resident as `model.draft_model` for
+    speculative decoding (generation.stream_generate's draft_model); its memory comes out of the budget.
     """
 
     fd = FlashDir(path if path is not None else default_model_dir())
@@ -289,12 +292,15 @@ def load(
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
+    draft, draft_bytes = _load_draft(draft_model, fd, context) if draft_model is not None else (None, 0)
     if fd.ffn.get("kind") == "moe":
         if sparsifier is not None or sparsity not in ("auto", "dense"):
             raise FlashError(f"sparsity {sparsity!r}: a mixture-of-experts model reads the experts its router picks "
                              "(exact); neuron sparsity applies to dense models")
-        return _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy or "lru", window, threads, direct, kv_bits,
-                         kv_group_size, prompt_caches), tokenizer
+        model = _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy or "lru", window, threads, direct,
+                          kv_bits, kv_group_size, prompt_caches, draft_bytes)
+        model.draft_model = draft
+        return model, tokenizer
     auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
         sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
@@ -304,7 +310,7 @@ def load(
                          f"group size dividing the head dimension ({head_dim(fd.config)})")
 
     def plan_for(sp):
-        return plan_memory(fd, budget, context, dtype.size if dtype else 2, getattr(sp, "nbytes", 0),  # its DRAM
+        return plan_memory(fd, budget, context, dtype.size if dtype else 2, getattr(sp, "nbytes", 0) + draft_bytes,
                            resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
                            prefetch=prefetch and isinstance(sp, Dense),
                            kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
@@ -355,15 +361,28 @@ def load(
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
                                kv_group_size)
+    model.draft_model = draft
     return model, tokenizer
 
 
+def _load_draft(path, fd: FlashDir, context: int):
+    """(a draft model for speculative decoding, resident; the bytes its plan holds): a flash directory with
+    `fd`'s vocabulary, every unit cached."""
+    draft_fd = FlashDir(path)
+    if draft_fd.config.get("vocab_size") != fd.config.get("vocab_size"):
+        raise FlashError(f"draft model {path}: vocabulary of {draft_fd.config.get('vocab_size')} tokens, the model's "
+                         f"is {fd.config.get('vocab_size')} (a draft needs the same tokenizer)")
+    model, _ = load(path, context=context)
+    engine = model.flash
+    return model, engine.plan.nbytes({k: v.stride for k, v in engine.fd.layouts.items()})
+
+
 def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, threads, direct, kv_bits, kv_group_size,
-              prompt_caches):
+              prompt_caches, extra: int = 0):
     """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
-    to choose; the plan gives each layer the same number of expert slots."""
+    to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft)."""
     cast = cpu_cast if dtype == mx.float32 else None
-    plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, resident=fd.resident_nbytes(cast),
+    plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra, resident=fd.resident_nbytes(cast),
                        kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)

@@ -90,8 +90,8 @@ def test_a_prompt_cache_holds_every_token_and_continues_like_a_fresh_prefill(fla
 
 def test_refusals(flash):
     model, tokenizer = flash
-    with pytest.raises(ValueError, match="draft"):
-        next(stream_generate(model, tokenizer, PROMPT, draft_model=model))
+    with pytest.raises(ValueError, match="one draft source"):
+        next(stream_generate(model, tokenizer, PROMPT, draft_model=model, prompt_lookup=True))
     with pytest.raises(ValueError, match="empty"):
         next(generate_step(mx.array([], dtype=mx.int32), model))
 
