@@ -188,6 +188,32 @@ AVX2 static void qaxpy4_avx2(float *out, const uint8_t *const *w, const float *a
     }
 }
 
+/* The same for m positions: out[p * stride + 0:len] += sum_r a[p * AXPY_BLOCK + r] q_r, each 32 codes of the
+   rows converted once for all positions (per position the operations of qaxpy4_avx2, in its order). a holds 4
+   (AXPY_BLOCK) coefficients per position. */
+AVX2 static void qaxpy4_multi_avx2(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int nr, int m,
+                                   int len, int bits) {
+    for (int i = 0; i < len; i += 32) {
+        __m256 f[4][4];
+        for (int r = 0; r < nr; r++) {
+            if (bits == 4)
+                unpack4(w[r] + i / 2, f[r]);
+            else
+                unpack8(w[r] + i, f[r]);
+        }
+        for (int p = 0; p < m; p++) {
+            float *o = out + p * stride + i;
+            __m256 acc[4];
+            for (int t = 0; t < 4; t++) acc[t] = _mm256_loadu_ps(o + 8 * t);
+            for (int r = 0; r < nr; r++) {
+                __m256 va = _mm256_set1_ps(a[p * 4 + r]);
+                for (int t = 0; t < 4; t++) acc[t] = _mm256_fmadd_ps(f[r][t], va, acc[t]);
+            }
+            for (int t = 0; t < 4; t++) _mm256_storeu_ps(o + 8 * t, acc[t]);
+        }
+    }
+}
+
 static int cpu_has_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
@@ -274,8 +300,14 @@ static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float
     return r->w + row * r->w_stride;
 }
 
-/* Positions computed per sweep over the rows: their activations stay in L1/L2 while a row is hot. */
-#define POS_TILE 8
+/* Positions computed per sweep over the rows (at most): their activations stay in L1/L2 while a row is hot.
+   m positions are split into equal tiles, so 9 are one sweep, not 8 + 1. */
+#define POS_TILE 16
+
+static int pos_tile(int m) {
+    const int tiles = (m + POS_TILE - 1) / POS_TILE;
+    return (m + tiles - 1) / tiles;
+}
 
 /* x [m, n] -> out [m, k] */
 static void row_dot_impl(const Rows *r, const float *x, float *out, int m) {
@@ -293,8 +325,8 @@ static void row_dot_impl(const Rows *r, const float *x, float *out, int m) {
             for (int i = 0; i < r->gs; i++) s += x[(Py_ssize_t)p * r->n + g * r->gs + i];
             xsum[p * groups + g] = s;
         }
-    for (int p0 = 0; p0 < m; p0 += POS_TILE) {
-        const int p1 = p0 + POS_TILE < m ? p0 + POS_TILE : m;
+    for (int p0 = 0, tile = pos_tile(m); p0 < m; p0 += tile) {
+        const int p1 = p0 + tile < m ? p0 + tile : m;
 #pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
         for (Py_ssize_t j = 0; j < r->k; j++) {
             float scale[groups], bias[groups];
@@ -522,8 +554,8 @@ static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int pat
                     .dxv = f + m * (n / 32 + groups) + p * (n / 8)};
         quantize_x(x + p * n, r->n, r->gs, r->bits, &q[p]);
     }
-    for (int p0 = 0; p0 < m; p0 += POS_TILE) {
-        const int p1 = p0 + POS_TILE < m ? p0 + POS_TILE : m;
+    for (int p0 = 0, tile = pos_tile(m); p0 < m; p0 += tile) {
+        const int p1 = p0 + tile < m ? p0 + tile : m;
 #pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
         for (Py_ssize_t j = 0; j < r->k; j++) {
             float scale[groups], bias[groups];
@@ -568,6 +600,18 @@ static void axpy_block(float *out, const uint8_t *const *w, const float *a, int 
     for (int r = 0; r < m; r++) qaxpy_scalar(out, w[r], a[r], gs, bits);
 }
 
+/* axpy_block for m positions: out[p * stride ...] += sum_r a[p * AXPY_BLOCK + r] q_r; the codes converted once */
+static void axpy_block_multi(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int nr, int m,
+                             int gs, int bits, int avx) {
+#if HAVE_X86
+    if (avx && m > 1) { /* (one position: qaxpy4_avx2 keeps its rows' codes in registers; same arithmetic) */
+        qaxpy4_multi_avx2(out, stride, w, a, nr, m, gs, bits);
+        return;
+    }
+#endif
+    for (int p = 0; p < m; p++) axpy_block(out + p * stride, w, a + p * AXPY_BLOCK, nr, gs, bits, avx);
+}
+
 /* This OpenMP thread's share [lo, hi) of `units` (inside a parallel region). */
 static void thread_share(Py_ssize_t units, Py_ssize_t *lo, Py_ssize_t *hi) {
     int t = 0, T = 1;
@@ -600,8 +644,8 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out, int m) {
         const int g0 = (int)lo, g1 = (int)hi;
         const int G = g1 > g0 ? g1 - g0 : 1;
         /* per position: sum_j c_j bias_jg, added once per column at the end; a block's scales and biases */
-        float *bias_sum = calloc((size_t)m * G, sizeof(float)), *sc = malloc(sizeof(float) * 3 * AXPY_BLOCK * G);
-        float *bias = sc + AXPY_BLOCK * G, *a = bias + AXPY_BLOCK * G;
+        float *bias_sum = calloc((size_t)m * G, sizeof(float)), *sc = malloc(sizeof(float) * 2 * AXPY_BLOCK * G);
+        float *bias = sc + AXPY_BLOCK * G, *a = malloc(sizeof(float) * AXPY_BLOCK * (size_t)m * G);
         const uint8_t *w[AXPY_BLOCK];
         Py_ssize_t jr[AXPY_BLOCK];
         Py_ssize_t j = 0;
@@ -616,24 +660,21 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out, int m) {
                            bias + nr * G, avx);
                 jr[nr++] = j;
             }
-            for (int p = 0; p < m; p++) {
+            /* c_j * scale, group-major ([group][position][row]): each group's coefficients are contiguous */
+            const int per_group = AXPY_BLOCK * m;
+            for (int p = 0; p < m; p++)
                 for (int q = 0; q < nr; q++) {
                     const float cj = c[p * r->k + jr[q]];
                     for (int g = 0; g < g1 - g0; g++) {
-                        a[q * G + g] = sc[q * G + g] * cj;
+                        a[(size_t)g * per_group + p * AXPY_BLOCK + q] = sc[q * G + g] * cj;
                         bias_sum[p * G + g] += cj * bias[q * G + g];
                     }
                 }
-                float *op = out + (Py_ssize_t)p * r->n;
-                for (int g = g0; g < g1; g++) {
-                    const uint8_t *wg[AXPY_BLOCK];
-                    float ag[AXPY_BLOCK];
-                    for (int q = 0; q < nr; q++) {
-                        wg[q] = w[q] + g * group_bytes;
-                        ag[q] = a[q * G + g - g0];
-                    }
-                    axpy_block(op + g * r->gs, wg, ag, nr, r->gs, r->bits, avx);
-                }
+            for (int g = g0; g < g1; g++) {
+                const uint8_t *wg[AXPY_BLOCK];
+                for (int q = 0; q < nr; q++) wg[q] = w[q] + g * group_bytes;
+                axpy_block_multi(out + g * r->gs, r->n, wg, a + (size_t)(g - g0) * per_group, nr, m, r->gs, r->bits,
+                                 avx);
             }
         }
         for (int p = 0; p < m; p++)
@@ -641,6 +682,7 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out, int m) {
                 for (int i = 0; i < r->gs; i++) out[(Py_ssize_t)p * r->n + g * r->gs + i] += bias_sum[p * G + g - g0];
         free(bias_sum);
         free(sc);
+        free(a);
     }
 }
 
@@ -669,7 +711,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
         const int i0 = (int)(32 * lo), len = (int)(32 * (hi - lo));
         if (len > 0) {
             float *acc = scratch + i0, *s = scratch + m * n + i0, *b = scratch + (m + 1) * n + i0;
-            float *csum = malloc(sizeof(float) * (size_t)m);
+            float *csum = malloc(sizeof(float) * (size_t)m), *a = malloc(sizeof(float) * AXPY_BLOCK * (size_t)m);
             Py_ssize_t j = 0;
             while (j < r->k) {
                 const int32_t g = blk[j];
@@ -687,14 +729,12 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                         w[nr] = r->w + row_of(r, j) * r->w_stride + (Py_ssize_t)i0 * r->bits / 8;
                         jr[nr++] = j;
                     }
-                    for (int p = 0; nr && p < m; p++) {
-                        float a[AXPY_BLOCK];
+                    for (int p = 0; nr && p < m; p++)
                         for (int q = 0; q < nr; q++) {
-                            a[q] = c[p * r->k + jr[q]];
-                            csum[p] += a[q];
+                            a[p * AXPY_BLOCK + q] = c[p * r->k + jr[q]];
+                            csum[p] += a[p * AXPY_BLOCK + q];
                         }
-                        axpy_block(acc + p * n, w, a, nr, len, r->bits, avx);
-                    }
+                    if (nr) axpy_block_multi(acc, n, w, a, nr, m, len, r->bits, avx);
                     any |= nr;
                 }
                 if (!any) continue;
@@ -704,6 +744,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                     for (int i = 0; i < len; i++) out[p * n + i0 + i] += s[i] * acc[p * n + i] + b[i] * csum[p];
             }
             free(csum);
+            free(a);
         }
     }
 }

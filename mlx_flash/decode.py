@@ -28,6 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from . import cpu_gemv
+from .offload import StreamedLayer, StreamedRows
 
 MAX_POSITIONS = 64  # per native pass; longer prompts take mlx-lm's forward (its float activations would not fit a budget)
 
@@ -141,8 +142,6 @@ class HostDecoder:
     def of(cls, model, engine):
         """(decoder, None) for a model the native step computes, else (None, why not)."""
         body = getattr(model, "model", None)
-        from .offload import StreamedLayer, StreamedRows
-
         if not cpu_gemv.available():
             return None, "the native CPU kernels are off or MLX computes on a GPU"
         if body is None or not hasattr(body, "layers") or not hasattr(body, "embed_tokens"):

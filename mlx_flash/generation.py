@@ -6,6 +6,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+from .speculative import AdaptiveDepth, SpeculativeStats, accept, make_drafter
+
 DEFAULT_DRAFT_TOKENS = 8  # the deepest draft; speculative.AdaptiveDepth goes shallower after rejections
 
 
@@ -133,8 +135,6 @@ def speculative_generate_step(prompt, model, drafter, *, num_draft_tokens: int =
     import mlx.core as mx
     from mlx_lm.models.cache import can_trim_prompt_cache
 
-    from .speculative import AdaptiveDepth, SpeculativeStats, accept
-
     passes, own_cache, y, logprobs = _start(prompt, model, **kwargs)
     if not can_trim_prompt_cache(passes.cache):
         raise ValueError("speculative decoding needs a trimmable KV cache (not --max-kv-size's rotating one)")
@@ -213,8 +213,6 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     import mlx.core as mx
     from mlx_lm.generate import GenerationResponse
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    from .speculative import SpeculativeStats, make_drafter
 
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")

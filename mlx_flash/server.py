@@ -84,7 +84,9 @@ class ResponseGenerator(server.ResponseGenerator):
         stats = self.model_provider.model.flash.stats
         stats.reset()  # per request: a long-running server would otherwise keep every token's stats
         # mlx-lm's handler calls the `stream_generate` of its module: the flash loop has two passes fewer
-        mlx_lm_generate, server.stream_generate = server.stream_generate, stream_generate
+        lookup = getattr(self.model_provider.cli_args, "prompt_lookup", False)
+        mlx_lm_generate = server.stream_generate
+        server.stream_generate = partial(stream_generate, prompt_lookup=True) if lookup else stream_generate
         try:
             super()._serve_single(request, stream)
         finally:
@@ -175,6 +177,8 @@ def setup_arg_parser():
     p.add_argument("--prompt-cache-size", type=int, default=1,
                    help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off).")
     p.add_argument("--max-tokens", type=int, default=512, help="Default maximum tokens to generate.")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="Speculative decoding with n-gram drafts from each request's prompt and reply (lossless).")
     p.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature.")
     p.add_argument("--top-p", type=float, default=1.0, help="Default nucleus sampling top-p.")
     p.add_argument("--chat-template-args", type=json.loads, default={},

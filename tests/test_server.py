@@ -241,3 +241,18 @@ def test_openai_client(server):
     assert parts and parts[0].object == "text_completion"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="abc", max_tokens=2)
+
+
+def test_prompt_lookup_serves_the_plain_completion(server):
+    """`--prompt-lookup`: every request decodes speculatively, with the tokens of plain decoding."""
+    provider, _, port = server
+    body = {"prompt": "abc abd abc abd abc", "max_tokens": 12, "model": provider.name}
+    plain = json.loads(request(port, "POST", "/v1/completions", body)[1])
+    provider.cli_args.prompt_lookup = True
+    try:
+        status, payload = request(port, "POST", "/v1/completions", body)
+        spec = provider.model.flash.speculative.summary()
+    finally:
+        provider.cli_args.prompt_lookup = False
+    assert status == 200 and json.loads(payload)["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spec["passes"] > 0 and spec["drafted"] > 0
