@@ -334,6 +334,8 @@ class FlashEngine:
         sequential read of the rest costs no more), so long prompts get the dense FFN."""
         if self.dip_layout:
             return self._prefill_dip(layer, x)
+        if self.prefetch is not None:  # as a decode step: so the first step after a prompt reads as every later one
+            self.prefetch.start((layer + 1) % len(self.caches))
         n = self.fd.layers[layer]["neurons"].n_units
         units = np.arange(n, dtype=np.int32)
         backend = self.backends["neurons"]

@@ -26,7 +26,9 @@ import numpy as np
 class PromptLookup:
     """Draft the tokens that followed the latest earlier occurrence of the longest suffix n-gram
     (max_ngram down to min_ngram tokens) of the text so far: prompt lookup decoding (Saxena 2023), the
-    n-gram proposer of vLLM and transformers. The index grows incrementally: O(new tokens) per call."""
+    n-gram proposer of vLLM and transformers. Where the latest occurrence is too recent to have n tokens
+    after it (a text repeating a short cycle), the first one is used if more follow it. The index grows
+    incrementally: O(new tokens) per call."""
 
     name = "prompt-lookup"
 
@@ -38,6 +40,7 @@ class PromptLookup:
 
     def reset(self):
         self._index: Dict[tuple, int] = {}  # n-gram -> the end (exclusive) of its latest occurrence
+        self._first: Dict[tuple, int] = {}  # ... and of its first
         self._tokens: List[int] = []
         self._indexed = 0  # ends below this are in the index
 
@@ -48,14 +51,17 @@ class PromptLookup:
         t = self._tokens
         for end in range(max(self._indexed, 1), len(t)):  # n-grams ending at `end` with a token after them
             for k in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self._index[tuple(t[end - k : end])] = end
+                key = tuple(t[end - k : end])
+                self._index[key] = end
+                self._first.setdefault(key, end)
         self._indexed = max(self._indexed, len(t))
         if n <= 0:
             return []
         for k in range(min(self.max_ngram, len(t) - 1), self.min_ngram - 1, -1):
-            end = self._index.get(tuple(t[len(t) - k :]))
+            key = tuple(t[len(t) - k :])
+            end = self._index.get(key)
             if end is not None:
-                return t[end : end + n]
+                return t[end : end + n] if len(t) - end >= n else t[self._first[key] : self._first[key] + n]
         return []
 
     def accepted(self, n: int) -> None:  # (stateless between calls beyond the text itself)

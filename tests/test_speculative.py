@@ -8,6 +8,7 @@ import pytest
 
 from mlx_flash import cpu_gemv
 from mlx_flash.budget import min_budget
+from mlx_flash.decode import MAX_POSITIONS
 from mlx_flash.errors import FlashError
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.generation import generate_step, speculative_generate_step, stream_generate
@@ -29,7 +30,8 @@ def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
     assert p.propose(t + [4], 2) == [5, 9]  # grown by one token: the index follows
     assert p.propose([8, 2, 3, 6, 2, 3], 2) == [6, 2]  # another text; "2 3" latest at 1 (followed by 6)
     assert p.propose([5, 6, 7], 4) == []  # another text: no n-gram repeats
-    assert p.propose([1, 1, 1, 1], 2) == [1]  # only tokens already written: never past the end
+    assert p.propose([1] * 6, 3) == [1, 1, 1]  # the latest "1 1 1" has one token after it: the first has three
+    assert p.propose([1] * 4, 5) == [1]  # only tokens already written: never past the end
     assert p.propose(t, 0) == []
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookup(max_ngram=1, min_ngram=2)
@@ -95,16 +97,25 @@ def _plain(model, prompt, n):
 
 
 @native
-def test_prompt_lookup_gives_plain_greedy_tokens_on_smollm2(smol):
-    model, tok = _streaming(smol)
+@pytest.mark.parametrize("long_prompt", [False, True])
+def test_prompt_lookup_gives_plain_greedy_tokens_on_smollm2(smol, long_prompt):
+    """Tokens and log-probabilities bit for bit those of plain decoding: a short prompt (a native pass) and one
+    longer than decode.MAX_POSITIONS (mlx-lm's forward), after which the first step reads as every later one."""
+    from mlx_flash.loader import load
+
+    model, tok = load(smol, memory_budget="50%", context=400)  # the user's budget: the LM head streams too
     try:
-        assert model.decoder is not None
+        assert model.decoder is not None and model.flash.plan.streamed
         prompt = _prompt(tok)
-        want = _plain(model, prompt, 40)
+        if long_prompt:
+            prompt = mx.array(tok.encode("Copy this text: " + TEXT * 2 + "\nCopy: " + TEXT[:40]))
+            assert len(prompt) > MAX_POSITIONS
+        want = [(t, np.array(lp)) for t, lp in generate_step(prompt, model, max_tokens=40)]
         model.flash.reset()
         reads0 = model.flash.stats.device_bytes()
         out = list(speculative_generate_step(prompt, model, PromptLookup(), max_tokens=40))
-        assert [t for t, _, _ in out] == want
+        assert [t for t, _, _ in out] == [t for t, _ in want]
+        assert all(np.array_equal(np.array(lp), w) for (_, lp, _), (_, w) in zip(out, want))
         drafted = [d for _, _, d in out]
         assert any(drafted) and not all(drafted[1:])  # drafts accepted and rejected both
         model.flash.stats.end()

@@ -19,6 +19,8 @@ exported for mlx-lm by mlx_flash.convert.export):
   llama.cpp mmap        the same with --repack 0 -lm mmap: weights used in place from the mmap'd file
   mlx-lm                python -m mlx_lm generate on the export (capped, and once without a cap)
   mlx_flash dense       python -m mlx_flash.generate --memory-budget <budget> --sparsity dense
+  mlx_flash prompt-lookup  mlx_flash dense with --prompt-lookup (speculative decoding, lossless; nunspark has
+                        draft-model and EAGLE speculation but no prompt lookup: no same-draft row beside it)
   mlx_flash dip         --sparsity dip on a dip-layout conversion calibrated by mlx_flash.calib.calibrate
                         (SmolLM2 only: the synthetic 7B has random weights, nothing to calibrate)
   nunspark              nunspark generate (PyPI: an MLX runtime that streams layers and experts from SSD) on
@@ -193,11 +195,11 @@ def _sampling(paths, seed=True):
     return ["--temp", MOE_TEMP, *(["--seed", 0] if seed else [])]
 
 
-def _flash_cmd(dir_key, sparsity):
+def _flash_cmd(dir_key, sparsity, *extra):
     def cmd(paths, tokens, budget):
         return [sys.executable, "-m", "mlx_flash.generate", "--model", paths[dir_key], "--memory-budget", budget,
                 "--sparsity", sparsity, "--max-tokens", tokens, "--prompt", paths.get("prompt", PROMPT),
-                "--ignore-chat-template", "--stats", *_sampling(paths)]
+                "--ignore-chat-template", "--stats", *_sampling(paths), *extra]
     return cmd
 
 
@@ -217,6 +219,7 @@ SYSTEMS = {
     "mlx-lm": (lambda p, n, b: _mlx_lm_cmd(p, n), "mlx"),
     "mlx_flash dense": (_flash_cmd("flash", "dense"), "flash"),
     "mlx_flash dip": (_flash_cmd("flash_dip", "dip"), "flash_dip"),
+    "mlx_flash prompt-lookup": (_flash_cmd("flash", "dense", "--prompt-lookup"), "flash"),
     "nunspark": (_nunspark_cmd, "nunspark"),
 }
 UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference (--uncapped)
