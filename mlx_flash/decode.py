@@ -30,7 +30,7 @@ from mlx_lm.models.cache import KVCache
 from . import cpu_gemv
 from .offload import StreamedLayer, StreamedRows
 
-MAX_POSITIONS = 64  # per native pass; longer prompts take mlx-lm's forward (its float activations would not fit a budget)
+MAX_POSITIONS = 256  # per native pass (prompt chunks, plan.prefill_step, are within the workspace); longer: mlx-lm's forward
 
 
 class HostKVCache(KVCache):

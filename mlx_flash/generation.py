@@ -138,6 +138,8 @@ def speculative_generate_step(prompt, model, drafter, *, num_draft_tokens: int =
     passes, own_cache, y, logprobs = _start(prompt, model, **kwargs)
     if not can_trim_prompt_cache(passes.cache):
         raise ValueError("speculative decoding needs a trimmable KV cache (not --max-kv-size's rotating one)")
+    if hasattr(drafter, "prefill"):
+        drafter.prefill(prompt.tolist())
     depth = AdaptiveDepth(num_draft_tokens, adaptive_draft)
     stats = spec_stats if spec_stats is not None else SpeculativeStats()
     tokens = prompt.tolist()

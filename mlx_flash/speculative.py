@@ -3,6 +3,7 @@ positions, keep the accepted prefix. A flash pass reads each needed FFN unit onc
 (decode.HostDecoder, runtime.FlashEngine._step), so when a token is bound by its reads, several tokens come
 for the bytes of one.
 
+    drafter.prefill(prompt)      once, before the first token (a draft model reads the prompt)
     drafter.propose(tokens, n)   up to n draft tokens following `tokens` (the prompt and the text so far)
     one pass over [y, d_1..d_k]  the target's logits at k+1 positions
     accept d_i while it equals the target's own token at position i (greedy: its argmax; sampling: its sample,
@@ -64,6 +65,9 @@ class PromptLookup:
                 return t[end : end + n] if len(t) - end >= n else t[self._first[key] : self._first[key] + n]
         return []
 
+    def prefill(self, tokens: List[int]) -> None:
+        self.propose(tokens, 0)  # index the prompt
+
     def accepted(self, n: int) -> None:  # (stateless between calls beyond the text itself)
         pass
 
@@ -94,6 +98,11 @@ class ModelDrafter:
             logits = self.model(ids[None], cache=self.cache)[:, -1, :]
         self._fed += tokens
         return logits
+
+    def prefill(self, tokens: List[int]) -> None:
+        """Feed the prompt (all but its last token) while the target reads its own: not on the first draft's clock."""
+        if len(tokens) > 1:
+            self._feed(tokens[:-1])
 
     def propose(self, tokens: List[int], n: int) -> List[int]:
         from mlx_lm.models.cache import trim_prompt_cache

@@ -108,7 +108,7 @@ def test_prompt_lookup_gives_plain_greedy_tokens_on_smollm2(smol, long_prompt):
         assert model.decoder is not None and model.flash.plan.streamed
         prompt = _prompt(tok)
         if long_prompt:
-            prompt = mx.array(tok.encode("Copy this text: " + TEXT * 2 + "\nCopy: " + TEXT[:40]))
+            prompt = mx.array(tok.encode("Copy this text: " + TEXT * 7 + "\nCopy: " + TEXT[:40]))
             assert len(prompt) > MAX_POSITIONS
         want = [(t, np.array(lp)) for t, lp in generate_step(prompt, model, max_tokens=40)]
         model.flash.reset()
