@@ -193,14 +193,15 @@ def test_draft_model_is_in_the_plan_and_gives_plain_tokens(smol):
     fd = FlashDir(smol)
     budget = min_budget(fd, 256) + fd.model_bytes + fd.ffn_bytes // 3
     plain, tok = load(smol, memory_budget=budget, context=256)
-    prompt = _prompt(tok)
-    want = _plain(plain, prompt, 16)
     extra = plain.flash.plan.extra
     plain.flash.close()
     model, _ = load(smol, memory_budget=budget, context=256, draft_model=smol)
     try:
         draft = model.draft_model
         assert draft is not None and model.flash.plan.extra - extra >= fd.model_bytes  # its weights, inside
+        prompt = _prompt(tok)
+        want = _plain(model, prompt, 16)  # plain decoding with the same plan (the draft's memory taken out)
+        model.flash.reset()
         responses = list(stream_generate(model, tok, prompt.tolist(), max_tokens=16, draft_model=draft))
         assert [r.token for r in responses] == want
         spec = model.flash.speculative.summary()

@@ -69,7 +69,8 @@ from ..calib.trace import (
 )
 from ..default_model import cache_root, default_model_dir
 from ..flash_format import FlashDir
-from ..generation import generate_step
+from ..generation import generate_step, speculative_generate_step
+from ..speculative import PromptLookup, SpeculativeStats
 from ..loader import cpu_cast, load, load_resident, load_tokenizer, make_sparsifier
 from ..offload import stream_groups
 from ..plot import pyplot
@@ -80,11 +81,12 @@ from ..texts import read_text
 from .bench_io import machine_info, run_fio
 from .synthetic import build
 
-CONFIGS = ("naive", "hybrid", "hybrid-prefetch", "sparsity", "window-unbundled", "all", "mlx-lm")
+CONFIGS = ("naive", "hybrid", "hybrid-prefetch", "speculative", "sparsity", "window-unbundled", "all", "mlx-lm")
 DESCRIPTIONS = {
     "naive": "dense, no unit cache: every FFN unit read each token",
     "hybrid": "dense, budget filled with cached units, the rest streamed",
     "hybrid-prefetch": "hybrid, the next layer's uncached units read while a layer computes",
+    "speculative": "hybrid-prefetch, prompt-lookup drafts verified k+1 positions a pass (lossless; per generated token)",
     "sparsity": "sparsifier, no unit cache (no reuse)",
     "window-unbundled": "sparsifier + window cache, one request per matrix per run of neighbours (unbundled)",
     "all": "sparsifier + window cache + bundling",
@@ -205,12 +207,15 @@ def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy
     return engine
 
 
-def decode(model, prompt, n: int, on_prefill=None):
+def decode(model, prompt, n: int, on_prefill=None, spec=None):
     """Greedily generate `n` tokens after `prompt` with the loop users run (`generation.generate_step`, mlx-lm's
-    greedy sampler); returns each decode token's wall time (between the loop's yields). `on_prefill` runs once the
-    prompt's pass has yielded the first token, before any decode pass."""
+    greedy sampler; with `spec`, a SpeculativeStats, `speculative_generate_step` with prompt lookup); returns each
+    decode token's wall time (between the loop's yields). `on_prefill` runs once the prompt's pass has yielded the
+    first token, before any decode pass."""
     times, t = [], None
-    for i, _ in enumerate(generate_step(mx.array(prompt), model, max_tokens=n + 1)):
+    steps = (generate_step(mx.array(prompt), model, max_tokens=n + 1) if spec is None else
+             speculative_generate_step(mx.array(prompt), model, PromptLookup(), max_tokens=n + 1, spec_stats=spec))
+    for i, _ in enumerate(steps):
         if i == 0:
             if on_prefill:
                 on_prefill()
@@ -256,9 +261,11 @@ def fio_throughput(path, block: int, threads: int, seconds: float = 1.0):
 # -- one configuration -------------------------------------------------------------------------
 
 
-def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, disk_seconds: float, use_fio: bool):
+def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, disk_seconds: float, use_fio: bool,
+              spec=None):
     engine.stats.end()
-    toks = engine.stats.decode_tokens()[-len(times):]  # the timed steps (not the last prompt token)
+    passes = spec.passes if spec is not None else len(times)
+    toks = engine.stats.decode_tokens()[-passes:]  # the timed passes (not the last prompt token)
     stride = fd.layouts["neurons"].disk_stride  # bytes read per unit (encoded layouts: less than a cache row)
     n = len(toks)
     io = np.array([t.io_s for t in toks]) * 1e3
@@ -305,6 +312,15 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
         "reader_bytes_read": reader_stats["bytes_read"],
         "peak_rss_bytes": engine.stats.peak_rss(),  # the whole process, above the baseline load recorded
     }
+    if spec is not None:  # per generated token, not per pass: means (a pass yields several)
+        g = max(1, spec.generated)
+        out.update(spec.summary(), tokens=g, bytes_per_token=float(bytes_tok.sum()) / g, io_ms=float(io.sum()) / g,
+                   mm_ms=float(mm.sum()) / g, compute_ms=float(comp.sum()) / g, total_ms=float(np.sum(times)) * 1e3 / g,
+                   total_ms_mean=float(np.sum(times)) * 1e3 / g, io_ms_mean=float(io.sum()) / g,
+                   misses_per_token=misses / g, select_ms=select_s * 1e3 / g,
+                   bytes_requested_per_token=sum(t.bytes_requested for t in toks) / g,
+                   streamed_bytes_per_token=sum(t.streamed_bytes for t in toks) / g,
+                   requests_per_token=req / g)
     if mean_req:
         disk = disk_throughput(fd.ffn_path, int(mean_req), threads, per_batch, disk_seconds)
         out["disk_gbps"] = disk
@@ -417,6 +433,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
         "naive": (dense, False, False, False),
         "hybrid": (dense, False, True, False),
         "hybrid-prefetch": (dense, False, True, True),
+        "speculative": (dense, False, True, True),
         "sparsity": (sparse, False, False, False),
         "window-unbundled": (sparse, True, True, False),
         "all": (sparse, False, True, False),
@@ -471,8 +488,9 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
                 reader.reset_stats()
                 timed.seconds = 0.0
 
-            times = decode(model, prompt, tokens, after_prefill)
-            r = summarize(engine, times, fd, reader.stats(), timed.seconds, reader.threads, disk_seconds, use_fio)
+            spec = SpeculativeStats() if name == "speculative" else None
+            times = decode(model, prompt, tokens, after_prefill, spec)
+            r = summarize(engine, times, fd, reader.stats(), timed.seconds, reader.threads, disk_seconds, use_fio, spec)
             r["description"] = DESCRIPTIONS[name]
             runs[name].append(r)
     results = {}
