@@ -10,8 +10,9 @@ OpenMP threads) straight from where the rows are stored:
 
 for `QuantRows` q: a neuron cache's rows in place (gather_ffn, no gathered copy) or the three
 arrays of a quantised linear layer. `patch(model)` makes the model's QuantizedLinear and
-QuantizedEmbedding.as_linear use it. It applies to one float32 row (decode) of 2/4/8-bit
-affine weights while MLX computes on the CPU; everything else (prompts, other dtypes, Metal)
+QuantizedEmbedding.as_linear use it. It applies to up to NATIVE_ROWS float32 rows (decode steps, verification
+passes) of 2/4/8-bit
+affine weights while MLX computes on the CPU; everything else (long prompts, other dtypes, Metal)
 keeps MLX's ops. MLX_FLASH_CPU_KERNELS=0, or `enabled = False`, turns it off.
 
 The calls are eager: they evaluate their input, so each is a synchronisation point of MLX's
@@ -145,22 +146,27 @@ def contiguous(*arrays) -> bool:
     return all(memoryview(a).c_contiguous for a in arrays)
 
 
+# float32 rows computed natively at once (a row's weights read once for all): a decode step or a verification pass
+# of up to 32 drafts; prompts keep MLX / BLAS (float activations: perplexity figures stay MLX's arithmetic)
+NATIVE_ROWS = 33
+
+
 def applies(x: mx.array, bits: int, group_size: int, n: int, scale_dtype) -> bool:
-    """Whether the native path computes x's product: one float32 row on the CPU, supported weights."""
-    return (x.dtype == mx.float32 and x.size == x.shape[-1] and available()
+    """Whether the native path computes x's product: up to NATIVE_ROWS float32 rows on the CPU, supported weights."""
+    return (x.dtype == mx.float32 and 0 < x.size <= NATIVE_ROWS * x.shape[-1] and available()
             and supports(bits, group_size, n, scale_dtype))
 
 
 def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> Optional[mx.array]:
-    """mx.quantized_matmul(x, weight, scales, biases, transpose) for one row x, natively; None when
-    it does not apply (the caller then uses MLX's op)."""
+    """mx.quantized_matmul(x, weight, scales, biases, transpose) for up to NATIVE_ROWS rows x, natively; None
+    when it does not apply (the caller then uses MLX's op)."""
     n = weight.shape[-1] * 32 // bits
     if x.shape[-1] != (n if transpose else weight.shape[0]) or not applies(x, bits, group_size, n, scales.dtype):
         return None
     if not contiguous(weight, scales, biases):
         return None
     q = QuantRows.of_matrix(weight, scales, biases, group_size, bits)
-    xv = np.asarray(x)
+    xv = np.asarray(x).reshape(-1, x.shape[-1])
     y = row_dot(xv, q, k=weight.shape[0]) if transpose else row_axpy(xv, q)
     return mx.array(y).reshape(*x.shape[:-1], y.shape[-1])
 
@@ -170,8 +176,8 @@ DEQUANT_MIN_ROWS = 8  # below, dequantising costs more than MLX's kernel saves (
 
 
 def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> mx.array:
-    """mx.quantized_matmul, faster on the CPU: one float32 row natively (`matvec`); DEQUANT_MIN_ROWS or more
-    float32 rows (prompts) as OpenBLAS float32 matmuls of weights dequantised a chunk of rows at a time, which on this
+    """mx.quantized_matmul, faster on the CPU: up to NATIVE_ROWS float32 rows natively (`matvec`); more float32
+    rows (long prompts) as OpenBLAS float32 matmuls of weights dequantised a chunk of rows at a time, which on this
     CPU is several times faster than MLX's quantised kernel (BENCHMARKS.md, "CPU kernels"); else MLX's op."""
     y = matvec(x, weight, scales, biases, group_size, bits, transpose)
     if y is not None:
@@ -212,9 +218,10 @@ def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, s
 
 
 def block_applies(c: mx.array, n: int, bits: int, scales: mx.array) -> bool:
-    """Whether `block_axpy` computes c's product: one float32 row on the CPU, 2/4/8-bit codes, n % 32 == 0."""
-    return (c.dtype == mx.float32 and c.size == c.shape[-1] and available() and bits in (2, 4, 8) and n % 32 == 0
-            and scales.dtype in SCALE_TYPES and contiguous(scales))
+    """Whether `block_axpy` computes c's product: up to NATIVE_ROWS float32 rows on the CPU, 2/4/8-bit codes,
+    n % 32 == 0."""
+    return (c.dtype == mx.float32 and 0 < c.size <= NATIVE_ROWS * c.shape[-1] and available() and bits in (2, 4, 8)
+            and n % 32 == 0 and scales.dtype in SCALE_TYPES and contiguous(scales))
 
 
 def block_dequantize(codes: mx.array, blocks: mx.array, scales: mx.array, biases: Optional[mx.array], bits: int,
@@ -233,7 +240,8 @@ def block_matmul(c: mx.array, codes: mx.array, blocks: mx.array, scales: mx.arra
     n = codes.shape[-1] * 32 // bits
     if block_applies(c, n, bits, scales) and contiguous(codes):
         row = codes.shape[-1] * 4
-        y = block_axpy(np.asarray(c), codes, 0, row, None, np.asarray(blocks), scales, biases, n, bits)
+        y = block_axpy(np.asarray(c).reshape(-1, c.shape[-1]), codes, 0, row, None, np.asarray(blocks), scales, biases,
+                       n, bits)
         return mx.array(y).reshape(*c.shape[:-1], n)
     per = max(1, DEQUANT_CHUNK_BYTES // (4 * n))
     out = None
@@ -267,8 +275,9 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 
 class QuantizedHead(nn.QuantizedLinear):
-    """An untied LM head: one row natively, prompts as MLX's op. Not `QuantizedLinear`'s prompt path, which
-    evaluates as it goes: mlx-lm discards a prompt's logits, and lazily they are never computed."""
+    """An untied LM head: up to NATIVE_ROWS rows natively (decode steps, verification passes), prompts as
+    MLX's op. Not `QuantizedLinear`'s prompt path, which evaluates as it goes: mlx-lm discards a prompt's logits,
+    and lazily they are never computed."""
 
     def __call__(self, x):
         y = _layer_matvec(self, x)
@@ -278,7 +287,7 @@ class QuantizedHead(nn.QuantizedLinear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose as_linear (a tied LM head) runs natively for one row."""
+    """nn.QuantizedEmbedding whose as_linear (a tied LM head) runs natively for up to NATIVE_ROWS rows."""
 
     def as_linear(self, x):
         y = _layer_matvec(self, x)

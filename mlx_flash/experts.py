@@ -174,14 +174,17 @@ class ExpertEngine:
         return cpu_gemv.QuantRows(host, base + w, ws, host, base + s, ss, host, base + b, bs, *rest)
 
     def _native(self, x: mx.array, activation) -> bool:
-        """A decode row the native kernels compute whole: float32 on the CPU, quantised SwiGLU experts."""
-        return (x.shape[0] == 1 and x.dtype == mx.float32 and cpu_gemv.available() and type(activation).__name__ == "SwiGLU"
-                and all(q is not None for q in self.quant.values()) and "gate_proj.bias" not in self.components)
+        """Rows the native kernels compute whole (a decode step, a verification pass, a short prompt: up to
+        cpu_gemv.NATIVE_ROWS tokens): float32 on the CPU, quantised SwiGLU experts."""
+        return (x.shape[0] <= cpu_gemv.NATIVE_ROWS and x.dtype == mx.float32 and cpu_gemv.available()
+                and type(activation).__name__ == "SwiGLU" and all(q is not None for q in self.quant.values())
+                and "gate_proj.bias" not in self.components)
 
     def _expert_row(self, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
-        """`_expert` of one float32 row on the native kernels, straight from the cache row."""
+        """`_expert` of float32 rows xv [m, D] on the native kernels, straight from the cache row: the expert's
+        bytes are read once for all m."""
         g = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "gate_proj"), k=self.components["gate_proj.weight"].shape[0])
-        u = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "up_proj"), k=len(g))
+        u = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "up_proj"), k=g.shape[-1])
         cpu_gemv.silu_mul(g, u)
         return cpu_gemv.row_dot(g, self._quant_rows(host, slot, "down_proj"), k=self.components["down_proj.weight"].shape[0])
 
@@ -211,12 +214,12 @@ class ExpertEngine:
         xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
         outs, order = [], []
         native = self._native(xf, activation)
-        xv = np.asarray(xf).reshape(-1) if native else None
+        xv = np.asarray(xf) if native else None
 
         def run(i, rows, host, slot):
             pos = np.flatnonzero(inverse == i)  # (token, choice) pairs routed to this expert
             if native:
-                outs.append(self._expert_row(xv, host, slot))
+                outs.append(self._expert_row(xv[pos // k], host, slot))
             else:
                 tokens = pos // k
                 xs = xf if len(tokens) == xf.shape[0] and np.array_equal(tokens, np.arange(len(tokens))) else xf[mx.array(tokens)]
@@ -238,7 +241,7 @@ class ExpertEngine:
             for j, i in enumerate(chunk):
                 run(i, rows, host, j)
         if native:
-            y = mx.array(np.stack(outs)[np.argsort(np.concatenate(order))])
+            y = mx.array(np.concatenate(outs)[np.argsort(np.concatenate(order))])
         else:
             y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(order)))]
         if len(overflow):

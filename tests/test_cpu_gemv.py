@@ -127,7 +127,8 @@ def test_patch_switches_decode_to_the_native_kernels():
     assert type(lin) is cpu_gemv.QuantizedLinear and type(emb) is cpu_gemv.QuantizedEmbedding
     after = [lin(x1), lin(x5), emb.as_linear(x1)]
     assert np.allclose(after[0], before[0], rtol=1e-4, atol=1e-4)  # bias included
-    assert np.array_equal(after[1], before[1])  # a few rows (under DEQUANT_MIN_ROWS): MLX's op, unchanged
+    assert np.allclose(after[1], before[1], rtol=1e-4, atol=1e-4)  # several rows: natively too, each row's bits
+    assert np.array_equal(after[1][0, 2], lin(x5[:, 2:3])[0, 0])  # as its own product
     assert np.allclose(after[2], before[2], rtol=1e-4, atol=1e-4)
     cpu_gemv.enabled = False
     try:
@@ -138,12 +139,12 @@ def test_patch_switches_decode_to_the_native_kernels():
 
 @pytest.mark.parametrize("transpose", [True, False])
 def test_several_rows_dequantise_in_chunks(monkeypatch, transpose):
-    """Prompts: several float32 rows against quantised weights, dequantised a few rows at a time (chunks
+    """Prompts: more float32 rows than NATIVE_ROWS against quantised weights, dequantised a few rows at a time (chunks
     forced small here) and multiplied in float32, equal MLX's quantized_matmul to float tolerance."""
     rng = np.random.default_rng(5)
     w = mx.array(rng.standard_normal((96, 128)).astype(np.float32))
     q, s, b = mx.quantize(w, group_size=32, bits=4)
-    x = mx.array(rng.standard_normal((2, 7, 128 if transpose else 96)).astype(np.float32))
+    x = mx.array(rng.standard_normal((2, 20, 128 if transpose else 96)).astype(np.float32))
     want = mx.quantized_matmul(x, q, s, b, transpose=transpose, group_size=32, bits=4)
     monkeypatch.setattr(cpu_gemv, "DEQUANT_CHUNK_BYTES", 10 * 128 * 4)  # 10 rows a chunk: 10 chunks
     calls = []
@@ -164,6 +165,6 @@ def test_an_untied_head_leaves_prompt_logits_lazy(monkeypatch):
     calls = []
     dequantize = mx.dequantize
     monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or dequantize(*a, **k))
-    x = mx.array(np.random.default_rng(0).standard_normal((1, 16, 64)).astype(np.float32))
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 40, 64)).astype(np.float32))  # > NATIVE_ROWS
     model.lm_head(model.proj(x))
     assert len(calls) == 1  # the projection's prompt path dequantised; the head's matmul stays lazy
