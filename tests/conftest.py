@@ -25,6 +25,14 @@ def float_activations():
     cpu_gemv.set_int8_activations(True)
 
 
+@pytest.fixture
+def mlx_ops(monkeypatch):
+    """MLX's own ops for quantised products (the native kernels, which take up to NATIVE_ROWS rows, off)."""
+    from mlx_flash import cpu_gemv
+
+    monkeypatch.setattr(cpu_gemv, "enabled", False)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random llama model directory and a short text file to calibrate on: (root, src, text path)."""

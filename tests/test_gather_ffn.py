@@ -122,6 +122,7 @@ def assert_close(out, ref, scale, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("alignment", [512, 4096])
+@pytest.mark.usefixtures("mlx_ops")
 def test_row_dot_and_row_axpy_match_numpy(kind, alignment):
     rng = np.random.default_rng(KINDS.index(kind) + alignment)
     d, n_out = 128, 64
@@ -166,6 +167,7 @@ def test_computes_in_the_dtype_of_x(xdtype, kind):
     assert_close(out, wn @ W, np.abs(wn) @ M, xdtype)
 
 
+@pytest.mark.usefixtures("mlx_ops")
 def test_leading_dims_unaligned_offsets_and_slot_types():
     rng = np.random.default_rng(3)
     c = Cache(rng, {"gate": ("float16", 64), "up": ("q8", 64), "down": ("float32", 32)}, n_units=9, pad=True)
@@ -551,12 +553,16 @@ def test_native_cpu_rows_match_numpy(native, kinds, pad):
     assert native["row_dot"] >= 6 and native["row_axpy"] >= 3  # the empty case returns before any kernel
 
 
-def test_native_cpu_path_only_for_one_float32_row(native):
-    """Several rows (prompts) and float16 inputs keep MLX's ops."""
+def test_native_cpu_path_only_for_few_float32_rows(native):
+    """More rows than cpu_gemv.NATIVE_ROWS (prompts) and float16 inputs keep MLX's ops; one row (a decode step) and
+    a verification pass's few rows run natively."""
     rng = np.random.default_rng(5)
     c = Cache(rng, {"gate": ("q4", 64), "up": ("q4", 64), "down": ("q8", 64)}, n_units=8)
     slots = c.slots_for(np.arange(8))
-    gf.row_dot(mx.array(rng.standard_normal((2, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])
+    from mlx_flash.cpu_gemv import NATIVE_ROWS
+
+    many = NATIVE_ROWS + 1
+    gf.row_dot(mx.array(rng.standard_normal((many, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])
     gf.row_dot(mx.array(rng.standard_normal((1, 64))).astype(mx.float16), c.rows, slots, c.layout, "gate", c.quant["gate"])
     assert native["row_dot"] == 0
     gf.row_dot(mx.array(rng.standard_normal((1, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])
