@@ -601,10 +601,15 @@ static void axpy_block(float *out, const uint8_t *const *w, const float *a, int 
 }
 
 /* axpy_block for m positions: out[p * stride ...] += sum_r a[p * AXPY_BLOCK + r] q_r; the codes converted once */
-static void axpy_block_multi(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int nr, int m,
-                             int gs, int bits, int avx) {
+static inline void axpy_block_multi(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int nr,
+                                    int m, int gs, int bits, int avx) {
+    if (m == 1) { /* a decode step: qaxpy4_avx2 keeps its rows' codes in registers (same arithmetic); inlined, as
+                     this runs once per group of every 4 rows */
+        axpy_block(out, w, a, nr, gs, bits, avx);
+        return;
+    }
 #if HAVE_X86
-    if (avx && m > 1) { /* (one position: qaxpy4_avx2 keeps its rows' codes in registers; same arithmetic) */
+    if (avx) {
         qaxpy4_multi_avx2(out, stride, w, a, nr, m, gs, bits);
         return;
     }
