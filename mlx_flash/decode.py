@@ -16,8 +16,8 @@ Up to MAX_POSITIONS positions go through at once (a speculative verification pas
 [m, d], every matrix's rows are read once for all m, and each position's result is bit for bit what a step
 of it alone gives. Longer prompts and everything else keep mlx-lm's forward: `HostKVCache` is an mlx-lm
 KVCache whose keys and values live in host buffers both paths write. `HostDecoder.of(model)` says which
-models it computes (llama attention, RoPE without scaling, quantised projections and head, MLX on the CPU,
-resident attention weights) and why not when it cannot.
+models it computes (llama attention, RoPE without scaling, quantised projections and head, MLX on the CPU)
+and why not when it cannot.
 """
 
 from typing import Optional
@@ -200,9 +200,8 @@ class HostDecoder:
         return None
 
     def applies(self, tokens: mx.array, cache) -> bool:
-        """Up to MAX_POSITIONS positions (one on the dip layout, whose selector takes one), every layer's cache a
-        HostKVCache, and the FFN's engine (the bench swaps engines: each layer's FFN module holds the current one)
-        streams no resident weights."""
+        """Up to MAX_POSITIONS positions (one on the dip layout, whose selector takes one) and every layer's cache a
+        HostKVCache (the FFN's engine is each layer's current one: the bench swaps engines)."""
         engine = self.layers[0]["mlp"]._engine
         return (0 < tokens.size <= (1 if engine.dip_layout else MAX_POSITIONS) and cache is not None
                 and all(type(c) is HostKVCache for c in cache))

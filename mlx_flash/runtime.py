@@ -248,8 +248,8 @@ class FlashEngine:
         return y.astype(x.dtype)
 
     def ffn_row(self, layer: int, x: np.ndarray, bias: Dict[str, mx.array], prefill: bool = False) -> np.ndarray:
-        """`ffn` of a decode step's host rows x (float32 [d], or [m, d]: m positions of a verification pass) on the
-        native CPU backend: the entry of decode.HostDecoder, whose layers never leave the host."""
+        """`ffn` of a decode step's host rows x (float32 [d], or [m, d]: the positions of a verification pass or a
+        prompt chunk) on the native CPU backend: the entry of decode.HostDecoder, whose layers never leave the host."""
         y = self._guarded(layer, prefill, lambda: self._step(layer, x, bias))
         return y + np.asarray(bias["fc2"], dtype=np.float32) if "fc2" in bias else y
 
@@ -302,9 +302,8 @@ class FlashEngine:
         """fn(rows, slots, positions) for `_sum_over`: the FFN of x restricted to those units (mask [rows, active]:
         which of them each row of x uses)."""
         backend = self.backends["neurons"]
-        if mask is None:
-            return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias)
-        return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias, mask[:, pos])
+        return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias,
+                                                      None if mask is None else mask[:, pos])
 
     def _decode_dip(self, layer, xv, x):
         dip, b_in, b_out = self.sparsifier, self.backends["inputs"], self.backends["neurons"]

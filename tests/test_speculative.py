@@ -261,3 +261,27 @@ def test_generate_with_a_draft_model_holds_its_budget_under_a_hard_cap(smol):
     assert m, r.stdout
     assert 0 < float(m.group(1)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)] <= budget, r.stdout
     assert re.search(r"speculative: \d+ passes, [1-9]\d* drafted", r.stdout), r.stdout
+
+
+@native
+@pytest.mark.usefixtures("float_activations")
+def test_a_pass_computes_each_position_over_its_own_units(smol):
+    """A lossy selector: the pass reads the union of its positions' units, and each position's FFN is that of
+    its own units (the union would give another output)."""
+    from mlx_flash.loader import load
+
+    model, _ = load(smol, sparsity="oracle", density=0.3, context=64)
+    try:
+        e, bias = model.flash, model.layers[3].mlp._bias
+        x = np.random.default_rng(0).standard_normal((4, model.args.hidden_size)).astype(np.float32)
+        together = e.ffn_row(3, x, bias)
+        alone = np.stack([e.ffn_row(3, v, bias) for v in x])
+        assert np.allclose(together, alone, rtol=1e-4, atol=1e-4)
+        everything = load(smol, sparsity="dense", context=64)[0]
+        try:
+            dense = np.stack([everything.flash.ffn_row(3, v, bias) for v in x])
+            assert not np.allclose(alone, dense, rtol=1e-2, atol=1e-2)  # the selector drops units that matter
+        finally:
+            everything.flash.close()
+    finally:
+        model.flash.close()
