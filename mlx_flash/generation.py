@@ -150,16 +150,16 @@ def speculative_generate_step(prompt, model, drafter, *, num_draft_tokens: int =
         tokens.append(y)
         n = 1
         while n < max_tokens:
-            draft = [int(t) for t in drafter.propose(tokens, min(depth.depth, max_tokens - n))]
+            start = time.perf_counter()  # a pass's cost: drafting and verifying
+            draft = [int(d) for d in drafter.propose(tokens, min(depth.depth, max_tokens - n))]
             unfed = None  # the pass below feeds y
             ys, lps = passes(mx.array([y] + draft, dtype=mx.uint32), "all")
+            seconds = time.perf_counter() - start
             ys = ys.tolist()
             k = accept(draft, ys)
-            excess = len(draft) - k
-            passes.trim(excess)
-            excess = 0
+            passes.trim(len(draft) - k)
             drafter.accepted(k)
-            depth.update(len(draft), k)
+            depth.update(len(draft), k, seconds)
             emitted = draft[:k] + [ys[k]]
             stats.add(len(draft), k, min(len(emitted), max_tokens - n))
             for i, t in enumerate(emitted):

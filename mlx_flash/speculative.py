@@ -131,20 +131,50 @@ class ModelDrafter:
 
 
 class AdaptiveDepth:
-    """How many tokens to draft next: up to `max_depth`, one more than the last pass accepted, doubled after a
-    pass that accepted everything (deep when drafts keep landing: a pass bound by its reads costs about the
-    same at any width)."""
+    """How many tokens to draft next (up to `max_depth`), from what passes cost and how often drafts land.
 
-    def __init__(self, max_depth: int, adaptive: bool = True):
+    With a draft token accepted at rate a (each one given the ones before it), k drafts yield on average
+    E(k) = (1 - a^(k+1)) / (1 - a) tokens a pass; a pass of w positions takes t(w), measured as passes run
+    (drafting included: a draft model's steps; a running mean per width; an unseen width is interpolated, or
+    extrapolated along the last two seen ones, so deeper drafts get tried). The depth is the k that maximises
+    E(k) / t(k + 1): deep when verification is nearly free (a pass bound by its reads) and drafts keep landing,
+    one or two when passes cost their width or drafts fail."""
+
+    def __init__(self, max_depth: int, adaptive: bool = True, prior_acceptance: float = 0.5):
         if max_depth < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {max_depth}")
         self.max_depth, self.adaptive = max_depth, adaptive
         self.depth = max_depth
+        self.drafted, self.accepted = 2.0, 2.0 * prior_acceptance  # a weak prior, then the counts (decayed)
+        self.cost: Dict[int, float] = {}  # width -> mean seconds a pass
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int, seconds: Optional[float] = None) -> None:
+        """After a pass that verified `drafted` tokens (of which `accepted` were kept) in `seconds`."""
+        if seconds is not None:
+            w = drafted + 1
+            self.cost[w] = seconds if w not in self.cost else 0.7 * self.cost[w] + 0.3 * seconds
         if not self.adaptive or drafted == 0:
             return
-        self.depth = min(self.max_depth, 2 * drafted) if accepted == drafted else max(1, accepted + 1)
+        self.drafted, self.accepted = 0.9 * self.drafted + drafted, 0.9 * self.accepted + accepted
+        self.depth = self.best()
+
+    def _time(self, w: int) -> float:
+        known = sorted(self.cost)
+        if w in self.cost or len(known) < 2:
+            return self.cost.get(w, self.cost[known[0]] if known else 1.0)
+        lo, hi = [k for k in known if k < w], [k for k in known if k > w]
+        a, b = (lo[-1], hi[0]) if lo and hi else ((known[-2], known[-1]) if lo else (known[0], known[1]))
+        return max(1e-9, self.cost[a] + (self.cost[b] - self.cost[a]) * (w - a) / (b - a))
+
+    def best(self) -> int:
+        """The depth with the most tokens a second (the shallowest of equals)."""
+        a = min(0.99, self.accepted / self.drafted)
+        best, top = 1, 0.0
+        for k in range(1, self.max_depth + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / self._time(k + 1)
+            if gain > top * (1 + 1e-6):
+                best, top = k, gain
+        return best
 
 
 class SpeculativeStats:

@@ -37,19 +37,25 @@ def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
         PromptLookup(max_ngram=1, min_ngram=2)
 
 
-def test_adaptive_depth_follows_acceptance():
-    d = AdaptiveDepth(8)
-    assert d.depth == 8
-    d.update(8, 2)
-    assert d.depth == 3
-    d.update(3, 3)
-    assert d.depth == 6
-    d.update(6, 6)
-    assert d.depth == 8
-    d.update(0, 0)  # nothing drafted: no news
-    assert d.depth == 8
+def test_adaptive_depth_from_acceptance_and_pass_costs():
+    """Deep when passes cost about the same at any width and drafts land; shallow when a pass costs its width or
+    drafts fail; deeper widths get tried (extrapolated) before they are measured."""
+    flat = AdaptiveDepth(8)
+    for _ in range(10):
+        flat.update(4, 4, 1.0)  # every draft accepted, width 5 costs what width 1 does
+        flat.update(0, 0, 1.0)
+    assert flat.depth == 8
+    steep = AdaptiveDepth(8)
+    for w in range(1, 9):
+        steep.update(w - 1, (w - 1) // 2, 0.1 * w)  # a pass costs its width; half the drafts land
+    assert steep.depth <= 2
+    failing = AdaptiveDepth(8)
+    for _ in range(20):
+        failing.update(4, 0, 1.1)  # a little dearer than one position
+        failing.update(0, 0, 1.0)
+    assert failing.depth == 1
     fixed = AdaptiveDepth(4, adaptive=False)
-    fixed.update(4, 0)
+    fixed.update(4, 0, 1.0)
     assert fixed.depth == 4
     with pytest.raises(ValueError):
         AdaptiveDepth(0)
