@@ -963,7 +963,8 @@ fail:
    A llama-style block for m tokens at positions pos..pos+m-1 (MLX's ops would cost ~15 dispatches and a
    synchronisation), causal: the token at position t attends to 0..t.
 
-       h = rms_norm(x) * norm1;  q, k, v = Wq h, Wk h, Wv h;  rope(q, k) at t;  K[t], V[t] = k, v
+       h = rms_norm(x) * norm1;  q, k, v = Wq h, Wk h, Wv h;  [qwen3: q, k = rms_norm per head * q_norm, k_norm]
+       rope(q, k) at t;  K[t], V[t] = k, v
        a_head = softmax(scale q_head . K[0..t]) V[0..t]         (kv head = head / (n_heads / n_kv))
        x += Wo a;  h2 = rms_norm(x) * norm2                     (the FFN's input)
 
@@ -1027,10 +1028,10 @@ static void rope(float *v, int dims, const float *inv_freq, float pos, int tradi
 
 typedef struct {
     float *x, *h;
-    const float *norm1, *norm2, *inv_freq;
+    const float *norm1, *norm2, *inv_freq, *q_norm, *k_norm; /* q_norm, k_norm: NULL, or per head [head_dim] */
     float *kc, *vc;
     const Rows *q, *k, *v, *o;
-    float eps, scale, rope_scale;
+    float eps, scale, rope_scale, qk_eps;
     Py_ssize_t pos, cap;
     int m, d, n_heads, n_kv, hd, rope_dims, traditional;
 } Block;
@@ -1052,9 +1053,14 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
     row_dot_impl(B->v, hn, v, m);
     for (int p = 0; p < m; p++) {
         const float at = (float)(B->pos + p) * B->rope_scale;
-        for (int h = 0; h < nh; h++) rope(q + ((size_t)p * nh + h) * hd, B->rope_dims, B->inv_freq, at, B->traditional);
+        for (int h = 0; h < nh; h++) {
+            float *qh = q + ((size_t)p * nh + h) * hd;
+            if (B->q_norm) rms_norm(qh, B->q_norm, B->qk_eps, hd, qh);
+            rope(qh, B->rope_dims, B->inv_freq, at, B->traditional);
+        }
         for (int h = 0; h < nkv; h++) {
             float *kh = k + ((size_t)p * nkv + h) * hd;
+            if (B->k_norm) rms_norm(kh, B->k_norm, B->qk_eps, hd, kh);
             rope(kh, B->rope_dims, B->inv_freq, at, B->traditional);
             memcpy(B->kc + (h * B->cap + B->pos + p) * hd, kh, sizeof(float) * (size_t)hd);
             memcpy(B->vc + (h * B->cap + B->pos + p) * hd, v + ((size_t)p * nkv + h) * hd, sizeof(float) * (size_t)hd);
@@ -1103,17 +1109,18 @@ static const Rows *linear_rows(PyObject *capsule, const char *what) {
 }
 
 /* attention(x, h, norm1, norm2, eps, q, k, v, o, kc, vc, pos, cap, n_heads, n_kv, head_dim, inv_freq, traditional,
-             rope_scale, scale): x (float32 [m, d]: positions pos..pos+m-1) += the block's output, h = the FFN's
-             input; kc, vc float32 [n_kv, cap, head_dim] get those positions. inv_freq: float32 [rope_dims / 2];
-             RoPE at position t * rope_scale. */
+             rope_scale, scale, q_norm=None, k_norm=None, qk_eps=0): x (float32 [m, d]: positions pos..pos+m-1) +=
+             the block's output, h = the FFN's input; kc, vc float32 [n_kv, cap, head_dim] get those positions.
+             inv_freq: float32 [rope_dims / 2]; RoPE at position t * rope_scale. q_norm, k_norm (float32 [head_dim]):
+             each head of q and k RMS-normed before RoPE (Qwen3). */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *x, *h, *n1, *n2, *caps[4], *kc, *vc, *inv;
+    PyObject *x, *h, *n1, *n2, *caps[4], *kc, *vc, *inv, *qn = Py_None, *kn = Py_None;
     Block blk;
     memset(&blk, 0, sizeof(blk));
-    if (!PyArg_ParseTuple(args, "OOOOfOOOOOOnniiiOpff", &x, &h, &n1, &n2, &blk.eps, &caps[0], &caps[1], &caps[2],
+    if (!PyArg_ParseTuple(args, "OOOOfOOOOOOnniiiOpff|OOf", &x, &h, &n1, &n2, &blk.eps, &caps[0], &caps[1], &caps[2],
                           &caps[3], &kc, &vc, &blk.pos, &blk.cap, &blk.n_heads, &blk.n_kv, &blk.hd, &inv,
-                          &blk.traditional, &blk.rope_scale, &blk.scale))
+                          &blk.traditional, &blk.rope_scale, &blk.scale, &qn, &kn, &blk.qk_eps))
         return NULL;
     const Rows **lin[4] = {&blk.q, &blk.k, &blk.v, &blk.o};
     const char *names[4] = {"q", "k", "v", "o"};
@@ -1122,13 +1129,29 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     Buffers Bf;
     memset(&Bf, 0, sizeof(Bf));
     Py_buffer extra[3];
-    int held = 0;
+    int held = 0; /* extra[0..held) are held: inv_freq, q_norm, k_norm */
     PyObject *result = NULL;
     if (get(&Bf, 0, x, 1, "x") || get(&Bf, 1, h, 1, "h") || get(&Bf, 2, n1, 0, "norm1") || get(&Bf, 3, n2, 0, "norm2") ||
         get(&Bf, 4, kc, 1, "keys") || get(&Bf, 5, vc, 1, "values"))
         goto done;
     if (PyObject_GetBuffer(inv, &extra[0], PyBUF_C_CONTIGUOUS) != 0) goto done;
     held = 1;
+    if ((qn == Py_None) != (kn == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "attention: q_norm and k_norm go together");
+        goto done;
+    }
+    if (qn != Py_None) {
+        if (PyObject_GetBuffer(qn, &extra[1], PyBUF_C_CONTIGUOUS) != 0) goto done;
+        held = 2;
+        if (PyObject_GetBuffer(kn, &extra[2], PyBUF_C_CONTIGUOUS) != 0) goto done;
+        held = 3;
+        if (extra[1].len != blk.hd * 4 || extra[2].len != blk.hd * 4) {
+            PyErr_SetString(PyExc_ValueError, "attention: q_norm and k_norm must be float32 [head_dim]");
+            goto done;
+        }
+        blk.q_norm = extra[1].buf;
+        blk.k_norm = extra[2].buf;
+    }
     const int d = blk.q ? blk.q->n : 0, nh = blk.n_heads, nkv = blk.n_kv, hd = blk.hd;
     blk.d = d;
     blk.m = d > 0 ? (int)(Bf.views[0].len / (4 * d)) : 0;
@@ -1164,7 +1187,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    if (held) PyBuffer_Release(&extra[0]);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&extra[i]);
     release(&Bf);
     return result;
 }

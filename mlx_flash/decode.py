@@ -28,8 +28,10 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from . import cpu_gemv
+from .experts import FlashSwitchGLU
 from .offload import StreamedLayer, StreamedRows
 
+ATTENTION = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen3": True, "mlx_lm.models.qwen3_moe": True}  # -> q/k norms
 MAX_POSITIONS = 256  # per native pass (prompt chunks, plan.prefill_step, are within the workspace); longer: mlx-lm's forward
 
 
@@ -168,6 +170,7 @@ class HostDecoder:
             layers.append(dict(
                 norm1=_weight(layer.input_layernorm), norm2=_weight(layer.post_attention_layernorm),
                 eps=float(layer.input_layernorm.eps), linears=handles and [h[0] for h in handles], streamed=streamed,
+                qk_norms=[_weight(a.q_norm), _weight(a.k_norm), float(a.q_norm.eps)] if hasattr(a, "q_norm") else [],
                 n_heads=a.n_heads,
                 n_kv=a.n_kv_heads, head_dim=head_dim, inv_freq=inv_freq, traditional=bool(rope.traditional),
                 rope_scale=float(rope.scale), scale=float(a.scale), mlp=layer.mlp))
@@ -189,28 +192,31 @@ class HostDecoder:
     def _unsupported(layer) -> Optional[str]:
         a = getattr(layer, "self_attn", None)
         a = getattr(a, "_inner", a)  # (streamed: offload.StreamedLayer)
-        if a is None or type(a).__module__ != "mlx_lm.models.llama":
-            return "not llama attention"
+        if a is None or type(a).__module__ not in ATTENTION:
+            return "not llama or qwen3 attention"
         if type(a.rope) is not nn.RoPE:
             return f"RoPE {type(a.rope).__name__} (scaled)"
-        if type(layer.input_layernorm) is not nn.RMSNorm or type(layer.post_attention_layernorm) is not nn.RMSNorm:
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if ATTENTION[type(a).__module__]:
+            norms += [a.q_norm, a.k_norm]
+        if any(type(n) is not nn.RMSNorm for n in norms):
             return "norms other than RMSNorm"
-        if not hasattr(layer.mlp, "_engine"):
+        if not (hasattr(layer.mlp, "_engine") or isinstance(getattr(layer.mlp, "switch_mlp", None), FlashSwitchGLU)):
             return "an FFN outside the flash engine"
         return None
 
     def applies(self, tokens: mx.array, cache) -> bool:
         """Up to MAX_POSITIONS positions (one on the dip layout, whose selector takes one) and every layer's cache a
         HostKVCache (the FFN's engine is each layer's current one: the bench swaps engines)."""
-        engine = self.layers[0]["mlp"]._engine
-        return (0 < tokens.size <= (1 if engine.dip_layout else MAX_POSITIONS) and cache is not None
+        one = getattr(self.model.flash, "dip_layout", False)
+        return (0 < tokens.size <= (1 if one else MAX_POSITIONS) and cache is not None
                 and all(type(c) is HostKVCache for c in cache))
 
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
         """Logits [1, m, vocab] of `tokens` (m ints) at the caches' offset (a prompt: [1, 1, vocab] of the last one,
         and the stats count a prompt pass); the caches advance by m."""
         body = self.model.model
-        self.layers[0]["mlp"]._engine.stats.touch(prefill=prompt)  # (a streamed embedding would begin it as a prompt)
+        self.model.flash.stats.touch(prefill=prompt)  # (a streamed embedding would begin it as a prompt)
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         x = np.array(body.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
         h = np.empty_like(x)
@@ -220,9 +226,13 @@ class HostDecoder:
             q, k, v, o = L["linears"] or [h[0] for h in _streamed_handles(L["streamed"], PROJECTIONS)]
             cpu_gemv._native.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
                                        c._k.shape[2], L["n_heads"], L["n_kv"], L["head_dim"], L["inv_freq"],
-                                       L["traditional"], L["rope_scale"], L["scale"])
+                                       L["traditional"], L["rope_scale"], L["scale"], *L["qk_norms"])
             c.offset = pos + len(x)
-            x += L["mlp"]._engine.ffn_row(i, h, L["mlp"]._bias, prefill=prompt)
+            mlp = L["mlp"]
+            if hasattr(mlp, "_engine"):  # a dense FFN: the engine's selector, cache and kernels on the host rows
+                x += mlp._engine.ffn_row(i, h, mlp._bias, prefill=prompt)
+            else:  # an MoE block: its router in MLX ops, its experts from the expert engine (the layer's one sync)
+                x += np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
         if prompt:
             x = x[-1:]
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.norm

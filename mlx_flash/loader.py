@@ -391,7 +391,7 @@ def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, t
         mx.set_cache_limit(plan.workspace)
     model = build_moe_model(fd, engine, dtype)
     model.flash = engine
-    model.decoder = None
+    model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
                                kv_group_size)
     return model

@@ -170,6 +170,13 @@ def test_attention_of_several_positions_equals_one_at_a_time(int8):
         cpu_gemv.set_int8_activations(True)
     assert np.array_equal(x, x1) and np.array_equal(hm, h1)
     assert np.array_equal(K, K1) and np.array_equal(V, V1)
+    qn = rng.uniform(0.5, 1.5, hd).astype(np.float32)
+    with pytest.raises(ValueError, match="go together"):  # (Qwen3's per-head norms: both or neither)
+        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
+                                   1.0, qn, None, 1e-6)
+    with pytest.raises(ValueError, match=r"\[head_dim\]"):
+        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
+                                   1.0, qn[:-1], qn[:-1], 1e-6)
     with pytest.raises(ValueError, match="shapes disagree"):  # the last position past the cache
         cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, cap - m + 1, cap, nh, nkv, hd, inv_freq, False,
                                    1.0, 1.0)

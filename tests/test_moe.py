@@ -89,6 +89,7 @@ def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
     for budget in (None, slots_budget(fd, 1), slots_budget(fd, 3)):
         model, _ = load(flash_dir, memory_budget=budget, context=64)
         try:
+            assert (model.decoder is not None) == (arch == "qwen3_moe"), model.flash.decoder_why  # the native passes
             assert greedy(model) == ref_tokens, budget
             assert mx.abs(model(PROMPT[None]) - ref_logits).max().item() < 1e-4
             if budget is not None:
