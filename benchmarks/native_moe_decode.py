@@ -1,0 +1,67 @@
+"""An MoE decode token with the native decoder (decode.HostDecoder: attention in C, router in MLX ops, experts
+from the engine) against mlx-lm's forward with the same engine, alternated (issue #23).
+
+    python benchmarks/native_moe_decode.py --model ~/.cache/mlx_flash/peers/qwen3-30b-a3b/flash --memory-budget 25% \
+        --rounds 4 --tokens 20 [--json out.json]
+
+One process; each round resets the expert caches and samples near-uniform tokens (temperature 10000, seed = the
+round: the same tokens both ways), as peers does for random-weight MoE models. The figure is `--stats`' median
+ms a token.
+"""
+
+import argparse
+import json
+import statistics
+
+import mlx_flash  # noqa: F401  (before mlx.core)
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_flash.generation import generate_step
+from mlx_flash.loader import load
+from mlx_flash.tools.bench_io import machine_info
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(description="MoE decode: native decoder vs mlx-lm's forward, same engine.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--memory-budget", default="25%")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=20)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    model, tok = load(args.model, memory_budget=args.memory_budget, context=args.tokens + 32)
+    native = model.decoder
+    if native is None:
+        raise SystemExit(f"no native decoder for this model: {model.flash.decoder_why}")
+    prompt = mx.array(tok.encode("Once upon a time"))
+    res = {"native": [], "mlx-lm forward": []}
+    for r in range(args.rounds):
+        for name in list(res) if r % 2 == 0 else list(res)[::-1]:
+            model.decoder = native if name == "native" else None
+            model.flash.reset()
+            mx.random.seed(r)
+            for _ in generate_step(prompt, model, max_tokens=args.tokens, sampler=make_sampler(10000.0)):
+                pass
+            model.flash.stats.end()
+            res[name].append(model.flash.stats.summary()["total_ms"])
+    model.flash.close()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print(f"{args.model} at {args.memory_budget}, {args.tokens} tokens, {args.rounds} rounds: ms a token (medians of "
+          f"tokens) by round")
+    for k, v in res.items():
+        print(f"  {k}: {', '.join(f'{x:.0f}' for x in v)} (median {med[k]:.0f})")
+    print(f"native / mlx-lm forward: {med['native'] / med['mlx-lm forward']:.2f}x the time")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "budget": args.memory_budget, "tokens": args.tokens, "runs": res,
+                       "machine": machine_info(args.model)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
