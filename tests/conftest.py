@@ -25,6 +25,41 @@ def float_activations():
     cpu_gemv.set_int8_activations(True)
 
 
+_BASELINES = {}  # model directory -> peak RSS of the interpreter with its tokenizer loaded
+
+
+@pytest.fixture
+def generate_capped():
+    """run(model_dir, budget, *args): `python -m mlx_flash.generate --model DIR --memory-budget BUDGET --stats ARGS`
+    under a cgroup limit of the budget (bytes, or a string such as "25%" of the model) + the interpreter's baseline
+    for that directory; skips where this machine has no hard cap. Returns (result, the peak RSS above the baseline
+    that generate printed in bytes, or None)."""
+    import re
+    import sys
+
+    from mlx_flash import memory
+    from mlx_flash.budget import parse_size
+    from mlx_flash.errors import CapError
+    from mlx_flash.flash_format import FlashDir
+    from mlx_flash.tools.cap import run_capped
+
+    def run(model_dir, budget, *args):
+        if model_dir not in _BASELINES:
+            base = run_capped(memory.baseline_command(model_dir))
+            assert base.ok, base.stderr
+            _BASELINES[model_dir] = base.max_rss
+        limit = parse_size(budget, FlashDir(model_dir).model_bytes) + _BASELINES[model_dir]
+        try:
+            r = run_capped([sys.executable, "-m", "mlx_flash.generate", "--model", str(model_dir), "--memory-budget",
+                            str(budget), "--stats", *args], limit=limit, drop=[model_dir], timeout=600)
+        except CapError as e:
+            pytest.skip(f"no hard memory cap on this machine: {e}")
+        m = re.search(r"memory: peak RSS ([\d.]+) (KiB|MiB|GiB) above the baseline", r.stdout)
+        return r, m and float(m.group(1)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+
+    return run
+
+
 @pytest.fixture
 def mlx_ops(monkeypatch):
     """MLX's own ops for quantised products (the native kernels, which take up to NATIVE_ROWS rows, off)."""
