@@ -92,11 +92,15 @@ class HostKVCache(KVCache):
         return 0 if self._k is None else self._k.nbytes + self._v.nbytes
 
 
+def _quantised(layer) -> bool:
+    """A quantised linear layer / embedding of a kind the kernels read (a streamed one: before its weights load)."""
+    return (isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and "bias" not in layer
+            and getattr(layer, "mode", "affine") == "affine" and layer.bits in (2, 4, 8))
+
+
 def _handle(layer) -> Optional[tuple]:
     """(native handle, QuantRows) of a quantised linear layer / embedding's rows, None if the kernels cannot read it."""
-    if not isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "bias" in layer:
-        return None
-    if getattr(layer, "mode", "affine") != "affine":
+    if not _quantised(layer):
         return None
     w, s, b = layer["weight"], layer["scales"], layer["biases"]
     n = w.shape[-1] * 32 // layer.bits
@@ -104,12 +108,6 @@ def _handle(layer) -> Optional[tuple]:
         return None
     q = cpu_gemv.QuantRows.of_matrix(w, s, b, layer.group_size, layer.bits)
     return cpu_gemv.linear(q, w.shape[0]), q
-
-
-def _quantised(layer) -> bool:
-    """A quantised linear layer / embedding the kernels may read (checked again when its weights are loaded)."""
-    return (isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and "bias" not in layer
-            and getattr(layer, "mode", "affine") == "affine" and layer.bits in (2, 4, 8))
 
 
 def _weight(norm) -> np.ndarray:
