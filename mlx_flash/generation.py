@@ -158,7 +158,6 @@ def speculative_generate_step(prompt, model, drafter, *, num_draft_tokens: int =
             ys = ys.tolist()
             k = accept(draft, ys)
             passes.trim(len(draft) - k)
-            drafter.accepted(k)
             depth.update(len(draft), k, seconds)
             emitted = draft[:k] + [ys[k]]
             stats.add(len(draft), k, min(len(emitted), max_tokens - n))

@@ -15,7 +15,7 @@ decode's and sampled output has its distribution. Drafters:
 
     PromptLookup   n-gram matches in the prompt and the text so far (no model, no memory)
     ModelDrafter   a small model with the same tokenizer, greedy, on its own trimmable cache
-    AdaptiveDepth  the draft depth from the acceptance seen so far (deeper after full acceptance)
+    AdaptiveDepth  the draft depth from the acceptance seen so far and the measured cost of passes
 """
 
 from typing import Dict, List, Optional
@@ -29,7 +29,7 @@ class PromptLookup:
     (max_ngram down to min_ngram tokens) of the text so far: prompt lookup decoding (Saxena 2023), the
     n-gram proposer of vLLM and transformers. Where the latest occurrence is too recent to have n tokens
     after it (a text repeating a short cycle), the first one is used if more follow it. The index grows
-    incrementally: O(new tokens) per call."""
+    incrementally: each call indexes only the n-grams that are new since the last."""
 
     name = "prompt-lookup"
 
@@ -67,9 +67,6 @@ class PromptLookup:
 
     def prefill(self, tokens: List[int]) -> None:
         self.propose(tokens, 0)  # index the prompt
-
-    def accepted(self, n: int) -> None:  # (stateless between calls beyond the text itself)
-        pass
 
 
 class ModelDrafter:
@@ -125,9 +122,6 @@ class ModelDrafter:
             if i + 1 < n:
                 logits = self._feed([y])
         return out
-
-    def accepted(self, n: int) -> None:
-        pass
 
 
 class AdaptiveDepth:

@@ -71,9 +71,6 @@ class Fixed:
     def propose(self, tokens, n):
         return self.tokens[:n]
 
-    def accepted(self, n):
-        pass
-
 
 # -- against plain decoding ----------------------------------------------------------------------------
 
