@@ -22,7 +22,7 @@ from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_fo
 from .reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .runtime import FlashEngine, FlashFFN
 from .selectors import load_selector_arrays, wina_norms
-from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch
+from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
 
 
 def cpu_float32(name: str) -> bool:
@@ -310,7 +310,7 @@ def load(
                          f"group size dividing the head dimension ({head_dim(fd.config)})")
 
     def plan_for(sp):
-        return plan_memory(fd, budget, context, dtype.size if dtype else 2, getattr(sp, "nbytes", 0) + draft_bytes,
+        return plan_memory(fd, budget, context, dtype.size if dtype else 2, dram_bytes(sp) + draft_bytes,
                            resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
                            prefetch=prefetch and isinstance(sp, Dense),
                            kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)

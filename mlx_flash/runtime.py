@@ -5,9 +5,9 @@
       misses --reader (pread pool)--> cache rows;  overflow --reader--> scratch, used uncached
       cache rows + x --backend.units--> FFN output (compute/: one backend per layout)
 
-Prompts (more than one token) use the union of their tokens' active sets the same
-way, or every unit once that union passes half a layer (the dip layout streams each
-layer sequentially through the scratch buffer and seeds its caches instead).
+Prompts (more than one token) read what sparsity.prompt_units gives them, the same
+way (the dip layout streams each layer sequentially through the scratch buffer and
+seeds its caches instead); a pass over several positions, sparsity.pass_units.
 Dense decoding reads the next layer's uncached units while a layer computes (Prefetch).
 
 Encoded layouts (bitmap-compressed pruned rows, flash_format v2): every read goes
@@ -29,7 +29,7 @@ from .compute import backend_for
 from .ffn import glu, project
 from .unit_cache import UnitCache
 from .reader import aligned_buffer, aligned_span
-from .sparsity import Dense
+from .sparsity import pass_units, prompt_units
 from .stats import Stats
 
 class FlashFFN(nn.Module):
@@ -289,11 +289,7 @@ class FlashEngine:
 
     def _decode(self, layer, rows, x, bias):
         cached = self._cached_mask(layer, "neurons")
-        chosen = [self.sparsifier.select(layer, v, cached) for v in rows]
-        active, mask = chosen[0], None
-        if len(chosen) > 1 and any(len(c) != len(active) or not np.array_equal(c, active) for c in chosen[1:]):
-            active = np.unique(np.concatenate(chosen)).astype(np.int32)
-            mask = np.stack([np.isin(active, c) for c in chosen]).astype(np.float32)  # [rows, active]
+        active, mask = pass_units([self.sparsifier.select(layer, v, cached) for v in rows])
         self.stats.current.active.append(len(active))
         return self._sum_over(layer, "neurons", active, self._units_fn(x, active, bias, mask),
                               self.backends["neurons"].zeros(x))
@@ -327,27 +323,17 @@ class FlashEngine:
 
     # -- prefill -----------------------------------------------------------------
     def _prefill(self, layer: int, x: mx.array, bias: Dict[str, mx.array]) -> mx.array:
-        """The FFN over a prompt from the union of its tokens' active sets, read like one decode step:
-        cached units in place, the misses into the cache, the overflow streamed (or read ahead). A short
-        prompt reads what its tokens need; once the union passes half the layer, every unit is used (a
-        sequential read of the rest costs no more), so long prompts get the dense FFN."""
+        """The FFN over a prompt from the units sparsity.prompt_units gives all of its tokens, read like one decode
+        step: cached units in place, the misses into the cache, the overflow streamed (or read ahead)."""
         if self.dip_layout:
             return self._prefill_dip(layer, x)
         if self.prefetch is not None:  # as a decode step: so the first step after a prompt reads as every later one
             self.prefetch.start((layer + 1) % len(self.caches))
         n = self.fd.layers[layer]["neurons"].n_units
-        units = np.arange(n, dtype=np.int32)
         backend = self.backends["neurons"]
-        if not isinstance(self.sparsifier, Dense):
-            t = time.perf_counter()
-            seen = np.zeros(n, dtype=bool)
-            for v in backend.host(x):  # the layer input on the host, once
-                seen[self.sparsifier.select(layer, v)] = True
-                if seen.sum() > n // 2:
-                    break
-            else:
-                units = np.flatnonzero(seen).astype(np.int32)
-            self.stats.current.mm_s += time.perf_counter() - t
+        t = time.perf_counter()
+        units = prompt_units(self.sparsifier, layer, lambda: backend.host(x), n)
+        self.stats.current.mm_s += time.perf_counter() - t
         return self._sum_over(layer, "neurons", units, self._units_fn(x, units, bias), backend.zeros(x))
 
     def _prefill_dip(self, layer: int, x: mx.array) -> mx.array:

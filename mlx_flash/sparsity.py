@@ -70,6 +70,39 @@ def _by_row(x: np.ndarray, score) -> np.ndarray:
     return np.array(mx.concatenate(out).astype(mx.float32))
 
 
+def dram_bytes(sparsifier) -> int:
+    """The DRAM a sparsifier holds, which every budget plan counts (load's and the bench's alike): a calibrated
+    selector's arrays, the oracle's own copy of gate/up (a reference, but its bytes are in memory all the same),
+    what a replayed trace's selector would keep on the replaying model; dense holds nothing."""
+    return int(getattr(sparsifier, "nbytes", 0))
+
+
+def pass_units(chosen: List[np.ndarray]):
+    """(units, mask) of a pass over several positions, each with its own active set `chosen[i]`: the union is read
+    once; mask (float32 [positions, units], None when every set is the same) keeps each position to its own units,
+    so it is computed as a decode step of it alone would be."""
+    active = chosen[0]
+    if all(len(c) == len(active) and np.array_equal(c, active) for c in chosen[1:]):
+        return active, None
+    active = np.unique(np.concatenate(chosen)).astype(np.int32)
+    return active, np.stack([np.isin(active, c) for c in chosen]).astype(np.float32)
+
+
+def prompt_units(sparsifier, layer: int, rows, n: int) -> np.ndarray:
+    """The units a prompt's FFN uses, for all of its tokens: the union of their active sets, or every unit once that
+    union passes half the layer (reading the rest in one sequential sweep costs no more, and long prompts get the
+    dense FFN). rows(): the prompt's FFN inputs on the host, [tokens, d] (called only if a selector needs them)."""
+    everything = np.arange(n, dtype=np.int32)
+    if isinstance(sparsifier, Dense):
+        return everything
+    seen = np.zeros(n, dtype=bool)
+    for v in rows():
+        seen[sparsifier.select(layer, v)] = True
+        if seen.sum() > n // 2:
+            return everything
+    return _ids(seen)
+
+
 class Dense:
     name = "dense"
 

@@ -205,3 +205,13 @@ def test_rounds_alternate_and_report_the_median_round(tiny_dir, tiny_trace):
     pairs = [h / x for h, x in zip(hy["rounds_total_ms"], a["rounds_total_ms"])]
     assert res["targets"]["latency_hybrid_over_all_rounds"] == pairs
     assert res["targets"]["latency_hybrid_over_all"] == pytest.approx(float(np.median(pairs)))
+
+
+def test_the_oracle_stand_in_is_in_the_budget_as_load_counts_it(tiny_dir):
+    """One budget rule: the live oracle's own copy of gate/up is in the bench's plan, as in load's."""
+    fd = FlashDir(tiny_dir)
+    res = bench.run(tiny_dir, 4 * fd.model_bytes, tokens=3, prompt_tokens=4, configs=("all",), density=0.5,
+                    disk_seconds=0.05, use_fio=False, progress=False)
+    flash = load(tiny_dir, memory_budget=4 * fd.model_bytes, sparsity="oracle", density=0.5, context=16)[0].flash
+    assert "oracle" in res["sparsifier"] and flash.sparsifier.nbytes > 0
+    assert res["selector_bytes"] == res["configs"]["all"]["selector_bytes"] == flash.plan.extra == flash.sparsifier.nbytes

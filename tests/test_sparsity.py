@@ -10,7 +10,7 @@ from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import load, make_sparsifier
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.sparsity import Oracle, Predictor, top_k
+from mlx_flash.sparsity import Dense, Oracle, Predictor, dram_bytes, pass_units, prompt_units, top_k
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,38 @@ def test_top_k():
     assert top_k(s, 2).tolist() == [1, 3]
     assert top_k(s, 0).tolist() == [] and top_k(s, 9).tolist() == [0, 1, 2, 3, 4]
     assert top_k(s, 5).dtype == np.int32
+
+
+class Fixed:
+    """A selector picking given unit ids, one set per row asked."""
+
+    name = "fixed"
+
+    def __init__(self, sets):
+        self.sets = iter(sets)
+
+    def select(self, layer, x, cached=None):
+        return np.array(next(self.sets), dtype=np.int32)
+
+
+def test_prompt_units_are_the_union_until_it_passes_half_the_layer():
+    rows = lambda: np.zeros((3, 4), np.float32)  # noqa: E731
+    assert prompt_units(Fixed([[1], [3], [1]]), 0, rows, 10).tolist() == [1, 3]
+    assert prompt_units(Fixed([[0, 1, 2], [3, 4, 5], [6]]), 0, rows, 10).tolist() == list(range(10))
+    assert prompt_units(Dense(10), 0, lambda: pytest.fail("dense needs no rows"), 10).tolist() == list(range(10))
+
+
+def test_pass_units_read_the_union_once_and_keep_each_position_to_its_own():
+    same = np.array([2, 5], np.int32)
+    units, mask = pass_units([same, same.copy()])
+    assert units.tolist() == [2, 5] and mask is None
+    units, mask = pass_units([same, np.array([1, 5], np.int32)])
+    assert units.tolist() == [1, 2, 5] and mask.tolist() == [[0, 1, 1], [1, 0, 1]]
+
+
+def test_dram_bytes_counts_the_oracles_copy(flash):
+    oracle = make_sparsifier(FlashDir(flash), "oracle", 0.5)
+    assert dram_bytes(oracle) == oracle.nbytes > 0 and dram_bytes(Dense(4)) == 0
 
 
 def random_predictors(fd, rank=8, seed=0):

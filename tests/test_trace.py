@@ -13,6 +13,7 @@ from mlx_flash.calib.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.loader import cpu_cast, make_sparsifier
+from mlx_flash.sparsity import dram_bytes
 from mlx_flash.offload import stream_groups
 from mlx_flash.calib.quality import collect_inputs, eval_model
 from mlx_flash.calib.trace import Trace, TraceSparsifier, describe_selector, gate_up_weights, record
@@ -78,7 +79,7 @@ def test_the_plan_holds_the_replayed_selector_or_refuses_the_budget(tiny, sketch
     root, src, _ = tiny
     fd = FlashDir(convert(str(src), root / "target", alignment=512, progress=False))
     sp, desc = bench.choose_sparsifier(fd, 0.5, (sketch_trace, "sketch.npz"))
-    assert sp.nbytes > 0 and bench.selector_bytes(sp) == sp.nbytes and "sketch 2-bit" in desc
+    assert sp.nbytes > 0 and dram_bytes(sp) == sp.nbytes and "sketch 2-bit" in desc
     resident, groups = bench.resident_bytes(fd), stream_groups(fd, cpu_cast, CONTEXT)
     budget = min_budget(fd, CONTEXT, 4, resident=resident) + fd.ffn_bytes // 2
     without = plan_memory(fd, budget, CONTEXT, 4, 0, resident=resident, groups=groups)

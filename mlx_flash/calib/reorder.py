@@ -31,7 +31,9 @@ from tqdm import tqdm
 
 from ..budget import min_budget
 from ..flash_format import FFN, MANIFEST, PREDICTORS, RESIDENT, FlashDir, FlashWriter
+from ..generation import generate_step
 from ..loader import load, load_tokenizer, make_sparsifier
+from ..sparsity import dram_bytes
 from ..texts import read_text, token_batches
 from .quality import activation_targets, collect_inputs, dense_ffn_weights, eval_model
 
@@ -156,13 +158,10 @@ def read_stats(path, sparsity: str = "auto", cache_fraction: float = 0.1, tokens
                prompt: str = "The history of", context: int = 256, **load_kw) -> dict:
     """Decode greedily with mlx_flash.load under a budget that caches `cache_fraction` of the FFN
     and return the reader's counters for the decode steps (and the tokens)."""
-    from mlx_lm.generate import generate_step
-
-
     fd = FlashDir(path)
     resident = fd.resident_nbytes(lambda k: "float32")
     sp = make_sparsifier(fd, sparsity, load_kw.pop("density", None), load_kw.pop("gamma", 1.0))
-    extra = getattr(sp, "nbytes", 0)  # the selector's DRAM (predictors, the oracle's copy) is in the budget
+    extra = dram_bytes(sp)
     budget = min_budget(fd, context, extra=extra, resident=resident) + int(cache_fraction * fd.ffn_bytes)
     model, tok = load(path, memory_budget=budget, sparsifier=sp, context=context, **load_kw)
     try:

@@ -22,9 +22,10 @@ reported as "select ms" inside compute). Synthetic models (--synthetic) replay a
 (mlx_flash.calib.trace) mapped onto their layers: select ms ~ 0. The trace is the selector SmolLM2's
 directory ships (its calibrated sketch) if it has one, else the oracle's, labelled as the upper bound.
 
-The budget plan counts the sparsifier's own DRAM (`selector_bytes`): a calibrated selector's arrays,
-and for a replayed trace what its selector would keep on THIS model (a sketch's bytes per gate/up
-weight x this model's gate/up weights); if it does not fit at all, its configurations are reported
+The budget plan counts the sparsifier's own DRAM as `load` does (`sparsity.dram_bytes`): a calibrated
+selector's arrays, the oracle stand-in's copy of gate/up, and for a replayed trace what its selector
+would keep on THIS model (a sketch's bytes per gate/up weight x this model's gate/up weights; the
+oracle's trace: nothing, the upper bound); if it does not fit at all, its configurations are reported
 as skipped, with the reason. Each configuration runs on a model that streams what its own plan
 streams (a selector's DRAM or read-ahead buffers can push attention layers out of DRAM): the model
 is reloaded when that changes.
@@ -76,7 +77,7 @@ from ..offload import stream_groups
 from ..plot import pyplot
 from ..reader import aligned_buffer, open_reader
 from ..runtime import FlashEngine
-from ..sparsity import Dense
+from ..sparsity import Dense, dram_bytes
 from ..texts import read_text
 from .bench_io import machine_info, run_fio
 from .synthetic import build
@@ -175,12 +176,6 @@ class UnbundledReader:
 
 def resident_bytes(fd) -> int:
     return fd.resident_nbytes(cpu_cast)
-
-
-def selector_bytes(sparsifier) -> int:
-    """The sparsifier's DRAM the plan counts: a calibrated selector's arrays, a replayed trace's selector
-    on this model; not the oracle stand-in's gate/up copy (a test instrument: the upper bound)."""
-    return 0 if sparsifier.name == "oracle" else int(getattr(sparsifier, "nbytes", 0))
 
 
 def engine_plan(fd, budget: int, context: int, extra: int = 0, prefetch: bool = False):
@@ -416,7 +411,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     baseline = memory.rss()  # before the sparsifier's arrays: they are in the budget, so in the peak
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
     dense = Dense(fd.ffn["intermediate_size"])
-    sparse_bytes = selector_bytes(sparse)
+    sparse_bytes = dram_bytes(sparse)
     sparse_lowest = min_streaming_budget(fd, context, 4, sparse_bytes, resident=resident, groups=groups)
     no_fit = None
     if budget < sparse_lowest:
@@ -454,7 +449,7 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
             if sp is sparse and no_fit:
                 runs[name].append({"skipped": no_fit})
                 continue
-            extra = selector_bytes(sp)
+            extra = dram_bytes(sp)
             plan = engine_plan(fd, budget, context, extra, prefetch)
             if model is None or paths(model.flash.plan) != paths(plan):
                 # the model streams what this plan streams (below the resident floor, read-ahead buffers or a
