@@ -1,6 +1,7 @@
 """Decode speed of an MoE flash directory under memory budgets, with its routing checked.
 
-    python benchmarks/moe_decode.py --model DIR --budgets 25%,50%,none --tokens 64 [--routing model,skewed] [--json out.json]
+    python benchmarks/moe_decode.py --model DIR --budgets 25%,50%,none --tokens 64 [--routing model,skewed] \
+        [--read-ahead on,off] [--rounds N] [--json out.json]
 
 Random-weight models repeat one token when they generate, so every step would route alike and every
 expert read would hit. Here each step's input is instead a random token id (teacher-forced, the same
@@ -11,7 +12,10 @@ previous token's experts kept with probability --burst, the reuse real routers s
 LRU hit rates of real MoE models: 49-82%); the trace is written next to the JSON. Per budget and routing,
 in a fresh process with the directory's page cache dropped: tokens/s over the decode steps (after a 1-token
 prompt), hit rate of the expert caches, device bytes and I/O wait per token, experts used per layer over the
-run (the routing check of issue #23), and what the missed bytes would take at fio's rate of the same run.
+run (the routing check of issue #23), and what the missed bytes would take at fio's rate of the same run;
+with `--read-ahead on,off`, the next layer's experts read ahead (experts.ReadAhead) against none: bytes
+read ahead, of them unused, and how many of the routed experts the next layer's router predicted (a skewed
+trace replaces the router's choice, so there the prediction has nothing to predict: labelled).
 """
 
 import argparse
@@ -36,8 +40,8 @@ import numpy as np
 import mlx_flash  # noqa: F401
 import mlx.core as mx
 from mlx_flash.loader import load
-model_dir, budget, n, trace = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-model, _ = load(model_dir, memory_budget=None if budget == "none" else budget, context=n + 16)
+model_dir, budget, n, trace, ahead = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5] == "on"
+model, _ = load(model_dir, memory_budget=None if budget == "none" else budget, context=n + 16, prefetch=ahead)
 e = model.flash
 vocab = e.fd.config["vocab_size"]
 ids = np.random.default_rng(0).integers(0, vocab, n + 1)
@@ -60,7 +64,10 @@ print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]), "token_ms": 1e3 * 
                   "hit_rate": hits / max(1, hits + misses), "bytes_per_token": statistics.median(t.bytes_read for t in toks),
                   "missed_bytes_per_token": statistics.median(t.misses for t in toks) * e.layout.stride,
                   "io_ms": 1e3 * statistics.median(t.io_s for t in toks), "experts_used_per_layer": per_layer,
-                  "slots": e.plan.capacity[0].get("experts"), "peak_rss": e.stats.peak_rss()}))
+                  "slots": e.plan.capacity[0].get("experts"), "peak_rss": e.stats.peak_rss(),
+                  "prediction_accuracy": e.stats.summary()["prediction_accuracy"],
+                  "ahead_bytes_per_token": statistics.median(t.ahead_bytes for t in toks),
+                  "ahead_wasted_bytes_per_token": statistics.median(t.ahead_wasted_bytes for t in toks)}))
 """
 
 
@@ -91,6 +98,7 @@ def setup_arg_parser():
     p.add_argument("--routing", default="model", help="Comma-separated: model (the router's choice), skewed (a replayed trace).")
     p.add_argument("--zipf", type=float, default=1.0, help="skewed: Zipf exponent of each layer's expert popularity.")
     p.add_argument("--burst", type=float, default=0.5, help="skewed: chance each of the previous token's experts is kept.")
+    p.add_argument("--read-ahead", default="on", help="Comma-separated: on (experts.ReadAhead, load's default), off.")
     p.add_argument("--json", default=None)
     return p
 
@@ -108,30 +116,37 @@ def main(argv=None):
         np.savez_compressed(trace, experts=experts, zipf=args.zipf, burst=args.burst)
     fio = fio_reference(fd.ffn_path, DEFAULT_THREADS)
     runs = []
-    jobs = [(r, b, g) for r in range(args.rounds) for b in budgets for g in routings]
-    for r, b, g in tqdm(jobs, desc="moe decode", unit="run"):
+    aheads = args.read_ahead.split(",")
+    jobs = [(r, b, g, a) for r in range(args.rounds) for b in budgets for g in routings for a in aheads]
+    for r, b, g, a in tqdm(jobs, desc="moe decode", unit="run"):
         drop_page_cache([args.model])
-        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, b, str(args.tokens), trace if g == "skewed" else "-"],
+        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, b, str(args.tokens), trace if g == "skewed" else "-", a],
                              capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"budget {b}: {out.stderr[-2000:]}")
-        runs.append({"round": r, "budget": b, "routing": g, **json.loads(out.stdout.strip().splitlines()[-1])})
+        runs.append({"round": r, "budget": b, "routing": g, "read_ahead": a, **json.loads(out.stdout.strip().splitlines()[-1])})
     rate = fio["bytes_per_s"] if fio else None
     print(f"{args.model}: {args.tokens} forced random tokens (decode steps), medians over {args.rounds} round(s); "
           + (f"fio {rate / 2**30:.2f} GiB/s" if rate else "no fio"))
-    print("| routing | budget | expert slots/layer | tok/s | ms/token | hit rate | read/token (missed experts) | I/O wait/token "
-          "| missed / fio | experts used per layer (min-max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| routing | budget | read-ahead | expert slots/layer | tok/s | ms/token | hit rate | read/token (missed experts) "
+          "| read ahead/token (unused) | next router predicted | I/O wait/token | missed / fio | experts used per layer (min-max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g in routings:
         for b in budgets:
-            rs = [x for x in runs if x["budget"] == b and x["routing"] == g]
-            med = lambda key: statistics.median(x[key] for x in rs)  # noqa: E731
-            used = rs[0]["experts_used_per_layer"]
-            label = "model (forced random tokens)" if g == "model" else f"skewed trace (zipf {args.zipf}, burst {args.burst})"
-            print(f"| {label} | {b} | {rs[0]['slots']} | {med('tok_s'):.2f} | {med('token_ms'):.0f} | {med('hit_rate'):.1%} | "
-                  f"{med('bytes_per_token') / 2**20:.1f} MiB ({med('missed_bytes_per_token') / 2**20:.1f} MiB) | "
-                  f"{med('io_ms'):.0f} ms | {1e3 * med('missed_bytes_per_token') / rate:.0f} ms | {min(used)}-{max(used)} |"
-                  if rate else "")
+            for a in aheads:
+                rs = [x for x in runs if x["budget"] == b and x["routing"] == g and x["read_ahead"] == a]
+                med = lambda key: statistics.median(x[key] for x in rs)  # noqa: E731
+                used = rs[0]["experts_used_per_layer"]
+                label = "model (forced random tokens)" if g == "model" else f"skewed trace (zipf {args.zipf}, burst {args.burst})"
+                acc = rs[0]["prediction_accuracy"]
+                print(f"| {label} | {b} | {a} | {rs[0]['slots']} | {med('tok_s'):.2f} | {med('token_ms'):.0f} | "
+                      f"{med('hit_rate'):.1%} | {med('bytes_per_token') / 2**20:.1f} MiB "
+                      f"({med('missed_bytes_per_token') / 2**20:.1f} MiB) | {med('ahead_bytes_per_token') / 2**20:.1f} MiB "
+                      f"({med('ahead_wasted_bytes_per_token') / 2**20:.1f} MiB) | "
+                      + ("-" if acc is None else f"{statistics.median(x['prediction_accuracy'] for x in rs):.1%}")
+                      + f" | {med('io_ms'):.0f} ms | "
+                      + (f"{1e3 * med('missed_bytes_per_token') / rate:.0f} ms" if rate else "-")
+                      + f" | {min(used)}-{max(used)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "tokens": args.tokens, "fio": fio, "trace": None if trace == "-" else trace,

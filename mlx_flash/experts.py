@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from . import cpu_gemv
-from .errors import UnsupportedArchitectureError
+from .errors import ReadError, UnsupportedArchitectureError
 from .runtime import AlignedBuffer
 from .stats import Stats
 from .unit_cache import UnitCache
@@ -94,6 +94,99 @@ class FlashSwitchGLU(nn.Module):
         return self._engine.experts(self._layer, x, indices, self._activation)
 
 
+def next_routers(model: nn.Module, paths: Dict[int, str]):
+    """layer -> (next MoE layer, scale [D], its router): the router of the next layer with experts, and what turns
+    this layer's expert input into that router's input as if the residual stream stopped here. Both blocks take
+    RMSNorm(h) * w (their post-attention norms' weights), so x * w_next / w is RMSNorm(h) * w_next. Empty when a
+    block has no `gate` router or its norm is not an RMSNorm (no read-ahead)."""
+    modules = dict(model.named_modules())
+    found = {}
+    for i, path in paths.items():
+        block, norm = modules[path.rsplit(".", 1)[0]], getattr(model.layers[i], "post_attention_layernorm", None)
+        if not isinstance(getattr(block, "gate", None), nn.Module) or type(norm) is not nn.RMSNorm:
+            return {}
+        found[i] = (norm.weight.astype(mx.float32), block.gate)
+    order = sorted(found)
+    out = {}
+    for i, j in zip(order, order[1:]):
+        w, w_next = found[i][0], found[j][0]
+        out[i] = (j, mx.where(w == 0, 0.0, w_next / mx.where(w == 0, 1.0, w)), found[j][1])
+    return out
+
+
+class ReadAhead:
+    """Reads ahead of need: while layer l's experts compute, the experts the next MoE layer's router picks for
+    layer l's input (`next_routers`) are read into a staging area of their own: two buffers of `rows` experts, in
+    the budget, which never evict the caches' working set. When that layer's real routing is known, its misses
+    that were staged are copied into their cache rows (its overflow computed from the staging rows in place) and
+    only the shortfall is read. The stats count routed experts that were predicted, bytes read ahead and bytes read
+    ahead for nothing."""
+
+    def __init__(self, engine: "ExpertEngine", routers: dict, top_k: int, rows: int):
+        self.engine, self.routers, self.top_k = engine, routers, top_k
+        stride = engine.layout.stride
+        self.buffers = [AlignedBuffer(rows * stride, engine.fd.alignment) for _ in range(2)]
+        self.views = [(b.rows(stride), np.asarray(memoryview(b.buffer))[b.base_offset:][: rows * stride].reshape(rows, stride))
+                      for b in self.buffers]
+        mx.eval([v[0] for v in self.views])
+        self.pending = None  # (layer, buffer, staged units, predicted units, wait)
+        self.rows = self.host = None  # the buffer `take` gave out last
+        self.next_buffer = 0
+
+    @staticmethod
+    def nbytes(fd, top_k: int) -> int:
+        """DRAM of the staging area: two buffers of top_k experts (a decode step's routing of one layer)."""
+        return 2 * top_k * fd.layouts[REGION].stride
+
+    def predict(self, layer: int, x: mx.array):
+        """The next layer's top-k experts for each row of this layer's expert input x [T, D] (lazy), or None."""
+        if layer not in self.routers:
+            return None
+        _, scale, gate = self.routers[layer]
+        logits = gate((x * scale).astype(x.dtype))
+        return mx.argpartition(-logits, self.top_k - 1, axis=-1)[..., : self.top_k]
+
+    def start(self, layer: int, predicted: np.ndarray):
+        """Read the predicted experts of the layer after `layer` that its cache lacks (most-voted first, as many
+        as a buffer holds) into the buffer `take` did not give out last."""
+        self.drain()  # (a prediction nobody took: its buffer is about to be reused)
+        target = self.routers[layer][0]
+        ids, votes = np.unique(predicted, return_counts=True)
+        cache = self.engine.caches[target]
+        lacking = ~cache.contains(ids)
+        missing = np.sort(ids[lacking][np.argsort(-votes[lacking], kind="stable")][: len(self.views[0][1])])
+        b = self.next_buffer
+        buf = self.buffers[b]
+        wait = self.engine._submit(target, missing, buf.buffer,
+                                   buf.base_offset + np.arange(len(missing), dtype=np.int64) * self.engine.layout.stride)
+        self.engine.stats.current.ahead_bytes += len(missing) * self.engine.layout.stride
+        self.pending = (target, b, missing, ids, wait)
+
+    def take(self, layer: int, routed: np.ndarray) -> Dict[int, int]:
+        """unit -> staging row of the experts read ahead for `layer` (waited for), and the prediction counted."""
+        if self.pending is None or self.pending[0] != layer:
+            return {}
+        _, b, staged, predicted, wait = self.pending
+        self.pending = None
+        wait()
+        s = self.engine.stats.current
+        s.routed += len(routed)
+        s.predicted += int(np.isin(routed, predicted).sum())
+        s.ahead_wasted_bytes += int((~np.isin(staged, routed)).sum()) * self.engine.layout.stride
+        self.rows, self.host = self.views[b]
+        self.next_buffer = 1 - b
+        return {int(u): r for r, u in enumerate(staged)}
+
+    def row(self, r: int) -> np.ndarray:
+        return self.host[r]
+
+    def drain(self):
+        """Wait for a read ahead still in flight (its rows are dropped)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending[-1]()
+
+
 class ExpertEngine:
     """Owns the reader, the per-layer expert caches, the scratch buffer and the stats of an MoE model."""
 
@@ -109,6 +202,7 @@ class ExpertEngine:
         self.streamer = None
         self.why = None
         self.route = None  # benchmarks: (layer, chosen experts) -> the experts to read instead (a replayed trace)
+        self.read_ahead = None  # a ReadAhead: the next layer's predicted experts read while a layer computes
         self.caches: List[UnitCache] = [
             UnitCache(regions[REGION].n_units, capacity[i].get(REGION, 0), self.layout.stride, policy=policy,
                       window=window, alignment=fd.alignment) if REGION in regions else None
@@ -125,18 +219,25 @@ class ExpertEngine:
         return engine
 
     # -- I/O ---------------------------------------------------------------------
-    def _read(self, layer: int, units: np.ndarray, buffer: mx.array, dest: np.ndarray) -> None:
-        """Read whole experts into `buffer` at byte offsets `dest` (one batch; the pool coalesces neighbours)."""
+    def _submit(self, layer: int, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
+        """Start reading whole experts into `buffer` at byte offsets `dest` (one batch; the pool coalesces
+        neighbours); returns the function that waits for them."""
         if len(units) == 0:
-            return
+            return lambda: None
         r = self.fd.layers[layer][REGION]
         s = self.stats.current
         t = time.perf_counter()
         handle = self.reader.submit(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64),
                                     dest.astype(np.int64))
-        self.reader.wait(handle)
         s.io_s += time.perf_counter() - t
         s.bytes_requested += len(units) * r.stride
+
+        def wait():
+            t = time.perf_counter()
+            self.reader.wait(handle)
+            self.stats.current.io_s += time.perf_counter() - t
+
+        return wait
 
     # -- compute -----------------------------------------------------------------
     def _matrices(self, row: mx.array, name: str):
@@ -194,10 +295,24 @@ class ExpertEngine:
         return self._project(h, row, "down_proj")
 
     def experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
-        """SwitchGLU(x, indices): [..., k, D], each token's output of each expert it chose."""
+        """SwitchGLU(x, indices): [..., k, D], each token's output of each expert it chose. After a failed read the
+        layer's cache forgets what it admitted for it (rows never filled): later tokens never compute on unread bytes."""
+        try:
+            return self._experts(layer, x, indices, activation)
+        except ReadError:
+            self.caches[layer].reset(stats=False)
+            if self.read_ahead is not None:
+                self.read_ahead.pending = None  # (its reads were waited for or failed with this one)
+            self.stats.forward_done()
+            raise
+
+    def _experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
         shape, k = indices.shape, indices.shape[-1]
         self.stats.touch(prefill=indices.size > k)
-        chosen = np.array(indices).reshape(-1)  # the layer's one synchronisation: the router's choice
+        xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
+        ahead = self.read_ahead.predict(layer, xf) if self.read_ahead is not None else None
+        mx.eval(indices, *([] if ahead is None else [ahead]))  # the layer's one synchronisation
+        chosen = np.array(indices).reshape(-1)  # the router's choice
         if self.route is not None:
             chosen = self.route(layer, chosen)
         units, inverse = np.unique(chosen, return_inverse=True)
@@ -209,11 +324,22 @@ class ExpertEngine:
         s.misses += len(plan.miss_units) + len(plan.overflow_units)
         s.hits += len(units) - len(plan.miss_units) - len(plan.overflow_units)
         s.active.append(len(units))
-        self._read(layer, plan.miss_units, cache.buffer, cache.base_offset + plan.miss_slots.astype(np.int64) * cache.row_bytes)
-
-        xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
-        outs, order = [], []
+        staged = self.read_ahead.take(layer, units) if self.read_ahead is not None else {}
+        miss_units, miss_slots = plan.miss_units, plan.miss_slots
+        if staged:  # misses read ahead: copied into their cache rows, not read again
+            t = time.perf_counter()
+            done = np.array([u in staged for u in miss_units], dtype=bool)
+            for u, slot in zip(miss_units[done], miss_slots[done]):
+                cache.host[slot] = self.read_ahead.row(staged[u])
+            miss_units, miss_slots = miss_units[~done], miss_slots[~done]
+            s.mm_s += time.perf_counter() - t
+        wait = self._submit(layer, miss_units, cache.buffer, cache.base_offset + miss_slots.astype(np.int64) * cache.row_bytes)
+        if ahead is not None:  # the next layer's predicted experts go out now, while this one computes
+            self.read_ahead.start(layer, np.array(ahead))
         native = self._native(xf, activation)
+        if not native:  # MLX ops run lazily: the misses' rows must be in place before anything is built on them
+            wait()
+        outs, order = [], []
         xv = np.asarray(xf) if native else None
 
         def run(i, rows, host, slot):
@@ -226,9 +352,17 @@ class ExpertEngine:
                 outs.append(self._expert(xs, rows[slot], activation))
             order.append(pos)
 
-        for i in np.flatnonzero(plan.slots >= 0):
+        cached = np.flatnonzero(plan.slots >= 0)
+        reading = np.isin(units[cached], miss_units)
+        for i in cached[~reading]:  # the hits (and what came from the staging area) while the misses are read
+            run(i, cache.rows, cache.host, int(plan.slots[i]))
+        wait()
+        for i in cached[reading]:
             run(i, cache.rows, cache.host, int(plan.slots[i]))
         overflow = np.flatnonzero(plan.slots < 0)
+        for i in [i for i in overflow if units[i] in staged]:  # more experts than slots, read ahead: in place
+            run(i, self.read_ahead.rows, self.read_ahead.host, staged[units[i]])
+        overflow = np.array([i for i in overflow if units[i] not in staged], dtype=np.int64)
         per = max(1, self.scratch.nbytes // self.layout.stride)
         rows = self.scratch.rows(self.layout.stride)
         host = np.asarray(memoryview(self.scratch.buffer))[self.scratch.base_offset:][: per * self.layout.stride].reshape(per, -1) if len(overflow) else None
@@ -236,8 +370,8 @@ class ExpertEngine:
             if outs and not native:  # (native outputs are computed already)
                 mx.eval(outs)  # what used the scratch rows before they are overwritten
             chunk = overflow[start : start + per]
-            self._read(layer, units[chunk], self.scratch.buffer,
-                       self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * self.layout.stride)
+            self._submit(layer, units[chunk], self.scratch.buffer,
+                         self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * self.layout.stride)()
             for j, i in enumerate(chunk):
                 run(i, rows, host, j)
         if native:
@@ -251,9 +385,15 @@ class ExpertEngine:
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
 
     def close(self):
-        self.reader.close()
+        try:
+            if self.read_ahead is not None:
+                self.read_ahead.drain()
+        finally:
+            self.reader.close()
 
     def reset(self):
+        if self.read_ahead is not None:
+            self.read_ahead.drain()
         for c in self.caches:
             if c is not None:
                 c.reset()

@@ -49,7 +49,9 @@ def setup_arg_parser():
     p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="Quantise the KV cache from the first token (default: float).")
     p.add_argument("--kv-group-size", type=int, default=64, help="Group size of the quantised KV cache.")
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")
-    p.add_argument("--no-prefetch", action="store_true", help="Dense: read each layer's uncached units when it runs, not while the previous one computes.")
+    ahead = p.add_mutually_exclusive_group()
+    ahead.add_argument("--no-prefetch", action="store_true", help="Dense: read each layer's uncached units when it runs, not while the previous one computes.")
+    ahead.add_argument("--prefetch", action="store_true", help="MoE: read the experts the next layer's router predicts while a layer computes (off by default: it did not pay on the bench).")
     p.add_argument("--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE.")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="Speculative decoding with drafts from n-gram matches in the prompt and the text so far "
@@ -83,7 +85,10 @@ def print_stats(engine, out=sys.stdout):
                if s["streamed_bytes_per_token"] else "")
             + (f" at {fmt_bytes(s['read_bytes_per_s'])}/s while reads were in flight" if s["read_bytes_per_s"] else "")
             + f", hit rate {s['hit_rate']:.1%}, "
-            f"active units/layer {s['active_per_layer']:.1f}",
+            f"active units/layer {s['active_per_layer']:.1f}"
+            + (f"; read ahead {fmt_bytes(s['ahead_bytes_per_token'])}/token "
+               f"({fmt_bytes(s['ahead_wasted_bytes_per_token'])} not used), the next layer's router predicted "
+               f"{s['prediction_accuracy']:.1%} of the experts routed" if s["prediction_accuracy"] is not None else ""),
             file=out,
         )
     spec = getattr(engine, "speculative", None)
@@ -131,7 +136,7 @@ def main(argv=None):
             path, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
             policy=args.cache_policy, density=args.density, gamma=args.gamma, threads=args.threads,
             direct=not args.cached_io, context=len(prompt) + args.max_tokens,  # the KV cache it will need
-            prefetch=not args.no_prefetch,
+            prefetch=False if args.no_prefetch else (True if args.prefetch else None),
             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
             max_ppl_increase=args.max_ppl_increase, draft_model=args.draft_model,
         )

@@ -1,7 +1,7 @@
 """Build a model from a flash directory: resident weights into the architecture, FFNs replaced."""
 
 from functools import partial
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,7 +14,7 @@ from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, k
 from .decode import HostDecoder, HostKVCache
 from .default_model import default_model_dir
 from .errors import BudgetError, FlashError, FlashFormatError
-from .experts import ExpertEngine, FlashSwitchGLU
+from .experts import ExpertEngine, FlashSwitchGLU, ReadAhead, next_routers
 from .ffn import ResidentFFN
 from .flash_format import RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
@@ -256,7 +256,7 @@ def load(
     use_metal: bool = None,
     dtype=None,
     sparsifier=None,
-    prefetch: bool = True,
+    prefetch: Optional[bool] = None,
     kv_bits: int = None,
     kv_group_size: int = 64,
     prompt_caches: int = 0,
@@ -276,7 +276,9 @@ def load(
     replaces `sparsity`/`density`/`gamma`. max_ppl_increase: what "auto" accepts (make_sparsifier).
     `model.flash.attach` swaps engines later.
     prefetch: dense decoding reads the next layer's uncached units while a layer computes (two buffers
-    in the budget; see runtime.Prefetch). False: one layer after the other (for A/B runs).
+    in the budget; see runtime.Prefetch); None (the default) and True do. An MoE model with True reads
+    the experts the next layer's router predicts (experts.ReadAhead, two buffers of top-k experts in the
+    budget); None leaves it off, since on the bench it read 3x the bytes and was slower (BENCHMARKS.md).
     kv_bits: 4 or 8 quantises the KV cache (mlx-lm's QuantizedKVCache, `kv_group_size` elements per
     scale) from the first token; the plan holds it at that size. `model.make_cache()` builds it.
     prompt_caches: room in the budget for this many KV caches of `context` tokens stored between
@@ -298,7 +300,7 @@ def load(
             raise FlashError(f"sparsity {sparsity!r}: a mixture-of-experts model reads the experts its router picks "
                              "(exact); neuron sparsity applies to dense models")
         model = _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy or "lru", window, threads, direct,
-                          kv_bits, kv_group_size, prompt_caches, draft_bytes)
+                          kv_bits, kv_group_size, prompt_caches, draft_bytes, bool(prefetch))
         model.draft_model = draft
         return model, tokenizer
     auto = sparsifier is None and sparsity == "auto"
@@ -312,7 +314,7 @@ def load(
     def plan_for(sp):
         return plan_memory(fd, budget, context, dtype.size if dtype else 2, dram_bytes(sp) + draft_bytes,
                            resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
-                           prefetch=prefetch and isinstance(sp, Dense),
+                           prefetch=prefetch is not False and isinstance(sp, Dense),
                            kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
 
     why = None
@@ -378,10 +380,15 @@ def _load_draft(path, fd: FlashDir, context: int):
 
 
 def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, threads, direct, kv_bits, kv_group_size,
-              prompt_caches, extra: int = 0):
+              prompt_caches, extra: int = 0, read_ahead: bool = False):
     """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
-    to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft)."""
+    to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft;
+    and the read-ahead's staging buffers)."""
     cast = cpu_cast if dtype == mx.float32 else None
+    top_k = int(fd.config.get("num_experts_per_tok") or 0)
+    read_ahead = read_ahead and top_k > 0
+    if read_ahead:
+        extra += ReadAhead.nbytes(fd, top_k)
     plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra, resident=fd.resident_nbytes(cast),
                        kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
@@ -391,6 +398,9 @@ def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, t
         mx.set_cache_limit(plan.workspace)
     model = build_moe_model(fd, engine, dtype)
     model.flash = engine
+    routers = next_routers(model, {int(i): p for i, p in fd.ffn["switch_paths"].items()}) if read_ahead else {}
+    if routers:
+        engine.read_ahead = ReadAhead(engine, routers, top_k, top_k)
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
                                kv_group_size)

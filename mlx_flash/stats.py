@@ -22,6 +22,10 @@ class TokenStats:
     hits: int = 0
     misses: int = 0
     active: List[int] = field(default_factory=list)  # active units per layer (summed over regions)
+    ahead_bytes: int = 0  # MoE read-ahead (experts.ReadAhead): bytes read for the next layer's predicted experts
+    ahead_wasted_bytes: int = 0  # of which experts the next layer's router did not pick
+    routed: int = 0  # experts routed in layers that had a prediction
+    predicted: int = 0  # of which the prediction had
     prefill: bool = False
 
     @property
@@ -134,6 +138,10 @@ class Stats:
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "peak_rss_bytes": self.peak_rss(),
             "active_per_layer": float(np.mean([np.mean(t.active) for t in toks if t.active])) if toks[0].active else 0.0,
+            "prediction_accuracy": (sum(t.predicted for t in toks) / sum(t.routed for t in toks)
+                                    if sum(t.routed for t in toks) else None),
+            "ahead_bytes_per_token": float(np.mean([t.ahead_bytes for t in toks])),
+            "ahead_wasted_bytes_per_token": float(np.mean([t.ahead_wasted_bytes for t in toks])),
         }
 
     @staticmethod
@@ -145,4 +153,6 @@ class Stats:
             f"(asked {t.bytes_requested / 2**20:.2f})"
             + (f" ({t.streamed_bytes / 2**20:.2f} streamed)" if t.streamed_bytes else "")
             + f" | hit {t.hit_rate:6.1%} | active/layer {np.mean(t.active) if t.active else 0:7.1f}"
+            + (f" | ahead {t.ahead_bytes / 2**20:.2f} MiB ({t.ahead_wasted_bytes / 2**20:.2f} unused), "
+               f"predicted {t.predicted / t.routed:.1%}" if t.routed else "")
         )

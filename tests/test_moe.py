@@ -13,7 +13,7 @@ from mlx_flash.budget import min_budget
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.errors import FlashError
-from mlx_flash.experts import REGION, expert_arrays, switch_paths
+from mlx_flash.experts import REGION, ReadAhead, expert_arrays, switch_paths
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.generation import generate_step
 from mlx_flash.loader import load, load_resident
@@ -55,9 +55,10 @@ def greedy(model, n=12):
     return [int(t) for t, _ in generate_step(PROMPT, model, max_tokens=n)]
 
 
-def slots_budget(fd, slots):
-    """A budget that leaves `slots` expert slots per layer."""
-    return min_budget(fd, 64, 4) + slots * len(fd.layers) * fd.layouts[REGION].stride
+def slots_budget(fd, slots, read_ahead=False):
+    """A budget that leaves `slots` expert slots per layer (beside the read-ahead's staging buffers, if asked)."""
+    extra = ReadAhead.nbytes(fd, fd.config["num_experts_per_tok"]) if read_ahead else 0
+    return min_budget(fd, 64, 4, extra=extra) + slots * len(fd.layers) * fd.layouts[REGION].stride
 
 
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
@@ -81,14 +82,17 @@ def test_experts_are_the_source_codes(moe_dirs, arch):
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
 def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
     """Under budgets that hold every expert, one slot per layer (fewer than top-k: the rest streamed
-    uncached) and three, greedy tokens equal stock mlx-lm's on the same weights; logits to float rounding."""
+    uncached; with the read-ahead too) and three, greedy tokens equal stock mlx-lm's on the same weights; logits to
+    float rounding."""
     src_dir, flash_dir, _ = moe_dirs[arch]
     src, _ = load_source_model(src_dir, lazy=False)
     ref_tokens, ref_logits = greedy(src), src(PROMPT[None])
     fd = FlashDir(flash_dir)
-    for budget in (None, slots_budget(fd, 1), slots_budget(fd, 3)):
-        model, _ = load(flash_dir, memory_budget=budget, context=64)
+    for budget, ahead in ((None, None), (slots_budget(fd, 1), None), (slots_budget(fd, 3), None),
+                          (slots_budget(fd, 1, read_ahead=True), True)):
+        model, _ = load(flash_dir, memory_budget=budget, context=64, prefetch=ahead)
         try:
+            assert (model.flash.read_ahead is not None) == bool(ahead)  # off by default
             assert (model.decoder is not None) == (arch == "qwen3_moe"), model.flash.decoder_why  # the native passes
             assert greedy(model) == ref_tokens, budget
             assert mx.abs(model(PROMPT[None]) - ref_logits).max().item() < 1e-4
@@ -159,27 +163,52 @@ def test_streamed_equals_all_cached_with_int8_activations(moe_dirs):
         small.flash.close()
 
 
-def test_bytes_read_are_the_missed_experts(moe_dirs):
-    """The runtime asks for exactly the experts it missed (admitted or streamed uncached), whole; what the device
-    read adds only the reader's gap fills (whole experts here: a tiny expert is smaller than the largest gap)."""
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_bytes_read_are_the_missed_experts(moe_dirs, read_ahead):
+    """The runtime asks for exactly the experts it missed (admitted or streamed uncached), whole, and with the
+    read-ahead the predicted experts that were not routed; what the device read adds only the reader's gap fills
+    (whole experts here: a tiny expert is smaller than the largest gap)."""
     _, flash_dir, _ = moe_dirs["mixtral"]
     fd = FlashDir(flash_dir)
     stride = fd.layouts[REGION].stride
-    for budget in (slots_budget(fd, 1), None):
-        model, _ = load(flash_dir, memory_budget=budget, context=64, direct=False)
+    for budget in (slots_budget(fd, 1, read_ahead), None):
+        model, _ = load(flash_dir, memory_budget=budget, context=64, direct=False, prefetch=read_ahead)
         try:
+            assert (model.flash.read_ahead is not None) == read_ahead
             greedy(model, 8)
             model.flash.stats.end()
             tokens = model.flash.stats.tokens
             misses, requested = sum(t.misses for t in tokens), sum(t.bytes_requested for t in tokens)
+            wasted = sum(t.ahead_wasted_bytes for t in tokens)
             device = model.flash.stats.device_bytes()  # the reader's own count
-            assert requested == misses * stride > 0
+            assert requested == misses * stride + wasted and misses > 0
             assert sum(t.bytes_read for t in tokens) == device >= requested
             assert (device - requested) % stride == 0 and (device == requested or stride <= DEFAULT_MAX_GAP_BYTES)
             assert sum(t.hits for t in tokens) > 0
+            routed, predicted = sum(t.routed for t in tokens), sum(t.predicted for t in tokens)
+            if read_ahead and budget is not None:  # experts read ahead, some of them routed
+                assert sum(t.ahead_bytes for t in tokens) > wasted and 0 < predicted <= routed
+            elif not read_ahead:
+                assert routed == predicted == sum(t.ahead_bytes for t in tokens) == 0
         finally:
             model.flash.close()
 
+
+def test_the_read_ahead_asks_the_next_router_with_its_own_norm(moe_dirs):
+    """next_routers' scale turns layer l's expert input RMSNorm(h) * w_l into RMSNorm(h) * w_next: the next router
+    sees the input it would get if the residual stream stopped here."""
+    _, flash_dir, _ = moe_dirs["qwen3_moe"]
+    model, _ = load(flash_dir, context=64, prefetch=True)
+    try:
+        routers = model.flash.read_ahead.routers
+        assert sorted(routers) == list(range(len(model.layers) - 1))
+        h = mx.random.normal((3, model.args.hidden_size))
+        nxt, scale, gate = routers[0]
+        x = model.layers[0].post_attention_layernorm(h)
+        want = gate(model.layers[nxt].post_attention_layernorm(h))
+        assert mx.allclose(gate(x * scale), want, atol=1e-5).item()
+    finally:
+        model.flash.close()
 
 
 def test_experts_stay_cached_while_they_fit(moe_dirs):
@@ -278,3 +307,36 @@ def test_generate_holds_its_budget_under_a_hard_cap(moe_gguf_dir, generate_cappe
     assert peak, r.stdout
     assert 0 < peak <= parse_size("25%", FlashDir(moe_gguf_dir).model_bytes), r.stdout
     assert "router (the model's own top-k: exact)" in r.stdout and "hit " in r.stdout
+
+
+def test_a_failed_read_leaves_no_unread_expert_cached(moe_dirs):
+    """A read that fails mid-layer raises ReadError to the caller; that layer's cache forgets what it admitted for
+    the pass (rows that may never have been filled) and the read-ahead in flight is dropped, so decoding afterwards
+    gives the same tokens as before."""
+    from mlx_flash.errors import ReadError
+
+    _, flash_dir, _ = moe_dirs["qwen3_moe"]
+    fd = FlashDir(flash_dir)
+    model, _ = load(flash_dir, memory_budget=slots_budget(fd, 3, read_ahead=True), context=64, prefetch=True)
+    engine = model.flash
+    try:
+        want = greedy(model)
+        engine.reset()
+        real, calls, failed = engine.reader.wait, [0], []
+
+        def wait(handle):
+            real(handle)
+            calls[0] += 1
+            if calls[0] == 3:
+                failed.append([c.num_used for c in engine.caches])
+                raise ReadError("injected")
+
+        engine.reader.wait = wait
+        with pytest.raises(ReadError, match="injected"):
+            greedy(model)
+        engine.reader.wait = real
+        emptied = [i for i, c in enumerate(engine.caches) if c.num_used == 0 and failed[0][i] > 0]
+        assert len(emptied) == 1 and engine.read_ahead.pending is None
+        assert greedy(model) == want
+    finally:
+        engine.close()
