@@ -117,17 +117,19 @@ def _weight(norm) -> np.ndarray:
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _streamed_handles(module, names, rows=None):
+def _streamed_handles(module, names, rows=None, norms=()):
     """Handles on the quantised linears `names` of a streamed module (offload._Streamed), loaded now (rows: a
-    head's chunk); '' names the module itself. The handles keep the loaded buffers alive."""
+    head's chunk); '' names the module itself. The handles keep the loaded buffers alive. norms: names of RMSNorms
+    inside it (Qwen3's q_norm, k_norm), whose weights follow the handles as float32 host copies."""
     module._use(module._streamer.load(module._path, rows))
     try:
         handles = [_handle(getattr(module._inner, n) if n else module._inner) for n in names]
+        weights = [_weight(getattr(module._inner, n)) for n in norms]
     finally:
         module._release()
     if any(h is None for h in handles):
         raise RuntimeError(f"{module._path}: streamed weights the native kernels cannot read")
-    return handles
+    return handles + weights
 
 
 class HostDecoder:
@@ -168,7 +170,8 @@ class HostDecoder:
             layers.append(dict(
                 norm1=_weight(layer.input_layernorm), norm2=_weight(layer.post_attention_layernorm),
                 eps=float(layer.input_layernorm.eps), linears=handles and [h[0] for h in handles], streamed=streamed,
-                qk_norms=[_weight(a.q_norm), _weight(a.k_norm), float(a.q_norm.eps)] if hasattr(a, "q_norm") else [],
+                qk_norms=([None, None] if streamed is not None else [_weight(a.q_norm), _weight(a.k_norm)])
+                + [float(a.q_norm.eps)] if hasattr(a, "q_norm") else [],
                 n_heads=a.n_heads,
                 n_kv=a.n_kv_heads, head_dim=head_dim, inv_freq=inv_freq, traditional=bool(rope.traditional),
                 rope_scale=float(rope.scale), scale=float(a.scale), mlp=layer.mlp))
@@ -203,6 +206,14 @@ class HostDecoder:
             return "an FFN outside the flash engine"
         return None
 
+    @staticmethod
+    def _load_attention(L) -> list:
+        """A streamed attention layer's q, k, v, o handles, then (Qwen3) its q/k norms' weights and their eps: loaded
+        now, the norms with the projections since they are inside the streamed module."""
+        names = ("q_norm", "k_norm") if L["qk_norms"] else ()
+        got = _streamed_handles(L["streamed"], PROJECTIONS, norms=names)
+        return [h[0] for h in got[:4]] + got[4:] + L["qk_norms"][2:]
+
     def applies(self, tokens: mx.array, cache) -> bool:
         """Up to MAX_POSITIONS positions (one on the dip layout, whose selector takes one) and every layer's cache a
         HostKVCache (the FFN's engine is each layer's current one: the bench swaps engines)."""
@@ -221,10 +232,10 @@ class HostDecoder:
         for i, (L, c) in enumerate(zip(self.layers, cache)):
             pos = c.offset
             c.reserve(pos + len(x), L["n_kv"], L["head_dim"])
-            q, k, v, o = L["linears"] or [h[0] for h in _streamed_handles(L["streamed"], PROJECTIONS)]
+            q, k, v, o, *qk_norms = L["linears"] + L["qk_norms"] if L["linears"] else self._load_attention(L)
             cpu_gemv._native.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
                                        c._k.shape[2], L["n_heads"], L["n_kv"], L["head_dim"], L["inv_freq"],
-                                       L["traditional"], L["rope_scale"], L["scale"], *L["qk_norms"])
+                                       L["traditional"], L["rope_scale"], L["scale"], *qk_norms)
             c.offset = pos + len(x)
             mlp = L["mlp"]
             if hasattr(mlp, "_engine"):  # a dense FFN: the engine's selector, cache and kernels on the host rows

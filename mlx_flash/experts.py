@@ -384,12 +384,19 @@ class ExpertEngine:
             self.stats.forward_done()
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
 
+    def use_streamer(self, streamer):
+        """Resident weights are streamed through `streamer` (offload.ResidentStreamer): its reads count here."""
+        self.streamer, streamer.stats = streamer, self.stats
+        self.stats.readers.append(streamer.reader)
+
     def close(self):
         try:
             if self.read_ahead is not None:
                 self.read_ahead.drain()
         finally:
             self.reader.close()
+            if self.streamer is not None:
+                self.streamer.close()
 
     def reset(self):
         if self.read_ahead is not None:

@@ -37,6 +37,15 @@ def cpu_cast(name: str):
     return "float32" if cpu_float32(name) else None
 
 
+def _wrap(model: nn.Module, weights: Dict[str, mx.array], wrap) -> Dict[str, mx.array]:
+    """Replace the modules `wrap` names (path -> function of the module) and return the weights left to load."""
+    if not wrap:
+        return weights
+    modules = dict(model.named_modules())
+    model.update_modules(tree_unflatten([(path, fn(modules[path])) for path, fn in wrap.items()]))
+    return {k: v for k, v in weights.items() if not any(k.startswith(path + ".") for path in wrap)}
+
+
 def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module], dtype=None,
                 wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
     """Instantiate the architecture, load the resident weights, and set layers[i].mlp = make_ffn(i, biases_i).
@@ -80,10 +89,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
             and infer_quant_config(p, m, weights),
         )
         cpu_gemv.patch(model)  # decode matvecs on the CPU: native kernels (MLX's ops otherwise)
-    if wrap:
-        modules = dict(model.named_modules())
-        model.update_modules(tree_unflatten([(path, fn(modules[path])) for path, fn in wrap.items()]))
-        weights = {k: v for k, v in weights.items() if not any(k.startswith(path + ".") for path in wrap)}
+    weights = _wrap(model, weights, wrap)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -95,9 +101,11 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     return model
 
 
-def build_moe_model(fd: FlashDir, engine=None, dtype=None) -> nn.Module:
+def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None
+                    ) -> nn.Module:
     """An MoE model with mlx-lm's classes and the resident weights: each SwitchGLU replaced by the engine's
-    FlashSwitchGLU, or (engine None) holding all its experts as read from flash: mlx-lm's own model, the reference."""
+    FlashSwitchGLU, or (engine None) holding all its experts as read from flash: mlx-lm's own model, the reference.
+    wrap: as in `build_model` (streamed modules)."""
     from mlx_lm.utils import infer_quant_config
 
     config = fd.config
@@ -118,6 +126,7 @@ def build_moe_model(fd: FlashDir, engine=None, dtype=None) -> nn.Module:
         nn.quantize(model, class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights
                     and infer_quant_config(p, m, weights))
         cpu_gemv.patch(model)
+    weights = _wrap(model, weights, wrap)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -353,18 +362,23 @@ def load(
             sparsifier.bias[i] = bias["fc1"]
         return FlashFFN(engine, i, bias)
 
-    wrap = {}
-    if plan.streamed:
-        engine.use_streamer(ResidentStreamer(fd, open_reader(fd.path / RESIDENT, direct=direct, threads=STREAM_THREADS),
-                                             plan.streamed, cast))
-        wrap = {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
-    model = build_model(fd, make_ffn, dtype, wrap)
+    model = build_model(fd, make_ffn, dtype, _streaming(fd, plan, engine, direct, cast))
     model.flash = engine
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
                                kv_group_size)
     model.draft_model = draft
     return model, tokenizer
+
+
+def _streaming(fd, plan, engine, direct: bool, cast) -> Dict[str, Callable[[nn.Module], nn.Module]]:
+    """The wrappers of what the plan streams below the resident floor (offload.py), read through a streamer whose
+    reads count in the engine's stats; {} when everything resident fits."""
+    if not plan.streamed:
+        return {}
+    engine.use_streamer(ResidentStreamer(fd, open_reader(fd.path / RESIDENT, direct=direct, threads=STREAM_THREADS),
+                                         plan.streamed, cast))
+    return {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
 
 
 def _load_draft(path, fd: FlashDir, context: int):
@@ -390,13 +404,14 @@ def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, t
     if read_ahead:
         extra += ReadAhead.nbytes(fd, top_k)
     plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra, resident=fd.resident_nbytes(cast),
-                       kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
+                       groups=stream_groups(fd, cast, context), kv_bits=kv_bits, kv_group_size=kv_group_size,
+                       prompt_caches=prompt_caches)
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
     engine.stats.baseline_rss = baseline
     if budget is not None:
         mx.set_cache_limit(plan.workspace)
-    model = build_moe_model(fd, engine, dtype)
+    model = build_moe_model(fd, engine, dtype, _streaming(fd, plan, engine, direct, cast))
     model.flash = engine
     routers = next_routers(model, {int(i): p for i, p in fd.ffn["switch_paths"].items()}) if read_ahead else {}
     if routers:

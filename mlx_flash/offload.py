@@ -90,7 +90,11 @@ def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
             heads.append(_group(path, "head", ts, cast, fd.alignment, rows=chunk, chunk=chunk))
         elif leaf.startswith("embed"):
             rows.append(_group(path, "rows", ts, cast, fd.alignment, rows=min(context, ts[0].shape[0])))
-    layer_prefixes = [p.rsplit(".", 1)[0] for p in fd.ffn["mlp_paths"]]
+    if "mlp_paths" in fd.ffn:  # "model.layers.3.mlp" -> "model.layers.3"
+        layer_prefixes = [p.rsplit(".", 1)[0] for p in fd.ffn["mlp_paths"]]
+    else:  # MoE: every layer with attention, in order
+        found = {name.split(".self_attn.")[0] for name in index if ".self_attn." in name}
+        layer_prefixes = sorted(found, key=_layer_number)
     for i in _spread(len(layer_prefixes)):
         prefix = layer_prefixes[i] + ".self_attn."
         ts = [t for name, t in index.items() if name.startswith(prefix)]

@@ -340,3 +340,52 @@ def test_a_failed_read_leaves_no_unread_expert_cached(moe_dirs):
         assert greedy(model) == want
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_dirs(tmp_path_factory):
+    """arch -> (4-bit mlx-lm source, its flash dir) of tiny MoE models with a 131072-token vocabulary: embeddings and
+    head big enough that streaming them saves more than its buffers cost, so there are budgets under the floor."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    root = tmp_path_factory.mktemp("moe-vocab")
+    out = {}
+    for arch in ("qwen3_moe", "mixtral"):
+        model, config = load_source_model(make_tiny_model_dir(arch, root / f"{arch}-float", vocab_size=131072,
+                                                              tie_word_embeddings=False), lazy=False)
+        model, config = quantize_model(model, config, group_size=32, bits=4)
+        q = root / f"{arch}-q4"
+        save_model(q, model)
+        (q / "config.json").write_text(json.dumps(config))
+        copy_tokenizer(root / f"{arch}-float", q)
+        out[arch] = (q, convert(str(q), root / f"{arch}-flash", progress=False))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_below_the_resident_floor_attention_and_head_stream(wide_vocab_dirs, arch, float_activations):
+    """A budget under the resident floor streams attention layers and the embedding / LM head from flash, as for
+    dense models (the native decode step binds them as they load, mixtral runs MLX's forward): tokens and logits
+    are still stock mlx-lm's, and the streamed bytes are counted."""
+    from mlx_flash.budget import min_streaming_budget
+    from mlx_flash.loader import cpu_cast
+    from mlx_flash.offload import stream_groups
+
+    src_dir, flash_dir = wide_vocab_dirs[arch]
+    src, _ = load_source_model(src_dir, lazy=False)
+    fd = FlashDir(flash_dir)
+    resident = fd.resident_nbytes(cpu_cast)
+    lowest = min_streaming_budget(fd, 64, 4, resident=resident, groups=stream_groups(fd, cpu_cast, 64))
+    budget = lowest + len(fd.layers) * fd.layouts[REGION].stride  # one expert slot a layer
+    assert budget < min_budget(fd, 64, 4, resident=resident)
+    model, _ = load(flash_dir, memory_budget=budget, context=64)
+    try:
+        kinds = {g.kind for g in model.flash.plan.streamed}
+        assert "head" in kinds and ("layer" in kinds or arch != "qwen3_moe"), kinds  # (mixtral's attention fits back)
+        assert (model.decoder is not None) == (arch == "qwen3_moe"), model.flash.decoder_why
+        assert greedy(model) == greedy(src)
+        assert mx.abs(model(PROMPT[None]) - src(PROMPT[None])).max().item() < 1e-4
+        model.flash.stats.end()
+        assert sum(t.streamed_bytes for t in model.flash.stats.tokens) > 0
+    finally:
+        model.flash.close()
