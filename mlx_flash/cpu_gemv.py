@@ -27,11 +27,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-# Before libgomp starts: idle OpenMP threads spin briefly, then sleep. A decode step runs several
-# parallel loops per layer a few microseconds apart, and waking a sleeping thread costs more than a
-# small matvec (SmolLM2 decoding: 39 tokens/s with OMP_WAIT_POLICY=PASSIVE, 75 with this); longer
-# spins would take the cores the pread pool and MLX share.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Before libgomp starts: idle OpenMP threads spin ~0.1 s, then sleep (libomp's KMP_BLOCKTIME is 0.2 s).
+# A decode step runs several parallel loops per layer, between them Python and waits for reads of a few
+# ms, and waking a sleeping thread costs more than a matvec: SmolLM2 39 tokens/s with
+# OMP_WAIT_POLICY=PASSIVE, 75 with 10k spins; on the 7B, a layer's loops after a streamed chunk's wait ran
+# 2x slower with 10k spins (woken from an idle core) than with these (BENCHMARKS.md, issue #24).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
 
 try:
     from . import _cpu_gemv as _native
