@@ -65,14 +65,24 @@ def expert_arrays(switch: nn.Module) -> Dict[str, mx.array]:
     return dict(tree_flatten(switch.parameters()))
 
 
+# MLX's quantisation modes whose codes and scales an expert unit keeps as they are (no biases but affine's):
+# gpt-oss ships its experts in mxfp4
+MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+
 def expert_quantization(switch: nn.Module) -> Dict[str, dict]:
-    """projection -> {"bits", "group_size"} of a quantised SwitchGLU, None for float projections."""
+    """projection -> {"bits", "group_size"[, "mode"]} of a quantised SwitchGLU, None for float projections
+    ("mode" only when not affine)."""
     out = {}
     for name in PROJECTIONS:
         p = getattr(switch, name)
-        out[name] = {"bits": p.bits, "group_size": p.group_size} if hasattr(p, "bits") else None
-        if hasattr(p, "mode") and p.mode != "affine":
-            raise UnsupportedArchitectureError(f"{name}: quantisation mode {p.mode!r} (affine only)")
+        mode = getattr(p, "mode", "affine")
+        if mode not in MODES:
+            raise UnsupportedArchitectureError(f"{name}: quantisation mode {mode!r} (one of {', '.join(MODES)})")
+        if getattr(p, "global_scale", None) is not None:  # (nvfp4's optional global scale is not a unit's part)
+            raise UnsupportedArchitectureError(f"{name}: quantisation with a global scale is not supported")
+        out[name] = ({"bits": p.bits, "group_size": p.group_size, **({"mode": mode} if mode != "affine" else {})}
+                     if hasattr(p, "bits") else None)
     return out
 
 
@@ -97,15 +107,17 @@ class FlashSwitchGLU(nn.Module):
 def next_routers(model: nn.Module, paths: Dict[int, str]):
     """layer -> (next MoE layer, scale [D], its router): the router of the next layer with experts, and what turns
     this layer's expert input into that router's input as if the residual stream stopped here. Both blocks take
-    RMSNorm(h) * w (their post-attention norms' weights), so x * w_next / w is RMSNorm(h) * w_next. Empty when a
-    block has no `gate` router or its norm is not an RMSNorm (no read-ahead)."""
+    RMSNorm(h) * w (their post-attention norms' weights), so x * w_next / w is RMSNorm(h) * w_next. The router is
+    the block's `gate` (`router` in gpt-oss). Empty when a block has neither or its norm is not an RMSNorm (no
+    read-ahead)."""
     modules = dict(model.named_modules())
     found = {}
     for i, path in paths.items():
         block, norm = modules[path.rsplit(".", 1)[0]], getattr(model.layers[i], "post_attention_layernorm", None)
-        if not isinstance(getattr(block, "gate", None), nn.Module) or type(norm) is not nn.RMSNorm:
+        router = next((r for r in (getattr(block, n, None) for n in ("gate", "router")) if isinstance(r, nn.Module)), None)
+        if router is None or type(norm) is not nn.RMSNorm:
             return {}
-        found[i] = (norm.weight.astype(mx.float32), block.gate)
+        found[i] = (norm.weight.astype(mx.float32), router)
     order = sorted(found)
     out = {}
     for i, j in zip(order, order[1:]):
@@ -144,6 +156,8 @@ class ReadAhead:
             return None
         _, scale, gate = self.routers[layer]
         logits = gate((x * scale).astype(x.dtype))
+        if isinstance(logits, tuple):  # a router that picks itself (DeepSeek's grouped top-k): (indices, scores)
+            return logits[0]
         return mx.argpartition(-logits, self.top_k - 1, axis=-1)[..., : self.top_k]
 
     def start(self, layer: int, predicted: np.ndarray):
@@ -255,6 +269,9 @@ class ExpertEngine:
         p, q = self._matrices(row, name), self.quant[name]
         if q is None:
             y = x @ p["weight"].astype(x.dtype).T
+        elif "mode" in q:  # mxfp4 & co: MLX's own kernel on the codes and scales as stored
+            y = mx.quantized_matmul(x, p["weight"], p["scales"], None, transpose=True, group_size=q["group_size"],
+                                    bits=q["bits"], mode=q["mode"])
         else:
             y = cpu_gemv.quantized_matmul(x, p["weight"], p["scales"], p["biases"], q["group_size"], q["bits"])
         return y if p["bias"] is None else y + p["bias"].astype(y.dtype)
@@ -278,7 +295,7 @@ class ExpertEngine:
         """Rows the native kernels compute whole (a decode step, a verification pass, a short prompt: up to
         cpu_gemv.NATIVE_ROWS tokens): float32 on the CPU, quantised SwiGLU experts."""
         return (x.shape[0] <= cpu_gemv.NATIVE_ROWS and x.dtype == mx.float32 and cpu_gemv.available()
-                and type(activation).__name__ == "SwiGLU" and all(q is not None for q in self.quant.values())
+                and type(activation).__name__ == "SwiGLU" and all(q is not None and "mode" not in q for q in self.quant.values())
                 and "gate_proj.bias" not in self.components)
 
     def _expert_row(self, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:

@@ -58,7 +58,7 @@ def greedy(model, n=12):
 def slots_budget(fd, slots, read_ahead=False):
     """A budget that leaves `slots` expert slots per layer (beside the read-ahead's staging buffers, if asked)."""
     extra = ReadAhead.nbytes(fd, fd.config["num_experts_per_tok"]) if read_ahead else 0
-    return min_budget(fd, 64, 4, extra=extra) + slots * len(fd.layers) * fd.layouts[REGION].stride
+    return min_budget(fd, 64, 4, extra=extra) + slots * sum(REGION in l for l in fd.layers) * fd.layouts[REGION].stride
 
 
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
@@ -75,7 +75,8 @@ def test_experts_are_the_source_codes(moe_dirs, arch):
         for k in want:
             assert np.array_equal(np.array(got[k]), np.array(want[k])), (i, k)
     assert not any("switch_mlp" in k for k in fd.load_resident())
-    assert fd.layers[0][REGION].stride % fd.alignment == 0  # read straight into a cache row
+    assert fd.layouts[REGION].stride % fd.alignment == 0  # read straight into a cache row
+    assert [REGION in layer for layer in fd.layers] == [i in switch_paths(src) for i in range(len(fd.layers))]
     fd.verify()
 
 
@@ -123,6 +124,26 @@ def test_hugging_face_directory_with_a_tensor_per_expert(moe_dirs, arch, tmp_pat
     flash_dir = convert(str(hf), tmp_path / "flash", progress=False)
     assert FlashDir(flash_dir).manifest["ffn"]["quantization"]["gate_proj"] is None
     _check_against(load_source_model(hf, lazy=False)[0], flash_dir, (None, 1))
+
+
+def test_gpt_oss_mxfp4_experts_stay_as_stored(moe_dirs, tmp_path, float_activations):
+    """gpt-oss publishes its experts in mxfp4 (e2m1 codes, a uint8 power-of-two scale per 32, no biases): each expert
+    unit keeps those bytes, and streamed at one slot per layer the model is mlx-lm's on the same weights."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    src, config = load_source_model(moe_dirs["gpt_oss"][2], lazy=False)
+    src, config = quantize_model(src, config, group_size=32, bits=4, mode="mxfp4")
+    save_model(tmp_path / "mx", src)
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(moe_dirs["gpt_oss"][2], tmp_path / "mx")
+    src, _ = load_source_model(tmp_path / "mx", lazy=False)
+    flash_dir = convert(str(tmp_path / "mx"), tmp_path / "flash", progress=False)
+    fd = FlashDir(flash_dir)
+    assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "mode": "mxfp4"}
+    got, want = fd.unpack_layer(1), expert_arrays(dict(src.named_modules())[switch_paths(src)[1]])
+    assert set(got) == set(want) and not any(k.endswith(".biases") for k in got)
+    assert all(np.array_equal(np.array(got[k]), np.array(want[k])) for k in want)
+    _check_against(src, flash_dir, (None, 1))
 
 
 def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations):

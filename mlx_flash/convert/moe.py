@@ -40,7 +40,7 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
             arrays = expert_arrays(switch)
             mx.eval(arrays)
             for name, pq in q.items():  # Q4_0 / Q8_0: the biases follow from the scales, so (as on the source) not stored
-                if pq is not None and mx.array_equal(arrays[f"{name}.biases"],
+                if pq is not None and f"{name}.biases" in arrays and mx.array_equal(arrays[f"{name}.biases"],
                                                      symmetric_biases(arrays[f"{name}.scales"], pq["bits"])):
                     q[name] = {**pq, "symmetric": True}
                     del arrays[f"{name}.biases"]

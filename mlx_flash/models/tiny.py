@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from . import get_model_classes
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
-TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
 
 _COMMON = {
     "hidden_size": 64,
@@ -125,6 +125,24 @@ _CONFIGS = {
         "architectures": ["OlmoeForCausalLM"],
         "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 4,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    },
+    # many small experts, a shared one, group-limited sigmoid routing, MLA attention, a dense first layer
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
+        "num_key_value_heads": 4, "num_hidden_layers": 3, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    # experts with biases and a clamped SwiGLU; attention sinks, sliding and full layers
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 2,
+        "head_dim": 16, "sliding_window": 8, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+        "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,  # (transformers checks it against its default YaRN factor)
     },
     "opt": {
         "architectures": ["OPTForCausalLM"],
