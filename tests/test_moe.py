@@ -146,18 +146,20 @@ def test_gpt_oss_mxfp4_experts_stay_as_stored(moe_dirs, tmp_path, float_activati
     _check_against(src, flash_dir, (None, 1))
 
 
-def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations):
-    """A qwen3moe GGUF (stacked Q4_0 experts ffn_*_exps, float router ffn_gate_inp): converted, its experts keep
-    Q4_0's bytes, the model is mlx-lm's on the same weights (gguf_to_mlx_dir) bit for bit, and streaming gives its
-    tokens and logits."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type):
+    """A qwen3moe GGUF, and a Mixtral one (llama.cpp's "llama" with expert_count): stacked Q4_0 experts ffn_*_exps,
+    float router ffn_gate_inp. Converted, its experts keep Q4_0's bytes, the model is mlx-lm's on the same weights
+    (gguf_to_mlx_dir) bit for bit, and streaming gives its tokens and logits."""
     from mlx_flash.convert.gguf import gguf_to_mlx_dir
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
     gguf = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, num_hidden_layers=2, vocab_size=512,
                       num_experts=8, hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, head_dim=64,
-                      num_key_value_heads=2)
+                      num_key_value_heads=2, model_type=model_type)
     flash_dir = convert(str(gguf), tmp_path / "flash", progress=False)
     fd = FlashDir(flash_dir)
+    assert fd.manifest["architecture"] == model_type
     assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True}
     # an expert holds Q4_0's own bytes (18 per 32 weights: codes and a float16 scale), no MLX biases
     assert sum(c.nbytes for c in fd.layouts[REGION].components) == 3 * 256 * 64 * 18 // 32

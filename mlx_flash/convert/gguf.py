@@ -104,7 +104,7 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
             f"{meta.path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
             f"are not supported for {a}"
         )
-    if meta.get(f"{a}.expert_count", 0) and not spec.model_type.endswith("_moe"):
+    if meta.get(f"{a}.expert_count", 0) and not spec.experts:
         raise UnsupportedArchitectureError(f"{meta.path}: mixture-of-experts {a} GGUFs are not supported")
     config = {
         "architectures": [spec.hf_class],
@@ -156,6 +156,16 @@ def _qwen3_moe_config(meta, shapes, spec) -> dict:
                   num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
                   moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    return config
+
+
+def _mixtral_config(meta, shapes, spec) -> dict:
+    """Mixtral (llama.cpp writes it as "llama" with experts): every layer's FFN is experts of feed_forward_length."""
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    ff = meta.int(f"{a}.expert_feed_forward_length", meta.int(f"{a}.feed_forward_length", 0))
+    config.update(num_local_experts=meta.int(f"{a}.expert_count"), num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+                  intermediate_size=ff)
     return config
 
 
@@ -212,6 +222,7 @@ class ArchSpec:
     )
     # GGUF tensors this spec cannot represent (with the reason), e.g. llama3 rope_freqs
     rejected: Dict[str, str] = field(default_factory=dict)
+    experts: bool = False  # a mixture-of-experts model (its GGUF has <arch>.expert_count)
 
 
 _ATTENTION = {
@@ -236,6 +247,22 @@ _LLAMA = ArchSpec(
     make_config=_llama_config,
     permuted={"attn_q": "attention.head_count", "attn_k": "attention.head_count_kv"},
     rejected=_ROPE_FREQS,
+)
+
+_EXPERTS = {"ffn_gate_exps": "switch_mlp.gate_proj", "ffn_up_exps": "switch_mlp.up_proj", "ffn_down_exps": "switch_mlp.down_proj"}
+# llama.cpp's "llama" with expert_count (and stacked ffn_*_exps: GGUFs from before mid-2024 hold an
+# ffn_gate.E tensor per expert, refused as unmapped)
+_MIXTRAL = ArchSpec(
+    model_type="mixtral",
+    hf_class="MixtralForCausalLM",
+    block_names={**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "block_sparse_moe.gate",
+                 **{k: f"block_sparse_moe.{v}" for k, v in _EXPERTS.items()}},
+    make_config=_mixtral_config,
+    permuted=_LLAMA.permuted,
+    head_dim_key=False,
+    rope_theta=1e6,
+    rejected=_ROPE_FREQS,
+    experts=True,
 )
 
 ARCHITECTURES: Dict[str, ArchSpec] = {
@@ -264,12 +291,12 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         model_type="qwen3_moe",
         hf_class="Qwen3MoeForCausalLM",
         block_names={**_ATTENTION, **_QK_NORM, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-                     "ffn_gate_exps": "mlp.switch_mlp.gate_proj", "ffn_up_exps": "mlp.switch_mlp.up_proj",
-                     "ffn_down_exps": "mlp.switch_mlp.down_proj"},
+                     **{k: f"mlp.{v}" for k, v in _EXPERTS.items()}},
         make_config=_qwen3_moe_config,
         rms_norm_eps=1e-6,
         rope_theta=1e6,
         rejected=_ROPE_FREQS,
+        experts=True,
     ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",
@@ -310,8 +337,9 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
 }
 
 
-def _arch_spec(arch: Optional[str], path: Path) -> ArchSpec:
-    spec = ARCHITECTURES.get(arch)
+def _arch_spec(arch: Optional[str], meta: "Meta") -> ArchSpec:
+    path = meta.path
+    spec = _MIXTRAL if arch == "llama" and meta.get("llama.expert_count", 0) else ARCHITECTURES.get(arch)
     if spec is None:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
@@ -672,7 +700,7 @@ def gguf_to_mlx_dir(
     source = _open(path, _force_reader, mx_load_max_bytes=shard_bytes)
     meta = source.meta
     arch = meta.get("general.architecture")
-    spec = _arch_spec(arch, path)
+    spec = _arch_spec(arch, meta)
 
     shapes = source.shapes()
     unknown = []

@@ -1,4 +1,5 @@
-"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe), random Q4_0 weights.
+"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or mixtral by
+model_type=), random Q4_0 weights.
 
     python -m mlx_flash.synthetic_gguf --preset llama-7b --out FILE
 
@@ -24,7 +25,9 @@ import numpy as np
 from ..models.tiny import _bytes_to_unicode
 from .synthetic import PRESETS, preset_config
 
-GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe"}  # model_type -> llama.cpp's architecture name
+# model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
+GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+MOE_TYPES = ("qwen3_moe", "mixtral")
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
 
@@ -63,7 +66,7 @@ def _tensors(c: dict):
     d, v = c["hidden_size"], c["vocab_size"]
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    moe = c["model_type"] == "qwen3_moe"
+    moe = c["model_type"] in MOE_TYPES
     yield "token_embd.weight", (v, d)
     for i in range(c["num_hidden_layers"]):
         b = f"blk.{i}."
@@ -72,7 +75,7 @@ def _tensors(c: dict):
         yield b + "attn_k.weight", (kv, d)
         yield b + "attn_v.weight", (kv, d)
         yield b + "attn_output.weight", (d, q)
-        if moe:
+        if c["model_type"] == "qwen3_moe":
             yield b + "attn_q_norm.weight", (hd,)
             yield b + "attn_k_norm.weight", (hd,)
         yield b + "ffn_norm.weight", (d,)
@@ -104,14 +107,15 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     arch = GGUF_ARCHS[c["model_type"]]
-    moe = arch == "qwen3moe"
+    moe = c["model_type"] in MOE_TYPES
     hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(f"synthetic {preset}")
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
-    w.add_feed_forward_length(c["intermediate_size"])
+    mixtral = c["model_type"] == "mixtral"  # as llama.cpp writes it: the experts' width is feed_forward_length
+    w.add_feed_forward_length(c["moe_intermediate_size"] if mixtral else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_key_length(hd)
@@ -124,7 +128,8 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     if moe:
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        if not mixtral:
+            w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     tokens, types, merges, eos = tokenizer_tokens(c["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
