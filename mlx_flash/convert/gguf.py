@@ -159,6 +159,20 @@ def _qwen3_moe_config(meta, shapes, spec) -> dict:
     return config
 
 
+def _qwen2_moe_config(meta, shapes, spec) -> dict:
+    """Qwen1.5/2-MoE (llama.cpp "qwen2moe"): experts plus a shared expert behind a sigmoid gate; top-k weights not
+    renormalised (mlx-lm's qwen2_moe, as the model)."""
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    if "blk.0.attn_q.bias" not in shapes:  # mlx-lm's qwen2_moe always has q/k/v biases
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} GGUF without attn_q/attn_k/attn_v biases")
+    config.update(hidden_act="silu", num_experts=meta.int(f"{a}.expert_count"),
+                  num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+                  moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
+                  shared_expert_intermediate_size=meta.int(f"{a}.expert_shared_feed_forward_length"))
+    return config
+
+
 def _mixtral_config(meta, shapes, spec) -> dict:
     """Mixtral (llama.cpp writes it as "llama" with experts): every layer's FFN is experts of feed_forward_length."""
     config = _base_config(meta, shapes, spec)
@@ -223,6 +237,8 @@ class ArchSpec:
     # GGUF tensors this spec cannot represent (with the reason), e.g. llama3 rope_freqs
     rejected: Dict[str, str] = field(default_factory=dict)
     experts: bool = False  # a mixture-of-experts model (its GGUF has <arch>.expert_count)
+    # per-block GGUF base names stored 1-D that are a Linear's one row in mlx-lm (qwen2moe's shared-expert gate)
+    row_vectors: Tuple[str, ...] = ()
 
 
 _ATTENTION = {
@@ -297,6 +313,21 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         rope_theta=1e6,
         rejected=_ROPE_FREQS,
         experts=True,
+    ),
+    "qwen2moe": ArchSpec(
+        model_type="qwen2_moe",
+        hf_class="Qwen2MoeForCausalLM",
+        block_names={**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+                     **{k: f"mlp.{v}" for k, v in _EXPERTS.items()}, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                     "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+        make_config=_qwen2_moe_config,
+        head_dim_key=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rejected=_ROPE_FREQS,
+        experts=True,
+        row_vectors=("ffn_gate_inp_shexp",),
     ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",
@@ -729,6 +760,8 @@ def gguf_to_mlx_dir(
         if head_key is not None and _unpermute_qk:
             n_head = meta.int(f"{arch}.{head_key}", meta.int(f"{arch}.attention.head_count"))
             arrays = {k: _unpermute(v, n_head) for k, v in arrays.items()}
+        if base.rpartition(".")[2] in spec.row_vectors:
+            arrays = {k: v.reshape(1, -1) for k, v in arrays.items()}
         if spec.norm_shift and base.endswith("norm"):
             arrays = {k: v - spec.norm_shift for k, v in arrays.items()}
         if cast is not None:

@@ -26,8 +26,8 @@ from ..models.tiny import _bytes_to_unicode
 from .synthetic import PRESETS, preset_config
 
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
-GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
-MOE_TYPES = ("qwen3_moe", "mixtral")
+GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
 
@@ -75,6 +75,8 @@ def _tensors(c: dict):
         yield b + "attn_k.weight", (kv, d)
         yield b + "attn_v.weight", (kv, d)
         yield b + "attn_output.weight", (d, q)
+        if c["model_type"] == "qwen2_moe":  # q/k/v biases
+            yield from ((b + f"attn_{x}.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv)))
         if c["model_type"] == "qwen3_moe":
             yield b + "attn_q_norm.weight", (hd,)
             yield b + "attn_k_norm.weight", (hd,)
@@ -85,6 +87,12 @@ def _tensors(c: dict):
             yield b + "ffn_gate_exps.weight", (e, ff, d)
             yield b + "ffn_up_exps.weight", (e, ff, d)
             yield b + "ffn_down_exps.weight", (e, d, ff)
+            if c["model_type"] == "qwen2_moe":  # the shared expert and its gate (a float row)
+                sh = c["shared_expert_intermediate_size"]
+                yield b + "ffn_gate_inp_shexp.weight", (d,)
+                yield b + "ffn_gate_shexp.weight", (sh, d)
+                yield b + "ffn_up_shexp.weight", (sh, d)
+                yield b + "ffn_down_shexp.weight", (d, sh)
         else:
             ff = c["intermediate_size"]
             yield b + "ffn_gate.weight", (ff, d)
@@ -130,6 +138,8 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
         w.add_expert_used_count(c["num_experts_per_tok"])
         if not mixtral:
             w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        if c["model_type"] == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     tokens, types, merges, eos = tokenizer_tokens(c["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -154,7 +164,9 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     from tqdm import tqdm
 
     for name, shape in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
-        if len(shape) == 1:
+        if name.endswith(".bias") or "ffn_gate_inp_shexp" in name:
+            data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(c["hidden_size"])).astype(np.float32)
+        elif len(shape) == 1:
             data = np.ones(shape, np.float32)
         elif "ffn_gate_inp" in name:  # the router: float, as llama.cpp's converter keeps it
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
