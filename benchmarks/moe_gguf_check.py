@@ -1,6 +1,6 @@
 """MoE GGUFs as llama.cpp writes them, checked against llama.cpp itself (issue #23): for each architecture a tiny
 random-Q4_0 GGUF (mlx_flash.synthetic_gguf: qwen3moe; Mixtral, llama.cpp's "llama" with experts; qwen2moe, with a
-shared expert), converted with convert's defaults, then benchmarks/ppl_check.py against llama-perplexity on the
+shared expert; olmoe), converted with convert's defaults, then benchmarks/ppl_check.py against llama-perplexity on the
 same tokens: perplexity, KL per token and top-1 agreement of mlx_flash's resident model.
 
     python benchmarks/moe_gguf_check.py [--out benchmarks/results/moe_gguf_check.json]
@@ -26,7 +26,7 @@ SHAPE = dict(num_hidden_layers=2, vocab_size=512, num_experts=8, hidden_size=256
 
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Tiny MoE GGUFs: mlx_flash against llama-perplexity.")
-    p.add_argument("--model-types", default="qwen3_moe,mixtral,qwen2_moe")
+    p.add_argument("--model-types", default="qwen3_moe,mixtral,qwen2_moe,olmoe")
     p.add_argument("--out", default="benchmarks/results/moe_gguf_check.json")
     return p
 
@@ -36,7 +36,8 @@ def main(argv=None):
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in args.model_types.split(","):
-            gguf = write_gguf("moe-small", Path(tmp) / f"{model_type}.gguf", progress=False, model_type=model_type, **SHAPE)
+            shape = {**SHAPE, "num_key_value_heads": 4} if model_type == "olmoe" else SHAPE  # (llama.cpp's OLMoE: no GQA)
+            gguf = write_gguf("moe-small", Path(tmp) / f"{model_type}.gguf", progress=False, model_type=model_type, **shape)
             flash = convert(str(gguf), Path(tmp) / f"{model_type}-flash", progress=False)
             out = Path(tmp) / f"{model_type}.json"
             subprocess.run([sys.executable, str(Path(__file__).with_name("ppl_check.py")), "--gguf", str(gguf),

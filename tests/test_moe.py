@@ -146,10 +146,10 @@ def test_gpt_oss_mxfp4_experts_stay_as_stored(moe_dirs, tmp_path, float_activati
     _check_against(src, flash_dir, (None, 1))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type):
-    """A qwen3moe GGUF, a Mixtral one (llama.cpp's "llama" with expert_count) and a qwen2moe one (q/k/v biases, a
-    shared expert *_shexp behind a 1-D gate): stacked Q4_0 experts ffn_*_exps, float router ffn_gate_inp. Converted,
+    """A qwen3moe GGUF, a Mixtral one (llama.cpp's "llama" with expert_count), a qwen2moe one (q/k/v biases, a
+    shared expert *_shexp behind a 1-D gate) and an olmoe one (q/k norms over all heads): stacked Q4_0 experts ffn_*_exps, float router ffn_gate_inp. Converted,
     its experts keep Q4_0's bytes, the model is mlx-lm's on the same weights (gguf_to_mlx_dir) bit for bit, and
     streaming gives its tokens and logits."""
     from mlx_flash.convert.gguf import gguf_to_mlx_dir
@@ -157,7 +157,8 @@ def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type
 
     gguf = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, num_hidden_layers=2, vocab_size=512,
                       num_experts=8, hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, head_dim=64,
-                      num_key_value_heads=2, model_type=model_type, shared_expert_intermediate_size=128)
+                      num_key_value_heads=4 if model_type == "olmoe" else 2,  # (llama.cpp's OLMoE: no GQA)
+                      model_type=model_type, shared_expert_intermediate_size=128)
     flash_dir = convert(str(gguf), tmp_path / "flash", progress=False)
     fd = FlashDir(flash_dir)
     assert fd.manifest["architecture"] == model_type

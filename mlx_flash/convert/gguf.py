@@ -173,13 +173,14 @@ def _qwen2_moe_config(meta, shapes, spec) -> dict:
     return config
 
 
-def _mixtral_config(meta, shapes, spec) -> dict:
-    """Mixtral (llama.cpp writes it as "llama" with experts): every layer's FFN is experts of feed_forward_length."""
+def _experts_config(meta, shapes, spec) -> dict:
+    """Mixtral (llama.cpp writes it as "llama" with experts) and OLMoE: every layer's FFN is experts of
+    feed_forward_length, top-k weights as the model's class does them (renormalised in Mixtral, not in OLMoE)."""
     config = _base_config(meta, shapes, spec)
     a = meta["general.architecture"]
-    ff = meta.int(f"{a}.expert_feed_forward_length", meta.int(f"{a}.feed_forward_length", 0))
-    config.update(num_local_experts=meta.int(f"{a}.expert_count"), num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
-                  intermediate_size=ff)
+    count = "num_local_experts" if spec.model_type == "mixtral" else "num_experts"
+    config.update({count: meta.int(f"{a}.expert_count"), "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
+                   "intermediate_size": meta.int(f"{a}.expert_feed_forward_length", meta.int(f"{a}.feed_forward_length", 0))})
     return config
 
 
@@ -273,7 +274,7 @@ _MIXTRAL = ArchSpec(
     hf_class="MixtralForCausalLM",
     block_names={**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "block_sparse_moe.gate",
                  **{k: f"block_sparse_moe.{v}" for k, v in _EXPERTS.items()}},
-    make_config=_mixtral_config,
+    make_config=_experts_config,
     permuted=_LLAMA.permuted,
     head_dim_key=False,
     rope_theta=1e6,
@@ -328,6 +329,15 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         rejected=_ROPE_FREQS,
         experts=True,
         row_vectors=("ffn_gate_inp_shexp",),
+    ),
+    "olmoe": ArchSpec(  # (NeoX RoPE: stored unpermuted; q/k norms over all heads)
+        model_type="olmoe",
+        hf_class="OlmoeForCausalLM",
+        block_names={**_ATTENTION, **_QK_NORM, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+                     **{k: f"mlp.{v}" for k, v in _EXPERTS.items()}},
+        make_config=_experts_config,
+        rejected=_ROPE_FREQS,
+        experts=True,
     ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",

@@ -1,5 +1,5 @@
-"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or mixtral by
-model_type=), random Q4_0 weights.
+"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or mixtral,
+qwen2_moe, olmoe by model_type=), random Q4_0 weights.
 
     python -m mlx_flash.synthetic_gguf --preset llama-7b --out FILE
 
@@ -26,8 +26,8 @@ from ..models.tiny import _bytes_to_unicode
 from .synthetic import PRESETS, preset_config
 
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
-GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
 
@@ -77,9 +77,9 @@ def _tensors(c: dict):
         yield b + "attn_output.weight", (d, q)
         if c["model_type"] == "qwen2_moe":  # q/k/v biases
             yield from ((b + f"attn_{x}.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv)))
-        if c["model_type"] == "qwen3_moe":
-            yield b + "attn_q_norm.weight", (hd,)
-            yield b + "attn_k_norm.weight", (hd,)
+        if c["model_type"] in ("qwen3_moe", "olmoe"):  # per head in Qwen3, over all heads in OLMoE
+            yield b + "attn_q_norm.weight", (hd if c["model_type"] == "qwen3_moe" else q,)
+            yield b + "attn_k_norm.weight", (hd if c["model_type"] == "qwen3_moe" else kv,)
         yield b + "ffn_norm.weight", (d,)
         if moe:
             e, ff = c["num_experts"], c["moe_intermediate_size"]
@@ -122,8 +122,8 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
-    mixtral = c["model_type"] == "mixtral"  # as llama.cpp writes it: the experts' width is feed_forward_length
-    w.add_feed_forward_length(c["moe_intermediate_size"] if mixtral else c["intermediate_size"])
+    experts_only = c["model_type"] in ("mixtral", "olmoe")  # as llama.cpp writes them: feed_forward_length is the experts'
+    w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_key_length(hd)
@@ -136,7 +136,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     if moe:
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
-        if not mixtral:
+        if not experts_only:
             w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         if c["model_type"] == "qwen2_moe":
             w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
