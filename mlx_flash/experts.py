@@ -26,7 +26,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from . import cpu_gemv
 from .errors import ReadError, UnsupportedArchitectureError
-from .runtime import AlignedBuffer
+from .runtime import AlignedBuffer, Engine
 from .stats import Stats
 from .unit_cache import UnitCache
 
@@ -201,7 +201,7 @@ class ReadAhead:
             pending[-1]()
 
 
-class ExpertEngine:
+class ExpertEngine(Engine):
     """Owns the reader, the per-layer expert caches, the scratch buffer and the stats of an MoE model."""
 
     def __init__(self, fd, reader, capacity: List[Dict[str, int]], scratch_bytes: int, policy: str = "lru",
@@ -213,7 +213,6 @@ class ExpertEngine:
         self.compute_dtype = compute_dtype
         self.stats = Stats([reader])
         self.sparsifier = Router()
-        self.streamer = None
         self.why = None
         self.route = None  # benchmarks: (layer, chosen experts) -> the experts to read instead (a replayed trace)
         self.read_ahead = None  # a ReadAhead: the next layer's predicted experts read while a layer computes
@@ -401,19 +400,8 @@ class ExpertEngine:
             self.stats.forward_done()
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
 
-    def use_streamer(self, streamer):
-        """Resident weights are streamed through `streamer` (offload.ResidentStreamer): its reads count here."""
-        self.streamer, streamer.stats = streamer, self.stats
-        self.stats.readers.append(streamer.reader)
-
-    def close(self):
-        try:
-            if self.read_ahead is not None:
-                self.read_ahead.drain()
-        finally:
-            self.reader.close()
-            if self.streamer is not None:
-                self.streamer.close()
+    def ahead(self):
+        return self.read_ahead
 
     def reset(self):
         if self.read_ahead is not None:

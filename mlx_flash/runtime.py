@@ -43,7 +43,33 @@ class FlashFFN(nn.Module):
         return self._engine.ffn(self._layer, x, self._bias)
 
 
-class FlashEngine:
+class Engine:
+    """What the engines of neurons (FlashEngine) and of experts (experts.ExpertEngine) share: a reader, its stats, the
+    streamer of resident weights, and reads ahead (`ahead()`) to wait for before the files close."""
+
+    streamer = None  # offload.ResidentStreamer when resident weights are streamed too
+
+    def ahead(self):
+        """The reads ahead of need in flight (a Prefetch / ReadAhead), or None."""
+        return None
+
+    def use_streamer(self, streamer):
+        """Resident weights are streamed through `streamer` (offload.ResidentStreamer): its reads count here."""
+        self.streamer, streamer.stats = streamer, self.stats
+        self.stats.readers.append(streamer.reader)
+
+    def close(self):
+        """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
+        try:
+            if self.ahead() is not None:
+                self.ahead().drain()
+        finally:
+            self.reader.close()
+            if self.streamer is not None:
+                self.streamer.close()
+
+
+class FlashEngine(Engine):
     """Owns the reader, the per-layer caches, the scratch buffer, the sparsifier and the stats."""
 
     def __init__(self, fd, reader, sparsifier, capacity: List[Dict[str, int]], scratch_bytes: int,
@@ -56,7 +82,6 @@ class FlashEngine:
         self.compute_dtype = compute_dtype
         self.use_metal = use_metal
         self.stats = Stats([reader])
-        self.streamer = None  # offload.ResidentStreamer when resident weights are streamed too
         self.why = None  # why load's --sparsity auto chose this sparsifier
         self.overlap = True  # compute cached hits while misses are read (False: wait first; for A/B runs)
         self.caches: List[Dict[str, UnitCache]] = [
@@ -385,20 +410,8 @@ class FlashEngine:
         model.flash = self
         return old
 
-    def use_streamer(self, streamer):
-        """Resident weights are streamed through `streamer` (offload.ResidentStreamer): its reads count here."""
-        self.streamer, streamer.stats = streamer, self.stats
-        self.stats.readers.append(streamer.reader)
-
-    def close(self):
-        """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
-        try:
-            if self.prefetch is not None:
-                self.prefetch.drain()
-        finally:
-            self.reader.close()
-            if self.streamer is not None:
-                self.streamer.close()
+    def ahead(self):
+        return self.prefetch
 
     def reset(self):
         """Cold caches and fresh stats (e.g. between benchmark runs)."""
