@@ -48,6 +48,8 @@ Mistral, which llama.cpp also calls "llama"), mistral, qwen2, qwen3, phi3
 (fused attn_qkv and ffn_up -> qkv_proj / gate_up_proj) and gemma3 (->
 gemma3_text, with llama.cpp's fixed defaults for what the GGUF leaves out:
 sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
+Mixture of experts (stacked ffn_*_exps, router ffn_gate_inp): qwen3moe, qwen2moe (shared expert *_shexp),
+olmoe, and Mixtral (llama.cpp's "llama" with an expert_count).
 """
 
 from __future__ import annotations
