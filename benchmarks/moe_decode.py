@@ -98,7 +98,7 @@ def setup_arg_parser():
     p.add_argument("--routing", default="model", help="Comma-separated: model (the router's choice), skewed (a replayed trace).")
     p.add_argument("--zipf", type=float, default=1.0, help="skewed: Zipf exponent of each layer's expert popularity.")
     p.add_argument("--burst", type=float, default=0.5, help="skewed: chance each of the previous token's experts is kept.")
-    p.add_argument("--read-ahead", default="on", help="Comma-separated: on (experts.ReadAhead, load's default), off.")
+    p.add_argument("--read-ahead", default="off", help="Comma-separated: off (load's default for MoE), on (experts.ReadAhead).")
     p.add_argument("--json", default=None)
     return p
 
