@@ -1,13 +1,14 @@
 """MoE GGUFs as llama.cpp writes them, checked against llama.cpp itself (issue #23): for each architecture a tiny
-random-Q4_0 GGUF (mlx_flash.synthetic_gguf: qwen3moe; Mixtral, llama.cpp's "llama" with experts; qwen2moe, with a
-shared expert; olmoe), converted with convert's defaults, then benchmarks/ppl_check.py against llama-perplexity on the
-same tokens: perplexity, KL per token and top-1 agreement of mlx_flash's resident model.
+random GGUF (mlx_flash.synthetic_gguf.tiny_moe: qwen3moe; Mixtral, llama.cpp's "llama" with experts; qwen2moe,
+with a shared expert; olmoe; gpt-oss, MXFP4 experts with biases, sinks, sliding layers, YaRN), converted with
+convert's defaults, then benchmarks/ppl_check.py against llama-perplexity on the same tokens: perplexity, KL per
+token and top-1 agreement of mlx_flash's resident model.
 
     python benchmarks/moe_gguf_check.py [--out benchmarks/results/moe_gguf_check.json]
 
 The tests check the conversion against mlx-lm on the same weights; this checks the mapping (names, RoPE
-permutations, the shared expert's gate) against an independent implementation. Random weights: speed and
-mapping only, the perplexities are near the vocabulary size.
+permutations, the shared expert's gate, MXFP4's nibbles, YaRN) against an independent implementation. Random
+weights: mapping only, the perplexities are near the vocabulary size.
 """
 
 import argparse
@@ -18,15 +19,12 @@ import tempfile
 from pathlib import Path
 
 from mlx_flash.convert.build import convert
-from mlx_flash.tools.synthetic_gguf import write_gguf
-
-SHAPE = dict(num_hidden_layers=2, vocab_size=512, num_experts=8, hidden_size=256, moe_intermediate_size=64,
-             num_attention_heads=4, head_dim=64, num_key_value_heads=2, shared_expert_intermediate_size=128)
+from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
 
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Tiny MoE GGUFs: mlx_flash against llama-perplexity.")
-    p.add_argument("--model-types", default="qwen3_moe,mixtral,qwen2_moe,olmoe")
+    p.add_argument("--model-types", default="qwen3_moe,mixtral,qwen2_moe,olmoe,gpt_oss")
     p.add_argument("--out", default="benchmarks/results/moe_gguf_check.json")
     return p
 
@@ -36,15 +34,14 @@ def main(argv=None):
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in args.model_types.split(","):
-            shape = {**SHAPE, "num_key_value_heads": 4} if model_type == "olmoe" else SHAPE  # (llama.cpp's OLMoE: no GQA)
-            gguf = write_gguf("moe-small", Path(tmp) / f"{model_type}.gguf", progress=False, model_type=model_type, **shape)
+            gguf = write_gguf("moe-small", Path(tmp) / f"{model_type}.gguf", progress=False, **tiny_moe(model_type))
             flash = convert(str(gguf), Path(tmp) / f"{model_type}-flash", progress=False)
             out = Path(tmp) / f"{model_type}.json"
             subprocess.run([sys.executable, str(Path(__file__).with_name("ppl_check.py")), "--gguf", str(gguf),
                             "--model", str(flash), "--ctx", "64", "--chunks", "4", "--systems", "mlx_flash resident",
                             "--selectors-windows", "0", "--quiet", "--out", str(out)], check=True)
             results[model_type] = json.loads(out.read_text())
-    Path(args.out).write_text(json.dumps({"shape": SHAPE, "runs": results}, indent=1))
+    Path(args.out).write_text(json.dumps({"configs": {t: tiny_moe(t) for t in results}, "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -146,25 +146,27 @@ def test_gpt_oss_mxfp4_experts_stay_as_stored(moe_dirs, tmp_path, float_activati
     _check_against(src, flash_dir, (None, 1))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type):
-    """A qwen3moe GGUF, a Mixtral one (llama.cpp's "llama" with expert_count), a qwen2moe one (q/k/v biases, a
-    shared expert *_shexp behind a 1-D gate) and an olmoe one (q/k norms over all heads): stacked Q4_0 experts ffn_*_exps, float router ffn_gate_inp. Converted,
-    its experts keep Q4_0's bytes, the model is mlx-lm's on the same weights (gguf_to_mlx_dir) bit for bit, and
+    """MoE GGUFs as llama.cpp writes them (stacked experts ffn_*_exps, float router ffn_gate_inp): qwen3moe, Mixtral
+    (llama.cpp's "llama" with expert_count), qwen2moe (q/k/v biases, a shared expert *_shexp behind a 1-D gate),
+    olmoe (q/k norms over all heads), gpt-oss (MXFP4 experts with biases, sinks, sliding layers, YaRN). Converted,
+    its experts keep the GGUF's bytes, the model is mlx-lm's on the same weights (gguf_to_mlx_dir) bit for bit, and
     streaming gives its tokens and logits."""
     from mlx_flash.convert.gguf import gguf_to_mlx_dir
-    from mlx_flash.tools.synthetic_gguf import write_gguf
+    from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
-    gguf = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, num_hidden_layers=2, vocab_size=512,
-                      num_experts=8, hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, head_dim=64,
-                      num_key_value_heads=4 if model_type == "olmoe" else 2,  # (llama.cpp's OLMoE: no GQA)
-                      model_type=model_type, shared_expert_intermediate_size=128)
+    gguf = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, **tiny_moe(model_type))
     flash_dir = convert(str(gguf), tmp_path / "flash", progress=False)
     fd = FlashDir(flash_dir)
     assert fd.manifest["architecture"] == model_type
-    assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True}
-    # an expert holds Q4_0's own bytes (18 per 32 weights: codes and a float16 scale), no MLX biases
-    assert sum(c.nbytes for c in fd.layouts[REGION].components) == 3 * 256 * 64 * 18 // 32
+    experts = 3 * 256 * 64  # weights per expert
+    if model_type == "gpt_oss":  # MXFP4's own bytes (17 per 32: e2m1 codes and a scale byte), the float32 biases
+        assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "mode": "mxfp4"}
+        assert sum(c.nbytes for c in fd.layouts[REGION].components) == experts * 17 // 32 + (64 + 64 + 256) * 4
+    else:  # Q4_0's own bytes (18 per 32 weights: codes and a float16 scale), no MLX biases
+        assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True}
+        assert sum(c.nbytes for c in fd.layouts[REGION].components) == experts * 18 // 32
     src, _ = load_source_model(gguf_to_mlx_dir(gguf, tmp_path / "mlx"), lazy=False)
     cpu_gemv.enabled = False  # MLX's ops on both sides: the same weights give the same bits
     try:

@@ -49,7 +49,7 @@ Mistral, which llama.cpp also calls "llama"), mistral, qwen2, qwen3, phi3
 gemma3_text, with llama.cpp's fixed defaults for what the GGUF leaves out:
 sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
 Mixture of experts (stacked ffn_*_exps, router ffn_gate_inp): qwen3moe, qwen2moe (shared expert *_shexp),
-olmoe, and Mixtral (llama.cpp's "llama" with an expert_count).
+olmoe, Mixtral (llama.cpp's "llama" with an expert_count) and gpt-oss (MXFP4 experts kept as MLX mxfp4).
 """
 
 from __future__ import annotations
@@ -83,6 +83,13 @@ def _rope_scaling(meta: "Meta", a: str) -> Optional[dict]:
     scaling = meta.get(f"{a}.rope.scaling.type")
     if scaling in (None, "none"):
         return None
+    if scaling == "yarn":  # (mlx-lm's YarnRoPE, as llama.cpp: correction range floored/ceiled, mscale on q and k)
+        if meta.float(f"{a}.rope.scaling.yarn_ext_factor", 1.0) != 1.0 or f"{a}.rope.scaling.yarn_attn_factor" in meta:
+            raise UnsupportedArchitectureError(f"{meta.path}: YaRN with an ext_factor or attn_factor is not supported")
+        return {"rope_type": "yarn", "factor": meta.float(f"{a}.rope.scaling.factor"),
+                "original_max_position_embeddings": meta.int(f"{a}.rope.scaling.original_context_length"),
+                "beta_fast": meta.float(f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": meta.float(f"{a}.rope.scaling.yarn_beta_slow", 1.0)}
     if scaling != "linear":
         raise UnsupportedArchitectureError(f"{meta.path}: rope scaling {scaling!r} is not supported")
     return {"type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
@@ -186,6 +193,19 @@ def _experts_config(meta, shapes, spec) -> dict:
     return config
 
 
+def _gpt_oss_config(meta, shapes, spec) -> dict:
+    """gpt-oss: experts with biases (MXFP4 in its GGUFs), attention sinks, sliding-window layers alternating with
+    full ones (llama.cpp's pattern 2: even layers slide), YaRN."""
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    n = config["num_hidden_layers"]
+    config.update(num_local_experts=meta.int(f"{a}.expert_count"), num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+                  intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
+                  sliding_window=meta.int(f"{a}.attention.sliding_window"),
+                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+    return config
+
+
 def _phi3_config(meta, shapes, spec) -> dict:
     config = _base_config(meta, shapes, spec)
     a = meta["general.architecture"]
@@ -242,6 +262,8 @@ class ArchSpec:
     experts: bool = False  # a mixture-of-experts model (its GGUF has <arch>.expert_count)
     # per-block GGUF base names stored 1-D that are a Linear's one row in mlx-lm (qwen2moe's shared-expert gate)
     row_vectors: Tuple[str, ...] = ()
+    # per-block GGUF base names whose "weight" is a bare parameter in mlx-lm (gpt-oss's attention sinks)
+    bare: Tuple[str, ...] = ()
 
 
 _ATTENTION = {
@@ -340,6 +362,17 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         make_config=_experts_config,
         rejected=_ROPE_FREQS,
         experts=True,
+    ),
+    "gpt-oss": ArchSpec(  # (NeoX RoPE: stored unpermuted)
+        model_type="gpt_oss",
+        hf_class="GptOssForCausalLM",
+        block_names={**_ATTENTION, "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
+                     "ffn_gate_inp": "mlp.router",
+                     **{k: v.replace("switch_mlp", "mlp.experts") for k, v in _EXPERTS.items()}},
+        make_config=_gpt_oss_config,
+        rope_theta=150000.0,
+        experts=True,
+        bare=("attn_sinks",),
     ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",
@@ -508,6 +541,17 @@ def _repack_q4(raw: np.ndarray, block: int):
     return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32), d, bias, 4
 
 
+def _repack_mxfp4(raw: np.ndarray):
+    """GGML MXFP4 (17 B per 32: an e8m0 scale byte, then Q4_0's nibble order) -> MLX mxfp4: the same e2m1 codes
+    and the same scale byte (2^(e - 127)); only the nibbles are reordered."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 17)
+    qs = b[..., 1:]
+    vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32), np.ascontiguousarray(b[..., 0]), None, 4
+
+
 def _dequantize(raw: np.ndarray, t, path: Path) -> np.ndarray:
     import gguf
 
@@ -543,6 +587,7 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         T.Q8_0: _repack_q8_0,
         T.Q4_0: lambda raw: _repack_q4(raw, 18),
         T.Q4_1: lambda raw: _repack_q4(raw, 20),
+        T.MXFP4: _repack_mxfp4,
     }
     for t in reader.tensors:
         base, part = _split_name(t.name)
@@ -550,11 +595,8 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         raw = t.data
         if t.tensor_type in repack and len(shape) in (2, 3) and part == "weight":  # 3-D: stacked experts
             w, s, b, bits = repack[t.tensor_type](np.asarray(raw).reshape(int(np.prod(shape[:-1])), -1))
-            w, s, b = (a.reshape(*shape[:-1], -1) for a in (w, s, b))
-            yield base, part, {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, (
-                GGUF_GROUP_SIZE,
-                bits,
-            )
+            arrays = {"weight": w, "scales": s, **({} if b is None else {"biases": b})}  # (mxfp4: no biases)
+            yield base, part, {k: mx.array(a.reshape(*shape[:-1], -1)) for k, a in arrays.items()}, (GGUF_GROUP_SIZE, bits)
             continue
         if t.tensor_type == T.F32:
             arr = mx.array(np.asarray(raw, dtype=np.float32).reshape(shape))
@@ -629,6 +671,13 @@ class _ReaderSource:
         return _iter_reader(self.reader, self.meta.path)
 
 
+def _tensor_count(path: Path) -> int:
+    """The tensor count of a GGUF's header (magic, version, then the count as uint64)."""
+    with open(path, "rb") as f:
+        f.seek(8)
+        return int.from_bytes(f.read(8), "little")
+
+
 def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
     """mx.load for files up to `mx_load_max_bytes` whose tensors it can all read, else gguf.GGUFReader.
 
@@ -640,7 +689,9 @@ def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
 
         try:
             arrays, meta = mx.load(str(path), return_metadata=True)
-            return _MxSource(arrays, Meta({k: _plain(v) for k, v in meta.items()}, path))
+            loaded = sum(not k.endswith((".scales", ".biases")) for k in arrays)
+            if loaded == _tensor_count(path):  # (mx.load stops at a type it cannot read, e.g. MXFP4, and says nothing)
+                return _MxSource(arrays, Meta({k: _plain(v) for k, v in meta.items()}, path))
         except Exception as e:  # an unsupported tensor type, or a damaged file: the reader tells which
             mx_error = e
     import gguf
@@ -778,18 +829,21 @@ def gguf_to_mlx_dir(
             arrays = {k: v - spec.norm_shift for k, v in arrays.items()}
         if cast is not None:
             arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
-        if quant is not None:
-            quant_of[hf] = quant
+        if quant is not None:  # uint8 scales: mxfp4 (as mlx-lm infers it)
+            quant_of[hf] = (*quant, "mxfp4" if arrays["scales"].dtype == mx.uint8 else "affine")
         for key, arr in arrays.items():
-            writer.add(f"{hf}.{key}", arr)
+            writer.add(hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{key}", arr)
     writer.close()
 
     if quant_of:
-        (group, bits), _ = Counter(quant_of.values()).most_common(1)[0]
-        quantization = {"group_size": group, "bits": bits}
+        def entry(q):
+            return {"group_size": q[0], "bits": q[1], **({"mode": q[2]} if q[2] != "affine" else {})}
+
+        common, _ = Counter(quant_of.values()).most_common(1)[0]
+        quantization = entry(common)
         for hf, q in sorted(quant_of.items()):
-            if q != (group, bits):
-                quantization[hf] = {"group_size": q[0], "bits": q[1]}
+            if q != common:
+                quantization[hf] = entry(q)
         config["quantization"] = quantization
         config["quantization_config"] = dict(quantization)
 

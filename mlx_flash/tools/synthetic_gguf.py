@@ -1,5 +1,5 @@
 """Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or mixtral,
-qwen2_moe, olmoe by model_type=), random Q4_0 weights.
+qwen2_moe, olmoe, gpt_oss by model_type=), random Q4_0 weights.
 
     python -m mlx_flash.synthetic_gguf --preset llama-7b --out FILE
 
@@ -26,10 +26,26 @@ from ..models.tiny import _bytes_to_unicode
 from .synthetic import PRESETS, preset_config
 
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
-GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
+              "gpt_oss": "gpt-oss"}
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
+
+
+def tiny_moe(model_type: str) -> dict:
+    """write_gguf overrides of "moe-small" for a tiny MoE GGUF of `model_type` (2 layers of 8 experts of 64,
+    d_model 256) as llama.cpp's converter writes that architecture: the tests' and benchmarks/moe_gguf_check.py's."""
+    c = dict(model_type=model_type, num_hidden_layers=2, vocab_size=512, num_experts=8, hidden_size=256,
+             moe_intermediate_size=64, num_attention_heads=4, head_dim=64, num_key_value_heads=2)
+    if model_type == "qwen2_moe":
+        c.update(shared_expert_intermediate_size=128)
+    if model_type == "olmoe":
+        c.update(num_key_value_heads=4)  # llama.cpp's OLMoE: no GQA
+    if model_type == "gpt_oss":  # sliding layers shorter than a test's prompt; gpt-oss's YaRN
+        c.update(sliding_window=16, rope_theta=150000.0, rope_scaling={
+            "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0})
+    return c
 
 
 def _q4_0(rng, rows: int, cols: int, zero_mean: bool = False) -> np.ndarray:
@@ -42,6 +58,14 @@ def _q4_0(rng, rows: int, cols: int, zero_mean: bool = False) -> np.ndarray:
         blocks[..., 2:] = lo | (hi << 4)
     d = np.float16(1.0 / (np.sqrt(cols) * (4.32 if zero_mean else 4.6)))  # the std of q - 8
     blocks[..., :2] = np.frombuffer(d.tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _mxfp4(rng, rows: int, cols: int) -> np.ndarray:
+    """Random MXFP4 rows as raw bytes [rows, cols / 32 * 17] (gpt-oss's experts): an e8m0 scale byte giving each
+    row's outputs about unit variance (e2m1 codes drawn uniformly: rms 2.93), then 16 bytes of codes."""
+    blocks = rng.integers(0, 256, size=(rows, cols // Q4_0_BLOCK, 17), dtype=np.uint8)
+    blocks[..., 0] = 127 + round(np.log2(1.0 / (2.93 * np.sqrt(cols))))
     return blocks.reshape(rows, -1)
 
 
@@ -66,7 +90,7 @@ def _tensors(c: dict):
     d, v = c["hidden_size"], c["vocab_size"]
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    moe = c["model_type"] in MOE_TYPES
+    moe, oss = c["model_type"] in MOE_TYPES, c["model_type"] == "gpt_oss"
     yield "token_embd.weight", (v, d)
     for i in range(c["num_hidden_layers"]):
         b = f"blk.{i}."
@@ -75,18 +99,24 @@ def _tensors(c: dict):
         yield b + "attn_k.weight", (kv, d)
         yield b + "attn_v.weight", (kv, d)
         yield b + "attn_output.weight", (d, q)
-        if c["model_type"] == "qwen2_moe":  # q/k/v biases
+        if c["model_type"] in ("qwen2_moe", "gpt_oss"):  # q/k/v biases (and gpt-oss's o bias and sinks)
             yield from ((b + f"attn_{x}.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv)))
+        if oss:
+            yield b + "attn_output.bias", (d,)
+            yield b + "attn_sinks.weight", (c["num_attention_heads"],)
         if c["model_type"] in ("qwen3_moe", "olmoe"):  # per head in Qwen3, over all heads in OLMoE
             yield b + "attn_q_norm.weight", (hd if c["model_type"] == "qwen3_moe" else q,)
             yield b + "attn_k_norm.weight", (hd if c["model_type"] == "qwen3_moe" else kv,)
-        yield b + "ffn_norm.weight", (d,)
+        yield b + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), (d,)
         if moe:
             e, ff = c["num_experts"], c["moe_intermediate_size"]
             yield b + "ffn_gate_inp.weight", (e, d)
             yield b + "ffn_gate_exps.weight", (e, ff, d)
             yield b + "ffn_up_exps.weight", (e, ff, d)
             yield b + "ffn_down_exps.weight", (e, d, ff)
+            if oss:  # the router's and the experts' biases
+                yield from ((b + f"ffn_{x}.bias", n) for x, n in (("gate_inp", (e,)), ("gate_exps", (e, ff)),
+                                                                 ("up_exps", (e, ff)), ("down_exps", (e, d))))
             if c["model_type"] == "qwen2_moe":  # the shared expert and its gate (a float row)
                 sh = c["shared_expert_intermediate_size"]
                 yield b + "ffn_gate_inp_shexp.weight", (d,)
@@ -122,7 +152,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
-    experts_only = c["model_type"] in ("mixtral", "olmoe")  # as llama.cpp writes them: feed_forward_length is the experts'
+    experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss")  # as llama.cpp writes them: feed_forward_length is the experts'
     w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
@@ -136,10 +166,19 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     if moe:
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
-        if not experts_only:
+        if c["model_type"] not in ("mixtral", "olmoe"):  # (their converters write feed_forward_length only)
             w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         if c["model_type"] == "qwen2_moe":
             w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+        if c["model_type"] == "gpt_oss":
+            w.add_sliding_window(c["sliding_window"])
+    if c.get("rope_scaling"):  # YaRN, as gpt-oss's config has it
+        r = c["rope_scaling"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(r["factor"])
+        w.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(r["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(r["beta_slow"])
     tokens, types, merges, eos = tokenizer_tokens(c["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -151,9 +190,13 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     w.add_add_bos_token(False)
 
     specs = list(_tensors(c))
+    oss = c["model_type"] == "gpt_oss"
     for name, shape in specs:
-        if len(shape) == 1 or "ffn_gate_inp" in name:
+        if len(shape) == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        elif oss and "_exps." in name:  # gpt-oss's experts: MXFP4
+            raw = (*shape[:-1], shape[-1] // Q4_0_BLOCK * 17)
+            w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
         else:
             raw = (*shape[:-1], shape[-1] // Q4_0_BLOCK * Q4_0_BYTES)
             w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
@@ -164,12 +207,14 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     from tqdm import tqdm
 
     for name, shape in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
-        if name.endswith(".bias") or "ffn_gate_inp_shexp" in name:
+        if name.endswith(".bias") or "ffn_gate_inp_shexp" in name or "attn_sinks" in name:
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(c["hidden_size"])).astype(np.float32)
         elif len(shape) == 1:
             data = np.ones(shape, np.float32)
         elif "ffn_gate_inp" in name:  # the router: float, as llama.cpp's converter keeps it
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+        elif oss and "_exps." in name:
+            data = _mxfp4(rng, int(np.prod(shape[:-1])), shape[-1]).reshape(*shape[:-1], -1)
         else:
             rows = int(np.prod(shape[:-1]))
             data = _q4_0(rng, rows, shape[-1], zero_mean=moe).reshape(*shape[:-1], -1)
