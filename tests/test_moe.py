@@ -146,11 +146,12 @@ def test_gpt_oss_mxfp4_experts_stay_as_stored(moe_dirs, tmp_path, float_activati
     _check_against(src, flash_dir, (None, 1))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3"])
 def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type):
     """MoE GGUFs as llama.cpp writes them (stacked experts ffn_*_exps, float router ffn_gate_inp): qwen3moe, Mixtral
     (llama.cpp's "llama" with expert_count), qwen2moe (q/k/v biases, a shared expert *_shexp behind a 1-D gate),
-    olmoe (q/k norms over all heads), gpt-oss (MXFP4 experts with biases, sinks, sliding layers, YaRN). Converted,
+    olmoe (q/k norms over all heads), gpt-oss (MXFP4 experts with biases, sinks, sliding layers, YaRN), deepseek2
+    (MLA as k_b / v_b, a dense first layer, a shared expert, grouped sigmoid routing with exp_probs_b). Converted,
     its experts keep the GGUF's bytes, the model is mlx-lm's on the same weights (gguf_to_mlx_dir) bit for bit, and
     streaming gives its tokens and logits."""
     from mlx_flash.convert.gguf import gguf_to_mlx_dir
@@ -174,6 +175,17 @@ def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type
     finally:
         cpu_gemv.enabled = True
     _check_against(load_resident(flash_dir, dtype=mx.float32)[0], flash_dir, (None, 1, 3))  # the CPU's float32
+
+
+def test_deepseek2_gguf_with_softmax_routing_is_refused(tmp_path):
+    """DeepSeek-V2's softmax routing is not mlx-lm's deepseek_v3 (sigmoid): refused, not converted wrong."""
+    from mlx_flash.convert import gguf
+    from mlx_flash.errors import UnsupportedArchitectureError
+
+    spec = gguf.ARCHITECTURES["deepseek2"]
+    meta = gguf.Meta({"general.architecture": "deepseek2", "deepseek2.expert_gating_func": 1}, tmp_path / "v2.gguf")
+    with pytest.raises(UnsupportedArchitectureError, match="softmax"):
+        spec.make_config(meta, {}, spec)
 
 
 def test_streamed_equals_all_cached_with_int8_activations(moe_dirs):

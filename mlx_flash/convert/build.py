@@ -376,14 +376,15 @@ def main():
         raise SystemExit(f"error: {e}")
 
     fd = FlashDir(out)
+    streamed = [layer for layer in fd.layers if layer]  # (an MoE model's dense layers stay resident)
     units = ", ".join(
         f"{r.n_units} {name} x {r.stride} B ({fd.layouts[name].disk_nbytes} B of data"
         + (f", {fd.layouts[name].nbytes} B expanded" if fd.layouts[name].encoded else "") + ")"
-        for name, r in fd.layers[0].items()
+        for name, r in streamed[0].items()
     )
     print(
         f"wrote {out}: resident {fd.resident_bytes / 2**20:.1f} MiB, ffn.bin {fd.ffn_bytes / 2**20:.1f} MiB "
-        f"({len(fd.layers)} layers of {units})"
+        f"({len(streamed)} layers of {units})"
     )
 
 

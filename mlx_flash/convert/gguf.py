@@ -49,7 +49,8 @@ Mistral, which llama.cpp also calls "llama"), mistral, qwen2, qwen3, phi3
 gemma3_text, with llama.cpp's fixed defaults for what the GGUF leaves out:
 sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
 Mixture of experts (stacked ffn_*_exps, router ffn_gate_inp): qwen3moe, qwen2moe (shared expert *_shexp),
-olmoe, Mixtral (llama.cpp's "llama" with an expert_count) and gpt-oss (MXFP4 experts kept as MLX mxfp4).
+olmoe, Mixtral (llama.cpp's "llama" with an expert_count), gpt-oss (MXFP4 experts kept as MLX mxfp4) and
+deepseek2 (-> deepseek_v3: MLA in llama.cpp's k_b / v_b form, dense leading layers, shared experts).
 """
 
 from __future__ import annotations
@@ -86,10 +87,14 @@ def _rope_scaling(meta: "Meta", a: str) -> Optional[dict]:
     if scaling == "yarn":  # (mlx-lm's YarnRoPE, as llama.cpp: correction range floored/ceiled, mscale on q and k)
         if meta.float(f"{a}.rope.scaling.yarn_ext_factor", 1.0) != 1.0 or f"{a}.rope.scaling.yarn_attn_factor" in meta:
             raise UnsupportedArchitectureError(f"{meta.path}: YaRN with an ext_factor or attn_factor is not supported")
-        return {"rope_type": "yarn", "factor": meta.float(f"{a}.rope.scaling.factor"),
+        yarn = {"rope_type": "yarn", "factor": meta.float(f"{a}.rope.scaling.factor"),
                 "original_max_position_embeddings": meta.int(f"{a}.rope.scaling.original_context_length"),
                 "beta_fast": meta.float(f"{a}.rope.scaling.yarn_beta_fast", 32.0),
                 "beta_slow": meta.float(f"{a}.rope.scaling.yarn_beta_slow", 1.0)}
+        if f"{a}.rope.scaling.yarn_log_multiplier" in meta:  # DeepSeek's: 0.1 * mscale_all_dim (the attention scale)
+            m = float(f"{meta.float(f'{a}.rope.scaling.yarn_log_multiplier') / 0.1:.6g}")
+            yarn.update(mscale=m, mscale_all_dim=m)
+        return yarn
     if scaling != "linear":
         raise UnsupportedArchitectureError(f"{meta.path}: rope scaling {scaling!r} is not supported")
     return {"type": "linear", "factor": meta.float(f"{a}.rope.scaling.factor")}
@@ -203,6 +208,46 @@ def _gpt_oss_config(meta, shapes, spec) -> dict:
                   intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
                   sliding_window=meta.int(f"{a}.attention.sliding_window"),
                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+    return config
+
+
+def _deepseek2_config(meta, shapes, spec) -> dict:
+    """DeepSeek-V3-style GGUFs (llama.cpp "deepseek2"): MLA attention stored as llama.cpp's absorbed form (k_b / v_b
+    per head, key_length_mla / value_length_mla), leading dense layers, sigmoid routing with a correction bias
+    (exp_probs_b) and expert groups, shared experts -> mlx-lm's deepseek_v3."""
+    a = meta["general.architecture"]
+    if meta.int(f"{a}.expert_gating_func", 2) != 2:
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with softmax routing (DeepSeek-V2) is not supported")
+    if "blk.0.attn_kv_b.weight" not in shapes and f"{a}.attention.key_length_mla" not in meta:
+        raise SourceError(f"{meta.path}: {a} without attention.key_length_mla")
+    rope = meta.int(f"{a}.rope.dimension_count")
+    config = {
+        "architectures": [spec.hf_class], "model_type": spec.model_type,
+        "hidden_size": meta.int(f"{a}.embedding_length"), "num_hidden_layers": meta.int(f"{a}.block_count"),
+        "num_attention_heads": meta.int(f"{a}.attention.head_count"),
+        "num_key_value_heads": meta.int(f"{a}.attention.head_count"),  # (the GGUF's 1: MQA over the latent)
+        "intermediate_size": meta.int(f"{a}.feed_forward_length"),
+        "moe_intermediate_size": meta.int(f"{a}.expert_feed_forward_length"),
+        "n_routed_experts": meta.int(f"{a}.expert_count"), "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
+        "n_shared_experts": meta.int(f"{a}.expert_shared_count", 0) or None,
+        "first_k_dense_replace": meta.int(f"{a}.leading_dense_block_count", 0), "moe_layer_freq": 1,
+        "routed_scaling_factor": meta.float(f"{a}.expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False)),
+        "n_group": meta.int(f"{a}.expert_group_count", 1), "topk_group": meta.int(f"{a}.expert_group_used_count", 1),
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "q_lora_rank": meta.int(f"{a}.attention.q_lora_rank", 0) or None,
+        "kv_lora_rank": meta.int(f"{a}.attention.kv_lora_rank"), "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": meta.int(f"{a}.attention.key_length_mla", meta.int(f"{a}.attention.key_length", 0)) - rope,
+        "v_head_dim": meta.int(f"{a}.attention.value_length_mla", meta.int(f"{a}.attention.value_length", 0)),
+        "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps),
+        "rope_theta": meta.float(f"{a}.rope.freq_base", spec.rope_theta),
+        "vocab_size": shapes["token_embd.weight"][0],
+        "max_position_embeddings": meta.int(f"{a}.context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+    scaling = _rope_scaling(meta, a)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     return config
 
 
@@ -373,6 +418,34 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         rope_theta=150000.0,
         experts=True,
         bare=("attn_sinks",),
+    ),
+    "deepseek2": ArchSpec(  # (RoPE on adjacent pairs, as mlx-lm's traditional=True: stored unpermuted)
+        model_type="deepseek_v3",
+        hf_class="DeepseekV3ForCausalLM",
+        block_names={
+            "attn_norm": "input_layernorm",
+            "attn_q": "self_attn.q_proj",
+            "attn_q_a": "self_attn.q_a_proj",
+            "attn_q_a_norm": "self_attn.q_a_layernorm",
+            "attn_q_b": "self_attn.q_b_proj",
+            "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+            "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+            "attn_kv_b": "self_attn.kv_b_proj",  # (older GGUFs; mlx-lm's sanitize splits it)
+            "attn_k_b": "self_attn.embed_q",
+            "attn_v_b": "self_attn.unembed_out",
+            "attn_output": "self_attn.o_proj",
+            **_SWIGLU,  # the leading dense layers (and every layer's ffn_norm)
+            "ffn_gate_inp": "mlp.gate",
+            "exp_probs_b": "mlp.gate.e_score_correction_bias",
+            **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+            "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+            "ffn_up_shexp": "mlp.shared_experts.up_proj",
+            "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        },
+        make_config=_deepseek2_config,
+        rms_norm_eps=1e-6,
+        experts=True,
+        bare=("exp_probs_b",),
     ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",

@@ -27,8 +27,9 @@ from .synthetic import PRESETS, preset_config
 
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
 GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
-              "gpt_oss": "gpt-oss"}
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
+              "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3")
+FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b")  # kept float32 (routers; DeepSeek's per-head MLA matrices)
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
 
@@ -42,6 +43,12 @@ def tiny_moe(model_type: str) -> dict:
         c.update(shared_expert_intermediate_size=128)
     if model_type == "olmoe":
         c.update(num_key_value_heads=4)  # llama.cpp's OLMoE: no GQA
+    if model_type == "deepseek_v3":  # MLA, a dense first layer, a shared expert, 2 groups of 4 experts, YaRN
+        c.update(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=128, q_lora_rank=64, kv_lora_rank=32,
+                 qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, n_shared_experts=1,
+                 n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_scaling={
+                     "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
     if model_type == "gpt_oss":  # sliding layers shorter than a test's prompt; gpt-oss's YaRN
         c.update(sliding_window=16, rope_theta=150000.0, rope_scaling={
             "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0})
@@ -91,6 +98,9 @@ def _tensors(c: dict):
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     moe, oss = c["model_type"] in MOE_TYPES, c["model_type"] == "gpt_oss"
+    if c["model_type"] == "deepseek_v3":
+        yield from _deepseek2_tensors(c)
+        return
     yield "token_embd.weight", (v, d)
     for i in range(c["num_hidden_layers"]):
         b = f"blk.{i}."
@@ -133,6 +143,52 @@ def _tensors(c: dict):
         yield "output.weight", (v, d)
 
 
+def _deepseek2_tensors(c: dict):
+    """llama.cpp's deepseek2 tensors: MLA as its converter writes it (kv_b split per head into k_b, transposed, and
+    v_b), dense leading layers, then routed experts with a correction bias and shared experts."""
+    d, v, h = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    rope, nope, vd, ql, kl = (c[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank"))
+    e, ff, sh = c["num_experts"], c["moe_intermediate_size"], c["n_shared_experts"] * c["moe_intermediate_size"]
+    yield "token_embd.weight", (v, d)
+    for i in range(c["num_hidden_layers"]):
+        b = f"blk.{i}."
+        yield from ((b + "attn_norm.weight", (d,)), (b + "attn_q_a_norm.weight", (ql,)), (b + "attn_kv_a_norm.weight", (kl,)),
+                    (b + "attn_q_a.weight", (ql, d)), (b + "attn_q_b.weight", (h * (nope + rope), ql)),
+                    (b + "attn_kv_a_mqa.weight", (kl + rope, d)), (b + "attn_k_b.weight", (h, kl, nope)),
+                    (b + "attn_v_b.weight", (h, vd, kl)), (b + "attn_output.weight", (d, h * vd)), (b + "ffn_norm.weight", (d,)))
+        if i < c["first_k_dense_replace"]:
+            n = c["intermediate_size"]
+            yield from ((b + "ffn_gate.weight", (n, d)), (b + "ffn_up.weight", (n, d)), (b + "ffn_down.weight", (d, n)))
+        else:
+            yield from ((b + "ffn_gate_inp.weight", (e, d)), (b + "exp_probs_b.bias", (e,)),
+                        (b + "ffn_gate_exps.weight", (e, ff, d)), (b + "ffn_up_exps.weight", (e, ff, d)),
+                        (b + "ffn_down_exps.weight", (e, d, ff)), (b + "ffn_gate_shexp.weight", (sh, d)),
+                        (b + "ffn_up_shexp.weight", (sh, d)), (b + "ffn_down_shexp.weight", (d, sh)))
+    yield "output_norm.weight", (d,)
+    yield "output.weight", (v, d)
+
+
+def _deepseek2_meta(w, c: dict) -> None:
+    import gguf
+
+    kl, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    w.add_q_lora_rank(c["q_lora_rank"])
+    w.add_kv_lora_rank(kl)
+    w.add_key_length(kl + rope)  # (the absorbed form: MQA over the latent)
+    w.add_value_length(kl)
+    w.add_key_length_mla(c["qk_nope_head_dim"] + rope)
+    w.add_value_length_mla(c["v_head_dim"])
+    w.add_rope_dimension_count(rope)
+    w.add_leading_dense_block_count(c["first_k_dense_replace"])
+    w.add_expert_shared_count(c["n_shared_experts"])
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(c["n_group"])
+    w.add_expert_group_used_count(c["topk_group"])
+    w.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
+
+
 def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrides) -> Path:
     """Write preset `preset` (with config `overrides`, e.g. vocab_size=512) as a random-Q4_0 GGUF file."""
     import gguf
@@ -155,10 +211,13 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss")  # as llama.cpp writes them: feed_forward_length is the experts'
     w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    w.add_head_count_kv(1 if c["model_type"] == "deepseek_v3" else c["num_key_value_heads"])  # (MLA: MQA over the latent)
+    if c["model_type"] == "deepseek_v3":
+        _deepseek2_meta(w, c)
+    else:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_theta"])
     w.add_vocab_size(c["vocab_size"])
@@ -172,7 +231,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
             w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
         if c["model_type"] == "gpt_oss":
             w.add_sliding_window(c["sliding_window"])
-    if c.get("rope_scaling"):  # YaRN, as gpt-oss's config has it
+    if c.get("rope_scaling"):  # YaRN, as gpt-oss's and DeepSeek-V3's configs have it
         r = c["rope_scaling"]
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(r["factor"])
@@ -192,7 +251,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     specs = list(_tensors(c))
     oss = c["model_type"] == "gpt_oss"
     for name, shape in specs:
-        if len(shape) == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
+        if len(shape) == 1 or any(f in name for f in FLOAT_TENSORS) or name.endswith(".bias"):
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
         elif oss and "_exps." in name:  # gpt-oss's experts: MXFP4
             raw = (*shape[:-1], shape[-1] // Q4_0_BLOCK * 17)
@@ -211,7 +270,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(c["hidden_size"])).astype(np.float32)
         elif len(shape) == 1:
             data = np.ones(shape, np.float32)
-        elif "ffn_gate_inp" in name:  # the router: float, as llama.cpp's converter keeps it
+        elif any(f in name for f in FLOAT_TENSORS):  # the router: float, as llama.cpp's converter keeps it
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
         elif oss and "_exps." in name:
             data = _mxfp4(rng, int(np.prod(shape[:-1])), shape[-1]).reshape(*shape[:-1], -1)
