@@ -80,11 +80,11 @@ REQUANT = (32, 8)
 # --------------------------------------------------------------------------------------
 
 
-def _rope_scaling(meta: "Meta", a: str) -> Optional[dict]:
+def _rope_scaling(meta: "Meta", a: str, spec: "ArchSpec") -> Optional[dict]:
     scaling = meta.get(f"{a}.rope.scaling.type")
     if scaling in (None, "none"):
         return None
-    if scaling == "yarn":  # (mlx-lm's YarnRoPE, as llama.cpp: correction range floored/ceiled, mscale on q and k)
+    if scaling == "yarn" and spec.yarn:  # (mlx-lm's YarnRoPE, as llama.cpp: correction range floored/ceiled, mscale on q and k)
         if meta.float(f"{a}.rope.scaling.yarn_ext_factor", 1.0) != 1.0 or f"{a}.rope.scaling.yarn_attn_factor" in meta:
             raise UnsupportedArchitectureError(f"{meta.path}: YaRN with an ext_factor or attn_factor is not supported")
         yarn = {"rope_type": "yarn", "factor": meta.float(f"{a}.rope.scaling.factor"),
@@ -136,7 +136,7 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
     }
     if spec.head_dim_key:
         config["head_dim"] = head_dim
-    scaling = _rope_scaling(meta, a)
+    scaling = _rope_scaling(meta, a, spec)
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
@@ -245,7 +245,7 @@ def _deepseek2_config(meta, shapes, spec) -> dict:
         "max_position_embeddings": meta.int(f"{a}.context_length", 2048),
         "tie_word_embeddings": "output.weight" not in shapes,
     }
-    scaling = _rope_scaling(meta, a)
+    scaling = _rope_scaling(meta, a, spec)
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
@@ -309,6 +309,7 @@ class ArchSpec:
     row_vectors: Tuple[str, ...] = ()
     # per-block GGUF base names whose "weight" is a bare parameter in mlx-lm (gpt-oss's attention sinks)
     bare: Tuple[str, ...] = ()
+    yarn: bool = False  # YaRN RoPE scaling maps onto mlx-lm's (checked against llama.cpp: benchmarks/moe_gguf_check.py)
 
 
 _ATTENTION = {
@@ -418,6 +419,7 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         rope_theta=150000.0,
         experts=True,
         bare=("attn_sinks",),
+        yarn=True,
     ),
     "deepseek2": ArchSpec(  # (RoPE on adjacent pairs, as mlx-lm's traditional=True: stored unpermuted)
         model_type="deepseek_v3",
@@ -446,6 +448,7 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         rms_norm_eps=1e-6,
         experts=True,
         bare=("exp_probs_b",),
+        yarn=True,
     ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",
