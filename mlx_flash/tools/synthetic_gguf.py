@@ -92,8 +92,8 @@ def tokenizer_tokens(vocab_size: int):
 
 
 def _tensors(c: dict):
-    """(GGUF name, shape) of every tensor in llama.cpp's order; a 1-D shape: a float32 norm; "ffn_gate_inp" (the
-    router): float32; the rest Q4_0 (3-D: stacked experts)."""
+    """(GGUF name, shape) of every tensor in llama.cpp's order. write_gguf stores 1-D shapes (norms), biases and
+    FLOAT_TENSORS (routers) as float32, gpt-oss's experts as MXFP4, the rest as Q4_0 (3-D: stacked experts)."""
     d, v = c["hidden_size"], c["vocab_size"]
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -190,7 +190,8 @@ def _deepseek2_meta(w, c: dict) -> None:
 
 
 def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrides) -> Path:
-    """Write preset `preset` (with config `overrides`, e.g. vocab_size=512) as a random-Q4_0 GGUF file."""
+    """Write preset `preset` (with config `overrides`, e.g. vocab_size=512, or tiny_moe(model_type)) as a GGUF file
+    of random Q4_0 weights (gpt-oss's experts: MXFP4)."""
     import gguf
 
     c = preset_config(preset)
