@@ -155,8 +155,8 @@ def _llama_config(meta, shapes, spec) -> dict:
 def _qwen_config(meta, shapes, spec) -> dict:
     config = _base_config(meta, shapes, spec)
     config["hidden_act"] = "silu"
-    if spec.model_type == "qwen2" and "blk.0.attn_q.bias" not in shapes:  # mlx-lm's qwen2 always has q/k/v biases
-        raise UnsupportedArchitectureError(f"{meta.path}: qwen2 GGUF without attn_q/attn_k/attn_v biases")
+    if spec.model_type in ("qwen2", "qwen2_moe") and "blk.0.attn_q.bias" not in shapes:  # mlx-lm's always has q/k/v biases
+        raise UnsupportedArchitectureError(f"{meta.path}: {meta['general.architecture']} GGUF without attn_q/attn_k/attn_v biases")
     return config
 
 
@@ -176,11 +176,9 @@ def _qwen3_moe_config(meta, shapes, spec) -> dict:
 def _qwen2_moe_config(meta, shapes, spec) -> dict:
     """Qwen1.5/2-MoE (llama.cpp "qwen2moe"): experts plus a shared expert behind a sigmoid gate; top-k weights not
     renormalised (mlx-lm's qwen2_moe, as the model)."""
-    config = _base_config(meta, shapes, spec)
+    config = _qwen_config(meta, shapes, spec)
     a = meta["general.architecture"]
-    if "blk.0.attn_q.bias" not in shapes:  # mlx-lm's qwen2_moe always has q/k/v biases
-        raise UnsupportedArchitectureError(f"{meta.path}: {a} GGUF without attn_q/attn_k/attn_v biases")
-    config.update(hidden_act="silu", num_experts=meta.int(f"{a}.expert_count"),
+    config.update(num_experts=meta.int(f"{a}.expert_count"),
                   num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
                   moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
                   shared_expert_intermediate_size=meta.int(f"{a}.expert_shared_feed_forward_length"))
