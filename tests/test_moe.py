@@ -126,20 +126,22 @@ def test_hugging_face_directory_with_a_tensor_per_expert(moe_dirs, arch, tmp_pat
     _check_against(load_source_model(hf, lazy=False)[0], flash_dir, (None, 1))
 
 
-def test_gpt_oss_mxfp4_experts_stay_as_stored(moe_dirs, tmp_path, float_activations):
-    """gpt-oss publishes its experts in mxfp4 (e2m1 codes, a uint8 power-of-two scale per 32, no biases): each expert
-    unit keeps those bytes, and streamed at one slot per layer the model is mlx-lm's on the same weights."""
+@pytest.mark.parametrize("mode,bits,group_size", [("mxfp4", 4, 32), ("mxfp8", 8, 32), ("nvfp4", 4, 16)])
+def test_gpt_oss_mxfp4_experts_stay_as_stored(moe_dirs, tmp_path, float_activations, mode, bits, group_size):
+    """gpt-oss publishes its experts in mxfp4 (e2m1 codes, a uint8 power-of-two scale per 32, no biases), and MLX has
+    two more such modes: each expert unit keeps those bytes, and streamed at one slot per layer the model is
+    mlx-lm's on the same weights."""
     from mlx_lm.utils import quantize_model, save_model
 
     src, config = load_source_model(moe_dirs["gpt_oss"][2], lazy=False)
-    src, config = quantize_model(src, config, group_size=32, bits=4, mode="mxfp4")
+    src, config = quantize_model(src, config, group_size=group_size, bits=bits, mode=mode)
     save_model(tmp_path / "mx", src)
     (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
     copy_tokenizer(moe_dirs["gpt_oss"][2], tmp_path / "mx")
     src, _ = load_source_model(tmp_path / "mx", lazy=False)
     flash_dir = convert(str(tmp_path / "mx"), tmp_path / "flash", progress=False)
     fd = FlashDir(flash_dir)
-    assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "mode": "mxfp4"}
+    assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": bits, "group_size": group_size, "mode": mode}
     got, want = fd.unpack_layer(1), expert_arrays(dict(src.named_modules())[switch_paths(src)[1]])
     assert set(got) == set(want) and not any(k.endswith(".biases") for k in got)
     assert all(np.array_equal(np.array(got[k]), np.array(want[k])) for k in want)
