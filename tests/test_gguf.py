@@ -532,6 +532,23 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
         assert tok.decode(ids, skip_special_tokens=True) == text
 
 
+def test_mxfp4_blocks_become_mlx_mxfp4_exactly():
+    """GGML MXFP4 (gpt-oss's experts) -> MLX mxfp4 keeps the codes and the scale byte: MLX's dequantisation of the
+    repacked rows equals the gguf package's of the original blocks, value for value."""
+    import gguf
+
+    from mlx_flash.convert.gguf import _repack_mxfp4
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(3, 4, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(118, 134, size=(3, 4))  # scales 2^-9 .. 2^6
+    want = gguf.quants.dequantize(raw.reshape(3, -1), gguf.GGMLQuantizationType.MXFP4)
+    w, scales, biases, bits = _repack_mxfp4(raw.reshape(3, -1))
+    assert biases is None and bits == 4 and w.dtype == np.uint32 and scales.dtype == np.uint8
+    got = mx.dequantize(mx.array(w), mx.array(scales), None, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)
+    assert np.array_equal(np.array(got), want)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(SourceError, match="nope.gguf"):
         gguf_to_mlx_dir(tmp_path / "nope.gguf", tmp_path / "out")
