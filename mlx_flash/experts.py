@@ -138,8 +138,7 @@ class ReadAhead:
         self.engine, self.routers, self.top_k = engine, routers, top_k
         stride = engine.layout.stride
         self.buffers = [AlignedBuffer(rows * stride, engine.fd.alignment) for _ in range(2)]
-        self.views = [(b.rows(stride), np.asarray(memoryview(b.buffer))[b.base_offset:][: rows * stride].reshape(rows, stride))
-                      for b in self.buffers]
+        self.views = [(b.rows(stride), b.host_rows(stride)) for b in self.buffers]
         mx.eval([v[0] for v in self.views])
         self.pending = None  # (layer, buffer, staged units, predicted units, wait)
         self.rows = self.host = None  # the buffer `take` gave out last
@@ -171,7 +170,7 @@ class ReadAhead:
         missing = np.sort(ids[lacking][np.argsort(-votes[lacking], kind="stable")][: len(self.views[0][1])])
         b = self.next_buffer
         buf = self.buffers[b]
-        wait = self.engine._submit(target, missing, buf.buffer,
+        wait = self.engine._submit(target, REGION, missing, buf.buffer,
                                    buf.base_offset + np.arange(len(missing), dtype=np.int64) * self.engine.layout.stride)
         self.engine.stats.current.ahead_bytes += len(missing) * self.engine.layout.stride
         self.pending = (target, b, missing, ids, wait)
@@ -230,27 +229,6 @@ class ExpertEngine(Engine):
         engine = cls(fd, reader, plan.capacity, min(plan.workspace // 2, plan.scratch), policy, window, compute_dtype)
         engine.plan = plan
         return engine
-
-    # -- I/O ---------------------------------------------------------------------
-    def _submit(self, layer: int, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
-        """Start reading whole experts into `buffer` at byte offsets `dest` (one batch; the pool coalesces
-        neighbours); returns the function that waits for them."""
-        if len(units) == 0:
-            return lambda: None
-        r = self.fd.layers[layer][REGION]
-        s = self.stats.current
-        t = time.perf_counter()
-        handle = self.reader.submit(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64),
-                                    dest.astype(np.int64))
-        s.io_s += time.perf_counter() - t
-        s.bytes_requested += len(units) * r.stride
-
-        def wait():
-            t = time.perf_counter()
-            self.reader.wait(handle)
-            self.stats.current.io_s += time.perf_counter() - t
-
-        return wait
 
     # -- compute -----------------------------------------------------------------
     def _matrices(self, row: mx.array, name: str):
@@ -349,7 +327,7 @@ class ExpertEngine(Engine):
                 cache.host[slot] = self.read_ahead.row(staged[u])
             miss_units, miss_slots = miss_units[~done], miss_slots[~done]
             s.mm_s += time.perf_counter() - t
-        wait = self._submit(layer, miss_units, cache.buffer, cache.base_offset + miss_slots.astype(np.int64) * cache.row_bytes)
+        wait = self._submit(layer, REGION, miss_units, cache.buffer, cache.base_offset + miss_slots.astype(np.int64) * cache.row_bytes)
         if ahead is not None:  # the next layer's predicted experts go out now, while this one computes
             self.read_ahead.start(layer, np.array(ahead))
         native = self._native(xf, activation)
@@ -379,14 +357,14 @@ class ExpertEngine(Engine):
         for i in [i for i in overflow if units[i] in staged]:  # more experts than slots, read ahead: in place
             run(i, self.read_ahead.rows, self.read_ahead.host, staged[units[i]])
         overflow = np.array([i for i in overflow if units[i] not in staged], dtype=np.int64)
-        per = max(1, self.scratch.nbytes // self.layout.stride)
-        rows = self.scratch.rows(self.layout.stride)
-        host = np.asarray(memoryview(self.scratch.buffer))[self.scratch.base_offset:][: per * self.layout.stride].reshape(per, -1) if len(overflow) else None
+        rows = self.scratch.rows(self.layout.stride)  # (the scratch holds at least one expert)
+        per = len(rows)
+        host = self.scratch.host_rows(self.layout.stride) if len(overflow) else None
         for start in range(0, len(overflow), per):  # more experts than slots: through the scratch, uncached
             if outs and not native:  # (native outputs are computed already)
                 mx.eval(outs)  # what used the scratch rows before they are overwritten
             chunk = overflow[start : start + per]
-            self._submit(layer, units[chunk], self.scratch.buffer,
+            self._submit(layer, REGION, units[chunk], self.scratch.buffer,
                          self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * self.layout.stride)()
             for j, i in enumerate(chunk):
                 run(i, rows, host, j)

@@ -44,8 +44,9 @@ class FlashFFN(nn.Module):
 
 
 class Engine:
-    """What the engines of neurons (FlashEngine) and of experts (experts.ExpertEngine) share: a reader, its stats, the
-    streamer of resident weights, and reads ahead (`ahead()`) to wait for before the files close."""
+    """What the engines of neurons (FlashEngine) and of experts (experts.ExpertEngine) share: a reader and its stats
+    (reads of units submitted, the time waited for them counted as I/O), the streamer of resident weights, and
+    reads ahead (`ahead()`) to wait for before the files close."""
 
     streamer = None  # offload.ResidentStreamer when resident weights are streamed too
 
@@ -57,6 +58,30 @@ class Engine:
         """Resident weights are streamed through `streamer` (offload.ResidentStreamer): its reads count here."""
         self.streamer, streamer.stats = streamer, self.stats
         self.stats.readers.append(streamer.reader)
+
+    def _submit(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
+        """Start reading `units` of a region to byte offsets `dest` of `buffer` (one batch; the pool
+        coalesces); returns a function that waits for it, counting the time waited as I/O."""
+        if len(units) == 0:
+            return lambda: None
+        r = self.fd.layers[layer][region]
+        return self._submit_ranges(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64), dest)
+
+    def _submit_ranges(self, buffer, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, requested=None):
+        """The reads of `_submit` (any byte ranges); `requested`: the units' bytes among them (default all: the
+        alignment a run's superset adds is counted at the device, not as asked)."""
+        t = time.perf_counter()
+        handle = self.reader.submit(buffer, offsets.astype(np.int64), lengths.astype(np.int64), dest.astype(np.int64))
+        s = self.stats.current
+        s.io_s += time.perf_counter() - t
+        s.bytes_requested += int(lengths.sum()) if requested is None else requested
+
+        def wait():
+            t = time.perf_counter()
+            self.reader.wait(handle)
+            self.stats.current.io_s += time.perf_counter() - t
+
+        return wait
 
     def close(self):
         """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
@@ -107,14 +132,6 @@ class FlashEngine(Engine):
         return engine
 
     # -- I/O -------------------------------------------------------------------
-    def _submit(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray):
-        """Start reading `units` of a region to byte offsets `dest` of `buffer` (one batch; the pool
-        coalesces); returns a function that waits for it, counting the time waited as I/O."""
-        if len(units) == 0:
-            return lambda: None
-        r = self.fd.layers[layer][region]
-        return self._submit_ranges(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64), dest)
-
     def _submit_run(self, layer: int, region: str, first: int, n: int, buffer: mx.array, base: int):
         """Start reading units first..first+n-1, neighbours on flash, as the aligned superset of their bytes into
         `buffer` at byte `base` (aligned, with room for n strides and two alignments): one direct read, where
@@ -125,22 +142,6 @@ class FlashEngine(Engine):
         start, end = aligned_span(lo, n * r.stride, max(1, self.reader.alignment))
         wait = self._submit_ranges(buffer, np.array([start]), np.array([end - start]), np.array([base]), n * r.stride)
         return wait, base + lo - start
-
-    def _submit_ranges(self, buffer, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, requested=None):
-        """The reads of `_submit`; `requested`: the units' bytes among them (default all: the alignment a run's
-        superset adds is counted at the device, not as asked)."""
-        t = time.perf_counter()
-        handle = self.reader.submit(buffer, offsets.astype(np.int64), lengths.astype(np.int64), dest.astype(np.int64))
-        s = self.stats.current
-        s.io_s += time.perf_counter() - t
-        s.bytes_requested += int(lengths.sum()) if requested is None else requested
-
-        def wait():
-            t = time.perf_counter()
-            self.reader.wait(handle)
-            self.stats.current.io_s += time.perf_counter() - t
-
-        return wait
 
     def _read(self, layer: int, region: str, units: np.ndarray, buffer: mx.array, dest: np.ndarray) -> None:
         self._submit(layer, region, units, buffer, dest)()
@@ -495,3 +496,8 @@ class AlignedBuffer:
     def rows(self, stride: int) -> mx.array:
         n = self.nbytes // stride
         return self.buffer[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
+
+    def host_rows(self, stride: int) -> np.ndarray:
+        """The same rows as a numpy view (the native kernels read them in place)."""
+        n = self.nbytes // stride
+        return np.asarray(memoryview(self.buffer))[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
