@@ -186,11 +186,12 @@ def _qwen2_moe_config(meta, shapes, spec) -> dict:
 
 
 def _experts_config(meta, shapes, spec) -> dict:
-    """Mixtral (llama.cpp writes it as "llama" with experts) and OLMoE: every layer's FFN is experts of
-    feed_forward_length, top-k weights as the model's class does them (renormalised in Mixtral, not in OLMoE)."""
+    """Mixtral (llama.cpp writes it as "llama" with experts), OLMoE, gpt-oss: every layer's FFN is experts (of
+    expert_feed_forward_length, else feed_forward_length), top-k weights as the model's class does them
+    (renormalised in Mixtral, not in OLMoE)."""
     config = _base_config(meta, shapes, spec)
     a = meta["general.architecture"]
-    count = "num_local_experts" if spec.model_type == "mixtral" else "num_experts"
+    count = "num_local_experts" if spec.model_type in ("mixtral", "gpt_oss") else "num_experts"
     config.update({count: meta.int(f"{a}.expert_count"), "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
                    "intermediate_size": meta.int(f"{a}.expert_feed_forward_length", meta.int(f"{a}.feed_forward_length", 0))})
     return config
@@ -199,12 +200,9 @@ def _experts_config(meta, shapes, spec) -> dict:
 def _gpt_oss_config(meta, shapes, spec) -> dict:
     """gpt-oss: experts with biases (MXFP4 in its GGUFs), attention sinks, sliding-window layers alternating with
     full ones (llama.cpp's pattern 2: even layers slide), YaRN."""
-    config = _base_config(meta, shapes, spec)
-    a = meta["general.architecture"]
+    config = _experts_config(meta, shapes, spec)
     n = config["num_hidden_layers"]
-    config.update(num_local_experts=meta.int(f"{a}.expert_count"), num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
-                  intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
-                  sliding_window=meta.int(f"{a}.attention.sliding_window"),
+    config.update(sliding_window=meta.int(f"{meta['general.architecture']}.attention.sliding_window"),
                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
     return config
 
@@ -608,22 +606,23 @@ def _repack_q4(raw: np.ndarray, block: int):
     else:  # Q4_1: w = d * q + m
         bias = _f16(b[..., 2:4])[..., 0]
         qs = b[..., 4:]
+    return _mlx_nibbles(qs), d, bias, 4
+
+
+def _mlx_nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGML's 4-bit blocks' 16 code bytes [rows, blocks, 16] -> MLX's packing, uint32 [rows, blocks * 4]."""
     # GGUF: byte j holds value j (low nibble) and value j + 16 (high nibble).
     vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
     # MLX: byte j holds value 2j (low nibble) and 2j + 1 (high nibble), little-endian uint32 words.
     packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32), d, bias, 4
+    return np.ascontiguousarray(packed).reshape(qs.shape[0], -1).view(np.uint32)
 
 
 def _repack_mxfp4(raw: np.ndarray):
     """GGML MXFP4 (17 B per 32: an e8m0 scale byte, then Q4_0's nibble order) -> MLX mxfp4: the same e2m1 codes
     and the same scale byte (2^(e - 127)); only the nibbles are reordered."""
-    rows = raw.shape[0]
-    b = raw.reshape(rows, -1, 17)
-    qs = b[..., 1:]
-    vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32), np.ascontiguousarray(b[..., 0]), None, 4
+    b = raw.reshape(raw.shape[0], -1, 17)
+    return _mlx_nibbles(b[..., 1:]), np.ascontiguousarray(b[..., 0]), None, 4
 
 
 def _dequantize(raw: np.ndarray, t, path: Path) -> np.ndarray:
