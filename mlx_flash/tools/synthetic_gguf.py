@@ -1,5 +1,5 @@
 """Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or mixtral,
-qwen2_moe, olmoe, gpt_oss by model_type=), random Q4_0 weights.
+qwen2_moe, olmoe, gpt_oss, deepseek_v3 by model_type=, see tiny_moe), random Q4_0 weights.
 
     python -m mlx_flash.synthetic_gguf --preset llama-7b --out FILE
 
@@ -28,7 +28,7 @@ from .synthetic import PRESETS, preset_config
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
 GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
               "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3")
+MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
 FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b")  # kept float32 (routers; DeepSeek's per-head MLA matrices)
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
