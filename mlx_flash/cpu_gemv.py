@@ -90,11 +90,15 @@ class QuantRows:
     symmetric: bool = False  # no biases stored (b is ignored): bias = -2^(bits-1) * scale, as llama.cpp's Q4_0
 
     @classmethod
-    def of_matrix(cls, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> "QuantRows":
-        """The rows of a quantised [rows, n] matrix as MLX stores it (weight uint32 [rows, n * bits / 32])."""
+    def of_matrix(cls, weight: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int, bits: int
+                  ) -> "QuantRows":
+        """The rows of a quantised [rows, n] matrix as MLX stores it (weight uint32 [rows, n * bits / 32]; biases
+        None: symmetric)."""
+        symmetric = biases is None
+        biases = scales if symmetric else biases
         return cls(weight, 0, weight.shape[-1] * 4, scales, 0, scales.shape[-1] * scales.itemsize,
                    biases, 0, biases.shape[-1] * biases.itemsize, weight.shape[-1] * 32 // bits, bits, group_size,
-                   scales.dtype)
+                   scales.dtype, symmetric)
 
     def _args(self, slots, k):
         return (self.w, self.w_off, self.w_stride, self.s, self.s_off, self.s_stride, self.b, self.b_off,
@@ -143,8 +147,8 @@ def linear(q: "QuantRows", rows: int):
 
 
 def contiguous(*arrays) -> bool:
-    """All row-major in memory (the kernels' assumption; MLX views such as column slices are not)."""
-    return all(memoryview(a).c_contiguous for a in arrays)
+    """All row-major in memory (the kernels' assumption; MLX views such as column slices are not); None: absent."""
+    return all(memoryview(a).c_contiguous for a in arrays if a is not None)
 
 
 # float32 rows computed natively at once (a row's weights read once for all): a decode step or a verification pass
@@ -159,8 +163,8 @@ def applies(x: mx.array, bits: int, group_size: int, n: int, scale_dtype) -> boo
 
 
 def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> Optional[mx.array]:
-    """mx.quantized_matmul(x, weight, scales, biases, transpose) for up to NATIVE_ROWS rows x, natively; None
-    when it does not apply (the caller then uses MLX's op)."""
+    """mx.quantized_matmul(x, weight, scales, biases, transpose) for up to NATIVE_ROWS rows x, natively (biases
+    None: symmetric); None when it does not apply (the caller then uses MLX's op)."""
     n = weight.shape[-1] * 32 // bits
     if x.shape[-1] != (n if transpose else weight.shape[0]) or not applies(x, bits, group_size, n, scales.dtype):
         return None
@@ -179,17 +183,20 @@ DEQUANT_MIN_ROWS = 8  # below, dequantising costs more than MLX's kernel saves (
 def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> mx.array:
     """mx.quantized_matmul, faster on the CPU: up to NATIVE_ROWS float32 rows natively (`matvec`); more float32
     rows (long prompts) as OpenBLAS float32 matmuls of weights dequantised a chunk of rows at a time, which on this
-    CPU is several times faster than MLX's quantised kernel (BENCHMARKS.md, "CPU kernels"); else MLX's op."""
+    CPU is several times faster than MLX's quantised kernel (BENCHMARKS.md, "CPU kernels"); else MLX's op.
+    biases None: symmetric (derived from the scales where an op needs them)."""
     y = matvec(x, weight, scales, biases, group_size, bits, transpose)
     if y is not None:
         return y
     if not (available() and x.dtype == mx.float32 and x.size >= DEQUANT_MIN_ROWS * x.shape[-1]):
+        biases = symmetric_biases(scales, bits) if biases is None else biases
         return mx.quantized_matmul(x, weight, scales, biases, transpose=transpose, group_size=group_size, bits=bits)
     n = weight.shape[-1] * 32 // bits
     per = max(1, DEQUANT_CHUNK_BYTES // (4 * n))
     out = None
     for i in range(0, weight.shape[0], per):
-        s, b = scales[i : i + per].astype(mx.float32), biases[i : i + per].astype(mx.float32)  # float16 would round
+        s = scales[i : i + per].astype(mx.float32)  # float16 would round
+        b = symmetric_biases(s, bits) if biases is None else biases[i : i + per].astype(mx.float32)
         w = mx.dequantize(weight[i : i + per], s, b, group_size, bits)
         if transpose:  # x @ W^T: a chunk of output columns
             part = x @ w.T
@@ -262,16 +269,29 @@ def _layer_matvec(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
     """x @ W^T for a quantised layer's weights, natively; None when it does not apply."""
     if getattr(layer, "mode", "affine") != "affine":
         return None
-    return matvec(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+    return matvec(x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits)
+
+
+def _derives_biases(layer: nn.Module) -> bool:
+    """Symmetric codes stored without biases (flash_format v4): the layer derives them from its scales."""
+    return "biases" not in layer and getattr(layer, "mode", "affine") == "affine"
+
+
+def _mlx_matmul(layer: nn.Module, x: mx.array) -> mx.array:
+    """MLX's x @ W^T for a quantised layer (its bias not added)."""
+    b = symmetric_biases(layer["scales"], layer.bits) if _derives_biases(layer) else layer.get("biases")
+    return mx.quantized_matmul(x, layer["weight"], layer["scales"], b, transpose=True,
+                               group_size=layer.group_size, bits=layer.bits, mode=getattr(layer, "mode", "affine"))
 
 
 class QuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose float32 products run as `quantized_matmul` above on the CPU."""
 
     def __call__(self, x):
-        if getattr(self, "mode", "affine") != "affine" or not available():
-            return super().__call__(x)
-        y = quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if getattr(self, "mode", "affine") != "affine":
+            y = _mlx_matmul(self, x)
+        else:
+            y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -282,24 +302,37 @@ class QuantizedHead(nn.QuantizedLinear):
 
     def __call__(self, x):
         y = _layer_matvec(self, x)
-        if y is None:
-            return super().__call__(x)
+        y = _mlx_matmul(self, x) if y is None else y
         return y + self["bias"] if "bias" in self else y
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose as_linear (a tied LM head) runs natively for up to NATIVE_ROWS rows."""
 
+    def __call__(self, x):
+        if not _derives_biases(self):
+            return super().__call__(x)
+        s = self["scales"][x]
+        return mx.dequantize(self["weight"][x], s, symmetric_biases(s, self.bits), self.group_size, self.bits)
+
     def as_linear(self, x):
         y = _layer_matvec(self, x)
-        return super().as_linear(x) if y is None else y
+        return _mlx_matmul(self, x) if y is None else y
+
+
+def with_biases(model: nn.Module) -> nn.Module:
+    """Give the layers that derive their biases (symmetric, stored without) the arrays, as mlx-lm's modules hold
+    them (for code that reads them, such as mlx_lm.utils.dequantize_model). Returns the model."""
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and _derives_biases(m):
+            m.biases = symmetric_biases(m["scales"], m.bits)
+    return model
 
 
 def patch(model: nn.Module) -> nn.Module:
     """Switch the model's quantised linear layers / embeddings to the classes above, in place (their
-    weights and MLX's behaviour for everything else unchanged). Returns the model."""
-    if _native is None:
-        return model
+    weights and MLX's behaviour for everything else unchanged; symmetric layers stored without biases compute
+    with derived ones). Returns the model."""
     for path, m in model.named_modules():
         if type(m) is nn.QuantizedLinear:  # same data, one method more: no re-quantisation
             m.__class__ = QuantizedHead if path.split(".")[-1] == "lm_head" else QuantizedLinear

@@ -102,7 +102,7 @@ def _handle(layer) -> Optional[tuple]:
     """(native handle, QuantRows) of a quantised linear layer / embedding's rows, None if the kernels cannot read it."""
     if not _quantised(layer):
         return None
-    w, s, b = layer["weight"], layer["scales"], layer["biases"]
+    w, s, b = layer["weight"], layer["scales"], layer.get("biases")  # b None: symmetric (flash_format v4)
     n = w.shape[-1] * 32 // layer.bits
     if not (cpu_gemv.supports(layer.bits, layer.group_size, n, s.dtype) and cpu_gemv.contiguous(w, s, b)):
         return None

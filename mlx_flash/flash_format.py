@@ -1,4 +1,4 @@
-"""The flash directory, format v1/v2: the one module that reads and writes it.
+"""The flash directory, format v1-v4: the one module that reads and writes it.
 
     <dir>/config.json           model config (mlx-lm / Hugging Face style)
     <dir>/tokenizer*            tokenizer files
@@ -23,6 +23,11 @@ bitmap.py) at its "disk_offset", and the layout's "disk_stride" is the unit's
 size on flash. The cache row layout (offsets, "stride") stays dense: a reader
 expands each unit read (`BundleLayout.expand`) before using it. Directories
 without encoded components are written as v1, so older readers still open them.
+
+Format v4 leaves out of resident.safetensors the biases of quantised modules whose codes are symmetric
+(llama.cpp's Q4_0 / Q8_0: bias = -2^(bits-1) x scale, as the source stores none): the manifest's
+resident.symmetric lists them ({module path: bits}); the model's layers derive them as they compute,
+so they take neither disk, device reads nor DRAM.
 """
 
 import json
@@ -41,8 +46,8 @@ from .errors import FlashFormatError, ReadError
 from .reader import open_reader
 
 FORMAT_NAME = "mlx_flash"
-FORMAT_VERSION = 3  # v3: packed units; v2: encoded components; v1 (neither) is still read and written
-VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # v4: symmetric resident biases left out; v3: packed units; v2: encoded components; v1 (none)
+VERSIONS = (1, 2, 3, 4)
 PACKED_UNIT_ALIGNMENT = 16  # packed units: room for any component's element alignment (Metal reads words in place)
 MANIFEST = "flash.json"
 RESIDENT = "resident.safetensors"
@@ -506,11 +511,21 @@ class FlashDir:
         return sum(r.nbytes for r in self.regions())
 
     # -- data ------------------------------------------------------------------
-    def load_resident(self) -> Dict[str, mx.array]:
+    @property
+    def symmetric(self) -> Dict[str, int]:
+        """Quantised resident modules stored without biases (symmetric codes): {module path: bits}."""
+        return self.manifest["resident"].get("symmetric", {})
+
+    def load_resident(self, biases: bool = True) -> Dict[str, mx.array]:
+        """The resident weights as mlx-lm names them; biases=False leaves out the symmetric modules' biases
+        (the runtime's layers derive them: `symmetric`)."""
         try:
-            return mx.load(str(self.path / RESIDENT))
+            arrays = mx.load(str(self.path / RESIDENT))
         except Exception as e:
             raise FlashFormatError(f"{self.path / RESIDENT}: cannot be read ({e})") from e
+        if biases:
+            arrays.update({f"{p}.biases": symmetric_biases(arrays[f"{p}.scales"], b) for p, b in self.symmetric.items()})
+        return arrays
 
     def load_predictors(self) -> Optional[List[Dict[str, mx.array]]]:
         """Low-rank predictors per layer ({"A": [rank, d], "B": [n, rank]}), or None if not calibrated."""
@@ -643,14 +658,17 @@ class FlashWriter:
         self.layers.append(layer)
 
     def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict) -> None:
-        """Write resident weights, config and the manifest (`manifest` adds architecture fields)."""
+        """Write resident weights (without the biases symmetric codes imply), config and the manifest
+        (`manifest` adds architecture fields)."""
         self._ffn.close()
+        symmetric = symmetric_modules(resident, config)
+        resident = {k: v for k, v in resident.items() if k.removesuffix(".biases") not in symmetric}
         mx.save_safetensors(str(self.path / RESIDENT), resident, metadata={"format": "mlx"})
         with open(self.path / "config.json", "w") as f:
             json.dump(config, f, indent=2)
         full = {
             "format": FORMAT_NAME,
-            "format_version": 3 if self.unit_alignment != self.alignment else (
+            "format_version": 4 if symmetric else 3 if self.unit_alignment != self.alignment else (
                 2 if any(l.encoded for l in self.layouts.values()) else 1),
             **manifest,
             "alignment": self.alignment,
@@ -670,6 +688,7 @@ class FlashWriter:
                 "file": RESIDENT,
                 "bytes": (self.path / RESIDENT).stat().st_size,
                 "sha256": _sha256(self.path / RESIDENT),
+                "symmetric": symmetric,
             },
             "ffn_file": {"file": FFN, "bytes": (self.path / FFN).stat().st_size},
         }
@@ -677,6 +696,31 @@ class FlashWriter:
 
     def abort(self):
         self._ffn.close()
+
+
+def _affine_quant(config: dict, path: str) -> Optional[dict]:
+    """The affine quantisation (group_size, bits) mlx-lm's config gives module `path`, or None."""
+    q = config.get("quantization")
+    own = q.get(path, q) if isinstance(q, dict) else None
+    if not isinstance(own, dict) or own.get("mode", "affine") != "affine" or "bits" not in own:
+        return None
+    return own
+
+
+def symmetric_modules(resident: Dict[str, mx.array], config: dict) -> Dict[str, int]:
+    """The quantised modules among `resident` whose biases are -2^(bits-1) x their scales exactly: {path: bits}."""
+    out = {}
+    for name, b in resident.items():
+        path = name.removesuffix(".biases")
+        q = _affine_quant(config, path)
+        w, s = resident.get(f"{path}.weight"), resident.get(f"{path}.scales")
+        if path == name or q is None or w is None or s is None:
+            continue
+        if w.shape[-1] * 32 // q["bits"] != s.shape[-1] * q["group_size"]:  # not the config's quantisation
+            continue
+        if mx.array_equal(b, symmetric_biases(s, q["bits"])) and mx.all(mx.isfinite(b)).item():
+            out[path] = q["bits"]
+    return dict(sorted(out.items()))
 
 
 def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:

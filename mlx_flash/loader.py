@@ -46,6 +46,13 @@ def _wrap(model: nn.Module, weights: Dict[str, mx.array], wrap) -> Dict[str, mx.
     return {k: v for k, v in weights.items() if not any(k.startswith(path + ".") for path in wrap)}
 
 
+def _drop_symmetric_biases(model: nn.Module, fd: FlashDir) -> None:
+    """Symmetric modules hold no biases (their layers, cpu_gemv's, derive them: no DRAM, no reads)."""
+    modules = dict(model.named_modules())
+    for path in fd.symmetric:
+        modules[path].pop("biases")
+
+
 def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module], dtype=None,
                 wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
     """Instantiate the architecture, load the resident weights, and set layers[i].mlp = make_ffn(i, biases_i).
@@ -59,7 +66,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     adapter_for(config)
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
-    weights = fd.load_resident()
+    weights = fd.load_resident(biases=False)
     if dtype is not None:
         weights = {
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and cpu_float32(k) else v
@@ -89,6 +96,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
             and infer_quant_config(p, m, weights),
         )
         cpu_gemv.patch(model)  # decode matvecs on the CPU: native kernels (MLX's ops otherwise)
+        _drop_symmetric_biases(model, fd)
     weights = _wrap(model, weights, wrap)
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -111,7 +119,7 @@ def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Calla
     config = fd.config
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
-    weights = fd.load_resident()
+    weights = fd.load_resident(biases=False)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and cpu_float32(k) else v
                    for k, v in weights.items()}
@@ -126,6 +134,7 @@ def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Calla
         nn.quantize(model, class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights
                     and infer_quant_config(p, m, weights))
         cpu_gemv.patch(model)
+        _drop_symmetric_biases(model, fd)
     weights = _wrap(model, weights, wrap)
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -209,7 +209,7 @@ class ResidentStreamer:
 
     def lazy(self, path: str) -> Dict[str, mx.array]:
         """The group's tensors as lazily loaded arrays (mx.load): read whole, and only if evaluated."""
-        arrays = self.fd.load_resident()
+        arrays = self.fd.load_resident(biases=False)  # as stored: what the groups list
         out = {}
         for name in self.groups[path].tensors:
             out[name] = arrays[name].astype(self.index[name].loaded_dtype(self.cast))

@@ -79,6 +79,27 @@ def test_default_conversion_keeps_the_source_weights(source, flash_exact, tmp_pa
     assert abs(ppl / ref - 1) < 1e-3, (ppl, ref)
 
 
+def test_default_directory_holds_the_gguf_bytes(tmp_path):
+    """convert of the GGUF itself with no flag: the Q8_0 embedding's biases (-128 x its scales) are not stored
+    (format v4) yet load back exactly, so the weights on disk are the GGUF's tensor bytes within 1% (they were
+    1.8% over with the biases stored)."""
+    import gguf
+
+    from mlx_flash.cpu_gemv import symmetric_biases
+
+    out = convert(str(default_gguf_path()), tmp_path / "default", progress=False)
+    fd = FlashDir(out)
+    assert fd.version == 4 and fd.symmetric == {"model.embed_tokens": 8}
+    assert "model.embed_tokens.biases" not in fd.resident_index()
+    stored = fd.load_resident()
+    scales = stored["model.embed_tokens.scales"]
+    assert mx.array_equal(stored["model.embed_tokens.biases"], symmetric_biases(scales, 8))
+    assert "model.embed_tokens.biases" not in fd.load_resident(biases=False)
+    gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(default_gguf_path()).tensors)
+    weights = fd.resident_bytes + (out / "ffn.bin").stat().st_size
+    assert abs(weights / gguf_bytes - 1) < 0.01, (weights, gguf_bytes)
+
+
 def test_tokenizer_in_flash_dir(flash_exact):
     tok = load_tokenizer(FlashDir(flash_exact))
     text = "Hello, world! 12345 <|im_start|>user\n  café\tdone"

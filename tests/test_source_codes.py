@@ -2,6 +2,7 @@
 groups' scales and biases resident (cpu_gemv.block_axpy / block_matmul, compute.block_row_axpy)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
@@ -152,8 +153,8 @@ def test_native_symmetric_rows_equal_stored_biases(bits):
     s = mx.array(rng.standard_normal((k, n // 32)).astype(np.float16))
     b = cpu_gemv.symmetric_biases(s, bits)
     stored = cpu_gemv.QuantRows.of_matrix(w, s, b, 32, bits)
-    sym = cpu_gemv.QuantRows.of_matrix(w, s, mx.zeros_like(s) + 7, 32, bits)  # wrong biases, never read
-    sym = cpu_gemv.QuantRows(**{**sym.__dict__, "symmetric": True})
+    sym = cpu_gemv.QuantRows.of_matrix(w, s, None, 32, bits)
+    assert sym.symmetric and not stored.symmetric
     x, c = rng.standard_normal(n).astype(np.float32), rng.standard_normal(k).astype(np.float32)
     assert np.allclose(cpu_gemv.row_dot(x, sym, k=k), cpu_gemv.row_dot(x, stored, k=k), rtol=1e-5, atol=1e-4)
     assert np.allclose(cpu_gemv.row_axpy(c, sym), cpu_gemv.row_axpy(c, stored), rtol=1e-5, atol=1e-4)
@@ -162,3 +163,66 @@ def test_native_symmetric_rows_equal_stored_biases(bits):
     args = (c, w, 0, n * bits // 8, None, blocks)
     assert np.allclose(cpu_gemv.block_axpy(*args, tables, None, n, bits),
                        cpu_gemv.block_axpy(*args, tables, cpu_gemv.symmetric_biases(tables, bits), n, bits), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("budget", ["floor", "resident"])
+def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, budget):
+    """A Q4_0 GGUF's attention projections and embedding keep their codes and scales only (format v4): no
+    biases on disk, none in the model's memory, none streamed below the resident floor; their weights are the
+    GGUF's exactly and the tokens and bytes read those of the same conversion with the biases stored, less them."""
+    from mlx.utils import tree_flatten
+
+    from mlx_flash import flash_format, generation
+    from mlx_flash.budget import min_streaming_budget
+    from mlx_flash.convert.source import load_source_model, resolve_source
+    from mlx_flash.loader import cpu_cast
+    from mlx_flash.offload import stream_groups
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    gguf = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=4096)  # large enough to stream
+    path = convert(str(gguf), tmp_path / "flash", alignment=512, progress=False)
+    with monkeypatch.context() as m:  # the same conversion as format v3 wrote it: biases stored
+        m.setattr(flash_format, "symmetric_modules", lambda resident, config: {})
+        stored = convert(str(gguf), tmp_path / "stored", alignment=512, progress=False)
+    fd, fd_stored = FlashDir(path), FlashDir(stored)
+    src, _ = load_source_model(resolve_source(str(gguf), tmp_path))
+    quantised = {p for p, m in src.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                 and ".mlp." not in p}
+    assert set(fd.symmetric) == quantised and set(fd.symmetric.values()) == {4} and fd_stored.symmetric == {}
+    assert not any(k.endswith(".biases") for k in fd.resident_index())
+    want = dict(tree_flatten(src.parameters()))
+    for k, v in fd.load_resident().items():
+        if ".mlp." not in k:
+            assert mx.array_equal(v, want[k]), k
+
+    def run(p):
+        f = FlashDir(p)
+        if budget == "floor":  # attention layers and the tied embedding streamed: every one of them each token
+            cap = min_streaming_budget(f, CONTEXT, 4, resident=f.resident_nbytes(cpu_cast),
+                                       groups=stream_groups(f, cpu_cast, CONTEXT))
+        else:
+            cap = min_budget(f, CONTEXT) + f.ffn_bytes
+        model, _ = load(p, memory_budget=cap, sparsity="dense", context=CONTEXT)
+        try:
+            assert len(model.flash.plan.streamed) == (0 if budget == "resident" else 6)  # 4 layers, embedding, head
+            params = [k for k, _ in tree_flatten(model.parameters()) if k.endswith(".biases")]
+            assert model.decoder is not None, model.flash.decoder_why
+            # the native decode step (mlx_flash's loop) and the model's layers (mlx-lm's loop)
+            tokens = [[int(t) for t, _ in steps(mx.array(PROMPT), model, max_tokens=24)]
+                      for steps in (generation.generate_step, generate_step)]
+            model.flash.stats.end()
+            return params, tokens, model.flash.stats.decode_tokens()[-1].streamed_bytes
+        finally:
+            model.flash.close()
+
+    params, tokens, streamed = run(path)
+    params_stored, tokens_stored, streamed_stored = run(stored)
+    assert tokens == tokens_stored and tokens[0] == tokens[1]
+    if budget == "floor":  # a token reads every streamed layer's and the head's biases less (the embedding: its rows')
+        assert params == params_stored == []
+        biases = {k: t.nbytes for k, t in fd_stored.resident_index().items() if k.endswith(".biases")}
+        whole = sum(n for k, n in biases.items() if "embed_tokens" not in k)
+        assert whole <= streamed_stored - streamed <= sum(biases.values()), (streamed, streamed_stored, whole)
+    else:
+        assert params == [] and len(params_stored) == len(quantised)
+        assert streamed == streamed_stored == 0

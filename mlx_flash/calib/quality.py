@@ -38,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 from tqdm import tqdm
 
+from .. import cpu_gemv
 from ..ffn import ACTIVATIONS
 from ..flash_format import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
 from ..loader import build_model
@@ -251,8 +252,7 @@ def eval_model(fd: FlashDir, **controller_kw):
     def make_ffn(i, bias):
         return EvalFFN(ctl, i, dense_ffn_weights(fd, i), bias)
 
-    model = build_model(fd, make_ffn)
-    model = dequantize_model(model)
+    model = dequantize_model(cpu_gemv.with_biases(build_model(fd, make_ffn)))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model, ctl

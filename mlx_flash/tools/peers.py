@@ -65,7 +65,7 @@ from ..architectures import adapter_for
 from ..budget import fmt_bytes, parse_size
 from ..convert.build import convert
 from ..convert.export import export
-from ..default_model import cache_root, default_gguf_path
+from ..default_model import CONVERSION, cache_root, default_gguf_path
 from ..flash_format import FlashDir
 from ..loader import default_model_dir
 from ..memory import baseline_command
@@ -147,9 +147,11 @@ def prepare(model: str, progress: bool = True, nunspark: bool = False) -> dict:
     root = cache_root() / "peers" / (model if model == "small" or synthetic else Path(model).stem)
     mlx = root / "mlx"
     if flash is None:  # convert's defaults, as a user converts: the GGUF's own codes, units packed
-        flash, mlx = root / "flash", root / "mlx"
-        if not (flash / "flash.json").is_file():
+        flash, made = root / "flash", root / "flash.conversion"  # made anew when convert's defaults change
+        if not (flash / "flash.json").is_file() or not made.is_file() or made.read_text() != str(CONVERSION):
+            shutil.rmtree(flash, ignore_errors=True)
             convert(str(gguf), flash, progress=progress)
+            made.write_text(str(CONVERSION))
     paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx}
     if not (paths["mlx"] / "config.json").is_file():
         shutil.rmtree(paths["mlx"], ignore_errors=True)
