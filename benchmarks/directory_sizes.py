@@ -1,0 +1,46 @@
+"""A flash directory's bytes against its GGUF's: resident weights, ffn.bin, and their sum over the GGUF's tensor data.
+
+    python benchmarks/directory_sizes.py --model DIR --gguf FILE [--model DIR2 --gguf FILE2 ...]
+
+Defaults to the default model (its cache directory and the GGUF it was converted from).
+"""
+
+import argparse
+import os
+
+import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
+from mlx_flash.default_model import default_gguf_path, default_model_dir
+from mlx_flash.flash_format import FlashDir
+
+
+def sizes(model, gguf_path) -> dict:
+    import gguf
+
+    fd = FlashDir(model)
+    tensors = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)
+    weights = fd.resident_bytes + os.path.getsize(fd.ffn_path)
+    biases = sum(t.nbytes for k, t in fd.resident_index().items() if k.endswith(".biases"))
+    return {"model": str(model), "format_version": fd.version, "resident": fd.resident_bytes,
+            "resident_biases": biases, "symmetric_modules": len(fd.symmetric), "ffn_bin": os.path.getsize(fd.ffn_path),
+            "weights": weights, "gguf_tensors": tensors, "gguf_file": os.path.getsize(gguf_path),
+            "weights_over_gguf_tensors": weights / tensors}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", default=None)
+    p.add_argument("--gguf", action="append", default=None)
+    args = p.parse_args()
+    models, ggufs = args.model or [default_model_dir()], args.gguf or [default_gguf_path()]
+    if len(models) != len(ggufs):
+        p.error("give one --gguf per --model")
+    print("| directory | format | resident.safetensors (biases in it) | ffn.bin | weights / GGUF tensor data |")
+    print("|---|---|---|---|---|")
+    for m, g in zip(models, ggufs):
+        s = sizes(m, g)
+        print(f"| {m} | v{s['format_version']} | {s['resident']:,} B ({s['resident_biases']:,} B) | {s['ffn_bin']:,} B | "
+              f"{s['weights']:,} / {s['gguf_tensors']:,} B = {s['weights_over_gguf_tensors']:.4f}x |")
+
+
+if __name__ == "__main__":
+    main()
