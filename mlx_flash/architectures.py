@@ -21,7 +21,7 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cpu_gemv import symmetric_biases
+from .cpu_gemv import is_symmetric
 from .errors import UnsupportedArchitectureError
 
 
@@ -137,7 +137,7 @@ def symmetric(lin) -> bool:
     """Whether a quantised linear's biases are -2^(bits-1) times its scales (llama.cpp's Q4_0 / Q8_0): then
     they need not be stored."""
     q = _quant_of(lin)
-    return q is not None and bool(mx.array_equal(lin["biases"], symmetric_biases(lin["scales"], q["bits"])))
+    return q is not None and is_symmetric(lin["biases"], lin["scales"], q["bits"])
 
 
 def _require_symmetric(lin, name) -> bool:

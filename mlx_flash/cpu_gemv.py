@@ -110,6 +110,12 @@ def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
     return scales * -(1 << (bits - 1))
 
 
+def is_symmetric(biases: mx.array, scales: mx.array, bits: int) -> bool:
+    """Whether stored biases are exactly those `symmetric_biases` derives, so they need not be stored (finite: an
+    overflowed float16 bias would not be what a float32 derivation gives)."""
+    return bool(mx.array_equal(biases, symmetric_biases(scales, bits)) and mx.all(mx.isfinite(biases)).item())
+
+
 def _slots(slots) -> Optional[np.ndarray]:
     if slots is None:
         return None

@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import bitmap
-from .cpu_gemv import block_dequantize, symmetric_biases
+from .cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
 from .errors import FlashFormatError, ReadError
 from .reader import open_reader
 
@@ -718,7 +718,7 @@ def symmetric_modules(resident: Dict[str, mx.array], config: dict) -> Dict[str, 
             continue
         if w.shape[-1] * 32 // q["bits"] != s.shape[-1] * q["group_size"]:  # not the config's quantisation
             continue
-        if mx.array_equal(b, symmetric_biases(s, q["bits"])) and mx.all(mx.isfinite(b)).item():
+        if is_symmetric(b, s, q["bits"]):
             out[path] = q["bits"]
     return dict(sorted(out.items()))
 

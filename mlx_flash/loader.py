@@ -46,8 +46,15 @@ def _wrap(model: nn.Module, weights: Dict[str, mx.array], wrap) -> Dict[str, mx.
     return {k: v for k, v in weights.items() if not any(k.startswith(path + ".") for path in wrap)}
 
 
-def _drop_symmetric_biases(model: nn.Module, fd: FlashDir) -> None:
-    """Symmetric modules hold no biases (their layers, cpu_gemv's, derive them: no DRAM, no reads)."""
+def _quantize(model: nn.Module, weights: Dict[str, mx.array], fd: FlashDir) -> None:
+    """Make the modules `weights` holds scales for quantised as stored, with cpu_gemv's classes (decode matvecs on
+    the CPU: native kernels, MLX's ops otherwise); symmetric modules hold no biases (those classes derive them: no
+    DRAM, no reads)."""
+    from mlx_lm.utils import infer_quant_config
+
+    nn.quantize(model, class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights
+                and infer_quant_config(p, m, weights))
+    cpu_gemv.patch(model)
     modules = dict(model.named_modules())
     for path in fd.symmetric:
         modules[path].pop("biases")
@@ -59,9 +66,6 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
 
     dtype=mx.float32 casts the float tensors `cpu_float32` selects (the CPU path).
     wrap: module path -> function replacing that module (its weights are then not loaded: offload.py)."""
-    from mlx_lm.utils import infer_quant_config
-
-
     config = fd.config
     adapter_for(config)
     model_class, args_class = get_model_classes(config)
@@ -89,14 +93,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
         ffn_tensors.append(bias)
 
     if "quantization" in config:
-        nn.quantize(
-            model,
-            class_predicate=lambda p, m: hasattr(m, "to_quantized")
-            and f"{p}.scales" in weights
-            and infer_quant_config(p, m, weights),
-        )
-        cpu_gemv.patch(model)  # decode matvecs on the CPU: native kernels (MLX's ops otherwise)
-        _drop_symmetric_biases(model, fd)
+        _quantize(model, weights, fd)
     weights = _wrap(model, weights, wrap)
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -114,8 +111,6 @@ def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Calla
     """An MoE model with mlx-lm's classes and the resident weights: each SwitchGLU replaced by the engine's
     FlashSwitchGLU, or (engine None) holding all its experts as read from flash: mlx-lm's own model, the reference.
     wrap: as in `build_model` (streamed modules)."""
-    from mlx_lm.utils import infer_quant_config
-
     config = fd.config
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -131,10 +126,7 @@ def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Calla
     else:
         model.update_modules(tree_unflatten([(p, FlashSwitchGLU(engine, i, modules[p].activation)) for i, p in paths.items()]))
     if "quantization" in config or engine is None:
-        nn.quantize(model, class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights
-                    and infer_quant_config(p, m, weights))
-        cpu_gemv.patch(model)
-        _drop_symmetric_biases(model, fd)
+        _quantize(model, weights, fd)
     weights = _wrap(model, weights, wrap)
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
-from ..cpu_gemv import symmetric_biases
+from ..cpu_gemv import is_symmetric
 from ..experts import REGION, expert_arrays, expert_quantization, switch_paths
 from ..flash_format import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
 from .source import copy_tokenizer
@@ -40,8 +40,8 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
             arrays = expert_arrays(switch)
             mx.eval(arrays)
             for name, pq in q.items():  # Q4_0 / Q8_0: the biases follow from the scales, so (as on the source) not stored
-                if pq is not None and f"{name}.biases" in arrays and mx.array_equal(arrays[f"{name}.biases"],
-                                                     symmetric_biases(arrays[f"{name}.scales"], pq["bits"])):
+                if pq is not None and f"{name}.biases" in arrays and is_symmetric(arrays[f"{name}.biases"],
+                                                                                   arrays[f"{name}.scales"], pq["bits"]):
                     q[name] = {**pq, "symmetric": True}
                     del arrays[f"{name}.biases"]
             if quant is not None and q != quant:
