@@ -49,6 +49,14 @@ def test_ratios_and_table():
     assert "OOM-killed 3/3" in t and "1.25x" in t and "cap 600.0 MiB" in t
 
 
+def test_header_brackets_the_run_with_fio():
+    res = dict(canned(), tokens=9, rounds=3, flash_bytes=1000 * MiB, versions={"mlx": "0"},
+               machine={"python": "3", "cores": 2}, fio={"block": MiB, "threads": 32, "bytes_per_s": 2 * 2**30})
+    assert "2.0 GiB/s" in peers.header(res) and "at the end" not in peers.header(res)
+    res["fio_end"] = dict(res["fio"], bytes_per_s=1.5 * 2**30)
+    assert "2.0 GiB/s at the start, 1.5 GiB/s at the end" in peers.header(res)
+
+
 def test_parse_speed():
     mlx = "==========\nPrompt: 5 tokens, 10.0 tokens-per-sec\nGeneration: 8 tokens, 3.250 tokens-per-sec\n"
     assert peers.parse_speed("mlx-lm", mlx) == (8, 3.25)

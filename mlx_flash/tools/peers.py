@@ -348,6 +348,8 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
                 bar.write(_describe(rec2))
         if out:
             Path(out).write_text(json.dumps(dict(res, summary=summarize(res["runs"])), indent=2))
+    # the disk's rate moves within minutes: its rate at the end too brackets what the run saw
+    res["fio_end"] = fio_reference(FlashDir(paths["flash"]).ffn_path, DEFAULT_THREADS) if fio else None
     res["summary"] = summarize(res["runs"])
     return res
 
@@ -552,7 +554,9 @@ def header(res) -> str:
             f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "
             f"python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items())
             + (f"\nfio, same run: random O_DIRECT reads of {fmt_bytes(res['fio']['block'])} with {res['fio']['threads']} "
-               f"threads on ffn.bin: {fmt_bytes(res['fio']['bytes_per_s'])}/s" if res.get("fio") else ""))
+               f"threads on ffn.bin: {fmt_bytes(res['fio']['bytes_per_s'])}/s"
+               + (f" at the start, {fmt_bytes(res['fio_end']['bytes_per_s'])}/s at the end" if res.get("fio_end") else "")
+               if res.get("fio") else ""))
 
 
 def plot(res, out):
