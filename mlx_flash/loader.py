@@ -94,16 +94,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
 
     if "quantization" in config:
         _quantize(model, weights, fd)
-    weights = _wrap(model, weights, wrap)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise FlashFormatError(f"{fd.path}: resident weights do not match the architecture ({e})") from e
-    # now, in this thread: MLX streams are per thread, and a lazy load left for another thread (mlx-lm's
-    # server generates in its own) fails there ("no Stream(cpu, 0) in current thread")
-    mx.eval(model.parameters(), ffn_tensors)
-    model.eval()
-    return model
+    return _load_weights(model, weights, fd, wrap, ffn_tensors)
 
 
 def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None
@@ -127,12 +118,19 @@ def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Calla
         model.update_modules(tree_unflatten([(p, FlashSwitchGLU(engine, i, modules[p].activation)) for i, p in paths.items()]))
     if "quantization" in config or engine is None:
         _quantize(model, weights, fd)
+    return _load_weights(model, weights, fd, wrap)
+
+
+def _load_weights(model, weights, fd, wrap, *extra) -> nn.Module:
+    """The resident weights into the model (wrapped modules as `_wrap`), evaluated with `extra`."""
     weights = _wrap(model, weights, wrap)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashFormatError(f"{fd.path}: resident weights do not match the architecture ({e})") from e
-    mx.eval(model.parameters())
+    # now, in this thread: MLX streams are per thread, and a lazy load left for another thread (mlx-lm's
+    # server generates in its own) fails there ("no Stream(cpu, 0) in current thread")
+    mx.eval(model.parameters(), *extra)
     model.eval()
     return model
 
