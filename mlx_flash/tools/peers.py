@@ -307,13 +307,14 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     baseline = measure_baseline(paths["flash"])
     files = list(paths.values())
     paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
-    paths["moe"] = FlashDir(paths["flash"]).ffn.get("kind") == "moe"
+    fd = FlashDir(paths["flash"])
+    paths["moe"] = fd.ffn.get("kind") == "moe"
     versions = _versions()
 
-    fio = fio_reference(FlashDir(paths["flash"]).ffn_path, DEFAULT_THREADS)
+    fio = fio_reference(fd.ffn_path, DEFAULT_THREADS)
     res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "moe")},
            "sampling": " ".join(map(str, _sampling(paths))), "weight_bytes": weights,
-           "flash_bytes": FlashDir(paths["flash"]).model_bytes, "flash_down": down_storage(FlashDir(paths["flash"])), "baseline_rss": baseline, "tokens": tokens,
+           "flash_bytes": fd.model_bytes, "flash_down": down_storage(fd), "baseline_rss": baseline, "tokens": tokens,
            "rounds": rounds, "cap_factor": cap_factor, "fio": fio, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
            "versions": versions, "runs": []}
     # (system, budget %, cap); budget None: no cap
@@ -349,7 +350,7 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
         if out:
             Path(out).write_text(json.dumps(dict(res, summary=summarize(res["runs"])), indent=2))
     # the disk's rate moves within minutes: its rate at the end too brackets what the run saw
-    res["fio_end"] = fio_reference(FlashDir(paths["flash"]).ffn_path, DEFAULT_THREADS) if fio else None
+    res["fio_end"] = fio_reference(fd.ffn_path, DEFAULT_THREADS) if fio else None
     res["summary"] = summarize(res["runs"])
     return res
 
