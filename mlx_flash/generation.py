@@ -207,7 +207,7 @@ class _LastPosition:
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, prompt_lookup: bool = False,
                     num_draft_tokens=None, adaptive_draft: bool = True, **kwargs):
     """mlx-lm's `stream_generate` (same arguments and `GenerationResponse`s) on `generate_step` above;
-    closes the flash model's stats at the end. `draft_model` (a model with the same tokenizer, as mlx-lm's) or
+    `generation_tps` is `decode_tps` (decode steps over their time); closes the flash model's stats at the end. `draft_model` (a model with the same tokenizer, as mlx-lm's) or
     `prompt_lookup` (n-gram drafts from the prompt and the text so far) decode speculatively, up to
     `num_draft_tokens` drafts a pass (default DEFAULT_DRAFT_TOKENS; `adaptive_draft`: fewer after rejections);
     the flash model's `speculative` then holds the drafted and accepted counts."""
@@ -238,7 +238,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     def response(finish=None):
         return GenerationResponse(
             text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft, prompt_tokens=prompt.size,
-            prompt_tps=prompt_tps, generation_tokens=n + 1, generation_tps=(n + 1) / (time.perf_counter() - tic),
+            prompt_tps=prompt_tps, generation_tokens=n + 1, generation_tps=decode_tps(n, time.perf_counter() - tic),
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
 
     try:
@@ -259,6 +259,12 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
         tokens.close()  # feeds the last token into a caller's prompt cache, now
         if hasattr(model, "flash"):
             model.flash.stats.end()
+
+
+def decode_tps(steps: int, seconds: float) -> float:
+    """Tokens/s of decoding: the tokens after the first (which the prompt's pass makes) over their time,
+    as llama-bench counts its generation test: one token a decode step."""
+    return steps / seconds if steps and seconds > 0 else 0.0
 
 
 def _not_drafted(steps):

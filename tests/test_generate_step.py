@@ -127,3 +127,39 @@ def test_a_model_loaded_in_one_thread_generates_in_another(tmp_path):
         assert out == {"tokens": [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=4)]}
     finally:
         model.flash.close()
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_generation_tps_is_decode_steps_over_their_time(monkeypatch, tmp_path):
+    """The prompt's pass (5 s) makes the first token; each later token is one decode step (2 s): 8 tokens are
+    7 steps in 14 s, 0.5 tokens/s (not 8 / 14)."""
+    import mlx_flash.generation as generation
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_flash.models.tiny import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path)
+    clock = _Clock()
+
+    def steps(prompt, model, max_tokens, **kwargs):
+        clock.now += 5.0
+        for i in range(max_tokens):
+            if i:
+                clock.now += 2.0
+            yield 65 + i, mx.zeros(4)
+
+    monkeypatch.setattr(generation, "time", clock)
+    monkeypatch.setattr(generation, "generate_step", steps)
+    responses = list(stream_generate(object(), load_tokenizer(tmp_path), [1, 2, 3], max_tokens=8))
+    last = responses[-1]
+    assert last.generation_tokens == 8 and last.prompt_tps == pytest.approx(3 / 5.0)
+    assert last.generation_tps == pytest.approx(7 / 14.0)
+    assert responses[0].generation_tps == 0.0  # no decode step yet
+    assert generation.decode_tps(7, 14.0) == 0.5 and generation.decode_tps(0, 0.0) == 0.0
