@@ -15,6 +15,23 @@ tokens are meaningless: only the timings and bytes matter. The tokenizer is the 
 tiny test models. Alignment 512 (O_DIRECT's minimum on this disk) so bundles are not padded
 (7B q4: 9216 B per neuron, 4096 alignment would pad it to 12288).
 Active sets for these models come from a recorded trace (mlx_flash.calib.trace).
+
+Routing (MoE presets, `--routing`; the GGUF writer synthetic_gguf has the same choice):
+  own      the random model's own routing. A deep random residual stream converges to one direction, so every
+           token picks nearly the same experts: sticky, expert caches hit almost always.
+  uniform  every block's output projection (attention's, the experts' down) scaled by QUIET and the token
+           embeddings of unit variance, so each hidden state stays close to its token's embedding: random
+           tokens route uniformly and independently (consecutive reuse ~ k/E), the worst case for a cache.
+  skewed   uniform, plus a Zipf-like popularity per layer: the expert of popularity rank r gets a router logit
+           offset of -SKEW * ln(r), carried by a direction every token embedding shares (SHARED of its norm).
+           Parameters picked, not fitted: the search for published per-expert frequencies and
+           consecutive-token reuse of real models found descriptions (long-tailed, imbalanced expert use;
+           Mixtral's routing analysis, Jiang et al. 2024, arXiv:2401.04088, section 5: consecutive tokens
+           share experts above chance) but no numbers. With SKEW = 0.5 an LRU cache of a quarter (a half) of a
+           layer's experts hits about 61% (83%) of independent random tokens' experts on a 48-layer model of
+           128 experts, 8 a token (Qwen3-30B-A3B's routing; uniform: 22% (47%), own: 95%), near the per-layer
+           LRU hit rates 49-82% reported for real MoE models (as quoted by the issue that asked for this);
+           consecutive reuse 23% (uniform 6%). mlx_flash.tools.routing measures a model's regime.
 """
 
 import argparse
@@ -69,6 +86,36 @@ _COMMON = {"llama": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_emb
                              mlp_only_layers=[], norm_topk_prob=True),
            "opt": dict(max_position_embeddings=2048)}
 GROUP = 64
+ROUTINGS = ("own", "uniform", "skewed")
+QUIET = 1 / 16  # uniform, skewed: scale of every block's output projection
+SKEW = 0.5  # skewed: router logit offset -SKEW * ln(popularity rank)
+SHARED = 0.5  # skewed: the shared direction's part of a token embedding (of the random part's norm)
+
+
+def output_scale(routing: str) -> float:
+    """Scale of the blocks' output projections (attention's o_proj, the experts' down_proj) for `routing`."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r} (choose from {', '.join(ROUTINGS)})")
+    return 1.0 if routing == "own" else QUIET
+
+
+def shared_direction(rng, cols: int) -> np.ndarray:
+    u = rng.standard_normal(cols)
+    return (u / np.linalg.norm(u)).astype(np.float32)
+
+
+def skewed_embedding(rng, rows: int, cols: int, u: np.ndarray) -> np.ndarray:
+    """Token embeddings float32 [rows, cols]: unit-variance random entries plus SHARED * sqrt(cols) along `u`."""
+    return rng.standard_normal((rows, cols), dtype=np.float32) + np.float32(SHARED * np.sqrt(cols)) * u
+
+
+def skewed_router(rng, experts: int, cols: int, u: np.ndarray) -> np.ndarray:
+    """A router float32 [experts, cols]: random rows (logits ~ N(0, 1) for an RMS-normed input) plus, along `u`,
+    the offset -SKEW * ln(rank) of each expert's popularity rank (a permutation of its own)."""
+    offsets = -SKEW * np.log(rng.permutation(experts) + 1.0)
+    along = SHARED * np.sqrt(cols) / np.sqrt(1 + SHARED**2)  # an RMS-normed embedding's component along u
+    w = rng.standard_normal((experts, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
+    return w + (offsets[:, None] / along).astype(np.float32) * u
 
 
 def preset_config(name: str) -> dict:
@@ -115,18 +162,27 @@ def _ffn_regions(config, storage, rng):
     return {"neurons": arrays}, bias, info
 
 
-def _expert_regions(config, rng):
+def _expert_regions(config, rng, routing="own"):
     """One layer's experts as convert writes them: SwitchGLU's stacked 4-bit gate/up/down (zero-mean codes)."""
     d, n, e = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
     arrays = {}
     for name, rows, cols in (("gate_proj", n, d), ("up_proj", n, d), ("down_proj", d, n)):
-        q = _quantized(rng, e * rows, cols, 4, np.sqrt(3) * 2 / np.sqrt(cols))
+        out = output_scale(routing) if name == "down_proj" else 1.0
+        q = _quantized(rng, e * rows, cols, 4, np.sqrt(3) * 2 / np.sqrt(cols) * out)
         arrays.update({f"{name}.{k}": v.reshape(e, rows, -1) for k, v in q.items()})
     return {REGION: arrays}
 
 
-def _resident(config, storage, rng):
-    """Random resident weights with the architecture's names (the model is built lazily: no big allocation)."""
+def _quantized_from(make, rows: int, chunk: int = 8192):
+    """`rows` float rows from make(n) affine-quantised to 4 bits (group GROUP), made a chunk at a time."""
+    parts = [mx.quantize(mx.array(make(min(chunk, rows - i))), group_size=GROUP, bits=4) for i in range(0, rows, chunk)]
+    return {k: mx.concatenate([p[j] for p in parts]).astype(mx.float16 if j else mx.uint32)
+            for j, k in enumerate(("weight", "scales", "biases"))}
+
+
+def _resident(config, storage, rng, routing="own"):
+    """Random resident weights with the architecture's names (the model is built lazily: no big allocation);
+    `routing` (MoE): see the module's docstring."""
 
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -140,13 +196,22 @@ def _resident(config, storage, rng):
             paths.append(names[id(layer.mlp)])
             layer.mlp = nn.Module()
     out = {}
-    quant = {}
+    u = shared_direction(rng, config["hidden_size"]) if routing == "skewed" else None
     for name, p in tree_flatten(model.parameters()):
-        if p.ndim == 2 and storage != "float16" and p.shape[-1] % GROUP == 0:
-            prefix = name[: -len(".weight")]
-            q = _quantized(rng, p.shape[0], p.shape[1], 4, 2.0 / np.sqrt(p.shape[1]) * np.sqrt(3))
+        prefix = name[: -len(".weight")]
+        if u is not None and name.endswith("embed_tokens.weight"):
+            out.update({f"{prefix}.{k}": v for k, v in _quantized_from(
+                lambda n: skewed_embedding(rng, n, p.shape[1], u), p.shape[0]).items()})
+        elif u is not None and name.endswith("mlp.gate.weight"):  # the router, float
+            out[name] = mx.array(skewed_router(rng, *p.shape, u).astype(np.float16))
+        elif p.ndim == 2 and storage != "float16" and p.shape[-1] % GROUP == 0:
+            scale = 2.0 / np.sqrt(p.shape[1]) * np.sqrt(3)
+            if name.endswith("o_proj.weight"):
+                scale *= output_scale(routing)
+            elif name.endswith("embed_tokens.weight") and routing != "own":
+                scale *= np.sqrt(p.shape[1])  # entries of unit variance: the blocks' outputs are small beside them
+            q = _quantized(rng, p.shape[0], p.shape[1], 4, scale)
             out.update({f"{prefix}.{k}": v for k, v in q.items()})
-            quant[prefix] = True
         elif p.ndim == 2:
             out[name] = _float(rng, p.shape[0], p.shape[1], 1.0 / np.sqrt(p.shape[1]))["weight"]
         elif name.endswith("bias"):
@@ -157,17 +222,24 @@ def _resident(config, storage, rng):
     return out, paths
 
 
-def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: bool = True) -> Path:
-    """Build the synthetic flash directory of preset `name` (if missing) and return its path."""
+def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: bool = True, routing: str = "own",
+          **overrides) -> Path:
+    """Build the synthetic flash directory of preset `name` (if missing; config `overrides`, e.g. num_experts=16)
+    with MoE `routing` (own, uniform, skewed: the module's docstring) and return its path."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     if storage not in ("q4", "float16"):
         raise ValueError("storage must be q4 or float16")
-    out = Path(out) if out is not None else cache_root() / "synthetic" / (name if storage == "q4" else f"{name}-{storage}")
+    output_scale(routing)
+    suffix = ("" if storage == "q4" else f"-{storage}") + ("" if routing == "own" else f"-{routing}")
+    out = Path(out) if out is not None else cache_root() / "synthetic" / f"{name}{suffix}"
     if (out / "flash.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     config = preset_config(name)
+    config.update(overrides)
+    if routing != "own" and not is_moe(config):
+        raise ValueError("a routing choice is for MoE presets")
     if storage == "q4":
         config["quantization"] = {"group_size": GROUP, "bits": 4}
     rng = np.random.default_rng(seed)
@@ -178,10 +250,10 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
         writer = (FlashWriter(Path(work) / "flash", alignment=DEFAULT_ALIGNMENT, unit_alignment=DEFAULT_ALIGNMENT) if moe else  # as convert_moe
                   FlashWriter(Path(work) / "flash", alignment=512, unit_alignment=PACKED_UNIT_ALIGNMENT))  # as convert
-        resident, paths = _resident(config, storage, rng)
+        resident, paths = _resident(config, storage, rng, routing)
         info = None
         for i in range(layers):
-            regions, bias, info = (_expert_regions(config, rng), {}, None) if moe else _ffn_regions(config, storage, rng)
+            regions, bias, info = (_expert_regions(config, rng, routing), {}, None) if moe else _ffn_regions(config, storage, rng)
             writer.add_layer(regions)
             resident.update({f"{paths[i]}.{k}": v for k, v in bias.items()})
             del regions
@@ -209,6 +281,7 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
             },
             "neuron_order": None,
             "source": {"model": f"synthetic:{name}", "storage": storage, "seed": seed,
+                       **({"routing": routing} if moe else {}),
                        "created_by": f"mlx_flash {__version__}"},
         }
         writer.finish(config, resident, manifest)
@@ -226,8 +299,9 @@ def main():
     p.add_argument("--preset", required=True, choices=list(PRESETS))
     p.add_argument("--storage", default="q4", choices=["q4", "float16"])
     p.add_argument("--out", default=None)
+    p.add_argument("--routing", default="own", choices=ROUTINGS, help="MoE presets: own (sticky), uniform, skewed.")
     a = p.parse_args()
-    path = build(a.preset, a.out, a.storage)
+    path = build(a.preset, a.out, a.storage, routing=a.routing)
     fd = FlashDir(path)
     print(f"{path}: resident {fd.resident_bytes / 2**30:.2f} GiB, ffn.bin {fd.ffn_bytes / 2**30:.2f} GiB, "
           f"{len(fd.layers)} layers x {fd.layers[0]['neurons'].n_units} neurons x {fd.layers[0]['neurons'].stride} B")

@@ -11,6 +11,9 @@ Every 2-D weight (and 3-D stacked experts) is Q4_0 (32 values per 18-byte block:
 of nibbles), with random nibbles and a scale giving each row's outputs about unit variance; norms are float32
 ones, MoE routers float32. MoE presets draw nibbles from 1..15 (zero-mean values: see `_q4_0`). The tokenizer is byte-level BPE ("gpt2", pre-tokenizer "default"): the 256 byte symbols,
 one merge, <|endoftext|> (BOS/EOS) and filler tokens up to the vocabulary size.
+`routing` (MoE presets: own, uniform, skewed) is synthetic.py's: the blocks' output projections scaled down and
+the token embeddings of unit variance (uniform, skewed), a shared embedding direction and biased routers (skewed);
+llama.cpp routes as mlx_flash does, since both run this file.
 Tensors are generated and written one at a time (memory: one tensor, at most the 7B's embedding,
 74 MB), into a temporary name renamed when complete.
 """
@@ -23,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from ..models.tiny import _bytes_to_unicode
-from .synthetic import PRESETS, preset_config
+from .synthetic import (PRESETS, ROUTINGS, output_scale, preset_config, shared_direction, skewed_embedding,
+                        skewed_router)
 
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
 GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
@@ -55,24 +59,24 @@ def tiny_moe(model_type: str) -> dict:
     return c
 
 
-def _q4_0(rng, rows: int, cols: int, zero_mean: bool = False) -> np.ndarray:
+def _q4_0(rng, rows: int, cols: int, zero_mean: bool = False, scale: float = 1.0) -> np.ndarray:
     """Random Q4_0 rows as raw bytes [rows, cols / 32 * 18]: values d * (q - 8), q uniform in 0..15, or in 1..15
     (`zero_mean`: 0..15 has mean -0.5, a direction shared by every row, which sends every token of an MoE model
-    to the same few experts)."""
+    to the same few experts); outputs of about `scale` times unit variance."""
     blocks = rng.integers(0, 256, size=(rows, cols // Q4_0_BLOCK, Q4_0_BYTES), dtype=np.uint8)
     if zero_mean:
         lo, hi = rng.integers(1, 16, size=(2, rows, cols // Q4_0_BLOCK, Q4_0_BYTES - 2), dtype=np.uint8)
         blocks[..., 2:] = lo | (hi << 4)
-    d = np.float16(1.0 / (np.sqrt(cols) * (4.32 if zero_mean else 4.6)))  # the std of q - 8
+    d = np.float16(scale / (np.sqrt(cols) * (4.32 if zero_mean else 4.6)))  # the std of q - 8
     blocks[..., :2] = np.frombuffer(d.tobytes(), np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def _mxfp4(rng, rows: int, cols: int) -> np.ndarray:
+def _mxfp4(rng, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
     """Random MXFP4 rows as raw bytes [rows, cols / 32 * 17] (gpt-oss's experts): an e8m0 scale byte giving each
-    row's outputs about unit variance (e2m1 codes drawn uniformly: rms 2.93), then 16 bytes of codes."""
+    row's outputs about `scale` times unit variance (e2m1 codes drawn uniformly: rms 2.93), then 16 bytes of codes."""
     blocks = rng.integers(0, 256, size=(rows, cols // Q4_0_BLOCK, 17), dtype=np.uint8)
-    blocks[..., 0] = 127 + round(np.log2(1.0 / (2.93 * np.sqrt(cols))))
+    blocks[..., 0] = 127 + round(np.log2(scale / (2.93 * np.sqrt(cols))))
     return blocks.reshape(rows, -1)
 
 
@@ -189,15 +193,32 @@ def _deepseek2_meta(w, c: dict) -> None:
     w.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
 
 
-def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrides) -> Path:
+BLOCK_OUTPUTS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight", "ffn_down.weight")
+
+
+def _q4_0_from(make, rows: int, cols: int, chunk: int = 8192) -> np.ndarray:
+    """`rows` float rows from make(n) as Q4_0 bytes [rows, cols / 32 * 18], made a chunk at a time."""
+    from gguf import GGMLQuantizationType, quants
+
+    out = np.empty((rows, cols // Q4_0_BLOCK * Q4_0_BYTES), np.uint8)
+    for i in range(0, rows, chunk):
+        n = min(chunk, rows - i)
+        out[i:i + n] = quants.quantize(make(n), GGMLQuantizationType.Q4_0)
+    return out
+
+
+def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: str = "own", **overrides) -> Path:
     """Write preset `preset` (with config `overrides`, e.g. vocab_size=512, or tiny_moe(model_type)) as a GGUF file
-    of random Q4_0 weights (gpt-oss's experts: MXFP4)."""
+    of random Q4_0 weights (gpt-oss's experts: MXFP4), with MoE `routing` (own, uniform, skewed)."""
     import gguf
 
     c = preset_config(preset)
     c.update(overrides)
     if c["model_type"] not in GGUF_ARCHS:
         raise ValueError(f"{preset}: only {', '.join(GGUF_ARCHS)} presets can be written as GGUF")
+    quiet = output_scale(routing)
+    if routing != "own" and c["model_type"] not in MOE_TYPES:
+        raise ValueError("a routing choice is for MoE presets")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -205,7 +226,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     moe = c["model_type"] in MOE_TYPES
     hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     w = gguf.GGUFWriter(str(tmp), arch)
-    w.add_name(f"synthetic {preset}")
+    w.add_name(f"synthetic {preset}" + ("" if routing == "own" else f", {routing} routing"))
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
@@ -264,20 +285,28 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, **overrid
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
+    u = shared_direction(rng, c["hidden_size"]) if routing == "skewed" else None
     from tqdm import tqdm
 
     for name, shape in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
+        scale = quiet if name.endswith(BLOCK_OUTPUTS) else 1.0
         if name.endswith(".bias") or "ffn_gate_inp_shexp" in name or "attn_sinks" in name:
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(c["hidden_size"])).astype(np.float32)
         elif len(shape) == 1:
             data = np.ones(shape, np.float32)
+        elif u is not None and name.endswith("ffn_gate_inp.weight"):  # a skewed router
+            data = skewed_router(rng, *shape, u)
         elif any(f in name for f in FLOAT_TENSORS):  # the router: float, as llama.cpp's converter keeps it
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+        elif u is not None and name == "token_embd.weight":
+            data = _q4_0_from(lambda n: skewed_embedding(rng, n, shape[1], u), *shape)
         elif oss and "_exps." in name:
-            data = _mxfp4(rng, int(np.prod(shape[:-1])), shape[-1]).reshape(*shape[:-1], -1)
+            data = _mxfp4(rng, int(np.prod(shape[:-1])), shape[-1], scale).reshape(*shape[:-1], -1)
         else:
+            if name == "token_embd.weight" and routing != "own":
+                scale = np.sqrt(shape[-1])  # entries of unit variance: the blocks' outputs are small beside them
             rows = int(np.prod(shape[:-1]))
-            data = _q4_0(rng, rows, shape[-1], zero_mean=moe).reshape(*shape[:-1], -1)
+            data = _q4_0(rng, rows, shape[-1], zero_mean=moe, scale=scale).reshape(*shape[:-1], -1)
         w.write_tensor_data(data)
     w.close()
     os.replace(tmp, out)
@@ -288,8 +317,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Write a synthetic GGUF file (a preset's shapes, random Q4_0 weights).")
     p.add_argument("--preset", required=True, choices=[k for k, v in PRESETS.items() if v["model_type"] in GGUF_ARCHS])
     p.add_argument("--out", required=True, help="Output .gguf file.")
+    p.add_argument("--routing", default="own", choices=ROUTINGS, help="MoE presets: own (sticky), uniform, skewed.")
     a = p.parse_args(argv)
-    path = write_gguf(a.preset, a.out)
+    path = write_gguf(a.preset, a.out, routing=a.routing)
     print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")
     return 0
 
