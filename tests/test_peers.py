@@ -57,12 +57,40 @@ def test_header_brackets_the_run_with_fio():
     assert "2.0 GiB/s at the start, 1.5 GiB/s at the end" in peers.header(res)
 
 
-def test_parse_speed():
-    mlx = "==========\nPrompt: 5 tokens, 10.0 tokens-per-sec\nGeneration: 8 tokens, 3.250 tokens-per-sec\n"
-    assert peers.parse_speed("mlx-lm", mlx) == (8, 3.25)
+def test_parse_steps():
+    steps = 'Generation: 9 tokens, 3.2 tokens-per-sec\nsteps: {"prompt_tokens": 1, "steps": 8, "tok_s": 3.0, ' \
+            '"step_ms_mean": 333.3, "step_ms_median": 320.0, "hit_rate": 0.5}\n'
+    assert peers.parse_steps("mlx-lm", steps) == {"generated": 8, "prompt_tokens": 1, "tok_s": 3.0, "step_ms_mean": 333.3,
+                                                  "step_ms_median": 320.0, "hit_rate": 0.5}
     llama = '[\n  {"n_prompt": 0, "n_gen": 8, "avg_ts": 3.5, "n_threads": 2}\n]\n'
-    assert peers.parse_speed("llama.cpp mmap", llama) == (8, 3.5)
-    assert peers.parse_speed("llama.cpp", "killed") == (None, None)
+    got = peers.parse_steps("llama.cpp mmap", llama)
+    assert got["generated"] == 8 and got["tok_s"] == 3.5 and got["step_ms_median"] is None
+    assert peers.parse_steps("llama.cpp", "killed") == {} and peers.parse_steps("mlx_flash dense", "Killed") == {}
+
+
+def test_steps_time_decode_steps_only():
+    """The Python systems' tokens/s: decode steps over their time, from the first token's arrival (the prompt's
+    pass makes it) to the last's; 9 tokens are 8 steps."""
+    from mlx_flash.tools import steps
+
+    arrivals = [5.0] + [5.0 + 2 * i for i in range(1, 8)] + [5.0 + 14 + 4]  # 7 steps of 2 s, then one of 4 s
+    s = steps.summary(arrivals, {"prompt_tokens": 1})
+    assert s["steps"] == 8 and s["tok_s"] == pytest.approx(8 / 18.0)
+    assert s["step_ms_mean"] == pytest.approx(18e3 / 8) and s["step_ms_median"] == pytest.approx(2e3)
+    assert steps.summary(arrivals, {"speculative": True})["step_ms_median"] is None
+    assert steps.summary([1.0], {})["tok_s"] is None
+
+
+def test_every_system_gets_one_prompt_token_and_the_same_steps():
+    paths = {k: Path(k) for k in ("gguf", "flash", "flash_dip", "mlx", "nunspark")}
+    paths.update(prompt="W", prompt_id=87)
+    for system, (builder, _) in peers.SYSTEMS.items():
+        cmd = [str(c) for c in builder(paths, 8, 1000)]
+        if system.startswith("llama.cpp"):
+            assert cmd[cmd.index("-n") + 1] == "8" and cmd[cmd.index("-p") + 1] == "0"
+            continue
+        assert cmd[1] == str(peers.STEPS) and cmd[cmd.index("--max-tokens") + 1] == "9"  # the prompt's token + 8
+        assert ("--prompt-ids", "87") in zip(cmd, cmd[1:]) or ("--prompt", "W") in zip(cmd, cmd[1:])
 
 
 def test_plot(tmp_path):
@@ -145,11 +173,11 @@ def test_budgets_as_a_share_of_the_weights_or_as_one_absolute_cap():
     assert "| cap 1GiB |" in t.splitlines()[0] and "1.50x" in t and "| mlx_flash dense / nunspark | 6.00x |" in t
 
 
-def test_parse_nunspark_speed():
-    out = "Prompt -> 15 tokens\nxyz\n\n--- metrics ---\nbudget                : 1.5GB  (1.50 GB)\n" \
-          "generated tokens      : 4 in 85.7s  (0.05 tok/s, prefetch=on)\npeak unified memory   : 2.20 GB\n"
-    assert peers.parse_speed("nunspark", out) == (4, 0.05)
-    assert peers.parse_speed("nunspark", "Killed") == (None, None)
+def test_parse_nunspark_hits():
+    out = "--- metrics ---\ncache hits / misses   : 30 / 10\n" \
+          'steps: {"prompt_tokens": 1, "steps": 4, "tok_s": 0.5, "step_ms_mean": 2000, "step_ms_median": 1900}\n'
+    got = peers.parse_steps("nunspark", out)
+    assert got["generated"] == 4 and got["tok_s"] == 0.5 and got["hit_rate"] == 0.75
 
 
 def test_nunspark_budget_backs_off_until_it_holds_the_cap(monkeypatch):
@@ -157,7 +185,7 @@ def test_nunspark_budget_backs_off_until_it_holds_the_cap(monkeypatch):
     the cap, the killed attempts are kept under their own label, and later rounds start at what held."""
     told = []
 
-    def fake(system, paths, tokens, budget, cap, files, timeout=None):
+    def fake(system, paths, tokens, budget, cap, files, timeout=None, resident=False):
         told.append(budget)
         return _run(system, None, None if budget > 500 * MiB else 1.0, oom=budget > 500 * MiB)
 
@@ -170,3 +198,25 @@ def test_nunspark_budget_backs_off_until_it_holds_the_cap(monkeypatch):
     told.clear()
     peers._nunspark_run({}, 8, 1000 * MiB, 1100 * MiB, [], None, tried, 50, runs)
     assert len(told) == 1 and told[0] <= 500 * MiB
+
+
+def test_steps_times_mlx_flash_and_mlx_lm_alike(tiny_gguf, tmp_path):
+    """The harness's Python systems on the tiny model: one prompt token, then the same 4 decode steps each."""
+    import subprocess
+    import sys
+
+    from mlx_flash.convert.export import export
+
+    flash = convert(str(tiny_gguf), tmp_path / "flash", progress=False)
+    mlx = export(flash, tmp_path / "mlx", progress=False)
+    text, first = peers.one_token_prompt(flash)
+    assert text == "W" and first == ord("W")  # the byte-level tokenizer: "Write ..." starts with one byte
+    paths = {"flash": flash, "mlx": mlx, "prompt": text}
+    for system in ("mlx_flash dense", "mlx-lm"):
+        cmd = [str(c) for c in peers.SYSTEMS[system][0](paths, 4, "1GiB")]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        got = peers.parse_steps(system, out.stdout)
+        assert out.returncode == 0 and got["prompt_tokens"] == 1 and got["generated"] == 4, out.stderr[-2000:]
+        assert got["tok_s"] > 0 and got["step_ms_median"] > 0
+        if system.startswith("mlx_flash"):
+            assert got["hit_rate"] is not None and got["cache_units"] >= 0

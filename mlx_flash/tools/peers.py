@@ -1,7 +1,7 @@
 """mlx_flash against the systems a user would otherwise pick, under a hard memory cap.
 
     python -m mlx_flash.peers [--model small|llama-7b|qwen3-30b-a3b|moe-small|GGUF] [--budgets 25,50,80] [--rounds N]
-        [--tokens N] [--json OUT] [--plot OUT.png] [--quick]
+        [--tokens N] [--routing uniform|skewed|own] [--json OUT] [--plot OUT.png] [--quick]
 
 For each budget (a fraction of the model's weight bytes: the size of its GGUF file, the source
 all three systems run), every system generates from the same weights in a memory cgroup capped at
@@ -17,7 +17,7 @@ exported for mlx-lm by mlx_flash.convert.export):
   llama.cpp             llama-bench's tg test with its defaults (2 threads): weights repacked into
                         anonymous memory on x86 (AVX2), so a cap below the model kills it
   llama.cpp mmap        the same with --repack 0 -lm mmap: weights used in place from the mmap'd file
-  mlx-lm                python -m mlx_lm generate on the export (capped, and once without a cap)
+  mlx-lm                python -m mlx_lm generate on the export
   mlx_flash dense       python -m mlx_flash.generate --memory-budget <budget> --sparsity dense
   mlx_flash prompt-lookup  mlx_flash dense with --prompt-lookup (speculative decoding, lossless; nunspark has
                         draft-model and EAGLE speculation but no prompt lookup: no same-draft row beside it)
@@ -27,26 +27,38 @@ exported for mlx-lm by mlx_flash.convert.export):
                         `nunspark pack` of the export, --io-threads 8 --warm-window 4. Its --budget does not
                         bound the process, so it starts at NUNSPARK_SHARE of the cap's budget and, when
                         OOM-killed, runs again with 3/4 of that budget until it holds the cap (the largest
-                        budget that holds it, in those steps); its tokens/s is its own figure, which times
-                        the prompt's pass too (the first token comes out of it)
+                        budget that holds it, in those steps)
 A budget is a % of the GGUF's size (cap = budget + baseline) or an absolute hard cap such as 2.5GiB
 (budget = cap - baseline): one cap for every system.
 If mlx_flash is OOM-killed under its cap, it is run again with a cap 25% larger (then larger
 again, in 25% steps, until it finishes) and recorded as a separate row labelled with the factor.
 
-Measured per run (mlx_flash.tools.cap): tokens/s of generation only, as each system reports it
-(llama-bench's tg avg_ts after its warm-up token, mlx-lm's "Generation: ... tokens-per-sec" after
-the prompt; load excluded),
-peak RSS, the cgroup's peak (page cache included), OOM kill. Bytes read from the device per
-generated token: (device bytes of an N-token run - those of a 1-token run) / (N - 1), the
-1-token run done once per system and budget, so loading and the prompt cancel out.
-Medians over --rounds rounds; each round runs every system at every budget, in an order
-rotated each round, because the disk is noisy.
+Timing, the same for every system: one token of prompt, then --tokens decode steps (one token each), and
+tokens/s = decode steps / their time (load and the prompt's pass excluded). llama-bench's tg test is that
+already (-n N: its warm-up decodes one token, then N timed steps, a random token each); the Python systems run
+their own command through mlx_flash/tools/steps.py, which times each token's arrival from their generation
+loop: --max-tokens N + 1 with a prompt of one token (the first token of --prompt; the first generated token
+comes out of the prompt's pass), per-step median beside the mean (llama-bench reports the mean only).
+Resident baselines (--resident; the "resident" column and the JSON's "resident"): no cap and every model file
+read into the page cache first, llama.cpp (default and mmap) and mlx-lm where model + baseline fit in the
+memory available.
+
+Measured per run (mlx_flash.tools.cap): tokens/s, per-step mean and median, peak RSS, the cgroup's peak (page
+cache included), OOM kill; mlx_flash's cache hit rate over the decode steps, cold start (until its caches first
+fill) and steady state (after) apart; nunspark's cache hit rate as it prints it. Bytes read from the device per
+decode step: (device bytes of an N-step run - those of a 1-step run) / (N - 1), the 1-step run done once per
+system and budget, so loading and the prompt cancel out. Medians over --rounds rounds; each round runs every
+system at every budget, in an order rotated each round, because the disk is noisy.
+
+MoE presets are written with a routing regime (--routing, synthetic.py's: uniform by default, the floor a user
+can count on; skewed; own, sticky); the regime and its routing statistics (mlx_flash.tools.routing on 64 random
+tokens: consecutive reuse, per-expert frequency, LRU hit rates) are in the JSON and the header.
 """
 
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import re
 import shutil
@@ -73,12 +85,14 @@ from ..plot import pyplot
 from ..reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .bench_io import machine_info, run_fio
 from .cap import exit_on_sigterm, run_capped
-from .synthetic import PRESETS
-from .synthetic_gguf import GGUF_ARCHS, write_gguf
+from .synthetic import PRESETS, ROUTINGS
+from .routing import describe as describe_routing
+from .synthetic_gguf import GGUF_ARCHS, MOE_TYPES, write_gguf
 
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
 LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."  # its first token
+STEPS = Path(__file__).with_name("steps.py")  # the Python systems' timing (a script: it imports no mlx_flash)
 # MoE models: the Python systems sample at this temperature (near-uniform tokens), as llama-bench feeds a
 # random token each step; a random-weight model's greedy text repeats one token, which would route every
 # step alike and turn every expert read into a hit
@@ -132,19 +146,30 @@ def llama_cpp_bin(name: str) -> Path:
 
 
 # -- the models: one GGUF, its flash directory, the flash directory exported for mlx-lm -----------------
-def prepare(model: str, progress: bool = True, nunspark: bool = False) -> dict:
-    """{"gguf", "flash", "mlx"[, "flash_dip", "nunspark"]} paths for `model` (small, a synthetic preset or a GGUF file),
-    made once under ~/.cache/mlx_flash/peers/<name>."""
+def routing_of(model: str, routing: str = "uniform") -> Optional[str]:
+    """The routing regime `model` runs with: `routing` for a synthetic MoE preset, None for the others."""
+    if model in PRESETS and PRESETS[model]["model_type"] in MOE_TYPES:
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r} (choose from {', '.join(ROUTINGS)})")
+        return routing
+    return None
+
+
+def prepare(model: str, progress: bool = True, nunspark: bool = False, routing: str = "uniform") -> dict:
+    """{"gguf", "flash", "mlx"[, "flash_dip", "nunspark"]} paths for `model` (small, a synthetic preset or a GGUF file;
+    a synthetic MoE preset with `routing`), made once under ~/.cache/mlx_flash/peers/<name>[-<routing>]."""
 
     synthetic = model in PRESETS and PRESETS[model]["model_type"] in GGUF_ARCHS
+    regime = routing_of(model, routing)
+    name = model if regime in (None, "own") else f"{model}-{regime}"
     if model == "small":
         gguf, flash = default_gguf_path(), default_model_dir()
     else:
-        gguf = cache_root() / "peers" / model / "model.Q4_0.gguf" if synthetic else Path(model)
+        gguf = cache_root() / "peers" / name / "model.Q4_0.gguf" if synthetic else Path(model)
         if synthetic and not gguf.is_file():
-            write_gguf(model, gguf, progress=progress)
+            write_gguf(model, gguf, progress=progress, routing=regime or "own")
         flash = None
-    root = cache_root() / "peers" / (model if model == "small" or synthetic else Path(model).stem)
+    root = cache_root() / "peers" / (name if model == "small" or synthetic else Path(model).stem)
     mlx = root / "mlx"
     if flash is None:  # convert's defaults, as a user converts: the GGUF's own codes, units packed
         flash, made = root / "flash", root / "flash.conversion"  # made anew when convert's defaults change
@@ -177,16 +202,16 @@ def prepare(model: str, progress: bool = True, nunspark: bool = False) -> dict:
 
 
 # -- the systems ---------------------------------------------------------------------------------------
-def _llama_cmd(paths, tokens, extra=()):
-    # llama-bench: its tg test times generation only, after a one-token warm-up (which, like the others'
-    # prompt, faults the weights in); it prints JSON synchronously (llama-completion's timing lines, from
-    # its logging thread, were sometimes lost at exit)
-    return [str(a) for a in (llama_cpp_bin("llama-bench"), "-m", paths["gguf"], "-p", 0, "-n", tokens, "-t", 2,
+def _llama_cmd(paths, steps, extra=()):
+    # llama-bench: its tg test times `steps` decode steps after a one-token warm-up (which, like the others'
+    # one-token prompt, faults the weights in); it prints JSON synchronously (llama-completion's timing lines,
+    # from its logging thread, were sometimes lost at exit)
+    return [str(a) for a in (llama_cpp_bin("llama-bench"), "-m", paths["gguf"], "-p", 0, "-n", steps, "-t", 2,
                              "-r", 1, "-o", "json", *extra)]
 
 
-def _mlx_lm_cmd(paths, tokens):
-    return [sys.executable, "-m", "mlx_lm", "generate", "--model", paths["mlx"], "--max-tokens", tokens,
+def _mlx_lm_cmd(paths, steps):
+    return [sys.executable, STEPS, "mlx-lm", "--model", paths["mlx"], "--max-tokens", steps + 1,
             "--prompt", paths.get("prompt", PROMPT), "--ignore-chat-template", *_sampling(paths)]
 
 
@@ -198,9 +223,9 @@ def _sampling(paths, seed=True):
 
 
 def _flash_cmd(dir_key, sparsity, *extra):
-    def cmd(paths, tokens, budget):
-        return [sys.executable, "-m", "mlx_flash.generate", "--model", paths[dir_key], "--memory-budget", budget,
-                "--sparsity", sparsity, "--max-tokens", tokens, "--prompt", paths.get("prompt", PROMPT),
+    def cmd(paths, steps, budget):
+        return [sys.executable, STEPS, "mlx_flash", "--model", paths[dir_key], "--memory-budget", budget,
+                "--sparsity", sparsity, "--max-tokens", steps + 1, "--prompt", paths.get("prompt", PROMPT),
                 "--ignore-chat-template", "--stats", *_sampling(paths), *extra]
     return cmd
 
@@ -208,13 +233,14 @@ def _flash_cmd(dir_key, sparsity, *extra):
 NUNSPARK = [sys.executable, "-c", "import sys; from nunspark.cli import main; sys.exit(main())"]
 
 
-def _nunspark_cmd(paths, tokens, budget):
-    return [*NUNSPARK, "generate", paths["nunspark"], "--prompt", paths.get("prompt", PROMPT), "--max-tokens", tokens,
+def _nunspark_cmd(paths, steps, budget):
+    return [sys.executable, STEPS, "nunspark", "generate", paths["nunspark"], "--prompt-ids", paths.get("prompt_id", 0),
+            "--max-tokens", steps + 1,
             "--budget", str(budget), "--io-threads", 8, "--warm-window", 4, "--no-chat-template", "--metrics",
             *_sampling(paths, seed=False)]
 
 
-# name -> (command builder (paths, tokens, budget bytes), the path it runs on)
+# name -> (command builder (paths, decode steps, budget bytes), the path it runs on)
 SYSTEMS = {
     "llama.cpp": (lambda p, n, b: _llama_cmd(p, n), "gguf"),
     "llama.cpp mmap": (lambda p, n, b: _llama_cmd(p, n, ["--repack", 0, "-lm", "mmap"]), "gguf"),
@@ -224,13 +250,11 @@ SYSTEMS = {
     "mlx_flash prompt-lookup": (_flash_cmd("flash", "dense", "--prompt-lookup"), "flash"),
     "nunspark": (_nunspark_cmd, "nunspark"),
 }
-UNCAPPED = ("mlx-lm", "llama.cpp")  # also run without a cap, as a reference (--uncapped)
-
-_MLX_GEN = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
+RESIDENT = ("llama.cpp", "llama.cpp mmap", "mlx-lm")  # also run with no cap, the model in the page cache (--resident)
 _FLASH_SUMMARY = re.compile(r"summary over \d+ tokens \(medians\): io ([\d.]+) ms.*?total ([\d.]+) ms"
                             r"(?:.*? at ([\d.]+) (B|KiB|MiB|GiB)/s while reads were in flight)?")
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-_NUNSPARK_GEN = re.compile(r"generated tokens\s*: (\d+) in [\d.]+s\s+\(([\d.]+) tok/s")
+_NUNSPARK_HITS = re.compile(r"cache hits / misses\s*: (\d+) / (\d+)")
 
 
 def parse_flash_stats(out: str) -> dict:
@@ -248,24 +272,72 @@ def fio_reference(path: Path, threads: int, seconds: float = 3.0) -> Optional[di
     """fio's random O_DIRECT reads of the runtime's request size (1 MiB) with its thread count, on the flash
     directory's own ffn.bin (read only): what the readers' throughput is compared with. None without fio."""
 
-    if shutil.which("fio") is None:
+    if shutil.which("fio") is None or path.stat().st_size < DEFAULT_MAX_REQUEST_BYTES:
         return None
     gib_s, iops = run_fio(str(path), path.stat().st_size, DEFAULT_MAX_REQUEST_BYTES, threads, seconds)
     return {"block": DEFAULT_MAX_REQUEST_BYTES, "threads": threads, "bytes_per_s": gib_s * 2**30, "iops": iops}
 
 
-def parse_speed(system: str, out: str):
-    """(generated tokens, tokens/s of generation) from a system's output, or (None, None)."""
+def parse_steps(system: str, out: str) -> dict:
+    """From a system's output: {"generated": decode steps, "tok_s": steps / their time, "step_ms_mean",
+    "step_ms_median", "prompt_tokens"[, cache hit rates]}, {} when it has none. llama-bench: its tg test's
+    n_gen and avg_ts (one warm-up token; no per-step times); the others: steps.py's line."""
     if system.startswith("llama.cpp"):
         start, end = out.find("["), out.rfind("]")
         try:
             tests = json.loads(out[start:end + 1]) if start >= 0 else []
         except json.JSONDecodeError:
-            return None, None
+            return {}
         tg = [t for t in tests if t.get("n_gen")]
-        return (tg[0]["n_gen"], tg[0]["avg_ts"]) if tg else (None, None)
-    m = (_NUNSPARK_GEN if system.startswith("nunspark") else _MLX_GEN).search(out)
-    return (int(m.group(1)), float(m.group(2))) if m else (None, None)
+        if not tg:
+            return {}
+        return {"generated": tg[0]["n_gen"], "tok_s": tg[0]["avg_ts"], "step_ms_mean": 1e3 / tg[0]["avg_ts"],
+                "step_ms_median": None, "prompt_tokens": 1}
+    line = next((x for x in reversed(out.splitlines()) if x.startswith("steps: ")), None)
+    if line is None:
+        return {}
+    s = json.loads(line[len("steps: "):])
+    rec = {"generated": s.pop("steps"), **s}
+    hits = _NUNSPARK_HITS.search(out)
+    if hits and int(hits.group(1)) + int(hits.group(2)):
+        rec["hit_rate"] = int(hits.group(1)) / (int(hits.group(1)) + int(hits.group(2)))
+    return rec
+
+
+def one_token_prompt(flash_dir, text: str = PROMPT):
+    """(text, id) of `text`'s first token, the prompt every Python system gets: a text that encodes to it alone."""
+    from ..loader import load_tokenizer
+
+    tok = load_tokenizer(FlashDir(flash_dir))
+    first = tok.encode(text, add_special_tokens=False)[0]
+    piece = tok.decode([first])
+    if tok.encode(piece) != [first]:
+        raise ValueError(f"{text!r}: its first token {piece!r} does not encode to itself alone")
+    return piece, first
+
+
+def resident_fits(path, baseline: int) -> bool:
+    """Whether `path` (a file or directory) and the Python baseline fit in the memory available now."""
+    p = Path(path)
+    size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+    return size + baseline <= _available_memory()
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def read_into_page_cache(paths) -> None:
+    """Read every file of `paths` once, so it is in the page cache (a resident run)."""
+    for p in map(Path, paths):
+        for f in ([x for x in p.rglob("*") if x.is_file()] if p.is_dir() else [p]):
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
 
 
 def measure_baseline(flash_dir) -> int:
@@ -278,16 +350,21 @@ def measure_baseline(flash_dir) -> int:
     return int(own.group(1)) * 1024 if own else r.max_rss
 
 
-def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
-    """One capped run; `budget`: what the system is told (nunspark's own --budget for nunspark)."""
-    builder, _ = SYSTEMS[system]
-    cmd = builder(paths, tokens, budget)
-    r = run_capped(cmd, cap, drop=files, timeout=timeout)
+def run_one(system, paths, steps, budget, cap, files, timeout=None, resident: bool = False) -> dict:
+    """One capped run of `steps` decode steps; `budget`: what the system is told (nunspark's own --budget for
+    nunspark). `resident`: the system's model read into the page cache first (else `files` are dropped from it)."""
+    builder, key = SYSTEMS[system]
+    cmd = builder(paths, steps, budget)
+    if resident:
+        read_into_page_cache([paths[key]])
+    r = run_capped(cmd, cap, drop=() if resident else files, timeout=timeout)
     out = r.stdout + "\n" + r.stderr
-    n, tps = parse_speed(system, r.stdout if system.startswith("llama.cpp") else out)
-    rec = {"system": system, "tokens": tokens, "cap": cap, "returncode": r.returncode, "oom": r.oom_killed,
-           "timed_out": r.timed_out, "generated": n, "tok_s": tps if r.ok else None, "read_bytes": r.read_bytes,
-           "max_rss": r.max_rss, "cgroup_peak": r.cgroup_peak, "major_faults": r.major_faults, "wall_s": r.wall_s}
+    timing = parse_steps(system, r.stdout if system.startswith("llama.cpp") else out)
+    rec = {"system": system, "tokens": steps, "cap": cap, "returncode": r.returncode, "oom": r.oom_killed,
+           "timed_out": r.timed_out, "read_bytes": r.read_bytes, "max_rss": r.max_rss, "cgroup_peak": r.cgroup_peak,
+           "major_faults": r.major_faults, "wall_s": r.wall_s, "generated": None, "tok_s": None, **timing}
+    if not r.ok:
+        rec["tok_s"] = None
     if system.startswith("mlx_flash"):
         rec.update(parse_flash_stats(out))
     if not r.ok and not r.oom_killed:
@@ -295,36 +372,60 @@ def run_one(system, paths, tokens, budget, cap, files, timeout=None) -> dict:
     return rec
 
 
-def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
-        log=None, uncapped=UNCAPPED, out=None, cap_factor: float = 1.0, prompt: str = PROMPT) -> dict:
-    """Every system at every budget, `rounds` times; `out`: a JSON file rewritten after every run (a long
-    run that is stopped keeps what it measured). cap_factor != 1: every cap scaled by it, and every
-    capped row labelled "(cap xF)"."""
+def measure_routing(flash, root: Path, tokens: int = 64) -> Optional[dict]:
+    """mlx_flash.tools.routing's statistics of an MoE flash directory on `tokens` random tokens (at a 25% budget:
+    routing does not depend on it), kept in root/routing.json; None for a dense model or tokens = 0."""
+    fd = FlashDir(flash)
+    if fd.ffn.get("kind") != "moe" or not tokens:
+        return None
+    out = root / "routing.json"
+    if out.is_file() and json.loads(out.read_text()).get("tokens") == tokens:
+        return json.loads(out.read_text())
+    subprocess.run([sys.executable, "-m", "mlx_flash.tools.routing", "--model", flash, "--tokens", tokens,
+                    "--memory-budget", "25%", "--json", out], check=True)
+    return json.loads(out.read_text())
 
-    paths = prepare(model, progress, nunspark="nunspark" in (systems or ()))
+
+def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
+        log=None, resident=RESIDENT, out=None, cap_factor: float = 1.0, prompt: str = PROMPT,
+        routing: str = "uniform", routing_tokens: int = 64) -> dict:
+    """Every system at every budget, `rounds` times, `tokens` decode steps a run; `out`: a JSON file rewritten
+    after every run (a long run that is stopped keeps what it measured). cap_factor != 1: every cap scaled by
+    it, and every capped row labelled "(cap xF)". `resident`: systems also run with no cap, their model in the
+    page cache (mlx-lm only where it fits). `routing`: a synthetic MoE preset's regime."""
+
+    paths = prepare(model, progress, nunspark="nunspark" in (systems or ()), routing=routing)
     systems = [s for s in (systems or SYSTEMS) if SYSTEMS[s][1] in paths]
     weights = paths["gguf"].stat().st_size  # the source model, the same absolute cap for every system
     baseline = measure_baseline(paths["flash"])
     files = list(paths.values())
-    paths["prompt"] = prompt  # llama-bench generates without one (-p 0)
+    paths["prompt"], paths["prompt_id"] = one_token_prompt(paths["flash"], prompt)  # llama-bench: -p 0, a warm-up token
     fd = FlashDir(paths["flash"])
     paths["moe"] = fd.ffn.get("kind") == "moe"
     versions = _versions()
+    regime = routing_of(model, routing) if paths["moe"] else None
+    stats = measure_routing(paths["flash"], paths["flash"].parent, routing_tokens) if paths["moe"] else None
 
     fio = fio_reference(fd.ffn_path, DEFAULT_THREADS)
-    res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "moe")},
+    res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "prompt_id", "moe")},
            "sampling": " ".join(map(str, _sampling(paths))), "weight_bytes": weights,
            "flash_bytes": fd.model_bytes, "flash_down": down_storage(fd), "baseline_rss": baseline, "tokens": tokens,
-           "rounds": rounds, "cap_factor": cap_factor, "fio": fio, "budgets": list(budgets), "prompt": prompt, "machine": machine_info(str(paths["flash"])),
-           "versions": versions, "runs": []}
-    # (system, budget %, cap); budget None: no cap
-    plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems if s in uncapped]
+           "timing": "one prompt token, then `tokens` decode steps; tok/s = steps / their time",
+           "routing": regime if regime else ("model's own" if paths["moe"] else None), "routing_stats": stats,
+           "rounds": rounds, "cap_factor": cap_factor, "fio": fio, "budgets": list(budgets), "prompt": paths["prompt"],
+           "machine": machine_info(str(paths["flash"])), "versions": versions, "runs": [], "resident_skipped": {}}
+    for s in [s for s in systems if s in resident]:
+        if not resident_fits(paths[SYSTEMS[s][1]], baseline):
+            res["resident_skipped"][s] = "model + baseline do not fit in the memory available"
+    # (system, budget %, cap); budget None: resident, no cap
+    plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems
+                                                         if s in resident and s not in res["resident_skipped"]]
     jobs = []
     for r in range(rounds):
         k = r % len(systems)
         order = [(s, b) for b in list(budgets) + [None] for s in systems[k:] + systems[:k] if (s, b) in plan]
         jobs += [(r, s, b, tokens) for s, b in order]
-        if r == 0:  # the 1-token runs for bytes per token
+        if r == 0:  # the 1-step runs for bytes per step
             jobs += [(r, s, b, 1) for s, b in order]
     bar = tqdm(jobs, desc=f"peers {model}", unit="run", disable=not progress)
     retry = {}  # (system, budget %) -> the cap factor that first let an OOM-killed mlx_flash finish
@@ -334,7 +435,8 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
         if system == "nunspark" and cap is not None:
             rec = _nunspark_run(paths, n, budget, cap, files, timeout, retry, pct, res["runs"])
         else:
-            rec = run_one(system, paths, n, budget if budget is not None else weights, cap, files, timeout)
+            rec = run_one(system, paths, n, budget if budget is not None else weights, cap, files, timeout,
+                          resident=pct is None)
         rec.update(round=rnd, budget_pct=pct, budget=budget)
         if cap is not None and cap_factor != 1:
             rec["system"] = f"{system} (cap x{cap_factor:.2f})"
@@ -352,7 +454,13 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     # the disk's rate moves within minutes: its rate at the end too brackets what the run saw
     res["fio_end"] = fio_reference(fd.ffn_path, DEFAULT_THREADS) if fio else None
     res["summary"] = summarize(res["runs"])
+    res["resident"] = resident_baselines(res["summary"])
     return res
+
+
+def resident_baselines(summary) -> dict:
+    """{system: its resident row}: the baselines the capped rows are compared with."""
+    return {s: by["resident"] for s, by in summary.items() if "resident" in by}
 
 
 def budget_and_cap(spec, weights: int, baseline: int, cap_factor: float = 1.0):
@@ -409,7 +517,11 @@ def merge(results) -> dict:
 
 def _describe(rec) -> str:
     status = "OOM" if rec["oom"] else f"{rec['tok_s']:.2f} tok/s" if rec["tok_s"] else f"exit {rec['returncode']}"
-    return (f"  {rec['system']} @ {_label(rec['budget_pct'])}, {rec['tokens']} tokens: "
+    if rec.get("step_ms_median"):
+        status += f" (median step {rec['step_ms_median']:.0f} ms)"
+    if rec.get("hit_rate") is not None:
+        status += f", hit rate {rec['hit_rate']:.1%}"
+    return (f"  {rec['system']} @ {_label(rec['budget_pct'])}, {rec['tokens']} steps: "
             f"{status}, read {fmt_bytes(rec['read_bytes'])}, peak RSS {fmt_bytes(rec['max_rss'])}, {rec['wall_s']:.0f} s")
 
 
@@ -431,7 +543,8 @@ def _versions() -> dict:
 
 # -- summary, table, plot ------------------------------------------------------------------------------
 def summarize(runs) -> dict:
-    """{system: {budget label: {tok_s (median), bytes_per_token, max_rss, cgroup_peak, oom, runs}}}."""
+    """{system: {budget label: {tok_s (median), step_ms_median, step_ms_mean, hit rates, bytes_per_token (a decode
+    step's), max_rss, cgroup_peak, oom, runs}}}: medians over the runs."""
     out = {}
     groups = {}
     for r in runs:
@@ -443,6 +556,11 @@ def summarize(runs) -> dict:
         s = {"runs": len(full), "oom": sum(r["oom"] for r in full),
              "tok_s": statistics.median(speeds) if speeds else None,
              "tok_s_all": speeds,
+             "step_ms_median": _median([r.get("step_ms_median") for r in full if r["tok_s"]]),
+             "step_ms_mean": _median([r.get("step_ms_mean") for r in full if r["tok_s"]]),
+             "prompt_tokens": _median([r.get("prompt_tokens") for r in full if r["tok_s"]]),
+             "steps": _median([r.get("generated") for r in full if r["tok_s"]]),
+             **{k: _median([r.get(k) for r in full if r["tok_s"]]) for k in ("hit_rate", "hit_rate_cold", "hit_rate_steady")},
              "max_rss": _median([r["max_rss"] for r in full]),
              "cgroup_peak": _median([r["cgroup_peak"] for r in full if r["cgroup_peak"]]),
              "bytes_per_token": None,
@@ -463,7 +581,7 @@ def _median(xs):
 
 
 def _label(pct) -> str:
-    return "no cap" if pct is None else f"cap {pct}" if isinstance(pct, str) else f"{pct}%"
+    return "resident" if pct is None else f"cap {pct}" if isinstance(pct, str) else f"{pct}%"
 
 
 def ratios(summary, budgets) -> dict:
@@ -476,14 +594,16 @@ def ratios(summary, budgets) -> dict:
         dense = min((s for s in flash if s.startswith("mlx_flash dense")), key=len, default=None)
         best = max(flash, key=flash.get, default=None)
         ns = summary.get("nunspark", {}).get(b, {}).get("tok_s")
+        resident = summary.get("llama.cpp", {}).get("resident", {}).get("tok_s")
         out[b] = {"dense": flash[dense] / ref if ref and dense else None, "dense_system": dense,
+                  "dense_llama_resident": flash[dense] / resident if resident and dense else None,
                   "best": flash[best] / ref if ref and best else None, "best_system": best,
                   "dense_nunspark": flash[dense] / ns if ns and dense else None}
     return out
 
 
 def table(res) -> str:
-    budgets = [_label(b) for b in res["budgets"]] + ["no cap"]
+    budgets = [_label(b) for b in res["budgets"]] + ["resident", "no cap"]
     summary = res["summary"]
     budgets = [b for b in budgets if any(b in v for v in summary.values())]
     head = "| system | " + " | ".join(f"{b} (cap {fmt_bytes(_cap(res, b))})" if b.endswith("%") else b
@@ -498,7 +618,13 @@ def table(res) -> str:
                 continue
             speed = ", ".join(([f"**{s['tok_s']:.2f} tok/s**"] if s["tok_s"] else [] if s["oom"] else ["failed"])
                               + ([f"OOM-killed {s['oom']}/{s['runs']}"] if s["oom"] else []))
-            bpt = [f"{fmt_bytes(s['bytes_per_token'])}/tok"] if s["bytes_per_token"] is not None else []
+            if s.get("step_ms_median"):
+                speed += f" (median step {s['step_ms_median']:.0f} ms)"
+            bpt = [f"{fmt_bytes(s['bytes_per_token'])}/step"] if s["bytes_per_token"] is not None else []
+            if s.get("hit_rate") is not None:
+                bpt.append(f"hit {s['hit_rate']:.0%}" + (
+                    f" (cold {s['hit_rate_cold']:.0%}, steady {s['hit_rate_steady']:.0%})"
+                    if s.get("hit_rate_steady") is not None and s.get("hit_rate_cold") is not None else ""))
             peak = f"RSS {fmt_bytes(s['max_rss'])}" + (f", cg {fmt_bytes(s['cgroup_peak'])}" if s["cgroup_peak"] else "")
             io = [f"I/O wait {s['io_share']:.0%}"] if s.get("io_share") is not None else []
             if s.get("system_budget"):
@@ -519,6 +645,9 @@ def table(res) -> str:
              "| best mlx_flash / llama.cpp mmap | " + " | ".join(
                  _x(r[_label(b)]["best"]) + (f" ({r[_label(b)]['best_system']})" if r[_label(b)]["best"] else "")
                  for b in res["budgets"]) + " |"]
+    if any(r[_label(b)].get("dense_llama_resident") for b in res["budgets"]):
+        rows.append("| mlx_flash dense / llama.cpp resident | " + " | ".join(
+            _x(r[_label(b)].get("dense_llama_resident")) for b in res["budgets"]) + " |")
     if any(r[_label(b)]["dense_nunspark"] for b in res["budgets"]):
         rows.append("| mlx_flash dense / nunspark | " + " | ".join(_x(r[_label(b)]["dense_nunspark"])
                                                                   for b in res["budgets"]) + " |")
@@ -548,10 +677,15 @@ def header(res) -> str:
     m, v = res["machine"], res["versions"]
     return (f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
             f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
-            f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; {res['tokens']} tokens, "
-            f"{res['rounds']} rounds"
+            f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; "
+            + (f"a prompt of one token, then {res['tokens']} decode steps (tok/s = steps / their time), "
+               if res.get("timing") else f"{res['tokens']} tokens, ")
+            + f"{res['rounds']} rounds"
             + (f"; Python systems sample {res['sampling']} (llama-bench: a random token each step)"
-               if res.get("sampling", "--temp 0") != "--temp 0" else "") + "\n"
+               if res.get("sampling", "--temp 0") != "--temp 0" else "")
+            + (f"\nrouting: {res['routing']}" + (f" ({describe_routing(res['routing_stats'])})"
+                                                 if res.get("routing_stats") else "") if res.get("routing") else "")
+            + "\n"
             f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "
             f"python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items())
             + (f"\nfio, same run: random O_DIRECT reads of {fmt_bytes(res['fio']['block'])} with {res['fio']['threads']} "
@@ -575,13 +709,13 @@ def plot(res, out):
                 ax.scatter(oom, [0] * len(oom), marker="x", color=color)
         else:
             color = ax.scatter(oom, [0] * len(oom), marker="x", label=f"{system} (OOM-killed)").get_facecolor()[0]
-        nocap = by.get("no cap", {}).get("tok_s")
+        nocap = by.get("resident", by.get("no cap", {})).get("tok_s")
         if nocap:
             ax.axhline(nocap, ls=":", color=color, lw=1)
-            ax.annotate(f"{system}, no cap", (min(caps), nocap), fontsize=7, color=color, va="bottom")
+            ax.annotate(f"{system}, resident", (min(caps), nocap), fontsize=7, color=color, va="bottom")
     ax.set_xlabel(f"hard memory cap, GiB (the weights: {res['weight_bytes'] / 2**30:.2f} GiB)")
-    ax.set_ylabel("generation tokens/s (median)")
-    ax.set_title(f"{res['model']}: tokens/s under a hard memory cap (x: OOM-killed, dotted: no cap)", fontsize=9)
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_title(f"{res['model']}: tokens/s under a hard memory cap (x: OOM-killed, dotted: resident)", fontsize=9)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -596,19 +730,23 @@ def setup_arg_parser():
                    help="Budgets in %% of the model's weight bytes (cap = budget + baseline), or hard caps as "
                         "sizes (2.5GiB,1.9GiB: budget = cap - baseline).")
     p.add_argument("--rounds", type=int, default=3, help="Rounds (each runs every system at every budget).")
-    p.add_argument("--tokens", type=int, default=None, help="Generated tokens per run (default 64; --quick 8).")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="Decode steps per run, after a one-token prompt (default 64; --quick 8).")
+    p.add_argument("--routing", default="uniform", choices=ROUTINGS,
+                   help="Synthetic MoE presets: uniform (independent, the floor), skewed (Zipf-like) or own (sticky).")
+    p.add_argument("--routing-tokens", type=int, default=64,
+                   help="Random tokens mlx_flash.tools.routing measures an MoE model's routing on (0: not measured).")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of: {', '.join(SYSTEMS)}.")
-    p.add_argument("--uncapped", default=",".join(UNCAPPED),
-                   help="Systems also run without a cap (comma-separated; '' for none).")
+    p.add_argument("--resident", "--uncapped", dest="resident", default=",".join(RESIDENT),
+                   help="Systems also run with no cap and their model in the page cache (comma-separated; '' for none).")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds before a run is killed.")
     p.add_argument("--cap-factor", type=float, default=1.0,
                    help="Scale every cap by this (rows labelled), e.g. 1.25 where a system crawls under its cap.")
     p.add_argument("--json", default=None, help="Write the results here.")
     p.add_argument("--plot", default=None, help="Write the tokens/s plot here (png).")
     p.add_argument("--prompt", default=PROMPT,
-                   help="Prompt of the Python systems (the synthetic 7B's tokenizer is byte-level: one token a byte, "
-                        "and its prefill is slow on a CPU; use a short one there).")
-    p.add_argument("--quick", action="store_true", help="One round of 8 tokens.")
+                   help="Its first token is every Python system's prompt (llama-bench warms up with one token).")
+    p.add_argument("--quick", action="store_true", help="One round of 8 decode steps.")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="Summarise earlier --json results (e.g. one run per budget) instead of running.")
     return p
@@ -628,8 +766,8 @@ def main(argv=None):
         res = merge([json.loads(Path(f).read_text()) for f in a.from_json])
     else:
         res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True,
-                  uncapped=[s for s in a.uncapped.split(",") if s], out=a.json, cap_factor=a.cap_factor,
-                  prompt=a.prompt)
+                  resident=[s for s in a.resident.split(",") if s], out=a.json, cap_factor=a.cap_factor,
+                  prompt=a.prompt, routing=a.routing, routing_tokens=a.routing_tokens)
     print(header(res))
     print(table(res))
     if a.json:
