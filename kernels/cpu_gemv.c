@@ -47,6 +47,8 @@ typedef struct {
     const uint8_t *w, *s, *b;
     Py_ssize_t w_stride, s_stride, b_stride;
     const int32_t *slots; /* NULL: rows 0..k-1 */
+    const int64_t *ptrs;  /* or row j starts at address ptrs[j] (+ w_off / s_off / b_off): rows in several buffers */
+    Py_ssize_t w_off, s_off, b_off;
     Py_ssize_t k;
     int n, bits, gs, stype;
     int sym; /* symmetric (llama.cpp's Q4_0 / Q8_0): no biases stored, bias = -2^(bits-1) scale */
@@ -89,6 +91,15 @@ static inline float load_scale(const uint8_t *p, int stype, int g) {
 }
 
 static inline Py_ssize_t row_of(const Rows *r, Py_ssize_t j) { return r->slots ? r->slots[j] : j; }
+static inline const uint8_t *w_row(const Rows *r, Py_ssize_t j) {
+    return r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + r->w_off : r->w + row_of(r, j) * r->w_stride;
+}
+static inline const uint8_t *s_row(const Rows *r, Py_ssize_t j) {
+    return r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + r->s_off : r->s + row_of(r, j) * r->s_stride;
+}
+static inline const uint8_t *b_row(const Rows *r, Py_ssize_t j) {
+    return r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + r->b_off : r->b + row_of(r, j) * r->b_stride;
+}
 
 /* -- one group: sum_i q_i x_i (dot) and out_i += a q_i (axpy), scalar ------------------ */
 
@@ -290,14 +301,12 @@ static int int8_path(const Rows *r);
 static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast) {
     const int groups = r->n / r->gs, scale_size = r->stype == SCALE_F32 ? 4 : 2;
     if (j + PREFETCH_AHEAD < r->k) {
-        const Py_ssize_t next = row_of(r, j + PREFETCH_AHEAD);
-        prefetch_span(r->w + next * r->w_stride, (Py_ssize_t)r->n * r->bits / 8);
-        prefetch_span(r->s + next * r->s_stride, (Py_ssize_t)groups * scale_size);
+        prefetch_span(w_row(r, j + PREFETCH_AHEAD), (Py_ssize_t)r->n * r->bits / 8);
+        prefetch_span(s_row(r, j + PREFETCH_AHEAD), (Py_ssize_t)groups * scale_size);
     }
-    const Py_ssize_t row = row_of(r, j);
-    scales_f32(r->s + row * r->s_stride, r->stype, groups, scale, fast);
-    biases_f32(r, r->b + row * r->b_stride, groups, scale, bias, fast);
-    return r->w + row * r->w_stride;
+    scales_f32(s_row(r, j), r->stype, groups, scale, fast);
+    biases_f32(r, b_row(r, j), groups, scale, bias, fast);
+    return w_row(r, j);
 }
 
 /* Positions computed per sweep over the rows (at most): their activations stay in L1/L2 while a row is hot.
@@ -635,12 +644,13 @@ static int any_nonzero(const float *c, Py_ssize_t k, Py_ssize_t j, int m) {
     return 0;
 }
 
-/* c [m, k] -> out [m, n] */
-static void row_axpy_impl(const Rows *r, const float *c, float *out, int m) {
+/* c [m, k] -> out [m, n]; with dst (rows of equal dst contiguous): row j adds into out[dst[j]] ([n_out, m, n]),
+   each out row the sum of its rows alone, whichever other rows the call holds */
+static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const int32_t *dst, int n_out) {
     const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
     const int avx = use_avx2(r), nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
     (void)nt; /* unused without OpenMP */
-    memset(out, 0, sizeof(float) * (size_t)r->n * m);
+    memset(out, 0, sizeof(float) * (size_t)r->n * m * n_out);
     /* each thread owns a contiguous range of groups (columns) and walks every row over it */
 #pragma omp parallel num_threads(nt)
     {
@@ -649,42 +659,47 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out, int m) {
         const int g0 = (int)lo, g1 = (int)hi;
         const int G = g1 > g0 ? g1 - g0 : 1;
         /* per position: sum_j c_j bias_jg, added once per column at the end; a block's scales and biases */
-        float *bias_sum = calloc((size_t)m * G, sizeof(float)), *sc = malloc(sizeof(float) * 2 * AXPY_BLOCK * G);
+        float *bias_sum = malloc(sizeof(float) * (size_t)m * G), *sc = malloc(sizeof(float) * 2 * AXPY_BLOCK * G);
         float *bias = sc + AXPY_BLOCK * G, *a = malloc(sizeof(float) * AXPY_BLOCK * (size_t)m * G);
         const uint8_t *w[AXPY_BLOCK];
         Py_ssize_t jr[AXPY_BLOCK];
         Py_ssize_t j = 0;
         while (j < r->k) {
-            int nr = 0; /* gather the next non-zero rows: their weights, scales and biases */
-            for (; j < r->k && nr < AXPY_BLOCK; j++) {
-                if (!any_nonzero(c, r->k, j, m)) continue;
-                Py_ssize_t row = row_of(r, j);
-                w[nr] = r->w + row * r->w_stride;
-                scales_f32(r->s + row * r->s_stride + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, sc + nr * G, avx);
-                biases_f32(r, r->b + row * r->b_stride + (Py_ssize_t)g0 * scale_size, g1 - g0, sc + nr * G,
-                           bias + nr * G, avx);
-                jr[nr++] = j;
-            }
-            /* c_j * scale, group-major ([group][position][row]): each group's coefficients are contiguous */
-            const int per_group = AXPY_BLOCK * m;
-            for (int p = 0; p < m; p++)
-                for (int q = 0; q < nr; q++) {
-                    const float cj = c[p * r->k + jr[q]];
-                    for (int g = 0; g < g1 - g0; g++) {
-                        a[(size_t)g * per_group + p * AXPY_BLOCK + q] = sc[q * G + g] * cj;
-                        bias_sum[p * G + g] += cj * bias[q * G + g];
-                    }
+            const int d = dst ? dst[j] : 0;
+            float *o = out + (size_t)d * m * r->n;
+            Py_ssize_t end = j;
+            while (end < r->k && (dst ? dst[end] : 0) == d) end++;
+            memset(bias_sum, 0, sizeof(float) * (size_t)m * G);
+            while (j < end) {
+                int nr = 0; /* gather the next non-zero rows: their weights, scales and biases */
+                for (; j < end && nr < AXPY_BLOCK; j++) {
+                    if (!any_nonzero(c, r->k, j, m)) continue;
+                    w[nr] = w_row(r, j);
+                    scales_f32(s_row(r, j) + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, sc + nr * G, avx);
+                    biases_f32(r, b_row(r, j) + (Py_ssize_t)g0 * scale_size, g1 - g0, sc + nr * G, bias + nr * G, avx);
+                    jr[nr++] = j;
                 }
-            for (int g = g0; g < g1; g++) {
-                const uint8_t *wg[AXPY_BLOCK];
-                for (int q = 0; q < nr; q++) wg[q] = w[q] + g * group_bytes;
-                axpy_block_multi(out + g * r->gs, r->n, wg, a + (size_t)(g - g0) * per_group, nr, m, r->gs, r->bits,
-                                 avx);
+                /* c_j * scale, group-major ([group][position][row]): each group's coefficients are contiguous */
+                const int per_group = AXPY_BLOCK * m;
+                for (int p = 0; p < m; p++)
+                    for (int q = 0; q < nr; q++) {
+                        const float cj = c[p * r->k + jr[q]];
+                        for (int g = 0; g < g1 - g0; g++) {
+                            a[(size_t)g * per_group + p * AXPY_BLOCK + q] = sc[q * G + g] * cj;
+                            bias_sum[p * G + g] += cj * bias[q * G + g];
+                        }
+                    }
+                for (int g = g0; g < g1; g++) {
+                    const uint8_t *wg[AXPY_BLOCK];
+                    for (int q = 0; q < nr; q++) wg[q] = w[q] + g * group_bytes;
+                    axpy_block_multi(o + g * r->gs, r->n, wg, a + (size_t)(g - g0) * per_group, nr, m, r->gs, r->bits,
+                                     avx);
+                }
             }
+            for (int p = 0; p < m; p++)
+                for (int g = g0; g < g1; g++)
+                    for (int i = 0; i < r->gs; i++) o[(Py_ssize_t)p * r->n + g * r->gs + i] += bias_sum[p * G + g - g0];
         }
-        for (int p = 0; p < m; p++)
-            for (int g = g0; g < g1; g++)
-                for (int i = 0; i < r->gs; i++) out[(Py_ssize_t)p * r->n + g * r->gs + i] += bias_sum[p * G + g - g0];
         free(bias_sum);
         free(sc);
         free(a);
@@ -704,11 +719,11 @@ static void row_axpy_impl(const Rows *r, const float *c, float *out, int m) {
 /* c [m, k] -> out [m, n]; scratch: (m + 2) * n floats (each thread's sums per position, scales and biases
    over its columns) and m more (the sums of c) per thread */
 static void block_axpy_impl(const Rows *r, const float *c, float *out, const int32_t *blk, const uint8_t *S,
-                            const uint8_t *B, float *scratch, int m) {
+                            const uint8_t *B, float *scratch, int m, const int32_t *dst, int n_out) {
     const int avx = use_avx2(r), nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
     const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size, n = r->n;
     (void)nt;
-    memset(out, 0, sizeof(float) * (size_t)n * m);
+    memset(out, 0, sizeof(float) * (size_t)n * m * n_out);
 #pragma omp parallel num_threads(nt)
     {
         Py_ssize_t lo, hi;
@@ -720,6 +735,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
             Py_ssize_t j = 0;
             while (j < r->k) {
                 const int32_t g = blk[j];
+                float *o = out + (dst ? (size_t)dst[j] * m * n : 0);
                 int any = 0;
                 for (int p = 0; p < m; p++) {
                     csum[p] = 0.0f;
@@ -731,7 +747,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                     int nr = 0;
                     for (; j < r->k && blk[j] == g && nr < AXPY_BLOCK; j++) {
                         if (!any_nonzero(c, r->k, j, m)) continue;
-                        w[nr] = r->w + row_of(r, j) * r->w_stride + (Py_ssize_t)i0 * r->bits / 8;
+                        w[nr] = w_row(r, j) + (Py_ssize_t)i0 * r->bits / 8;
                         jr[nr++] = j;
                     }
                     for (int p = 0; nr && p < m; p++)
@@ -746,7 +762,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                 scales_f32(S + g * table_row + (Py_ssize_t)i0 * scale_size, r->stype, len, s, avx);
                 biases_f32(r, B + g * table_row + (Py_ssize_t)i0 * scale_size, len, s, b, avx);
                 for (int p = 0; p < m; p++)
-                    for (int i = 0; i < len; i++) out[p * n + i0 + i] += s[i] * acc[p * n + i] + b[i] * csum[p];
+                    for (int i = 0; i < len; i++) o[p * n + i0 + i] += s[i] * acc[p * n + i] + b[i] * csum[p];
             }
             free(csum);
             free(a);
@@ -757,12 +773,14 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
 /* -- Python ------------------------------------------------------------------------------ */
 
 typedef struct {
-    Py_buffer views[6]; /* vec, out, w, s, b, slots */
-    int held[6];
+    Py_buffer views[7]; /* vec, out, w, s, b, slots, dst */
+    int held[7];
+    const int32_t *dst; /* parse_dst */
+    int n_out;
 } Buffers;
 
 static void release(Buffers *B) {
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 7; i++)
         if (B->held[i]) PyBuffer_Release(&B->views[i]);
 }
 
@@ -781,14 +799,21 @@ static int get(Buffers *B, int i, PyObject *obj, int writable, const char *what)
     return 0;
 }
 
-/* r->slots from `slots` (None: rows 0..k-1), checked: int32 [k], none negative; *max_row: the largest row. */
+/* r->slots from `slots` (None: rows 0..k-1), checked: int32 [k], none negative; *max_row: the largest row. An int64
+   [k] `slots` holds row addresses instead (r->ptrs: rows in buffers the caller holds; *max_row -1, nothing to check). */
 static int parse_slots(Buffers *B, Rows *r, PyObject *slots, const char *fn, Py_ssize_t *max_row) {
     r->slots = NULL;
+    r->ptrs = NULL;
     *max_row = r->k - 1;
     if (slots == Py_None) return 0;
     if (get(B, 5, slots, 0, "slots")) return -1;
+    if (B->views[5].itemsize == 8 && B->views[5].len == r->k * 8) {
+        r->ptrs = (const int64_t *)B->views[5].buf;
+        *max_row = -1;
+        return 0;
+    }
     if (B->views[5].len != r->k * 4) {
-        PyErr_Format(PyExc_ValueError, "%s: slots must be int32 [%zd]", fn, r->k);
+        PyErr_Format(PyExc_ValueError, "%s: slots must be int32 [%zd] (or int64 row addresses)", fn, r->k);
         return -1;
     }
     r->slots = (const int32_t *)B->views[5].buf;
@@ -800,6 +825,28 @@ static int parse_slots(Buffers *B, Rows *r, PyObject *slots, const char *fn, Py_
         }
         if (r->slots[j] > *max_row) *max_row = r->slots[j];
     }
+    return 0;
+}
+
+/* dst (None: one output row) as int32 [k] in [0, n_out), non-decreasing: out holds n_out rows of [m, n]. */
+static int parse_dst(Buffers *B, PyObject *obj, const Rows *r, const char *fn) {
+    B->dst = NULL;
+    if (obj == NULL || obj == Py_None) {
+        B->n_out = 1;
+        return 0;
+    }
+    if (get(B, 6, obj, 0, "dst")) return -1;
+    if (B->views[6].len != r->k * 4 || B->views[6].itemsize != 4 || B->n_out < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: dst must be int32 [%zd] and n_out positive", fn, r->k);
+        return -1;
+    }
+    const int32_t *d = (const int32_t *)B->views[6].buf;
+    for (Py_ssize_t j = 0; j < r->k; j++)
+        if (d[j] < 0 || d[j] >= B->n_out || (j && d[j] < d[j - 1])) {
+            PyErr_Format(PyExc_IndexError, "%s: dst must be non-decreasing in [0, %d)", fn, B->n_out);
+            return -1;
+        }
+    B->dst = d;
     return 0;
 }
 
@@ -834,24 +881,26 @@ static int bind_rows(const Py_buffer *views, const Py_ssize_t offs[3], Py_ssize_
     r->w = (const uint8_t *)views[0].buf + offs[0];
     r->s = (const uint8_t *)views[1].buf + offs[1];
     r->b = (const uint8_t *)views[2].buf + offs[2];
+    r->w_off = offs[0], r->s_off = offs[1], r->b_off = offs[2];
     return 0;
 }
 
 /* Parse the common arguments and check every row touched lies inside its buffer; *m: the positions (vec holds
    m rows of its length). */
 static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is_rows, int *m) {
-    PyObject *vec, *out, *w, *s, *b, *slots;
+    PyObject *vec, *out, *w, *s, *b, *slots, *dst = NULL;
     Py_ssize_t w_off, s_off, b_off;
     memset(B, 0, sizeof(*B));
     r->sym = 0;
-    if (!PyArg_ParseTuple(args, "OOOnnOnnOnnOniiii|p", &vec, &out, &w, &w_off, &r->w_stride, &s, &s_off, &r->s_stride, &b,
-                          &b_off, &r->b_stride, &slots, &r->k, &r->n, &r->bits, &r->gs, &r->stype, &r->sym))
+    if (!PyArg_ParseTuple(args, "OOOnnOnnOnnOniiii|pOi", &vec, &out, &w, &w_off, &r->w_stride, &s, &s_off, &r->s_stride, &b,
+                          &b_off, &r->b_stride, &slots, &r->k, &r->n, &r->bits, &r->gs, &r->stype, &r->sym, &dst,
+                          &B->n_out))
         return -1;
     if (get(B, 0, vec, 0, "vector") || get(B, 1, out, 1, "out") || get(B, 2, w, 0, "weights") ||
         get(B, 3, s, 0, "scales") || get(B, 4, b, 0, "biases"))
         return -1;
-    if (check_shape(r, fn)) return -1;
-    Py_ssize_t vec_len = vec_is_rows ? r->k : r->n, out_len = vec_is_rows ? r->n : r->k;
+    if (check_shape(r, fn) || parse_dst(B, dst, r, fn)) return -1;
+    Py_ssize_t vec_len = vec_is_rows ? r->k : r->n, out_len = (vec_is_rows ? r->n : r->k) * (Py_ssize_t)B->n_out;
     *m = vec_len > 0 ? (int)(B->views[0].len / (vec_len * 4)) : 1;
     if (*m < 1 || B->views[0].len != *m * vec_len * 4 || B->views[1].len != *m * out_len * 4) {
         PyErr_Format(PyExc_ValueError, "%s: vector has %zd bytes and out %zd, expected float32 [m, %zd] and [m, %zd]",
@@ -864,7 +913,16 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     return bind_rows(B->views + 2, offs, max_row, r, fn);
 }
 
-typedef void (*Product)(const Rows *, const float *, float *, int);
+typedef void (*Product)(const Rows *, const float *, float *, int, const Buffers *);
+
+static void row_dot_product(const Rows *r, const float *x, float *out, int m, const Buffers *B) {
+    (void)B; /* (dst: each output is one row's alone) */
+    row_dot_impl(r, x, out, m);
+}
+
+static void row_axpy_product(const Rows *r, const float *c, float *out, int m, const Buffers *B) {
+    row_axpy_dst(r, c, out, m, B->dst, B->n_out);
+}
 
 /* Parse, compute with the GIL released, release the buffers. */
 static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Product product) {
@@ -875,25 +933,25 @@ static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Pr
         release(&B);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS product(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
+    Py_BEGIN_ALLOW_THREADS product(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m, &B);
     Py_END_ALLOW_THREADS release(&B);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_row_dot(PyObject *self, PyObject *args) {
     (void)self;
-    return run_product(args, "row_dot", 0, row_dot_impl);
+    return run_product(args, "row_dot", 0, row_dot_product);
 }
 
 static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
     (void)self;
-    return run_product(args, "row_axpy", 1, row_axpy_impl);
+    return run_product(args, "row_axpy", 1, row_axpy_product);
 }
 
 /* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type, symmetric=False) */
 static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt;
+    PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt, *dst = NULL;
     Py_ssize_t w_off, n_blocks;
     Buffers B;
     Rows r;
@@ -901,21 +959,21 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
     int have_blk = 0;
     memset(&B, 0, sizeof(B));
     memset(&r, 0, sizeof(r));
-    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni|p", &vec, &out, &w, &w_off, &r.w_stride, &slots, &r.k, &r.n, &r.bits,
-                          &blocks, &S, &Bt, &n_blocks, &r.stype, &r.sym))
+    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni|pOi", &vec, &out, &w, &w_off, &r.w_stride, &slots, &r.k, &r.n, &r.bits,
+                          &blocks, &S, &Bt, &n_blocks, &r.stype, &r.sym, &dst, &B.n_out))
         return NULL;
     r.gs = 32;
     const char *err = NULL;
     int m = 1;
     if (get(&B, 0, vec, 0, "vector") || get(&B, 1, out, 1, "out") || get(&B, 2, w, 0, "weights") ||
-        get(&B, 3, S, 0, "scales") || get(&B, 4, Bt, 0, "biases"))
+        get(&B, 3, S, 0, "scales") || get(&B, 4, Bt, 0, "biases") || parse_dst(&B, dst, &r, "block_axpy"))
         goto fail;
     if ((r.bits != 2 && r.bits != 4 && r.bits != 8) || r.n <= 0 || r.n % 32 || r.k < 0 || r.stype < 0 || r.stype > 2 ||
         n_blocks <= 0)
         err = "block_axpy: bits must be 2, 4 or 8 and n a positive multiple of 32";
     else if ((m = r.k > 0 ? (int)(B.views[0].len / (r.k * 4)) : 1) < 1 || B.views[0].len != m * r.k * 4 ||
-             B.views[1].len != (Py_ssize_t)m * r.n * 4)
-        err = "block_axpy: vector must be float32 [m, k] and out float32 [m, n]";
+             B.views[1].len != (Py_ssize_t)m * r.n * 4 * B.n_out)
+        err = "block_axpy: vector must be float32 [m, k] and out float32 [n_out, m, n]";
     else if (B.views[3].len < n_blocks * r.n * (r.stype == SCALE_F32 ? 4 : 2) || B.views[4].len != B.views[3].len)
         err = "block_axpy: scales and biases must be [n_blocks, n] of the scale type";
     if (err) {
@@ -935,6 +993,9 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
         if (bl[j] < 0 || bl[j] >= n_blocks) {
             PyErr_Format(PyExc_IndexError, "block_axpy: block %d outside [0, %zd)", bl[j], n_blocks);
             goto fail;
+        } else if (B.dst && j && bl[j] == bl[j - 1] && B.dst[j] != B.dst[j - 1]) {
+            PyErr_SetString(PyExc_ValueError, "block_axpy: the rows of a block must share their dst");
+            goto fail;
         }
     if (w_off < 0 || r.w_stride < 0 || (max_row >= 0 && w_off + max_row * r.w_stride + (Py_ssize_t)r.n * r.bits / 8 > B.views[2].len)) {
         PyErr_Format(PyExc_IndexError, "block_axpy: row %zd of the weights is outside their %zd-byte buffer", max_row,
@@ -942,13 +1003,15 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
         goto fail;
     }
     r.w = (const uint8_t *)B.views[2].buf + w_off;
+    r.w_off = w_off;
     float *scratch = PyMem_RawMalloc((size_t)(m + 2) * sizeof(float) * (size_t)r.n);
     if (scratch == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS block_axpy_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, bl,
-                                           (const uint8_t *)B.views[3].buf, (const uint8_t *)B.views[4].buf, scratch, m);
+                                           (const uint8_t *)B.views[3].buf, (const uint8_t *)B.views[4].buf, scratch, m,
+                                           B.dst, B.n_out);
     Py_END_ALLOW_THREADS PyMem_RawFree(scratch);
     PyBuffer_Release(&blk);
     release(&B);

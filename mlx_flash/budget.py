@@ -143,6 +143,7 @@ def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int
     per_pass = fd.config["num_experts_per_tok"] if fd.ffn.get("kind") == "moe" else None
     scratch = min(SCRATCH_BYTES, max(min(r.n_units, per_pass or r.n_units) * fd.layouts[r.name].stride
                                      for r in fd.regions()))
+    scratch += 2 * fd.alignment  # an aligned read's superset of a run of units
     n_buffers = 1 + sum(len(regions) for regions in fd.layers)  # each is padded to the alignment
     kv = kv_cache_bytes(fd.config, context, dtype_size, kv_bits, kv_group_size)
     return {

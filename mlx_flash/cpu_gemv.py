@@ -119,7 +119,28 @@ def is_symmetric(biases: mx.array, scales: mx.array, bits: int) -> bool:
 def _slots(slots) -> Optional[np.ndarray]:
     if slots is None:
         return None
+    if isinstance(slots, Addresses):
+        return slots.at
     return np.ascontiguousarray(np.asarray(slots).reshape(-1), dtype=np.int32)
+
+
+class Addresses:
+    """Rows given by where they start in memory (int64 [k], compute.rows.RowSet.addresses) instead of slots in one
+    buffer: the kernels add the matrix's offsets and read them in place. The caller holds their buffers."""
+
+    def __init__(self, at: np.ndarray):
+        self.at = np.ascontiguousarray(at, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.at)
+
+
+def _dst(dst, n_out: int, shape) -> tuple:
+    """(the kernels' trailing dst arguments, out's shape): with dst (int32 [k], non-decreasing) row j adds into
+    out[dst[j]], one of n_out partial sums."""
+    if dst is None:
+        return (), shape
+    return (np.ascontiguousarray(dst, dtype=np.int32), n_out), (n_out, *shape)
 
 
 def row_dot(x: np.ndarray, q: QuantRows, slots=None, k: Optional[int] = None) -> np.ndarray:
@@ -133,11 +154,13 @@ def row_dot(x: np.ndarray, q: QuantRows, slots=None, k: Optional[int] = None) ->
     return out
 
 
-def row_axpy(c: np.ndarray, q: QuantRows, slots=None) -> np.ndarray:
-    """float32 [..., n]: out[...] = sum_j c[..., j] W[slots[j]] (slots None: rows 0..k-1); c [k] or [m, k]."""
+def row_axpy(c: np.ndarray, q: QuantRows, slots=None, dst=None, n_out: int = 1) -> np.ndarray:
+    """float32 [..., n]: out[...] = sum_j c[..., j] W[slots[j]] (slots None: rows 0..k-1, or Addresses); c [k] or
+    [m, k]. With dst: [n_out, ..., n], out[i] the sum over the rows j with dst[j] == i alone."""
     c = np.ascontiguousarray(c, dtype=np.float32)
-    out = np.empty((*c.shape[:-1], q.n), dtype=np.float32)
-    _native.row_axpy(c, out, *q._args(_slots(slots), c.shape[-1]))
+    extra, shape = _dst(dst, n_out, (*c.shape[:-1], q.n))
+    out = np.empty(shape, dtype=np.float32)
+    _native.row_axpy(c, out, *q._args(_slots(slots), c.shape[-1]), *extra)
     return out
 
 
@@ -217,17 +240,19 @@ def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits:
 # -- columns with block scales (convert --down-bits source) -----------------------------------------
 
 
-def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, scales, biases, n: int, bits: int) -> np.ndarray:
+def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, scales, biases, n: int, bits: int,
+               dst=None, n_out: int = 1) -> np.ndarray:
     """float32 [..., n]: out[...] = sum_j c[..., j] W_j, W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j the
-    codes of row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's) and scales/biases [n_blocks, n]
-    (biases None: symmetric); c [k] or [m, k]."""
+    codes of row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's; or Addresses) and scales/biases
+    [n_blocks, n] (biases None: symmetric); c [k] or [m, k]. dst, n_out: as `row_axpy` (a block's rows share theirs)."""
     symmetric = biases is None
     biases = scales if symmetric else biases
     c = np.ascontiguousarray(c, dtype=np.float32)
     blocks = np.ascontiguousarray(blocks, dtype=np.int32).reshape(-1)
-    out = np.empty((*c.shape[:-1], n), dtype=np.float32)
+    extra, shape = _dst(dst, n_out, (*c.shape[:-1], n))
+    out = np.empty(shape, dtype=np.float32)
     _native.block_axpy(c, out, codes, w_off, w_stride, _slots(slots), c.shape[-1], n, bits, blocks, scales, biases,
-                       scales.shape[0], SCALE_TYPES[scales.dtype], symmetric)
+                       scales.shape[0], SCALE_TYPES[scales.dtype], symmetric, *extra)
     return out
 
 

@@ -26,11 +26,17 @@ import numpy as np
 
 from .errors import ReadError
 from .compute import backend_for
+from .compute.rows import RowSet
 from .ffn import glu, project
 from .unit_cache import UnitCache
 from .reader import aligned_buffer, aligned_span
 from .sparsity import pass_units, prompt_units
 from .stats import Stats
+
+# Units summed together in one call before partial sums are added, in this order (a multiple of every group size):
+# the reduction over units is the same whatever the budget, cache state or read-ahead.
+REDUCTION_UNITS = 256
+
 
 class FlashFFN(nn.Module):
     """Replaces `layers[i].mlp`: the FFN of layer i computed from streamed units."""
@@ -118,7 +124,8 @@ class FlashEngine(Engine):
             for i, regions in enumerate(fd.layers)
         ]
         self.backends = {name: backend_for(layout, fd.ffn, use_metal) for name, layout in fd.layouts.items()}
-        self.scratch = AlignedBuffer(max(scratch_bytes, max(l.stride for l in fd.layouts.values())), fd.alignment)  # >= a dense row
+        block = max(min(REDUCTION_UNITS, r.n_units) * fd.layouts[r.name].stride for r in fd.regions())
+        self.scratch = AlignedBuffer(max(scratch_bytes, block + 2 * fd.alignment), fd.alignment)  # >= a block's rows
         self.prefetch = Prefetch(self, prefetch_rows) if prefetch_rows else None
 
     @classmethod
@@ -158,35 +165,49 @@ class FlashEngine(Engine):
         return lambda: None
 
     def _chunks(self, layer: int, region: str, units: np.ndarray):
-        """Yield (positions, dense rows [len, stride] mx.array) for `units` read through the scratch buffer.
-
-        Dense layouts yield views of the scratch buffer, overwritten by the next chunk: evaluate
-        what uses them first. Encoded units are expanded (evaluated) into new arrays; chunks are
-        sized so that those stay within the scratch size too.
-        """
-        layout = self.fd.layouts[region]
-        a = max(1, self.reader.alignment)
-        disk, slack = layout.disk_stride, 2 * a
-        step = a // math.gcd(disk, a)  # chunks of whole blocks: no block is read twice by neighbouring runs
-        per = max(1, (self.scratch.nbytes - slack) // layout.stride // step * step)
-        rows = self.scratch.rows(disk)
+        """Yield (positions, dense rows [len, stride] mx.array) for `units` read through the scratch buffer, a
+        chunk at a time (`_read_chunk`)."""
+        per = self._per_chunk(region)
         for start in range(0, len(units), per):
             chunk = units[start : start + per]
-            if chunk[-1] - chunk[0] == len(chunk) - 1 and len(chunk) * disk + slack <= self.scratch.nbytes:
-                wait, at = self._submit_run(layer, region, int(chunk[0]), len(chunk), self.scratch.buffer,
-                                            self.scratch.base_offset)  # a run on flash: one aligned read
-                wait()
-                out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
-            else:
-                dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * disk
-                self._read(layer, region, chunk, self.scratch.buffer, dest)
-                out = rows[: len(chunk)]
-            if layout.encoded:
-                t = time.perf_counter()
-                out = layout.expand(out, self.use_metal)
-                mx.eval(out)
-                self.stats.current.expand_s += time.perf_counter() - t
-            yield np.arange(start, start + len(chunk)), out
+            yield np.arange(start, start + len(chunk)), self._read_chunk(layer, region, chunk)
+
+    def _read_chunk(self, layer: int, region: str, chunk: np.ndarray) -> mx.array:
+        """Dense rows [len, stride] of `chunk` (at most `_fits` units) read through the scratch buffer.
+
+        Dense layouts give views of the scratch buffer, overwritten by the next chunk: evaluate
+        what uses them first. Encoded units are expanded (evaluated) into new arrays (chunks are
+        sized so that those stay within the scratch size too)."""
+        layout = self.fd.layouts[region]
+        disk, slack = layout.disk_stride, 2 * max(1, self.reader.alignment)
+        if chunk[-1] - chunk[0] == len(chunk) - 1 and len(chunk) * disk + slack <= self.scratch.nbytes:
+            wait, at = self._submit_run(layer, region, int(chunk[0]), len(chunk), self.scratch.buffer,
+                                        self.scratch.base_offset)  # a run on flash: one aligned read
+            wait()
+            out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
+        else:
+            dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * disk
+            self._read(layer, region, chunk, self.scratch.buffer, dest)
+            out = self.scratch.rows(disk)[: len(chunk)]
+        if layout.encoded:
+            t = time.perf_counter()
+            out = layout.expand(out, self.use_metal)
+            self.stats.current.expand_s += time.perf_counter() - t
+        mx.eval(out)  # (a view now: native kernels read it by address)
+        return out
+
+    def _per_chunk(self, region: str) -> int:
+        """Units read through the scratch buffer at a time (MLX ops gather as many rows at a time): whole aligned
+        blocks of them where the scratch holds some (no block read twice by neighbouring runs)."""
+        layout = self.fd.layouts[region]
+        a = max(1, self.reader.alignment)
+        step = a // math.gcd(layout.disk_stride, a)
+        fits = self._fits(region)
+        return fits // step * step if fits >= step else fits
+
+    def _fits(self, region: str) -> int:
+        """Units `_read_chunk` takes at a time."""
+        return max(1, (self.scratch.nbytes - 2 * max(1, self.reader.alignment)) // self.fd.layouts[region].stride)
 
     def _stream(self, layer: int, region: str, units: np.ndarray):
         """`_chunks`, and units that are in the region's cache (e.g. just seeded by a prompt) get
@@ -216,49 +237,95 @@ class FlashEngine(Engine):
         return plan, wait
 
     def _sum_over(self, layer: int, region: str, active: np.ndarray, fn, zero):
-        """sum of fn(rows, slots, positions) over the active units: cached ones in place, overflow streamed;
-        `zero` when there are none.
+        """The sum over the active units (sorted) of fn's terms, in one order whatever the budget, cache state or
+        read-ahead: the units are cut into fixed blocks of REDUCTION_UNITS consecutive ids, each block's partial sum
+        is computed from all of its rows in one call, and the partials are added in block order; `zero` when there
+        are none.
 
-        `positions` index into `active` (sorted); fn returns the backend's form. The hits are computed
-        while the misses are being read (I/O overlapped with compute: the native kernels run eagerly,
-        the MLX backends when the hits are evaluated), then the misses.
+        fn(rows, slots, positions, dst, n) returns the n partial sums of the blocks of `positions` (into `active`;
+        block i: those with dst == i), rows[slots] their rows, or a RowSet (slots None) where they lie in several
+        buffers. Blocks whose units are all cached are computed while the misses are read (I/O overlapped with
+        compute: the native kernels run eagerly, the MLX backends when synchronised), then those with misses, then
+        those with overflow: rows read ahead, the rest streamed through the scratch buffer a chunk of whole blocks
+        at a time.
         """
         backend = self.backends[region]
         plan, wait = self._fetch(layer, region, active)
-        if not self.overlap:
+        if not self.overlap or not len(active):
             wait()
-        rows = self.caches[layer][region].rows
-        cached = np.flatnonzero(plan.slots >= 0)
-        missed = np.isin(active[cached], plan.miss_units)
-        y = self._add(None, fn, rows, plan.slots[cached[~missed]], cached[~missed], backend)
-        wait()  # before anything reads the misses' rows
-        y = self._add(y, fn, rows, plan.slots[cached[missed]], cached[missed], backend)
-        if len(plan.overflow_units):
-            positions = np.searchsorted(active, plan.overflow_units)
-            overflow = plan.overflow_units
-            prefetched = self.prefetch.take(layer, overflow) if self.prefetch else None
-            if prefetched is not None:  # the first units, read while the layers before computed
-                k = len(prefetched)
-                y = self._add(y, fn, prefetched, np.arange(k), positions[:k], backend)
-                overflow, positions = overflow[k:], positions[k:]
-            if len(overflow) and y is not None:
-                backend.sync(y)  # what used the prefetch buffer, before the other layer's reads refill it
-            for chunk, rows in self._stream(layer, region, overflow):
-                part = fn(rows, np.arange(len(chunk)), positions[chunk])
-                backend.sync(part)  # before the next chunk overwrites the scratch rows
-                y = part if y is None else y + part
-        return zero if y is None else y
+        if not len(active):
+            return zero
+        cache = self.caches[layer][region]
+        blocks = active // REDUCTION_UNITS
+        starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
+        ends = np.r_[starts[1:], len(active)]
+        over = plan.slots < 0
+        reading = np.zeros(len(active), dtype=np.int8)
+        reading[~over] = np.isin(active[~over], plan.miss_units)
+        kind = np.maximum.reduceat(over * 2 + reading, starts)  # per block: 0 all hits, 1 misses, 2 overflow
+        parts = [None] * len(starts)
+        per = self._per_chunk(region)
 
-    def _add(self, y, fn, rows, slots, positions, backend):
-        """y + fn over `positions` (rows[slots]), chunk by chunk, so one chunk's gathered rows exist at a time
-        (MLX ops gather them: see budget.py)."""
-        per = max(1, self.scratch.nbytes // rows.shape[1])
-        for start in range(0, len(positions), per):
-            if y is not None and start:
-                backend.sync(y)
-            part = fn(rows, slots[start : start + per], positions[start : start + per])
-            y = part if y is None else y + part
+        def compute(todo, rows, slots):
+            groups = self._groups(todo, starts, ends, ends - starts, per)
+            for group in groups:
+                pos = np.concatenate([np.arange(starts[b], ends[b]) for b in group])
+                dst = np.repeat(np.arange(len(group), dtype=np.int32), ends[group] - starts[group])
+                out = fn(rows, None if slots is None else slots[pos], pos, dst, len(group))
+                if len(groups) > 1:
+                    backend.sync(out)  # one group's gathered rows (MLX ops) alive at a time
+                for i, b in enumerate(group):
+                    parts[b] = out[i]
+
+        compute(np.flatnonzero(kind == 0), cache.rows, plan.slots)
+        wait()  # before anything reads the misses' rows
+        compute(np.flatnonzero(kind == 1), cache.rows, plan.slots)
+        if (kind == 2).any():
+            self._overflow(layer, region, active, plan, np.flatnonzero(kind == 2), starts, ends, parts, fn)
+        y = parts[0]
+        for part in parts[1:]:
+            y = y + part
         return y
+
+    def _overflow(self, layer, region, active, plan, todo, starts, ends, parts, fn):
+        """`_sum_over`'s blocks with overflow units: the first ones read ahead (Prefetch), the rest streamed; each
+        call holds whole blocks, their cached rows read in place beside the others (a RowSet)."""
+        backend, cache = self.backends[region], self.caches[layer][region]
+        overflow = np.flatnonzero(plan.slots < 0)
+        where = np.zeros(len(active), dtype=np.int64)  # 0: cache row, 1: read ahead, 2: scratch
+        index = plan.slots.astype(np.int64)
+        ahead = self.prefetch.take(layer, active[overflow]) if self.prefetch else None
+        k = 0 if ahead is None else len(ahead)
+        where[overflow[:k]], index[overflow[:k]] = 1, np.arange(k)
+        where[overflow[k:]] = 2
+        streamed = np.add.reduceat(where == 2, starts)
+        for group in self._groups(todo, starts, ends, streamed, self._fits(region)):
+            pos = np.concatenate([np.arange(starts[b], ends[b]) for b in group])
+            dst = np.repeat(np.arange(len(group), dtype=np.int32), ends[group] - starts[group])
+            mine = pos[where[pos] == 2]
+            scratch = cache.rows
+            if len(mine):
+                scratch = self._read_chunk(layer, region, active[mine])
+                index[mine] = np.arange(len(mine))
+            rows = RowSet([cache.rows, cache.rows if ahead is None else ahead, scratch], where[pos], index[pos])
+            out = fn(rows, None, pos, dst, len(group))
+            backend.sync(out)  # before the next chunk overwrites the scratch rows
+            for i, b in enumerate(group):
+                parts[b] = out[i]
+
+    @staticmethod
+    def _groups(todo, starts, ends, weight, per):
+        """The blocks `todo` in runs whose weights add up to at most `per` (a block alone may exceed it)."""
+        groups, group, total = [], [], 0
+        for b in todo:
+            if group and total + weight[b] > per:
+                groups.append(np.array(group))
+                group, total = [], 0
+            group.append(b)
+            total += weight[b]
+        if group:
+            groups.append(np.array(group))
+        return groups
 
     # -- FFN -------------------------------------------------------------------
     def ffn(self, layer: int, x: mx.array, bias: Dict[str, mx.array]) -> mx.array:
@@ -321,11 +388,25 @@ class FlashEngine(Engine):
                               self.backends["neurons"].zeros(x))
 
     def _units_fn(self, x, active, bias, mask=None):
-        """fn(rows, slots, positions) for `_sum_over`: the FFN of x restricted to those units (mask [rows, active]:
-        which of them each row of x uses)."""
+        """fn for `_sum_over`: the FFN of x restricted to those units (mask [rows, active]: which of them each row of
+        x uses)."""
         backend = self.backends["neurons"]
-        return lambda rows, slots, pos: backend.units(x, rows, slots, active[pos], bias,
-                                                      None if mask is None else mask[:, pos])
+        return lambda rows, slots, pos, dst, n: backend.units(x, rows, slots, active[pos], bias,
+                                                              None if mask is None else mask[:, pos], dst, n)
+
+    @staticmethod
+    def _blockwise(backend, like, f):
+        """fn for `_sum_over` from f(rows, slots, positions), one call per block."""
+        def fn(rows, slots, pos, dst, n):
+            if isinstance(rows, RowSet) and not backend.in_place(like):
+                rows, slots = rows.gather(), np.arange(len(rows))
+            outs = []
+            for i in range(n):
+                sel = np.flatnonzero(dst == i)
+                part = (rows.take(sel), None) if slots is None else (rows, slots[sel])
+                outs.append(f(*part, pos[sel]))
+            return np.stack(outs) if isinstance(outs[0], np.ndarray) else mx.stack(outs)
+        return fn
 
     def _decode_dip(self, layer, xv, x):
         dip, b_in, b_out = self.sparsifier, self.backends["inputs"], self.backends["neurons"]
@@ -333,15 +414,16 @@ class FlashEngine(Engine):
         inputs = dip.select_inputs(layer, xv, self._cached_mask(layer, "inputs"))
         x_in = b_in.index(x, inputs)
         gu = self._sum_over(layer, "inputs", inputs,  # (never empty: DIP keeps at least one input)
-                            lambda rows, slots, pos: b_in.input_columns(b_in.index(x_in, pos), rows, slots), None)
+                            self._blockwise(b_in, x, lambda rows, slots, pos: b_in.input_columns(
+                                b_in.index(x_in, pos), rows, slots)), None)
         h = b_in.glu(gu[0], gu[1])
         # 2. down rows of the largest pruned GLU outputs
         neurons = dip.select_neurons(layer, b_in.host(h)[0], self._cached_mask(layer, "neurons"))
         self.stats.current.active.append(len(inputs) + len(neurons))
         h_out = b_out.index(h, neurons)
         return self._sum_over(layer, "neurons", neurons,
-                              lambda rows, slots, pos: b_out.row_axpy(b_out.index(h_out, pos), rows, slots, "down"),
-                              b_out.zeros(x))
+                              self._blockwise(b_out, x, lambda rows, slots, pos: b_out.row_axpy(
+                                  b_out.index(h_out, pos), rows, slots, "down")), b_out.zeros(x))
 
     def _cached_mask(self, layer: int, region: str) -> Optional[np.ndarray]:
         gamma = getattr(self.sparsifier, "gamma", 1.0)

@@ -14,7 +14,7 @@ import numpy as np
 from .. import cpu_gemv
 from ..ffn import ACTIVATIONS, glu
 from .ops import OpsBackend
-from .rows import RowMatrix, slots_array
+from .rows import RowMatrix, RowSet, slots_array
 
 
 def supports(m: RowMatrix) -> bool:
@@ -27,6 +27,15 @@ def _quant_rows(rows: mx.array, m: RowMatrix) -> cpu_gemv.QuantRows:
     b = m.scales if m.symmetric else m.biases  # (ignored when symmetric)
     return cpu_gemv.QuantRows(rows, m.weight.offset, stride, rows, m.scales.offset, stride, rows, b.offset,
                               stride, m.n, m.bits, m.group_size, m.float_dtype, m.symmetric)
+
+
+def _native(rows, slots):
+    """(a buffer of the rows, the kernels' slots argument): rows[slots], or a RowSet's rows by address."""
+    if isinstance(rows, RowSet):
+        return rows.parts[0], cpu_gemv.Addresses(rows.addresses())
+    if not cpu_gemv.contiguous(rows):  # (a strided view: the kernels read rows a stride apart)
+        raise ValueError("the native kernels read C-contiguous rows")
+    return rows, slots_array(slots)
 
 
 class CpuBackend(OpsBackend):
@@ -82,28 +91,31 @@ class CpuBackend(OpsBackend):
             return g
         return np.asarray(glu(mx.array(g), mx.array(u), self.ffn["activation"]))
 
+    def in_place(self, x) -> bool:
+        return isinstance(x, np.ndarray)  # (the kernels' rows: cache rows and read buffers, C-contiguous)
+
     def row_dot(self, x, rows, slots, name: str):
         if not isinstance(x, np.ndarray):
             return super().row_dot(x, rows, slots, name)
-        if not cpu_gemv.contiguous(rows):  # (a strided view: the kernels read rows a stride apart)
-            return np.asarray(super().row_dot(mx.array(x), rows, slots, name))
-        return cpu_gemv.row_dot(x, _quant_rows(rows, self.matrix(name)), slots_array(slots))
+        buf, at = _native(rows, slots)
+        return cpu_gemv.row_dot(x, _quant_rows(buf, self.matrix(name)), at)
 
-    def row_axpy(self, w, rows, slots, name: str):
+    def row_axpy(self, w, rows, slots, name: str, dst=None, n_out: int = 1):
         if not isinstance(w, np.ndarray):
             return super().row_axpy(w, rows, slots, name)
-        if not cpu_gemv.contiguous(rows):
-            return np.asarray(super().row_axpy(mx.array(w), rows, slots, name))
-        return cpu_gemv.row_axpy(w, _quant_rows(rows, self.matrix(name)), slots_array(slots))
+        buf, at = _native(rows, slots)
+        return cpu_gemv.row_axpy(w, _quant_rows(buf, self.matrix(name)), at, dst, n_out)
 
-    def block_row_axpy(self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array]):
+    def block_row_axpy(self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array], dst=None,
+                       n_out: int = 1):
         if not isinstance(w, np.ndarray):
             return super().block_row_axpy(w, rows, slots, name, units, scales, biases)
-        if not (cpu_gemv.contiguous(rows, scales) and scales.dtype in cpu_gemv.SCALE_TYPES):
-            return np.asarray(super().block_row_axpy(mx.array(w), rows, slots, name, units, scales, biases))
+        if not (cpu_gemv.contiguous(scales) and scales.dtype in cpu_gemv.SCALE_TYPES):
+            raise ValueError("the native backend needs contiguous resident scales of a supported type")
         q = self.quant[name]
         codes = self.layout.component(f"{name}.weight")
         bits = int(q["bits"])
         blocks = np.asarray(units, dtype=np.int32) // int(q["group_size"])
-        return cpu_gemv.block_axpy(w, rows, codes.offset, rows.shape[1], slots_array(slots), blocks, scales, biases,
-                                   codes.shape[0] * 32 // bits, bits)
+        buf, at = _native(rows, slots)
+        return cpu_gemv.block_axpy(w, buf, codes.offset, buf.shape[1], at, blocks, scales, biases,
+                                   codes.shape[0] * 32 // bits, bits, dst, n_out)

@@ -79,7 +79,7 @@ class MetalBackend(OpsBackend):
                               output_dtypes=[x2.dtype])[0]
         return out.reshape(*x.shape[:-1], k)
 
-    def row_axpy(self, w, rows, slots, name: str):
+    def row_axpy(self, w, rows, slots, name: str, dst=None, n_out: int = 1):
         m, slots = self.matrix(name), mx.array(slots)
         k = slots.shape[0]
         w2 = w.reshape(-1, k)

@@ -19,7 +19,7 @@ import numpy as np
 from .. import cpu_gemv
 from ..ffn import ACTIVATIONS, glu
 from ..flash_format import _DTYPES, BundleLayout, Component
-from .rows import RowMatrix, matrix
+from .rows import RowMatrix, RowSet, matrix
 
 _WORDS = (mx.uint32, mx.uint16, mx.uint8)
 
@@ -97,28 +97,42 @@ class OpsBackend:
         return glu(g, u, self.ffn["activation"])
 
     # -- the FFN over a set of rows ------------------------------------------------------------
-    def units(self, x, rows: mx.array, slots: np.ndarray, units: np.ndarray, resident: Dict[str, mx.array],
-              mask: Optional[np.ndarray] = None):
-        """The FFN of x [..., d] over the units `units` whose rows are rows[slots]; `resident` holds the
-        layer's resident tables (fc1's bias, the down codes' group scales). mask [rows of x, units] (0/1): the
-        units each row uses (None: all)."""
+    def units(self, x, rows, slots: np.ndarray, units: np.ndarray, resident: Dict[str, mx.array],
+              mask: Optional[np.ndarray] = None, dst: Optional[np.ndarray] = None, n_out: int = 1):
+        """The FFN of x [..., d] over the units `units` whose rows are rows[slots] (or a RowSet, slots None);
+        `resident` holds the layer's resident tables (fc1's bias, the down codes' group scales). mask [rows of x,
+        units] (0/1): the units each row uses (None: all). dst (non-decreasing, [len(units)]): [n_out, ..., d],
+        partial sum i over the units with dst == i alone, each computed as if it were the only one."""
+        if isinstance(rows, RowSet) and not self.in_place(x):
+            rows, slots = rows.gather(), np.arange(len(rows))
+        if dst is not None and not self.in_place(x):  # one product per partial sum: its own shape, its own order
+            parts = []
+            for i in range(n_out):
+                sel = np.flatnonzero(dst == i)
+                parts.append(self.units(x, rows, slots[sel], units[sel], resident,
+                                        None if mask is None else mask[:, sel]))
+            return mx.stack(parts)
         if self.ffn["kind"] == "glu":
             h = self.glu(self.row_dot(x, rows, slots, "gate"), self.row_dot(x, rows, slots, "up"))
-            return self.out(self._masked(h, mask), rows, slots, units, "down", resident)
+            return self.out(self._masked(h, mask), rows, slots, units, "down", resident, dst, n_out)
         h = self.row_dot(x, rows, slots, "fc1")
         if "fc1" in resident:
             h = h + self.take(resident["fc1"], units, h)
-        return self.out(self._masked(self.activation(h), mask), rows, slots, units, "fc2", resident)
+        return self.out(self._masked(self.activation(h), mask), rows, slots, units, "fc2", resident, dst, n_out)
+
+    def in_place(self, x) -> bool:
+        """Whether products of input x read rows where they are (RowSet addresses) and take dst in one call."""
+        return False
 
     def _masked(self, h, mask):
         return h if mask is None else h * mx.array(mask, dtype=h.dtype)
 
-    def out(self, h, rows, slots, units, name: str, resident: Dict[str, mx.array]):
+    def out(self, h, rows, slots, units, name: str, resident: Dict[str, mx.array], dst=None, n_out: int = 1):
         q = self.quant[name]
         if q is not None and q.get("resident_scales"):  # the source's codes; group scales resident
             return self.block_row_axpy(h, rows, slots, name, units, resident[f"{name}.scales"],
-                                       resident.get(f"{name}.biases"))  # None: symmetric
-        return self.row_axpy(h, rows, slots, name)
+                                       resident.get(f"{name}.biases"), dst, n_out)  # None: symmetric
+        return self.row_axpy(h, rows, slots, name, dst, n_out)
 
     # -- the two products (and the block-scaled one) ------------------------------------------
     def matrix(self, name: str) -> RowMatrix:
@@ -133,8 +147,8 @@ class OpsBackend:
         s, b = _scales_biases(rows, slots, m, x.dtype)
         return cpu_gemv.quantized_matmul(x, w, s, b, m.group_size, m.bits, transpose=True)
 
-    def row_axpy(self, w, rows, slots, name: str):
-        """out[..., :] = sum_j w[..., j] W_j (w @ W[slots])."""
+    def row_axpy(self, w, rows, slots, name: str, dst=None, n_out: int = 1):
+        """out[..., :] = sum_j w[..., j] W_j (w @ W[slots]); dst: see `units` (in_place backends only)."""
         m, slots = self.matrix(name), mx.array(slots)
         wt = gather(rows, slots, m.weight)
         if not m.bits:
@@ -142,7 +156,8 @@ class OpsBackend:
         s, b = _scales_biases(rows, slots, m, w.dtype)
         return cpu_gemv.quantized_matmul(w, wt, s, b, m.group_size, m.bits, transpose=False)
 
-    def block_row_axpy(self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array]):
+    def block_row_axpy(self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array], dst=None,
+                       n_out: int = 1):
         """`row_axpy` for rows holding only the source's codes of `name` (convert --down-bits source): unit
         units[j] is in group units[j] // group_size, whose scales/biases [n_out] are rows of the resident
         tables (biases None: symmetric)."""

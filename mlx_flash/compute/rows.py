@@ -91,3 +91,36 @@ def slots_array(slots) -> np.ndarray:
     if s.ndim != 1:
         raise ValueError(f"slots must be 1-D, got shape {s.shape}")
     return s
+
+
+class RowSet:
+    """The rows of one call's units when they live in several buffers (cache rows, rows read ahead, the scratch
+    buffer): row j is parts[which[j]][slots[j]], in the call's unit order. Native kernels read them in place by
+    address; MLX ops gather them into one array."""
+
+    def __init__(self, parts, which: np.ndarray, slots: np.ndarray):
+        self.parts, self.which, self.slots = parts, np.asarray(which), np.asarray(slots, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.slots)
+
+    def take(self, sel: np.ndarray) -> "RowSet":
+        return RowSet(self.parts, self.which[sel], self.slots[sel])
+
+    def addresses(self) -> np.ndarray:
+        """int64 [k]: where each row starts in memory (every part evaluated, C-contiguous, held by the caller)."""
+        views = [np.asarray(memoryview(p)) for p in self.parts]
+        if not all(v.flags.c_contiguous for v in views):
+            raise ValueError("RowSet: every part must be C-contiguous rows")
+        bases = np.array([v.ctypes.data for v in views], dtype=np.int64)
+        strides = np.array([p.shape[1] for p in self.parts], dtype=np.int64)
+        return bases[self.which] + self.slots * strides[self.which]
+
+    def gather(self) -> mx.array:
+        """The rows as one uint8 array [k, stride] (the narrowest part's stride), in order: a take per run of rows
+        in the same part."""
+        width = min(p.shape[1] for p in self.parts)
+        cuts = np.flatnonzero(np.diff(self.which)) + 1
+        runs = zip(np.r_[0, cuts], np.r_[cuts, len(self.which)])
+        return mx.concatenate([self.parts[self.which[a]][mx.array(self.slots[a:b].astype(np.int32)), :width]
+                               for a, b in runs], axis=0)

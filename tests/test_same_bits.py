@@ -1,0 +1,129 @@
+"""The same bits at every budget: with default settings (int8 activations on the CPU), a model's tokens and
+log-probabilities are bit-identical whatever the memory budget, the caches' state or the read-ahead, because every
+sum over units runs in one order (runtime.REDUCTION_UNITS)."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash import cpu_gemv
+from mlx_flash.budget import min_budget
+from mlx_flash.compute.rows import RowSet
+from mlx_flash.convert.build import convert
+from mlx_flash.convert.source import copy_tokenizer, load_source_model
+from mlx_flash.default_model import default_model_dir
+from mlx_flash.experts import REGION, ReadAhead
+from mlx_flash.flash_format import FlashDir
+from mlx_flash.generation import generate_step
+from mlx_flash.loader import load
+from mlx_flash.models.tiny import make_tiny_model_dir
+from mlx_flash.tools.synthetic import build
+
+PROMPTS = ("Once upon a time there was a", "The capital of France is", "def fibonacci(n):")
+
+
+def decode(path, budget, n, prompts=PROMPTS, **kw):
+    """[(tokens, log-probabilities [n, vocab])] of greedy decoding each prompt, and the plan."""
+    model, tokenizer = load(path, memory_budget=budget, context=128, **kw)
+    try:
+        out = []
+        for p in prompts:
+            ids = mx.array(tokenizer.encode(p) if isinstance(p, str) else p)
+            steps = [(int(t), np.array(lp.astype(mx.float32))) for t, lp in generate_step(ids, model, max_tokens=n)]
+            out.append(([t for t, _ in steps], np.stack([lp for _, lp in steps])))
+        return out, model.flash.plan
+    finally:
+        model.flash.close()
+
+
+def assert_same(ref, got, what):
+    for i, ((t0, l0), (t1, l1)) in enumerate(zip(ref, got)):
+        assert t0 == t1, (what, i)
+        assert np.array_equal(l0, l1), (what, i, float(np.abs(l0 - l1).max()))
+
+
+def test_default_model_every_budget():
+    """SmolLM2 (the default model, real weights), 3 prompts, 64 tokens: resident, 80%, 50% and 30%, below the floor
+    (its embedding streamed), with read-ahead on and off."""
+    path = default_model_dir()
+    assert cpu_gemv.info().get("int8")
+    ref, _ = decode(path, None, 64)
+    for budget, kw in (("80%", {}), ("50%", {}), ("50%", {"prefetch": False}), ("30%", {})):
+        got, plan = decode(path, budget, 64, **kw)
+        assert_same(ref, got, (budget, kw))
+        if budget == "30%":
+            assert plan.streamed, "30% should stream resident weights too"
+
+
+@pytest.fixture(scope="module")
+def wide_dense(tmp_path_factory):
+    """A LLaMA-7B-shaped layer (4096 wide, 11008 neurons: 43 reduction blocks), two of them, random Q4 weights."""
+    return build("llama-7b", tmp_path_factory.mktemp("wide") / "flash", progress=False, num_hidden_layers=2,
+                 vocab_size=512)
+
+
+def test_7b_shaped_every_budget(wide_dense):
+    """The 7B shape's width: resident, three quarters of the FFN cached, a quarter, a twentieth, read-ahead on and
+    off."""
+    fd = FlashDir(wide_dense)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    ref, _ = decode(wide_dense, None, 8, prompts)
+    ffn = sum(r.nbytes for r in fd.regions())
+    floor = min_budget(fd, 128, 4)
+    for budget, kw in ((floor + ffn * 3 // 4, {}), (floor + ffn // 4, {}), (floor + ffn // 4, {"prefetch": False}),
+                       (floor + ffn // 20, {})):
+        got, plan = decode(wide_dense, budget, 8, prompts, **kw)
+        assert_same(ref, got, (budget, kw))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from mlx_lm.utils import quantize_model, save_model
+
+    root = tmp_path_factory.mktemp("moe")
+    src = make_tiny_model_dir("qwen3_moe", root / "float")
+    model, config = quantize_model(*load_source_model(src, lazy=False), group_size=32, bits=4)
+    save_model(root / "q4", model)
+    (root / "q4" / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(src, root / "q4")
+    return convert(str(root / "q4"), root / "flash", progress=False)
+
+
+def test_moe_every_budget(tiny_moe):
+    """A tiny qwen3_moe: all experts cached, 3, 2 and 1 expert slots per layer, with and without the read-ahead."""
+    fd = FlashDir(tiny_moe)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    ref, _ = decode(tiny_moe, None, 16, prompts)
+    slot = sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
+    for slots in (3, 2, 1):
+        got, _ = decode(tiny_moe, min_budget(fd, 128, 4) + slots * slot, 16, prompts)
+        assert_same(ref, got, slots)
+    ahead = ReadAhead.nbytes(fd, fd.config["num_experts_per_tok"])
+    got, _ = decode(tiny_moe, min_budget(fd, 128, 4, extra=ahead) + slot, 16, prompts, prefetch=True)
+    assert_same(ref, got, "read-ahead")
+
+
+def test_partial_sums_do_not_depend_on_the_call():
+    """The kernels' partial sums (dst) over rows given by address equal each block computed alone from one buffer."""
+    rng = np.random.default_rng(0)
+    n, k, bits = 256, 96, 4
+    w = rng.integers(0, 2**32, size=(k, n * bits // 32), dtype=np.uint32)
+    s = rng.standard_normal((k, n // 32)).astype(np.float32)
+    b = rng.standard_normal((k, n // 32)).astype(np.float32)
+    c = rng.standard_normal(k).astype(np.float32)
+    q = cpu_gemv.QuantRows.of_matrix(mx.array(w), mx.array(s), mx.array(b), 32, bits)
+    dst = np.repeat(np.arange(3, dtype=np.int32), [40, 24, 32])
+    alone = [cpu_gemv.row_axpy(c[dst == i], q, np.flatnonzero(dst == i)) for i in range(3)]
+    together = cpu_gemv.row_axpy(c, q, None, dst, 3)
+    assert all(np.array_equal(a, t) for a, t in zip(alone, together))
+    # the same rows split between two buffers, read by address
+    rows = mx.array(np.concatenate([w.view(np.uint8), s.view(np.uint8), b.view(np.uint8)], axis=1))
+    half = [mx.array(np.ascontiguousarray(np.array(rows)[i::2])) for i in (0, 1)]
+    mx.eval(half)
+    rs = RowSet(half, np.arange(k) % 2, np.arange(k) // 2)
+    wb, sb = w.shape[1] * 4, s.shape[1] * 4
+    qa = cpu_gemv.QuantRows(half[0], 0, 0, half[0], wb, 0, half[0], wb + sb, 0, n, bits, 32, mx.float32)
+    by_address = cpu_gemv.row_axpy(c, qa, cpu_gemv.Addresses(rs.addresses()), dst, 3)
+    assert np.array_equal(by_address, together)
