@@ -39,11 +39,13 @@ from typing import Dict, Iterable, List, Optional
 
 import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 from . import bitmap
 from .cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
 from .errors import FlashFormatError, ReadError
 from .reader import open_reader
+from .safetensors_io import TensorSpool
 
 FORMAT_NAME = "mlx_flash"
 FORMAT_VERSION = 4  # v4: symmetric resident biases left out; v3: packed units; v2: encoded components; v1 (none)
@@ -657,13 +659,28 @@ class FlashWriter:
             layer[name] = Region(len(self.layers), name, offset, rows.shape[0], layout.disk_stride, zlib.crc32(rows))
         self.layers.append(layer)
 
-    def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict) -> None:
+    def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict, progress: bool = False) -> None:
         """Write resident weights (without the biases symmetric codes imply), config and the manifest
-        (`manifest` adds architecture fields)."""
+        (`manifest` adds architecture fields).
+
+        `resident` is emptied as it is written: each array is evaluated, spooled to a scratch file and dropped in
+        turn, so memory holds one of them at a time when `resident` holds the only references to them."""
         self._ffn.close()
-        symmetric = symmetric_modules(resident, config)
-        resident = {k: v for k, v in resident.items() if k.removesuffix(".biases") not in symmetric}
-        mx.save_safetensors(str(self.path / RESIDENT), resident, metadata={"format": "mlx"})
+        names = list(resident)
+        total = sum(v.nbytes for v in resident.values())
+        spool = TensorSpool(self.path / f".{RESIDENT}.spool")
+        with tqdm(total=total, desc="resident weights", unit="B", unit_scale=True, unit_divisor=1024,
+                  disable=not progress) as bar:
+            for k in names:
+                a = resident.pop(k)
+                spool.add(k, a)
+                bar.update(a.nbytes)
+                del a
+        symmetric = symmetric_modules(_Spooled(spool), config)
+        names = [k for k in names if k.removesuffix(".biases") not in symmetric]
+        with tqdm(total=sum(spool.entries[k][3] for k in names), desc=f"write {RESIDENT} + sha256", unit="B",
+                  unit_scale=True, unit_divisor=1024, disable=not progress) as bar:
+            sha256 = spool.save(self.path / RESIDENT, names, {"format": "mlx"}, bar, checksum=True)
         with open(self.path / "config.json", "w") as f:
             json.dump(config, f, indent=2)
         full = {
@@ -687,7 +704,7 @@ class FlashWriter:
             "resident": {
                 "file": RESIDENT,
                 "bytes": (self.path / RESIDENT).stat().st_size,
-                "sha256": _sha256(self.path / RESIDENT),
+                "sha256": sha256,
                 "symmetric": symmetric,
             },
             "ffn_file": {"file": FFN, "bytes": (self.path / FFN).stat().st_size},
@@ -707,18 +724,32 @@ def _affine_quant(config: dict, path: str) -> Optional[dict]:
     return own
 
 
+class _Spooled(dict):
+    """A TensorSpool's arrays by name: shapes at once, each array read back only when asked for."""
+
+    def __init__(self, spool):
+        super().__init__({k: e[1] for k, e in spool.entries.items()})
+        self.spool = spool
+
+    def __getitem__(self, name):
+        return self.spool.array(name)
+
+    def shape(self, name):
+        return tuple(dict.__getitem__(self, name))
+
+
 def symmetric_modules(resident: Dict[str, mx.array], config: dict) -> Dict[str, int]:
     """The quantised modules among `resident` whose biases are -2^(bits-1) x their scales exactly: {path: bits}."""
+    shape = resident.shape if isinstance(resident, _Spooled) else lambda k: resident[k].shape
     out = {}
-    for name, b in resident.items():
+    for name in resident:
         path = name.removesuffix(".biases")
+        if path == name or f"{path}.weight" not in resident or f"{path}.scales" not in resident:
+            continue
         q = _affine_quant(config, path)
-        w, s = resident.get(f"{path}.weight"), resident.get(f"{path}.scales")
-        if path == name or q is None or w is None or s is None:
-            continue
-        if w.shape[-1] * 32 // q["bits"] != s.shape[-1] * q["group_size"]:  # not the config's quantisation
-            continue
-        if is_symmetric(b, s, q["bits"]):
+        if q is None or shape(f"{path}.weight")[-1] * 32 // q["bits"] != shape(f"{path}.scales")[-1] * q["group_size"]:
+            continue  # not the config's quantisation
+        if is_symmetric(resident[name], resident[f"{path}.scales"], q["bits"]):
             out[path] = q["bits"]
     return dict(sorted(out.items()))
 
