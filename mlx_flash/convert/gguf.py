@@ -18,10 +18,11 @@ Weights (GGUF type -> what the mlx-lm directory stores)
     group 32), and a held-out measurement (issue #15) found Q4_K_M re-quantised to MLX 4-bit group
     64 at +41% perplexity, 8-bit lossless.
     Such tensors take 9 bits per weight instead of 4.5-6.6; 1-D ones become float16.
-  * Files made only of the first kind and no larger than one output shard are
+  * Files made only of the first kind and no larger than MX_LOAD_MAX_BYTES are
     read by `mx.load` (fast path). Other files are read with `gguf.GGUFReader`
-    (memory-mapped) and written shard by shard, so peak memory is about one
-    shard. Both paths write bit-identical weights.
+    (memory-mapped) a tensor at a time, each tensor spooled to disk as it is
+    converted, so peak memory is about one tensor. Both paths write
+    bit-identical weights.
   * llama.cpp's converter permutes the rows of attn_q / attn_k of llama-style
     models for its RoPE layout; the permutation is undone here (it commutes with
     per-row quantisation, so .weight/.scales/.biases rows are permuted alike).
@@ -56,19 +57,24 @@ deepseek2 (-> deepseek_v3: MLA in llama.cpp's k_b / v_b form, dense leading laye
 from __future__ import annotations
 
 import json
+import mmap
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+from tqdm import tqdm
 
 from ..errors import SourceError, UnsupportedArchitectureError
+from ..safetensors_io import TensorSpool
 
 GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0 = MLX group size
 DEFAULT_SHARD_BYTES = 2 << 30
+MX_LOAD_MAX_BYTES = 128 << 20  # files up to this size are read whole by mx.load, larger ones a tensor at a time
 _DTYPES = ("float16", "bfloat16", "float32")
 # (group size, bits) of tensors MLX cannot hold exactly (K-quants, Q5_0/1, IQ*): 8-bit keeps them within
 # 0.5% (RMS) of gguf's dequantisation; 4-bit re-quantisation costs far more (see the module docstring).
@@ -653,7 +659,6 @@ def _requantize(raw: np.ndarray, t, path: Path, chunk_values: int = 1 << 24) -> 
 
 def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
     import gguf
-    import mlx.core as mx
 
     T = gguf.GGMLQuantizationType
     repack = {
@@ -663,27 +668,51 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         T.MXFP4: _repack_mxfp4,
     }
     for t in reader.tensors:
-        base, part = _split_name(t.name)
-        shape = tuple(int(x) for x in reversed(t.shape))
-        raw = t.data
-        if t.tensor_type in repack and len(shape) in (2, 3) and part == "weight":  # 3-D: stacked experts
-            w, s, b, bits = repack[t.tensor_type](np.asarray(raw).reshape(int(np.prod(shape[:-1])), -1))
-            arrays = {"weight": w, "scales": s, **({} if b is None else {"biases": b})}  # (mxfp4: no biases)
-            yield base, part, {k: mx.array(a.reshape(*shape[:-1], -1)) for k, a in arrays.items()}, (GGUF_GROUP_SIZE, bits)
-            continue
-        if t.tensor_type == T.F32:
-            arr = mx.array(np.asarray(raw, dtype=np.float32).reshape(shape))
-        elif t.tensor_type == T.F16:
-            arr = mx.array(np.asarray(raw, dtype=np.float16).reshape(shape))
-        elif t.tensor_type == T.BF16:
-            bits16 = np.ascontiguousarray(raw).view(np.uint16).reshape(shape)
-            arr = mx.array(bits16).view(mx.bfloat16)
-        elif len(shape) == 2 and part == "weight" and shape[1] % GGUF_GROUP_SIZE == 0:
-            yield base, part, _requantize(np.asarray(raw).reshape(shape[0], -1), t, path), REQUANT
-            continue
-        else:
-            arr = mx.array(_dequantize(np.asarray(raw), t, path).reshape(shape).astype(np.float16))
-        yield base, part, {part: arr}, None
+        yield _read_tensor(t, T, repack, path)
+        _drop_pages(reader.data, t.data_offset, t.n_bytes)
+
+
+def _read_tensor(t, T, repack, path: Path) -> Tensor:
+    import mlx.core as mx
+
+    base, part = _split_name(t.name)
+    shape = tuple(int(x) for x in reversed(t.shape))
+    raw = t.data
+    if t.tensor_type in repack and len(shape) in (2, 3) and part == "weight":  # 3-D: stacked experts
+        w, s, b, bits = _by_rows(repack[t.tensor_type], np.asarray(raw).reshape(int(np.prod(shape[:-1])), -1))
+        arrays = {"weight": w, "scales": s, **({} if b is None else {"biases": b})}  # (mxfp4: no biases)
+        return base, part, {k: mx.array(a.reshape(*shape[:-1], -1)) for k, a in arrays.items()}, (GGUF_GROUP_SIZE, bits)
+    if t.tensor_type == T.F32:
+        arr = mx.array(np.asarray(raw, dtype=np.float32).reshape(shape))
+    elif t.tensor_type == T.F16:
+        arr = mx.array(np.asarray(raw, dtype=np.float16).reshape(shape))
+    elif t.tensor_type == T.BF16:
+        bits16 = np.ascontiguousarray(raw).view(np.uint16).reshape(shape)
+        arr = mx.array(bits16).view(mx.bfloat16)
+    elif len(shape) == 2 and part == "weight" and shape[1] % GGUF_GROUP_SIZE == 0:
+        return base, part, _requantize(np.asarray(raw).reshape(shape[0], -1), t, path), REQUANT
+    else:
+        arr = mx.array(_dequantize(np.asarray(raw), t, path).reshape(shape).astype(np.float16))
+    return base, part, {part: arr}, None
+
+
+def _by_rows(repack, raw: np.ndarray, chunk_bytes: int = 1 << 24):
+    """`repack` over a few rows of blocks at a time (its temporaries are several times its input), joined."""
+    rows = max(1, chunk_bytes // raw.shape[1])
+    if raw.shape[0] <= rows:
+        return repack(raw)
+    w, s, b, bits = zip(*(repack(raw[i : i + rows]) for i in range(0, raw.shape[0], rows)))
+    return np.concatenate(w), np.concatenate(s), None if b[0] is None else np.concatenate(b), bits[0]
+
+
+def _drop_pages(data: np.ndarray, offset: int, nbytes: int) -> None:
+    """Unmap a tensor's pages of the memory-mapped file once it is read: the process's resident set stays about one
+    tensor (the pages stay in the page cache, and are read again if touched)."""
+    m = getattr(data, "_mmap", None)
+    if m is None or not hasattr(m, "madvise") or getattr(data, "offset", 0) != 0:
+        return
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    m.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, len(m)) - start)
 
 
 # --------------------------------------------------------------------------------------
@@ -726,6 +755,9 @@ class _MxSource:
     def tensors(self) -> Iterator[Tensor]:
         return _iter_mx(self.arrays)
 
+    def sizes(self) -> Dict[str, int]:
+        return {f"{base}.{part}": sum(a.nbytes for a in arrays.values()) for base, part, arrays, _ in _iter_mx(self.arrays)}
+
 
 class _ReaderSource:
     """File memory-mapped by gguf.GGUFReader: any tensor type, one tensor in memory at a time."""
@@ -742,6 +774,10 @@ class _ReaderSource:
 
     def tensors(self) -> Iterator[Tensor]:
         return _iter_reader(self.reader, self.meta.path)
+
+    def sizes(self) -> Dict[str, int]:
+        """Bytes of each tensor in the file."""
+        return {"%s.%s" % _split_name(t.name): int(t.n_bytes) for t in self.reader.tensors}
 
 
 def _tensor_count(path: Path) -> int:
@@ -789,29 +825,30 @@ def _unpermute(a, n_head: int):
 
 
 class _ShardWriter:
+    """Shards of about `shard_bytes`, each array spooled to a scratch file as it is added (memory: one array)
+    and the shard written when full, byte for byte as mx.save_safetensors writes it."""
+
     def __init__(self, out_dir: Path, shard_bytes: int):
         self.out_dir, self.shard_bytes = out_dir, shard_bytes
-        self.current: Dict[str, object] = {}
-        self.size = 0
+        self.spool: Optional[TensorSpool] = None
         self.shards: List[List[str]] = []  # tensor names of each written shard
         self.files: List[Path] = []
 
     def add(self, name: str, arr) -> None:
-        if self.current and self.size + arr.nbytes > self.shard_bytes:
+        if self.spool is not None and self.spool.nbytes + arr.nbytes > self.shard_bytes:
             self.flush()
-        self.current[name] = arr
-        self.size += arr.nbytes
+        if self.spool is None:
+            self.spool = TensorSpool(self.out_dir / ".tmp-model.spool")
+        self.spool.add(name, arr)
 
     def flush(self) -> None:
-        import mlx.core as mx
-
-        if not self.current:
+        if self.spool is None:
             return
         f = self.out_dir / f".tmp-model-{len(self.files) + 1:05d}.safetensors"  # not matched by model*.safetensors
-        mx.save_safetensors(str(f), self.current, metadata={"format": "mlx"})
+        self.shards.append(sorted(self.spool.entries))
+        self.spool.save(f, metadata={"format": "mlx"})
         self.files.append(f)
-        self.shards.append(sorted(self.current))
-        self.current, self.size = {}, 0
+        self.spool = None
 
     def close(self) -> int:
         self.flush()
@@ -829,7 +866,7 @@ class _ShardWriter:
 
 
 def _clear_old_outputs(out_dir: Path) -> None:
-    for pattern in ("model*.safetensors", ".tmp-model-*.safetensors", "model.safetensors.index.json"):
+    for pattern in ("model*.safetensors", ".tmp-model-*.safetensors", ".tmp-model.spool", "model.safetensors.index.json"):
         for f in out_dir.glob(pattern):
             f.unlink()
 
@@ -840,6 +877,7 @@ def gguf_to_mlx_dir(
     *,
     dtype: Optional[str] = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = False,
     _unpermute_qk: bool = True,
     _force_reader: bool = False,
 ) -> Path:
@@ -848,7 +886,8 @@ def gguf_to_mlx_dir(
     `dtype` ("float16", "bfloat16", "float32") casts every float tensor (scales and biases of
     quantised weights, norms, unquantised weights); by default they keep the GGUF's dtypes and
     re-quantised tensors (see the module docstring) have float16 scales. Weights are written in shards of about
-    `shard_bytes` (one `model.safetensors` when they fit). Files in `out_dir` other than the
+    `shard_bytes` (one `model.safetensors` when they fit), a tensor at a time: memory holds about one tensor
+    whatever the file's size. `progress`: a bar of the bytes read. Files in `out_dir` other than the
     ones written here are left alone, except older `model*.safetensors` shards, which are removed.
 
     Raises SourceError for a missing / non-GGUF / damaged file or unreadable metadata, and
@@ -863,8 +902,11 @@ def gguf_to_mlx_dir(
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
     cast = getattr(mx, dtype) if dtype is not None else None
     _check_file(path)
-    # Small files: mx.load (fast, holds everything). Large ones: the reader, one shard in memory at a time.
-    source = _open(path, _force_reader, mx_load_max_bytes=shard_bytes)
+    if progress:
+        print(f"{path.name}: reading the header and tokenizer ({path.stat().st_size / 2**30:.2f} GiB file)",
+              file=sys.stderr, flush=True)
+    # Small files: mx.load (fast, holds everything). Others: the reader's memory map, a tensor at a time.
+    source = _open(path, _force_reader, mx_load_max_bytes=MX_LOAD_MAX_BYTES)
     meta = source.meta
     arch = meta.get("general.architecture")
     spec = _arch_spec(arch, meta)
@@ -891,6 +933,9 @@ def gguf_to_mlx_dir(
     _clear_old_outputs(out_dir)
     writer = _ShardWriter(out_dir, shard_bytes)
     quant_of: Dict[str, Tuple[int, int]] = {}
+    sizes = source.sizes()
+    bar = tqdm(total=sum(sizes.values()), desc=f"read {path.name}", unit="B", unit_scale=True, unit_divisor=1024,
+               disable=not progress)
     for base, part, arrays, quant in source.tensors():
         hf, head_key = _map_name(spec, base)
         if head_key is not None and _unpermute_qk:
@@ -906,7 +951,9 @@ def gguf_to_mlx_dir(
             quant_of[hf] = (*quant, "mxfp4" if arrays["scales"].dtype == mx.uint8 else "affine")
         for key, arr in arrays.items():
             writer.add(hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{key}", arr)
+        bar.update(sizes[f"{base}.{part}"])
     writer.close()
+    bar.close()
 
     if quant_of:
         def entry(q):
