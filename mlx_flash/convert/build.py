@@ -42,7 +42,7 @@ from ..texts import wikitext
 from ..experts import is_moe
 from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms
-from .source import copy_tokenizer, load_source_model, mlp_paths, resolve_source
+from .source import copy_tokenizer, load_source_model, mlp_paths, release, resolve_source
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # What the CLI makes of a float source given neither --dtype nor --bits: float32 runs about 2x slower than
@@ -106,7 +106,7 @@ def convert(
 
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
         work = Path(work)
-        src_dir = resolve_source(model, work)
+        src_dir = resolve_source(model, work, progress)
         model_obj, config = load_source_model(src_dir)
         if is_moe(config):
             asked = {"--dtype": dtype, "--bits": bits if bits != "auto" else None, "--dequantize": dequantize or None,
@@ -157,14 +157,16 @@ def convert(
             first = adapter.linears(model_obj.layers[0].mlp)
             if all(symmetric(first[m]) for m in adapter.matrices):  # Q4_0 / Q8_0: the biases follow from the scales
                 ffn_quant = {m: {**q, "symmetric": True} for m, q in ffn_quant.items()}
+            del first
         elif down_bits is not None and quant is not None:
             ffn_quant[adapter.col_matrix] = {"bits": int(down_bits), "group_size": quant["group_size"]}
 
         writer, encodings = None, None
         paths = mlp_paths(model_obj)
         resident_ffn, matrices = {}, None
-        layers = tqdm(list(enumerate(model_obj.layers)), desc="convert", unit="layer", disable=not progress)
-        for i, layer in layers:
+        sizes = [sum(v.nbytes for _, v in tree_flatten(layer.mlp.parameters())) for layer in model_obj.layers]
+        bar = tqdm(total=sum(sizes), desc="FFN layers", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+        for i, layer in enumerate(model_obj.layers):
             pruner = None if norms is None else stored_row_pruner(norms[i], prune_sparsity, adapter.col_matrix)
             regions, biases, matrices = adapter.split(layer.mlp, ffn_quant, layout, prune=pruner)
             mx.eval(regions, biases)
@@ -175,10 +177,15 @@ def convert(
                 writer = FlashWriter(work / "flash", alignment or auto_alignment(regions, encodings), encodings,
                                      unit_alignment)
             writer.add_layer(regions)
-            resident_ffn.update({f"{paths[i]}.{k}": v for k, v in biases.items()})
+            resident_ffn.update(_spooled(biases, work / f"ffn-resident-{i}.safetensors", paths[i]))
             layer.mlp = nn.Module()  # drop the FFN so the resident set below excludes it
+            bar.update(sizes[i])
+            bar.set_postfix_str(f"layer {i + 1}/{len(sizes)}")
+        bar.close()
+        del regions, biases, layer
         resident = dict(tree_flatten(model_obj.parameters()))
         resident.update(resident_ffn)
+        resident_ffn.clear()
 
         n_neurons = writer.layers[0]["neurons"].n_units
         manifest = {
@@ -201,10 +208,21 @@ def convert(
             },
             "source": {"model": str(model), "created_by": f"mlx_flash {__version__}"},
         }
-        writer.finish(config, resident, manifest)
+        release(model_obj)  # `resident` holds the only references: each array is freed once written
+        writer.finish(config, resident, manifest, progress)
         copy_tokenizer(src_dir, writer.path)
         os.replace(writer.path, out)
     return out
+
+
+def _spooled(arrays: dict, path: Path, prefix: str) -> dict:
+    """`arrays` saved to `path` and loaded back lazily (read when written out, not held until then), as
+    {prefix.name: array} in their order."""
+    if not arrays:
+        return {}
+    mx.save_safetensors(str(path), arrays)
+    loaded = mx.load(str(path))
+    return {f"{prefix}.{k}": loaded[k] for k in arrays}
 
 
 def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str]):

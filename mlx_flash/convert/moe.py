@@ -19,7 +19,7 @@ from .. import __version__
 from ..cpu_gemv import is_symmetric
 from ..experts import REGION, expert_arrays, expert_quantization, switch_paths
 from ..flash_format import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
-from .source import copy_tokenizer
+from .source import copy_tokenizer, release
 
 
 def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: Path, source: str,
@@ -31,7 +31,11 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment)  # an expert read straight into its row
     quant, n_experts = None, None
     try:
-        for i in tqdm(range(len(model.layers)), desc="convert", unit="layer", disable=not progress):
+        sizes = [sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters())) if i in paths else 0
+                 for i in range(len(model.layers))]
+        bar = tqdm(total=sum(sizes), desc="experts", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+        for i in range(len(model.layers)):
+            bar.set_postfix_str(f"layer {i + 1}/{len(sizes)}")
             if i not in paths:
                 writer.add_layer({})
                 continue
@@ -51,6 +55,9 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
             writer.add_layer({REGION: arrays})
             parent, name = paths[i].rsplit(".", 1)
             setattr(modules[parent], name, nn.Module())  # the resident set below excludes the experts
+            bar.update(sizes[i])
+        bar.close()
+        del switch, arrays
         resident = dict(tree_flatten(model.parameters()))
         floats = [v.dtype for v in resident.values() if mx.issubdtype(v.dtype, mx.floating)]
         manifest = {
@@ -66,7 +73,8 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
             },
             "source": {"model": str(source), "created_by": f"mlx_flash {__version__}"},
         }
-        writer.finish(config, resident, manifest)
+        release(model)  # `resident` holds the only references: each array is freed once written
+        writer.finish(config, resident, manifest, progress)
     except BaseException:
         writer.abort()
         raise

@@ -33,14 +33,14 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def resolve_source(src: str, workdir: Path) -> Path:
+def resolve_source(src: str, workdir: Path, progress: bool = False) -> Path:
     """Return a local mlx-lm model directory for `src` (GGUF files are unpacked into `workdir`)."""
     path = Path(src).expanduser()
     if path.is_file():
         if not _is_gguf(path):
             raise SourceError(f"{path}: not a GGUF file (expected a model directory, a hub id or a .gguf file)")
 
-        return gguf_to_mlx_dir(path, workdir / "gguf-source")
+        return gguf_to_mlx_dir(path, workdir / "gguf-source", progress=progress)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceError(f"{path}: no config.json (not a Hugging Face / mlx-lm model directory)")
@@ -101,3 +101,10 @@ def mlp_paths(model: nn.Module):
     """Dotted parameter path of each layer's mlp (e.g. 'model.layers.3.mlp')."""
     names = {id(m): name for name, m in model.named_modules()}
     return [names[id(layer.mlp)] for layer in model.layers]
+
+
+def release(model: nn.Module) -> None:
+    """Drop every module's references to its arrays (the model is unusable afterwards), so that arrays handed on
+    elsewhere are freed as soon as those are dropped."""
+    for _, m in model.named_modules():
+        m.clear()
