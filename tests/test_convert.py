@@ -326,3 +326,131 @@ def test_a_malformed_manifest_error_keeps_its_cause(tiny_dirs, tmp_path):
     with pytest.raises(FlashFormatError, match="malformed manifest") as e:
         FlashDir(bad)
     assert isinstance(e.value.__cause__, KeyError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded memory: every source read a tensor at a time, written as it goes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_spooled_safetensors_are_mx_save_safetensors_bytes(tmp_path):
+    """A TensorSpool writes exactly the bytes mx.save_safetensors writes for the same dict (header, data order,
+    dtypes, non-contiguous and bfloat16 arrays, with and without metadata), and the file's sha256."""
+    import hashlib
+
+    from mlx_flash.safetensors_io import TensorSpool
+
+    rng = np.random.default_rng(0)
+    dtypes = [mx.float16, mx.bfloat16, mx.float32, mx.uint32, mx.uint8, mx.bool_, mx.int32]
+    arrays = {}
+    for i in range(120):
+        shape = tuple(int(x) for x in rng.integers(1, 6, size=i % 4))
+        name = f"model.layers.{rng.integers(40)}.m{i}.{('weight', 'scales', 'biases')[i % 3]}"
+        arrays[name] = (mx.random.normal(shape) * 8).astype(dtypes[i % len(dtypes)])
+    arrays["t"] = mx.arange(12).reshape(3, 4).T.astype(mx.float16)  # a transposed view
+    for metadata in ({"format": "mlx"}, None):
+        ref = tmp_path / "ref.safetensors"
+        mx.save_safetensors(str(ref), arrays, metadata=metadata)
+        spool = TensorSpool(tmp_path / "scratch")
+        for k, v in arrays.items():
+            spool.add(k, v)
+        assert np.array_equal(np.array(spool.array("t")), np.array(arrays["t"]))
+        sha = spool.save(tmp_path / "new.safetensors", metadata=metadata, checksum=True)
+        assert (tmp_path / "new.safetensors").read_bytes() == ref.read_bytes()
+        assert sha == hashlib.sha256(ref.read_bytes()).hexdigest()
+        assert not (tmp_path / "scratch").exists()
+
+
+def test_resident_weights_written_one_at_a_time(tmp_path):
+    """FlashWriter.finish evaluates and writes the resident arrays one by one: MLX's peak memory stays about one
+    array (mx.save_safetensors of the dict held them all), and the file is the one it would have written."""
+    n, shape = 24, (512, 1024)  # 24 lazy float32 arrays of 2 MiB
+    resident = {f"model.layers.{i}.w.weight": mx.random.normal(shape, key=mx.random.key(i)) for i in range(n)}
+    ref = tmp_path / "ref.safetensors"
+    mx.save_safetensors(str(ref), {k: mx.random.normal(shape, key=mx.random.key(i)) for i, k in enumerate(resident)},
+                        metadata={"format": "mlx"})
+    writer = FlashWriter(tmp_path / "flash")
+    one = 512 * 1024 * 4
+    mx.reset_peak_memory()
+    writer.finish({"model_type": "llama"}, resident, {})
+    assert resident == {}  # each array dropped once written
+    assert mx.get_peak_memory() < 4 * one, mx.get_peak_memory() / one
+    assert (tmp_path / "flash" / "resident.safetensors").read_bytes() == ref.read_bytes()
+    manifest = json.loads((tmp_path / "flash" / "flash.json").read_text())
+    import hashlib
+
+    assert manifest["resident"]["sha256"] == hashlib.sha256(ref.read_bytes()).hexdigest()
+    assert sorted(os.listdir(tmp_path / "flash")) == ["config.json", "ffn.bin", "flash.json", "resident.safetensors"]
+
+
+def test_gguf_read_through_its_memory_map(tmp_path, monkeypatch):
+    """Above MX_LOAD_MAX_BYTES a GGUF is never loaded whole (mx.load): its tensors are read from the memory map one at
+    a time, and the flash directory is byte for byte the one the whole-file path makes."""
+    from mlx_flash.convert import gguf as gguf_mod
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    src = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=512)
+    whole = convert(str(src), tmp_path / "whole", progress=False)
+    real_load, dropped = mx.load, []
+
+    def load(path, *args, **kwargs):
+        assert not str(path).endswith(".gguf"), "a GGUF loaded whole"
+        return real_load(path, *args, **kwargs)
+
+    real_drop = gguf_mod._drop_pages
+    monkeypatch.setattr(gguf_mod, "MX_LOAD_MAX_BYTES", 0)
+    monkeypatch.setattr(mx, "load", load)
+    monkeypatch.setattr(gguf_mod, "_drop_pages", lambda *a: (dropped.append(a[1:]), real_drop(*a)))
+    mapped = convert(str(src), tmp_path / "mapped", progress=False)
+    assert len(dropped) == gguf_mod._tensor_count(src)  # every tensor's pages unmapped once read
+    for f in sorted(os.listdir(whole)):
+        assert (whole / f).read_bytes() == (mapped / f).read_bytes(), f
+
+
+@pytest.fixture(scope="module")
+def llama_ggufs(tmp_path_factory):
+    """Two llama GGUFs with the same layers (12 MiB each), 2 and 12 of them: 26 and 133 MiB."""
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    root = tmp_path_factory.mktemp("ggufs")
+    shape = dict(hidden_size=1024, intermediate_size=5120, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                 vocab_size=4096)
+    return [write_gguf("tiny", root / f"l{n}.gguf", progress=False, num_hidden_layers=n, **shape) for n in (2, 12)]
+
+
+def _peak_anon(cmd):
+    """Run `cmd`: (completed process, peak anonymous resident memory in bytes, sampled every 5 ms)."""
+    import threading
+    import time
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {}
+    threading.Thread(target=lambda: out.update(zip(("stdout", "stderr"), p.communicate())), daemon=True).start()
+    peak = 0
+    while p.poll() is None:
+        try:
+            status = open(f"/proc/{p.pid}/status").read()
+            peak = max(peak, int(status.split("RssAnon:")[1].split()[0]) * 1024)
+        except (OSError, IndexError):
+            pass
+        time.sleep(0.005)
+    time.sleep(0.1)
+    return subprocess.CompletedProcess(cmd, p.returncode, out.get("stdout", ""), out.get("stderr", "")), peak
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_cli_converts_in_bounded_memory_with_progress(llama_ggufs, tmp_path):
+    """`python -m mlx_flash.convert`'s peak memory does not grow with the model: 10 more layers (107 MiB more file)
+    add less than a quarter of their size to the peak anonymous RSS (holding the model, or its resident weights, or
+    a shard, adds about all of it). Progress shows in bytes, from the header on."""
+    runs = []
+    for src in llama_ggufs:
+        r, peak = _peak_anon([sys.executable, "-m", "mlx_flash.convert", "--model", str(src), "--out",
+                              str(tmp_path / src.stem)])
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append((src.stat().st_size, peak, r.stderr))
+    (small, small_peak, _), (big, big_peak, shown) = runs
+    assert big_peak - small_peak < (big - small) / 4, ((big_peak - small_peak) / 2**20, (big - small) / 2**20)
+    for s in ("reading the header", "read l12.gguf", "FFN layers", "resident weights", "sha256", "layer 12/12", "B/s"):
+        assert s in shown, s
+    FlashDir(tmp_path / "l12").verify()
