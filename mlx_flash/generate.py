@@ -61,6 +61,9 @@ def setup_arg_parser():
                         "inside --memory-budget.")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="The deepest draft a pass verifies (default 8; shallower after rejections).")
+    p.add_argument("--exact", action="store_true",
+                   help="float32 activations in the CPU kernels, mlx-lm's float arithmetic (also MLX_FLASH_INT8=0); "
+                        "the default rounds them to int8 per block of 32. Either way the output is the same at every budget.")
     p.add_argument("--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary.")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="Stream text as it is generated.")
     return p
@@ -121,6 +124,8 @@ def main(argv=None):
 
     if args.seed is not None:
         mx.random.seed(args.seed)
+    if args.exact:
+        cpu_gemv.set_int8_activations(False)
     try:
         path = args.model or default_model_dir()
         tokenizer = load_tokenizer(FlashDir(path))

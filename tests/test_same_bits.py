@@ -88,11 +88,12 @@ def tiny_moe(tmp_path_factory):
     save_model(root / "q4", model)
     (root / "q4" / "config.json").write_text(json.dumps(config))
     copy_tokenizer(src, root / "q4")
-    return convert(str(root / "q4"), root / "flash", progress=False)
+    return convert(str(root / "q4"), root / "flash", progress=False), root / "q4"
 
 
 def test_moe_every_budget(tiny_moe):
     """A tiny qwen3_moe: all experts cached, 3, 2 and 1 expert slots per layer, with and without the read-ahead."""
+    tiny_moe, _ = tiny_moe
     fd = FlashDir(tiny_moe)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     ref, _ = decode(tiny_moe, None, 16, prompts)
@@ -127,3 +128,22 @@ def test_partial_sums_do_not_depend_on_the_call():
     qa = cpu_gemv.QuantRows(half[0], 0, 0, half[0], wb, 0, half[0], wb + sb, 0, n, bits, 32, mx.float32)
     by_address = cpu_gemv.row_axpy(c, qa, cpu_gemv.Addresses(rs.addresses()), dst, 3)
     assert np.array_equal(by_address, together)
+
+
+def test_exact_mode_is_mlx_lm_text(tiny_moe, capsys):
+    """`generate --exact` (float32 activations) prints stock mlx-lm's greedy text, at a budget of one expert slot."""
+    import mlx_lm
+
+    from mlx_flash.generate import main
+
+    flash, q4 = tiny_moe
+    model, tokenizer = mlx_lm.load(str(q4))
+    want = mlx_lm.generate(model, tokenizer, "The capital of France is", max_tokens=12)
+    fd = FlashDir(flash)
+    budget = min_budget(fd, 64, 4) + sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
+    try:
+        assert main(["--model", str(flash), "--prompt", "The capital of France is", "--ignore-chat-template", "-m",
+                     "12", "--exact", "--memory-budget", str(budget), "--temp", "0"]) in (0, None)
+    finally:
+        cpu_gemv.set_int8_activations(True)
+    assert want and want in capsys.readouterr().out
