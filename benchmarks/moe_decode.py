@@ -11,8 +11,10 @@ tokens are then not the model's): per layer, experts drawn by Zipf popularity (s
 previous token's experts kept with probability --burst, the reuse real routers show (published per-layer
 LRU hit rates of real MoE models: 49-82%); the trace is written next to the JSON. Per budget and routing,
 in a fresh process with the directory's page cache dropped: tokens/s over the decode steps (after a 1-token
-prompt), hit rate of the expert caches, device bytes and I/O wait per token, experts used per layer over the
-run (the routing check of issue #23), and what the missed bytes would take at fio's rate of the same run;
+prompt), hit rate of the expert caches overall, at cold start (until the misses first fill the caches) and in
+steady state (after), device bytes and I/O wait per token, experts used per layer over the run, the routing
+regime (a synthetic directory's --routing, tools/synthetic.py) and its measured consecutive-token reuse and
+per-expert frequency (entropy), and what the missed bytes would take at fio's rate of the same run;
 with `--read-ahead on,off`, the next layer's experts read ahead (experts.ReadAhead) against none: bytes
 read ahead, of them unused, and how many of the routed experts the next layer's router predicted (a skewed
 trace replaces the router's choice, so there the prediction has nothing to predict: labelled).
@@ -33,6 +35,7 @@ from mlx_flash.reader import DEFAULT_THREADS
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import drop_page_cache
 from mlx_flash.tools.peers import fio_reference
+from mlx_flash.tools.routing import regime_of
 
 _CHILD = """
 import json, statistics, sys, time
@@ -40,15 +43,24 @@ import numpy as np
 import mlx_flash  # noqa: F401
 import mlx.core as mx
 from mlx_flash.loader import load
+from mlx_flash.tools.routing import engine_hit_rates, routing_stats
 model_dir, budget, n, trace, ahead = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5] == "on"
 model, _ = load(model_dir, memory_budget=None if budget == "none" else budget, context=n + 16, prefetch=ahead)
 e = model.flash
 vocab = e.fd.config["vocab_size"]
 ids = np.random.default_rng(0).integers(0, vocab, n + 1)
 step = [0]
-if trace != "-":  # replay: step s, layer l reads trace[s, l] whatever the router chose
-    replay = np.load(trace)["experts"]
-    e.route = lambda layer, chosen: replay[step[0], layer].astype(chosen.dtype)
+replay = np.load(trace)["experts"] if trace != "-" else None  # step s, layer l reads replay[s, l] whatever the router chose
+layers = [i for i, c in enumerate(e.caches) if c is not None]
+k = e.fd.config.get("num_experts_per_tok") or e.fd.config.get("num_experts_per_token")
+routed = np.zeros((n + 1, len(layers), k), dtype=np.int64)
+
+def route(layer, chosen):
+    chosen = replay[step[0], layer].astype(chosen.dtype) if replay is not None else chosen
+    routed[step[0], layers.index(layer)] = chosen
+    return chosen
+
+e.route = route
 cache = model.make_cache()
 times = []
 for i, t in enumerate(ids):
@@ -60,7 +72,12 @@ e.stats.end()
 toks = e.stats.tokens[1:]
 hits, misses = sum(t.hits for t in toks), sum(t.misses for t in toks)
 per_layer = [int((c.use_count > 0).sum()) for c in e.caches if c is not None]  # every activation counts
+split, regime = engine_hit_rates(e), routing_stats(routed, e.fd.ffn["n_experts"], slots=())
 print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]), "token_ms": 1e3 * statistics.median(times[1:]),
+                  "token_ms_mean": 1e3 * statistics.mean(times[1:]), "hit_rate_cold": split["hit_rate_cold"],
+                  "hit_rate_steady": split["hit_rate_steady"], "cache_filled_at": split["cache_filled_at"],
+                  "consecutive_reuse": regime["consecutive_reuse"], "uniform_reuse": regime["uniform_reuse"],
+                  "expert_entropy": regime["entropy"],
                   "hit_rate": hits / max(1, hits + misses), "bytes_per_token": statistics.median(t.bytes_read for t in toks),
                   "missed_bytes_per_token": statistics.median(t.misses for t in toks) * e.layout.stride,
                   "io_ms": 1e3 * statistics.median(t.io_s for t in toks), "experts_used_per_layer": per_layer,
@@ -95,7 +112,8 @@ def setup_arg_parser():
     p.add_argument("--budgets", default="50%,none", help="Comma-separated budgets (none: every expert cached).")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--routing", default="model", help="Comma-separated: model (the router's choice), skewed (a replayed trace).")
+    p.add_argument("--routing", default="model",
+                   help="Comma-separated: model (the router's choice: the directory's regime), skewed (a replayed trace).")
     p.add_argument("--zipf", type=float, default=1.0, help="skewed: Zipf exponent of each layer's expert popularity.")
     p.add_argument("--burst", type=float, default=0.5, help="skewed: chance each of the previous token's experts is kept.")
     p.add_argument("--read-ahead", default="off", help="Comma-separated: off (load's default for MoE), on (experts.ReadAhead).")
@@ -126,21 +144,28 @@ def main(argv=None):
             raise SystemExit(f"budget {b}: {out.stderr[-2000:]}")
         runs.append({"round": r, "budget": b, "routing": g, "read_ahead": a, **json.loads(out.stdout.strip().splitlines()[-1])})
     rate = fio["bytes_per_s"] if fio else None
+    regime = regime_of(fd)
     print(f"{args.model}: {args.tokens} forced random tokens (decode steps), medians over {args.rounds} round(s); "
           + (f"fio {rate / 2**30:.2f} GiB/s" if rate else "no fio"))
-    print("| routing | budget | read-ahead | expert slots/layer | tok/s | ms/token | hit rate | read/token (missed experts) "
+    print("| routing | budget | read-ahead | expert slots/layer | tok/s | ms/token | hit rate (cold, steady) "
+          "| consecutive reuse (uniform) | read/token (missed experts) "
           "| read ahead/token (unused) | next router predicted | I/O wait/token | missed / fio | experts used per layer (min-max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g in routings:
         for b in budgets:
             for a in aheads:
                 rs = [x for x in runs if x["budget"] == b and x["routing"] == g and x["read_ahead"] == a]
                 med = lambda key: statistics.median(x[key] for x in rs)  # noqa: E731
                 used = rs[0]["experts_used_per_layer"]
-                label = "model (forced random tokens)" if g == "model" else f"skewed trace (zipf {args.zipf}, burst {args.burst})"
+                label = (f"model's: {regime} (forced random tokens)" if g == "model"
+                         else f"skewed trace (zipf {args.zipf}, burst {args.burst})")
+                steady = [x["hit_rate_steady"] for x in rs if x["hit_rate_steady"] is not None]
                 acc = rs[0]["prediction_accuracy"]
                 print(f"| {label} | {b} | {a} | {rs[0]['slots']} | {med('tok_s'):.2f} | {med('token_ms'):.0f} | "
-                      f"{med('hit_rate'):.1%} | {med('bytes_per_token') / 2**20:.1f} MiB "
+                      f"{med('hit_rate'):.1%} ({med('hit_rate_cold'):.1%}, "
+                      + (f"{statistics.median(steady):.1%}" if steady else "not filled")
+                      + f") | {med('consecutive_reuse'):.1%} ({rs[0]['uniform_reuse']:.1%}) | "
+                      f"{med('bytes_per_token') / 2**20:.1f} MiB "
                       f"({med('missed_bytes_per_token') / 2**20:.1f} MiB) | {med('ahead_bytes_per_token') / 2**20:.1f} MiB "
                       f"({med('ahead_wasted_bytes_per_token') / 2**20:.1f} MiB) | "
                       + ("-" if acc is None else f"{statistics.median(x['prediction_accuracy'] for x in rs):.1%}")
@@ -149,7 +174,8 @@ def main(argv=None):
                       + f" | {min(used)}-{max(used)} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "tokens": args.tokens, "fio": fio, "trace": None if trace == "-" else trace,
+            json.dump({"model": args.model, "tokens": args.tokens, "routing": regime_of(fd), "fio": fio,
+                       "trace": None if trace == "-" else trace,
                        "runs": runs, "machine": machine_info(args.model)}, f, indent=1)
 
 

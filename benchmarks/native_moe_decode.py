@@ -6,7 +6,8 @@ from the engine) against mlx-lm's forward with the same engine, alternated (issu
 
 One process; each round resets the expert caches and samples near-uniform tokens (temperature 10000, seed = the
 round: the same tokens both ways), as peers does for random-weight MoE models. The figure is `--stats`' median
-ms a token.
+ms a token; beside it the expert caches' hit rate, cold start (until they first fill) and steady state apart, and
+the directory's routing regime (tools/synthetic.py's --routing, "measured" when not recorded).
 """
 
 import argparse
@@ -21,6 +22,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_flash.generation import generate_step
 from mlx_flash.loader import load
 from mlx_flash.tools.bench_io import machine_info
+from mlx_flash.tools.routing import engine_hit_rates, regime_of
 
 
 def setup_arg_parser():
@@ -41,6 +43,7 @@ def main(argv=None):
         raise SystemExit(f"no native decoder for this model: {model.flash.decoder_why}")
     prompt = mx.array(tok.encode("Once upon a time"))
     res = {"native": [], "mlx-lm forward": []}
+    hits = {k: [] for k in res}
     for r in range(args.rounds):
         for name in list(res) if r % 2 == 0 else list(res)[::-1]:
             model.decoder = native if name == "native" else None
@@ -50,16 +53,22 @@ def main(argv=None):
                 pass
             model.flash.stats.end()
             res[name].append(model.flash.stats.summary()["total_ms"])
+            hits[name].append(engine_hit_rates(model.flash))
+    regime = regime_of(model.flash.fd)
     model.flash.close()
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"{args.model} at {args.memory_budget}, {args.tokens} tokens, {args.rounds} rounds: ms a token (medians of "
-          f"tokens) by round")
+    print(f"{args.model} ({regime} routing) at {args.memory_budget}, {args.tokens} tokens, {args.rounds} rounds: ms a "
+          f"token (medians of tokens) by round, hit rate (cold start, steady state)")
     for k, v in res.items():
-        print(f"  {k}: {', '.join(f'{x:.0f}' for x in v)} (median {med[k]:.0f})")
+        rate = ", ".join(f"{h['hit_rate']:.1%} ({h['hit_rate_cold']:.1%}, "
+                         + (f"{h['hit_rate_steady']:.1%})" if h["hit_rate_steady"] is not None else "not filled)")
+                         for h in hits[k])
+        print(f"  {k}: {', '.join(f'{x:.0f}' for x in v)} (median {med[k]:.0f}); hit rate {rate}")
     print(f"native / mlx-lm forward: {med['native'] / med['mlx-lm forward']:.2f}x the time")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "budget": args.memory_budget, "tokens": args.tokens, "runs": res,
+            json.dump({"model": args.model, "routing": regime, "budget": args.memory_budget, "tokens": args.tokens,
+                       "runs": res, "hit_rates": hits,
                        "machine": machine_info(args.model)}, f, indent=1)
 
 

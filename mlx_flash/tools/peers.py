@@ -381,8 +381,8 @@ def measure_routing(flash, root: Path, tokens: int = 64) -> Optional[dict]:
     out = root / "routing.json"
     if out.is_file() and json.loads(out.read_text()).get("tokens") == tokens:
         return json.loads(out.read_text())
-    subprocess.run([sys.executable, "-m", "mlx_flash.tools.routing", "--model", flash, "--tokens", tokens,
-                    "--memory-budget", "25%", "--json", out], check=True)
+    subprocess.run([str(a) for a in (sys.executable, "-m", "mlx_flash.tools.routing", "--model", flash, "--tokens",
+                                     tokens, "--memory-budget", "25%", "--json", out)], check=True)
     return json.loads(out.read_text())
 
 

@@ -83,6 +83,19 @@ def split_hit_rate(hits, misses, capacity: int) -> dict:
             "steady": rate(hits[fill:], misses[fill:]), "filled_at_token": fill if filled.size else None}
 
 
+def engine_hit_rates(engine) -> dict:
+    """A flash model's caches (`model.flash`) over its decode passes: hit rate overall, cold start (until the
+    misses first fill every cache, the prompt's included) and steady state (after)."""
+    caches = [c for layer in engine.caches if layer is not None
+              for c in (layer.values() if isinstance(layer, dict) else [layer])]
+    capacity = sum(c.capacity for c in caches)
+    prompt = [t for t in engine.stats.tokens if t.prefill]
+    toks = engine.stats.decode_tokens()
+    r = split_hit_rate([t.hits for t in toks], [t.misses for t in toks], capacity - sum(t.misses for t in prompt))
+    return {"hit_rate": r["hit_rate"], "hit_rate_cold": r["cold"], "hit_rate_steady": r["steady"],
+            "cache_filled_at": r["filled_at_token"], "cache_units": capacity}
+
+
 def routing_stats(trace: np.ndarray, n_experts: int, slots=(0.25, 0.5)) -> dict:
     """Per-expert frequency, consecutive-token reuse and LRU hit rates (`slots`: shares of a layer's experts)
     of `trace` [tokens, layers, k]."""

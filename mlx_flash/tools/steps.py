@@ -60,20 +60,6 @@ def summary(arrivals, meta) -> dict:
     return out
 
 
-def cache_hit_rates(engine) -> dict:
-    """mlx_flash's caches over the decode steps: hit rate overall, cold start and steady state."""
-    from mlx_flash.tools.routing import split_hit_rate
-
-    caches = [c for layer in engine.caches if layer is not None
-              for c in (layer.values() if isinstance(layer, dict) else [layer])]
-    capacity = sum(c.capacity for c in caches)
-    prompt = [t for t in engine.stats.tokens if t.prefill]
-    toks = engine.stats.decode_tokens()
-    r = split_hit_rate([t.hits for t in toks], [t.misses for t in toks], capacity - sum(t.misses for t in prompt))
-    return {"hit_rate": r["hit_rate"], "hit_rate_cold": r["cold"], "hit_rate_steady": r["steady"],
-            "cache_filled_at": r["filled_at_token"], "cache_units": capacity}
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     system, args = argv[0], argv[1:]
@@ -88,7 +74,9 @@ def main(argv=None):
         printer = cli.print_stats
 
         def print_stats(engine, *a, **k):
-            meta["cache"] = cache_hit_rates(engine)
+            from mlx_flash.tools.routing import engine_hit_rates
+
+            meta["cache"] = engine_hit_rates(engine)
             return printer(engine, *a, **k)
 
         cli.print_stats = print_stats
