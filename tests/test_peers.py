@@ -220,3 +220,15 @@ def test_steps_times_mlx_flash_and_mlx_lm_alike(tiny_gguf, tmp_path):
         assert got["tok_s"] > 0 and got["step_ms_median"] > 0
         if system.startswith("mlx_flash"):
             assert got["hit_rate"] is not None and got["cache_units"] >= 0
+
+
+def test_resident_baselines_come_from_the_runs():
+    """The resident rows (no cap, model in the page cache) are the JSON's baselines and a ratio row: none typed."""
+    runs = [_run("llama.cpp", None, 4.0), _run("llama.cpp", None, 5.0, tokens=1),
+            _run("llama.cpp mmap", 50, 1.0), _run("llama.cpp mmap", 50, 5.0, tokens=1),
+            _run("mlx_flash dense", 50, 2.0), _run("mlx_flash dense", 50, 5.0, tokens=1)]
+    res = dict(canned(), summary=peers.summarize(runs))
+    assert peers.resident_baselines(res["summary"]) == {"llama.cpp": res["summary"]["llama.cpp"]["resident"]}
+    assert res["summary"]["llama.cpp"]["resident"]["tok_s"] == 4.0
+    t = peers.table(res)
+    assert "| resident |" in t.splitlines()[0] and "| mlx_flash dense / llama.cpp resident | 0.50x |" in t
