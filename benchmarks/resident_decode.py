@@ -3,9 +3,10 @@
     python benchmarks/resident_decode.py [--model GGUF] [--flash DIR] [--tokens 32] [--rounds 3] [--json OUT]
 
 Alternates, each round: `llama-bench -m GGUF -p 0 -n N -t 2` (its tg avg_ts, after its warm-up token) and
-mlx_flash's decode of N tokens from the directory convert made of the same GGUF with its defaults, loaded
-with no budget (everything resident), timed over `generation.generate_step` after the first token (prompt
-excluded), in a fresh process each round. Also records the native step's use (`model.decoder`), whether
+mlx_flash's decode from the directory convert made of the same GGUF with its defaults, loaded with no budget
+(everything resident), in a fresh process each round: one prompt token (PROMPT's first, as llama-bench warms up
+with one), then N decode steps over `generation.generate_step`, tokens/s = steps / their time as llama-bench's,
+the per-step median beside it. Also records the native step's use (`model.decoder`), whether
 int8 activations were on, and the greedy agreement of int8 against float activations over the tokens.
 """
 
@@ -30,19 +31,19 @@ PROMPT = "Once upon a time, in a land far away, there lived"
 
 
 def flash_tokens_per_s(flash_dir: str, tokens: int) -> dict:
-    """In this process: mlx_flash's resident decode of `tokens` tokens (generation only)."""
+    """In this process: mlx_flash's resident decode of `tokens` decode steps after a one-token prompt."""
     from mlx_flash.generation import generate_step
     from mlx_flash.loader import load
 
     model, tok = load(flash_dir)
-    prompt = mx.array(tok.encode(PROMPT))
-    out, t1 = [], None
-    for k, (t, _) in enumerate(generate_step(prompt, model, max_tokens=tokens + 1)):
-        if k == 0:
-            t1 = time.perf_counter()
+    prompt = mx.array(tok.encode(PROMPT)[:1])
+    out, arrivals = [], []
+    for t, _ in generate_step(prompt, model, max_tokens=tokens + 1):
+        arrivals.append(time.perf_counter())
         out.append(t)
-    rate = tokens / (time.perf_counter() - t1)
-    return {"tokens_per_s": rate, "native_step": model.decoder is not None, "why_not": model.flash.decoder_why,
+    steps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return {"tokens_per_s": len(steps) / sum(steps), "step_ms_median": 1e3 * statistics.median(steps),
+            "native_step": model.decoder is not None, "why_not": model.flash.decoder_why,
             "int8": bool(cpu_gemv.info().get("int8")), "tokens": out}
 
 
@@ -87,12 +88,13 @@ def main(argv=None):
         flash_runs.append(f)
         rows["mlx_flash"].append(f["tokens_per_s"])
         print(f"round {r + 1}: llama.cpp {rows['llama.cpp'][-1]:.2f} tok/s, mlx_flash {f['tokens_per_s']:.2f} tok/s "
-              f"(native step: {f['native_step']}, int8: {f['int8']})", flush=True)
+              f"(median step {f['step_ms_median']:.1f} ms; native step: {f['native_step']}, int8: {f['int8']})", flush=True)
     ref = run_flash(flash, args.tokens, int8=False)["tokens"]
     got = flash_runs[-1]["tokens"]
     agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
     med = {k: statistics.median(v) for k, v in rows.items()}
-    res = {"gguf": gguf, "flash_dir": flash, "tokens": args.tokens, "rounds": rows, "median": med,
+    res = {"gguf": gguf, "flash_dir": flash, "tokens": args.tokens, "prompt_tokens": 1, "rounds": rows, "median": med,
+           "flash_step_ms_median": [f["step_ms_median"] for f in flash_runs],
            "ratio": med["mlx_flash"] / med["llama.cpp"], "int8_vs_float_identical_tokens": agree,
            "native_step": flash_runs[-1]["native_step"], "why_not": flash_runs[-1]["why_not"],
            "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
