@@ -162,10 +162,20 @@ def _source_columns(lin, quant: dict, name: str):
     return {"weight": transpose_codes(w, quant["bits"])}, {"scales": scales.T, "biases": biases.T}
 
 
-def transpose_codes(w: mx.array, bits: int) -> mx.array:
+def transpose_codes(w: mx.array, bits: int, chunk_values: int = 1 << 22) -> mx.array:
     """Packed codes of a [rows, n] matrix (uint32 [rows, n * bits / 32], MLX's packing: least significant
-    first) -> the packed codes of its transpose [n, rows * bits / 32]."""
+    first) -> the packed codes of its transpose [n, rows * bits / 32].
+
+    The codes are unpacked to 4 bytes each on the way: a large matrix is done `chunk_values` codes at a time, each
+    block evaluated, so that memory holds a block's unpacked codes, not the whole matrix's."""
     per = 32 // bits
+    step = max(1, chunk_values // (w.shape[0] * per))  # packed columns per block
+    if w.shape[1] > step:
+        parts = []
+        for j in range(0, w.shape[1], step):
+            parts.append(transpose_codes(w[:, j : j + step], bits, chunk_values))
+            mx.eval(parts[-1])
+        return mx.concatenate(parts, axis=0)
     shifts = mx.arange(per, dtype=mx.uint32) * bits
     codes = ((w[..., None] >> shifts) & ((1 << bits) - 1)).reshape(w.shape[0], -1).T  # [n, rows]
     return (codes.reshape(codes.shape[0], -1, per) << shifts).sum(axis=-1).astype(mx.uint32)
