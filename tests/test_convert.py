@@ -454,3 +454,26 @@ def test_cli_converts_in_bounded_memory_with_progress(llama_ggufs, tmp_path):
     for s in ("reading the header", "read l12.gguf", "FFN layers", "resident weights", "sha256", "layer 12/12", "B/s"):
         assert s in shown, s
     FlashDir(tmp_path / "l12").verify()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_written_layers_are_freed(kind, tmp_path, monkeypatch):
+    """By the time the resident weights are written, no FFN layer or expert is left in MLX memory: each was freed
+    once on flash (the MLX memory in use then is a small part of ffn.bin)."""
+    from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+
+    if kind == "moe":
+        shape = {**tiny_moe("qwen3_moe"), "num_experts": 32, "moe_intermediate_size": 256, "num_hidden_layers": 4}
+        src = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, **shape)
+    else:
+        src = write_gguf("tiny", tmp_path / "d.gguf", progress=False, hidden_size=512, intermediate_size=2048,
+                         num_hidden_layers=4, vocab_size=512)
+    active, real = [], FlashWriter.finish
+
+    def finish(self, *args, **kwargs):
+        active.append(mx.get_active_memory())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FlashWriter, "finish", finish)
+    out = convert(str(src), tmp_path / "out", progress=False)
+    assert active[0] < (out / "ffn.bin").stat().st_size / 4, (active[0], (out / "ffn.bin").stat().st_size)

@@ -55,6 +55,7 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
             writer.add_layer({REGION: arrays})
             parent, name = paths[i].rsplit(".", 1)
             setattr(modules[parent], name, nn.Module())  # the resident set below excludes the experts
+            release(switch)  # (`modules` still refers to its modules) its arrays are on flash: freed now
             bar.update(sizes[i])
         bar.close()
         del switch, arrays
