@@ -17,7 +17,7 @@ unpacked back into gate_proj / up_proj / down_proj (fc1 / fc2) matrices:
     8 bits re-quantise already 8-bit values. On SmolLM2 (mlx-lm on the export vs mlx_flash's
     load_resident, one prompt) the logits differ by at most 0.25 at 8 bits, 0.10 in float16 (mostly
     the two float16 compute paths), and 20 greedy tokens are the same with both.
-Written layer by layer in shards (memory: about one shard), so a 7B model exports in little memory.
+Written a tensor at a time in shards (memory: about one layer), so a 7B model exports in little memory.
 """
 
 import argparse
@@ -96,16 +96,16 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
 
     resident = fd.load_resident()
     for k in sorted(resident):
+        v = resident.pop(k)  # read when written, then freed
         # FFN biases are resident under canonical names (<mlp path>.fc1.bias): rename them
         prefix, _, leaf = k.rpartition(".")
         mlp, _, canon = prefix.rpartition(".")
         if mlp in fd.ffn["mlp_paths"] and canon in module:
             if leaf != "bias":  # group scales of source codes (--down-bits source): ffn_matrices writes them
                 continue
-            writer.add(f"{mlp}.{module[canon]}.{leaf}", resident[k])
+            writer.add(f"{mlp}.{module[canon]}.{leaf}", v)
         else:
-            writer.add(k, resident[k])
-    del resident
+            writer.add(k, v)
 
     for i, mlp in enumerate(tqdm(fd.ffn["mlp_paths"], desc="export", unit="layer", disable=not progress)):
         mats = ffn_matrices(fd, i, down_bits)
@@ -133,13 +133,14 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
     config, quant = dict(fd.config), dict(fd.config.get("quantization") or {})
     writer = _ShardWriter(out, SHARD_BYTES)
     resident = fd.load_resident()
-    for k, v in sorted(resident.items()):
+    names = set(resident)
+    for k in sorted(names):
+        v = resident.pop(k)  # read when written, then freed
         writer.add(k, v)
-        if quant and k.endswith(".weight") and v.ndim == 2 and f"{k[:-len('.weight')]}.scales" not in resident:
+        if quant and k.endswith(".weight") and v.ndim == 2 and f"{k[:-len('.weight')]}.scales" not in names:
             # a Linear the source left unquantized (the routers): said per module, as mlx-lm's mixed configs do,
             # for runtimes that otherwise quantize every Linear of a quantized model
             quant[k[: -len(".weight")]] = False
-    del resident
     for i, path in tqdm(sorted((int(i), p) for i, p in fd.ffn["switch_paths"].items()), desc="export", unit="layer",
                         disable=not progress):
         for k, v in fd.unpack_layer(i).items():
