@@ -803,3 +803,27 @@ def test_arch_variants_rejected(tmp_path, tiny_arch, arch, extra, match):
     with pytest.raises(UnsupportedArchitectureError, match=match):
         gguf_to_mlx_dir(src, tmp_path / "out")
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_header_parser_matches_gguf_reader(smol_gguf, tmp_path):
+    """_GGUFFile (which parses the header straight from the memory map, without a numpy view per metadata item)
+    reads the metadata and tensors the gguf package's reader reads: the same values, and views of the same bytes
+    with the same dtypes and shapes (float, K-quant, Q5_0, Q8_0, MXFP4 tensors; SentencePiece and BPE vocabularies)."""
+    import gguf
+
+    from mlx_flash.convert.gguf import _GGUFFile
+    from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+
+    T = gguf.GGMLQuantizationType
+    tiny = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(tiny, types={"ffn_down": T.Q5_0, "ffn_up": T.Q4_K, "attn_v": T.F16, "ffn_gate": T.Q8_0})
+    moe = write_gguf("moe-small", tmp_path / "gptoss.gguf", progress=False, **tiny_moe("gpt_oss"))
+    for path in (smol_gguf, tiny, moe):
+        reader, ours = gguf.GGUFReader(str(path)), _GGUFFile(Path(path))
+        assert ours.fields == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
+        for a, b in zip(reader.tensors, ours.tensors):
+            assert (b.tensor_type, b.data_offset, b.n_bytes, b.shape) == (a.tensor_type, a.data_offset, a.n_bytes,
+                                                                          tuple(int(x) for x in a.shape))
+            assert b.data.dtype == a.data.dtype and b.data.shape == a.data.shape, a.name
+            assert np.array_equal(b.data.view(np.uint8), a.data.view(np.uint8)), a.name

@@ -19,9 +19,9 @@ Weights (GGUF type -> what the mlx-lm directory stores)
     64 at +41% perplexity, 8-bit lossless.
     Such tensors take 9 bits per weight instead of 4.5-6.6; 1-D ones become float16.
   * Files made only of the first kind and no larger than MX_LOAD_MAX_BYTES are
-    read by `mx.load` (fast path). Other files are read with `gguf.GGUFReader`
-    (memory-mapped) a tensor at a time, each tensor spooled to disk as it is
-    converted, so peak memory is about one tensor. Both paths write
+    read by `mx.load` (fast path). Other files are memory-mapped (_GGUFFile
+    parses the header) and read a tensor at a time, each tensor spooled to disk
+    as it is converted, so peak memory is about one tensor. Both paths write
     bit-identical weights.
   * llama.cpp's converter permutes the rows of attn_q / attn_k of llama-style
     models for its RoPE layout; the permutation is undone here (it commutes with
@@ -59,6 +59,7 @@ from __future__ import annotations
 import json
 import mmap
 import re
+import struct
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -552,13 +553,95 @@ def _plain(v):
     return v
 
 
-def _reader_meta(reader) -> dict:
-    out = {}
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        out[key] = f.contents()
-    return out
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+# tensor types a GGUF stores as plain numbers (any other is blocks of bytes)
+_PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+          "I64": np.int64}
+
+
+@dataclass
+class _TensorInfo:
+    """One tensor of a GGUF file (as gguf.ReaderTensor): its data is a view of the file's memory map."""
+
+    name: str
+    shape: Tuple[int, ...]  # GGUF order (fastest-varying dimension first)
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data_offset: int
+    n_bytes: int
+    file: np.ndarray
+
+    @property
+    def data(self) -> np.ndarray:
+        dims = tuple(reversed(self.shape))
+        raw = self.file[self.data_offset : self.data_offset + self.n_bytes]
+        if self.tensor_type.name in _PLAIN:
+            return raw.view(_PLAIN[self.tensor_type.name]).reshape(dims)
+        import gguf
+
+        return raw.reshape(gguf.quant_shape_to_byte_shape(dims, self.tensor_type))
+
+
+class _GGUFFile:
+    """A GGUF file's metadata (plain Python values) and tensor infos, parsed straight from its memory map (the
+    gguf package's reader keeps a numpy view per metadata item: hundreds of MB and seconds for a large vocabulary)."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.data = np.memmap(path, mode="r")
+        self._buf, self._pos = memoryview(self.data), 0
+        if bytes(self._read(4)) != GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+        self.fields = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.fields[key] = self._value(self._unpack("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            shape = tuple(self._unpack("<Q") for _ in range(self._unpack("<I")))
+            infos.append((name, shape, gguf.GGMLQuantizationType(self._unpack("<I")), self._unpack("<Q")))
+        align = int(self.fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"invalid alignment {align}")
+        start = -(-self._pos // align) * align
+        self.tensors = []
+        for name, shape, qtype, offset in infos:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(shape)) // block * size
+            if start + offset + n_bytes > len(self.data):
+                raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
+            self.tensors.append(_TensorInfo(name, shape, qtype, start + offset, n_bytes, self.data))
+        del self._buf
+
+    def _read(self, n: int) -> memoryview:
+        if self._pos + n > len(self._buf):
+            raise ValueError("unexpected end of file in the header (truncated?)")
+        self._pos += n
+        return self._buf[self._pos - n : self._pos]
+
+    def _unpack(self, fmt: str):
+        return struct.unpack(fmt, self._read(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> str:
+        return str(self._read(self._unpack("<Q")), "utf-8")
+
+    def _value(self, kind: int):
+        if kind == _STRING:
+            return self._string()
+        if kind == _ARRAY:
+            kind, n = self._unpack("<I"), self._unpack("<Q")
+            if kind in _SCALARS and kind != 7:
+                dtype = np.dtype(_SCALARS[kind])
+                return np.frombuffer(self._read(n * dtype.itemsize), dtype).tolist()
+            return [self._value(kind) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        return self._unpack(_SCALARS[kind])
 
 
 # --------------------------------------------------------------------------------------
@@ -760,7 +843,7 @@ class _MxSource:
 
 
 class _ReaderSource:
-    """File memory-mapped by gguf.GGUFReader: any tensor type, one tensor in memory at a time."""
+    """File memory-mapped (_GGUFFile): any tensor type, one tensor in memory at a time."""
 
     def __init__(self, reader, meta: dict):
         self.reader, self.meta = reader, meta
@@ -788,7 +871,7 @@ def _tensor_count(path: Path) -> int:
 
 
 def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
-    """mx.load for files up to `mx_load_max_bytes` whose tensors it can all read, else gguf.GGUFReader.
+    """mx.load for files up to `mx_load_max_bytes` whose tensors it can all read, else _GGUFFile.
 
     Damaged files -> SourceError.
     """
@@ -803,11 +886,9 @@ def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
                 return _MxSource(arrays, Meta({k: _plain(v) for k, v in meta.items()}, path))
         except Exception as e:  # an unsupported tensor type, or a damaged file: the reader tells which
             mx_error = e
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
-        meta = Meta(_reader_meta(reader), path)
+        reader = _GGUFFile(path)
+        meta = Meta(reader.fields, path)
     except Exception as e:
         detail = mx_error if mx_error is not None else e
         raise SourceError(
