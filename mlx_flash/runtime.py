@@ -267,7 +267,7 @@ class FlashEngine(Engine):
         per = self._per_chunk(region)
 
         def compute(todo, rows, slots):
-            groups = self._groups(todo, starts, ends, ends - starts, per)
+            groups = self._groups(todo, ends - starts, per)
             for group in groups:
                 pos = np.concatenate([np.arange(starts[b], ends[b]) for b in group])
                 dst = np.repeat(np.arange(len(group), dtype=np.int32), ends[group] - starts[group])
@@ -299,7 +299,7 @@ class FlashEngine(Engine):
         where[overflow[:k]], index[overflow[:k]] = 1, np.arange(k)
         where[overflow[k:]] = 2
         streamed = np.add.reduceat(where == 2, starts)
-        for group in self._groups(todo, starts, ends, streamed, self._fits(region)):
+        for group in self._groups(todo, streamed, self._fits(region)):
             pos = np.concatenate([np.arange(starts[b], ends[b]) for b in group])
             dst = np.repeat(np.arange(len(group), dtype=np.int32), ends[group] - starts[group])
             mine = pos[where[pos] == 2]
@@ -314,7 +314,7 @@ class FlashEngine(Engine):
                 parts[b] = out[i]
 
     @staticmethod
-    def _groups(todo, starts, ends, weight, per):
+    def _groups(todo, weight, per):
         """The blocks `todo` in runs whose weights add up to at most `per` (a block alone may exceed it)."""
         groups, group, total = [], [], 0
         for b in todo:
