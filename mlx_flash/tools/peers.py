@@ -79,14 +79,14 @@ from ..convert.build import convert
 from ..convert.export import export
 from ..default_model import CONVERSION, cache_root, default_gguf_path
 from ..flash_format import FlashDir
-from ..loader import default_model_dir
+from ..loader import default_model_dir, load_tokenizer
 from ..memory import baseline_command
 from ..plot import pyplot
 from ..reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .bench_io import machine_info, run_fio
 from .cap import exit_on_sigterm, run_capped
-from .synthetic import PRESETS, ROUTINGS
 from .routing import describe as describe_routing
+from .synthetic import PRESETS, ROUTINGS
 from .synthetic_gguf import GGUF_ARCHS, MOE_TYPES, write_gguf
 
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
@@ -306,8 +306,6 @@ def parse_steps(system: str, out: str) -> dict:
 
 def one_token_prompt(flash_dir, text: str = PROMPT):
     """(text, id) of `text`'s first token, the prompt every Python system gets: a text that encodes to it alone."""
-    from ..loader import load_tokenizer
-
     tok = load_tokenizer(FlashDir(flash_dir))
     first = tok.encode(text, add_special_tokens=False)[0]
     piece = tok.decode([first])

@@ -16,14 +16,13 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..flash_format import FlashDir
+from ..loader import load
+
 
 def record(model_dir, tokens: int = 100, seed: int = 0, memory_budget=None) -> np.ndarray:
     """[tokens, MoE layers, k] experts chosen for `tokens` random token ids fed one at a time."""
-    import mlx_flash  # noqa: F401
-
     import mlx.core as mx
-
-    from ..loader import load
 
     model, _ = load(model_dir, memory_budget=memory_budget, context=tokens + 16)
     engine = model.flash
@@ -137,8 +136,6 @@ def main(argv=None):
     p.add_argument("--memory-budget", default=None, help="load's budget (routing does not depend on it).")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    from ..flash_format import FlashDir
-
     fd = FlashDir(a.model)
     stats = routing_stats(record(a.model, a.tokens, memory_budget=a.memory_budget), fd.ffn["n_experts"],
                           [float(s) for s in a.slots.split(",")])
