@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_flash import cpu_gemv
-from mlx_flash.budget import min_budget
+from mlx_flash.budget import min_budget, min_streaming_budget
 from mlx_flash.compute.rows import RowSet
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
@@ -17,7 +17,8 @@ from mlx_flash.default_model import default_model_dir
 from mlx_flash.experts import REGION, ReadAhead
 from mlx_flash.flash_format import FlashDir
 from mlx_flash.generation import generate_step
-from mlx_flash.loader import load
+from mlx_flash.loader import cpu_cast, load
+from mlx_flash.offload import stream_groups
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.tools.synthetic import build
 
@@ -65,17 +66,20 @@ def wide_dense(tmp_path_factory):
 
 
 def test_7b_shaped_every_budget(wide_dense):
-    """The 7B shape's width: resident, three quarters of the FFN cached, a quarter, a twentieth, read-ahead on and
-    off."""
+    """The 7B shape's width: resident, three quarters of the FFN cached, a quarter (read-ahead on and off), a
+    twentieth, and below the resident floor (attention and head streamed too)."""
     fd = FlashDir(wide_dense)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
     ref, _ = decode(wide_dense, None, 8, prompts)
     ffn = sum(r.nbytes for r in fd.regions())
-    floor = min_budget(fd, 128, 4)
+    floor = min_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast))
+    lowest = min_streaming_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast),
+                                  groups=stream_groups(fd, cpu_cast, 128))
     for budget, kw in ((floor + ffn * 3 // 4, {}), (floor + ffn // 4, {}), (floor + ffn // 4, {"prefetch": False}),
-                       (floor + ffn // 20, {})):
+                       (floor + ffn // 20, {}), (lowest, {})):
         got, plan = decode(wide_dense, budget, 8, prompts, **kw)
         assert_same(ref, got, (budget, kw))
+    assert plan.streamed, "the last budget should stream resident weights too"
 
 
 @pytest.fixture(scope="module")
