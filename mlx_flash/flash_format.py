@@ -56,6 +56,7 @@ RESIDENT = "resident.safetensors"
 FFN = "ffn.bin"
 PREDICTORS = "predictors.safetensors"
 DEFAULT_ALIGNMENT = 4096
+PACK_BYTES = 32 << 20  # FlashWriter packs a layer's units this many bytes at a time
 
 _DTYPES = {
     "uint8": mx.uint8,
@@ -648,15 +649,20 @@ class FlashWriter:
             layout = BundleLayout.from_arrays(arrays, self.unit_alignment, enc)
             if self.layouts.setdefault(name, layout) != layout:
                 raise ValueError(f"every layer must have the same {name!r} layout")
-            rows = layout.pack(arrays)
-            if layout.encoded:
-                dense = BundleLayout.from_arrays(arrays, self.unit_alignment).pack(arrays)
-                if not np.array_equal(np.array(layout.expand(mx.array(rows), use_metal=False)), dense):
-                    raise FlashFormatError(f"layer {len(self.layers)} {name}: encoded units do not expand to the dense ones")
             offset = _round_up(self._ffn.tell(), self.alignment)  # regions start aligned (O_DIRECT)
             self._ffn.write(b"\0" * (offset - self._ffn.tell()))
-            self._ffn.write(rows.data)
-            layer[name] = Region(len(self.layers), name, offset, rows.shape[0], layout.disk_stride, zlib.crc32(rows))
+            n, crc = next(iter(arrays.values())).shape[0], 0
+            step = max(1, PACK_BYTES // layout.disk_stride)
+            for start in range(0, n, step):  # packed a few units at a time: the layer is not held twice
+                part = {k: v[start : start + step] for k, v in arrays.items()}
+                rows = layout.pack(part)
+                if layout.encoded:
+                    dense = BundleLayout.from_arrays(part, self.unit_alignment).pack(part)
+                    if not np.array_equal(np.array(layout.expand(mx.array(rows), use_metal=False)), dense):
+                        raise FlashFormatError(f"layer {len(self.layers)} {name}: encoded units do not expand to the dense ones")
+                self._ffn.write(rows.data)
+                crc = zlib.crc32(rows, crc)
+            layer[name] = Region(len(self.layers), name, offset, n, layout.disk_stride, crc)
         self.layers.append(layer)
 
     def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict, progress: bool = False) -> None:
