@@ -827,3 +827,22 @@ def test_header_parser_matches_gguf_reader(smol_gguf, tmp_path):
                                                                           tuple(int(x) for x in a.shape))
             assert b.data.dtype == a.data.dtype and b.data.shape == a.data.shape, a.name
             assert np.array_equal(b.data.view(np.uint8), a.data.view(np.uint8)), a.name
+
+
+@pytest.mark.parametrize("block", [18, 20, 34, 17])
+def test_block_repacking_by_rows_is_exact(block):
+    """Large tensors are repacked a few rows at a time (bounded temporaries): the same codes, scales and biases as
+    repacking them whole, for Q4_0, Q4_1, Q8_0 and MXFP4 blocks."""
+    from mlx_flash.convert import gguf as g
+
+    repack = {18: lambda r: g._repack_q4(r, 18), 20: lambda r: g._repack_q4(r, 20), 34: g._repack_q8_0,
+              17: g._repack_mxfp4}[block]
+    rng = np.random.default_rng(block)
+    raw = rng.integers(0, 256, (1000, block * 8), dtype=np.uint8)
+    blocks = raw.reshape(1000, 8, block)
+    for at in {18: (0,), 20: (0, 2), 34: (0,), 17: ()}[block]:  # finite float16 scales (and Q4_1's minimums)
+        blocks[..., at : at + 2] = rng.uniform(-1, 1, (1000, 8, 1)).astype(np.float16).view(np.uint8)
+    whole, by_rows = repack(raw), g._by_rows(repack, raw, chunk_bytes=block * 8 * 37)  # 37 rows at a time
+    assert whole[3] == by_rows[3]
+    for a, b in zip(whole[:3], by_rows[:3]):
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes())

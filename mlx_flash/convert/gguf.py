@@ -784,8 +784,15 @@ def _by_rows(repack, raw: np.ndarray, chunk_bytes: int = 1 << 24):
     rows = max(1, chunk_bytes // raw.shape[1])
     if raw.shape[0] <= rows:
         return repack(raw)
-    w, s, b, bits = zip(*(repack(raw[i : i + rows]) for i in range(0, raw.shape[0], rows)))
-    return np.concatenate(w), np.concatenate(s), None if b[0] is None else np.concatenate(b), bits[0]
+    out = None
+    for i in range(0, raw.shape[0], rows):
+        *parts, bits = repack(raw[i : i + rows])
+        if out is None:
+            out = [None if p is None else np.empty((raw.shape[0], *p.shape[1:]), p.dtype) for p in parts]
+        for o, p in zip(out, parts):
+            if o is not None:
+                o[i : i + len(p)] = p
+    return (*out, bits)
 
 
 def _drop_pages(data: np.ndarray, offset: int, nbytes: int) -> None:
