@@ -38,6 +38,24 @@ from .stats import Stats
 REDUCTION_UNITS = 256
 
 
+class Blocks:
+    """The active units (sorted ids) cut into the fixed reduction blocks: block b is positions
+    starts[b] : starts[b] + sizes[b] of them."""
+
+    def __init__(self, active: np.ndarray):
+        ids = active // REDUCTION_UNITS
+        self.starts = np.flatnonzero(np.diff(ids, prepend=-1))
+        self.sizes = np.diff(self.starts, append=len(active))
+
+    def __len__(self):
+        return len(self.starts)
+
+    def select(self, run: list):
+        """(positions, dst int32: their block's index in the run) of a run of consecutive blocks."""
+        lo, hi = self.starts[run[0]], self.starts[run[-1]] + self.sizes[run[-1]]
+        return np.arange(lo, hi), np.repeat(np.arange(len(run), dtype=np.int32), self.sizes[run[0] : run[-1] + 1])
+
+
 class FlashFFN(nn.Module):
     """Replaces `layers[i].mlp`: the FFN of layer i computed from streamed units."""
 
@@ -256,38 +274,34 @@ class FlashEngine(Engine):
         if not len(active):
             return zero
         cache = self.caches[layer][region]
-        blocks = active // REDUCTION_UNITS
-        starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
-        ends = np.r_[starts[1:], len(active)]
+        blocks = Blocks(active)
         over = plan.slots < 0
         reading = np.zeros(len(active), dtype=np.int8)
         reading[~over] = np.isin(active[~over], plan.miss_units)
-        kind = np.maximum.reduceat(over * 2 + reading, starts)  # per block: 0 all hits, 1 misses, 2 overflow
-        parts = [None] * len(starts)
+        kind = np.maximum.reduceat(over * 2 + reading, blocks.starts)  # per block: 0 all hits, 1 misses, 2 overflow
+        parts = [None] * len(blocks)
         per = self._per_chunk(region)
 
-        def compute(todo, rows, slots):
-            groups = self._groups(todo, ends - starts, per)
+        def compute(todo):
+            groups = self._groups(todo, blocks.sizes, per)
             for group in groups:
-                pos = np.concatenate([np.arange(starts[b], ends[b]) for b in group])
-                dst = np.repeat(np.arange(len(group), dtype=np.int32), ends[group] - starts[group])
-                out = fn(rows, None if slots is None else slots[pos], pos, dst, len(group))
+                pos, dst = blocks.select(group)
+                out = fn(cache.rows, plan.slots[pos], pos, dst, len(group))
                 if len(groups) > 1:
                     backend.sync(out)  # one group's gathered rows (MLX ops) alive at a time
-                for i, b in enumerate(group):
-                    parts[b] = out[i]
+                parts[group[0] : group[-1] + 1] = out
 
-        compute(np.flatnonzero(kind == 0), cache.rows, plan.slots)
+        compute(np.flatnonzero(kind == 0))
         wait()  # before anything reads the misses' rows
-        compute(np.flatnonzero(kind == 1), cache.rows, plan.slots)
+        compute(np.flatnonzero(kind == 1))
         if (kind == 2).any():
-            self._overflow(layer, region, active, plan, np.flatnonzero(kind == 2), starts, ends, parts, fn)
+            self._overflow(layer, region, active, plan, np.flatnonzero(kind == 2), blocks, parts, fn)
         y = parts[0]
         for part in parts[1:]:
             y = y + part
         return y
 
-    def _overflow(self, layer, region, active, plan, todo, starts, ends, parts, fn):
+    def _overflow(self, layer, region, active, plan, todo, blocks, parts, fn):
         """`_sum_over`'s blocks with overflow units: the first ones read ahead (Prefetch), the rest streamed; each
         call holds whole blocks, their cached rows read in place beside the others (a RowSet)."""
         backend, cache = self.backends[region], self.caches[layer][region]
@@ -298,33 +312,32 @@ class FlashEngine(Engine):
         k = 0 if ahead is None else len(ahead)
         where[overflow[:k]], index[overflow[:k]] = 1, np.arange(k)
         where[overflow[k:]] = 2
-        streamed = np.add.reduceat(where == 2, starts)
+        streamed = np.add.reduceat(where == 2, blocks.starts)
         for group in self._groups(todo, streamed, self._fits(region)):
-            pos = np.concatenate([np.arange(starts[b], ends[b]) for b in group])
-            dst = np.repeat(np.arange(len(group), dtype=np.int32), ends[group] - starts[group])
+            pos, dst = blocks.select(group)
             mine = pos[where[pos] == 2]
             scratch = cache.rows
             if len(mine):
                 scratch = self._read_chunk(layer, region, active[mine])
                 index[mine] = np.arange(len(mine))
             rows = RowSet([cache.rows, cache.rows if ahead is None else ahead, scratch], where[pos], index[pos])
-            out = fn(rows, None, pos, dst, len(group))
+            out = fn(*rows.single(), pos, dst, len(group))
             backend.sync(out)  # before the next chunk overwrites the scratch rows
-            for i, b in enumerate(group):
-                parts[b] = out[i]
+            parts[group[0] : group[-1] + 1] = out
 
     @staticmethod
     def _groups(todo, weight, per):
-        """The blocks `todo` in runs whose weights add up to at most `per` (a block alone may exceed it)."""
+        """The blocks `todo` in runs of consecutive blocks whose weights add up to at most `per` (a block alone may
+        exceed it)."""
         groups, group, total = [], [], 0
-        for b in todo:
-            if group and total + weight[b] > per:
-                groups.append(np.array(group))
+        for b in todo.tolist():
+            if group and (total + weight[b] > per or b != group[-1] + 1):
+                groups.append(group)
                 group, total = [], 0
             group.append(b)
             total += weight[b]
         if group:
-            groups.append(np.array(group))
+            groups.append(group)
         return groups
 
     # -- FFN -------------------------------------------------------------------

@@ -100,21 +100,33 @@ class RowSet:
 
     def __init__(self, parts, which: np.ndarray, slots: np.ndarray):
         self.parts, self.which, self.slots = parts, np.asarray(which), np.asarray(slots, dtype=np.int64)
+        self._addresses = None
 
     def __len__(self):
         return len(self.slots)
+
+    def single(self):
+        """(rows, slots) when every row is in one part, else (self, None): what fn takes."""
+        first = self.which[0]
+        if (self.which == first).all():
+            return self.parts[first], self.slots
+        return self, None
 
     def take(self, sel: np.ndarray) -> "RowSet":
         return RowSet(self.parts, self.which[sel], self.slots[sel])
 
     def addresses(self) -> np.ndarray:
         """int64 [k]: where each row starts in memory (every part evaluated, C-contiguous, held by the caller)."""
-        views = [np.asarray(memoryview(p)) for p in self.parts]
-        if not all(v.flags.c_contiguous for v in views):
-            raise ValueError("RowSet: every part must be C-contiguous rows")
-        bases = np.array([v.ctypes.data for v in views], dtype=np.int64)
-        strides = np.array([p.shape[1] for p in self.parts], dtype=np.int64)
-        return bases[self.which] + self.slots * strides[self.which]
+        if self._addresses is not None:
+            return self._addresses
+        bases, strides = np.zeros(len(self.parts), dtype=np.int64), np.zeros(len(self.parts), dtype=np.int64)
+        for i in np.flatnonzero(np.bincount(self.which, minlength=len(self.parts))):
+            v = np.asarray(memoryview(self.parts[i]))
+            if not v.flags.c_contiguous:
+                raise ValueError("RowSet: every part must be C-contiguous rows")
+            bases[i], strides[i] = v.ctypes.data, v.shape[1]
+        self._addresses = bases[self.which] + self.slots * strides[self.which]
+        return self._addresses
 
     def gather(self) -> mx.array:
         """The rows as one uint8 array [k, stride] (the narrowest part's stride), in order: a take per run of rows
