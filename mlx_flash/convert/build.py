@@ -8,6 +8,12 @@ nor --bits, a float source (F32/F16/BF16 GGUF, float HF directory) is quantised 
 --group-size (float32 runs about 2x slower than 8-bit on the CPU; 8-bit is as good as lossless),
 and a quantised one keeps its quantisation. --dtype alone keeps floats, cast to that dtype.
 
+Memory does not grow with the model: a GGUF is read a tensor at a time from its memory map into an
+mlx-lm directory (in the output's temporary directory, so the disk needs about twice the model),
+every directory is loaded lazily, each layer's FFN is evaluated, written and freed in turn, and the
+resident weights are written one array at a time (flash_format.FlashWriter.finish). A 7B is converted
+under a 1 GiB cap. --prune is the exception: calibration runs the whole model, in float32.
+
 --prune wanda prunes every FFN matrix with Wanda (prune.py; input norms from the first half
 of WikiText-2 test or --prune-text): gate/up (fc1) per output row, down (fc2) per neuron, so
 every stored row keeps exactly d - floor(sparsity * d) weights. With --prune-format bitmap
