@@ -151,3 +151,22 @@ def test_exact_mode_is_mlx_lm_text(tiny_moe, capsys):
     finally:
         cpu_gemv.set_int8_activations(True)
     assert want and want in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_tiny_dense_every_budget(tmp_path, monkeypatch, ops):
+    """A tiny llama with 3 reduction blocks a layer, natively and through MLX's ops (the path Metal and long
+    prompts take): all cached, most, a third, none (every unit streamed), read-ahead on and off."""
+    if ops:
+        monkeypatch.setattr(cpu_gemv, "enabled", False)
+    src = make_tiny_model_dir("llama", tmp_path / "src", intermediate_size=640)
+    flash = convert(str(src), tmp_path / "flash", progress=False)
+    fd = FlashDir(flash)
+    prompts = [list(range(1, 40)), [7, 3, 9]]  # a long prompt (MLX ops) and a short one
+    ref, _ = decode(flash, None, 12, prompts)
+    ffn = sum(r.nbytes for r in fd.regions())
+    floor = min_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast))
+    for budget, kw in ((floor + ffn * 2 // 3, {}), (floor + ffn // 3, {}), (floor + ffn // 3, {"prefetch": False}),
+                       (floor, {})):
+        got, _ = decode(flash, budget, 12, prompts, **kw)
+        assert_same(ref, got, (budget, kw))
