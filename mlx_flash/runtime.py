@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import ReadError
 from .compute import backend_for
-from .compute.rows import RowSet
+from .compute.rows import RowSet, per_partial
 from .ffn import glu, project
 from .unit_cache import UnitCache
 from .reader import aligned_buffer, aligned_span
@@ -215,8 +215,8 @@ class FlashEngine(Engine):
         return out
 
     def _per_chunk(self, region: str) -> int:
-        """Units read through the scratch buffer at a time (MLX ops gather as many rows at a time): whole aligned
-        blocks of them where the scratch holds some (no block read twice by neighbouring runs)."""
+        """Units `_chunks` reads through the scratch buffer at a time: whole aligned blocks of them where the
+        scratch holds some (no block read twice by neighbouring runs)."""
         layout = self.fd.layouts[region]
         a = max(1, self.reader.alignment)
         step = a // math.gcd(layout.disk_stride, a)
@@ -280,7 +280,7 @@ class FlashEngine(Engine):
         reading[~over] = np.isin(active[~over], plan.miss_units)
         kind = np.maximum.reduceat(over * 2 + reading, blocks.starts)  # per block: 0 all hits, 1 misses, 2 overflow
         parts = [None] * len(blocks)
-        per = self._per_chunk(region)
+        per = self._fits(region)  # (MLX ops gather a group's rows: at most a scratch buffer's worth)
 
         def compute(todo):
             groups = self._groups(todo, blocks.sizes, per)
@@ -413,12 +413,7 @@ class FlashEngine(Engine):
         def fn(rows, slots, pos, dst, n):
             if isinstance(rows, RowSet) and not backend.in_place(like):
                 rows, slots = rows.gather(), np.arange(len(rows))
-            outs = []
-            for i in range(n):
-                sel = np.flatnonzero(dst == i)
-                part = (rows.take(sel), None) if slots is None else (rows, slots[sel])
-                outs.append(f(*part, pos[sel]))
-            return np.stack(outs) if isinstance(outs[0], np.ndarray) else mx.stack(outs)
+            return per_partial(rows, slots, dst, n, lambda r, s, sel: f(r, s, pos[sel]))
         return fn
 
     def _decode_dip(self, layer, xv, x):

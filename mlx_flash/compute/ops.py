@@ -19,7 +19,7 @@ import numpy as np
 from .. import cpu_gemv
 from ..ffn import ACTIVATIONS, glu
 from ..flash_format import _DTYPES, BundleLayout, Component
-from .rows import RowMatrix, RowSet, matrix
+from .rows import RowMatrix, RowSet, matrix, per_partial
 
 _WORDS = (mx.uint32, mx.uint16, mx.uint8)
 
@@ -106,12 +106,8 @@ class OpsBackend:
         if isinstance(rows, RowSet) and not self.in_place(x):
             rows, slots = rows.gather(), np.arange(len(rows))
         if dst is not None and not self.in_place(x):  # one product per partial sum: its own shape, its own order
-            parts = []
-            for i in range(n_out):
-                sel = np.flatnonzero(dst == i)
-                parts.append(self.units(x, rows, slots[sel], units[sel], resident,
-                                        None if mask is None else mask[:, sel]))
-            return mx.stack(parts)
+            return per_partial(rows, slots, dst, n_out, lambda r, s, sel: self.units(
+                x, r, s, units[sel], resident, None if mask is None else mask[:, sel]))
         if self.ffn["kind"] == "glu":
             h = self.glu(self.row_dot(x, rows, slots, "gate"), self.row_dot(x, rows, slots, "up"))
             return self.out(self._masked(h, mask), rows, slots, units, "down", resident, dst, n_out)

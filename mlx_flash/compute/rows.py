@@ -93,6 +93,16 @@ def slots_array(slots) -> np.ndarray:
     return s
 
 
+def per_partial(rows, slots, dst: np.ndarray, n: int, f):
+    """f(rows, slots, sel) once per partial sum i (sel: the positions with dst == i; a RowSet's own rows when slots
+    is None), stacked [n, ...]: each partial computed alone, in its own shape and order."""
+    outs = []
+    for i in range(n):
+        sel = np.flatnonzero(dst == i)
+        outs.append(f(rows.take(sel), None, sel) if slots is None else f(rows, slots[sel], sel))
+    return np.stack(outs) if isinstance(outs[0], np.ndarray) else mx.stack(outs)
+
+
 class RowSet:
     """The rows of one call's units when they live in several buffers (cache rows, rows read ahead, the scratch
     buffer): row j is parts[which[j]][slots[j]], in the call's unit order. Native kernels read them in place by
