@@ -34,6 +34,15 @@ setup(
     # Metal sources, and the calibration / evaluation text (WikiText-2 test, CC BY-SA 3.0, with its README)
     package_data={"mlx_flash.kernels": ["*.metal"], "mlx_flash": ["data/wikitext-2/*"]},
     ext_modules=[pread_pool, cpu_gemv],
+    # the user's commands, as mlx-lm names its own (`python -m mlx_flash.<command>` runs the same)
+    entry_points={
+        "console_scripts": [
+            f"mlx_flash.{name} = mlx_flash.{module}:main"
+            for name, module in [("generate", "generate"), ("convert", "convert.build"), ("server", "server"),
+                                 ("verify", "verify"), ("bench", "bench"), ("calibrate", "calibrate"),
+                                 ("peers", "peers")]
+        ]
+    },
     python_requires=">=3.10",
     install_requires=[
         mlx,
@@ -46,8 +55,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "plot": ["matplotlib"],  # the commands' --plot flags (mlx_flash/plot.py)
+        "plot": ["matplotlib"],  # the commands' --plot flags (mlx_flash/tools/plot.py)
         "peers": ["nunspark==0.13.0"],  # a peer `python -m mlx_flash.peers` runs (llama.cpp it builds itself)
-        "test": ["pytest", "grimp", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+        "test": ["pytest", "grimp", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib", "ruff"],
     },
 )

@@ -20,7 +20,7 @@ import mlx_flash  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from mlx_flash import bitmap
+from mlx_flash.format import bitmap
 
 from mlx_flash.convert import prune
 from bench_gather_ffn import median_ms  # noqa: E402  (this script's directory is on sys.path)

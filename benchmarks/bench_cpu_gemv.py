@@ -5,7 +5,7 @@
 
 1. One-row products of the shapes the models use (SmolLM2-135M, LLaMA-7B), each way round:
    MLX's op and the native kernel, medians of interleaved repeats.
-2. --decode: mlx_flash.tools.bench's hybrid / all / mlx-lm rows with the native kernels off, then on
+2. --decode: mlx_flash.bench's hybrid / all / mlx-lm rows with the native kernels off, then on
    (the same model, budget and trace).
 """
 
@@ -18,9 +18,9 @@ import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from mlx_flash import cpu_gemv
+from mlx_flash.compute import cpu_gemv
 
-from mlx_flash.tools import bench
+from mlx_flash import bench
 from bench_gather_ffn import median_ms  # noqa: E402  (this script's directory is on sys.path)
 
 SHAPES = [  # (name, rows, n, bits, scale dtype): rows of n values each

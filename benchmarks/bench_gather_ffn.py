@@ -32,10 +32,10 @@ import mlx_flash  # noqa: E402,F401  (loads OpenBLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_flash import compute as gf  # noqa: E402
+from mlx_flash.compute import backends as gf  # noqa: E402
 from mlx_flash.compute.ops import gather  # noqa: E402
-from mlx_flash.ffn import ACTIVATIONS, ffn_forward  # noqa: E402
-from mlx_flash.flash_format import BundleLayout  # noqa: E402
+from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward  # noqa: E402
+from mlx_flash.format.directory import BundleLayout  # noqa: E402
 
 SHAPES = [
     # label, d_model, n_neurons, storage, quantisation

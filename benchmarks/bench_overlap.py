@@ -1,5 +1,5 @@
 """I/O overlapped with compute, on and off, in one run: the runtime's hits are computed while its
-misses are read (FlashEngine.overlap), against waiting for the misses first.
+misses are read (NeuronEngine.overlap), against waiting for the misses first.
 
     python benchmarks/bench_overlap.py [--synthetic llama-7b] [--memory-budget 80%] [--tokens 24] [--rounds 2]
 
@@ -20,10 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
 import numpy as np  # noqa: E402
 
-from mlx_flash.tools import bench  # noqa: E402
+from mlx_flash import bench  # noqa: E402
+from mlx_flash.calib.trace import default_trace  # noqa: E402
 from mlx_flash.tools.bench_io import machine_info  # noqa: E402
 from mlx_flash.budget import parse_size  # noqa: E402
-from mlx_flash.flash_format import FlashDir  # noqa: E402
+from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.default_model import default_model_dir  # noqa: E402
 from mlx_flash.loader import load  # noqa: E402
 
@@ -43,7 +44,7 @@ def main():
     if a.synthetic:
         from mlx_flash.tools.synthetic import build
 
-        path, trace = build(a.synthetic), bench.default_trace(a.density)
+        path, trace = build(a.synthetic), default_trace(a.density)
     else:
         path, trace = a.model or default_model_dir(), None
     fd = FlashDir(path)

@@ -33,11 +33,12 @@ import mlx_flash  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from mlx_flash import __version__, bitmap
-from mlx_flash.tools.bench import decode, resident_bytes
+from mlx_flash import __version__
+from mlx_flash.format import bitmap
+from mlx_flash.bench import decode, resident_bytes
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.loader import load, load_tokenizer
 from mlx_flash.calib.quality import eval_model, perplexity
@@ -94,7 +95,7 @@ def run(path: Path, budget: int, prompt, tokens: int, density: float) -> dict:
 
 
 def io_replay(path: Path, per_layer: int, tokens: int, seed: int = 0) -> dict:
-    from mlx_flash.reader import aligned_buffer, open_reader
+    from mlx_flash.engine.reader import aligned_buffer, open_reader
 
     fd = FlashDir(path)
     stride = fd.layouts["neurons"].disk_stride

@@ -22,7 +22,7 @@ the same plan.
 The server runs at --log-level INFO, so each turn also has the server's own bytes per forward pass
 (`mlx_flash.server.read_summary`): the prompt's prefill passes (the last one gives the first
 token), then the single-token passes. The first streamed token arrives after the prefill passes
-only (`mlx_flash.generation.generate_step`; mlx-lm's loop would add a pass on the prompt's last
+only (`mlx_flash.generate.generate_step`; mlx-lm's loop would add a pass on the prompt's last
 token and one on the next token before it). Greedy decoding, so every configuration sees the
 same history as long as their tokens agree.
 """
@@ -344,7 +344,7 @@ def main():
     else:
         from mlx_flash.tools.bench_io import machine_info
         from mlx_flash.default_model import default_model_dir
-        from mlx_flash.flash_format import FlashDir
+        from mlx_flash.format.directory import FlashDir
         from mlx_flash.loader import load_tokenizer
 
         model = args.model or default_model_dir()

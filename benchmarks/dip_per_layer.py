@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
-from mlx_flash.calib.calibrate import _split, calibrate_dip_per_layer  # noqa: E402
-from mlx_flash.flash_format import FlashDir  # noqa: E402
+from mlx_flash.calibrate import _split, calibrate_dip_per_layer  # noqa: E402
+from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.loader import load_tokenizer  # noqa: E402
 from mlx_flash.calib.quality import eval_model, perplexity
 from mlx_flash.texts import read_text, token_batches, wikitext  # noqa: E402

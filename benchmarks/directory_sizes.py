@@ -10,7 +10,7 @@ import os
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 from mlx_flash.default_model import default_gguf_path, default_model_dir
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 
 
 def sizes(model, gguf_path) -> dict:

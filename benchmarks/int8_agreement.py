@@ -12,8 +12,8 @@ import statistics
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-from mlx_flash import cpu_gemv
-from mlx_flash.generation import generate_step
+from mlx_flash.compute import cpu_gemv
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 
 PROMPTS = ["Once upon a time", "The capital of France is", "Write a Python function that reverses a list.",

@@ -19,8 +19,8 @@ import mlx_flash  # noqa: F401  (first: it preloads OpenBLAS before MLX loads a 
 import mlx.core as mx
 import numpy as np
 
-from mlx_flash import cpu_gemv
-from mlx_flash.generation import generate_step
+from mlx_flash.compute import cpu_gemv
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 from mlx_flash.texts import read_text, token_batches
 

@@ -14,11 +14,11 @@ import sys
 
 import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 import mlx.core as mx
-from mlx_flash.generation import generate_step  # the loop users run
+from mlx_flash.generate import generate_step  # the loop users run
 
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.budget import parse_size
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load, load_resident, load_tokenizer
 
 

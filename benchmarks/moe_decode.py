@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from mlx_flash.flash_format import FlashDir
-from mlx_flash.reader import DEFAULT_THREADS
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.engine.reader import DEFAULT_THREADS
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import drop_page_cache
-from mlx_flash.tools.peers import fio_reference
+from mlx_flash.peers import fio_reference
 from mlx_flash.tools.routing import regime_of
 
 _CHILD = """
@@ -51,7 +51,7 @@ vocab = e.fd.config["vocab_size"]
 ids = np.random.default_rng(0).integers(0, vocab, n + 1)
 step = [0]
 replay = np.load(trace)["experts"] if trace != "-" else None  # step s, layer l reads replay[s, l] whatever the router chose
-layers = [i for i, c in enumerate(e.caches) if c is not None]
+layers = [i for i, c in enumerate(e.caches) if c]
 k = e.fd.config.get("num_experts_per_tok") or e.fd.config.get("num_experts_per_token")
 routed = np.zeros((n + 1, len(layers), k), dtype=np.int64)
 
@@ -71,7 +71,7 @@ for i, t in enumerate(ids):
 e.stats.end()
 toks = e.stats.tokens[1:]
 hits, misses = sum(t.hits for t in toks), sum(t.misses for t in toks)
-per_layer = [int((c.use_count > 0).sum()) for c in e.caches if c is not None]  # every activation counts
+per_layer = [int((c.use_count > 0).sum()) for layer in e.caches for c in layer.values()]  # every activation counts
 split, regime = engine_hit_rates(e), routing_stats(routed, e.fd.ffn["n_experts"], slots=())
 print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]), "token_ms": 1e3 * statistics.median(times[1:]),
                   "token_ms_mean": 1e3 * statistics.mean(times[1:]), "hit_rate_cold": split["hit_rate_cold"],

@@ -19,7 +19,7 @@ import mlx_flash  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_flash.generation import generate_step
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.routing import engine_hit_rates, regime_of

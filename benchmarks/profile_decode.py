@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: tokens/s of mlx_flash.generation.generate_step after the first token,
+"""Where a decode step's time goes: tokens/s of mlx_flash.generate.generate_step after the first token,
 then (--prof) a cProfile of the same run, sorted by own time.
 
     python benchmarks/profile_decode.py [--model FLASH_DIR] [--memory-budget B] [--tokens 64] [--prof]
@@ -12,7 +12,7 @@ import time
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
-from mlx_flash.generation import generate_step
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 
 

@@ -22,17 +22,17 @@ from pathlib import Path
 
 import mlx_flash  # (OpenBLAS before mlx.core)
 import mlx.core as mx
-from mlx_flash import cpu_gemv
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert import convert
 from mlx_flash.default_model import default_gguf_path, default_model_dir
-from mlx_flash.tools.peers import llama_cpp_bin
+from mlx_flash.peers import llama_cpp_bin
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 
 
 def flash_tokens_per_s(flash_dir: str, tokens: int) -> dict:
     """In this process: mlx_flash's resident decode of `tokens` decode steps after a one-token prompt."""
-    from mlx_flash.generation import generate_step
+    from mlx_flash.generate import generate_step
     from mlx_flash.loader import load
 
     model, tok = load(flash_dir)

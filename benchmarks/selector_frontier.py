@@ -41,14 +41,14 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from mlx_flash.tools.bench_io import machine_info  # noqa: E402
-from mlx_flash.calib.calibrate import calibrate_dip, train_predictors  # noqa: E402
+from mlx_flash.calibrate import calibrate_dip, train_predictors  # noqa: E402
 from mlx_flash.default_model import default_model_dir  # noqa: E402
-from mlx_flash.flash_format import FlashDir  # noqa: E402
+from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.loader import load_tokenizer  # noqa: E402
 from mlx_flash.calib.quality import collect_inputs, dense_ffn_weights, eval_model, perplexity, unit_strides  # noqa: E402
-from mlx_flash.selectors import build_sketch, wina_norms  # noqa: E402
-from mlx_flash.sparsity import Sketch  # noqa: E402
-from mlx_flash.sparsity import Oracle  # noqa: E402
+from mlx_flash.engine.selectors import build_sketch, wina_norms  # noqa: E402
+from mlx_flash.engine.sparsity import Sketch  # noqa: E402
+from mlx_flash.engine.sparsity import Oracle  # noqa: E402
 from mlx_flash.texts import read_text, token_batches  # noqa: E402
 
 PROMPTS = [

@@ -19,12 +19,12 @@ import sys
 
 from tqdm import tqdm
 
-from mlx_flash import memory
+from mlx_flash.engine import memory
 from mlx_flash.budget import parse_size
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped
-from mlx_flash.tools.peers import fio_reference
+from mlx_flash.peers import fio_reference
 
 _CHILD = """
 import json, sys
@@ -113,7 +113,7 @@ def main(argv=None):
             json.dump({"model": args.model, "budget": budget, "cap": budget + base.max_rss, "fio": fio, "runs": runs,
                        "cost_ms": cost, "machine": machine_info(args.model)}, f, indent=1)
     if args.plot and 1 in cost:
-        from mlx_flash.plot import pyplot
+        from mlx_flash.tools.plot import pyplot
 
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -25,13 +25,13 @@ _CHILD = """
 import json, sys
 import mlx_flash  # noqa: F401
 import mlx.core as mx
-from mlx_flash.generation import generate_step
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 model_dir, budget, mode, n, prompt = sys.argv[1:6]
 model, tok = load(model_dir, memory_budget=None if mode == "resident" else budget, sparsity="dense", context=256)
 e = model.flash
 if mode == "serial":
-    e.overlap, e.prefetch = False, None
+    e.overlap, e.read_ahead = False, None
 for _ in generate_step(mx.array(tok.encode(prompt)), model, max_tokens=int(n)):
     pass
 print(json.dumps(e.stats.summary()))

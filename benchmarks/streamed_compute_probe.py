@@ -22,8 +22,8 @@ import numpy as np
 
 import mlx_flash  # noqa: F401  (first: OpenBLAS before mlx.core)
 import mlx.core as mx
-from mlx_flash import cpu_gemv
-from mlx_flash.generation import generate_step
+from mlx_flash.compute import cpu_gemv
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 from mlx_flash.tools.cap import drop_page_cache
 
@@ -79,7 +79,7 @@ def main(argv=None):
                       sparsity="dense", context=256, threads=args.reader_threads)
     engine = model.flash
     if args.mode == "serial":
-        engine.overlap, engine.prefetch = False, None
+        engine.overlap, engine.read_ahead = False, None
     timed = cpu_gemv._native = _TimedNative(cpu_gemv._native)
     try:
         read = _background_reads(os.path.join(args.model, "ffn.bin")) if args.background_reads else None

@@ -81,7 +81,7 @@ NOTEBOOKS = {
         new_code_cell(
             "import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\n"
             "import matplotlib.pyplot as plt\n"
-            "from mlx_flash.calib import calibrate"
+            "from mlx_flash import calibrate"
         ),
         new_code_cell(
             "# gamma 0.7: the DIP-CA strength that helps this model (0.2, the paper's, starves it; see BENCHMARKS.md)\n"
@@ -112,13 +112,13 @@ NOTEBOOKS = {
             "(it records the DIP split and trained predictors in `DIR`, and can `--reorder` its neurons). On "
             "this 135M model DIP degrades fast below 75% while the oracle stays close to dense: the headroom a "
             "better selector could reach. The runtime serves DIP from a directory converted with `--layout dip`, and any sparsifier object "
-            "(e.g. a `mlx_flash.sparsity.Predictor` trained in memory) with `mlx_flash.load(sparsifier=...)`."
+            "(e.g. a `mlx_flash.engine.sparsity.Predictor` trained in memory) with `mlx_flash.load(sparsifier=...)`."
         ),
     ],
     "04_bench.ipynb": [
         new_markdown_cell(
             "# Where the time goes: the flash runtime benchmark\n\n"
-            "`mlx_flash.tools.bench` decodes the same prompt under each configuration of the paper's ablation, each "
+            "`mlx_flash.bench` decodes the same prompt under each configuration of the paper's ablation, each "
             "with cold caches: **naive** (every FFN unit read per token), **hybrid** (dense, budget filled with "
             "cached units), **sparsity** (active units only, no cache), **window-unbundled** and **all** "
             "(sparsity + window cache, without and with bundling) and **mlx-lm** (all weights in DRAM).\n\n"
@@ -129,7 +129,7 @@ NOTEBOOKS = {
         ),
         new_code_cell(
             "import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\n"
-            "from mlx_flash.tools import bench"
+            "from mlx_flash import bench"
         ),
         new_code_cell(
             "# the same as: python -m mlx_flash.bench --memory-budget 80% --quick --tokens 16 --no-fio\n"

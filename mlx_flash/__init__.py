@@ -1,9 +1,12 @@
-"""mlx_flash: run LLMs larger than memory, streaming FFN neurons from flash."""
+"""mlx_flash: run LLMs larger than memory, streaming the FFN units each token needs from flash.
+
+    model, tokenizer = mlx_flash.load("path/to/flash_dir", memory_budget="50%")
+    text = mlx_flash.generate(model, tokenizer, "Once upon a time", max_tokens=100)
+"""
 
 __version__ = "0.1.0"
 
-import sys  # noqa: E402
-import types  # noqa: E402
+import warnings  # noqa: E402
 
 from .blas import use_openblas  # noqa: E402  (must run before mlx.core is imported)
 
@@ -17,21 +20,12 @@ from .errors import (  # noqa: E402
     SourceError,
     UnsupportedArchitectureError,
 )
-from .generation import generate, stream_generate  # noqa: E402  (`python -m mlx_flash.generate` is the command)
+from .generate import generate, stream_generate  # noqa: E402
 from .loader import load  # noqa: E402
 
-
-class _Package(types.ModuleType):
-    """The command module `mlx_flash.generate` shares its name with the function: importing the module (the import
-    system then sets it as the package's attribute) must not replace the function users call."""
-
-    def __setattr__(self, name, value):
-        if not (name in __all__ and isinstance(value, types.ModuleType)):
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
+# `python -m mlx_flash.generate` runs the module this package has imported for its functions (as mlx-lm's
+# generate does); runpy's warning that it was imported first says nothing to a user
+warnings.filterwarnings("ignore", r"'mlx_flash\.generate' found in sys\.modules", RuntimeWarning)
 
 __all__ = [
     "load",

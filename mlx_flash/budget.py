@@ -8,7 +8,7 @@ The prompt cache is room kept for KV caches stored between requests (the server'
 The workspace bounds the runtime's temporaries: the rows gathered for one
 chunk of units (at most a scratch buffer's worth) and their float32 copy.
 If the resident weights do not fit, the planner streams groups of them from flash
-(offload.py: attention layers, embeddings, the LM head, cheapest first) until the rest
+(engine/resident.py: attention layers, embeddings, the LM head, cheapest first) until the rest
 does; the streaming buffers hold two loads (the one in use and the prefetched next).
 If even that does not fit, loading fails before any weight is read.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
 from .errors import BudgetError
-from .reader import DEFAULT_THREADS
+from .engine.reader import DEFAULT_THREADS
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
 # an MoE model's least workspace, a dense model's usual one (2 x the 16 MiB scratch): its scratch is only a
@@ -64,7 +64,7 @@ class Plan:
     workspace: int
     extra: int  # e.g. predictors
     capacity: List[Dict[str, int]]  # per layer: region -> units cached
-    streamed: List = field(default_factory=list)  # offload.StreamGroup read from flash every token
+    streamed: List = field(default_factory=list)  # resident.StreamGroup read from flash every token
     streaming: int = 0  # buffers for the streamed groups
     prefetch_rows: int = 0  # dense decoding: rows of each of the two buffers the next layer's reads go into
     prompt_cache: int = 0  # stored KV caches (the server's LRU prompt cache)
@@ -222,7 +222,7 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
     `resident`: bytes of the resident weights as loaded (default: their size on disk).
-    `groups`: offload.StreamGroup candidates, streamed only if the resident weights do not fit.
+    `groups`: resident.StreamGroup candidates, streamed only if the resident weights do not fit.
     `kv_bits`: a quantised KV cache (`kv_cache_bytes`); `prompt_caches`: room for that many more KV caches,
     stored between requests.
     budget None: no budget (every unit cached).

@@ -1,25 +1,313 @@
-"""Generate text with FFN weights streamed from flash.
+"""Generate text with FFN weights streamed from flash: the loop and the command.
 
     python -m mlx_flash.generate --prompt "Once upon a time" --memory-budget 50% --stats
 
-Flags mirror mlx_lm.generate; with no --model the default model (SmolLM2-135M-Instruct)
-is converted once into ~/.cache/mlx_flash and used.
+The loop is mlx-lm's `generate_step`, `stream_generate` and `generate` (same arguments, yields and responses)
+with two forward passes fewer before the first token (`generate_step`); `mlx_flash.generate` and
+`mlx_flash.stream_generate` are these functions, as in mlx-lm. The command's flags mirror mlx_lm.generate; with no
+--model the default model (SmolLM2-135M-Instruct) is converted once into ~/.cache/mlx_flash and used.
 """
 
 import argparse
 import sys
+import time
+from contextlib import contextmanager
 
-import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
-
-from . import blas, cpu_gemv
+from . import blas
 from .budget import fmt_bytes
+from .compute import cpu_gemv
 from .default_model import default_model_dir
+from .engine.sparsity import SPARSITIES
+from .engine.stats import Stats
 from .errors import FlashError
-from .flash_format import FlashDir
-from .generation import print_response_stats, stream_generate
+from .format.directory import FlashDir
 from .loader import MAX_PPL_INCREASE, load, load_tokenizer
-from .sparsity import SPARSITIES
-from .stats import Stats
+from .speculative import AdaptiveDepth, SpeculativeStats, accept, make_drafter
+
+DEFAULT_DRAFT_TOKENS = 8  # the deepest draft; speculative.AdaptiveDepth goes shallower after rejections
+
+
+class _Passes:
+    """Forward passes of `model` into `cache`, as mlx-lm's loop runs them: a flash model's native decoder when
+    it applies (decode steps, verification passes, short prompts), else mlx-lm's forward; logits processors see
+    the tokens fed so far."""
+
+    def __init__(self, model, cache, sampler, logits_processors, stream, kv):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.processors, self.stream, self.kv = logits_processors or (), stream, kv
+        self.history = None  # the tokens fed so far, for the logits processors
+
+    def __call__(self, tokens, logits: str):
+        """Run `tokens` (mx.array [m]) through the model into the cache. logits "none": nothing back; "last":
+        (token, logprobs [vocab]) of the last position; "all": (tokens [m], logprobs [m, vocab])."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
+
+        if self.processors:
+            self.history = tokens if self.history is None else mx.concat([self.history, tokens])
+        prompt = logits != "all"
+        with mx.stream(self.stream or generation_stream), _head_on_last_position(
+                self.model, len(tokens) > 1 and logits == "last"):
+            decoder = getattr(self.model, "decoder", None)  # a flash model's native CPU passes
+            if decoder is not None and decoder.applies(tokens, self.cache):
+                out = decoder(tokens.tolist(), self.cache, prompt=prompt and len(tokens) > 1)
+            else:
+                out = self.model(tokens[None], cache=self.cache)
+            maybe_quantize_kv_cache(self.cache, *self.kv)
+            if logits == "none":  # the head's output is never evaluated
+                mx.eval([c.state for c in self.cache])
+                return None
+            if logits == "last":
+                y, logprobs = self._sample(out[:, -1, :], 0)
+                mx.eval(y, logprobs)
+                return y, logprobs.squeeze(0)
+            ys, lps = zip(*(self._sample(out[:, i, :], len(tokens) - 1 - i) for i in range(len(tokens))))
+            ys, lps = mx.concatenate(ys), mx.concatenate(lps)
+            mx.eval(ys, lps)
+            return ys, lps
+
+    def _sample(self, out, later: int):
+        """The token and logprobs from one position's logits; `later`: tokens fed after that position."""
+        import mlx.core as mx
+
+        for processor in self.processors:
+            out = processor(self.history[: len(self.history) - later], out)
+        logprobs = out - mx.logsumexp(out, axis=-1, keepdims=True)
+        return self.sampler(logprobs), logprobs
+
+    def trim(self, n: int) -> None:
+        """Forget the last n tokens fed (rejected drafts)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        if n > 0:
+            trim_prompt_cache(self.cache, n)
+            if self.history is not None:
+                self.history = self.history[: len(self.history) - n]
+
+
+def _start(prompt, model, *, sampler=None, logits_processors=None, prompt_cache=None, prefill_step_size=2048,
+           kv_bits=None, kv_group_size=64, quantized_kv_start=0, prompt_progress_callback=None, max_kv_size=None,
+           input_embeddings=None, stream=None):
+    """The prompt's passes: (passes, whether the cache is the loop's own, first token, its logprobs)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import greedy_sampler
+
+    if input_embeddings is not None:
+        raise ValueError("input embeddings are not supported by mlx_flash")
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty")
+    own_cache = prompt_cache is None
+    if own_cache:
+        prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    passes = _Passes(model, prompt_cache, sampler or greedy_sampler, logits_processors, stream,
+                     (quantized_kv_start, kv_group_size, kv_bits))
+    progress = prompt_progress_callback or (lambda *_: None)
+    total, done = len(prompt), 0
+    progress(0, total)
+    while total - done > prefill_step_size:
+        passes(prompt[done : done + prefill_step_size], "none")
+        done += prefill_step_size
+        progress(done, total)
+        mx.clear_cache()
+    y, logprobs = passes(prompt[done:], "last")
+    progress(total, total)
+    return passes, own_cache, y, logprobs
+
+
+def generate_step(prompt, model, *, max_tokens: int = 256, **kwargs):
+    """mlx-lm's `generate_step` (same arguments and yields) with two forward passes fewer before the
+    first token. A flash pass reads its FFN units on the host, layer by layer, so mlx-lm's two overlaps
+    only cost passes: its prompt's last token gets a pass of its own (here it ends the last prompt
+    chunk, whose head runs on that position alone) and it computes each token before yielding the one
+    before (here after). A `prompt_cache` passed in ends holding every yielded token, as with mlx-lm
+    (its server stores it under the prompt + reply): the last one is fed when the generator closes."""
+    import mlx.core as mx
+
+    passes, own_cache, y, logprobs = _start(prompt, model, **kwargs)
+    n, unfed = 0, None
+    try:
+        while True:
+            unfed = y
+            yield y.item(), logprobs
+            n += 1
+            if n == max_tokens:
+                break
+            unfed = None  # from here the pass below owns it (a failed pass is not retried)
+            y, logprobs = passes(y, "last")
+            if n % 256 == 0:
+                mx.clear_cache()
+    finally:
+        if unfed is not None and not own_cache:
+            passes(unfed, "none")
+
+
+def speculative_generate_step(prompt, model, drafter, *, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                              adaptive_draft: bool = True, max_tokens: int = 256, spec_stats=None, **kwargs):
+    """`generate_step` with drafts from `drafter` (mlx_flash.speculative) verified k+1 positions a pass; yields
+    (token, logprobs, from_draft) as mlx-lm's `speculative_generate_step`. Every token is the model's own choice
+    given the ones before (greedy: the same tokens as `generate_step`). The cache must be trimmable; a
+    `prompt_cache` passed in ends holding every yielded token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    passes, own_cache, y, logprobs = _start(prompt, model, **kwargs)
+    if not can_trim_prompt_cache(passes.cache):
+        raise ValueError("speculative decoding needs a trimmable KV cache (not --max-kv-size's rotating one)")
+    if hasattr(drafter, "prefill"):
+        drafter.prefill(prompt.tolist())
+    depth = AdaptiveDepth(num_draft_tokens, adaptive_draft)
+    stats = spec_stats if spec_stats is not None else SpeculativeStats()
+    tokens = prompt.tolist()
+    y, n, unfed, excess = y.item(), 0, None, 0
+    try:
+        unfed = y
+        yield y, logprobs, False
+        tokens.append(y)
+        n = 1
+        while n < max_tokens:
+            start = time.perf_counter()  # a pass's cost: drafting and verifying
+            draft = [int(d) for d in drafter.propose(tokens, min(depth.depth, max_tokens - n))]
+            unfed = None  # the pass below feeds y
+            ys, lps = passes(mx.array([y] + draft, dtype=mx.uint32), "all")
+            seconds = time.perf_counter() - start
+            ys = ys.tolist()
+            k = accept(draft, ys)
+            passes.trim(len(draft) - k)
+            depth.update(len(draft), k, seconds)
+            emitted = draft[:k] + [ys[k]]
+            stats.add(len(draft), k, min(len(emitted), max_tokens - n))
+            for i, t in enumerate(emitted):
+                excess, unfed = (k - i - 1, None) if i < k else (0, t)  # fed but not yielded / yielded, not fed
+                yield t, lps[i], i < k
+                tokens.append(t)
+                n += 1
+                if n == max_tokens:
+                    break
+            y = emitted[-1]
+    finally:
+        if not own_cache:
+            passes.trim(excess)
+            if unfed is not None:
+                passes(mx.array([unfed], dtype=mx.uint32), "none")
+
+
+@contextmanager
+def _head_on_last_position(model, on: bool):
+    """mlx-lm's models apply their head to `model.model`'s output: give it the last position only.
+    The prompt's other logits are unused, and [positions, vocab] floats need not fit a budget."""
+    inner = getattr(model, "model", None) if on else None
+    if inner is None:
+        yield
+        return
+    model.model = _LastPosition(inner)
+    try:
+        yield
+    finally:
+        model.model = inner
+
+
+class _LastPosition:
+    """`inner` (the model's body) returning its last position; its attributes (a tied head) as they are."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)[:, -1:]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, prompt_lookup: bool = False,
+                    num_draft_tokens=None, adaptive_draft: bool = True, **kwargs):
+    """mlx-lm's `stream_generate` (same arguments and `GenerationResponse`s) on `generate_step` above;
+    `generation_tps` is `decode_tps` (decode steps over their time); closes the flash model's stats at the end. `draft_model` (a model with the same tokenizer, as mlx-lm's) or
+    `prompt_lookup` (n-gram drafts from the prompt and the text so far) decode speculatively, up to
+    `num_draft_tokens` drafts a pass (default DEFAULT_DRAFT_TOKENS; `adaptive_draft`: fewer after rejections);
+    the flash model's `speculative` then holds the drafted and accepted counts."""
+    import mlx.core as mx
+    from mlx_lm.generate import GenerationResponse
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if max_tokens == 0:
+        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if isinstance(prompt, str):
+        prompt = tokenizer.encode(prompt, add_special_tokens=tokenizer.bos_token is None
+                                  or not prompt.startswith(tokenizer.bos_token))
+    prompt = mx.array(prompt)
+    detokenizer = tokenizer.detokenizer
+    drafter = make_drafter(prompt_lookup, draft_model)
+    if drafter is None:
+        tokens = _not_drafted(generate_step(prompt, model, max_tokens=max_tokens, **kwargs))
+    else:
+        spec = SpeculativeStats()
+        if hasattr(model, "flash"):
+            model.flash.speculative = spec
+        tokens = speculative_generate_step(prompt, model, drafter, max_tokens=max_tokens, spec_stats=spec,
+                                           num_draft_tokens=num_draft_tokens or DEFAULT_DRAFT_TOKENS,
+                                           adaptive_draft=adaptive_draft, **kwargs)
+
+    def response(finish=None):
+        return GenerationResponse(
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft, prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps, generation_tokens=n + 1, generation_tps=decode_tps(n, time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
+
+    try:
+        tic = time.perf_counter()
+        for n, (token, logprobs, from_draft) in enumerate(tokens):
+            if n == 0:
+                prompt_tps = prompt.size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                break
+            yield response()
+        detokenizer.finalize()
+        yield response("stop" if token in tokenizer.eos_token_ids else "length")
+    finally:
+        tokens.close()  # feeds the last token into a caller's prompt cache, now
+        if hasattr(model, "flash"):
+            model.flash.stats.end()
+
+
+def decode_tps(steps: int, seconds: float) -> float:
+    """Tokens/s of decoding: the tokens after the first (which the prompt's pass makes) over their time,
+    as llama-bench counts its generation test: one token a decode step."""
+    return steps / seconds if steps and seconds > 0 else 0.0
+
+
+def _not_drafted(steps):
+    """generate_step's (token, logprobs) as (token, logprobs, from_draft=False); closing it closes `steps`."""
+    try:
+        for token, logprobs in steps:
+            yield token, logprobs, False
+    finally:
+        steps.close()
+
+
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """mlx-lm's `generate` on `stream_generate` above; afterwards `model.flash.stats` holds the tokens."""
+    text, response = "", None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose and response is not None:
+        print_response_stats(response)
+    return text
+
+
+def print_response_stats(response, out=sys.stdout):
+    print(f"\n{'=' * 10}\nPrompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec\n"
+          f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec\n"
+          f"Peak memory: {response.peak_memory:.3f} GB", file=out)
 
 DEFAULT_PROMPT = "Once upon a time"
 

@@ -8,21 +8,22 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from . import cpu_gemv, memory
-from .architectures import adapter_for
+from .compute import cpu_gemv
+from .engine import memory
+from .models.architectures import adapter_for
 from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
-from .decode import HostDecoder, HostKVCache
+from .engine.native_step import HostDecoder, HostKVCache
 from .default_model import default_model_dir
 from .errors import BudgetError, FlashError, FlashFormatError
-from .experts import ExpertEngine, FlashSwitchGLU, ReadAhead, next_routers
-from .ffn import ResidentFFN
-from .flash_format import RESIDENT, FlashDir, dense_ffn_weights
+from .engine.experts import ExpertEngine, FlashSwitchGLU, next_routers
+from .compute.ffn import ResidentFFN
+from .format.directory import RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
-from .offload import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
-from .reader import DEFAULT_MAX_GAP_BYTES, open_reader
-from .runtime import FlashEngine, FlashFFN
-from .selectors import load_selector_arrays, wina_norms
-from .sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
+from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
+from .engine.reader import DEFAULT_MAX_GAP_BYTES, open_reader
+from .engine.neurons import NeuronEngine, FlashFFN
+from .engine.selectors import load_selector_arrays, wina_norms
+from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
 
 
 def cpu_float32(name: str) -> bool:
@@ -65,7 +66,7 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     """Instantiate the architecture, load the resident weights, and set layers[i].mlp = make_ffn(i, biases_i).
 
     dtype=mx.float32 casts the float tensors `cpu_float32` selects (the CPU path).
-    wrap: module path -> function replacing that module (its weights are then not loaded: offload.py)."""
+    wrap: module path -> function replacing that module (its weights are then not loaded: engine/resident.py)."""
     config = fd.config
     adapter_for(config)
     model_class, args_class = get_model_classes(config)
@@ -275,7 +276,7 @@ def load(
 
     memory_budget: bytes, "2GB" or "50%" (of the model's size) for weights + caches + KV cache;
     None caches every unit. If the resident weights do not fit, attention layers, embeddings and
-    the LM head are streamed from flash too (offload.py; `model.flash.plan` says what); if even
+    the LM head are streamed from flash too (engine/resident.py; `model.flash.plan` says what); if even
     that does not fit, raises BudgetError before reading weights. `model.flash` is the engine:
     its `.stats`, and `model.flash.close()`.
     dtype: mx.float32 runs activations in float32 (see `cpu_float32`); the default without Metal,
@@ -284,15 +285,15 @@ def load(
     replaces `sparsity`/`density`/`gamma`. max_ppl_increase: what "auto" accepts (make_sparsifier).
     `model.flash.attach` swaps engines later.
     prefetch: dense decoding reads the next layer's uncached units while a layer computes (two buffers
-    in the budget; see runtime.Prefetch); None (the default) and True do. An MoE model with True reads
-    the experts the next layer's router predicts (experts.ReadAhead, two buffers of top-k experts in the
+    in the budget; see engine/read_ahead.py); None (the default) and True do. An MoE model with True reads
+    the experts the next layer's router predicts (engine/read_ahead.py, two buffers of top-k experts in the
     budget); None leaves it off, since on the bench it read 3x the bytes and was slower (BENCHMARKS.md).
     kv_bits: 4 or 8 quantises the KV cache (mlx-lm's QuantizedKVCache, `kv_group_size` elements per
     scale) from the first token; the plan holds it at that size. `model.make_cache()` builds it.
     prompt_caches: room in the budget for this many KV caches of `context` tokens stored between
     requests (the server's prompt cache): `model.flash.plan.prompt_cache` bytes.
     draft_model: a flash directory with the same tokenizer, loaded resident as `model.draft_model` for
-    speculative decoding (generation.stream_generate's draft_model); its memory comes out of the budget.
+    speculative decoding (generate.stream_generate's draft_model); its memory comes out of the budget.
     """
 
     fd = FlashDir(path if path is not None else default_model_dir())
@@ -350,7 +351,7 @@ def load(
             why = f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
     # (threads other than the plan's: its bounce buffers are threads x FFN_BOUNCE_BYTES of a packed directory)
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES)
-    engine = FlashEngine.from_plan(fd, plan, reader, sparsifier, policy or "window", window, use_metal, dtype or mx.float32)
+    engine = NeuronEngine.from_plan(fd, plan, reader, sparsifier, policy or "window", window, use_metal, dtype or mx.float32)
     engine.why = why
     engine.stats.baseline_rss = baseline
     if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds
@@ -371,7 +372,7 @@ def load(
 
 
 def _streaming(fd, plan, engine, direct: bool, cast) -> Dict[str, Callable[[nn.Module], nn.Module]]:
-    """The wrappers of what the plan streams below the resident floor (offload.py), read through a streamer whose
+    """The wrappers of what the plan streams below the resident floor (engine/resident.py), read through a streamer whose
     reads count in the engine's stats; {} when everything resident fits."""
     if not plan.streamed:
         return {}
@@ -401,7 +402,7 @@ def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, t
     top_k = int(fd.config.get("num_experts_per_tok") or 0)
     read_ahead = read_ahead and top_k > 0
     if read_ahead:
-        extra += ReadAhead.nbytes(fd, top_k)
+        extra += ExpertEngine.read_ahead_bytes(fd, top_k)
     plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra, resident=fd.resident_nbytes(cast),
                        groups=stream_groups(fd, cast, context), kv_bits=kv_bits, kv_group_size=kv_group_size,
                        prompt_caches=prompt_caches)
@@ -414,7 +415,7 @@ def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, t
     model.flash = engine
     routers = next_routers(model, {int(i): p for i, p in fd.ffn["switch_paths"].items()}) if read_ahead else {}
     if routers:
-        engine.read_ahead = ReadAhead(engine, routers, top_k, top_k)
+        engine.read_ahead_with(routers, top_k)
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
                                kv_group_size)

@@ -29,9 +29,9 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from .default_model import default_model_dir
 from .errors import FlashError
-from .generation import stream_generate
+from .generate import stream_generate
 from .loader import load
-from .sparsity import SPARSITIES
+from .engine.sparsity import SPARSITIES
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def read_summary(stats) -> dict:
     """A request's device bytes per forward pass, from the runtime's own counters: the prompt's
     prefill passes (several tokens each; the last gives the first generated token), then the
     single-token passes (one per further generated token, and one that feeds the last into the
-    stored prompt cache: see `generation.generate_step`)."""
+    stored prompt cache: see `generate.generate_step`)."""
     return {"prefill_passes": [t.bytes_read for t in stats.tokens if t.prefill],
             "decode_passes": [t.bytes_read for t in stats.tokens if not t.prefill]}
 

@@ -1,6 +1,6 @@
 """Speculative decoding over streamed weights: draft k tokens cheaply, verify them in one pass of k+1
 positions, keep the accepted prefix. A flash pass reads each needed FFN unit once for all its positions
-(decode.HostDecoder, runtime.FlashEngine._step), so when a token is bound by its reads, several tokens come
+(native_step.HostDecoder, neurons.NeuronEngine._step), so when a token is bound by its reads, several tokens come
 for the bytes of one.
 
     drafter.prefill(prompt)      once, before the first token (a draft model reads the prompt)

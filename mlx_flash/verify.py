@@ -9,7 +9,7 @@ import sys
 from tqdm import tqdm
 
 from .errors import FlashFormatError
-from .flash_format import FlashDir
+from .format.directory import FlashDir
 
 
 def setup_arg_parser():

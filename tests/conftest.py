@@ -18,7 +18,7 @@ CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "Pack 
 def float_activations():
     """Float32 activations in the native matvecs. Their int8 default rounds x per block (as llama.cpp does), so
     a test comparing with another path's arithmetic (MLX's ops, stock mlx-lm) would hold only to that rounding."""
-    from mlx_flash import cpu_gemv
+    from mlx_flash.compute import cpu_gemv
 
     cpu_gemv.set_int8_activations(False)
     yield
@@ -37,10 +37,10 @@ def generate_capped():
     import re
     import sys
 
-    from mlx_flash import memory
+    from mlx_flash.engine import memory
     from mlx_flash.budget import parse_size
     from mlx_flash.errors import CapError
-    from mlx_flash.flash_format import FlashDir
+    from mlx_flash.format.directory import FlashDir
     from mlx_flash.tools.cap import run_capped
 
     def run(model_dir, budget, *args):
@@ -63,7 +63,7 @@ def generate_capped():
 @pytest.fixture
 def mlx_ops(monkeypatch):
     """MLX's own ops for quantised products (the native kernels, which take up to NATIVE_ROWS rows, off)."""
-    from mlx_flash import cpu_gemv
+    from mlx_flash.compute import cpu_gemv
 
     monkeypatch.setattr(cpu_gemv, "enabled", False)
 

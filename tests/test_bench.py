@@ -10,9 +10,10 @@ import pytest
 import mlx_flash  # noqa: F401
 import mlx.core as mx
 
-from mlx_flash.tools import bench, simulate, synthetic
+from mlx_flash import bench
+from mlx_flash.tools import simulate, synthetic
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.calib.trace import MappedTrace, RecordingSparsifier, Trace, TraceSparsifier, record
@@ -177,7 +178,7 @@ def test_bench_below_the_resident_floor(tiny_dir, tiny_trace, tmp_path):
     groups, reports them per token, and naive reads the whole FFN on top."""
     from mlx_flash.budget import min_streaming_budget
     from mlx_flash.loader import cpu_cast
-    from mlx_flash.offload import stream_groups
+    from mlx_flash.engine.resident import stream_groups
 
     fd = FlashDir(tiny_dir)
     context = 8 + 12 + 8

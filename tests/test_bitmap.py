@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import bitmap
+from mlx_flash.format import bitmap
 
 DTYPES = ["float16", "bfloat16", "float32", "uint8"]
 SHAPES = [(7, 1), (9, 8), (6, 31), (5, 32), (4, 33), (3, 100), (8, 576)]

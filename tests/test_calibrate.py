@@ -8,18 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash.calib.calibrate import (
-    allocate_densities,
-    calibrate_dip,
-    calibrate_dip_per_layer,
-    collect_inputs,
-    density_sweep,
-    main,
-    train_predictor,
-    train_predictors,
-)
+from mlx_flash.calibrate import allocate_densities, calibrate_dip, calibrate_dip_per_layer, collect_inputs, density_sweep, main, train_predictor, train_predictors
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load_resident, make_sparsifier
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.calib.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll

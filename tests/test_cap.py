@@ -66,7 +66,7 @@ def test_sigterm_kills_the_child_and_removes_the_cgroup(tmp_path):
     import subprocess
     import time
 
-    p = subprocess.Popen([sys.executable, "-m", "mlx_flash.cap", "--limit", "200MiB", "--", "sleep", "60"])
+    p = subprocess.Popen([sys.executable, "-m", "mlx_flash.tools.cap", "--limit", "200MiB", "--", "sleep", "60"])
     c = _Cgroup(64 * MiB)
     c.remove()
     time.sleep(3)

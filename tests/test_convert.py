@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from mlx_flash import FlashError, FlashFormatError, SourceError, UnsupportedArchitectureError
-from mlx_flash.architectures import ADAPTERS
+from mlx_flash.models.architectures import ADAPTERS
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir, FlashWriter
+from mlx_flash.format.directory import FlashDir, FlashWriter
 from mlx_flash.loader import load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.convert.source import load_source_model
@@ -291,7 +291,7 @@ def test_killed_conversion_leaves_nothing_that_loads(tiny_dirs, tmp_path):
     """SIGKILL mid-way: only a hidden temporary directory can remain, never the output."""
     code = (
         "import sys, os, signal\n"
-        "from mlx_flash.flash_format import FlashWriter\n"
+        "from mlx_flash.format.directory import FlashWriter\n"
         "real = FlashWriter.add_layer\n"
         "def add(self, a):\n"
         "    real(self, a); os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -339,7 +339,7 @@ def test_spooled_safetensors_are_mx_save_safetensors_bytes(tmp_path):
     dtypes, non-contiguous and bfloat16 arrays, with and without metadata), and the file's sha256."""
     import hashlib
 
-    from mlx_flash.safetensors_io import TensorSpool
+    from mlx_flash.format.safetensors_io import TensorSpool
 
     rng = np.random.default_rng(0)
     dtypes = [mx.float16, mx.bfloat16, mx.float32, mx.uint32, mx.uint8, mx.bool_, mx.int32]

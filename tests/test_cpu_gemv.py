@@ -5,7 +5,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_flash import cpu_gemv
+from mlx_flash.compute import cpu_gemv
 
 pytestmark = [pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU"),
               pytest.mark.usefixtures("float_activations")]  # int8 activations: tests/test_decode.py

@@ -6,8 +6,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_flash import cpu_gemv
-from mlx_flash.decode import HostKVCache
+from mlx_flash.compute import cpu_gemv
+from mlx_flash.engine.native_step import HostKVCache
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
 
@@ -205,7 +205,7 @@ def test_host_kv_cache_is_an_mlx_lm_cache():
 
 
 def _greedy(model, prompt, n=24):
-    from mlx_flash.generation import generate_step
+    from mlx_flash.generate import generate_step
 
     return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
@@ -249,7 +249,7 @@ def test_streamed_native_steps_equal_resident(smol, float_activations):
     residual reaches |x| ~ 1000), and the two drift apart by ~0.3 in log-probability: token identity over a long
     horizon is a float32-activation property."""
     from mlx_flash.budget import min_budget
-    from mlx_flash.flash_format import FlashDir
+    from mlx_flash.format.directory import FlashDir
     from mlx_flash.loader import load
 
     resident, tok = load(smol)

@@ -44,7 +44,7 @@ def test_mlx_lm_runs_the_flash_weights(flash_dir, tmp_path, down_bits, tol):
 
 
 def test_gate_up_are_copied_bit_for_bit(flash_dir, tmp_path):
-    from mlx_flash.flash_format import FlashDir
+    from mlx_flash.format.directory import FlashDir
 
     out = export(flash_dir, tmp_path / "mlx", progress=False)
     w = mx.load(str(out / "model.safetensors"))

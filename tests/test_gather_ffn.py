@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import compute as gf
+from mlx_flash.compute import backends as gf
 from mlx_flash.compute import metal as gm
-from mlx_flash.ffn import ACTIVATIONS, ffn_forward, project
-from mlx_flash.flash_format import BundleLayout
+from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward, project
+from mlx_flash.format.directory import BundleLayout
 
 KINDS = ["float32", "float16", "bfloat16", "q4", "q8"]
 FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -510,7 +510,7 @@ def test_kernel_bodies_emulated_on_cpu(tmp_path):
 def native(request, monkeypatch):
     """The native CPU kernels, with their AVX2 loops (where the CPU has them) or the scalar ones;
     yields a dict counting the native calls, so each test proves it ran them."""
-    from mlx_flash import cpu_gemv
+    from mlx_flash.compute import cpu_gemv
 
     if not cpu_gemv.available():
         pytest.skip("native CPU kernels not built or MLX not on the CPU")
@@ -559,7 +559,7 @@ def test_native_cpu_path_only_for_few_float32_rows(native):
     rng = np.random.default_rng(5)
     c = Cache(rng, {"gate": ("q4", 64), "up": ("q4", 64), "down": ("q8", 64)}, n_units=8)
     slots = c.slots_for(np.arange(8))
-    from mlx_flash.cpu_gemv import NATIVE_ROWS
+    from mlx_flash.compute.cpu_gemv import NATIVE_ROWS
 
     many = NATIVE_ROWS + 1
     gf.row_dot(mx.array(rng.standard_normal((many, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 

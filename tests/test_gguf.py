@@ -14,7 +14,7 @@ from mlx_flash.errors import SourceError, UnsupportedArchitectureError
 from mlx_flash.convert.gguf import gguf_to_mlx_dir
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.texts import read_text
-from mlx_flash.models.tiny import _bytes_to_unicode
+from mlx_flash.models.tiny import bytes_to_unicode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,7 +248,7 @@ def _write_tiny_gguf(path, arch="llama", types=None, tied=False, seed=0, extra_t
     T = gguf.GGMLQuantizationType
     types = types or {}
     rng = np.random.default_rng(seed)
-    byte_chars = [_bytes_to_unicode()[b] for b in range(256)]
+    byte_chars = [bytes_to_unicode()[b] for b in range(256)]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     merges = ["Ġ t", "h e", "Ġt he"]
     tokens = specials + byte_chars + ["Ġt", "he", "Ġthe"]
@@ -658,7 +658,7 @@ def _hf_to_gguf(hf_dir, path, arch, qtypes=None, extra=None):
     Llama's q/k row permutation and Gemma's norm + 1. `qtypes`: {gguf base suffix: GGMLQuantizationType};
     `extra(writer)` adds more metadata or tensors."""
     import gguf
-    from mlx_flash.convert.gguf import ARCHITECTURES
+    from mlx_flash.convert.gguf_archs import ARCHITECTURES
 
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     weights = {k: np.array(v) for k, v in mx.load(str(Path(hf_dir) / "model.safetensors")).items()}
@@ -685,7 +685,7 @@ def _hf_to_gguf(hf_dir, path, arch, qtypes=None, extra=None):
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
     if arch == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
-    byte_map = _bytes_to_unicode()
+    byte_map = bytes_to_unicode()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
     w.add_token_list([byte_map[b] for b in range(256)])
@@ -773,7 +773,7 @@ def test_gemma3_norm_shift_matters(tmp_path, monkeypatch):
     """Without undoing llama.cpp's + 1 on Gemma's norms the weights (and the model) come out wrong."""
     import dataclasses
 
-    import mlx_flash.convert.gguf as g
+    import mlx_flash.convert.gguf_archs as g
     from mlx_flash.models.tiny import make_tiny_model_dir
 
     hf = make_tiny_model_dir("gemma3_text", tmp_path / "hf", seed=1)

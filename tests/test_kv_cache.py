@@ -7,12 +7,12 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_flash.budget import kv_cache_bytes, parse_size, plan_memory
-from mlx_flash.decode import HostKVCache
+from mlx_flash.engine.native_step import HostKVCache
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.errors import FlashError
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import cpu_cast, load
-from mlx_flash.offload import stream_groups
+from mlx_flash.engine.resident import stream_groups
 
 
 def test_kv_cache_bytes_counts_codes_scales_and_biases():

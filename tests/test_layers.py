@@ -1,14 +1,18 @@
 """The package's layers, as the import graph shows them (grimp reads the source; nothing is imported).
 
     commands   mlx_flash.<command> modules run with `python -m` (nothing imports them)
-    tools      mlx_flash.tools: benchmarks, peers, synthetic models
-    calib      mlx_flash.calib: calibration, sparse evaluation, traces
+    tools      mlx_flash.tools: developer tools (the hard cap, synthetic models, I/O benchmarks, plots)
+    calib      mlx_flash.calib: calibration's parts, sparse evaluation, traces
     convert    mlx_flash.convert: source models into flash directories and back
-    core       every other module: format, reader, cache, selectors, FFN compute, engine, budget, loader, generation
+    core       every other module: format, compute, engine, budget, loader, the generation loop
+
+`mlx_flash.generate` is the generation loop users import (`mlx_flash.generate`, `stream_generate`) and its
+command, as in mlx-lm: it sits in the core.
 
 A layer imports only from the layers below it, and no two modules import each other, directly or not.
 """
 
+import ast
 import re
 from pathlib import Path
 
@@ -21,8 +25,10 @@ ROOT = "mlx_flash"
 LAYERS = ["tools", "calib", "convert"]  # top to bottom; the core is below them all
 # `python -m mlx_flash.X` modules: commands are run, never imported (importing one used to replace
 # the package's function of the same name, see test_package.py)
-COMMANDS = {"bench", "bench_io", "calibrate", "cap", "export", "generate", "peers", "reorder", "server", "simulate",
-            "synthetic", "synthetic_gguf", "trace", "verify"}
+COMMANDS = {"bench", "calibrate", "peers", "server", "verify"}
+LIBRARY_COMMANDS = {"generate"}  # a command whose functions are the package's API
+MAX_ROOT_MODULES = 15
+MAX_LINES = 800
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +56,15 @@ def test_every_command_is_listed():
     """Every top-level module with a `main` is a command (and so nothing may import it)."""
     top = Path(mlx_flash.__path__[0])
     with_main = {p.stem for p in top.glob("*.py") if re.search(r"^def main\(|import .*\bmain\b", p.read_text(), re.M)}
-    assert with_main == COMMANDS
+    assert with_main == COMMANDS | LIBRARY_COMMANDS
+
+
+def test_root_shows_the_house():
+    """Few modules at the package's root (the API and the user's commands); no module too long to read."""
+    top = Path(mlx_flash.__path__[0])
+    assert len(list(top.glob("*.py"))) <= MAX_ROOT_MODULES
+    long = {str(p.relative_to(top)): n for p in top.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
 
 
 def test_layers_import_only_downwards(graph):
@@ -86,9 +100,9 @@ def test_no_import_cycles(graph):
 
 def test_the_checks_can_fail(graph):
     """The rules above see a violation when there is one: the core's loader really is imported by a tool."""
-    assert "mlx_flash.loader" in imports(graph, "mlx_flash.tools.bench")
-    assert layer_of("mlx_flash.tools.bench") > layer_of("mlx_flash.loader")
-    assert layer_of("mlx_flash.generate") > layer_of("mlx_flash.tools.bench")
+    assert "mlx_flash.loader" in imports(graph, "mlx_flash.bench")
+    assert layer_of("mlx_flash.bench") > layer_of("mlx_flash.loader")
+    assert layer_of("mlx_flash.server") > layer_of("mlx_flash.bench") - 1 and layer_of("mlx_flash.tools.cap") == 3
 
 
 def test_internal_imports_at_module_level():
@@ -98,3 +112,59 @@ def test_internal_imports_at_module_level():
     inner = [f"{p.relative_to(top)}: {line.strip()}" for p in top.rglob("*.py") for line in p.read_text().splitlines()
              if re.match(r"\s+from \.", line) and not re.search(r"import _(cpu_gemv|pread_pool) as _native", line)]
     assert not inner, "\n".join(inner)
+
+
+def private_accesses(source: str) -> list:
+    """`x._name` where x is not self / cls and nothing in this source defines `_name` (an attribute, function,
+    class or variable of that name), and `from mlx_flash... import _name`: reaching into another module's
+    internals. Dunders and the compiled extensions aside."""
+    tree = ast.parse(source)
+    own = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            own.add(n.attr)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            own.add(n.id)
+        elif isinstance(n, ast.arg):
+            own.add(n.arg)
+    found = []
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                and n.attr not in own and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
+            found.append(f"{n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith(ROOT)):
+            found += [f"{n.lineno}: import {a.name}" for a in n.names
+                      if a.name.startswith("_") and not a.name.startswith("__") and a.name not in EXTENSIONS]
+    return found
+
+
+EXTENSIONS = {"_cpu_gemv", "_pread_pool"}
+
+
+def test_no_module_reaches_into_another_modules_privates():
+    """Modules talk through public methods: a private attribute is used only in the module that defines it."""
+    top = Path(mlx_flash.__path__[0])
+    found = {str(p.relative_to(top)): f for p in sorted(top.rglob("*.py")) if (f := private_accesses(p.read_text()))}
+    assert not found, found
+
+
+def test_the_private_access_check_can_fail():
+    assert private_accesses("def f(m):\n    return m._engine\n") == ["2: m._engine"]
+    assert private_accesses("from .compute.cpu_gemv import _native\n") == ["1: import _native"]
+    assert not private_accesses("class A:\n    def f(self):\n        self._x = 1\n        return A()._x\n")
+
+
+def test_one_unit_step_and_one_read_ahead():
+    """The unit step is written once (engine/units.py) and both kinds of unit go through it; one read-ahead class."""
+    engine = Path(mlx_flash.__path__[0]) / "engine"
+    trees = {p.name: ast.parse(p.read_text()) for p in engine.glob("*.py")}
+    defs = {(name, n.name) for name, t in trees.items() for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
+    classes = [(name, n.name) for name, t in trees.items() for n in ast.walk(t) if isinstance(n, ast.ClassDef)]
+    assert [d for d in defs if d[1] in ("step", "_overflow", "_staged_misses")] and all(
+        name == "units.py" for name, f in defs if f in ("step", "_overflow", "_staged_misses"))
+    for kind in ("neurons.py", "experts.py"):
+        calls = [n for n in ast.walk(trees[kind]) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.step"]
+        assert calls, f"{kind} does not call the unit step"
+    assert [c for c in classes if "ahead" in c[1].lower() or "prefetch" in c[1].lower()] == [("read_ahead.py", "ReadAhead")]

@@ -4,11 +4,11 @@ selector's DRAM is planned, and the stats say so."""
 import pytest
 
 import mlx_flash
-from mlx_flash import memory
+from mlx_flash.engine import memory
 from mlx_flash.budget import parse_size
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.errors import BudgetError
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 
 PROMPT = "The history of the city begins. " * 8  # ~60 tokens: prefill activations count too
 

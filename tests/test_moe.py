@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 import mlx_flash  # noqa: F401
-from mlx_flash import cpu_gemv
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.budget import min_budget
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.errors import FlashError
-from mlx_flash.experts import REGION, ReadAhead, expert_arrays, switch_paths
-from mlx_flash.flash_format import FlashDir
-from mlx_flash.generation import generate_step
+from mlx_flash.engine.experts import REGION, ExpertEngine, expert_arrays, switch_paths
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import TINY_MOE_ARCHS, make_tiny_model_dir
-from mlx_flash.reader import DEFAULT_MAX_GAP_BYTES
+from mlx_flash.engine.reader import DEFAULT_MAX_GAP_BYTES
 
 PROMPT = mx.array([1, 5, 9, 33, 70, 2, 11])
 
@@ -57,7 +57,7 @@ def greedy(model, n=12):
 
 def slots_budget(fd, slots, read_ahead=False):
     """A budget that leaves `slots` expert slots per layer (beside the read-ahead's staging buffers, if asked)."""
-    extra = ReadAhead.nbytes(fd, fd.config["num_experts_per_tok"]) if read_ahead else 0
+    extra = ExpertEngine.read_ahead_bytes(fd, fd.config["num_experts_per_tok"]) if read_ahead else 0
     return min_budget(fd, 64, 4, extra=extra) + slots * sum(REGION in l for l in fd.layers) * fd.layouts[REGION].stride
 
 
@@ -181,7 +181,7 @@ def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type
 
 def test_deepseek2_gguf_with_softmax_routing_is_refused(tmp_path):
     """DeepSeek-V2's softmax routing is not mlx-lm's deepseek_v3 (sigmoid): refused, not converted wrong."""
-    from mlx_flash.convert import gguf
+    from mlx_flash.convert import gguf_archs as gguf
     from mlx_flash.errors import UnsupportedArchitectureError
 
     spec = gguf.ARCHITECTURES["deepseek2"]
@@ -241,7 +241,7 @@ def test_the_read_ahead_asks_the_next_router_with_its_own_norm(moe_dirs):
     _, flash_dir, _ = moe_dirs["qwen3_moe"]
     model, _ = load(flash_dir, context=64, prefetch=True)
     try:
-        routers = model.flash.read_ahead.routers
+        routers = model.flash.routers
         assert sorted(routers) == list(range(len(model.layers) - 1))
         h = mx.random.normal((3, model.args.hidden_size))
         nxt, scale, gate = routers[0]
@@ -369,15 +369,15 @@ def test_a_failed_read_leaves_no_unread_expert_cached(moe_dirs):
             real(handle)
             calls[0] += 1
             if calls[0] == 3:
-                failed.append([c.num_used for c in engine.caches])
+                failed.append([c[REGION].num_used if c else 0 for c in engine.caches])
                 raise ReadError("injected")
 
         engine.reader.wait = wait
         with pytest.raises(ReadError, match="injected"):
             greedy(model)
         engine.reader.wait = real
-        emptied = [i for i, c in enumerate(engine.caches) if c.num_used == 0 and failed[0][i] > 0]
-        assert len(emptied) == 1 and engine.read_ahead.pending is None
+        emptied = [i for i, c in enumerate(engine.caches) if c and c[REGION].num_used == 0 and failed[0][i] > 0]
+        assert len(emptied) == 1 and not engine.read_ahead.pending
         assert greedy(model) == want
     finally:
         engine.close()
@@ -410,7 +410,7 @@ def test_below_the_resident_floor_attention_and_head_stream(wide_vocab_dirs, arc
     are still stock mlx-lm's, and the streamed bytes are counted."""
     from mlx_flash.budget import min_streaming_budget
     from mlx_flash.loader import cpu_cast
-    from mlx_flash.offload import stream_groups
+    from mlx_flash.engine.resident import stream_groups
 
     src_dir, flash_dir = wide_vocab_dirs[arch]
     src, _ = load_source_model(src_dir, lazy=False)

@@ -12,10 +12,10 @@ from mlx_lm.generate import generate_step
 from mlx_flash import BudgetError, FlashFormatError
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import RESIDENT, FlashDir
+from mlx_flash.format.directory import RESIDENT, FlashDir
 from mlx_flash.loader import cpu_cast, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.offload import _spread, stream_groups
+from mlx_flash.engine.resident import _spread, stream_groups
 
 PROMPT = [1, 5, 9, 33, 7, 100, 3]
 CONTEXT = 64
@@ -203,8 +203,8 @@ def test_prompt_logits_stay_lazy_and_equal_resident(dirs):
 def test_attach_moves_the_streamer(dirs):
     """A model with streamed attention keeps working on another engine: its streamer (and the
     streamed bytes in the stats) move to the new engine, and closing the old one does not close it."""
-    from mlx_flash.runtime import FlashEngine
-    from mlx_flash.sparsity import Dense
+    from mlx_flash.engine.neurons import NeuronEngine
+    from mlx_flash.engine.sparsity import Dense
 
     path = dirs["llama"]
     fd, _, floor, _ = floors(path)
@@ -212,7 +212,7 @@ def test_attach_moves_the_streamer(dirs):
     model, _ = load(path, memory_budget=floor, sparsity="dense", context=CONTEXT)
     first = model.flash
     streamer = first.streamer
-    second = FlashEngine(fd, first.reader, Dense(fd.ffn["intermediate_size"]), first.plan.capacity, first.plan.scratch)
+    second = NeuronEngine(fd, first.reader, Dense(fd.ffn["intermediate_size"]), first.plan.capacity, first.plan.scratch)
     second.plan = first.plan
     try:
         assert second.attach(model) is first

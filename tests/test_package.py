@@ -16,28 +16,32 @@ def test_text_ships_inside_the_package():
 
 
 def test_generate_stays_the_function_whatever_is_imported():
-    """`mlx_flash.generate` and `stream_generate` stay the functions after every command module is imported (the
-    import system sets a submodule as its package's attribute, and `python -m mlx_flash.generate` is a module);
-    `from mlx_flash.generate import main` still gives the command."""
+    """`mlx_flash.generate` and `stream_generate` stay the functions after every module of the package is imported
+    (the module `mlx_flash.generate` holds them and the command, as mlx-lm's does); `python -m mlx_flash.generate`
+    runs the command without a warning."""
     code = (
-        "import pkgutil, importlib, mlx_flash, mlx_flash.generation as g\n"
-        "for m in pkgutil.iter_modules(mlx_flash.__path__):\n"
-        "    if not m.ispkg and not m.name.startswith('_'): importlib.import_module('mlx_flash.' + m.name)\n"
+        "import pkgutil, importlib, mlx_flash\n"
+        "g = importlib.import_module('mlx_flash.generate')\n"
+        "for m in pkgutil.walk_packages(mlx_flash.__path__, 'mlx_flash.'):\n"
+        "    if not m.name.rsplit('.', 1)[-1].startswith('_'): importlib.import_module(m.name)\n"
         "import mlx_flash.generate\n"
         "from mlx_flash.generate import main\n"
         "assert mlx_flash.generate is g.generate and mlx_flash.stream_generate is g.stream_generate\n"
-        "assert main.__module__ == 'mlx_flash.generate'\n"
+        "assert callable(mlx_flash.generate) and main.__module__ == 'mlx_flash.generate'\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "mlx_flash.generate", "--help"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "--memory-budget" in r.stdout and not r.stderr, r.stderr
 
 
 def test_plotting_without_matplotlib_says_what_to_install(monkeypatch):
     import pytest
 
     from mlx_flash import FlashError
-    from mlx_flash.plot import pyplot
+    from mlx_flash.tools.plot import pyplot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import raises ImportError
     with pytest.raises(FlashError, match=r"mlx-flash-runtime\[plot\]"):

@@ -1,4 +1,4 @@
-"""mlx_flash.tools.peers: the summary / table / ratio logic on canned runs, the synthetic GGUF writer, and
+"""mlx_flash.peers: the summary / table / ratio logic on canned runs, the synthetic GGUF writer, and
 (where llama.cpp is already built: the tests never build it) one real llama.cpp run."""
 
 from pathlib import Path
@@ -6,9 +6,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from mlx_flash.tools import peers
+from mlx_flash import peers
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.tools.synthetic_gguf import write_gguf
 
 MiB = 1 << 20
@@ -137,7 +137,7 @@ def test_merge_runs_of_separate_budgets():
 
 
 def test_parse_flash_stats_reads_the_generate_summary():
-    from mlx_flash.tools.peers import parse_flash_stats
+    from mlx_flash.peers import parse_flash_stats
 
     line = ("summary over 10 tokens (medians): io 810.57 ms, mm 13.33 ms, compute 1918.61 ms, total 2725.61 ms "
             "(0.37 tok/s); read 2.3 GiB/token at the device (2.3 GiB asked) at 912.5 MiB/s while reads were in "

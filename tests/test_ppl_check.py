@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_flash.tools import peers
+from mlx_flash import peers
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.calib.quality import perplexity, sequence_nll
 from mlx_flash.texts import llama_ppl_chunks, token_batches

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import bitmap
+from mlx_flash.format import bitmap
 
 from mlx_flash.convert import prune
 from mlx_flash.convert import convert

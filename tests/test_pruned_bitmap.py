@@ -9,12 +9,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlx_flash import FlashError
-from mlx_flash.tools.bench import resident_bytes
+from mlx_flash.bench import resident_bytes
 from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashFormatError
-from mlx_flash.flash_format import FlashDir
-from mlx_flash.sparsity import Oracle
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.engine.sparsity import Oracle
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.tools.routing import lru_hit_rates, record, regime_of, routing_stats, split_hit_rate
 from mlx_flash.tools.synthetic import build
 from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf

@@ -8,11 +8,11 @@ from mlx_lm.generate import generate_step
 from mlx_flash import BudgetError, FlashError
 from mlx_flash.budget import min_budget, parse_size
 from mlx_flash.convert import convert
-from mlx_flash.ffn import ACTIVATIONS, project
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.compute.ffn import ACTIVATIONS, project
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.sparsity import Oracle
+from mlx_flash.engine.sparsity import Oracle
 
 PROMPT = [1, 5, 9, 33, 7, 100, 3]
 CONTEXT = 256
@@ -219,7 +219,7 @@ def test_close_releases_files_and_threads(flash_dirs):
 def test_sparsifier_object_and_attach(flash_dirs):
     """load(sparsifier=...) takes an object; engine.attach moves a model onto another engine. ReLU oracle:
     both wire fc1's bias, so the tokens stay exactly the dense model's while fewer neurons are read."""
-    from mlx_flash.runtime import FlashEngine
+    from mlx_flash.engine.neurons import NeuronEngine
 
     path = flash_dirs["opt", "neurons"]
     fd = FlashDir(path)
@@ -232,7 +232,7 @@ def test_sparsifier_object_and_attach(flash_dirs):
         assert greedy(model, 16) == greedy(ref, 16)
         seen = len(first.stats.tokens)
 
-        second = FlashEngine(fd, first.reader, Oracle(fd), first.plan.capacity, first.plan.scratch)
+        second = NeuronEngine(fd, first.reader, Oracle(fd), first.plan.capacity, first.plan.scratch)
         assert second.attach(model) is first and model.flash is second
         assert greedy(model, 16) == greedy(ref, 16)
         assert len(first.stats.tokens) == seen  # every token now goes through the new engine
@@ -303,13 +303,13 @@ def test_a_failed_read_ahead_is_not_swallowed(deep_tiny):
     model, _ = load(deep_tiny, memory_budget=prefetch_budget(deep_tiny), sparsity="dense", context=CONTEXT)
     engine = model.flash
     greedy(model, 8)  # caches full: each layer now reads the next one's units ahead
+    engine.read_ahead.drain()
     engine.reader = FailingReader(engine.reader, ok=0)
-    engine.prefetch.pending.clear()
-    engine.prefetch.start(1)
-    assert 1 in engine.prefetch.pending
+    engine.read_ahead.start(1, np.arange(4, dtype=np.int32))
+    assert 1 in engine.read_ahead.pending
     with pytest.raises(ReadError, match="injected EIO"):
         engine.close()
-    assert engine.prefetch.pending == {}
+    assert engine.read_ahead.pending == {}
     engine.close()  # released: a second close does nothing
 
 
@@ -338,19 +338,17 @@ def test_dense_prefetch_reads_ahead_and_keeps_the_tokens(deep_tiny):
         plan, n = model.flash.plan, fd.layers[0]["neurons"].n_units
         stride = fd.layouts["neurons"].stride
         assert 0 < plan.prefetch_rows < n and plan.prefetch_rows + plan.capacity[0]["neurons"] == n
-        assert plain.flash.plan.prefetch_rows == 0 and plain.flash.prefetch is None
+        assert plain.flash.plan.prefetch_rows == 0 and plain.flash.read_ahead is None
         fixed = plan.resident + plan.kv_cache + plan.scratch + plan.workspace + plan.extra + plan.streaming
         assert fixed + plan.cache_bytes({"neurons": stride}) + 2 * plan.prefetch_rows * stride <= budget
-        taken = []
-        take = model.flash.prefetch.take
-        model.flash.prefetch.take = lambda layer, units: taken.append(layer) or take(layer, units)
         want = greedy(ref, 24)
         assert greedy(model, 24) == want == greedy(plain, 24)
-        # once the caches are full, every layer's overflow came from a read started a layer earlier
-        assert len(taken) >= 20 * len(fd.layers) and model.flash.prefetch.wasted_bytes == 0
+        # once the caches are full, every layer's overflow came from a read started a layer earlier, all of it used
         model.flash.stats.end()
-        toks = model.flash.stats.decode_tokens()[4:]
-        assert all(t.bytes_requested == plan.prefetch_rows * stride * len(fd.layers) for t in toks[:-1])
+        toks = model.flash.stats.decode_tokens()[4:-1]
+        per_token = plan.prefetch_rows * stride * len(fd.layers)
+        assert len(toks) >= 18 and all(t.bytes_requested == t.ahead_bytes == per_token for t in toks)
+        assert all(t.ahead_wasted_bytes == 0 for t in toks)
     finally:
         model.flash.close()
         plain.flash.close()
@@ -367,11 +365,11 @@ def test_a_tight_budget_reads_the_first_units_ahead(deep_tiny):
     try:
         plan = model.flash.plan
         assert plan.capacity[0]["neurons"] == 0 and 0 < plan.prefetch_rows < n
-        sizes = []
-        take = model.flash.prefetch.take
-        model.flash.prefetch.take = lambda layer, units: (lambda r: sizes.append(None if r is None else len(r)) or r)(take(layer, units))
         assert greedy(model, 12) == greedy(ref, 12)
-        assert sizes.count(plan.prefetch_rows) >= 10 * len(fd.layers) and model.flash.prefetch.wasted_bytes == 0
+        model.flash.stats.end()
+        toks = model.flash.stats.decode_tokens()[1:-1]
+        assert all(t.ahead_bytes == plan.prefetch_rows * s * len(fd.layers) and t.ahead_wasted_bytes == 0 for t in toks)
+        assert all(t.bytes_requested == n * s * len(fd.layers) for t in toks)  # the rest streamed, nothing twice
     finally:
         model.flash.close()
 
@@ -386,29 +384,35 @@ def test_prefetch_serves_another_thread(deep_tiny):
         t = threading.Thread(target=lambda: out.update(tokens=greedy(model, 8)))
         t.start()
         t.join()
-        assert len(out.get("tokens", [])) == 8 and model.flash.prefetch is not None
+        assert len(out.get("tokens", [])) == 8 and model.flash.read_ahead is not None
     finally:
         model.flash.close()
 
 
-def test_a_prefetch_that_does_not_match_is_not_used_and_counts_as_waste(deep_tiny):
+def test_staged_units_that_a_layer_does_not_need_count_as_waste(deep_tiny):
+    """Units read ahead that the layer does not need are not used and count as wasted bytes; staged rows are the
+    file's bytes."""
     path = deep_tiny
+    fd = FlashDir(path)
+    stride = fd.layouts["neurons"].stride
     model, _ = load(path, memory_budget=prefetch_budget(path), sparsity="dense", context=CONTEXT)
     try:
         greedy(model, 4)  # fills the caches
-        pf = model.flash.prefetch
-        pf.drain()
-        pf.start(1)
-        units = pf.pending[1][1]
-        assert pf.take(1, units[1:]) is None  # another set than was read: not used
-        assert pf.wasted_bytes == len(units) * FlashDir(path).layouts["neurons"].stride
-        pf.start(1)
-        rows = pf.take(1, units)
-        cache = model.flash.caches[1]["neurons"]
-        want = FlashDir(path).layers[1]["neurons"]
-        with open(FlashDir(path).ffn_path, "rb") as f:  # the prefetched rows are the file's bytes
-            f.seek(want.offset + int(units[0]) * want.stride)
-            assert bytes(np.array(rows[0])) == f.read(cache.row_bytes)
+        ahead, cache = model.flash.read_ahead, model.flash.caches[1]["neurons"]
+        cached = np.flatnonzero(cache.cached_mask())[:3].astype(np.int32)
+        ahead.drain()
+        ahead.start(1, cached)  # units layer 1 has cached: never needed from the staging buffer
+        staged = ahead.pending[1]
+        staged.wait()
+        want = fd.layers[1]["neurons"]
+        with open(fd.ffn_path, "rb") as f:  # the staged rows are the file's bytes
+            f.seek(want.offset + int(cached[0]) * want.stride)
+            assert bytes(staged.host[0]) == f.read(stride)
+        stats = model.flash.stats
+        wasted = lambda: sum(t.ahead_wasted_bytes for t in stats.tokens) + stats.current.ahead_wasted_bytes  # noqa: E731
+        before = wasted()
+        greedy(model, 1)
+        assert wasted() - before >= len(cached) * stride
     finally:
         model.flash.close()
 

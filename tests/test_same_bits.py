@@ -8,17 +8,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import cpu_gemv
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.budget import min_budget, min_streaming_budget
 from mlx_flash.compute.rows import RowSet
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.default_model import default_model_dir
-from mlx_flash.experts import REGION, ReadAhead
-from mlx_flash.flash_format import FlashDir
-from mlx_flash.generation import generate_step
+from mlx_flash.engine.experts import REGION, ExpertEngine
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.generate import generate_step
 from mlx_flash.loader import cpu_cast, load
-from mlx_flash.offload import stream_groups
+from mlx_flash.engine.resident import stream_groups
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.tools.synthetic import build
 
@@ -106,7 +106,7 @@ def test_moe_every_budget(tiny_moe):
     for slots in (3, 2, 1):
         got, _ = decode(tiny_moe, min_budget(fd, 128, 4) + slots * slot, 16, prompts)
         assert_same(ref, got, slots)
-    ahead = ReadAhead.nbytes(fd, fd.config["num_experts_per_tok"])
+    ahead = ExpertEngine.read_ahead_bytes(fd, fd.config["num_experts_per_tok"])
     got, _ = decode(tiny_moe, min_budget(fd, 128, 4, extra=ahead) + slot, 16, prompts, prefetch=True)
     assert_same(ref, got, "read-ahead")
 

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 
 from mlx_flash import FlashError
-from mlx_flash.calib.calibrate import main as calibrate_main
+from mlx_flash.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.budget import min_budget, min_streaming_budget
 from mlx_flash.loader import cpu_cast, default_model_dir, load, load_tokenizer, make_sparsifier
 from mlx_flash.texts import read_text, token_batches
-from mlx_flash.offload import stream_groups
+from mlx_flash.engine.resident import stream_groups
 from mlx_flash.calib.quality import dense_ffn_weights, eval_model, perplexity
-from mlx_flash.selectors import build_sketch, save_selector, wina_norms
-from mlx_flash.sparsity import WINA, Dense, Predictor, Sketch, top_k
+from mlx_flash.engine.selectors import build_sketch, save_selector, wina_norms
+from mlx_flash.engine.sparsity import WINA, Dense, Predictor, Sketch, top_k
 
 def _flash(tiny, name, layout="neurons"):
     root, src, _ = tiny
@@ -169,7 +169,7 @@ def test_generate_stats_name_the_selector(tiny):
 
 
 def test_candidates_follow_the_layout():
-    from mlx_flash.calib.calibrate import selector_candidates
+    from mlx_flash.calibrate import selector_candidates
 
     assert [c["bits"] for c in selector_candidates("neurons")] == [2, 3, 4]  # cheapest DRAM first
     assert [c["bits"] for c in selector_candidates("neurons", sketch_bits=[4, 3])] == [3, 4]  # --sketch-bits

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_flash.architectures import ADAPTERS
+from mlx_flash.models.architectures import ADAPTERS
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.convert.gguf import gguf_to_mlx_dir
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.loader import load_resident, load_tokenizer
 from mlx_flash.convert.source import load_source_model
-from mlx_flash.sparsity import Oracle
+from mlx_flash.engine.sparsity import Oracle
 
 PROMPT = "The history of the city begins"
 
@@ -85,7 +85,7 @@ def test_default_directory_holds_the_gguf_bytes(tmp_path):
     1.8% over with the biases stored), and the directory as a whole is no larger than the GGUF."""
     import gguf
 
-    from mlx_flash.cpu_gemv import symmetric_biases
+    from mlx_flash.compute.cpu_gemv import symmetric_biases
 
     out = convert(str(default_gguf_path()), tmp_path / "default", progress=False)
     fd = FlashDir(out)

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_flash import FlashError, cpu_gemv
+from mlx_flash import FlashError
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir, dense_ffn_weights
+from mlx_flash.format.directory import FlashDir, dense_ffn_weights
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 
@@ -75,7 +76,7 @@ def test_native_block_axpy_equals_mlx_ops():
 def test_streamed_tokens_equal_the_resident_model(dirs, sparsity, prefetch):
     """Under a budget of a fraction of the FFN, streaming through block_row_axpy gives the resident model's
     tokens (ResidentFFN through block_matmul), the resident tables counted in the budget."""
-    from mlx_flash.sparsity import Oracle
+    from mlx_flash.engine.sparsity import Oracle
 
     _, path = dirs
     ref, fd = load_resident(path)
@@ -176,11 +177,12 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
         request.getfixturevalue("mlx_ops")
     from mlx.utils import tree_flatten
 
-    from mlx_flash import flash_format, generation
+    from mlx_flash.format import directory as flash_format
+    from mlx_flash.generate import generate_step as flash_generate_step
     from mlx_flash.budget import min_streaming_budget
     from mlx_flash.convert.source import load_source_model, resolve_source
     from mlx_flash.loader import cpu_cast
-    from mlx_flash.offload import stream_groups
+    from mlx_flash.engine.resident import stream_groups
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
     gguf = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=4096)  # large enough to stream
@@ -213,7 +215,7 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
             assert (model.decoder is not None) == (kernels == "native"), model.flash.decoder_why
             # the native decode step (mlx_flash's loop) and the model's layers (mlx-lm's loop)
             tokens = [[int(t) for t, _ in steps(mx.array(PROMPT), model, max_tokens=24)]
-                      for steps in (generation.generate_step, generate_step)]
+                      for steps in (flash_generate_step, generate_step)]
             model.flash.stats.end()
             return params, tokens, model.flash.stats.decode_tokens()[-1].streamed_bytes
         finally:

@@ -7,10 +7,10 @@ from mlx_lm.generate import generate_step
 
 from mlx_flash import FlashFormatError
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load, make_sparsifier
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.sparsity import Dense, Oracle, Predictor, dram_bytes, pass_units, prompt_units, top_k
+from mlx_flash.engine.sparsity import Dense, Oracle, Predictor, dram_bytes, pass_units, prompt_units, top_k
 
 
 @pytest.fixture(scope="module")

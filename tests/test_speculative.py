@@ -6,12 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import cpu_gemv
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.budget import min_budget
-from mlx_flash.decode import MAX_POSITIONS
+from mlx_flash.engine.native_step import MAX_POSITIONS
 from mlx_flash.errors import FlashError
-from mlx_flash.flash_format import FlashDir
-from mlx_flash.generation import generate_step, speculative_generate_step, stream_generate
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.generate import generate_step, speculative_generate_step, stream_generate
 from mlx_flash.speculative import AdaptiveDepth, PromptLookup, accept
 
 native = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")

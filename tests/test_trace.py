@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 
 from mlx_flash import BudgetError
-from mlx_flash.tools import bench
+from mlx_flash import bench
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
-from mlx_flash.calib.calibrate import main as calibrate_main
+from mlx_flash.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
-from mlx_flash.flash_format import FlashDir
+from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import cpu_cast, make_sparsifier
-from mlx_flash.sparsity import dram_bytes
-from mlx_flash.offload import stream_groups
+from mlx_flash.engine.sparsity import dram_bytes
+from mlx_flash.engine.resident import stream_groups
 from mlx_flash.calib.quality import collect_inputs, eval_model
+from mlx_flash.calib.trace import default_trace
 from mlx_flash.calib.trace import Trace, TraceSparsifier, describe_selector, gate_up_weights, record
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
@@ -120,7 +121,7 @@ def test_bench_streams_what_the_selector_pushes_out(tiny, sketch_trace):
 
 def test_default_trace_is_the_calibrated_sketchs(sketched, monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_FLASH_CACHE", str(tmp_path))
-    tr, path = bench.default_trace(0.5, tokens=16, model=sketched)
+    tr, path = default_trace(0.5, tokens=16, model=sketched)
     assert path.name == "sketched-sketch2b-g64-0.5-16.npz" and path.parent == tmp_path / "traces"
     assert tr.meta["selector"]["name"] == "sketch" and tr.n_tokens == 16
-    assert bench.default_trace(0.5, tokens=16, model=sketched)[1] == path  # cached
+    assert default_trace(0.5, tokens=16, model=sketched)[1] == path  # cached

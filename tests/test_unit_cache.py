@@ -18,12 +18,7 @@ import mlx.core as mx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_flash.unit_cache import (
-    POLICIES,
-    UnitCache,
-    cache_aware_scores,
-    capacity_for_budget,
-)
+from mlx_flash.engine.cache import POLICIES, UnitCache, cache_aware_scores, capacity_for_budget
 
 RB = 4096  # row bytes used by most tests
 

@@ -10,7 +10,7 @@ quantised matmuls), and the per-token active set of a sparsifier is applied as a
 
 A masked-out neuron / input column contributes exactly what the runtime skips, so the
 result equals the runtime's output for the same active sets (up to float rounding). The masks
-come from the runtime's own selector objects (mlx_flash.sparsity, `Controller.selector`) applied
+come from the runtime's own selector objects (mlx_flash.engine.sparsity, `Controller.selector`) applied
 to all of a sequence's rows at once: the units measured here are the units the runtime picks.
 Modes (`Controller.mode`):
 
@@ -38,12 +38,12 @@ import mlx.nn as nn
 import numpy as np
 from tqdm import tqdm
 
-from .. import cpu_gemv
-from ..ffn import ACTIVATIONS
-from ..flash_format import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
+from ..compute import cpu_gemv
+from ..compute.ffn import ACTIVATIONS
+from ..format.directory import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
 from ..loader import build_model
-from ..unit_cache import UnitCache
-from ..sparsity import DIP, WINA, Oracle, Predictor, Sketch, top_k_mask
+from ..engine.cache import UnitCache
+from ..engine.sparsity import DIP, WINA, Oracle, Predictor, Sketch, top_k_mask
 
 MODES = ("dense", "oracle", "predictor", "dip", "dip-ca", "wina", "sketch")
 DIP_MODES = ("dip", "dip-ca", "wina")  # prune gate/up inputs first
@@ -130,7 +130,7 @@ class Controller:
 
     # -- forward -------------------------------------------------------------------
     def selector(self):
-        """The runtime's selector object (mlx_flash.sparsity) for the mode, or None (dense): the one code that
+        """The runtime's selector object (mlx_flash.engine.sparsity) for the mode, or None (dense): the one code that
         picks units, here applied to whole sequences at once."""
         m = self.mode
         if m == "oracle":  # ReLU: the non-zero activations, which the ReLU itself gives

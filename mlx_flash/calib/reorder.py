@@ -30,10 +30,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..budget import min_budget
-from ..flash_format import FFN, MANIFEST, PREDICTORS, RESIDENT, FlashDir, FlashWriter
-from ..generation import generate_step
+from ..format.directory import FFN, MANIFEST, PREDICTORS, RESIDENT, FlashDir, FlashWriter
+from ..generate import generate_step
 from ..loader import load, load_tokenizer, make_sparsifier
-from ..sparsity import dram_bytes
+from ..engine.sparsity import dram_bytes
 from ..texts import read_text, token_batches
 from .quality import activation_targets, collect_inputs, dense_ffn_weights, eval_model
 

@@ -1,6 +1,6 @@
 """Active-set traces: record which FFN neurons a real model uses per token, replay them anywhere.
 
-    python -m mlx_flash.trace [--model DIR] [--sparsity oracle] [--density 0.2] [--tokens 256] --out trace.npz
+    python -m mlx_flash.calib.trace [--model DIR] [--sparsity oracle] [--density 0.2] [--tokens 256] --out trace.npz
 
 Recording runs the model (default: SmolLM2, `default_model.default_model_dir()`) over real text
 (WikiText-2 test by default) with every FFN resident, in one teacher-forced forward pass,
@@ -42,6 +42,7 @@ gate/up copy).
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -50,9 +51,10 @@ import numpy as np
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 
-from ..default_model import default_model_dir
+from ..default_model import cache_root, default_model_dir
+from ..format.directory import FlashDir
 from ..loader import load_resident, load_tokenizer, make_sparsifier
-from ..sparsity import top_k
+from ..engine.sparsity import top_k
 from ..texts import read_text
 
 
@@ -261,6 +263,22 @@ def record(path=None, sparsity: str = "oracle", density: Optional[float] = 0.2, 
             "text": "wikitext-2 test" if text is None or offset >= 0 else "custom", "offset": offset,
             "realised_density": float(active.mean()), "selector": selector_info(sp, fd)}
     return Trace(active, np.array(ids), meta)
+
+
+def default_trace(density: float = 0.2, tokens: int = 256, model=None):
+    """The SmolLM2 trace on WikiText-2 (recorded once, cached): of the selector the directory ships (its
+    calibrated sketch) if it has one, else the oracle's (the upper bound). `model`: another directory."""
+
+    fd = FlashDir(model if model is not None else default_model_dir())
+    sel = (fd.manifest.get("sparsity") or {}).get("selector") or {}
+    sparsity, tag = ("sketch", f"sketch{sel['bits']}b-g{sel['group_size']}") if sel.get("name") == "sketch" else ("oracle", "oracle")
+    root = cache_root() / "traces"
+    path = root / f"{'smollm2' if model is None else fd.path.name}-{tag}-{density:g}-{tokens}.npz"
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        print(f"[trace] recording the {tag} trace of {fd.path} into {path} (once)", file=sys.stderr)
+        record(fd.path, sparsity, density, tokens).save(path)
+    return Trace.load(path), path
 
 
 def setup_arg_parser():

@@ -11,8 +11,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import cpu_gemv
-from ..ffn import ACTIVATIONS, glu
+from . import cpu_gemv
+from .ffn import ACTIVATIONS, glu
 from .ops import OpsBackend
 from .rows import RowMatrix, RowSet, slots_array
 

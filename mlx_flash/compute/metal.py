@@ -7,9 +7,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .. import kernel_source
-from ..flash_format import _DTYPES
-from ..kernel_source import split_sections
+from . import kernel_source
+from ..format.directory import DTYPES
+from .kernel_source import split_sections
 from .ops import OpsBackend
 from .rows import RowMatrix
 
@@ -50,7 +50,7 @@ def supports(m: RowMatrix) -> bool:
     if m.symmetric:  # the kernels read stored biases
         return False
     comps = [m.weight] + ([m.scales, m.biases] if m.bits else [])
-    aligned = all(c.offset % _DTYPES[c.dtype].size == 0 for c in comps)
+    aligned = all(c.offset % DTYPES[c.dtype].size == 0 for c in comps)
     return aligned and m.bits in (0, 2, 4, 8) and (m.bits == 0 or m.group_size % (32 // m.bits) == 0)
 
 

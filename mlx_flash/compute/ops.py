@@ -16,9 +16,9 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import cpu_gemv
-from ..ffn import ACTIVATIONS, glu
-from ..flash_format import _DTYPES, BundleLayout, Component
+from . import cpu_gemv
+from .ffn import ACTIVATIONS, glu
+from ..format.directory import DTYPES, BundleLayout, Component
 from .rows import RowMatrix, RowSet, matrix, per_partial
 
 _WORDS = (mx.uint32, mx.uint16, mx.uint8)
@@ -36,7 +36,7 @@ def gather(rows: mx.array, slots: mx.array, c: Component) -> mx.array:
     table = rows if word == mx.uint8 else mx.view(rows, word)
     lo = c.offset // word.size
     sub = mx.take(table[:, lo : lo + c.nbytes // word.size], slots, axis=0)
-    dtype = _DTYPES[c.dtype]
+    dtype = DTYPES[c.dtype]
     if dtype != word:
         sub = mx.view(sub, dtype)
     return sub.reshape(slots.shape[0], *c.shape)

@@ -2,7 +2,7 @@
 
 A per-layer cache is a uint8 mx.array `rows` [capacity, stride]; the stored row of matrix `name` of the
 unit in slot s is component `<name>.weight` (float, or packed uint32 when quantised, with `<name>.scales` /
-`<name>.biases`) at its byte offset in rows[s] (see flash_format.BundleLayout).
+`<name>.biases`) at its byte offset in rows[s] (see format.directory.BundleLayout).
 """
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..flash_format import _DTYPES, BundleLayout, Component
+from ..format.directory import DTYPES, BundleLayout, Component
 
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -33,7 +33,7 @@ class RowMatrix:
     @property
     def float_dtype(self) -> mx.Dtype:
         """The stored float type: the weights, or the scales/biases when quantised."""
-        return _DTYPES[(self.scales or self.weight).dtype]
+        return DTYPES[(self.scales or self.weight).dtype]
 
 
 @lru_cache(maxsize=256)

@@ -11,7 +11,7 @@ and a quantised one keeps its quantisation. --dtype alone keeps floats, cast to 
 Memory does not grow with the model: a GGUF is read a tensor at a time from its memory map into an
 mlx-lm directory (in the output's temporary directory, so the disk needs about twice the model),
 every directory is loaded lazily, each layer's FFN is evaluated, written and freed in turn, and the
-resident weights are written one array at a time (flash_format.FlashWriter.finish). A 7B is converted
+resident weights are written one array at a time (format.directory.FlashWriter.finish). A 7B is converted
 under a 1 GiB cap. --prune is the exception: calibration runs the whole model, in float32.
 
 --prune wanda prunes every FFN matrix with Wanda (prune.py; input norms from the first half
@@ -39,13 +39,12 @@ from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
 from .. import __version__
-from ..architectures import adapter_for, symmetric
-from ..bitmap import capacity_for_sparsity
+from ..models.architectures import adapter_for, symmetric
+from ..format.bitmap import capacity_for_sparsity
 from ..errors import FlashError
-from ..flash_format import (DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, FlashDir, FlashWriter,
-                            dtype_name)
+from ..format.directory import DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, FlashDir, FlashWriter, dtype_name
 from ..texts import wikitext
-from ..experts import is_moe
+from ..engine.experts import is_moe
 from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms
 from .source import copy_tokenizer, load_source_model, mlp_paths, release, resolve_source

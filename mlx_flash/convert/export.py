@@ -1,6 +1,6 @@
 """Write a flash directory back as a stock mlx-lm model directory.
 
-    python -m mlx_flash.export DIR --out MLXDIR [--down-bits 8|float]
+    python -m mlx_flash.convert.export DIR --out MLXDIR [--down-bits 8|float]
 
 So mlx-lm (and anything else that reads mlx-lm directories) runs exactly the weights mlx_flash
 streams: the peers benchmark compares systems on the same weights.
@@ -31,11 +31,11 @@ from tqdm import tqdm
 
 import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 
-from ..architectures import adapter_for, transpose_codes
-from ..cpu_gemv import symmetric_biases
+from ..models.architectures import adapter_for, transpose_codes
+from ..compute.cpu_gemv import symmetric_biases
 from ..errors import FlashError
-from ..flash_format import FlashDir
-from .gguf import _ShardWriter
+from ..format.directory import FlashDir
+from .gguf import ShardWriter
 from .source import TOKENIZER_FILES
 
 SHARD_BYTES = 1 << 30
@@ -92,7 +92,7 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
     module = dict(zip(adapter.matrices, adapter.names))  # canonical -> the architecture's module name
     config = dict(fd.config)
     quant = dict(config.get("quantization") or {})
-    writer = _ShardWriter(out, SHARD_BYTES)
+    writer = ShardWriter(out, SHARD_BYTES)
 
     resident = fd.load_resident()
     for k in sorted(resident):
@@ -131,7 +131,7 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
     """An MoE directory: the resident weights and each layer's experts stacked back into its SwitchGLU."""
     out.mkdir(parents=True, exist_ok=True)
     config, quant = dict(fd.config), dict(fd.config.get("quantization") or {})
-    writer = _ShardWriter(out, SHARD_BYTES)
+    writer = ShardWriter(out, SHARD_BYTES)
     resident = fd.load_resident()
     names = set(resident)
     for k in sorted(names):

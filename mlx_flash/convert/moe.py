@@ -16,9 +16,9 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
-from ..cpu_gemv import is_symmetric
-from ..experts import REGION, expert_arrays, expert_quantization, switch_paths
-from ..flash_format import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
+from ..compute.cpu_gemv import is_symmetric
+from ..engine.experts import REGION, expert_arrays, expert_quantization, switch_paths
+from ..format.directory import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
 from .source import copy_tokenizer, release
 
 

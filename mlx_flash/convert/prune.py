@@ -12,7 +12,7 @@ With uniform norms this is magnitude pruning. No weight update, no retraining.
 The inputs per FFN matrix: gate/up (fc1) see the FFN input x; down (fc2) sees the GLU
 output h = act(gate x) * (up x) (ReLU models: act(fc1 x + b1)).
 
-Pruned rows compress with mlx_flash.bitmap (ENDOR). A unit on flash holds neuron i's row of
+Pruned rows compress with mlx_flash.format.bitmap (ENDOR). A unit on flash holds neuron i's row of
 gate/up ([n_ffn, d]: an output row, so `per="output"` gives every unit the same non-zero
 count) and column i of down ([d, n_ffn]). Wanda's per-output groups for down are its rows,
 so a neuron's down column gets a varying count and the bitmap capacity (the maximum) is
@@ -41,7 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..ffn import ACTIVATIONS, project
+from ..compute.ffn import ACTIVATIONS, project
 from ..loader import load_resident, load_tokenizer
 from ..texts import read_text, token_batches
 from .source import load_source_model
@@ -147,9 +147,9 @@ class _Recorder(nn.Module):
     def __call__(self, x):
         self._add("x", x)
         mlp = self._mlp
-        if self._down is None:  # mlx_flash.ffn.ResidentFFN: h from the stored rows
-
-            ffn, arrays, bias = mlp._ffn, mlp._arrays, mlp._bias or {}
+        if self._down is None:  # mlx_flash.compute.ffn.ResidentFFN: h from the stored rows
+            ffn, arrays, bias = mlp.parts
+            bias = bias or {}
             m, act = ffn["matrices"], ACTIVATIONS[ffn["activation"]]
             if ffn["kind"] == "glu":
                 h = act(project(x, arrays, "gate", m["gate"])) * project(x, arrays, "up", m["up"])

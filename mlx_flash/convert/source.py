@@ -9,9 +9,9 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from ..architectures import adapter_for
+from ..models.architectures import adapter_for
 from ..errors import SourceError, UnsupportedArchitectureError
-from ..experts import is_moe
+from ..engine.experts import is_moe
 from ..models import get_model_classes
 from .gguf import gguf_to_mlx_dir
 

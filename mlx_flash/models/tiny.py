@@ -205,7 +205,7 @@ def _to_hf_names(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.arr
     return out
 
 
-def _bytes_to_unicode() -> Dict[int, str]:
+def bytes_to_unicode() -> Dict[int, str]:
     """GPT-2's byte -> printable unicode character map (ByteLevel's alphabet)."""
     bs = (
         list(range(ord("!"), ord("~") + 1))
@@ -227,7 +227,7 @@ def save_tiny_tokenizer(out_dir: Union[str, Path], vocab_size: int = 256) -> Non
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_map = _bytes_to_unicode()
+    byte_map = bytes_to_unicode()
     vocab = {byte_map[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

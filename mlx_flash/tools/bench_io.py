@@ -1,6 +1,6 @@
 """Benchmark the I/O engine against fio on the same file, block size and thread count.
 
-    python -m mlx_flash.bench_io [--dir DIR] [--size-gib 4] [--json out.json]
+    python -m mlx_flash.tools.bench_io [--dir DIR] [--size-gib 4] [--json out.json]
 
 1. Random aligned uncached (O_DIRECT / F_NOCACHE) reads of each block size with each
    thread count: the native pool (batches of `threads * 64` reads, no coalescing) and,
@@ -8,7 +8,7 @@
    is repeated and the medians are reported, with native/fio (median of per-repeat ratios).
 2. The best thread count per size and the recommended default.
 3. The gap policy: `max_gap_bytes` derived from the measured cost-per-request curve
-   (mlx_flash.reader.max_gap_from_measurements).
+   (mlx_flash.engine.reader.max_gap_from_measurements).
 4. The coalescing gain: groups of N adjacent bundles read as separate requests vs
    coalesced, and groups with one-bundle holes read separately vs gap-filled.
 """
@@ -26,14 +26,9 @@ import time
 
 import numpy as np
 
-from .. import blas, cpu_gemv
-from ..reader import (
-    DEFAULT_THREADS,
-    aligned_buffer,
-    have_native,
-    max_gap_from_measurements,
-    open_reader,
-)
+from .. import blas
+from ..compute import cpu_gemv
+from ..engine.reader import DEFAULT_THREADS, aligned_buffer, have_native, max_gap_from_measurements, open_reader
 
 try:
     from tqdm import tqdm
@@ -276,7 +271,7 @@ def main():
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, "bench_io.bin")
     file_size = int(args.size_gib * 2**30) // (1 << 20) * (1 << 20)
-    results = {"command": " ".join(["python -m mlx_flash.bench_io"] + sys.argv[1:]), "machine": machine_info(d),
+    results = {"command": " ".join(["python -m mlx_flash.tools.bench_io"] + sys.argv[1:]), "machine": machine_info(d),
                "file_size": file_size, "points": [], "seconds": args.seconds, "repeats": args.repeats, "inflight": args.inflight}
     try:
         make_test_file(path, file_size)

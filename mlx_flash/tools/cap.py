@@ -1,6 +1,6 @@
 """Run a command under a hard memory cap, the way a user with that much RAM would run it.
 
-    python -m mlx_flash.cap --limit 2.5GiB [--drop FILE_OR_DIR ...] [--json] -- CMD ...
+    python -m mlx_flash.tools.cap --limit 2.5GiB [--drop FILE_OR_DIR ...] [--json] -- CMD ...
 
 The command runs in a new memory cgroup (below this process's own one) whose limit is the cap:
 cgroup v1 (memory.limit_in_bytes, and memory.memsw.limit_in_bytes where present), cgroup v2
@@ -241,7 +241,7 @@ def run_capped(cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Opt
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Run a command under a hard memory cap (a memory cgroup) and report "
                                 "exit, OOM kill, peak memory and bytes read.",
-                                usage="python -m mlx_flash.cap --limit 2.5GiB [--drop FILE ...] -- CMD ...")
+                                usage="python -m mlx_flash.tools.cap --limit 2.5GiB [--drop FILE ...] -- CMD ...")
     p.add_argument("--limit", required=True, help="Hard memory cap: bytes, 2.5GiB, 512MB ('none': no cap).")
     p.add_argument("--drop", nargs="*", default=[], help="Files or directories to evict from the page cache first.")
     p.add_argument("--timeout", type=float, default=None, help="Kill the command after this many seconds.")

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..flash_format import FlashDir
+from ..format.directory import FlashDir
 from ..loader import load
 
 
@@ -34,7 +34,7 @@ def record(model_dir, tokens: int = 100, seed: int = 0, memory_budget=None) -> n
         steps[-1][layer] = chosen.copy()
         return chosen
 
-    engine_layers = [i for i, c in enumerate(engine.caches) if c is not None]
+    engine_layers = [i for i, c in enumerate(engine.caches) if c]
     engine.route = route
     try:
         cache = model.make_cache()
@@ -85,8 +85,7 @@ def split_hit_rate(hits, misses, capacity: int) -> dict:
 def engine_hit_rates(engine) -> dict:
     """A flash model's caches (`model.flash`) over its decode passes: hit rate overall, cold start (until the
     misses first fill every cache, the prompt's included) and steady state (after)."""
-    caches = [c for layer in engine.caches if layer is not None
-              for c in (layer.values() if isinstance(layer, dict) else [layer])]
+    caches = [c for layer in engine.caches for c in layer.values()]
     capacity = sum(c.capacity for c in caches)
     prompt = [t for t in engine.stats.tokens if t.prefill]
     toks = engine.stats.decode_tokens()

@@ -1,8 +1,8 @@
 """Estimate tokens/s of the flash runtime on other machines from a trace (DIP, appendix A style).
 
-    python -m mlx_flash.simulate --bench bench.json [--trace trace.npz] [--machines this,m1-max,phone]
+    python -m mlx_flash.tools.simulate --bench bench.json [--trace trace.npz] [--machines this,m1-max,phone]
 
-For each configuration of a `mlx_flash.tools.bench` run (same model shape, budget plan, window) and each
+For each configuration of a `mlx_flash.bench` run (same model shape, budget plan, window) and each
 machine, per layer and token:
 
 1. cache simulation: the trace's active set (mapped onto the model as the bench did) against a
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..calib.trace import Trace, as_mapped
-from .bench import default_trace
+from ..calib.trace import default_trace
 
 MIB = 1 << 20
 

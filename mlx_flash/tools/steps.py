@@ -26,7 +26,7 @@ import time
 
 # (command module, generator module, generator names, index of the prompt among their arguments)
 TARGETS = {
-    "mlx_flash": ("mlx_flash.generate", "mlx_flash.generation", ("generate_step", "speculative_generate_step"), 0),
+    "mlx_flash": ("mlx_flash.generate", "mlx_flash.generate", ("generate_step", "speculative_generate_step"), 0),
     "mlx-lm": ("mlx_lm.generate", "mlx_lm.generate", ("generate_step", "speculative_generate_step"), 0),
     "nunspark": ("nunspark.cli", "nunspark.generate", ("stream_generate", "ngram_speculative_generate",
                                                       "speculative_generate", "eagle_speculative_generate"), 1),

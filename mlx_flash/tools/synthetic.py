@@ -1,6 +1,6 @@
 """Synthetic flash directories: exact shapes of a larger model, random weights.
 
-    python -m mlx_flash.synthetic --preset llama-7b [--storage q4|float16] [--out DIR]
+    python -m mlx_flash.tools.synthetic --preset llama-7b [--storage q4|float16] [--out DIR]
 
 Built once and cached under ~/.cache/mlx_flash/synthetic/<preset>[-<storage>] ($MLX_FLASH_CACHE
 moves the root). Written with FlashWriter layer by layer, so memory stays at one layer of bundles
@@ -30,7 +30,7 @@ Routing (MoE presets, `--routing`; the GGUF writer synthetic_gguf has the same c
            share experts above chance) but no numbers. With SKEW = 0.5 an LRU cache of a quarter (a half) of a
            layer's experts hits about 61% (83%) of independent random tokens' experts on a 48-layer model of
            128 experts, 8 a token (Qwen3-30B-A3B's routing; uniform: 22% (47%), own: 95%), near the per-layer
-           LRU hit rates 49-82% reported for real MoE models (as quoted by the issue that asked for this);
+           LRU hit rates 49-82% reported for real MoE models (as published for Mixtral and Qwen MoE models);
            consecutive reuse 23% (uniform 6%). mlx_flash.tools.routing measures a model's regime.
 """
 
@@ -50,8 +50,8 @@ import mlx_flash  # noqa: F401
 
 from .. import __version__
 from ..default_model import cache_root
-from ..experts import PROJECTIONS, REGION, is_moe
-from ..flash_format import DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, FlashDir, FlashWriter
+from ..engine.experts import PROJECTIONS, REGION, is_moe
+from ..format.directory import DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, FlashDir, FlashWriter
 from ..models import get_model_classes
 from ..models.tiny import save_tiny_tokenizer
 

@@ -1,7 +1,7 @@
 """Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or mixtral,
 qwen2_moe, olmoe, gpt_oss, deepseek_v3 by model_type=, see tiny_moe), random Q4_0 weights.
 
-    python -m mlx_flash.synthetic_gguf --preset llama-7b --out FILE
+    python -m mlx_flash.tools.synthetic_gguf --preset llama-7b --out FILE
 
 So llama.cpp, mlx-lm and mlx_flash can run the same weights of a model we have no real weights
 for: this file goes to llama.cpp as it is, through `mlx_flash.convert` to mlx_flash, and through
@@ -25,9 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models.tiny import _bytes_to_unicode
-from .synthetic import (PRESETS, ROUTINGS, output_scale, preset_config, shared_direction, skewed_embedding,
-                        skewed_router)
+from ..models.tiny import bytes_to_unicode
+from .synthetic import PRESETS, ROUTINGS, output_scale, preset_config, shared_direction, skewed_embedding, skewed_router
 
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
 GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
@@ -85,7 +84,7 @@ def tokenizer_tokens(vocab_size: int):
     from gguf import TokenType
 
 
-    byte_map = _bytes_to_unicode()
+    byte_map = bytes_to_unicode()
     tokens = [byte_map[b] for b in range(256)] + ["Ġt", "<|endoftext|>"]
     if vocab_size < len(tokens):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokens)} tokens")

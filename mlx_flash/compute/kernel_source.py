@@ -1,8 +1,8 @@
 """Metal kernel source files: where they are, split into named sections (shared by gather_ffn
 and bitmap).
 
-A module of its own so that bitmap (imported by flash_format) needs nothing that imports
-flash_format.
+A module of its own so that bitmap (imported by format.directory) needs nothing that imports
+format.directory.
 """
 
 import re
@@ -11,7 +11,7 @@ from typing import Optional
 
 # An installed package carries the files in mlx_flash/kernels (see setup.py); a source
 # checkout has them in <repo>/kernels.
-KERNEL_DIRS = (Path(__file__).parent / "kernels", Path(__file__).parent.parent / "kernels")
+KERNEL_DIRS = (Path(__file__).parents[1] / "kernels", Path(__file__).parents[2] / "kernels")
 
 
 def kernel_path(name: str) -> Optional[Path]:

@@ -34,8 +34,8 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .ffn import ACTIVATIONS, project
-from .unit_cache import cache_aware_scores
+from ..compute.ffn import ACTIVATIONS, project
+from .cache import cache_aware_scores
 
 SPARSITIES = ("dense", "oracle", "predictor", "dip", "wina", "sketch")
 LOSSY = ("predictor", "dip", "wina", "sketch")  # need a calibration; dense and oracle serve every directory

@@ -18,12 +18,12 @@ class TokenStats:
     bytes_read: int = 0  # read at the device by the runtime's readers (gap fills and alignment included)
     busy_s: float = 0.0  # time the readers had reads in flight (summed over readers)
     bytes_requested: int = 0  # the bytes asked for: FFN units and streamed resident weights
-    streamed_bytes: int = 0  # of which resident weights streamed below the resident floor (offload.py)
+    streamed_bytes: int = 0  # of which resident weights streamed below the resident floor (engine/resident.py)
     hits: int = 0
     misses: int = 0
     active: List[int] = field(default_factory=list)  # active units per layer (summed over regions)
-    ahead_bytes: int = 0  # MoE read-ahead (experts.ReadAhead): bytes read for the next layer's predicted experts
-    ahead_wasted_bytes: int = 0  # of which experts the next layer's router did not pick
+    ahead_bytes: int = 0  # read ahead (read_ahead.py): bytes read for the next layer's expected units
+    ahead_wasted_bytes: int = 0  # of which units the layer did not need (or no layer took)
     routed: int = 0  # experts routed in layers that had a prediction
     predicted: int = 0  # of which the prediction had
     prefill: bool = False

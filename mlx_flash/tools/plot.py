@@ -1,6 +1,6 @@
 """matplotlib for the commands' --plot flags: an optional dependency (`pip install 'mlx-flash-runtime[plot]'`)."""
 
-from .errors import FlashError
+from ..errors import FlashError
 
 
 def pyplot(headless: bool = True):

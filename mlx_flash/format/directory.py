@@ -42,9 +42,9 @@ import numpy as np
 from tqdm import tqdm
 
 from . import bitmap
-from .cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
-from .errors import FlashFormatError, ReadError
-from .reader import open_reader
+from ..compute.cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
+from ..errors import FlashFormatError, ReadError
+from ..engine.reader import open_reader
 from .safetensors_io import TensorSpool
 
 FORMAT_NAME = "mlx_flash"
@@ -58,7 +58,7 @@ PREDICTORS = "predictors.safetensors"
 DEFAULT_ALIGNMENT = 4096
 PACK_BYTES = 32 << 20  # FlashWriter packs a layer's units this many bytes at a time
 
-_DTYPES = {
+DTYPES = {
     "uint8": mx.uint8,
     "uint32": mx.uint32,
     "float16": mx.float16,
@@ -87,7 +87,7 @@ class ResidentTensor:
     def loaded_dtype(self, cast=None) -> mx.Dtype:
         """The dtype in memory when `cast(name) -> dtype name or None` casts float tensors on load."""
         target = cast(self.name) if cast and mx.issubdtype(self.dtype, mx.floating) else None
-        return _DTYPES[target] if target else self.dtype
+        return DTYPES[target] if target else self.dtype
 
     def nbytes_as(self, cast=None) -> int:
         """Bytes in memory under `cast` (see `loaded_dtype`)."""
@@ -95,7 +95,7 @@ class ResidentTensor:
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
-    for name, d in _DTYPES.items():
+    for name, d in DTYPES.items():
         if d == dtype:
             return name
     raise FlashFormatError(f"dtype {dtype} cannot be stored in a bundle")
@@ -166,7 +166,7 @@ class Component:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * _DTYPES[self.dtype].size
+        return int(np.prod(self.shape)) * DTYPES[self.dtype].size
 
     @property
     def disk_nbytes(self) -> int:
@@ -243,7 +243,7 @@ class BundleLayout:
     def from_json(d: dict) -> "BundleLayout":
         comps = []
         for c in d["components"]:
-            if c["dtype"] not in _DTYPES:
+            if c["dtype"] not in DTYPES:
                 raise FlashFormatError(f"unknown component dtype {c['dtype']!r}")
             enc = Encoding.from_json(c["encoding"], c["name"]) if "encoding" in c else None
             comps.append(Component(c["name"], c["dtype"], tuple(c["shape"]), c["offset"], enc, c.get("disk_offset")))
@@ -308,8 +308,8 @@ class BundleLayout:
             fill = None
             if e.fill == "affine_zero":  # the group's code of 0.0, from the dense scales/biases
                 sc, bi = (self.component(_sibling(c.name, s)) for s in ("scales", "biases"))
-                scales = mx.view(raw[sc.name], _DTYPES[sc.dtype]).reshape(k, -1)
-                biases = mx.view(raw[bi.name], _DTYPES[bi.dtype]).reshape(k, -1)
+                scales = mx.view(raw[sc.name], DTYPES[sc.dtype]).reshape(k, -1)
+                biases = mx.view(raw[bi.name], DTYPES[bi.dtype]).reshape(k, -1)
                 fill = bitmap.affine_zero_codes(scales, biases, bits=8)
             values = bitmap.expand(raw[c.name], e.length, e.dtype, use_metal, fill)
             parts.append(mx.view(values, mx.uint8).reshape(k, -1))
@@ -329,7 +329,7 @@ class BundleLayout:
         out = {}
         for c in self.components:
             raw = rows[:, c.offset : c.offset + c.nbytes]
-            out[c.name] = mx.view(raw, _DTYPES[c.dtype]).reshape(k, *c.shape)
+            out[c.name] = mx.view(raw, DTYPES[c.dtype]).reshape(k, *c.shape)
         return out
 
 

@@ -46,14 +46,14 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .errors import ReadError
+from ..errors import ReadError
 
 try:  # the native engine; missing when the package was installed without a C compiler
-    from . import _pread_pool as _native
+    from .. import _pread_pool as _native
 except ImportError:  # pragma: no cover - exercised by forcing native=False in tests
     _native = None
 
-# Defaults measured by `python -m mlx_flash.bench_io` on the project machine (BENCHMARKS.md,
+# Defaults measured by `python -m mlx_flash.tools.bench_io` on the project machine (BENCHMARKS.md,
 # "## I/O engine"; 2-core KVM, virtio disk): 32 threads gave the best throughput at every
 # read size from 4 KiB to 1 MiB (geo-mean 0.96 of the per-size best, 16 threads 0.89, 8
 # threads 0.76); the gap worth reading and discarding to merge two requests, from the
@@ -130,6 +130,27 @@ def aligned_buffer(nbytes: int, alignment: int = DEFAULT_ALIGNMENT, dtype=mx.uin
     if offset % itemsize:
         raise RuntimeError(f"MLX buffer at {addr:#x} is not aligned to its item size {itemsize}")
     return base, offset
+
+
+class AlignedBuffer:
+    """An evaluated uint8 mx.array whose usable bytes start at an `alignment` boundary (for O_DIRECT)."""
+
+    def __init__(self, nbytes: int, alignment: int):
+        self.buffer, self.base_offset = aligned_buffer(nbytes, alignment)
+        self.nbytes = nbytes
+
+    def rows(self, stride: int) -> mx.array:
+        n = self.nbytes // stride
+        return self.buffer[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
+
+    def host_bytes(self) -> np.ndarray:
+        """The whole buffer as a numpy view (byte 0 is the buffer's, not base_offset's)."""
+        return np.asarray(memoryview(self.buffer))
+
+    def host_rows(self, stride: int) -> np.ndarray:
+        """The same rows as `rows` as a numpy view (the native kernels read them in place)."""
+        n = self.nbytes // stride
+        return self.host_bytes()[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
 
 
 @dataclass

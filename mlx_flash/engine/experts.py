@@ -6,16 +6,15 @@ router, the shared experts and the weighting of the experts' outputs stay mlx-lm
 model's own top-k, exact. Per layer and forward pass:
 
     indices --host (the layer's one synchronisation)--> the union of the experts the tokens chose
-      --UnitCache.plan--> hits + misses;  misses --reader (pread pool)--> cache rows, one read per expert
-      (the cache is smaller than the union: the rest through the scratch buffer, uncached)
-      each expert's gate / up / down computed from its cache row in place, for the tokens that chose it
+      --the unit step (units.py), one block per expert--> each expert's gate / up / down computed from its row
+      in place (cache, staging or scratch), for the tokens that chose it
+      the next MoE layer's router applied to this layer's input: its predicted experts read ahead (read_ahead.py)
 
 On flash each expert is one unit: its gate, up and down matrices (codes, scales, and biases where the
 source has them: symmetric codes such as Q4_0 keep none) back to back, aligned so it is read straight
 into its cache row (a Qwen3-30B-A3B Q4_0 expert, 2,654,208 B, needs no padding at 4 KiB).
 """
 
-import time
 from typing import Dict, List
 
 import mlx.core as mx
@@ -24,11 +23,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from . import cpu_gemv
-from .errors import ReadError, UnsupportedArchitectureError
-from .runtime import AlignedBuffer, Engine
-from .stats import Stats
-from .unit_cache import UnitCache
+from ..compute import cpu_gemv
+from ..errors import UnsupportedArchitectureError
+from .cache import UnitCache
+from .read_ahead import ReadAhead
+from .units import Engine
 
 REGION = "experts"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -126,103 +125,37 @@ def next_routers(model: nn.Module, paths: Dict[int, str]):
     return out
 
 
-class ReadAhead:
-    """Reads ahead of need: while layer l's experts compute, the experts the next MoE layer's router picks for
-    layer l's input (`next_routers`) are read into a staging area of their own: two buffers of `rows` experts, in
-    the budget, which never evict the caches' working set. When that layer's real routing is known, its misses
-    that were staged are copied into their cache rows (its overflow computed from the staging rows in place) and
-    only the shortfall is read. The stats count routed experts that were predicted, bytes read ahead and bytes read
-    ahead for nothing."""
-
-    def __init__(self, engine: "ExpertEngine", routers: dict, top_k: int, rows: int):
-        self.engine, self.routers, self.top_k = engine, routers, top_k
-        stride = engine.layout.stride
-        self.buffers = [AlignedBuffer(rows * stride, engine.fd.alignment) for _ in range(2)]
-        self.views = [(b.rows(stride), b.host_rows(stride)) for b in self.buffers]
-        mx.eval([v[0] for v in self.views])
-        self.pending = None  # (layer, buffer, staged units, predicted units, wait)
-        self.rows = self.host = None  # the buffer `take` gave out last
-        self.next_buffer = 0
-
-    @staticmethod
-    def nbytes(fd, top_k: int) -> int:
-        """DRAM of the staging area: two buffers of top_k experts (a decode step's routing of one layer)."""
-        return 2 * top_k * fd.layouts[REGION].stride
-
-    def predict(self, layer: int, x: mx.array):
-        """The next layer's top-k experts for each row of this layer's expert input x [T, D] (lazy), or None."""
-        if layer not in self.routers:
-            return None
-        _, scale, gate = self.routers[layer]
-        logits = gate((x * scale).astype(x.dtype))
-        if isinstance(logits, tuple):  # a router that picks itself (DeepSeek's grouped top-k): (indices, scores)
-            return logits[0]
-        return mx.argpartition(-logits, self.top_k - 1, axis=-1)[..., : self.top_k]
-
-    def start(self, layer: int, predicted: np.ndarray):
-        """Read the predicted experts of the layer after `layer` that its cache lacks (most-voted first, as many
-        as a buffer holds) into the buffer `take` did not give out last."""
-        self.drain()  # (a prediction nobody took: its buffer is about to be reused)
-        target = self.routers[layer][0]
-        ids, votes = np.unique(predicted, return_counts=True)
-        cache = self.engine.caches[target]
-        lacking = ~cache.contains(ids)
-        missing = np.sort(ids[lacking][np.argsort(-votes[lacking], kind="stable")][: len(self.views[0][1])])
-        b = self.next_buffer
-        buf = self.buffers[b]
-        wait = self.engine._submit(target, REGION, missing, buf.buffer,
-                                   buf.base_offset + np.arange(len(missing), dtype=np.int64) * self.engine.layout.stride)
-        self.engine.stats.current.ahead_bytes += len(missing) * self.engine.layout.stride
-        self.pending = (target, b, missing, ids, wait)
-
-    def take(self, layer: int, routed: np.ndarray) -> Dict[int, int]:
-        """unit -> staging row of the experts read ahead for `layer` (waited for), and the prediction counted."""
-        if self.pending is None or self.pending[0] != layer:
-            return {}
-        _, b, staged, predicted, wait = self.pending
-        self.pending = None
-        wait()
-        s = self.engine.stats.current
-        s.routed += len(routed)
-        s.predicted += int(np.isin(routed, predicted).sum())
-        s.ahead_wasted_bytes += int((~np.isin(staged, routed)).sum()) * self.engine.layout.stride
-        self.rows, self.host = self.views[b]
-        self.next_buffer = 1 - b
-        return {int(u): r for r, u in enumerate(staged)}
-
-    def row(self, r: int) -> np.ndarray:
-        return self.host[r]
-
-    def drain(self):
-        """Wait for a read ahead still in flight (its rows are dropped)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending[-1]()
-
-
 class ExpertEngine(Engine):
     """Owns the reader, the per-layer expert caches, the scratch buffer and the stats of an MoE model."""
 
     def __init__(self, fd, reader, capacity: List[Dict[str, int]], scratch_bytes: int, policy: str = "lru",
                  window: int = 5, compute_dtype=mx.float32):
-        self.fd, self.reader = fd, reader
         self.layout = fd.layouts[REGION]
         self.components = {c.name: c for c in self.layout.components}
         self.quant = fd.ffn["quantization"]
         self.compute_dtype = compute_dtype
-        self.stats = Stats([reader])
         self.sparsifier = Router()
         self.why = None
         self.route = None  # benchmarks: (layer, chosen experts) -> the experts to read instead (a replayed trace)
-        self.read_ahead = None  # a ReadAhead: the next layer's predicted experts read while a layer computes
-        self.caches: List[UnitCache] = [
-            UnitCache(regions[REGION].n_units, capacity[i].get(REGION, 0), self.layout.stride, policy=policy,
-                      window=window, alignment=fd.alignment) if REGION in regions else None
+        self.routers, self.top_k = {}, 0  # the next layer's router per layer (read_ahead_with)
+        caches = [
+            {REGION: UnitCache(regions[REGION].n_units, capacity[i].get(REGION, 0), self.layout.stride, policy=policy,
+                               window=window, alignment=fd.alignment)} if REGION in regions else {}
             for i, regions in enumerate(fd.layers)
         ]
-        self.last_layer = max(i for i, c in enumerate(self.caches) if c is not None)
-        self.scratch = AlignedBuffer(max(scratch_bytes, self.layout.stride), fd.alignment)
+        super().__init__(fd, reader, caches, max(scratch_bytes, self.layout.stride))
         self.row_layouts = {n: self._row_layout(n) for n, q in self.quant.items() if q is not None}
+
+    def read_ahead_with(self, routers: dict, top_k: int):
+        """Read ahead the experts the next layer's router (next_routers) picks for each layer's input: two staging
+        buffers of top_k experts (`read_ahead_bytes`)."""
+        self.routers, self.top_k = routers, top_k
+        self.read_ahead = ReadAhead(self, REGION, top_k)
+
+    @staticmethod
+    def read_ahead_bytes(fd, top_k: int) -> int:
+        """DRAM of the read-ahead's staging buffers: two of top_k experts (a decode step's routing of one layer)."""
+        return ReadAhead.nbytes(fd.layouts[REGION].stride, top_k)
 
     @classmethod
     def from_plan(cls, fd, plan, reader, policy: str = "lru", window: int = 5, compute_dtype=mx.float32):
@@ -289,102 +222,63 @@ class ExpertEngine(Engine):
         return self._project(h, row, "down_proj")
 
     def experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
-        """SwitchGLU(x, indices): [..., k, D], each token's output of each expert it chose. After a failed read the
-        layer's cache forgets what it admitted for it (rows never filled): later tokens never compute on unread bytes."""
-        try:
-            return self._experts(layer, x, indices, activation)
-        except ReadError:
-            self.caches[layer].reset(stats=False)
-            if self.read_ahead is not None:
-                self.read_ahead.pending = None  # (its reads were waited for or failed with this one)
-            self.stats.forward_done()
-            raise
+        """SwitchGLU(x, indices): [..., k, D], each token's output of each expert it chose."""
+        prefill = indices.size > indices.shape[-1]
+        return self.guarded(layer, prefill, lambda: self._experts(layer, x, indices, activation))
+
+    def _predict(self, layer: int, x: mx.array):
+        """The next layer's top-k experts for each row of this layer's expert input x [T, D] (lazy), or None."""
+        if self.read_ahead is None or layer not in self.routers:
+            return None
+        _, scale, gate = self.routers[layer]
+        logits = gate((x * scale).astype(x.dtype))
+        if isinstance(logits, tuple):  # a router that picks itself (DeepSeek's grouped top-k): (indices, scores)
+            return logits[0]
+        return mx.argpartition(-logits, self.top_k - 1, axis=-1)[..., : self.top_k]
+
+    def _read_next(self, layer: int, predicted: np.ndarray):
+        """Read the predicted experts of the next MoE layer that its cache lacks (most-voted first, as many as a
+        staging buffer holds)."""
+        target = self.routers[layer][0]
+        ids, votes = np.unique(predicted, return_counts=True)
+        lacking = ~self.caches[target][REGION].contains(ids)
+        missing = ids[lacking][np.argsort(-votes[lacking], kind="stable")][: self.read_ahead.rows]
+        self.read_ahead.start(target, np.sort(missing), predicted=ids)
 
     def _experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
         shape, k = indices.shape, indices.shape[-1]
-        self.stats.touch(prefill=indices.size > k)
         xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
-        ahead = self.read_ahead.predict(layer, xf) if self.read_ahead is not None else None
+        ahead = self._predict(layer, xf)
         mx.eval(indices, *([] if ahead is None else [ahead]))  # the layer's one synchronisation
         chosen = np.array(indices).reshape(-1)  # the router's choice
         if self.route is not None:
             chosen = self.route(layer, chosen)
         units, inverse = np.unique(chosen, return_inverse=True)
-        cache = self.caches[layer]
-        t = time.perf_counter()
-        plan = cache.plan(units)
-        s = self.stats.current
-        s.mm_s += time.perf_counter() - t
-        s.misses += len(plan.miss_units) + len(plan.overflow_units)
-        s.hits += len(units) - len(plan.miss_units) - len(plan.overflow_units)
-        s.active.append(len(units))
-        staged = self.read_ahead.take(layer, units) if self.read_ahead is not None else {}
-        miss_units, miss_slots = plan.miss_units, plan.miss_slots
-        if staged:  # misses read ahead: copied into their cache rows, not read again
-            t = time.perf_counter()
-            done = np.array([u in staged for u in miss_units], dtype=bool)
-            for u, slot in zip(miss_units[done], miss_slots[done]):
-                cache.host[slot] = self.read_ahead.row(staged[u])
-            miss_units, miss_slots = miss_units[~done], miss_slots[~done]
-            s.mm_s += time.perf_counter() - t
-        wait = self._submit(layer, REGION, miss_units, cache.buffer, cache.base_offset + miss_slots.astype(np.int64) * cache.row_bytes)
-        if ahead is not None:  # the next layer's predicted experts go out now, while this one computes
-            self.read_ahead.start(layer, np.array(ahead))
+        self.stats.current.active.append(len(units))
+        by_unit = np.argsort(inverse, kind="stable")  # (token, choice) pairs, grouped by the expert they chose
+        pairs = np.split(by_unit, np.cumsum(np.bincount(inverse, minlength=len(units)))[:-1])
         native = self._native(xf, activation)
-        if not native:  # MLX ops run lazily: the misses' rows must be in place before anything is built on them
-            wait()
-        outs, order = [], []
         xv = np.asarray(xf) if native else None
+        hosts = {}  # buffer -> its numpy view (the native kernels read rows in place)
 
-        def run(i, rows, host, slot):
-            pos = np.flatnonzero(inverse == i)  # (token, choice) pairs routed to this expert
-            if native:
-                outs.append(self._expert_row(xv[pos // k], host, slot))
-            else:
-                tokens = pos // k
-                xs = xf if len(tokens) == xf.shape[0] and np.array_equal(tokens, np.arange(len(tokens))) else xf[mx.array(tokens)]
-                outs.append(self._expert(xs, rows[slot], activation))
-            order.append(pos)
+        def fn(rows, slots, positions, dst, n):  # one block per expert: its output for the tokens that chose it
+            outs = []
+            for j, i in enumerate(positions):
+                part, slot = (rows.parts[rows.which[j]], int(rows.slots[j])) if slots is None else (rows, int(slots[j]))
+                tokens = pairs[i] // k
+                if native:
+                    host = hosts.get(id(part))
+                    if host is None:
+                        host = hosts[id(part)] = np.asarray(memoryview(part))
+                    outs.append(self._expert_row(xv[tokens], host, slot))
+                else:
+                    whole = len(tokens) == xf.shape[0] and np.array_equal(tokens, np.arange(len(tokens)))
+                    outs.append(self._expert(xf if whole else xf[mx.array(tokens)], part[slot], activation))
+            return outs
 
-        cached = np.flatnonzero(plan.slots >= 0)
-        reading = np.isin(units[cached], miss_units)
-        for i in cached[~reading]:  # the hits (and what came from the staging area) while the misses are read
-            run(i, cache.rows, cache.host, int(plan.slots[i]))
-        wait()
-        for i in cached[reading]:
-            run(i, cache.rows, cache.host, int(plan.slots[i]))
-        overflow = np.flatnonzero(plan.slots < 0)
-        for i in [i for i in overflow if units[i] in staged]:  # more experts than slots, read ahead: in place
-            run(i, self.read_ahead.rows, self.read_ahead.host, staged[units[i]])
-        overflow = np.array([i for i in overflow if units[i] not in staged], dtype=np.int64)
-        rows = self.scratch.rows(self.layout.stride)  # (the scratch holds at least one expert)
-        per = len(rows)
-        host = self.scratch.host_rows(self.layout.stride) if len(overflow) else None
-        for start in range(0, len(overflow), per):  # more experts than slots: through the scratch, uncached
-            if outs and not native:  # (native outputs are computed already)
-                mx.eval(outs)  # what used the scratch rows before they are overwritten
-            chunk = overflow[start : start + per]
-            self._submit(layer, REGION, units[chunk], self.scratch.buffer,
-                         self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * self.layout.stride)()
-            for j, i in enumerate(chunk):
-                run(i, rows, host, j)
-        if native:
-            y = mx.array(np.concatenate(outs)[np.argsort(np.concatenate(order))])
-        else:
-            y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(order)))]
-        if len(overflow):
-            mx.eval(y)
-        if layer == self.last_layer:
-            self.stats.forward_done()
+        read_next = None if ahead is None else (lambda: self._read_next(layer, np.array(ahead)))
+        outs = self.step(layer, REGION, units, fn, (lambda out: None) if native else mx.eval, block=1,
+                         read_next=read_next)
+        back = np.argsort(by_unit)  # to (token, choice) order
+        y = mx.array(np.concatenate(outs)[back]) if native else mx.concatenate(outs, axis=0)[mx.array(back)]
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
-
-    def ahead(self):
-        return self.read_ahead
-
-    def reset(self):
-        if self.read_ahead is not None:
-            self.read_ahead.drain()
-        for c in self.caches:
-            if c is not None:
-                c.reset()
-        self.stats.reset()

@@ -21,8 +21,8 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import FlashFormatError
-from .flash_format import FlashDir
+from ..errors import FlashFormatError
+from ..format.directory import FlashDir
 from .sparsity import sketch_layer, weight_norms
 
 SELECTOR_FILE = "selector.safetensors"

@@ -28,14 +28,13 @@ import mlx.nn as nn
 import numpy as np
 
 # Before libgomp starts: idle OpenMP threads spin ~0.1 s, then sleep (libomp's KMP_BLOCKTIME is 0.2 s).
-# A decode step runs several parallel loops per layer, between them Python and waits for reads of a few
-# ms, and waking a sleeping thread costs more than a matvec: SmolLM2 39 tokens/s with
-# OMP_WAIT_POLICY=PASSIVE, 75 with 10k spins; on the 7B, a layer's loops after a streamed chunk's wait ran
-# 2x slower with 10k spins (woken from an idle core) than with these (BENCHMARKS.md, issue #24).
+# A decode step runs several parallel loops per layer with Python and waits for reads of a few ms between
+# them, and waking a sleeping thread costs more than a matvec: threads keep spinning across those gaps
+# (the measurements are in BENCHMARKS.md, "CPU notes").
 os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
 
 try:
-    from . import _cpu_gemv as _native
+    from .. import _cpu_gemv as _native
 except ImportError:  # not built: MLX's ops everywhere
     _native = None
 
@@ -53,6 +52,12 @@ def set_int8_activations(on: bool) -> None:
 
 
 set_int8_activations(os.environ.get("MLX_FLASH_INT8", "1") != "0")
+
+
+def attention(x: np.ndarray, h: np.ndarray, *args) -> None:
+    """A decoder layer's attention on host rows, in place (kernels/cpu_gemv.c: x += attention(norm1(x)), the KV
+    written at its position, h = norm2(x)); args as the kernel takes them (native_step.py)."""
+    _native.attention(x, h, *args)
 
 
 def available() -> bool:
@@ -304,7 +309,7 @@ def _layer_matvec(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
 
 
 def _derives_biases(layer: nn.Module) -> bool:
-    """Symmetric codes stored without biases (flash_format v4): the layer derives them from its scales."""
+    """Symmetric codes stored without biases (format v4): the layer derives them from its scales."""
     return "biases" not in layer and getattr(layer, "mode", "affine") == "affine"
 
 

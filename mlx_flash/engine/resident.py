@@ -25,6 +25,7 @@ class does the maths) with placeholder weights between calls.
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -241,6 +242,24 @@ def _layer_number(path: str) -> int:
 
 class _Streamed(nn.Module):
     """Holds the original module (hidden from parameters(): its weights are not resident)."""
+
+    @property
+    def inner(self) -> nn.Module:
+        """The original module, with placeholder weights outside `loaded`."""
+        return self._inner
+
+    @contextmanager
+    def loaded(self, rows: Optional[Tuple[int, int]] = None):
+        """The original module with its weights (`rows`: a head's chunk of them) read, for the duration."""
+        self._use(self._streamer.load(self._path, rows))
+        try:
+            yield self._inner
+        finally:
+            self._release()
+
+    def chunks(self) -> List[Tuple[int, int]]:
+        """The chunks of rows a streamed head is read in."""
+        return self._streamer.chunks(self._path)
 
     def __init__(self, inner: nn.Module, streamer: ResidentStreamer, path: str):
         super().__init__()

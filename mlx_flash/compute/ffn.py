@@ -68,3 +68,8 @@ class ResidentFFN(nn.Module):
 
     def __call__(self, x):
         return ffn_forward(x, self._arrays, self._ffn, self._bias)
+
+    @property
+    def parts(self):
+        """(the manifest's ffn section, the layer's arrays, its resident biases)."""
+        return self._ffn, self._arrays, self._bias

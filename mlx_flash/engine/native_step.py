@@ -9,7 +9,7 @@ float32 host row from the embedding to the head:
                 x += engine.ffn_row(layer, h)      the FFN: the engine's selector, cache and CPU backend
     logits = head(norm(x))
 
-Below the resident floor (offload.py) the streamed attention layers and LM head chunks are loaded by the
+Below the resident floor (resident.py) the streamed attention layers and LM head chunks are loaded by the
 streamer in the same forward order, and bound for the kernels as they arrive.
 
 Up to MAX_POSITIONS positions go through at once (a speculative verification pass, a short prompt): x is
@@ -27,9 +27,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from . import cpu_gemv
+from ..compute import cpu_gemv
 from .experts import FlashSwitchGLU
-from .offload import StreamedLayer, StreamedRows
+from .neurons import FlashFFN
+from .resident import StreamedLayer, StreamedRows
 
 ATTENTION = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen3": True, "mlx_lm.models.qwen3_moe": True}  # -> q/k norms
 MAX_POSITIONS = 256  # per native pass (prompt chunks, plan.prefill_step, are within the workspace); longer: mlx-lm's forward
@@ -102,7 +103,7 @@ def _handle(layer) -> Optional[tuple]:
     """(native handle, QuantRows) of a quantised linear layer / embedding's rows, None if the kernels cannot read it."""
     if not _quantised(layer):
         return None
-    w, s, b = layer["weight"], layer["scales"], layer.get("biases")  # b None: symmetric (flash_format v4)
+    w, s, b = layer["weight"], layer["scales"], layer.get("biases")  # b None: symmetric (format v4)
     n = w.shape[-1] * 32 // layer.bits
     if not (cpu_gemv.supports(layer.bits, layer.group_size, n, s.dtype) and cpu_gemv.contiguous(w, s, b)):
         return None
@@ -118,17 +119,14 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _streamed_handles(module, names, rows=None, norms=()):
-    """Handles on the quantised linears `names` of a streamed module (offload._Streamed), loaded now (rows: a
+    """Handles on the quantised linears `names` of a streamed module (resident.StreamedLayer / StreamedRows), loaded now (rows: a
     head's chunk); '' names the module itself. The handles keep the loaded buffers alive. norms: names of RMSNorms
     inside it (Qwen3's q_norm, k_norm), whose weights follow the handles as float32 host copies."""
-    module._use(module._streamer.load(module._path, rows))
-    try:
-        handles = [_handle(getattr(module._inner, n) if n else module._inner) for n in names]
-        weights = [_weight(getattr(module._inner, n)) for n in norms]
-    finally:
-        module._release()
+    with module.loaded(rows) as inner:
+        handles = [_handle(getattr(inner, n) if n else inner) for n in names]
+        weights = [_weight(getattr(inner, n)) for n in norms]
     if any(h is None for h in handles):
-        raise RuntimeError(f"{module._path}: streamed weights the native kernels cannot read")
+        raise RuntimeError(f"{type(inner).__name__}: streamed weights the native kernels cannot read")
     return handles + weights
 
 
@@ -154,7 +152,7 @@ class HostDecoder:
             if why:
                 return None, f"layer {i}: {why}"
             streamed = layer.self_attn if isinstance(layer.self_attn, StreamedLayer) else None
-            a = streamed._inner if streamed is not None else layer.self_attn
+            a = streamed.inner if streamed is not None else layer.self_attn
             if streamed is not None:  # bound when loaded; checked by kind now
                 handles = None
                 if not all(_quantised(getattr(a, p)) for p in PROJECTIONS):
@@ -179,7 +177,7 @@ class HostDecoder:
         head_module = body.embed_tokens if tied else getattr(model, "lm_head", None)
         if isinstance(head_module, StreamedRows):
             head, head_streamed = None, head_module
-            if not _quantised(head_module._inner):
+            if not _quantised(head_module.inner):
                 return None, "an LM head the native kernels cannot read"
         else:
             head, head_streamed = _handle(head_module), None
@@ -192,7 +190,7 @@ class HostDecoder:
     @staticmethod
     def _unsupported(layer) -> Optional[str]:
         a = getattr(layer, "self_attn", None)
-        a = getattr(a, "_inner", a)  # (streamed: offload.StreamedLayer)
+        a = a.inner if isinstance(a, StreamedLayer) else a
         if a is None or type(a).__module__ not in ATTENTION:
             return "not llama or qwen3 attention"
         if type(a.rope) is not nn.RoPE:
@@ -202,7 +200,7 @@ class HostDecoder:
             norms += [a.q_norm, a.k_norm]
         if any(type(n) is not nn.RMSNorm for n in norms):
             return "norms other than RMSNorm"
-        if not (hasattr(layer.mlp, "_engine") or isinstance(getattr(layer.mlp, "switch_mlp", None), FlashSwitchGLU)):
+        if not (isinstance(layer.mlp, FlashFFN) or isinstance(getattr(layer.mlp, "switch_mlp", None), FlashSwitchGLU)):
             return "an FFN outside the flash engine"
         return None
 
@@ -233,13 +231,13 @@ class HostDecoder:
             pos = c.offset
             c.reserve(pos + len(x), L["n_kv"], L["head_dim"])
             q, k, v, o, *qk_norms = L["linears"] + L["qk_norms"] if L["linears"] else self._load_attention(L)
-            cpu_gemv._native.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
+            cpu_gemv.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
                                        c._k.shape[2], L["n_heads"], L["n_kv"], L["head_dim"], L["inv_freq"],
                                        L["traditional"], L["rope_scale"], L["scale"], *qk_norms)
             c.offset = pos + len(x)
             mlp = L["mlp"]
-            if hasattr(mlp, "_engine"):  # a dense FFN: the engine's selector, cache and kernels on the host rows
-                x += mlp._engine.ffn_row(i, h, mlp._bias, prefill=prompt)
+            if isinstance(mlp, FlashFFN):  # a dense FFN: the engine's selector, cache and kernels on the host rows
+                x += mlp.ffn_row(h, prefill=prompt)
             else:  # an MoE block: its router in MLX ops, its experts from the expert engine (the layer's one sync)
                 x += np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
         if prompt:
@@ -250,5 +248,5 @@ class HostDecoder:
         else:  # streamed in chunks of vocabulary rows
             m = self.head_streamed
             logits = np.concatenate([cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0])
-                                     for rows in m._streamer.chunks(m._path)], axis=-1)
+                                     for rows in m.chunks()], axis=-1)
         return mx.array(logits).reshape(1, len(x), -1)

@@ -1,0 +1,105 @@
+"""Units read ahead of need: while layer l computes, units layer l+1 is expected to need are read into staging
+buffers of their own (two, in the budget), which never evict a cache's working set.
+
+What is expected is the kind's business (neurons.py: a full dense cache's overflow, the same every token; experts.py:
+the experts the next layer's router picks for this layer's input). When that layer's step runs (units.py), the
+staged units it needs are used: a staged miss is copied into its cache row, a staged overflow unit is computed from
+its staging row in place, and only the shortfall is read. Staged units it does not need count as wasted bytes.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import ReadError
+from .reader import AlignedBuffer
+
+
+@dataclass
+class Staged:
+    """Units of one layer in a staging buffer: row i of `rows` / `host` is units[i] once `wait()` returned."""
+
+    buffer: int
+    units: np.ndarray
+    rows: mx.array
+    host: np.ndarray
+    wait: Callable[[], None]
+    predicted: Optional[np.ndarray] = None  # what the prediction chose (units: those the cache lacked)
+
+    def rows_of(self) -> Dict[int, int]:
+        return {int(u): r for r, u in enumerate(self.units)}
+
+
+class ReadAhead:
+    """Two staging buffers of `rows` units of `region`. A layer's step takes what was staged for it (`take`), then
+    starts the next layer's reads (`start`) into the other buffer: the one it took stays intact while it computes."""
+
+    def __init__(self, engine, region: str, rows: int):
+        self.engine, self.region, self.rows = engine, region, rows
+        self.stride = engine.fd.layouts[region].stride
+        self.slack = 2 * max(1, engine.reader.alignment)  # a run's aligned superset
+        self.buffers = [AlignedBuffer(rows * self.stride + self.slack, engine.fd.alignment) for _ in range(2)]
+        self.views = [(b.rows(self.stride)[:rows], b.host_rows(self.stride)[:rows]) for b in self.buffers]
+        mx.eval([v[0] for v in self.views])  # views now: a lazy one would need this thread's stream (a server thread)
+        self.pending: Dict[int, Staged] = {}
+        self.in_use = None  # the buffer `take` gave out last: its layer may still compute from it
+
+    @staticmethod
+    def nbytes(stride: int, rows: int) -> int:
+        """DRAM of the staging buffers (alignment slack aside)."""
+        return 2 * rows * stride
+
+    def start(self, layer: int, units: np.ndarray, predicted: Optional[np.ndarray] = None):
+        """Start reading `units` (sorted, at most `rows`) of `layer` into a free buffer (none free: not read)."""
+        self.drain()  # what no step took (its layer did not run): its buffer is reused
+        units = units[: self.rows]
+        if not len(units):
+            return
+        b, engine = 1 if self.in_use == 0 else 0, self.engine
+        buf = self.buffers[b]
+        if units[-1] - units[0] == len(units) - 1:  # a run on flash: one aligned read
+            wait, at = engine.submit_run(layer, self.region, int(units[0]), len(units), buf.buffer, buf.base_offset)
+            rows = buf.buffer[at : at + len(units) * self.stride].reshape(len(units), self.stride)
+            mx.eval(rows)  # a view now, as the others
+            host = buf.host_bytes()[at : at + len(units) * self.stride].reshape(len(units), self.stride)
+        else:
+            dest = buf.base_offset + np.arange(len(units), dtype=np.int64) * self.stride
+            wait = engine.submit(layer, self.region, units, buf.buffer, dest)
+            rows, host = self.views[b][0][: len(units)], self.views[b][1][: len(units)]
+        engine.stats.current.ahead_bytes += len(units) * self.stride
+        self.pending[layer] = Staged(b, units, rows, host, _once(wait), predicted)
+
+    def take(self, layer: int) -> Optional[Staged]:
+        """The units staged for `layer` (not waited for yet), or None."""
+        staged = self.pending.pop(layer, None)
+        if staged is not None:
+            self.in_use = staged.buffer
+        return staged
+
+    def drain(self):
+        """Wait for the reads in flight (their rows are dropped, their bytes wasted). A read that failed raises its ReadError here:
+        nothing will use its rows, but the disk failing is news (the caller reporting a failed layer chains it)."""
+        pending, self.pending = list(self.pending.values()), {}
+        errors = []
+        for staged in pending:
+            self.engine.stats.current.ahead_wasted_bytes += len(staged.units) * self.stride
+            try:
+                staged.wait()
+            except ReadError as e:  # wait for the others first: their buffers must not be reused while in flight
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def _once(wait):
+    """`wait` that returns at once after its first call (a staged read is waited for where it is first needed)."""
+    done = []
+
+    def once():
+        if not done:
+            done.append(True)
+            wait()
+
+    return once

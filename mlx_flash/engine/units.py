@@ -1,0 +1,301 @@
+"""The unit step, written once for every kind of unit (neurons.py, experts.py).
+
+Per layer and forward pass a kind says which units it needs (sorted ids) and how to compute over their rows; the
+step does the rest:
+
+    active --UnitCache.plan--> hits, misses (admitted into cache slots), overflow (more than the cache holds)
+      units read ahead for this layer (read_ahead.py): a staged miss copied into its cache row, staged overflow
+      used in place;  the other misses --reader (pread pool)--> their cache rows
+      the blocks of hits computed while the misses are read, then the blocks with misses, then those with
+      overflow (staged rows, the rest read through the scratch buffer a chunk at a time)
+
+Results come back per block, in block order. A block is `block` consecutive ids: REDUCTION_UNITS for neurons, whose
+partial sums are added in block order, so the sum is the same whatever the budget, cache state or read-ahead; one
+for experts, each computed for the tokens that chose it.
+"""
+
+import math
+import time
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..compute.rows import RowSet
+from ..errors import ReadError
+from .cache import UnitCache
+from .reader import AlignedBuffer, aligned_span
+from .stats import Stats
+
+# Units summed together in one call before partial sums are added, in this order (a multiple of every group size):
+# the reduction over units is the same whatever the budget, cache state or read-ahead.
+REDUCTION_UNITS = 256
+
+
+class Blocks:
+    """The active units (sorted ids) cut into fixed blocks of `size` ids: block b is positions
+    starts[b] : starts[b] + sizes[b] of them."""
+
+    def __init__(self, active: np.ndarray, size: int = REDUCTION_UNITS):
+        ids = active // size
+        self.starts = np.flatnonzero(np.diff(ids, prepend=-1))
+        self.sizes = np.diff(self.starts, append=len(active))
+
+    def __len__(self):
+        return len(self.starts)
+
+    def select(self, run: list):
+        """(positions, dst int32: their block's index in the run) of a run of consecutive blocks."""
+        lo, hi = self.starts[run[0]], self.starts[run[-1]] + self.sizes[run[-1]]
+        return np.arange(lo, hi), np.repeat(np.arange(len(run), dtype=np.int32), self.sizes[run[0] : run[-1] + 1])
+
+
+class Engine:
+    """What every engine of units has: a reader and its stats (reads submitted, the time waited for them counted as
+    I/O), per-layer caches ({region: UnitCache}, empty for a layer without units), a scratch buffer, the unit step,
+    the read-error guard, reads ahead (`read_ahead`) and the streamer of resident weights."""
+
+    streamer = None  # resident.ResidentStreamer when resident weights are streamed too
+    read_ahead = None  # read_ahead.ReadAhead: the next layer's units read while a layer computes
+    overlap = True  # compute the hits while the misses are read (False: wait first; for A/B runs)
+    use_metal = None  # expand encoded units with the Metal kernel (None: where available)
+
+    def __init__(self, fd, reader, caches: List[Dict[str, UnitCache]], scratch_bytes: int):
+        self.fd, self.reader, self.caches = fd, reader, caches
+        self.stats = Stats([reader])
+        self.last_layer = max(i for i, c in enumerate(caches) if c)
+        self.scratch = AlignedBuffer(scratch_bytes, fd.alignment)
+
+    def use_streamer(self, streamer):
+        """Resident weights are streamed through `streamer` (resident.ResidentStreamer): its reads count here."""
+        self.streamer, streamer.stats = streamer, self.stats
+        self.stats.readers.append(streamer.reader)
+
+    # -- reads -----------------------------------------------------------------
+    def submit(self, layer: int, region: str, units: np.ndarray, buffer, dest: np.ndarray) -> Callable[[], None]:
+        """Start reading `units` of a region to byte offsets `dest` of `buffer` (one batch; the pool coalesces);
+        returns a function that waits for it, counting the time waited as I/O."""
+        if len(units) == 0:
+            return lambda: None
+        r = self.fd.layers[layer][region]
+        return self._submit_ranges(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64), dest)
+
+    def submit_run(self, layer: int, region: str, first: int, n: int, buffer, base: int):
+        """Start reading units first..first+n-1, neighbours on flash, as the aligned superset of their bytes into
+        `buffer` at byte `base` (aligned, with room for n strides and two alignments): one direct read, where
+        packed units read one by one would go through the pool's bounce buffers. Returns (wait, the byte offset
+        of the first unit in `buffer`)."""
+        r = self.fd.layers[layer][region]
+        lo = r.unit_offset(first)
+        start, end = aligned_span(lo, n * r.stride, max(1, self.reader.alignment))
+        wait = self._submit_ranges(buffer, np.array([start]), np.array([end - start]), np.array([base]), n * r.stride)
+        return wait, base + lo - start
+
+    def _submit_ranges(self, buffer, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, requested=None):
+        """The reads of `submit` (any byte ranges); `requested`: the units' bytes among them (default all: the
+        alignment a run's superset adds is counted at the device, not as asked)."""
+        t = time.perf_counter()
+        handle = self.reader.submit(buffer, offsets.astype(np.int64), lengths.astype(np.int64), dest.astype(np.int64))
+        s = self.stats.current
+        s.io_s += time.perf_counter() - t
+        s.bytes_requested += int(lengths.sum()) if requested is None else requested
+
+        def wait():
+            t = time.perf_counter()
+            self.reader.wait(handle)
+            self.stats.current.io_s += time.perf_counter() - t
+
+        return wait
+
+    def _read_misses(self, layer: int, region: str, units: np.ndarray, slots: np.ndarray) -> Callable[[], None]:
+        """Start reading misses into their cache rows; returns the function that waits for them."""
+        cache = self.caches[layer][region]
+        return self.submit(layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes)
+
+    def _read_chunk(self, layer: int, region: str, chunk: np.ndarray):
+        """Dense rows [len, stride] of `chunk` (at most `_fits` units) read through the scratch buffer.
+
+        Dense layouts give views of the scratch buffer, overwritten by the next chunk: evaluate what uses them first.
+        Encoded units are expanded (evaluated) into new arrays (chunks are sized so that those stay within the
+        scratch size too)."""
+        layout = self.fd.layouts[region]
+        disk, slack = layout.disk_stride, 2 * max(1, self.reader.alignment)
+        if chunk[-1] - chunk[0] == len(chunk) - 1 and len(chunk) * disk + slack <= self.scratch.nbytes:
+            wait, at = self.submit_run(layer, region, int(chunk[0]), len(chunk), self.scratch.buffer,
+                                       self.scratch.base_offset)  # a run on flash: one aligned read
+            wait()
+            out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
+        else:
+            dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * disk
+            self.submit(layer, region, chunk, self.scratch.buffer, dest)()
+            out = self.scratch.rows(disk)[: len(chunk)]
+        if layout.encoded:
+            t = time.perf_counter()
+            out = layout.expand(out, self.use_metal)
+            self.stats.current.expand_s += time.perf_counter() - t
+        mx.eval(out)  # (a view now: native kernels read it by address)
+        return out
+
+    def _fits(self, region: str) -> int:
+        """Units `_read_chunk` takes at a time."""
+        return max(1, (self.scratch.nbytes - 2 * max(1, self.reader.alignment)) // self.fd.layouts[region].stride)
+
+    def _per_chunk(self, region: str) -> int:
+        """Units read through the scratch buffer at a time when a whole region streams: whole aligned blocks of them
+        where the scratch holds some (no block read twice by neighbouring runs)."""
+        a = max(1, self.reader.alignment)
+        step = a // math.gcd(self.fd.layouts[region].disk_stride, a)
+        fits = self._fits(region)
+        return fits // step * step if fits >= step else fits
+
+    # -- the unit step ------------------------------------------------------------
+    def step(self, layer: int, region: str, active: np.ndarray, fn, sync, block: int = REDUCTION_UNITS,
+             per: Optional[int] = None, read_next: Optional[Callable[[], None]] = None) -> list:
+        """The results of the active units (sorted ids) of a layer's region, one per block, in block order.
+
+        fn(rows, slots, positions, dst, n) returns the n results of the blocks of `positions` (into `active`; block
+        i: those with dst == i), rows[slots] their rows, or a RowSet (slots None) where they lie in several buffers.
+        sync(out) finishes what reads rows before their buffer is reused. Blocks of hits go `per` units a call at
+        most (None: any number), synchronised between calls; read_next() starts the next layer's reads ahead once
+        this layer's misses are on their way."""
+        cache = self.caches[layer][region]
+        t = time.perf_counter()
+        plan = cache.plan(active)
+        s = self.stats.current
+        s.mm_s += time.perf_counter() - t
+        s.misses += len(plan.miss_units) + len(plan.overflow_units)
+        s.hits += len(active) - len(plan.miss_units) - len(plan.overflow_units)
+        ahead = self.read_ahead
+        staged = ahead.take(layer) if ahead is not None and ahead.region == region else None
+        misses, slots = self._staged_misses(cache, active, plan, staged)
+        wait = self._read_misses(layer, region, misses, slots)
+        if read_next is not None:
+            read_next()
+        if not self.overlap or not len(active):
+            wait()
+        if not len(active):
+            return []
+        blocks = Blocks(active, block)
+        over = plan.slots < 0
+        reading = np.zeros(len(active), dtype=np.int8)
+        reading[~over] = np.isin(active[~over], misses)
+        kind = np.maximum.reduceat(over * 2 + reading, blocks.starts)  # per block: 0 all hits, 1 misses, 2 overflow
+        parts = [None] * len(blocks)
+
+        def compute(todo):
+            groups = self._groups(todo, blocks.sizes, per or len(active))
+            for group in groups:
+                pos, dst = blocks.select(group)
+                out = fn(cache.rows, plan.slots[pos], pos, dst, len(group))
+                if per and len(groups) > 1:
+                    sync(out)  # one group's gathered rows (MLX ops) alive at a time
+                parts[group[0] : group[-1] + 1] = out
+
+        compute(np.flatnonzero(kind == 0))
+        wait()  # before anything reads the misses' rows
+        compute(np.flatnonzero(kind == 1))
+        if (kind == 2).any():
+            self._overflow(layer, region, active, plan, staged, np.flatnonzero(kind == 2), blocks, parts, fn, sync)
+        return parts
+
+    def _staged_misses(self, cache: UnitCache, active, plan, staged):
+        """The misses still to read: those read ahead are copied into their cache rows. Counts what was staged for
+        nothing and, where the staging followed a prediction, how much of `active` it had."""
+        if staged is None:
+            return plan.miss_units, plan.miss_slots
+        s = self.stats.current
+        needed = np.concatenate([plan.miss_units, plan.overflow_units])
+        s.ahead_wasted_bytes += int((~np.isin(staged.units, needed)).sum()) * cache.row_bytes
+        if staged.predicted is not None:
+            s.routed += len(active)
+            s.predicted += int(np.isin(active, staged.predicted).sum())
+        have = np.isin(plan.miss_units, staged.units)
+        if not have.any():
+            return plan.miss_units, plan.miss_slots
+        staged.wait()
+        t = time.perf_counter()
+        cache.host[plan.miss_slots[have]] = staged.host[np.searchsorted(staged.units, plan.miss_units[have])]
+        s.mm_s += time.perf_counter() - t
+        return plan.miss_units[~have], plan.miss_slots[~have]
+
+    def _overflow(self, layer, region, active, plan, staged, todo, blocks, parts, fn, sync):
+        """`step`'s blocks with overflow units: those read ahead computed in place, the rest streamed through the
+        scratch buffer; each call holds whole blocks, their cached rows read in place beside the others (a RowSet)."""
+        cache = self.caches[layer][region]
+        overflow = np.flatnonzero(plan.slots < 0)
+        where = np.full(len(active), 0, dtype=np.int64)  # 0: cache row, 1: staged, 2: scratch
+        index = plan.slots.astype(np.int64)
+        where[overflow] = 2
+        if staged is not None:
+            at = np.minimum(np.searchsorted(staged.units, active[overflow]), len(staged.units) - 1)
+            found = staged.units[at] == active[overflow]
+            where[overflow[found]], index[overflow[found]] = 1, at[found]
+            if found.any():
+                staged.wait()
+        streamed = np.add.reduceat(where == 2, blocks.starts)
+        for group in self._groups(todo, streamed, self._fits(region)):
+            pos, dst = blocks.select(group)
+            mine = pos[where[pos] == 2]
+            scratch = cache.rows
+            if len(mine):
+                scratch = self._read_chunk(layer, region, active[mine])
+                index[mine] = np.arange(len(mine))
+            rows = RowSet([cache.rows, cache.rows if staged is None else staged.rows, scratch], where[pos], index[pos])
+            out = fn(*rows.single(), pos, dst, len(group))
+            sync(out)  # before the next chunk overwrites the scratch rows
+            parts[group[0] : group[-1] + 1] = out
+
+    @staticmethod
+    def _groups(todo, weight, per):
+        """The blocks `todo` in runs of consecutive blocks whose weights add up to at most `per` (a block alone may
+        exceed it)."""
+        groups, group, total = [], [], 0
+        for b in todo.tolist():
+            if group and (total + weight[b] > per or b != group[-1] + 1):
+                groups.append(group)
+                group, total = [], 0
+            group.append(b)
+            total += weight[b]
+        if group:
+            groups.append(group)
+        return groups
+
+    # -- the layer's guard, lifetime --------------------------------------------------
+    def guarded(self, layer: int, prefill: bool, compute):
+        """compute() as layer `layer`'s units of a forward pass: its stats, and after a failed read the layer's
+        caches forget the units admitted for it (rows never filled), so later tokens never compute on unread bytes."""
+        self.stats.touch(prefill=prefill)
+        try:
+            y = compute()
+        except ReadError:
+            for cache in self.caches[layer].values():
+                cache.reset(stats=False)
+            if self.read_ahead is not None:
+                try:
+                    self.read_ahead.drain()
+                except ReadError:  # (the one raised already says the disk fails)
+                    pass
+            self.stats.forward_done()
+            raise
+        if layer == self.last_layer:
+            self.stats.forward_done()
+        return y
+
+    def reset(self):
+        """Cold caches and fresh stats (e.g. between benchmark runs)."""
+        if self.read_ahead is not None:
+            self.read_ahead.drain()
+        for regions in self.caches:
+            for c in regions.values():
+                c.reset()
+        self.stats.reset()
+
+    def close(self):
+        """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
+        try:
+            if self.read_ahead is not None:
+                self.read_ahead.drain()
+        finally:
+            self.reader.close()
+            if self.streamer is not None:
+                self.streamer.close()
