@@ -38,9 +38,15 @@ setup(
     entry_points={
         "console_scripts": [
             f"mlx_flash.{name} = mlx_flash.{module}:main"
-            for name, module in [("generate", "generate"), ("convert", "convert.build"), ("server", "server"),
-                                 ("verify", "verify"), ("bench", "bench"), ("calibrate", "calibrate"),
-                                 ("peers", "peers")]
+            for name, module in [
+                ("generate", "generate"),
+                ("convert", "convert.build"),
+                ("server", "server"),
+                ("verify", "verify"),
+                ("bench", "bench"),
+                ("calibrate", "calibrate"),
+                ("peers", "peers"),
+            ]
         ]
     },
     python_requires=">=3.10",

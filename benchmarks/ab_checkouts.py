@@ -20,21 +20,51 @@ import sys
 from pathlib import Path
 
 PROMPT = "Once upon a time there was a"
-SUMMARY = re.compile(r"summary over \d+ tokens \(medians\): io +([\d.]+) ms, mm +([\d.]+) ms, compute +([\d.]+) ms, "
-                     r"total +([\d.]+) ms")
+SUMMARY = re.compile(
+    r"summary over \d+ tokens \(medians\): io +([\d.]+) ms, mm +([\d.]+) ms, compute +([\d.]+) ms, "
+    r"total +([\d.]+) ms"
+)
 
 
 def run(checkout: Path, model, budget: str, tokens: int, cap=None, sparsity="dense") -> dict:
-    cmd = [sys.executable, "-m", "mlx_flash.generate", "--prompt", PROMPT, "--ignore-chat-template", "--memory-budget",
-           budget, "--max-tokens", str(tokens), "--temp", "0", "--sparsity", sparsity, "--stats"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_flash.generate",
+        "--prompt",
+        PROMPT,
+        "--ignore-chat-template",
+        "--memory-budget",
+        budget,
+        "--max-tokens",
+        str(tokens),
+        "--temp",
+        "0",
+        "--sparsity",
+        sparsity,
+        "--stats",
+    ]
     cmd += ["--model", str(model)] if model else []
     if cap:  # (the checkout's own cap: both have mlx_flash.tools.cap)
-        cmd = [sys.executable, "-m", "mlx_flash.tools.cap", "--limit", cap, *(["--drop", str(model)] if model else []),
-               "--", *cmd]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_flash.tools.cap",
+            "--limit",
+            cap,
+            *(["--drop", str(model)] if model else []),
+            "--",
+            *cmd,
+        ]
     out = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, check=True).stdout
     io, mm, compute, total = map(float, SUMMARY.search(out).groups())
-    return {"total_ms": total, "compute_ms": compute, "io_ms": io, "mm_ms": mm,
-            "text": re.split(r"\n(?:\[token|Prompt:|summary)", out)[0]}
+    return {
+        "total_ms": total,
+        "compute_ms": compute,
+        "io_ms": io,
+        "mm_ms": mm,
+        "text": re.split(r"\n(?:\[token|Prompt:|summary)", out)[0],
+    }
 
 
 def main():
@@ -55,23 +85,30 @@ def main():
             for side in ("before", "after"):
                 res = run(getattr(args, side), args.model, budget, args.tokens, args.cap, args.sparsity)
                 sides[side].append(res)
-                print(f"round {r + 1} {budget} {side}: total {res['total_ms']:.2f} ms, compute {res['compute_ms']:.2f} ms",
-                      flush=True)
+                print(
+                    f"round {r + 1} {budget} {side}: total {res['total_ms']:.2f} ms, compute {res['compute_ms']:.2f} ms",
+                    flush=True,
+                )
     summary = {}
     for budget, sides in runs.items():
-        med = {s: {k: statistics.median(x[k] for x in v) for k in ("total_ms", "compute_ms", "io_ms")}
-               for s, v in sides.items()}
+        med = {
+            s: {k: statistics.median(x[k] for x in v) for k in ("total_ms", "compute_ms", "io_ms")}
+            for s, v in sides.items()
+        }
         summary[budget] = {**med, "after/before total": med["after"]["total_ms"] / med["before"]["total_ms"]}
         print(budget, json.dumps(summary[budget]))
     for side in ("before", "after"):  # the same text at every budget?
         summary[f"{side}: one text at every budget"] = len({x["text"] for s in runs.values() for x in s[side]}) == 1
     for budget, sides in runs.items():  # the same text from both checkouts?
         summary[f"{budget}: same text before and after"] = {x["text"] for x in sides["before"]} == {
-            x["text"] for x in sides["after"]}
+            x["text"] for x in sides["after"]
+        }
     print({k: v for k, v in summary.items() if "text" in k})
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                               "runs": runs}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "runs": runs}, indent=1)
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -23,9 +23,27 @@ PROMPT = "Summarise the history of the lighthouse in three sentences."
 
 
 def generate(path: Path, budget: str, sparsity: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--model", str(path), "--prompt", PROMPT,
-                        "--max-tokens", "32", "--memory-budget", budget, "--sparsity", sparsity, "--stats"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_flash.generate",
+            "--model",
+            str(path),
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "32",
+            "--memory-budget",
+            budget,
+            "--sparsity",
+            sparsity,
+            "--stats",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     read = re.search(r"read ([\d.]+) (KiB|MiB|GiB)/token at the device", r.stdout)
     scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[read.group(2)]
     selector = re.search(r"^selector: (\w+)", r.stdout, re.M).group(1)
@@ -44,7 +62,9 @@ def main():
         subprocess.run([sys.executable, "-m", "mlx_flash.calibrate", "--model", str(path), "--quiet"], check=True)
         selector = json.loads((path / "flash.json").read_text()).get("sparsity", {}).get("selector")
         rows = {b: {s: generate(path, b, s) for s in ("auto", "dense")} for b in args.budgets}
-    print(f"calibrated selector: {selector and {k: selector[k] for k in ('name', 'bits', 'ppl_increase') if k in selector}}")
+    print(
+        f"calibrated selector: {selector and {k: selector[k] for k in ('name', 'bits', 'ppl_increase') if k in selector}}"
+    )
     print("| budget | auto picks | auto MiB/token | dense MiB/token | auto / dense |")
     print("|---|---|---|---|---|")
     for b, r in rows.items():

@@ -16,13 +16,11 @@
 import argparse
 
 import mlx_flash  # noqa: F401  (before mlx.core)
+from mlx_flash.convert import prune
+from mlx_flash.format import bitmap
 
 import mlx.core as mx
 import numpy as np
-
-from mlx_flash.format import bitmap
-
-from mlx_flash.convert import prune
 from bench_gather_ffn import median_ms  # noqa: E402  (this script's directory is on sys.path)
 
 SHAPES = {"smollm2": (576, 1536, 30), "7b": (4096, 11008, 32)}
@@ -36,8 +34,10 @@ def compression_table(sparsity: float, seed: int = 0):
         norms = rng.random(d).astype(np.float32) + 0.5
         pruned = prune.prune_wanda(w, norms, sparsity)
         mask = pruned != 0
-        for name, vals in (("float16", pruned.astype(np.float16)),
-                           ("uint8", rng.integers(0, 256, (256, d)).astype(np.uint8))):
+        for name, vals in (
+            ("float16", pruned.astype(np.float16)),
+            ("uint8", rng.integers(0, 256, (256, d)).astype(np.uint8)),
+        ):
             enc, cap = bitmap.encode_rows(vals, mask=mask)
             assert enc.shape[1] == bitmap.row_bytes(d, cap, name)
             dense = d * bitmap.DTYPES[name][0]
@@ -81,14 +81,26 @@ def expand_table(shapes, sparsity: float, reps: int, seed: int = 0):
             k = int(frac * n)
             idx = mx.array(np.sort(rng.choice(n, k, replace=False)).astype(np.int32))
             # three matrices per unit (gate, up, down): expand each from its gathered rows
-            t_exp = _time(lambda: [bitmap.expand(mx.take(enc_mx, idx, axis=0), d, mx.float16) for _ in range(3)], r_reps)
+            t_exp = _time(
+                lambda: [bitmap.expand(mx.take(enc_mx, idx, axis=0), d, mx.float16) for _ in range(3)], r_reps
+            )
             t_take = _time(lambda: [mx.take(dense_mx, idx, axis=0) for _ in range(3)], r_reps)
             t_gexp = _time(lambda: [mx.take(enc_mx, idx, axis=0) for _ in range(3)], r_reps)
-            out.append(dict(shape=shape, d=d, n=n, k=k, frac=frac, layers=layers,
-                            expand_ms=1e3 * (t_exp - t_gexp), gather_enc_ms=1e3 * t_gexp,
-                            gather_dense_ms=1e3 * t_take,
-                            mb_enc=3 * k * enc.shape[1] / 2**20, mb_dense=3 * k * d * 2 / 2**20))
-        del enc_mx, dense_mx
+            out.append(
+                dict(
+                    shape=shape,
+                    d=d,
+                    n=n,
+                    k=k,
+                    frac=frac,
+                    layers=layers,
+                    expand_ms=1e3 * (t_exp - t_gexp),
+                    gather_enc_ms=1e3 * t_gexp,
+                    gather_dense_ms=1e3 * t_take,
+                    mb_enc=3 * k * enc.shape[1] / 2**20,
+                    mb_dense=3 * k * d * 2 / 2**20,
+                )
+            )
     return out
 
 
@@ -111,18 +123,26 @@ def main():
     for d, n, spread, per, cap, r in down_capacity_table(args.sparsity):
         print(f"{d:5d} {n:6d} {spread:11.1f} {per:>6} {cap:8d} {r:6.3f}")
 
-    print(f"\n== expand cost per layer (3 matrices x k rows, float16, {args.sparsity:.0%} sparse, "
-          f"{'Metal' if bitmap.metal_available() else 'MLX ops, CPU'}) ==")
-    print(f"{'shape':8} {'k':>6} {'%n':>4} {'expand ms':>9} {'gather enc ms':>13} {'gather dense ms':>15} "
-          f"{'MB enc':>7} {'MB dense':>8} {'ns/elem':>7} {'expand ms/token':>15}")
+    print(
+        f"\n== expand cost per layer (3 matrices x k rows, float16, {args.sparsity:.0%} sparse, "
+        f"{'Metal' if bitmap.metal_available() else 'MLX ops, CPU'}) =="
+    )
+    print(
+        f"{'shape':8} {'k':>6} {'%n':>4} {'expand ms':>9} {'gather enc ms':>13} {'gather dense ms':>15} "
+        f"{'MB enc':>7} {'MB dense':>8} {'ns/elem':>7} {'expand ms/token':>15}"
+    )
     for r in expand_table(args.shapes.split(","), args.sparsity, args.reps):
-        print(f"{r['shape']:8} {r['k']:6d} {r['frac']:4.0%} {r['expand_ms']:9.2f} {r['gather_enc_ms']:13.2f} "
-              f"{r['gather_dense_ms']:15.2f} {r['mb_enc']:7.2f} {r['mb_dense']:8.2f} "
-              f"{1e6 * r['expand_ms'] / (3 * r['k'] * r['d']):7.2f} "
-              f"{r['expand_ms'] * r['layers']:15.1f}")
-    print("expand ms = time(gather encoded rows + expand) - time(gather encoded rows); "
-          "ms/token = expand ms x layers (every layer's active units expanded once; "
-          "a neuron cache holding expanded rows would pay this only on misses)")
+        print(
+            f"{r['shape']:8} {r['k']:6d} {r['frac']:4.0%} {r['expand_ms']:9.2f} {r['gather_enc_ms']:13.2f} "
+            f"{r['gather_dense_ms']:15.2f} {r['mb_enc']:7.2f} {r['mb_dense']:8.2f} "
+            f"{1e6 * r['expand_ms'] / (3 * r['k'] * r['d']):7.2f} "
+            f"{r['expand_ms'] * r['layers']:15.1f}"
+        )
+    print(
+        "expand ms = time(gather encoded rows + expand) - time(gather encoded rows); "
+        "ms/token = expand ms x layers (every layer's active units expanded once; "
+        "a neuron cache holding expanded rows would pay this only on misses)"
+    )
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ import platform
 import sys
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-import mlx.core as mx
-import numpy as np
-
+from mlx_flash import bench
 from mlx_flash.compute import cpu_gemv
 
-from mlx_flash import bench
+import mlx.core as mx
+import numpy as np
 from bench_gather_ffn import median_ms  # noqa: E402  (this script's directory is on sys.path)
 
 SHAPES = [  # (name, rows, n, bits, scale dtype): rows of n values each
@@ -67,14 +66,34 @@ def matvecs(group_size=64):
         wq, s, b = quantized(r, n, bits, sdt, group_size)
         for transpose, what in ((True, "x @ W^T (row_dot)"), (False, "c @ W (row_axpy)")):
             a, c = mlx_vs_native(wq, s, b, bits, transpose, group_size)
-            rows.append({"matrix": name, "product": what, "bits": bits, "rows": r, "n": n, "mlx_ms": a,
-                         "native_ms": c, "speedup": a / c, "native_gweights_per_s": r * n / c / 1e6})
+            rows.append(
+                {
+                    "matrix": name,
+                    "product": what,
+                    "bits": bits,
+                    "rows": r,
+                    "n": n,
+                    "mlx_ms": a,
+                    "native_ms": c,
+                    "speedup": a / c,
+                    "native_gweights_per_s": r * n / c / 1e6,
+                }
+            )
     return rows
 
 
 def decode(args):
-    argv = ["--memory-budget", args.memory_budget, "--tokens", str(args.tokens), "--prompt-tokens",
-            str(args.prompt_tokens), "--configs", args.configs, "--no-fio"]
+    argv = [
+        "--memory-budget",
+        args.memory_budget,
+        "--tokens",
+        str(args.tokens),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--configs",
+        args.configs,
+        "--no-fio",
+    ]
     argv += ["--synthetic", args.synthetic] if args.synthetic else []
     out = {}
     for on in (False, True):
@@ -106,25 +125,35 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="--decode: latency breakdown, MLX's matvecs beside the native ones")
     args = p.parse_args()
-    result = {"machine": platform.platform(), "python": sys.version.split()[0], "mlx": mx.__version__,
-              "native": cpu_gemv.info()}
+    result = {
+        "machine": platform.platform(),
+        "python": sys.version.split()[0],
+        "mlx": mx.__version__,
+        "native": cpu_gemv.info(),
+    }
     result["matvecs"] = matvecs()
     print("| matrix | product | bits | MLX ms | native ms | speed-up | native G weights/s |")
     print("|---|---|---|---|---|---|---|")
     for r in result["matvecs"]:
-        print(f"| {r['matrix']} ({r['rows']}x{r['n']}) | {r['product']} | {r['bits']} | {r['mlx_ms']:.2f} | "
-              f"{r['native_ms']:.2f} | {r['speedup']:.1f}x | {r['native_gweights_per_s']:.1f} |")
+        print(
+            f"| {r['matrix']} ({r['rows']}x{r['n']}) | {r['product']} | {r['bits']} | {r['mlx_ms']:.2f} | "
+            f"{r['native_ms']:.2f} | {r['speedup']:.1f}x | {r['native_gweights_per_s']:.1f} |"
+        )
     if args.decode:
         result["decode"] = decode(args)
-        print("\n| config | total ms, MLX kernels | total ms, native | speed-up | compute ms, MLX / native | I/O ms, MLX / native |")
+        print(
+            "\n| config | total ms, MLX kernels | total ms, native | speed-up | compute ms, MLX / native | I/O ms, MLX / native |"
+        )
         print("|---|---|---|---|---|---|")
         m, n = result["decode"]["mlx"]["configs"], result["decode"]["native"]["configs"]
         for name in m:
             if "total_ms" not in m[name] or "total_ms" not in n.get(name, {}):
                 continue
-            print(f"| {name} | {m[name]['total_ms']:.0f} | {n[name]['total_ms']:.0f} | "
-                  f"{m[name]['total_ms'] / n[name]['total_ms']:.2f}x | {m[name]['compute_ms']:.0f} / "
-                  f"{n[name]['compute_ms']:.0f} | {m[name]['io_ms']:.0f} / {n[name]['io_ms']:.0f} |")
+            print(
+                f"| {name} | {m[name]['total_ms']:.0f} | {n[name]['total_ms']:.0f} | "
+                f"{m[name]['total_ms'] / n[name]['total_ms']:.2f}x | {m[name]['compute_ms']:.0f} / "
+                f"{n[name]['compute_ms']:.0f} | {m[name]['io_ms']:.0f} / {n[name]['io_ms']:.0f} |"
+            )
         for k in ("mlx", "native"):
             print(f"targets ({k}): {json.dumps(result['decode'][k]['targets'])}")
         if args.plot:

@@ -29,13 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_flash  # noqa: E402,F401  (loads OpenBLAS before mlx.core)
+from mlx_flash.compute import backends as gf  # noqa: E402
+from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward  # noqa: E402
+from mlx_flash.compute.ops import gather  # noqa: E402
+from mlx_flash.format.directory import BundleLayout  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-
-from mlx_flash.compute import backends as gf  # noqa: E402
-from mlx_flash.compute.ops import gather  # noqa: E402
-from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward  # noqa: E402
-from mlx_flash.format.directory import BundleLayout  # noqa: E402
 
 SHAPES = [
     # label, d_model, n_neurons, storage, quantisation
@@ -57,8 +57,9 @@ def layer(d, n, storage, quant, seed=0):
             arrays[f"{name}.weight"] = w.astype(getattr(mx, storage))
         else:
             q, s, b = mx.quantize(w, quant["group_size"], quant["bits"])
-            arrays.update({f"{name}.weight": q, f"{name}.scales": s.astype(mx.float16),
-                           f"{name}.biases": b.astype(mx.float16)})
+            arrays.update(
+                {f"{name}.weight": q, f"{name}.scales": s.astype(mx.float16), f"{name}.biases": b.astype(mx.float16)}
+            )
         mx.eval(arrays)
     return arrays
 
@@ -84,24 +85,33 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="SmolLM2 shapes only")
-    p.add_argument("--only", default="", help="run the shapes whose 'label storage' contains this, e.g. '7B 4096x11008 q4'")
+    p.add_argument(
+        "--only", default="", help="run the shapes whose 'label storage' contains this, e.g. '7B 4096x11008 q4'"
+    )
     p.add_argument("--mallopt", action="store_true", help="keep large buffers in malloc (see the module doc)")
     args = p.parse_args()
     if args.mallopt:
         mallopt()
     silu = ACTIVATIONS["silu"]
-    print(f"mlx {mx.__version__}, device {mx.default_device()}, metal {mx.metal.is_available()}, "
-          f"repeats {args.repeats}, mallopt {args.mallopt}")
-    print(f"{'shape':<18} {'storage':<8} {'active':>6} {'k':>6} {'gather ms':>10} {'sparse ms':>10} "
-          f"{'dense ms':>9} {'sparse/dense':>12}")
+    print(
+        f"mlx {mx.__version__}, device {mx.default_device()}, metal {mx.metal.is_available()}, "
+        f"repeats {args.repeats}, mallopt {args.mallopt}"
+    )
+    print(
+        f"{'shape':<18} {'storage':<8} {'active':>6} {'k':>6} {'gather ms':>10} {'sparse ms':>10} "
+        f"{'dense ms':>9} {'sparse/dense':>12}"
+    )
     for label, d, n, storage, quant in SHAPES:
         if (args.quick and d > 1000) or args.only not in f"{label} {storage}":
             continue
         arrays = layer(d, n, storage, quant)
         layout = BundleLayout.from_arrays(arrays, 4096)
         rows = mx.array(layout.pack(arrays))
-        ffn = {"kind": "glu", "activation": "silu",
-               "matrices": {m: {"quantization": quant, "transposed": m == "down"} for m in ("gate", "up", "down")}}
+        ffn = {
+            "kind": "glu",
+            "activation": "silu",
+            "matrices": {m: {"quantization": quant, "transposed": m == "down"} for m in ("gate", "up", "down")},
+        }
         x = mx.array(np.random.default_rng(1).standard_normal((1, d), dtype=np.float32))
         dense = median_ms(lambda: ffn_forward(x, arrays, ffn), args.repeats)
         cache_slots = np.random.default_rng(2).permutation(n).astype(np.int32)  # unit -> cache slot
@@ -115,19 +125,22 @@ def main():
                 u = gf.row_dot(x, rows, slots, layout, "up", quant, use_metal=False)
                 return gf.row_axpy(silu(g) * u, rows, slots, layout, "down", quant, use_metal=False)
 
-            def gather():
+            def take_rows():
                 return [gather(rows, slots, c) for c in layout.components]
 
             t_sparse = median_ms(sparse, args.repeats)
-            t_gather = median_ms(gather, args.repeats)
-            print(f"{label:<18} {storage:<8} {f:>6.0%} {k:>6} {t_gather:>10.2f} {t_sparse:>10.2f} {dense:>9.2f} "
-                  f"{t_sparse / dense:>12.2f}")
-        del arrays, rows
+            t_gather = median_ms(take_rows, args.repeats)
+            print(
+                f"{label:<18} {storage:<8} {f:>6.0%} {k:>6} {t_gather:>10.2f} {t_sparse:>10.2f} {dense:>9.2f} "
+                f"{t_sparse / dense:>12.2f}"
+            )
         if storage == "float16":  # the dense FFN with the weights already float32 (no per-call cast)
             a32 = {k: v.astype(mx.float32) for k, v in layer(d, n, storage, quant).items()}
             mx.eval(a32)
             t = median_ms(lambda: ffn_forward(x, a32, ffn), args.repeats)
-            print(f"{label:<18} {'(f32)':<8} {'dense':>6} {n:>6} {'':>10} {'':>10} {t:>9.2f}   weights resident as float32")
+            print(
+                f"{label:<18} {'(f32)':<8} {'dense':>6} {n:>6} {'':>10} {'':>10} {t:>9.2f}   weights resident as float32"
+            )
             del a32
 
 

@@ -18,15 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
-import numpy as np  # noqa: E402
-
 from mlx_flash import bench  # noqa: E402
-from mlx_flash.calib.trace import default_trace  # noqa: E402
-from mlx_flash.tools.bench_io import machine_info  # noqa: E402
 from mlx_flash.budget import parse_size  # noqa: E402
-from mlx_flash.format.directory import FlashDir  # noqa: E402
+from mlx_flash.calib.trace import default_trace  # noqa: E402
 from mlx_flash.default_model import default_model_dir  # noqa: E402
+from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.loader import load  # noqa: E402
+from mlx_flash.tools.bench_io import machine_info  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 
 def main():
@@ -61,24 +61,37 @@ def main():
             t = time.perf_counter()
             times = bench.decode(model, prompt, a.tokens)
             engine.stats.end()
-            toks = engine.stats.decode_tokens()[-len(times):]
+            toks = engine.stats.decode_tokens()[-len(times) :]
             runs[overlap] += [(t_.io_s, t_.total_s, t_.bytes_read) for t_ in toks]
             print(f"round {r} overlap={overlap}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     model.flash.close()
 
-    out = {"model": str(path), "memory_budget": a.memory_budget, "tokens": a.tokens, "rounds": a.rounds,
-           "sparsifier": desc, "machine": machine_info(str(path)), "configs": {}}
+    out = {
+        "model": str(path),
+        "memory_budget": a.memory_budget,
+        "tokens": a.tokens,
+        "rounds": a.rounds,
+        "sparsifier": desc,
+        "machine": machine_info(str(path)),
+        "configs": {},
+    }
     print(f"{Path(path).name}, budget {a.memory_budget}, {a.tokens} tokens x {a.rounds} rounds, {desc}")
     print("| config | I/O ms (waited) | total ms (p10-p90) | MiB read / token |\n|---|---|---|---|")
     for overlap, rows in runs.items():
         io, total, nbytes = (np.array(c) for c in zip(*rows))
-        r = {"io_ms": float(np.median(io) * 1e3), "total_ms": float(np.median(total) * 1e3),
-             "total_ms_p10": float(np.percentile(total, 10) * 1e3), "total_ms_p90": float(np.percentile(total, 90) * 1e3),
-             "bytes_per_token": float(nbytes.mean())}
+        r = {
+            "io_ms": float(np.median(io) * 1e3),
+            "total_ms": float(np.median(total) * 1e3),
+            "total_ms_p10": float(np.percentile(total, 10) * 1e3),
+            "total_ms_p90": float(np.percentile(total, 90) * 1e3),
+            "bytes_per_token": float(nbytes.mean()),
+        }
         name = "overlapped" if overlap else "read, then compute"
         out["configs"][name] = r
-        print(f"| {name} | {r['io_ms']:.1f} | {r['total_ms']:.1f} ({r['total_ms_p10']:.1f}-{r['total_ms_p90']:.1f}) | "
-              f"{r['bytes_per_token'] / 2**20:.2f} |")
+        print(
+            f"| {name} | {r['io_ms']:.1f} | {r['total_ms']:.1f} ({r['total_ms_p10']:.1f}-{r['total_ms_p90']:.1f}) | "
+            f"{r['bytes_per_token'] / 2**20:.2f} |"
+        )
     c = out["configs"]
     out["total_ratio"] = c["read, then compute"]["total_ms"] / c["overlapped"]["total_ms"]
     print(f"total (read, then compute) / total (overlapped) = {out['total_ratio']:.2f}")

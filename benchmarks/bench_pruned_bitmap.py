@@ -29,27 +29,29 @@ import time
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (before mlx.core)
+from mlx_flash import __version__
+from mlx_flash.bench import decode, resident_bytes
+from mlx_flash.calib.quality import eval_model, perplexity
+from mlx_flash.convert import convert
+from mlx_flash.default_model import default_gguf_path
+from mlx_flash.format import bitmap
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import load, load_tokenizer
+from mlx_flash.texts import read_text, token_batches
+from mlx_flash.tools.bench_io import machine_info
 
 import mlx.core as mx
 import numpy as np
-
-from mlx_flash import __version__
-from mlx_flash.format import bitmap
-from mlx_flash.bench import decode, resident_bytes
-from mlx_flash.tools.bench_io import machine_info
-from mlx_flash.convert import convert
-from mlx_flash.format.directory import FlashDir
-from mlx_flash.default_model import default_gguf_path
-from mlx_flash.loader import load, load_tokenizer
-from mlx_flash.calib.quality import eval_model, perplexity
-from mlx_flash.texts import read_text, token_batches
 
 VARIANTS = {  # name: convert options
     "f16": dict(dtype="float16", dequantize=True),
     "q8": dict(bits=8, group_size=32),
 }
-FORMATS = {"dense": {}, "pruned-dense": {"prune": "wanda", "prune_format": "dense"},
-           "pruned-bitmap": {"prune": "wanda", "prune_format": "bitmap"}}
+FORMATS = {
+    "dense": {},
+    "pruned-dense": {"prune": "wanda", "prune_format": "dense"},
+    "pruned-bitmap": {"prune": "wanda", "prune_format": "bitmap"},
+}
 
 
 def make(out: Path, variant: str, fmt: str, sparsity: float, seqs: int, seq_len: int) -> Path:
@@ -86,9 +88,13 @@ def run(path: Path, budget: int, prompt, tokens: int, density: float) -> dict:
             "bytes_per_token_median": float(np.median([t.bytes_read for t in toks])),
             "bytes_per_token_mean": s["bytes_per_token"],
             "misses_per_token": float(np.mean([t.misses for t in toks])),
-            "io_ms": s["io_ms"], "expand_ms": s["expand_ms"], "mm_ms": s["mm_ms"], "total_ms": s["total_ms"],
+            "io_ms": s["io_ms"],
+            "expand_ms": s["expand_ms"],
+            "mm_ms": s["mm_ms"],
+            "total_ms": s["total_ms"],
             "expand_ms_per_miss_unit": 1e3 * sum(t.expand_s for t in toks) / max(1, sum(t.misses for t in toks)),
-            "hit_rate": s["hit_rate"], "token_ms_wall": 1e3 * float(np.median(times)),
+            "hit_rate": s["hit_rate"],
+            "token_ms_wall": 1e3 * float(np.median(times)),
         }
     finally:
         model.flash.close()
@@ -108,12 +114,17 @@ def io_replay(path: Path, per_layer: int, tokens: int, seed: int = 0) -> dict:
             t = time.perf_counter()
             for r in (regions["neurons"] for regions in fd.layers):
                 units = np.sort(rng.choice(r.n_units, per_layer, replace=False))
-                reader.read(buf, r.offset + units * stride, np.full(per_layer, stride), base + np.arange(per_layer) * stride)
+                reader.read(
+                    buf, r.offset + units * stride, np.full(per_layer, stride), base + np.arange(per_layer) * stride
+                )
             times.append(time.perf_counter() - t)
     finally:
         reader.close()
-    return {"replay_units_per_layer": per_layer, "replay_ms_per_token": 1e3 * float(np.median(times)),
-            "replay_mib_per_token": per_layer * len(fd.layers) * stride / 2**20}
+    return {
+        "replay_units_per_layer": per_layer,
+        "replay_ms_per_token": 1e3 * float(np.median(times)),
+        "replay_mib_per_token": per_layer * len(fd.layers) * stride / 2**20,
+    }
 
 
 def expand_replay(path: Path, per_layer: int, tokens: int, seed: int = 0) -> dict:
@@ -122,8 +133,10 @@ def expand_replay(path: Path, per_layer: int, tokens: int, seed: int = 0) -> dic
     if not layout.encoded:
         return {"expand_replay_ms_per_token": 0.0}
     rng = np.random.default_rng(seed)
-    units = [mx.array(fd.read_region(i)[np.sort(rng.choice(r["neurons"].n_units, per_layer, replace=False))])
-             for i, r in enumerate(fd.layers)]
+    units = [
+        mx.array(fd.read_region(i)[np.sort(rng.choice(r["neurons"].n_units, per_layer, replace=False))])
+        for i, r in enumerate(fd.layers)
+    ]
     mx.eval(units)
     host = np.empty((per_layer, layout.stride), np.uint8)
     times = []
@@ -157,15 +170,24 @@ def main():
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--density", type=float, default=0.2)
-    p.add_argument("--budget-fraction", type=float, default=0.5,
-                   help="memory budget = resident + KV + scratch + this fraction of the dense unpruned ffn.bin")
+    p.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.5,
+        help="memory budget = resident + KV + scratch + this fraction of the dense unpruned ffn.bin",
+    )
     p.add_argument("--replay", type=int, default=20, help="tokens of the I/O replay")
     p.add_argument("--json", default=str(Path(__file__).with_name("bench_pruned_bitmap.json")))
     args = p.parse_args()
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    res = {"machine": machine_info(str(out)), "mlx_flash": __version__, "metal": bitmap.metal_available(),
-           "args": vars(args), "results": {}}
+    res = {
+        "machine": machine_info(str(out)),
+        "mlx_flash": __version__,
+        "metal": bitmap.metal_available(),
+        "args": vars(args),
+        "results": {},
+    }
     print(json.dumps(res["machine"]))
     from mlx_flash.budget import min_budget
 
@@ -180,8 +202,12 @@ def main():
             # the same budget for every directory of the variant: caches of dense rows of the same size
             budget = min_budget(fd, 2048, resident=resident_bytes(fd)) + int(args.budget_fraction * fd0.ffn_bytes)
             r = {
-                "ffn_bin_bytes": fd.ffn_bytes, "disk_stride": layout.disk_stride, "row_stride": layout.stride,
-                "unit_data_bytes": layout.disk_nbytes, "dense_unit_bytes": layout.nbytes, "format_version": fd.version,
+                "ffn_bin_bytes": fd.ffn_bytes,
+                "disk_stride": layout.disk_stride,
+                "row_stride": layout.stride,
+                "unit_data_bytes": layout.disk_nbytes,
+                "dense_unit_bytes": layout.nbytes,
+                "format_version": fd.version,
             }
             t = time.perf_counter()
             r["ppl"] = ppl(path)
@@ -198,7 +224,8 @@ def main():
                 print(variant, fmt, "replay", json.dumps(r))
         budget = min_budget(fd0, 2048, resident=resident_bytes(fd0)) + int(args.budget_fraction * fd0.ffn_bytes)
         same = tokens_of(paths["pruned-dense"], budget, prompt, 16, args.density) == tokens_of(
-            paths["pruned-bitmap"], budget, prompt, 16, args.density)
+            paths["pruned-bitmap"], budget, prompt, 16, args.density
+        )
         res["results"][f"{variant}/bitmap_tokens_equal_pruned_dense"] = same
         print(f"{variant}: pruned-bitmap greedy tokens == pruned-dense: {same}")
         with open(args.json, "w") as f:
@@ -207,9 +234,11 @@ def main():
 
 
 def table(res) -> str:
-    rows = ["| rows | format | ffn.bin MiB | B/unit on flash (data) | ratio vs dense | ppl | KiB read/token | I/O speed-up | "
-            "io ms/token | expand ms/token | hit rate | replay: read ms/token | replay: expand ms/token |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| rows | format | ffn.bin MiB | B/unit on flash (data) | ratio vs dense | ppl | KiB read/token | I/O speed-up | "
+        "io ms/token | expand ms/token | hit rate | replay: read ms/token | replay: expand ms/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, r in res["results"].items():
         if not isinstance(r, dict):
             continue

@@ -42,19 +42,33 @@ from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 
-QUESTIONS = ["Who is the text about?", "What was his first role?", "Which theatre is named in the text?",
-             "Summarise the text in one sentence."]
+QUESTIONS = [
+    "Who is the text about?",
+    "What was his first role?",
+    "Which theatre is named in the text?",
+    "Summarise the text in one sentence.",
+]
 # name -> server flags (budget: with --memory-budget) and, for a prompt-cache run, its cold counterpart
 CONFIGS = {
     "float KV, no prompt cache": {"budget": True, "flags": ["--prompt-cache-size", "0"]},
     "8-bit KV, no prompt cache": {"budget": True, "flags": ["--kv-bits", "8", "--prompt-cache-size", "0"]},
-    "8-bit KV, prompt cache": {"budget": True, "flags": ["--kv-bits", "8", "--prompt-cache-size", "1"],
-                               "cold": "8-bit KV, no prompt cache", "same_plan": "8-bit KV, prompt cache evicted each turn"},
-    "8-bit KV, prompt cache evicted each turn": {"budget": True, "flags": ["--kv-bits", "8", "--prompt-cache-size", "1"],
-                                                 "evict": True},
+    "8-bit KV, prompt cache": {
+        "budget": True,
+        "flags": ["--kv-bits", "8", "--prompt-cache-size", "1"],
+        "cold": "8-bit KV, no prompt cache",
+        "same_plan": "8-bit KV, prompt cache evicted each turn",
+    },
+    "8-bit KV, prompt cache evicted each turn": {
+        "budget": True,
+        "flags": ["--kv-bits", "8", "--prompt-cache-size", "1"],
+        "evict": True,
+    },
     "resident, no prompt cache": {"budget": False, "flags": ["--prompt-cache-size", "0"]},
-    "resident, prompt cache": {"budget": False, "flags": ["--prompt-cache-size", "1"],
-                               "cold": "resident, no prompt cache"},
+    "resident, prompt cache": {
+        "budget": False,
+        "flags": ["--prompt-cache-size", "1"],
+        "cold": "resident, no prompt cache",
+    },
 }
 READS = "flash reads: "  # mlx_flash.server's per-request log line
 MiB = 2**20
@@ -76,8 +90,20 @@ class Server:
     """A server process; its stderr is drained in a thread (the log lines of every request)."""
 
     def __init__(self, model, budget, max_context, flags):
-        cmd = [sys.executable, "-m", "mlx_flash.server", "--model", str(model), "--port", "0",
-               "--max-context", str(max_context), "--log-level", "INFO", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_flash.server",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--max-context",
+            str(max_context),
+            "--log-level",
+            "INFO",
+            *flags,
+        ]
         if budget is not None:
             cmd += ["--memory-budget", budget]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -116,8 +142,13 @@ class Server:
 def turn(server, messages, max_tokens):
     """One streamed chat request: (reply, stats)."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
-    body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+    }
     read0, t0 = read_bytes(server.pid), time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
@@ -159,8 +190,12 @@ def evict(server):
     """An unrelated one-token completion (no chat template: no common prefix), whose stored cache
     replaces the conversation's in an LRU of one."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 1}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "Hello", "max_tokens": 1}),
+        {"Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     r.read()
     conn.close()
@@ -183,8 +218,14 @@ def run_config(model, args, name, first):
             reply, stats = turn(server, messages, args.max_tokens)
             messages.append({"role": "assistant", "content": reply})
             turns.append(dict(stats, reply=reply))
-        return {"flags": cfg["flags"], "memory_budget": args.memory_budget if cfg["budget"] else None,
-                "cold": cfg.get("cold"), "same_plan": cfg.get("same_plan"), "server_log": server.log, "turns": turns}
+        return {
+            "flags": cfg["flags"],
+            "memory_budget": args.memory_budget if cfg["budget"] else None,
+            "cold": cfg.get("cold"),
+            "same_plan": cfg.get("same_plan"),
+            "server_log": server.log,
+            "turns": turns,
+        }
     finally:
         server.close()
 
@@ -194,10 +235,13 @@ def _over(x, cold):
 
 
 def _vs(t, c) -> dict:
-    return {"prefill_bytes": _over(t["prefill_bytes"], c["prefill_bytes"]),
-            "prefill_pass_bytes": _over(sum(t["server_passes"]["prefill_passes"]),
-                                        sum(c["server_passes"]["prefill_passes"])),
-            "ttft_s": t["ttft_s"] / c["ttft_s"]}
+    return {
+        "prefill_bytes": _over(t["prefill_bytes"], c["prefill_bytes"]),
+        "prefill_pass_bytes": _over(
+            sum(t["server_passes"]["prefill_passes"]), sum(c["server_passes"]["prefill_passes"])
+        ),
+        "ttft_s": t["ttft_s"] / c["ttft_s"],
+    }
 
 
 def compare(results) -> dict:
@@ -210,8 +254,10 @@ def compare(results) -> dict:
         if cold is None:
             continue
         same = results.get(res.get("same_plan") or "")
-        out[name] = [dict(_vs(t, c), same_plan=_vs(t, s) if same else None)
-                     for t, c, s in zip(res["turns"], cold["turns"], (same or cold)["turns"])]
+        out[name] = [
+            dict(_vs(t, c), same_plan=_vs(t, s) if same else None)
+            for t, c, s in zip(res["turns"], cold["turns"], (same or cold)["turns"])
+        ]
     return out
 
 
@@ -225,18 +271,24 @@ def _ratio(x) -> str:
 
 def table(results) -> str:
     vs = compare(results)
-    rows = [("| configuration | budget | turn | prompt tokens | cached | TTFT s | decode tok/s | prefill MiB | "
-             "decode MiB | prefill / cold | TTFT / cold | prefill / cold, same plan | TTFT / cold, same plan |"),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        (
+            "| configuration | budget | turn | prompt tokens | cached | TTFT s | decode tok/s | prefill MiB | "
+            "decode MiB | prefill / cold | TTFT / cold | prefill / cold, same plan | TTFT / cold, same plan |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, res in results.items():
         for i, t in enumerate(res["turns"]):
             r = vs[name][i] if name in vs else {}
             same = r.get("same_plan") or {}
-            rows.append(f"| {name} | {res.get('memory_budget') or 'none'} | {i + 1} | {t['prompt_tokens']} | "
-                        f"{t['cached_tokens']} | {t['ttft_s']:.1f} | {t['decode_tok_s'] or 0:.2f} | "
-                        f"{_mib(t['prefill_bytes'])} | {_mib(t['decode_bytes'])} | "
-                        f"{_ratio(r.get('prefill_bytes'))} | {_ratio(r.get('ttft_s'))} | "
-                        f"{_ratio(same.get('prefill_bytes'))} | {_ratio(same.get('ttft_s'))} |")
+            rows.append(
+                f"| {name} | {res.get('memory_budget') or 'none'} | {i + 1} | {t['prompt_tokens']} | "
+                f"{t['cached_tokens']} | {t['ttft_s']:.1f} | {t['decode_tok_s'] or 0:.2f} | "
+                f"{_mib(t['prefill_bytes'])} | {_mib(t['decode_bytes'])} | "
+                f"{_ratio(r.get('prefill_bytes'))} | {_ratio(r.get('ttft_s'))} | "
+                f"{_ratio(same.get('prefill_bytes'))} | {_ratio(same.get('ttft_s'))} |"
+            )
     return "\n".join(rows)
 
 
@@ -244,15 +296,19 @@ def passes_table(results) -> str:
     """The server's own split of a turn's bytes: the prompt's passes (before the first streamed token),
     then the single-token passes (one per later token, and one feeding the last into the prompt cache)."""
     vs = compare(results)
-    rows = ["| configuration | turn | prompt passes | their MiB | / cold | single-token passes | MiB each (mean) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| configuration | turn | prompt passes | their MiB | / cold | single-token passes | MiB each (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, res in results.items():
         for i, t in enumerate(res["turns"]):
             p = t["server_passes"]
             pre, dec = p["prefill_passes"], p["decode_passes"]
             r = vs[name][i] if name in vs else {}
-            rows.append(f"| {name} | {i + 1} | {len(pre)} | {_mib(sum(pre))} | {_ratio(r.get('prefill_pass_bytes'))} | "
-                        f"{len(dec)} | {_mib(sum(dec) / len(dec)) if dec else '-'} |")
+            rows.append(
+                f"| {name} | {i + 1} | {len(pre)} | {_mib(sum(pre))} | {_ratio(r.get('prefill_pass_bytes'))} | "
+                f"{len(dec)} | {_mib(sum(dec) / len(dec)) if dec else '-'} |"
+            )
     return "\n".join(rows)
 
 
@@ -270,10 +326,14 @@ def verdict(results) -> str:
             if any(x is None for x in b):
                 bytes_part = "prefill bytes: the cold run read < 1 MiB on some of these turns (no ratio)"
             else:
-                bytes_part = (f"prefill bytes {min(b):.3f}-{max(b):.3f} of a cold prefill's "
-                              f"({'meets' if max(b) < 0.1 else 'misses'} < 0.1)")
-            lines.append(f"{name}, turns 2-5 ({ref}): {bytes_part}; time to first token {min(t):.3f}-{max(t):.3f} "
-                         f"of a cold request's ({'meets' if max(t) <= 0.5 else 'misses'} <= 0.5)")
+                bytes_part = (
+                    f"prefill bytes {min(b):.3f}-{max(b):.3f} of a cold prefill's "
+                    f"({'meets' if max(b) < 0.1 else 'misses'} < 0.1)"
+                )
+            lines.append(
+                f"{name}, turns 2-5 ({ref}): {bytes_part}; time to first token {min(t):.3f}-{max(t):.3f} "
+                f"of a cold request's ({'meets' if max(t) <= 0.5 else 'misses'} <= 0.5)"
+            )
     return "\n".join(lines)
 
 
@@ -295,8 +355,13 @@ def plot(out, path):
     for res in results.values():  # the target: a tenth of a cold prefill's bytes on the same plan
         cold = results.get(res.get("same_plan") or res.get("cold") or "")
         if cold is not None and all(t["prefill_bytes"] >= MiB for t in cold["turns"]):
-            ax_b.plot(range(1, len(cold["turns"]) + 1), [t["prefill_bytes"] / 10 / MiB for t in cold["turns"]],
-                      ls=":", color="gray", label=f"a tenth of {res['same_plan'] or res['cold']}")
+            ax_b.plot(
+                range(1, len(cold["turns"]) + 1),
+                [t["prefill_bytes"] / 10 / MiB for t in cold["turns"]],
+                ls=":",
+                color="gray",
+                label=f"a tenth of {res['same_plan'] or res['cold']}",
+            )
     ax_t.set_yscale("log")
     ax_t.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax_t.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -309,8 +374,11 @@ def plot(out, path):
         ax.set_xticks(range(1, 6))
         ax.grid(alpha=0.3)
     fig.legend(*ax_b.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
-    fig.suptitle(f"{Path(out['model']).name}: a five-turn chat through mlx_flash.server, prompt cache reused (solid) "
-                 f"or not (dashed)", fontsize=9)
+    fig.suptitle(
+        f"{Path(out['model']).name}: a five-turn chat through mlx_flash.server, prompt cache reused (solid) "
+        f"or not (dashed)",
+        fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -318,12 +386,14 @@ def plot(out, path):
 
 def header(out) -> str:
     m, v = out["machine"], out.get("versions", {})
-    return (f"model {out['model']}, --memory-budget {out['memory_budget']} (and none), --max-context "
-            f"{out['max_context']}, {out['max_tokens']} tokens per reply\n"
-            f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, "
-            f"{m.get('filesystem', '?')}; python {m['python']}, mlx {m['mlx']}"
-            + "".join(f", {k} {val}" for k, val in v.items())
-            + (f"; load average {out['load_average']}" if "load_average" in out else ""))
+    return (
+        f"model {out['model']}, --memory-budget {out['memory_budget']} (and none), --max-context "
+        f"{out['max_context']}, {out['max_tokens']} tokens per reply\n"
+        f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, "
+        f"{m.get('filesystem', '?')}; python {m['python']}, mlx {m['mlx']}"
+        + "".join(f", {k} {val}" for k, val in v.items())
+        + (f"; load average {out['load_average']}" if "load_average" in out else "")
+    )
 
 
 def main():
@@ -342,21 +412,28 @@ def main():
     if args.from_json:
         out = json.loads(Path(args.from_json).read_text())
     else:
-        from mlx_flash.tools.bench_io import machine_info
         from mlx_flash.default_model import default_model_dir
         from mlx_flash.format.directory import FlashDir
         from mlx_flash.loader import load_tokenizer
+        from mlx_flash.tools.bench_io import machine_info
 
         model = args.model or default_model_dir()
         first = first_message(load_tokenizer(FlashDir(model)), args.first_tokens)
         load0 = os.getloadavg()
         results = {name: run_config(model, args, name, first) for name in args.configs}
-        out = {"model": str(model), "memory_budget": args.memory_budget, "max_context": args.max_context, "first_tokens": args.first_tokens,
-               "max_tokens": args.max_tokens, "questions": QUESTIONS, "machine": machine_info(str(model)),
-               "versions": {"mlx-lm": version("mlx-lm"), "mlx_flash": version("mlx-flash-runtime")},
-               "load_average": {"start": [round(x, 1) for x in load0],
-                                "end": [round(x, 1) for x in os.getloadavg()]},
-               "results": results, "vs_cold": compare(results)}
+        out = {
+            "model": str(model),
+            "memory_budget": args.memory_budget,
+            "max_context": args.max_context,
+            "first_tokens": args.first_tokens,
+            "max_tokens": args.max_tokens,
+            "questions": QUESTIONS,
+            "machine": machine_info(str(model)),
+            "versions": {"mlx-lm": version("mlx-lm"), "mlx_flash": version("mlx-flash-runtime")},
+            "load_average": {"start": [round(x, 1) for x in load0], "end": [round(x, 1) for x in os.getloadavg()]},
+            "results": results,
+            "vs_cold": compare(results),
+        }
         if args.out:
             Path(args.out).write_text(json.dumps(out, indent=1))
     results = out["results"]

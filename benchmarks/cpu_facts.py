@@ -20,11 +20,11 @@ import subprocess
 import sys
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core, unless MLX_FLASH_OPENBLAS=0)
-import mlx.core as mx
-import numpy as np
-
 from mlx_flash import blas
 from mlx_flash.tools.bench_io import machine_info
+
+import mlx.core as mx
+import numpy as np
 from bench_cpu_gemv import mlx_vs_native, quantized  # noqa: E402  (this script's directory is on sys.path)
 from bench_gather_ffn import median_ms  # noqa: E402
 
@@ -41,8 +41,13 @@ def reference_gemm(repeats) -> float:
     """gemm() in a process where mlx_flash left MLX's bundled reference BLAS in place."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["MLX_FLASH_OPENBLAS"] = "0"
-    out = subprocess.run([sys.executable, __file__, "--reference-gemm", "--repeats", str(repeats)], env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--reference-gemm", "--repeats", str(repeats)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out)["ms"]
 
 
@@ -82,16 +87,23 @@ def measure(rounds, repeats):
 
 def table(r) -> str:
     m = (1, 16, 128)
-    lines = ["| operation | time |", "|---|---|",
-             f"| gemm 64x4096 @ 4096x4096 f32, reference BLAS / OpenBLAS | {r['gemm reference']:.0f} ms / "
-             f"{r['gemm openblas']:.1f} ms ({r['gemm reference'] / r['gemm openblas']:.0f}x) |",
-             "| quantized_matmul 1x576 @ 4-bit 1536x576: x f16 + scales f16 / x f32 + scales f16 / x f32 + scales f32 | "
-             + " / ".join(f"{r[k]:.2f}" for k in ("qmm x float16 scales float16", "qmm x float32 scales float16",
-                                                   "qmm x float32 scales float32")) + " ms |",
-             "| 4-bit 1536x576 (x, scales f32): quantized_matmul vs dequantize + f32 gemm, 1 / 16 / 128 rows | "
-             + " / ".join(f"{r[f'qmm {k} rows']:.2f} vs {r[f'dequantize + gemm {k} rows']:.2f}" for k in m) + " ms |",
-             "| 4-bit 1536x576 (scales f16), one row: MLX quantized_matmul vs the native kernel | "
-             f"{r['one row mlx']:.2f} vs {r['one row native']:.2f} ms |"]
+    lines = [
+        "| operation | time |",
+        "|---|---|",
+        f"| gemm 64x4096 @ 4096x4096 f32, reference BLAS / OpenBLAS | {r['gemm reference']:.0f} ms / "
+        f"{r['gemm openblas']:.1f} ms ({r['gemm reference'] / r['gemm openblas']:.0f}x) |",
+        "| quantized_matmul 1x576 @ 4-bit 1536x576: x f16 + scales f16 / x f32 + scales f16 / x f32 + scales f32 | "
+        + " / ".join(
+            f"{r[k]:.2f}"
+            for k in ("qmm x float16 scales float16", "qmm x float32 scales float16", "qmm x float32 scales float32")
+        )
+        + " ms |",
+        "| 4-bit 1536x576 (x, scales f32): quantized_matmul vs dequantize + f32 gemm, 1 / 16 / 128 rows | "
+        + " / ".join(f"{r[f'qmm {k} rows']:.2f} vs {r[f'dequantize + gemm {k} rows']:.2f}" for k in m)
+        + " ms |",
+        "| 4-bit 1536x576 (scales f16), one row: MLX quantized_matmul vs the native kernel | "
+        f"{r['one row mlx']:.2f} vs {r['one row native']:.2f} ms |",
+    ]
     return "\n".join(lines)
 
 
@@ -108,8 +120,10 @@ def main():
         print(json.dumps({"ms": gemm(args.repeats)}))
         return
     info = machine_info(os.getcwd())
-    print(f"{info.get('cpu')}, {info['cores']} cores; mlx {info['mlx']}, BLAS: {info['blas']}, "
-          f"native matvecs: {info['cpu_matvecs']}")
+    print(
+        f"{info.get('cpu')}, {info['cores']} cores; mlx {info['mlx']}, BLAS: {info['blas']}, "
+        f"native matvecs: {info['cpu_matvecs']}"
+    )
     load = [os.getloadavg()[0]]
     res = measure(args.rounds, args.repeats)
     load.append(os.getloadavg()[0])
@@ -117,8 +131,18 @@ def main():
     print(table(res))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python benchmarks/cpu_facts.py"] + sys.argv[1:]), "machine": info,
-                       "load_average": load, "rounds": args.rounds, "repeats": args.repeats, "ms": res}, f, indent=1)
+            json.dump(
+                {
+                    "command": " ".join(["python benchmarks/cpu_facts.py"] + sys.argv[1:]),
+                    "machine": info,
+                    "load_average": load,
+                    "rounds": args.rounds,
+                    "repeats": args.repeats,
+                    "ms": res,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
+from mlx_flash.calib.quality import eval_model, perplexity
 from mlx_flash.calibrate import _split, calibrate_dip_per_layer  # noqa: E402
 from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.loader import load_tokenizer  # noqa: E402
-from mlx_flash.calib.quality import eval_model, perplexity
 from mlx_flash.texts import read_text, token_batches, wikitext  # noqa: E402
 
 
@@ -53,16 +53,24 @@ def main():
         uni = min(r["search"], key=lambda s: s["nll"])
         rows = {}
         sp = [_split(d, uni["input_density"] / t, uni["neuron_density"] / t) for d in r["per_layer"]["mlp_density"]]
-        for name, d_in, d_out in (("uniform", [uni["input_density"]] * L, [uni["neuron_density"]] * L),
-                                  ("per-layer", [s[0] for s in sp], [s[1] for s in sp])):
+        for name, d_in, d_out in (
+            ("uniform", [uni["input_density"]] * L, [uni["neuron_density"]] * L),
+            ("per-layer", [s[0] for s in sp], [s[1] for s in sp]),
+        ):
             ctl.set_mode("dip", input_density=d_in, neuron_density=d_out)
             ppl = perplexity(model, ctl, held)
             rows[name] = {"ppl": ppl, "realised_mlp_density": float(ctl.realised()["mlp"].mean())}
-            print(f"{t:.0%} {name:9s} perplexity {ppl:.2f} ({(ppl / out['dense'] - 1) * 100:+.1f}% vs dense), "
-                  f"realised MLP density {rows[name]['realised_mlp_density']:.3f}", flush=True)
+            print(
+                f"{t:.0%} {name:9s} perplexity {ppl:.2f} ({(ppl / out['dense'] - 1) * 100:+.1f}% vs dense), "
+                f"realised MLP density {rows[name]['realised_mlp_density']:.3f}",
+                flush=True,
+            )
         pl = r["per_layer"]
-        print(f"  calibration {secs:.0f} s, chosen {pl['chosen']}; per-layer MLP density: "
-              + " ".join(f"{v:.2f}" for v in pl["mlp_density"]), flush=True)
+        print(
+            f"  calibration {secs:.0f} s, chosen {pl['chosen']}; per-layer MLP density: "
+            + " ".join(f"{v:.2f}" for v in pl["mlp_density"]),
+            flush=True,
+        )
         out[str(t)] = {**rows, "calibration_seconds": secs, "calibration": r}
         if args.out:
             with open(args.out, "w") as f:

@@ -21,11 +21,20 @@ def sizes(model, gguf_path) -> dict:
     weights = fd.resident_bytes + os.path.getsize(fd.ffn_path)
     directory = sum(f.stat().st_size for f in fd.path.iterdir() if f.is_file())  # tokenizer and manifest too
     biases = sum(t.nbytes for k, t in fd.resident_index().items() if k.endswith(".biases"))
-    return {"model": str(model), "format_version": fd.version, "resident": fd.resident_bytes,
-            "resident_biases": biases, "symmetric_modules": len(fd.symmetric), "ffn_bin": os.path.getsize(fd.ffn_path),
-            "weights": weights, "gguf_tensors": tensors, "gguf_file": os.path.getsize(gguf_path),
-            "weights_over_gguf_tensors": weights / tensors, "directory": directory,
-            "directory_over_gguf_file": directory / os.path.getsize(gguf_path)}
+    return {
+        "model": str(model),
+        "format_version": fd.version,
+        "resident": fd.resident_bytes,
+        "resident_biases": biases,
+        "symmetric_modules": len(fd.symmetric),
+        "ffn_bin": os.path.getsize(fd.ffn_path),
+        "weights": weights,
+        "gguf_tensors": tensors,
+        "gguf_file": os.path.getsize(gguf_path),
+        "weights_over_gguf_tensors": weights / tensors,
+        "directory": directory,
+        "directory_over_gguf_file": directory / os.path.getsize(gguf_path),
+    }
 
 
 def main():
@@ -36,14 +45,18 @@ def main():
     models, ggufs = args.model or [default_model_dir()], args.gguf or [default_gguf_path()]
     if len(models) != len(ggufs):
         p.error("give one --gguf per --model")
-    print("| directory | format | resident.safetensors (biases in it) | ffn.bin | weights / GGUF tensor data | "
-          "directory / GGUF file |")
+    print(
+        "| directory | format | resident.safetensors (biases in it) | ffn.bin | weights / GGUF tensor data | "
+        "directory / GGUF file |"
+    )
     print("|---|---|---|---|---|---|")
     for m, g in zip(models, ggufs):
         s = sizes(m, g)
-        print(f"| {m} | v{s['format_version']} | {s['resident']:,} B ({s['resident_biases']:,} B) | {s['ffn_bin']:,} B | "
-              f"{s['weights']:,} / {s['gguf_tensors']:,} B = {s['weights_over_gguf_tensors']:.4f}x | "
-              f"{s['directory']:,} / {s['gguf_file']:,} B = {s['directory_over_gguf_file']:.4f}x |")
+        print(
+            f"| {m} | v{s['format_version']} | {s['resident']:,} B ({s['resident_biases']:,} B) | {s['ffn_bin']:,} B | "
+            f"{s['weights']:,} / {s['gguf_tensors']:,} B = {s['weights_over_gguf_tensors']:.4f}x | "
+            f"{s['directory']:,} / {s['gguf_file']:,} B = {s['directory_over_gguf_file']:.4f}x |"
+        )
 
 
 if __name__ == "__main__":

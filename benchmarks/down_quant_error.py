@@ -13,16 +13,15 @@ import tempfile
 from pathlib import Path
 
 import mlx_flash  # noqa: F401
-import mlx.core as mx
-import mlx.nn as nn
-
 from mlx_flash.convert import convert
 from mlx_flash.convert.gguf import gguf_to_mlx_dir
+from mlx_flash.convert.source import load_source_model
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.loader import load_resident
-from mlx_flash.convert.source import load_source_model
 from mlx_flash.texts import wikitext
 
+import mlx.core as mx
+import mlx.nn as nn
 
 
 def perplexity(model, tokens):

@@ -10,15 +10,20 @@ import argparse
 import statistics
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-import mlx.core as mx
-
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 
-PROMPTS = ["Once upon a time", "The capital of France is", "Write a Python function that reverses a list.",
-           "Explain why the sky is blue.", "List three uses of copper:",
-           "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n"]
+import mlx.core as mx
+
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "Write a Python function that reverses a list.",
+    "Explain why the sky is blue.",
+    "List three uses of copper:",
+    "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 def main():

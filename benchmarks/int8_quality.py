@@ -16,16 +16,22 @@ import time
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (first: it preloads OpenBLAS before MLX loads a BLAS)
-import mlx.core as mx
-import numpy as np
-
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 from mlx_flash.texts import read_text, token_batches
 
-PROMPTS = ("Once upon a time there was a", "The capital of France is", "def fibonacci(n):",
-           "The history of the city begins", "Water boils at", "My favourite book is")
+import mlx.core as mx
+import numpy as np
+
+PROMPTS = (
+    "Once upon a time there was a",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "The history of the city begins",
+    "Water boils at",
+    "My favourite book is",
+)
 
 
 def score(model, windows):
@@ -51,15 +57,20 @@ def main():
     args = p.parse_args()
     model, tok = load(args.model, context=max(args.tokens, args.greedy) + 64)
     windows = token_batches(tok, read_text(half="second"), args.tokens, args.windows)
-    out = {"model": args.model or "default (SmolLM2-135M-Instruct)", "windows": args.windows, "tokens": args.tokens,
-           "cpu": cpu_gemv.info()}
+    out = {
+        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "windows": args.windows,
+        "tokens": args.tokens,
+        "cpu": cpu_gemv.info(),
+    }
     res = {}
     for mode, int8 in (("int8", True), ("float32", False)):
         cpu_gemv.set_int8_activations(int8)
         t = time.perf_counter()
         nll, top = score(model, windows)
-        gen = [[int(t) for t, _ in generate_step(mx.array(tok.encode(q)), model, max_tokens=args.greedy)]
-               for q in PROMPTS]
+        gen = [
+            [int(t) for t, _ in generate_step(mx.array(tok.encode(q)), model, max_tokens=args.greedy)] for q in PROMPTS
+        ]
         res[mode] = (nll, top, gen)
         out[mode] = {"perplexity": float(np.exp(nll.mean())), "seconds": time.perf_counter() - t}
         print(mode, out[mode], flush=True)
@@ -67,8 +78,9 @@ def main():
     a, b = res["int8"], res["float32"]
     out["perplexity_increase"] = out["int8"]["perplexity"] / out["float32"]["perplexity"] - 1
     out["argmax_agreement"] = float((a[1] == b[1]).mean())
-    out["greedy_agreeing_prefix"] = [next((i for i, (x, y) in enumerate(zip(g, h)) if x != y), len(g))
-                                     for g, h in zip(a[2], b[2])]
+    out["greedy_agreeing_prefix"] = [
+        next((i for i, (x, y) in enumerate(zip(g, h)) if x != y), len(g)) for g, h in zip(a[2], b[2])
+    ]
     print(json.dumps({k: v for k, v in out.items() if k != "cpu"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -13,13 +13,13 @@ import json
 import sys
 
 import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
-import mlx.core as mx
-from mlx_flash.generate import generate_step  # the loop users run
-
-from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.budget import parse_size
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.generate import generate_step  # the loop users run
 from mlx_flash.loader import load, load_resident, load_tokenizer
+from mlx_flash.tools.bench_io import machine_info
+
+import mlx.core as mx
 
 
 def setup_arg_parser():
@@ -53,11 +53,21 @@ def main(argv=None):
     resident, lp_resident = greedy(ref, prompt, args.max_tokens)
     same = streamed == resident
     diff = mx.abs(lp_streamed - lp_resident).max().item()
-    res = {"model": args.model, "budget": budget, "prompt": args.prompt, "streamed": streamed, "resident": resident,
-           "identical": same, "max_abs_logprob_diff": diff, "machine": machine_info(args.model)}
-    print(f"{args.model}: budget {args.memory_budget}, {args.max_tokens} tokens: "
-          + ("identical" if same else f"DIFFER\n  streamed {streamed}\n  resident {resident}")
-          + f"; log-probabilities differ by at most {diff:.3g}")
+    res = {
+        "model": args.model,
+        "budget": budget,
+        "prompt": args.prompt,
+        "streamed": streamed,
+        "resident": resident,
+        "identical": same,
+        "max_abs_logprob_diff": diff,
+        "machine": machine_info(args.model),
+    }
+    print(
+        f"{args.model}: budget {args.memory_budget}, {args.max_tokens} tokens: "
+        + ("identical" if same else f"DIFFER\n  streamed {streamed}\n  resident {resident}")
+        + f"; log-probabilities differ by at most {diff:.3g}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -27,15 +27,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-from tqdm import tqdm
-
-from mlx_flash.format.directory import FlashDir
 from mlx_flash.engine.reader import DEFAULT_THREADS
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import drop_page_cache
-from mlx_flash.peers import fio_reference
 from mlx_flash.tools.routing import regime_of
+
+import numpy as np
+from tqdm import tqdm
 
 _CHILD = """
 import json, statistics, sys, time
@@ -88,7 +88,9 @@ print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]), "token_ms": 1e3 * 
 """
 
 
-def skewed_trace(tokens: int, layers: int, experts: int, k: int, zipf: float, burst: float, seed: int = 0) -> np.ndarray:
+def skewed_trace(
+    tokens: int, layers: int, experts: int, k: int, zipf: float, burst: float, seed: int = 0
+) -> np.ndarray:
     """[tokens, layers, k] expert ids: each layer's own Zipf popularity over its experts, and each of the
     previous token's experts kept with probability `burst`."""
     rng = np.random.default_rng(seed)
@@ -112,11 +114,18 @@ def setup_arg_parser():
     p.add_argument("--budgets", default="50%,none", help="Comma-separated budgets (none: every expert cached).")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--routing", default="model",
-                   help="Comma-separated: model (the router's choice: the directory's regime), skewed (a replayed trace).")
+    p.add_argument(
+        "--routing",
+        default="model",
+        help="Comma-separated: model (the router's choice: the directory's regime), skewed (a replayed trace).",
+    )
     p.add_argument("--zipf", type=float, default=1.0, help="skewed: Zipf exponent of each layer's expert popularity.")
-    p.add_argument("--burst", type=float, default=0.5, help="skewed: chance each of the previous token's experts is kept.")
-    p.add_argument("--read-ahead", default="off", help="Comma-separated: off (load's default for MoE), on (experts.ReadAhead).")
+    p.add_argument(
+        "--burst", type=float, default=0.5, help="skewed: chance each of the previous token's experts is kept."
+    )
+    p.add_argument(
+        "--read-ahead", default="off", help="Comma-separated: off (load's default for MoE), on (experts.ReadAhead)."
+    )
     p.add_argument("--json", default=None)
     return p
 
@@ -138,18 +147,27 @@ def main(argv=None):
     jobs = [(r, b, g, a) for r in range(args.rounds) for b in budgets for g in routings for a in aheads]
     for r, b, g, a in tqdm(jobs, desc="moe decode", unit="run"):
         drop_page_cache([args.model])
-        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, b, str(args.tokens), trace if g == "skewed" else "-", a],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, args.model, b, str(args.tokens), trace if g == "skewed" else "-", a],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode:
             raise SystemExit(f"budget {b}: {out.stderr[-2000:]}")
-        runs.append({"round": r, "budget": b, "routing": g, "read_ahead": a, **json.loads(out.stdout.strip().splitlines()[-1])})
+        runs.append(
+            {"round": r, "budget": b, "routing": g, "read_ahead": a, **json.loads(out.stdout.strip().splitlines()[-1])}
+        )
     rate = fio["bytes_per_s"] if fio else None
     regime = regime_of(fd)
-    print(f"{args.model}: {args.tokens} forced random tokens (decode steps), medians over {args.rounds} round(s); "
-          + (f"fio {rate / 2**30:.2f} GiB/s" if rate else "no fio"))
-    print("| routing | budget | read-ahead | expert slots/layer | tok/s | ms/token | hit rate (cold, steady) "
-          "| consecutive reuse (uniform) | read/token (missed experts) "
-          "| read ahead/token (unused) | next router predicted | I/O wait/token | missed / fio | experts used per layer (min-max) |")
+    print(
+        f"{args.model}: {args.tokens} forced random tokens (decode steps), medians over {args.rounds} round(s); "
+        + (f"fio {rate / 2**30:.2f} GiB/s" if rate else "no fio")
+    )
+    print(
+        "| routing | budget | read-ahead | expert slots/layer | tok/s | ms/token | hit rate (cold, steady) "
+        "| consecutive reuse (uniform) | read/token (missed experts) "
+        "| read ahead/token (unused) | next router predicted | I/O wait/token | missed / fio | experts used per layer (min-max) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g in routings:
         for b in budgets:
@@ -157,26 +175,41 @@ def main(argv=None):
                 rs = [x for x in runs if x["budget"] == b and x["routing"] == g and x["read_ahead"] == a]
                 med = lambda key: statistics.median(x[key] for x in rs)  # noqa: E731
                 used = rs[0]["experts_used_per_layer"]
-                label = (f"model's: {regime} (forced random tokens)" if g == "model"
-                         else f"skewed trace (zipf {args.zipf}, burst {args.burst})")
+                label = (
+                    f"model's: {regime} (forced random tokens)"
+                    if g == "model"
+                    else f"skewed trace (zipf {args.zipf}, burst {args.burst})"
+                )
                 steady = [x["hit_rate_steady"] for x in rs if x["hit_rate_steady"] is not None]
                 acc = rs[0]["prediction_accuracy"]
-                print(f"| {label} | {b} | {a} | {rs[0]['slots']} | {med('tok_s'):.2f} | {med('token_ms'):.0f} | "
-                      f"{med('hit_rate'):.1%} ({med('hit_rate_cold'):.1%}, "
-                      + (f"{statistics.median(steady):.1%}" if steady else "not filled")
-                      + f") | {med('consecutive_reuse'):.1%} ({rs[0]['uniform_reuse']:.1%}) | "
-                      f"{med('bytes_per_token') / 2**20:.1f} MiB "
-                      f"({med('missed_bytes_per_token') / 2**20:.1f} MiB) | {med('ahead_bytes_per_token') / 2**20:.1f} MiB "
-                      f"({med('ahead_wasted_bytes_per_token') / 2**20:.1f} MiB) | "
-                      + ("-" if acc is None else f"{statistics.median(x['prediction_accuracy'] for x in rs):.1%}")
-                      + f" | {med('io_ms'):.0f} ms | "
-                      + (f"{1e3 * med('missed_bytes_per_token') / rate:.0f} ms" if rate else "-")
-                      + f" | {min(used)}-{max(used)} |")
+                print(
+                    f"| {label} | {b} | {a} | {rs[0]['slots']} | {med('tok_s'):.2f} | {med('token_ms'):.0f} | "
+                    f"{med('hit_rate'):.1%} ({med('hit_rate_cold'):.1%}, "
+                    + (f"{statistics.median(steady):.1%}" if steady else "not filled")
+                    + f") | {med('consecutive_reuse'):.1%} ({rs[0]['uniform_reuse']:.1%}) | "
+                    f"{med('bytes_per_token') / 2**20:.1f} MiB "
+                    f"({med('missed_bytes_per_token') / 2**20:.1f} MiB) | {med('ahead_bytes_per_token') / 2**20:.1f} MiB "
+                    f"({med('ahead_wasted_bytes_per_token') / 2**20:.1f} MiB) | "
+                    + ("-" if acc is None else f"{statistics.median(x['prediction_accuracy'] for x in rs):.1%}")
+                    + f" | {med('io_ms'):.0f} ms | "
+                    + (f"{1e3 * med('missed_bytes_per_token') / rate:.0f} ms" if rate else "-")
+                    + f" | {min(used)}-{max(used)} |"
+                )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "tokens": args.tokens, "routing": regime_of(fd), "fio": fio,
-                       "trace": None if trace == "-" else trace,
-                       "runs": runs, "machine": machine_info(args.model)}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "tokens": args.tokens,
+                    "routing": regime_of(fd),
+                    "fio": fio,
+                    "trace": None if trace == "-" else trace,
+                    "runs": runs,
+                    "machine": machine_info(args.model),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

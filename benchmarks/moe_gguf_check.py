@@ -37,9 +37,28 @@ def main(argv=None):
             gguf = write_gguf("moe-small", Path(tmp) / f"{model_type}.gguf", progress=False, **tiny_moe(model_type))
             flash = convert(str(gguf), Path(tmp) / f"{model_type}-flash", progress=False)
             out = Path(tmp) / f"{model_type}.json"
-            subprocess.run([sys.executable, str(Path(__file__).with_name("ppl_check.py")), "--gguf", str(gguf),
-                            "--model", str(flash), "--ctx", "64", "--chunks", "4", "--systems", "mlx_flash resident",
-                            "--selectors-windows", "0", "--quiet", "--out", str(out)], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("ppl_check.py")),
+                    "--gguf",
+                    str(gguf),
+                    "--model",
+                    str(flash),
+                    "--ctx",
+                    "64",
+                    "--chunks",
+                    "4",
+                    "--systems",
+                    "mlx_flash resident",
+                    "--selectors-windows",
+                    "0",
+                    "--quiet",
+                    "--out",
+                    str(out),
+                ],
+                check=True,
+            )
             results[model_type] = json.loads(out.read_text())
     Path(args.out).write_text(json.dumps({"configs": {t: tiny_moe(t) for t in results}, "runs": results}, indent=1))
 

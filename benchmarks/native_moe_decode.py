@@ -15,14 +15,13 @@ import json
 import statistics
 
 import mlx_flash  # noqa: F401  (before mlx.core)
-
-import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
-
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.routing import engine_hit_rates, regime_of
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
 
 
 def setup_arg_parser():
@@ -57,19 +56,33 @@ def main(argv=None):
     regime = regime_of(model.flash.fd)
     model.flash.close()
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"{args.model} ({regime} routing) at {args.memory_budget}, {args.tokens} tokens, {args.rounds} rounds: ms a "
-          f"token (medians of tokens) by round, hit rate (cold start, steady state)")
+    print(
+        f"{args.model} ({regime} routing) at {args.memory_budget}, {args.tokens} tokens, {args.rounds} rounds: ms a "
+        f"token (medians of tokens) by round, hit rate (cold start, steady state)"
+    )
     for k, v in res.items():
-        rate = ", ".join(f"{h['hit_rate']:.1%} ({h['hit_rate_cold']:.1%}, "
-                         + (f"{h['hit_rate_steady']:.1%})" if h["hit_rate_steady"] is not None else "not filled)")
-                         for h in hits[k])
+        rate = ", ".join(
+            f"{h['hit_rate']:.1%} ({h['hit_rate_cold']:.1%}, "
+            + (f"{h['hit_rate_steady']:.1%})" if h["hit_rate_steady"] is not None else "not filled)")
+            for h in hits[k]
+        )
         print(f"  {k}: {', '.join(f'{x:.0f}' for x in v)} (median {med[k]:.0f}); hit rate {rate}")
     print(f"native / mlx-lm forward: {med['native'] / med['mlx-lm forward']:.2f}x the time")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "routing": regime, "budget": args.memory_budget, "tokens": args.tokens,
-                       "runs": res, "hit_rates": hits,
-                       "machine": machine_info(args.model)}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "routing": regime,
+                    "budget": args.memory_budget,
+                    "tokens": args.tokens,
+                    "runs": res,
+                    "hit_rates": hits,
+                    "machine": machine_info(args.model),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -45,13 +45,31 @@ def main():
         for r in range(args.rounds):
             for k, d in dirs.items():
                 out = Path(tmp) / f"{k}{r}.json"
-                subprocess.run([sys.executable, "-m", "mlx_flash.bench", "--model", str(d), "--memory-budget",
-                                args.memory_budget, "--quick", "--no-fio", "--configs", args.configs, "--json", str(out)],
-                               check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "mlx_flash.bench",
+                        "--model",
+                        str(d),
+                        "--memory-budget",
+                        args.memory_budget,
+                        "--quick",
+                        "--no-fio",
+                        "--configs",
+                        args.configs,
+                        "--json",
+                        str(out),
+                    ],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
                 rounds[k].append(json.loads(out.read_text())["configs"])
     sizes = {k: (FlashDir(d).ffn_bytes, FlashDir(d).layouts["neurons"].stride) for k, d in dirs.items()}
-    print(f"ffn.bin: packed {sizes['packed'][0] / 2**20:.1f} MiB (units {sizes['packed'][1]} B apart), "
-          f"padded {sizes['padded'][0] / 2**20:.1f} MiB ({sizes['padded'][1]} B)")
+    print(
+        f"ffn.bin: packed {sizes['packed'][0] / 2**20:.1f} MiB (units {sizes['packed'][1]} B apart), "
+        f"padded {sizes['padded'][0] / 2**20:.1f} MiB ({sizes['padded'][1]} B)"
+    )
     print("| config | packed ms/token | padded ms/token | packed / padded | packed MiB/token | padded MiB/token |")
     print("|---|---|---|---|---|---|")
     summary = {}
@@ -59,11 +77,17 @@ def main():
         ms = {k: statistics.median(r[c]["total_ms"] for r in rounds[k]) for k in rounds}
         mib = {k: statistics.median(r[c]["bytes_per_token"] for r in rounds[k]) / 2**20 for k in rounds}
         summary[c] = {"ms": ms, "mib": mib}
-        print(f"| {c} | {ms['packed']:.1f} | {ms['padded']:.1f} | {ms['packed'] / ms['padded']:.2f} | "
-              f"{mib['packed']:.2f} | {mib['padded']:.2f} |")
+        print(
+            f"| {c} | {ms['packed']:.1f} | {ms['padded']:.1f} | {ms['packed'] / ms['padded']:.2f} | "
+            f"{mib['packed']:.2f} | {mib['padded']:.2f} |"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"model": model, "budget": args.memory_budget, "sizes": sizes,
-                                         "rounds": rounds, "summary": summary}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"model": model, "budget": args.memory_budget, "sizes": sizes, "rounds": rounds, "summary": summary},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

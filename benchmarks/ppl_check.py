@@ -46,18 +46,21 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
+from mlx_flash.calib.quality import eval_model, perplexity  # noqa: E402
+from mlx_flash.default_model import (  # noqa: E402
+    cache_root,
+    default_gguf_path,  # noqa: E402
+    default_model_dir,
+)
+from mlx_flash.format.directory import FlashDir  # noqa: E402
+from mlx_flash.loader import load_resident, load_tokenizer  # noqa: E402
+from mlx_flash.peers import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
+from mlx_flash.texts import llama_ppl_chunks, read_text, token_batches  # noqa: E402
+from mlx_flash.tools.bench_io import machine_info  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-
-from mlx_flash.tools.bench_io import machine_info  # noqa: E402
-from mlx_flash.default_model import cache_root, default_model_dir  # noqa: E402
-from mlx_flash.format.directory import FlashDir  # noqa: E402
-from mlx_flash.default_model import default_gguf_path  # noqa: E402
-from mlx_flash.loader import load_resident, load_tokenizer  # noqa: E402
-from mlx_flash.peers import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
-from mlx_flash.calib.quality import eval_model, perplexity  # noqa: E402
-from mlx_flash.texts import llama_ppl_chunks, read_text, token_batches  # noqa: E402
 
 BOS_OVERRIDE = "tokenizer.ggml.add_bos_token=bool:true"
 _FINAL = re.compile(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)")
@@ -65,8 +68,21 @@ _FINAL = re.compile(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)")
 
 # -- llama-perplexity ----------------------------------------------------------------------------------
 def llama_command(exe, gguf, text_file, ctx, chunks, threads, bos, base_file=None):
-    cmd = [str(exe), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
-           "-t", str(threads)]
+    cmd = [
+        str(exe),
+        "-m",
+        str(gguf),
+        "-f",
+        str(text_file),
+        "-c",
+        str(ctx),
+        "-b",
+        str(ctx),
+        "--chunks",
+        str(chunks),
+        "-t",
+        str(threads),
+    ]
     if bos:
         cmd += ["--override-kv", BOS_OVERRIDE]
     if base_file:
@@ -92,9 +108,13 @@ def run_llama(cmd, chunks, progress=True) -> dict:
     m = _FINAL.search(log)
     if p.returncode != 0 or not m:
         raise RuntimeError(f"llama-perplexity failed (exit {p.returncode}):\n" + "\n".join(log.splitlines()[-15:]))
-    return {"ppl": float(m.group(1)), "ppl_err": float(m.group(2)),
-            "chunk_ppl": [float(v) for v in re.findall(r"\[\d+\]([\d.]+)", log)],
-            "seconds": time.perf_counter() - t0, "log": log.splitlines()[-40:]}
+    return {
+        "ppl": float(m.group(1)),
+        "ppl_err": float(m.group(2)),
+        "chunk_ppl": [float(v) for v in re.findall(r"\[\d+\]([\d.]+)", log)],
+        "seconds": time.perf_counter() - t0,
+        "log": log.splitlines()[-40:],
+    }
 
 
 class LlamaLogProbs:
@@ -107,7 +127,7 @@ class LlamaLogProbs:
         if bytes(self.mm[:8]) != b"_logits_":
             raise ValueError(f"{path}: not a llama-perplexity logits file")
         self.n_ctx, self.n_vocab, self.n_chunk = (int(v) for v in self.mm[8:20].view(np.int32))
-        self.tokens = self.mm[20:20 + 4 * self.n_ctx * self.n_chunk].view(np.int32).reshape(self.n_chunk, self.n_ctx)
+        self.tokens = self.mm[20 : 20 + 4 * self.n_ctx * self.n_chunk].view(np.int32).reshape(self.n_chunk, self.n_ctx)
         self.nv = 2 * ((self.n_vocab + 1) // 2) + 4  # uint16 per position
         self.first = self.n_ctx // 2
         self.n_scored = self.n_ctx - 1 - self.first
@@ -116,10 +136,10 @@ class LlamaLogProbs:
     def log_probs(self, chunk: int) -> np.ndarray:
         """[n_scored, n_vocab] float32 log-probabilities of chunk `chunk` (positions first .. n_ctx - 2)."""
         size = 2 * self.nv * self.n_scored
-        raw = self.mm[self.offset + chunk * size: self.offset + (chunk + 1) * size].view(np.uint16)
+        raw = self.mm[self.offset + chunk * size : self.offset + (chunk + 1) * size].view(np.uint16)
         raw = raw.reshape(self.n_scored, self.nv)
         head = np.ascontiguousarray(raw[:, :4]).view(np.float32)  # [scale, min log-prob]
-        return head[:, 1:2] + head[:, 0:1] * raw[:, 4:4 + self.n_vocab].astype(np.float32)
+        return head[:, 1:2] + head[:, 0:1] * raw[:, 4 : 4 + self.n_vocab].astype(np.float32)
 
 
 def write_f32_gguf(src: Path, dst: Path) -> Path:
@@ -140,8 +160,13 @@ def write_f32_gguf(src: Path, dst: Path) -> Path:
         kind = f.types[0]
         w.add_key_value(f.name, f.contents(), kind, sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
     for t in r.tensors:
-        w.add_tensor_info(t.name, tuple(int(v) for v in reversed(t.shape)), np.dtype(np.float32),
-                          int(np.prod(t.shape)) * 4, gguf.GGMLQuantizationType.F32)
+        w.add_tensor_info(
+            t.name,
+            tuple(int(v) for v in reversed(t.shape)),
+            np.dtype(np.float32),
+            int(np.prod(t.shape)) * 4,
+            gguf.GGMLQuantizationType.F32,
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -160,9 +185,9 @@ def build_system(name, fd: FlashDir):
     if name == "mlx_flash resident":
         return load_resident(fd.path, dtype=mx.float32)[0], None
     if name == "mlx-lm":
-        from mlx_lm.utils import load
-
         from mlx_flash.convert.export import export
+
+        from mlx_lm.utils import load
 
         out = cache_root() / "ppl_check" / fd.path.name / "mlx"
         if not (out / "config.json").is_file():
@@ -185,7 +210,7 @@ def score_system(name, fd, chunks, first, base: LlamaLogProbs = None, progress=T
             return
         lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         ref = base.log_probs(i)
-        tgt = chunks[i, first + 1:]
+        tgt = chunks[i, first + 1 :]
         rows = np.arange(len(tgt))
         d = -lp[rows, tgt] - (-ref[rows, tgt])
         # llama-perplexity --kl-divergence's sum: its file clips log-probs at max - 16 (those entries all hold
@@ -204,8 +229,13 @@ def score_system(name, fd, chunks, first, base: LlamaLogProbs = None, progress=T
     row = {"system": name, "ppl": ppl, "load_seconds": load_s, "seconds": time.perf_counter() - t1}
     if base is not None and stats["n"]:
         n = stats["n"]
-        row.update(kld=stats["kld"] / n, top1_agreement=stats["top1"] / n, mean_abs_dnll=stats["abs_dnll"] / n,
-                   max_abs_dnll=stats["max_dnll"], llama_ppl_decoded=float(np.exp(stats["nll_llama"] / n)))
+        row.update(
+            kld=stats["kld"] / n,
+            top1_agreement=stats["top1"] / n,
+            mean_abs_dnll=stats["abs_dnll"] / n,
+            max_abs_dnll=stats["max_dnll"],
+            llama_ppl_decoded=float(np.exp(stats["nll_llama"] / n)),
+        )
     del model, ctl
     return row
 
@@ -213,8 +243,12 @@ def score_system(name, fd, chunks, first, base: LlamaLogProbs = None, progress=T
 def versions(exe) -> dict:
     import mlx_lm
 
-    v = {"mlx_flash": mlx_flash.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-         "llama.cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON}"}
+    v = {
+        "mlx_flash": mlx_flash.__version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "llama.cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON}",
+    }
     try:
         out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=30)
         v["llama.cpp"] += ": " + (out.stdout + out.stderr).strip().splitlines()[0]
@@ -230,21 +264,39 @@ def setup_arg_parser():
     p.add_argument("--model", default=None, help="Its mlx_flash conversion (default: the converted default model).")
     p.add_argument("--ctx", type=int, default=512, help="llama-perplexity's -c: chunk length in tokens (BOS included).")
     p.add_argument("--chunks", type=int, default=20, help="Chunks evaluated (each scores ctx/2 - 1 tokens).")
-    p.add_argument("--half", default="second", choices=("first", "second", "all"),
-                   help="Which half of WikiText-2 test (second: the held-out half the selectors are scored on).")
+    p.add_argument(
+        "--half",
+        default="second",
+        choices=("first", "second", "all"),
+        help="Which half of WikiText-2 test (second: the held-out half the selectors are scored on).",
+    )
     p.add_argument("--text", default=None, help="A text file instead of WikiText-2 (cut to --half).")
-    p.add_argument("--no-bos", dest="bos", action="store_false",
-                   help="No BOS on either side (llama-perplexity's default for a GGUF whose add_bos_token is false).")
+    p.add_argument(
+        "--no-bos",
+        dest="bos",
+        action="store_false",
+        help="No BOS on either side (llama-perplexity's default for a GGUF whose add_bos_token is false).",
+    )
     p.add_argument("--threads", type=int, default=2, help="llama-perplexity's -t.")
-    p.add_argument("--f32-gguf", action="store_true",
-                   help="Run llama-perplexity on a copy of the GGUF dequantised to F32 (written once under the cache): "
-                        "no 8-bit activations in its dot products. Compare with a --model converted with "
-                        "--down-bits float --dtype float32 (the GGUF's exact values).")
-    p.add_argument("--systems", default="mlx_flash eval,mlx_flash resident",
-                   help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx-lm.")
+    p.add_argument(
+        "--f32-gguf",
+        action="store_true",
+        help="Run llama-perplexity on a copy of the GGUF dequantised to F32 (written once under the cache): "
+        "no 8-bit activations in its dot products. Compare with a --model converted with "
+        "--down-bits float --dtype float32 (the GGUF's exact values).",
+    )
+    p.add_argument(
+        "--systems",
+        default="mlx_flash eval,mlx_flash resident",
+        help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx-lm.",
+    )
     p.add_argument("--mlx-lm", action="store_true", help="Also run mlx-lm on the exported flash directory.")
-    p.add_argument("--selectors-windows", type=int, default=3,
-                   help="Also score mlx_flash eval on this many of selectors.py's windows (BOS + 256; 0: skip).")
+    p.add_argument(
+        "--selectors-windows",
+        type=int,
+        default=3,
+        help="Also score mlx_flash eval on this many of selectors.py's windows (BOS + 256; 0: skip).",
+    )
     p.add_argument("--tolerance", type=float, default=0.02, help="Agreement required (relative perplexity difference).")
     p.add_argument("--out", default="benchmarks/results/ppl_check_smollm2.json")
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
@@ -278,10 +330,14 @@ def main(argv=None):
         stream = np.array(([tok.bos_token_id] if args.bos else []) + ids, dtype=np.int32)
         ours = stream[: chunks.size].reshape(chunks.shape)
         theirs = np.array(base.tokens)
-        tokens = {"llama_chunks": base.n_chunk, "mlx_flash_chunks": int(len(chunks)),
-                  "text_tokens_hf": len(ids), "ids_compared": int(theirs.size),
-                  "ids_differing": int((ours != theirs).sum()) if ours.shape == theirs.shape else None,
-                  "scored_tokens": int(len(chunks) * (args.ctx - 1 - first))}
+        tokens = {
+            "llama_chunks": base.n_chunk,
+            "mlx_flash_chunks": int(len(chunks)),
+            "text_tokens_hf": len(ids),
+            "ids_compared": int(theirs.size),
+            "ids_differing": int((ours != theirs).sum()) if ours.shape == theirs.shape else None,
+            "scored_tokens": int(len(chunks) * (args.ctx - 1 - first)),
+        }
         tqdm.write(f"tokens: {tokens}")
         if tokens["ids_differing"] != 0:
             tqdm.write("WARNING: the tokenizations differ; the Python systems score llama.cpp's ids")
@@ -289,43 +345,74 @@ def main(argv=None):
             if args.bos:
                 chunks[:, 0] = tok.bos_token_id
 
-        rows = [{"system": "llama-perplexity", "ppl": llama["ppl"], "ppl_err": llama["ppl_err"],
-                 "seconds": llama["seconds"]}]
+        rows = [
+            {
+                "system": "llama-perplexity",
+                "ppl": llama["ppl"],
+                "ppl_err": llama["ppl_err"],
+                "seconds": llama["seconds"],
+            }
+        ]
         for name in systems:
             row = score_system(name, fd, chunks, first, base, progress)
             row["rel_diff"] = row["ppl"] / llama["ppl"] - 1
             row["within_tolerance"] = abs(row["rel_diff"]) <= args.tolerance
             rows.append(row)
-            tqdm.write(f"{name}: ppl {row['ppl']:.4f} ({row['rel_diff']:+.2%} vs llama.cpp {llama['ppl']:.4f}), "
-                       f"KL {row.get('kld', float('nan')):.4f}, top-1 {row.get('top1_agreement', float('nan')):.3f}")
+            tqdm.write(
+                f"{name}: ppl {row['ppl']:.4f} ({row['rel_diff']:+.2%} vs llama.cpp {llama['ppl']:.4f}), "
+                f"KL {row.get('kld', float('nan')):.4f}, top-1 {row.get('top1_agreement', float('nan')):.3f}"
+            )
         del base
 
     reference = None
     if args.selectors_windows:
         model, ctl = eval_model(fd)
-        held = token_batches(tok, read_text([args.text] if args.text else None, half=args.half), 256,
-                             args.selectors_windows)
-        reference = {"system": "mlx_flash eval", "windows": int(len(held)), "window": "BOS + 256 tokens",
-                     "scored_tokens": int(held.shape[0] * (held.shape[1] - 1)), "ppl": perplexity(model, ctl, held)}
+        held = token_batches(
+            tok, read_text([args.text] if args.text else None, half=args.half), 256, args.selectors_windows
+        )
+        reference = {
+            "system": "mlx_flash eval",
+            "windows": int(len(held)),
+            "window": "BOS + 256 tokens",
+            "scored_tokens": int(held.shape[0] * (held.shape[1] - 1)),
+            "ppl": perplexity(model, ctl, held),
+        }
         del model, ctl
 
-    out = {"gguf": str(gguf), "model": str(fd.path), "text": args.text or "WikiText-2 test (bundled)", "half": args.half,
-           "ctx": args.ctx, "chunks": args.chunks, "bos": args.bos, "first_scored_position": first,
-           "llama_command": [Path(c).name if c in (str(exe), str(text_file), str(base_file)) else c for c in cmd],
-           "tokens": tokens, "rows": rows, "llama_chunk_ppl": llama["chunk_ppl"], "llama_log_tail": llama["log"],
-           "selectors_windows": reference, "tolerance": args.tolerance, "args": vars(args),
-           "versions": versions(exe), "machine": machine_info(str(fd.path)),
-           "load_average": os.getloadavg()}
+    out = {
+        "gguf": str(gguf),
+        "model": str(fd.path),
+        "text": args.text or "WikiText-2 test (bundled)",
+        "half": args.half,
+        "ctx": args.ctx,
+        "chunks": args.chunks,
+        "bos": args.bos,
+        "first_scored_position": first,
+        "llama_command": [Path(c).name if c in (str(exe), str(text_file), str(base_file)) else c for c in cmd],
+        "tokens": tokens,
+        "rows": rows,
+        "llama_chunk_ppl": llama["chunk_ppl"],
+        "llama_log_tail": llama["log"],
+        "selectors_windows": reference,
+        "tolerance": args.tolerance,
+        "args": vars(args),
+        "versions": versions(exe),
+        "machine": machine_info(str(fd.path)),
+        "load_average": os.getloadavg(),
+    }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(table(out))
     return 0 if all(r.get("within_tolerance", True) for r in rows) else 1
 
 
 def table(out) -> str:
-    lines = [f"{out['chunks']} chunks of {out['ctx']} tokens ({'BOS first' if out['bos'] else 'no BOS'}), "
-             f"{out['tokens']['scored_tokens']} scored tokens (positions {out['first_scored_position']}..{out['ctx'] - 2})",
-             "", "| system | perplexity | vs llama-perplexity | KL(llama ‖ system) / token | top-1 agreement | seconds |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"{out['chunks']} chunks of {out['ctx']} tokens ({'BOS first' if out['bos'] else 'no BOS'}), "
+        f"{out['tokens']['scored_tokens']} scored tokens (positions {out['first_scored_position']}..{out['ctx'] - 2})",
+        "",
+        "| system | perplexity | vs llama-perplexity | KL(llama ‖ system) / token | top-1 agreement | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in out["rows"]:
         ppl = f"{r['ppl']:.4f}" + (f" ± {r['ppl_err']:.4f}" if "ppl_err" in r else "")
         diff = f"{r['rel_diff']:+.2%}" if "rel_diff" in r else "-"
@@ -334,8 +421,11 @@ def table(out) -> str:
         lines.append(f"| {r['system']} | {ppl} | {diff} | {kld} | {top} | {r['seconds']:.0f} |")
     ref = out.get("selectors_windows")
     if ref:
-        lines += ["", f"mlx_flash eval on selectors.py's windows ({ref['windows']} x {ref['window']}, every position "
-                      f"scored, {ref['scored_tokens']} tokens): {ref['ppl']:.2f}"]
+        lines += [
+            "",
+            f"mlx_flash eval on selectors.py's windows ({ref['windows']} x {ref['window']}, every position "
+            f"scored, {ref['scored_tokens']} tokens): {ref['ppl']:.2f}",
+        ]
     return "\n".join(lines)
 
 

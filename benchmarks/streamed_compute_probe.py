@@ -18,14 +18,14 @@ import os
 import threading
 import time
 
-import numpy as np
-
 import mlx_flash  # noqa: F401  (first: OpenBLAS before mlx.core)
-import mlx.core as mx
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
 from mlx_flash.tools.cap import drop_page_cache
+
+import mlx.core as mx
+import numpy as np
 
 
 class _TimedNative:
@@ -75,8 +75,13 @@ def setup_arg_parser():
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     drop_page_cache([args.model])
-    model, tok = load(args.model, memory_budget=None if args.mode == "resident" else args.memory_budget,
-                      sparsity="dense", context=256, threads=args.reader_threads)
+    model, tok = load(
+        args.model,
+        memory_budget=None if args.mode == "resident" else args.memory_budget,
+        sparsity="dense",
+        context=256,
+        threads=args.reader_threads,
+    )
     engine = model.flash
     if args.mode == "serial":
         engine.overlap, engine.read_ahead = False, None
@@ -93,9 +98,12 @@ def main(argv=None):
     finally:
         cpu_gemv._native = timed.native
     t = np.array(timed.times) * 1e3
-    out = {"mode": args.mode, "attention_ms_per_layer": float(np.median(t)),
-           "attention_ms_per_token": float(t.sum() / max(1, args.max_tokens - 2)),
-           **{k: v for k, v in engine.stats.summary().items() if k.endswith("_ms")}}
+    out = {
+        "mode": args.mode,
+        "attention_ms_per_layer": float(np.median(t)),
+        "attention_ms_per_token": float(t.sum() / max(1, args.max_tokens - 2)),
+        **{k: v for k, v in engine.stats.summary().items() if k.endswith("_ms")},
+    }
     if read is not None:
         out["background_read_gib_s"] = read[0] / 1024 / seconds
     print(json.dumps(out))

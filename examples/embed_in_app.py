@@ -1,12 +1,13 @@
 """Embedding mlx_flash in an application: load in the background, stream tokens, close cleanly.
 
-    python examples/embed_in_app.py [--model DIR] [--memory-budget 65%]
+python examples/embed_in_app.py [--model DIR] [--memory-budget 65%]
 """
 
 import argparse
 import threading
 
 import mlx_flash  # before mlx.core: on Linux it loads OpenBLAS
+
 from mlx_lm import stream_generate
 
 
@@ -21,7 +22,9 @@ def main():
 
     def background_load():  # keep the UI thread free while weights load
         try:
-            loaded["model"], loaded["tokenizer"] = mlx_flash.load(args.model, memory_budget=args.memory_budget, context=256)
+            loaded["model"], loaded["tokenizer"] = mlx_flash.load(
+                args.model, memory_budget=args.memory_budget, context=256
+            )
         except mlx_flash.FlashError as e:  # BudgetError, FlashFormatError, ... are all FlashErrors
             failed["error"] = e
 
@@ -38,7 +41,9 @@ def main():
             print(response.text, end="", flush=True)
         print()
         s = model.flash.stats.summary()
-        print(f"[{s['tokens']} tokens, {s['total_ms']:.0f} ms/token, {s['bytes_per_token'] / 2**20:.1f} MiB read/token]")
+        print(
+            f"[{s['tokens']} tokens, {s['total_ms']:.0f} ms/token, {s['bytes_per_token'] / 2**20:.1f} MiB read/token]"
+        )
     finally:
         model.flash.close()  # releases the file and the reader threads
 

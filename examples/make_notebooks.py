@@ -1,6 +1,6 @@
 """Writes the example notebooks from plain cell lists (so they are reviewable as code).
 
-    python examples/make_notebooks.py [NAME.ipynb ...]   # default: all
+python examples/make_notebooks.py [NAME.ipynb ...]   # default: all
 """
 
 from pathlib import Path
@@ -17,7 +17,9 @@ NOTEBOOKS = {
             "Load the default model (SmolLM2-135M-Instruct, converted once into `~/.cache/mlx_flash`) and "
             "generate with mlx-lm's own `generate`. Everything FFN-related is read from flash."
         ),
-        new_code_cell("import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\nfrom mlx_flash import generate"),
+        new_code_cell(
+            "import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\nfrom mlx_flash import generate"
+        ),
         new_code_cell("model, tokenizer = mlx_flash.load()  # no budget: every neuron cached after first use"),
         new_code_cell(
             "messages = [{'role': 'user', 'content': 'Write one sentence about the sea.'}]\n"
@@ -128,8 +130,7 @@ NOTEBOOKS = {
             "tokens per configuration on this machine's disk: a quick look; BENCHMARKS.md has the full runs."
         ),
         new_code_cell(
-            "import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\n"
-            "from mlx_flash import bench"
+            "import mlx_flash  # first: on Linux it loads OpenBLAS before mlx.core\nfrom mlx_flash import bench"
         ),
         new_code_cell(
             "# the same as: python -m mlx_flash.bench --memory-budget 80% --quick --tokens 16 --no-fio\n"
@@ -150,7 +151,6 @@ NOTEBOOKS = {
         ),
     ],
 }
-
 
 
 def main(names=()):

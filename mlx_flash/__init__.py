@@ -1,7 +1,7 @@
 """mlx_flash: run LLMs larger than memory, streaming the FFN units each token needs from flash.
 
-    model, tokenizer = mlx_flash.load("path/to/flash_dir", memory_budget="50%")
-    text = mlx_flash.generate(model, tokenizer, "Once upon a time", max_tokens=100)
+model, tokenizer = mlx_flash.load("path/to/flash_dir", memory_budget="50%")
+text = mlx_flash.generate(model, tokenizer, "Once upon a time", max_tokens=100)
 """
 
 __version__ = "0.1.0"

@@ -47,26 +47,26 @@ import sys
 import time
 from pathlib import Path
 
+import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
+
 import mlx.core as mx
 import numpy as np
 
-import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-
-from .engine import memory
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
-from .calib.trace import default_trace, Trace, TraceSparsifier, describe_selector, gate_up_weights, record
-from .default_model import cache_root, default_model_dir
+from .calib.trace import Trace, TraceSparsifier, default_trace, describe_selector, gate_up_weights
+from .default_model import default_model_dir
+from .engine import memory
+from .engine.neurons import NeuronEngine
+from .engine.reader import aligned_buffer, open_reader
+from .engine.resident import stream_groups
+from .engine.sparsity import Dense, dram_bytes
 from .format.directory import FlashDir
 from .generate import generate_step, speculative_generate_step
-from .speculative import PromptLookup, SpeculativeStats
 from .loader import cpu_cast, load, load_resident, load_tokenizer, make_sparsifier
-from .engine.resident import stream_groups
-from .tools.plot import pyplot
-from .engine.reader import aligned_buffer, open_reader
-from .engine.neurons import NeuronEngine
-from .engine.sparsity import Dense, dram_bytes
+from .speculative import PromptLookup, SpeculativeStats
 from .texts import read_text
 from .tools.bench_io import machine_info, run_fio
+from .tools.plot import pyplot
 from .tools.synthetic import build
 
 CONFIGS = ("naive", "hybrid", "hybrid-prefetch", "speculative", "sparsity", "window-unbundled", "all", "mlx-lm")
@@ -167,12 +167,31 @@ def resident_bytes(fd) -> int:
 
 def engine_plan(fd, budget: int, context: int, extra: int = 0, prefetch: bool = False):
     """The budget plan of one configuration (float32 activations, as `load` plans on the CPU)."""
-    return plan_memory(fd, budget, context, 4, extra, resident=resident_bytes(fd),
-                       groups=stream_groups(fd, cpu_cast, context), prefetch=prefetch)
+    return plan_memory(
+        fd,
+        budget,
+        context,
+        4,
+        extra,
+        resident=resident_bytes(fd),
+        groups=stream_groups(fd, cpu_cast, context),
+        prefetch=prefetch,
+    )
 
 
-def make_engine(model, fd, reader, sparsifier, budget: int, context: int, policy="window", window=5,
-                unit_cache=True, prefetch=False, extra: int = 0):
+def make_engine(
+    model,
+    fd,
+    reader,
+    sparsifier,
+    budget: int,
+    context: int,
+    policy="window",
+    window=5,
+    unit_cache=True,
+    prefetch=False,
+    extra: int = 0,
+):
     """A fresh NeuronEngine (cold caches) for `budget`, with `extra` bytes of it the sparsifier's, swapped
     into every layer of `model`.
 
@@ -195,8 +214,11 @@ def decode(model, prompt, n: int, on_prefill=None, spec=None):
     decode token's wall time (between the loop's yields). `on_prefill` runs once the prompt's pass has yielded the
     first token, before any decode pass."""
     times, t = [], None
-    steps = (generate_step(mx.array(prompt), model, max_tokens=n + 1) if spec is None else
-             speculative_generate_step(mx.array(prompt), model, PromptLookup(), max_tokens=n + 1, spec_stats=spec))
+    steps = (
+        generate_step(mx.array(prompt), model, max_tokens=n + 1)
+        if spec is None
+        else speculative_generate_step(mx.array(prompt), model, PromptLookup(), max_tokens=n + 1, spec_stats=spec)
+    )
     for i, _ in enumerate(steps):
         if i == 0:
             if on_prefill:
@@ -243,8 +265,9 @@ def fio_throughput(path, block: int, threads: int, seconds: float = 1.0):
 # -- one configuration -------------------------------------------------------------------------
 
 
-def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, disk_seconds: float, use_fio: bool,
-              spec=None):
+def summarize(
+    engine, times, fd, reader_stats, select_s: float, threads: int, disk_seconds: float, use_fio: bool, spec=None
+):
     engine.stats.end()
     passes = spec.passes if spec is not None else len(times)
     toks = engine.stats.decode_tokens()[-passes:]  # the timed passes (not the last prompt token)
@@ -278,11 +301,14 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
         "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])) if n else 0.0,
         "misses_per_token": misses / max(1, n),
         "stride": stride,
-        "io_ms": float(np.median(io)), "mm_ms": float(np.median(mm)), "compute_ms": float(np.median(comp)),
+        "io_ms": float(np.median(io)),
+        "mm_ms": float(np.median(mm)),
+        "compute_ms": float(np.median(comp)),
         "expand_ms": float(np.median(expand)) if n else 0.0,
         "select_ms": select_s * 1e3 / max(1, n),
         "total_ms": float(np.median(total)),
-        "total_ms_p10": float(np.percentile(total, 10)), "total_ms_p90": float(np.percentile(total, 90)),
+        "total_ms_p10": float(np.percentile(total, 10)),
+        "total_ms_p90": float(np.percentile(total, 90)),
         "total_ms_mean": float(total.mean()),
         "io_ms_mean": float(io.mean()),
         "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
@@ -296,13 +322,22 @@ def summarize(engine, times, fd, reader_stats, select_s: float, threads: int, di
     }
     if spec is not None:  # per generated token, not per pass: means (a pass yields several)
         g = max(1, spec.generated)
-        out.update(spec.summary(), tokens=g, bytes_per_token=float(bytes_tok.sum()) / g, io_ms=float(io.sum()) / g,
-                   mm_ms=float(mm.sum()) / g, compute_ms=float(comp.sum()) / g, total_ms=float(np.sum(times)) * 1e3 / g,
-                   total_ms_mean=float(np.sum(times)) * 1e3 / g, io_ms_mean=float(io.sum()) / g,
-                   misses_per_token=misses / g, select_ms=select_s * 1e3 / g,
-                   bytes_requested_per_token=sum(t.bytes_requested for t in toks) / g,
-                   streamed_bytes_per_token=sum(t.streamed_bytes for t in toks) / g,
-                   requests_per_token=req / g)
+        out.update(
+            spec.summary(),
+            tokens=g,
+            bytes_per_token=float(bytes_tok.sum()) / g,
+            io_ms=float(io.sum()) / g,
+            mm_ms=float(mm.sum()) / g,
+            compute_ms=float(comp.sum()) / g,
+            total_ms=float(np.sum(times)) * 1e3 / g,
+            total_ms_mean=float(np.sum(times)) * 1e3 / g,
+            io_ms_mean=float(io.sum()) / g,
+            misses_per_token=misses / g,
+            select_ms=select_s * 1e3 / g,
+            bytes_requested_per_token=sum(t.bytes_requested for t in toks) / g,
+            streamed_bytes_per_token=sum(t.streamed_bytes for t in toks) / g,
+            requests_per_token=req / g,
+        )
     if mean_req:
         disk = disk_throughput(fd.ffn_path, int(mean_req), threads, per_batch, disk_seconds)
         out["disk_gbps"] = disk
@@ -320,11 +355,23 @@ def run_dense(path, prompt, n):
     times = np.array(decode(model, prompt, n)) * 1e3
     nbytes = fd.model_bytes  # weights as stored (norms / embedding scales are float32 in DRAM: a little more)
     del model
-    return {"tokens": n, "dram_weights_bytes": nbytes, "resident_bytes": nbytes, "cache_bytes": 0,
-            "bytes_per_token": 0.0, "io_ms": 0.0, "mm_ms": 0.0, "compute_ms": float(np.median(times)),
-            "select_ms": 0.0, "total_ms": float(np.median(times)), "total_ms_mean": float(times.mean()),
-            "total_ms_p10": float(np.percentile(times, 10)), "total_ms_p90": float(np.percentile(times, 90)),
-            "hit_rate": 1.0, "read_gbps": None}
+    return {
+        "tokens": n,
+        "dram_weights_bytes": nbytes,
+        "resident_bytes": nbytes,
+        "cache_bytes": 0,
+        "bytes_per_token": 0.0,
+        "io_ms": 0.0,
+        "mm_ms": 0.0,
+        "compute_ms": float(np.median(times)),
+        "select_ms": 0.0,
+        "total_ms": float(np.median(times)),
+        "total_ms_mean": float(times.mean()),
+        "total_ms_p10": float(np.percentile(times, 10)),
+        "total_ms_p90": float(np.percentile(times, 90)),
+        "hit_rate": 1.0,
+        "read_gbps": None,
+    }
 
 
 def mem_available() -> int:
@@ -347,9 +394,11 @@ def choose_sparsifier(fd, density, trace=None):
     if trace is not None:
         tr, src = trace
         sp = TraceSparsifier(tr, len(fd.layers), fd.ffn["intermediate_size"], weights=gate_up_weights(fd))
-        return sp, (f"trace replay of {src} ({describe_selector(tr.meta)}, density {tr.meta.get('density')}, "
-                    f"{tr.n_layers} layers x {tr.n_units} neurons mapped onto {len(fd.layers)} x "
-                    f"{fd.ffn['intermediate_size']}; its DRAM here {fmt_bytes(sp.nbytes)})")
+        return sp, (
+            f"trace replay of {src} ({describe_selector(tr.meta)}, density {tr.meta.get('density')}, "
+            f"{tr.n_layers} layers x {tr.n_units} neurons mapped onto {len(fd.layers)} x "
+            f"{fd.ffn['intermediate_size']}; its DRAM here {fmt_bytes(sp.nbytes)})"
+        )
     calib = fd.manifest.get("sparsity") or {}
     if fd.ffn.get("layout") == "dip":
         raise SystemExit("bench needs the neurons layout (its dense baselines cannot run on a dip-layout directory)")
@@ -359,11 +408,26 @@ def choose_sparsifier(fd, density, trace=None):
     if "predictor" in calib and sel is None:
         return make_sparsifier(fd, "predictor"), "predictor (calibrated)"
     return make_sparsifier(fd, "oracle", density), (
-        f"oracle top-K |GLU| at density {density} (stand-in: the directory has no predictor/dip calibration)")
+        f"oracle top-K |GLU| at density {density} (stand-in: the directory has no predictor/dip calibration)"
+    )
 
 
-def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIGS, density=0.2, trace=None,
-        threads=None, window=5, disk_seconds=1.0, use_fio=True, prompt=None, progress=True, rounds=1):
+def run(
+    path,
+    memory_budget="50%",
+    tokens=128,
+    prompt_tokens=256,
+    configs=CONFIGS,
+    density=0.2,
+    trace=None,
+    threads=None,
+    window=5,
+    disk_seconds=1.0,
+    use_fio=True,
+    prompt=None,
+    progress=True,
+    rounds=1,
+):
     """Run the configurations on the flash directory `path`; returns the result dict (see module doc).
 
     rounds > 1: the flash configurations run `rounds` times, alternating, so that a slow spell of
@@ -376,8 +440,10 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     floor = min_budget(fd, context, 4, resident=resident)
     lowest = min_streaming_budget(fd, context, 4, resident=resident, groups=groups)
     if budget < lowest:
-        raise SystemExit(f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
-                         f"{lowest / fd.model_bytes:.0%} of the model, with attention and embeddings streamed)")
+        raise SystemExit(
+            f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
+            f"{lowest / fd.model_bytes:.0%} of the model, with attention and embeddings streamed)"
+        )
     load_tokenizer(fd)  # as `load` does, the baseline is taken after the tokenizer (and its imports)
     baseline = memory.rss()  # before the sparsifier's arrays: they are in the budget, so in the peak
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
@@ -386,8 +452,10 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
     sparse_lowest = min_streaming_budget(fd, context, 4, sparse_bytes, resident=resident, groups=groups)
     no_fit = None
     if budget < sparse_lowest:
-        no_fit = (f"the selector's DRAM ({fmt_bytes(sparse_bytes)}) does not fit the budget: with it the smallest "
-                  f"budget that loads is {fmt_bytes(sparse_lowest)} ({sparse_lowest / fd.model_bytes:.0%} of the model)")
+        no_fit = (
+            f"the selector's DRAM ({fmt_bytes(sparse_bytes)}) does not fit the budget: with it the smallest "
+            f"budget that loads is {fmt_bytes(sparse_lowest)} ({sparse_lowest / fd.model_bytes:.0%} of the model)"
+        )
         if progress:
             print(f"[bench] {no_fit}; its configurations are skipped", file=sys.stderr)
     if prompt is None:
@@ -430,8 +498,15 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
                     model = None
                     gc.collect()
                     mx.clear_cache()
-                model = load(path, memory_budget=budget, sparsifier=sp if extra else dense, context=context,
-                             threads=threads, prefetch=prefetch, dtype=mx.float32)[0]
+                model = load(
+                    path,
+                    memory_budget=budget,
+                    sparsifier=sp if extra else dense,
+                    context=context,
+                    threads=threads,
+                    prefetch=prefetch,
+                    dtype=mx.float32,
+                )[0]
                 model.flash.caches = None  # make_engine allocates its own
                 if paths(model.flash.plan) != paths(plan):
                     raise RuntimeError(f"bench: the model streams {paths(model.flash.plan)}, its plan {paths(plan)}")
@@ -447,8 +522,10 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
             mx.clear_cache()
             memory.reset_peak()
             if progress:
-                print(f"[bench] {name}{f' (round {round_ + 1}/{rounds})' if rounds > 1 else ''}: "
-                      f"{DESCRIPTIONS[name]}", file=sys.stderr)
+                print(
+                    f"[bench] {name}{f' (round {round_ + 1}/{rounds})' if rounds > 1 else ''}: {DESCRIPTIONS[name]}",
+                    file=sys.stderr,
+                )
 
             def after_prefill():
                 reader.reset_stats()
@@ -476,18 +553,31 @@ def run(path, memory_budget="50%", tokens=128, prompt_tokens=256, configs=CONFIG
             results["mlx-lm"] = run_dense(path, prompt, tokens)
             results["mlx-lm"]["description"] = DESCRIPTIONS["mlx-lm"]
         else:
-            results["mlx-lm"] = {"skipped": f"does not fit: needs ~{fmt_bytes(need)}, {fmt_bytes(mem_available())} free"}
+            results["mlx-lm"] = {
+                "skipped": f"does not fit: needs ~{fmt_bytes(need)}, {fmt_bytes(mem_available())} free"
+            }
     out = {
-        "model": str(path), "model_bytes": fd.model_bytes, "ffn_bytes": fd.ffn_bytes,
+        "model": str(path),
+        "model_bytes": fd.model_bytes,
+        "ffn_bytes": fd.ffn_bytes,
         "resident_bytes_loaded": resident,
-        "memory_budget": memory_budget, "budget_bytes": budget, "min_budget_bytes": lowest,
+        "memory_budget": memory_budget,
+        "budget_bytes": budget,
+        "min_budget_bytes": lowest,
         "resident_floor_bytes": floor,
         "streamed": describe_streamed(streamed) if streamed else None,
-        "tokens": tokens, "prompt_tokens": len(prompt), "threads": getattr(reader, "threads", threads), "window": window,
+        "tokens": tokens,
+        "prompt_tokens": len(prompt),
+        "threads": getattr(reader, "threads", threads),
+        "window": window,
         "max_gap_bytes": getattr(reader, "max_gap_bytes", None),
-        "sparsifier": sparse_desc, "selector_bytes": sparse_bytes, "selector_min_budget_bytes": sparse_lowest,
-        "stride": fd.layouts["neurons"].disk_stride, "row_stride": fd.layouts["neurons"].stride,
-        "units_per_layer": fd.ffn["intermediate_size"], "layers": len(fd.layers),
+        "sparsifier": sparse_desc,
+        "selector_bytes": sparse_bytes,
+        "selector_min_budget_bytes": sparse_lowest,
+        "stride": fd.layouts["neurons"].disk_stride,
+        "row_stride": fd.layouts["neurons"].stride,
+        "units_per_layer": fd.ffn["intermediate_size"],
+        "layers": len(fd.layers),
         "configs": results,
     }
     out["targets"] = targets(results)
@@ -541,9 +631,16 @@ def table(res) -> str:
             continue
         disk = r.get("disk_gbps")
         fio = r.get("fio_gbps")
-        disk_s = "-" if disk is None else f"{disk:.2f}" + (f" (fio {fio:.2f})" if fio else "") + \
-            f" @ {fmt_bytes(r['mean_request_bytes'])}"
-        streamed = f" (resident weights {fmt_bytes(r['streamed_bytes_per_token'])})" if r.get("streamed_bytes_per_token") else ""
+        disk_s = (
+            "-"
+            if disk is None
+            else f"{disk:.2f}" + (f" (fio {fio:.2f})" if fio else "") + f" @ {fmt_bytes(r['mean_request_bytes'])}"
+        )
+        streamed = (
+            f" (resident weights {fmt_bytes(r['streamed_bytes_per_token'])})"
+            if r.get("streamed_bytes_per_token")
+            else ""
+        )
         selector = f" (selector {fmt_bytes(r['selector_bytes'])})" if r.get("selector_bytes") else ""
         rows.append(
             f"| {name} | {fmt_bytes(r['dram_weights_bytes'])}{selector} | {fmt_bytes(r['bytes_per_token'])}{streamed} | "
@@ -588,21 +685,31 @@ def plot(res, out, title=None):
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(description="Benchmark the flash runtime: naive, hybrid, sparsity, windowing, bundling.")
+    p = argparse.ArgumentParser(
+        description="Benchmark the flash runtime: naive, hybrid, sparsity, windowing, bundling."
+    )
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2, converted once).")
     p.add_argument("--synthetic", default=None, help="Build/use a synthetic model: llama-7b, opt-6.7b, llama-1b, tiny.")
     p.add_argument("--memory-budget", default="50%", help='Budget for weights + caches + KV: bytes, "2GB" or "50%%".')
-    p.add_argument("--tokens", type=int, default=None, help="Decoded tokens per configuration (default 128; --quick 32).")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="Decoded tokens per configuration (default 128; --quick 32)."
+    )
     p.add_argument("--prompt-tokens", type=int, default=None, help="Prompt tokens (default 256; --quick 16).")
     p.add_argument("--quick", action="store_true", help="32 tokens after a 16-token prompt, 0.5 s disk measurements.")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"Comma-separated subset of {','.join(CONFIGS)}.")
     p.add_argument("--density", type=float, default=0.2, help="Oracle stand-in / recorded trace density.")
-    p.add_argument("--trace", default=None, help="Replay this trace (.npz from mlx_flash.calib.trace) instead of a sparsifier.")
+    p.add_argument(
+        "--trace", default=None, help="Replay this trace (.npz from mlx_flash.calib.trace) instead of a sparsifier."
+    )
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: the reader's default).")
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--no-fio", action="store_true")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="Run the flash configurations this many times, alternating; report each one's median round.")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Run the flash configurations this many times, alternating; report each one's median round.",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     return p
@@ -628,26 +735,50 @@ def main(argv=None):
             trace = (Trace.load(a.trace), a.trace)
         tok = load_tokenizer(FlashDir(path))  # a real prompt: WikiText-2 test, away from the trace's text
         prompt = tok.encode(read_text()[50000 : 50000 + 20 * prompt_tokens])[:prompt_tokens]
-    res = run(path, a.memory_budget, tokens, prompt_tokens, configs, a.density, trace, a.threads, a.window,
-              0.5 if a.quick else 1.0, not a.no_fio, prompt, rounds=a.rounds)
+    res = run(
+        path,
+        a.memory_budget,
+        tokens,
+        prompt_tokens,
+        configs,
+        a.density,
+        trace,
+        a.threads,
+        a.window,
+        0.5 if a.quick else 1.0,
+        not a.no_fio,
+        prompt,
+        rounds=a.rounds,
+    )
 
     res["kind"] = kind
     res["command"] = "python -m mlx_flash.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     res["machine"] = machine_info(str(Path(path)))
     print(f"\n{res['command']}")
-    print(f"{kind} model {res['model']}: {fmt_bytes(res['model_bytes'])} of weights (FFN on flash "
-          f"{fmt_bytes(res['ffn_bytes'])}), budget {res['memory_budget']} = {fmt_bytes(res['budget_bytes'])} "
-          f"(smallest that loads {fmt_bytes(res['min_budget_bytes'])}); {res['tokens']} tokens after a "
-          f"{res['prompt_tokens']}-token prompt; {res['threads']} reader threads; sparsifier: {res['sparsifier']}")
+    print(
+        f"{kind} model {res['model']}: {fmt_bytes(res['model_bytes'])} of weights (FFN on flash "
+        f"{fmt_bytes(res['ffn_bytes'])}), budget {res['memory_budget']} = {fmt_bytes(res['budget_bytes'])} "
+        f"(smallest that loads {fmt_bytes(res['min_budget_bytes'])}); {res['tokens']} tokens after a "
+        f"{res['prompt_tokens']}-token prompt; {res['threads']} reader threads; sparsifier: {res['sparsifier']}"
+    )
     m = res["machine"]["cpu_matvecs"]
-    print(f"decode matvecs: {'native CPU kernels' if m['on'] else 'MLX ops'} ({json.dumps(m)}); BLAS: {res['machine']['blas']}")
+    print(
+        f"decode matvecs: {'native CPU kernels' if m['on'] else 'MLX ops'} ({json.dumps(m)}); BLAS: {res['machine']['blas']}"
+    )
     if res.get("streamed"):
-        print(f"below the resident floor ({fmt_bytes(res['resident_floor_bytes'])}), streamed every token: {res['streamed']}")
+        print(
+            f"below the resident floor ({fmt_bytes(res['resident_floor_bytes'])}), streamed every token: {res['streamed']}"
+        )
     print(table(res))
     if a.rounds > 1:
-        print("total ms per round: " + "; ".join(
-            f"{k} {', '.join(f'{t:.0f}' for t in r['rounds_total_ms'])}" for k, r in res["configs"].items()
-            if "rounds_total_ms" in r))
+        print(
+            "total ms per round: "
+            + "; ".join(
+                f"{k} {', '.join(f'{t:.0f}' for t in r['rounds_total_ms'])}"
+                for k, r in res["configs"].items()
+                if "rounds_total_ms" in r
+            )
+        )
     print("targets:", json.dumps(res["targets"]))
     if a.json:
         with open(a.json, "w") as f:

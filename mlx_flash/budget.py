@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
-from .errors import BudgetError
 from .engine.reader import DEFAULT_THREADS
+from .errors import BudgetError
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
 # an MoE model's least workspace, a dense model's usual one (2 x the 16 MiB scratch): its scratch is only a
@@ -84,29 +84,56 @@ class Plan:
     def nbytes(self, strides: Dict[str, int]) -> int:
         """Everything the plan holds in memory."""
         prefetch = 2 * self.prefetch_rows * strides.get("neurons", 0)
-        return (self.resident + self.kv_cache + self.prompt_cache + self.scratch + self.workspace + self.extra
-                + self.cache_bytes(strides) + self.streaming + prefetch)
+        return (
+            self.resident
+            + self.kv_cache
+            + self.prompt_cache
+            + self.scratch
+            + self.workspace
+            + self.extra
+            + self.cache_bytes(strides)
+            + self.streaming
+            + prefetch
+        )
 
     def describe(self, strides: Dict[str, int], units: Dict[str, int]) -> str:
         caps = self.capacity[0]
         per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)
         return (
-            (f"budget {fmt_bytes(self.budget)}" if self.budget is not None else "no budget") + f": resident {fmt_bytes(self.resident)}, "
-            f"KV cache {fmt_bytes(self.kv_cache)}" + (f" ({self.kv_bits}-bit)" if self.kv_bits else "") + ", "
-            + (f"prompt cache {fmt_bytes(self.prompt_cache)}, " if self.prompt_cache else "") +
-            f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
+            (f"budget {fmt_bytes(self.budget)}" if self.budget is not None else "no budget")
+            + f": resident {fmt_bytes(self.resident)}, "
+            f"KV cache {fmt_bytes(self.kv_cache)}"
+            + (f" ({self.kv_bits}-bit)" if self.kv_bits else "")
+            + ", "
+            + (f"prompt cache {fmt_bytes(self.prompt_cache)}, " if self.prompt_cache else "")
+            + f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
-            + (f", prefetch buffers 2 x {self.prefetch_rows} rows ({fmt_bytes(2 * self.prefetch_rows * strides['neurons'])})"
-               if self.prefetch_rows else "")
-            + (f"; streamed from flash every token ({fmt_bytes(self.streaming)} of buffers): " + describe_streamed(self.streamed)
-               if self.streamed else "")
-            + (f"; the budget holds up to {self.max_context} tokens of context (streaming all it can, no unit cached)" if self.max_context is not None else "")
+            + (
+                f", prefetch buffers 2 x {self.prefetch_rows} rows ({fmt_bytes(2 * self.prefetch_rows * strides['neurons'])})"
+                if self.prefetch_rows
+                else ""
+            )
+            + (
+                f"; streamed from flash every token ({fmt_bytes(self.streaming)} of buffers): "
+                + describe_streamed(self.streamed)
+                if self.streamed
+                else ""
+            )
+            + (
+                f"; the budget holds up to {self.max_context} tokens of context (streaming all it can, no unit cached)"
+                if self.max_context is not None
+                else ""
+            )
         )
 
 
 def describe_streamed(groups) -> str:
     layers = [g for g in groups if g.kind == "layer"]
-    parts = [f"{len(layers)} attention layers ({fmt_bytes(sum(g.nbytes for g in layers))}, whole, prefetched)"] if layers else []
+    parts = (
+        [f"{len(layers)} attention layers ({fmt_bytes(sum(g.nbytes for g in layers))}, whole, prefetched)"]
+        if layers
+        else []
+    )
     parts += [f"{g.path} ({fmt_bytes(g.nbytes)}, {g.describe()})" for g in groups if g.kind != "layer"]
     return ", ".join(parts)
 
@@ -136,13 +163,22 @@ def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2, bits: int = 
     return 2 * layers * heads * per_vector * kv_tokens(context)
 
 
-def fixed_bytes(fd, context: int, dtype_size: int, extra: int = 0, resident: int = None, kv_bits: int = None,
-                kv_group_size: int = 64, prompt_caches: int = 0) -> dict:
+def fixed_bytes(
+    fd,
+    context: int,
+    dtype_size: int,
+    extra: int = 0,
+    resident: int = None,
+    kv_bits: int = None,
+    kv_group_size: int = 64,
+    prompt_caches: int = 0,
+) -> dict:
     """The parts of the budget that do not depend on it: resident, KV cache, prompt cache, scratch, workspace."""
     # a dense layer's rows; an MoE token's experts (more than that stream through it in turns)
     per_pass = fd.config["num_experts_per_tok"] if fd.ffn.get("kind") == "moe" else None
-    scratch = min(SCRATCH_BYTES, max(min(r.n_units, per_pass or r.n_units) * fd.layouts[r.name].stride
-                                     for r in fd.regions()))
+    scratch = min(
+        SCRATCH_BYTES, max(min(r.n_units, per_pass or r.n_units) * fd.layouts[r.name].stride for r in fd.regions())
+    )
     scratch += 2 * fd.alignment  # an aligned read's superset of a run of units
     n_buffers = 1 + sum(len(regions) for regions in fd.layers)  # each is padded to the alignment
     kv = kv_cache_bytes(fd.config, context, dtype_size, kv_bits, kv_group_size)
@@ -175,12 +211,14 @@ def min_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: 
 
 def with_streamed(fixed: dict, streamed) -> dict:
     """The fixed parts when `streamed` groups leave the resident weights for two loads' buffers."""
-    return dict(fixed, resident=fixed["resident"] - sum(g.nbytes for g in streamed),
-                streaming=2 * max((g.load_bytes for g in streamed), default=0))
+    return dict(
+        fixed,
+        resident=fixed["resident"] - sum(g.nbytes for g in streamed),
+        streaming=2 * max((g.load_bytes for g in streamed), default=0),
+    )
 
 
-def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None,
-                         groups=()) -> int:
+def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None, groups=()) -> int:
     """The smallest budget that loads at all: every streamable group streamed, no FFN unit cached."""
     return sum(with_streamed(fixed_bytes(fd, context, dtype_size, extra, resident), list(groups)).values())
 
@@ -189,6 +227,7 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
     """The groups to stream (`always`, then the shortest prefix of the other `groups`, cheapest first, that
     fits; then any of those that fit back are kept resident) and the fixed parts with them. BudgetError if
     none fits."""
+
     def fits(streamed):
         return sum(with_streamed(fixed, streamed).values()) <= budget
 
@@ -203,7 +242,8 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
             f"memory budget {fmt_bytes(budget)} is too small"
             + (" even with attention, embeddings and LM head streamed from flash: the rest of the" if streamed else ":")
             + f" resident weights {fmt_bytes(f['resident'])} + KV cache for {context} tokens "
-            f"{fmt_bytes(f['kv_cache'])}" + (f" + prompt cache {fmt_bytes(f['prompt_cache'])}" if f["prompt_cache"] else "")
+            f"{fmt_bytes(f['kv_cache'])}"
+            + (f" + prompt cache {fmt_bytes(f['prompt_cache'])}" if f["prompt_cache"] else "")
             + f" + scratch, workspace and streaming buffers "
             f"{fmt_bytes(f['scratch'] + f['workspace'] + f['streaming'])}"
             + (f" + extra {fmt_bytes(f['extra'])}" if f["extra"] else "")
@@ -216,9 +256,19 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
     return streamed, with_streamed(fixed, streamed)
 
 
-def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra: int = 0, resident: int = None,
-                groups=(), prefetch: bool = False, kv_bits: int = None, kv_group_size: int = 64,
-                prompt_caches: int = 0) -> Plan:
+def plan_memory(
+    fd,
+    budget: Optional[int],
+    context: int,
+    dtype_size: int,
+    extra: int = 0,
+    resident: int = None,
+    groups=(),
+    prefetch: bool = False,
+    kv_bits: int = None,
+    kv_group_size: int = 64,
+    prompt_caches: int = 0,
+) -> Plan:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
     `resident`: bytes of the resident weights as loaded (default: their size on disk).
@@ -266,7 +316,10 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
         rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)
         total = sum(r.n_units * rows[name] for name, r in regions.items())
         capacity.append(
-            {name: min(r.n_units, int(per_layer * r.n_units * rows[name] / total) // rows[name]) for name, r in regions.items()}
+            {
+                name: min(r.n_units, int(per_layer * r.n_units * rows[name] / total) // rows[name])
+                for name, r in regions.items()
+            }
         )
     max_context = None
     if budget is not None:  # the KV cache could take everything but the floor (all streamable streamed, no unit cached)
@@ -274,5 +327,18 @@ def plan_memory(fd, budget: Optional[int], context: int, dtype_size: int, extra:
         per_step = kv_cache_bytes(fd.config, KV_STEP, dtype_size, kv_bits, kv_group_size)
         room = budget - sum(floor.values()) + floor["kv_cache"] + floor["prompt_cache"]
         max_context = room // ((1 + prompt_caches) * per_step) * KV_STEP
-    return Plan(budget, f["resident"], f["kv_cache"], f["scratch"], f["workspace"], extra, capacity, streamed,
-                f["streaming"], prefetch_rows, f["prompt_cache"], kv_bits, max_context)
+    return Plan(
+        budget,
+        f["resident"],
+        f["kv_cache"],
+        f["scratch"],
+        f["workspace"],
+        extra,
+        capacity,
+        streamed,
+        f["streaming"],
+        prefetch_rows,
+        f["prompt_cache"],
+        kv_bits,
+        max_context,
+    )

@@ -45,15 +45,24 @@ import mlx.optimizers as optim
 import numpy as np
 from tqdm import tqdm
 
+from .calib.quality import (
+    activation_targets,
+    collect_inputs,
+    dense_ffn_weights,
+    eval_model,
+    layer_statistics,
+    perplexity,
+    sequence_nll,
+    unit_strides,
+)
+from .calib.reorder import neuron_order, reorder, reorder_group
 from .default_model import default_model_dir
-from .format.directory import FlashDir
-from .loader import load_tokenizer
-from .tools.plot import pyplot
 from .engine.selectors import build_sketch, save_selector, wina_norms
 from .engine.sparsity import Sketch
+from .format.directory import FlashDir
+from .loader import load_tokenizer
 from .texts import read_text, token_batches
-from .calib.quality import activation_targets, collect_inputs, dense_ffn_weights, eval_model, layer_statistics, perplexity, sequence_nll, unit_strides
-from .calib.reorder import neuron_order, reorder, reorder_group
+from .tools.plot import pyplot
 
 
 # -- 1. activations ---------------------------------------------------------------------------
@@ -73,16 +82,26 @@ def _balanced_grads(p, x, y, wp, wn):
     return {"A": (gz @ p["B"]).T @ x, "B": gz.T @ h}
 
 
-def train_predictor(x: np.ndarray, y: np.ndarray, rank: int, steps: int = 200, lr: float = 3e-3,
-                    batch: int = 256, seed: int = 0, log_every: int = 10):
+def train_predictor(
+    x: np.ndarray,
+    y: np.ndarray,
+    rank: int,
+    steps: int = 200,
+    lr: float = 3e-3,
+    batch: int = 256,
+    seed: int = 0,
+    log_every: int = 10,
+):
     """Fit sigmoid(B (A x)) to the bool targets y [T, n] with Adam on the balanced loss.
 
     Returns ({"A": [rank, d], "B": [n, rank]}, losses): the minibatch loss every `log_every` steps."""
     T, d = x.shape
     n = y.shape[1]
     rng = np.random.default_rng(seed)
-    params = {"A": mx.array(rng.normal(0, 1 / math.sqrt(d), (rank, d)).astype(np.float32)),
-              "B": mx.array(rng.normal(0, 1 / math.sqrt(rank), (n, rank)).astype(np.float32))}
+    params = {
+        "A": mx.array(rng.normal(0, 1 / math.sqrt(d), (rank, d)).astype(np.float32)),
+        "B": mx.array(rng.normal(0, 1 / math.sqrt(rank), (n, rank)).astype(np.float32)),
+    }
     opt = optim.Adam(learning_rate=lr)
     opt.init(params)
     pos = float(y.mean())
@@ -109,9 +128,19 @@ def recall_precision(z: np.ndarray, y: np.ndarray, t: float):
     return tp / max(float(y.sum()), 1.0), tp / max(float(pred.sum()), 1.0), float(pred.mean())
 
 
-def train_predictors(fd: FlashDir, xs: List[np.ndarray], density: float, rank: int = 64, rank_worst: int = 128,
-                     worst_layers: int = 2, threshold="auto", steps: int = 200, lr: float = 3e-3,
-                     progress: bool = False, weights=None) -> dict:
+def train_predictors(
+    fd: FlashDir,
+    xs: List[np.ndarray],
+    density: float,
+    rank: int = 64,
+    rank_worst: int = 128,
+    worst_layers: int = 2,
+    threshold="auto",
+    steps: int = 200,
+    lr: float = 3e-3,
+    progress: bool = False,
+    weights=None,
+) -> dict:
     """Train one predictor per layer on a 90/10 split of the tokens; returns weights, threshold, metrics."""
     kind, act = fd.ffn["kind"], fd.ffn["activation"]
     resident = fd.load_resident() if kind == "relu" else {}
@@ -146,10 +175,16 @@ def train_predictors(fd: FlashDir, xs: List[np.ndarray], density: float, rank: i
         r, pr, a = recall_precision(_logits(preds[i], data[i][2]), data[i][3], t)
         recall.append(r), precision.append(pr), active.append(a)
     return {
-        "weights": preds, "threshold": threshold, "ranks": ranks, "recall": recall, "precision": precision,
-        "predicted_density": active, "target_density": density,
+        "weights": preds,
+        "threshold": threshold,
+        "ranks": ranks,
+        "recall": recall,
+        "precision": precision,
+        "predicted_density": active,
+        "target_density": density,
         "true_density": [float(d[3].mean()) for d in data],
-        "loss_first": [l[0] for l in losses], "loss_last": [float(np.mean(l[-3:])) for l in losses],
+        "loss_first": [l[0] for l in losses],
+        "loss_last": [float(np.mean(l[-3:])) for l in losses],
     }
 
 
@@ -163,8 +198,9 @@ def dip_candidates(target: float, count: int = 5) -> List[float]:
     return sorted(set(round(float(v), 4) for v in np.linspace(lo, hi, count)))
 
 
-def calibrate_dip(model, ctl, batches: np.ndarray, target: float, count: int = 5, progress: bool = False,
-                  mode: str = "dip", **kw) -> dict:
+def calibrate_dip(
+    model, ctl, batches: np.ndarray, target: float, count: int = 5, progress: bool = False, mode: str = "dip", **kw
+) -> dict:
     """Ratio search: for each split (d_in, 3t - 2 d_in), the calibration NLL; the best split for every layer.
     mode "wina" (with kw input_norm / neuron_norm) searches the split of weight-aware DIP."""
     L = ctl.n_layers
@@ -173,11 +209,22 @@ def calibrate_dip(model, ctl, batches: np.ndarray, target: float, count: int = 5
         d_out = min(1.0, max(0.0, 3 * target - 2 * d_in))
         ctl.set_mode(mode, input_density=[d_in] * L, neuron_density=[d_out] * L, **kw)
         nll = sequence_nll(model, ctl, batches)
-        results.append({"input_density": d_in, "neuron_density": d_out, "nll": nll,
-                        "realised_mlp_density": float(ctl.realised()["mlp"].mean())})
+        results.append(
+            {
+                "input_density": d_in,
+                "neuron_density": d_out,
+                "nll": nll,
+                "realised_mlp_density": float(ctl.realised()["mlp"].mean()),
+            }
+        )
     best = min(results, key=lambda r: r["nll"])
-    return {"input_density": [best["input_density"]] * L, "neuron_density": [best["neuron_density"]] * L,
-            "target": target, "realised_mlp_density": best["realised_mlp_density"], "search": results}
+    return {
+        "input_density": [best["input_density"]] * L,
+        "neuron_density": [best["neuron_density"]] * L,
+        "target": target,
+        "realised_mlp_density": best["realised_mlp_density"],
+        "search": results,
+    }
 
 
 def _split(d: float, a: float, b: float):
@@ -192,8 +239,9 @@ def _split(d: float, a: float, b: float):
     return float(d_in), float(min(max(d_out, 0.0), 1.0))
 
 
-def allocate_densities(levels: Sequence[Sequence[float]], costs: Sequence[Sequence[float]], target: float,
-                       step: float = 0.025) -> List[float]:
+def allocate_densities(
+    levels: Sequence[Sequence[float]], costs: Sequence[Sequence[float]], target: float, step: float = 0.025
+) -> List[float]:
     """Per-layer MLP densities minimising the sum of per-layer costs (each piecewise linear over its
     levels) subject to mean density == target (on a grid of `step`; a multiple-choice knapsack, by DP)."""
     L = len(levels)
@@ -250,9 +298,18 @@ def _kl_to(model, ref: List[mx.array], batches: np.ndarray) -> float:
     return total / count
 
 
-def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, count: int = 5,
-                            offsets: Sequence[float] = (-0.2, -0.1, 0.0, 0.15, 0.3), sens_seqs: int = 1,
-                            sensitivity: str = "kl", step: float = 0.025, progress: bool = False) -> dict:
+def calibrate_dip_per_layer(
+    model,
+    ctl,
+    batches: np.ndarray,
+    target: float,
+    count: int = 5,
+    offsets: Sequence[float] = (-0.2, -0.1, 0.0, 0.15, 0.3),
+    sens_seqs: int = 1,
+    sensitivity: str = "kl",
+    step: float = 0.025,
+    progress: bool = False,
+) -> dict:
     """Per-layer DIP densities at mean MLP density `target`.
 
     1. The uniform ratio search (`calibrate_dip`) gives the split (d_in, d_out) at the target; every
@@ -294,9 +351,12 @@ def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, coun
             if d == free:
                 continue
             d_in, d_out = _split(d, a, b)
-            ctl.set_mode("dip", input_density=other_in[:l] + [d_in] + other_in[l + 1:],
-                         neuron_density=other_out[:l] + [d_out] + other_out[l + 1:])
-            costs[l, j] = (_kl_to(model, ref, sens) if sensitivity == "kl" else sequence_nll(model, ctl, sens) - base)
+            ctl.set_mode(
+                "dip",
+                input_density=other_in[:l] + [d_in] + other_in[l + 1 :],
+                neuron_density=other_out[:l] + [d_out] + other_out[l + 1 :],
+            )
+            costs[l, j] = _kl_to(model, ref, sens) if sensitivity == "kl" else sequence_nll(model, ctl, sens) - base
             bar.update()
     bar.close()
     mono = np.maximum.accumulate(costs[:, ::-1], axis=1)[:, ::-1]  # non-increasing in density
@@ -307,8 +367,16 @@ def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, coun
     nll = sequence_nll(model, ctl, batches)
     realised = float(ctl.realised()["mlp"].mean())
     uni_nll = min(r["nll"] for r in uni["search"])
-    info = {"sensitivity_metric": sensitivity, "levels": levels, "sensitivity": costs.tolist(), "base": base,
-            "mlp_density": mlp, "nll": nll, "uniform_nll": uni_nll, "realised_mlp_density": realised}
+    info = {
+        "sensitivity_metric": sensitivity,
+        "levels": levels,
+        "sensitivity": costs.tolist(),
+        "base": base,
+        "mlp_density": mlp,
+        "nll": nll,
+        "uniform_nll": uni_nll,
+        "realised_mlp_density": realised,
+    }
     if sensitivity == "kl":  # decide on KL to dense over all batches: far less noisy than the NLL of 2 sequences
         ctl.set_mode("dense")
         ref = _logprobs(model, batches)
@@ -322,24 +390,32 @@ def calibrate_dip_per_layer(model, ctl, batches: np.ndarray, target: float, coun
     info["chosen"] = "per-layer" if better else "uniform"
     if not better:
         return dict(uni, per_layer=info)
-    return {"input_density": d_in, "neuron_density": d_out, "target": target, "realised_mlp_density": realised,
-            "search": uni["search"], "per_layer": info}
+    return {
+        "input_density": d_in,
+        "neuron_density": d_out,
+        "target": target,
+        "realised_mlp_density": realised,
+        "search": uni["search"],
+        "per_layer": info,
+    }
 
 
 # -- selector: the one the directory ships -----------------------------------------------------------
 SKETCH_BITS = (2, 3, 4)  # tried cheapest first
 
 
-def selector_candidates(layout: str, selector: str = "auto", group_size: int = 64,
-                        sketch_bits: Sequence[int] = SKETCH_BITS) -> List[dict]:
+def selector_candidates(
+    layout: str, selector: str = "auto", group_size: int = 64, sketch_bits: Sequence[int] = SKETCH_BITS
+) -> List[dict]:
     """The selectors calibration tries, cheapest DRAM first. auto: the sketches (of `sketch_bits`) on the
     neurons layout, DIP and WINA on the dip layout (the predictor only when asked: it is worse than a
     2-bit sketch of the same size on SmolLM2, BENCHMARKS.md)."""
     if selector == "auto":
         names = ["dip", "wina"] if layout == "dip" else ["sketch"]
     elif (selector in ("dip", "wina")) != (layout == "dip"):
-        raise ValueError(f"--selector {selector} does not serve the {layout} layout "
-                         "(neurons: sketch, predictor; dip: dip, wina)")
+        raise ValueError(
+            f"--selector {selector} does not serve the {layout} layout (neurons: sketch, predictor; dip: dip, wina)"
+        )
     else:
         names = [selector]
     out = []
@@ -351,8 +427,19 @@ def selector_candidates(layout: str, selector: str = "auto", group_size: int = 6
     return out
 
 
-def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights, xs, calib: np.ndarray,
-                   dip_count: int = 5, predictor: Optional[dict] = None, progress: bool = False):
+def selector_setup(
+    fd: FlashDir,
+    model,
+    ctl,
+    cand: dict,
+    density: float,
+    weights,
+    xs,
+    calib: np.ndarray,
+    dip_count: int = 5,
+    predictor: Optional[dict] = None,
+    progress: bool = False,
+):
     """(Controller mode and kwargs, manifest info, arrays to save or None) for one candidate at `density`."""
     L = len(weights)
     name = cand["name"]
@@ -367,8 +454,11 @@ def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights
             n_in, n_out = wina_norms(weights)
             kw = {"input_norm": n_in, "neuron_norm": n_out}
         split = calibrate_dip(model, ctl, calib, density, dip_count, progress, mode=name, **kw)
-        info = {"input_density": split["input_density"], "neuron_density": split["neuron_density"],
-                "density": [density] * L}
+        info = {
+            "input_density": split["input_density"],
+            "neuron_density": split["neuron_density"],
+            "density": [density] * L,
+        }
         return name, dict(kw, input_density=info["input_density"], neuron_density=info["neuron_density"]), info, None
     if name == "predictor":
         info = {"density": [density] * L}
@@ -376,20 +466,36 @@ def selector_setup(fd: FlashDir, model, ctl, cand: dict, density: float, weights
     raise ValueError(f"unknown selector {name!r}")
 
 
-def calibrate_selector(fd: FlashDir, model, ctl, calib: np.ndarray, held: np.ndarray, xs, weights,
-                       density: float = 0.5, selector: str = "auto", max_ppl_increase: float = 0.10,
-                       predictor: Optional[dict] = None, save: bool = True, progress: bool = False,
-                       sketch_bits: Sequence[int] = SKETCH_BITS) -> dict:
+def calibrate_selector(
+    fd: FlashDir,
+    model,
+    ctl,
+    calib: np.ndarray,
+    held: np.ndarray,
+    xs,
+    weights,
+    density: float = 0.5,
+    selector: str = "auto",
+    max_ppl_increase: float = 0.10,
+    predictor: Optional[dict] = None,
+    save: bool = True,
+    progress: bool = False,
+    sketch_bits: Sequence[int] = SKETCH_BITS,
+) -> dict:
     """Measure the candidates at MLP density `density` on held-out text, cheapest DRAM first, and keep
     the first whose perplexity increase is within `max_ppl_increase` (else the best one measured).
     Saved as the directory's selector with the measured increase (`--sparsity auto` checks it)."""
     ctl.set_mode("dense")
     dense = perplexity(model, ctl, held)
     tried, best = [], None
-    for cand in tqdm(selector_candidates(fd.ffn.get("layout", "neurons"), selector, sketch_bits=sketch_bits), desc="selector",
-                     disable=not progress):
-        mode, kw, info, arrays = selector_setup(fd, model, ctl, cand, density, weights, xs, calib,
-                                                predictor=predictor, progress=progress)
+    for cand in tqdm(
+        selector_candidates(fd.ffn.get("layout", "neurons"), selector, sketch_bits=sketch_bits),
+        desc="selector",
+        disable=not progress,
+    ):
+        mode, kw, info, arrays = selector_setup(
+            fd, model, ctl, cand, density, weights, xs, calib, predictor=predictor, progress=progress
+        )
         ctl.set_mode(mode, **kw)
         ppl = perplexity(model, ctl, held)
         nbytes = int(sum(v.nbytes for a in arrays for v in a.values())) if arrays else _kw_nbytes(kw)
@@ -402,8 +508,13 @@ def calibrate_selector(fd: FlashDir, model, ctl, calib: np.ndarray, held: np.nda
             break
     ctl.set_mode("dense")
     row, info, arrays = best
-    entry = dict(info, ppl=row["ppl"], dense_ppl=dense, ppl_increase=row["ppl_increase"],
-                 held_out_tokens=int(held.shape[0] * (held.shape[1] - 1)))
+    entry = dict(
+        info,
+        ppl=row["ppl"],
+        dense_ppl=dense,
+        ppl_increase=row["ppl_increase"],
+        held_out_tokens=int(held.shape[0] * (held.shape[1] - 1)),
+    )
     if save:
         save_selector(fd, row["name"], arrays, **entry, **({} if arrays else {"nbytes": row["nbytes"]}))
     return {"name": row["name"], **entry, "nbytes": row["nbytes"], "tried": tried}
@@ -438,9 +549,18 @@ def bytes_per_token(fd: FlashDir, ctl, mode: str) -> Dict[str, float]:
     return {"bytes_selected": sel, "bytes_missed": miss if mode != "dense" else sel}
 
 
-def quality_report(fd: FlashDir, model, ctl, batches: np.ndarray, densities: Sequence[float], predictors=None,
-                   dip: Optional[Dict[float, dict]] = None, gamma: float = 0.2, cache_fraction: float = 0.5,
-                   progress: bool = False) -> dict:
+def quality_report(
+    fd: FlashDir,
+    model,
+    ctl,
+    batches: np.ndarray,
+    densities: Sequence[float],
+    predictors=None,
+    dip: Optional[Dict[float, dict]] = None,
+    gamma: float = 0.2,
+    cache_fraction: float = 0.5,
+    progress: bool = False,
+) -> dict:
     """Perplexity and bytes per token on `batches` for dense, oracle, predictor and DIP / DIP-CA."""
     runs = [("dense", 1.0, {})]
     glu = fd.ffn["kind"] == "glu"
@@ -448,7 +568,9 @@ def quality_report(fd: FlashDir, model, ctl, batches: np.ndarray, densities: Seq
         if glu:
             runs.append(("oracle", d, {"density": d}))
         if predictors and d in predictors:
-            runs.append(("predictor", d, {"predictors": predictors[d]["weights"], "threshold": predictors[d]["threshold"]}))
+            runs.append(
+                ("predictor", d, {"predictors": predictors[d]["weights"], "threshold": predictors[d]["threshold"]})
+            )
         if glu and dip and d in dip:
             kw = {"input_density": dip[d]["input_density"], "neuron_density": dip[d]["neuron_density"]}
             runs.append(("dip", d, kw))
@@ -459,17 +581,37 @@ def quality_report(fd: FlashDir, model, ctl, batches: np.ndarray, densities: Seq
         t0 = time.perf_counter()
         ppl = perplexity(model, ctl, batches)
         r = ctl.realised()
-        rows.append({"mode": mode, "target_density": d, "ppl": ppl,
-                     "mlp_density": float(r["mlp"].mean()), "per_layer_mlp_density": r["mlp"].tolist(),
-                     **bytes_per_token(fd, ctl, mode), "seconds": time.perf_counter() - t0})
+        rows.append(
+            {
+                "mode": mode,
+                "target_density": d,
+                "ppl": ppl,
+                "mlp_density": float(r["mlp"].mean()),
+                "per_layer_mlp_density": r["mlp"].tolist(),
+                **bytes_per_token(fd, ctl, mode),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
     ctl.set_mode("dense", count_misses=False)
-    return {"rows": rows, "tokens": int(batches.shape[0] * (batches.shape[1] - 1)), "gamma": gamma,
-            "cache_fraction": cache_fraction}
+    return {
+        "rows": rows,
+        "tokens": int(batches.shape[0] * (batches.shape[1] - 1)),
+        "gamma": gamma,
+        "cache_fraction": cache_fraction,
+    }
 
 
-def density_sweep(path=None, data: Sequence = None, densities: Sequence[float] = (0.75, 0.5),
-                  seq_len: int = 128, calib_seqs: int = 2, eval_seqs: int = 2, dip_candidates: int = 3,
-                  gamma: float = 0.2, progress: bool = False) -> dict:
+def density_sweep(
+    path=None,
+    data: Sequence = None,
+    densities: Sequence[float] = (0.75, 0.5),
+    seq_len: int = 128,
+    calib_seqs: int = 2,
+    eval_seqs: int = 2,
+    dip_candidates: int = 3,
+    gamma: float = 0.2,
+    progress: bool = False,
+) -> dict:
     """DIP calibrated on the first half of `data`, then perplexity on the second half for dense, oracle,
     DIP and DIP-CA at each MLP density: the report's numbers, with nothing written to the directory.
 
@@ -483,8 +625,11 @@ def density_sweep(path=None, data: Sequence = None, densities: Sequence[float] =
     held = token_batches(tok, read_text(data, "second")[:chars], seq_len, eval_seqs)
     densities = [d for d in densities if d < 1]  # dense is always the first row
     dip = {d: calibrate_dip(model, ctl, calib, d, dip_candidates, progress) for d in densities}
-    return {"model": str(fd.path), "dip": dip,
-            "quality": quality_report(fd, model, ctl, held, densities, None, dip, gamma, progress=progress)}
+    return {
+        "model": str(fd.path),
+        "dip": dip,
+        "quality": quality_report(fd, model, ctl, held, densities, None, dip, gamma, progress=progress),
+    }
 
 
 def plot_report(report: dict, path: Path, title: str = "") -> None:
@@ -518,12 +663,16 @@ def plot_report(report: dict, path: Path, title: str = "") -> None:
 
 
 def format_table(report: dict) -> str:
-    lines = ["| mode | target | realised MLP density | perplexity | vs dense | KiB/token selected | KiB/token missed (LFU) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | target | realised MLP density | perplexity | vs dense | KiB/token selected | KiB/token missed (LFU) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     dense = next(r["ppl"] for r in report["quality"]["rows"] if r["mode"] == "dense")
     for r in report["quality"]["rows"]:
-        lines.append(f"| {r['mode']} | {r['target_density']:.0%} | {r['mlp_density']:.3f} | {r['ppl']:.2f} | "
-                     f"{(r['ppl'] / dense - 1) * 100:+.1f}% | {r['bytes_selected'] / 1024:.0f} | {r['bytes_missed'] / 1024:.0f} |")
+        lines.append(
+            f"| {r['mode']} | {r['target_density']:.0%} | {r['mlp_density']:.3f} | {r['ppl']:.2f} | "
+            f"{(r['ppl'] / dense - 1) * 100:+.1f}% | {r['bytes_selected'] / 1024:.0f} | {r['bytes_missed'] / 1024:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -533,49 +682,85 @@ def _floats(s: str) -> List[float]:
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(description="Calibrate a flash directory: predictors, DIP densities, neuron order, report.")
+    p = argparse.ArgumentParser(
+        description="Calibrate a flash directory: predictors, DIP densities, neuron order, report."
+    )
     p.add_argument("--model", default=None, help="Flash directory (default: the converted SmolLM2). Modified in place.")
-    p.add_argument("--data", nargs="+", default=None,
-                   help="Calibration text file(s) (default: the bundled WikiText-2 test split).")
-    p.add_argument("--data-half", choices=["first", "second", "all"], default="first", help="Part of each --data file used.")
+    p.add_argument(
+        "--data", nargs="+", default=None, help="Calibration text file(s) (default: the bundled WikiText-2 test split)."
+    )
+    p.add_argument(
+        "--data-half", choices=["first", "second", "all"], default="first", help="Part of each --data file used."
+    )
     p.add_argument("--eval-data", nargs="+", default=None, help="Held-out text for --report (default: --data).")
-    p.add_argument("--eval-half", choices=["first", "second", "all"], default="second",
-                   help="Part of each --eval-data file (default second: never overlaps a first-half calibration).")
+    p.add_argument(
+        "--eval-half",
+        choices=["first", "second", "all"],
+        default="second",
+        help="Part of each --eval-data file (default second: never overlaps a first-half calibration).",
+    )
     p.add_argument("--seq-len", type=int, default=256, help="Tokens per sequence.")
     p.add_argument("--num-seqs", type=int, default=8, help="Calibration sequences (activations for predictors).")
     p.add_argument("--dip-seqs", type=int, default=2, help="Calibration sequences for the DIP ratio search.")
     p.add_argument("--eval-seqs", type=int, default=4, help="Held-out sequences for --report.")
-    p.add_argument("--density", type=float, default=0.5, help="SwiGLU predictor target: top-K of |GLU| at this density.")
+    p.add_argument(
+        "--density", type=float, default=0.5, help="SwiGLU predictor target: top-K of |GLU| at this density."
+    )
     p.add_argument("--rank", type=int, default=64, help="Predictor rank.")
     p.add_argument("--rank-worst", type=int, default=128, help="Rank for the --worst-layers layers of lowest recall.")
     p.add_argument("--worst-layers", type=int, default=2)
-    p.add_argument("--threshold", default="auto", help='Predictor threshold, or "auto" (predicted density = --density).')
+    p.add_argument(
+        "--threshold", default="auto", help='Predictor threshold, or "auto" (predicted density = --density).'
+    )
     p.add_argument("--steps", type=int, default=200, help="Adam steps per predictor.")
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--dip-target", type=float, default=0.5, help="DIP target MLP density recorded in the manifest.")
     p.add_argument("--dip-candidates", type=int, default=5, help="Splits tried by the DIP ratio search.")
-    p.add_argument("--dip-per-layer", action="store_true",
-                   help="Per-layer DIP densities (sensitivity around the uniform split, then an allocation at the "
-                        "same mean MLP density; L x 5 extra forward passes per target).")
-    p.add_argument("--dip-sensitivity", choices=["kl", "nll"], default="kl",
-                   help="--dip-per-layer: KL to the dense model with the other layers dense (default), or the NLL "
-                        "change with the other layers at the uniform split.")
-    p.add_argument("--selector", choices=["auto", "sketch", "wina", "dip", "predictor", "none"], default="auto",
-                   help="The selector the directory ships (manifest sparsity.selector, used by --sparsity auto). "
-                        "auto: the cheapest sketch (2/3/4-bit gate/up) within --max-ppl-increase on the neurons "
-                        "layout, DIP or WINA on the dip layout.")
-    p.add_argument("--max-ppl-increase", type=float, default=0.10,
-                   help="Largest held-out perplexity increase a selector may cost (0.10 = +10%%).")
+    p.add_argument(
+        "--dip-per-layer",
+        action="store_true",
+        help="Per-layer DIP densities (sensitivity around the uniform split, then an allocation at the "
+        "same mean MLP density; L x 5 extra forward passes per target).",
+    )
+    p.add_argument(
+        "--dip-sensitivity",
+        choices=["kl", "nll"],
+        default="kl",
+        help="--dip-per-layer: KL to the dense model with the other layers dense (default), or the NLL "
+        "change with the other layers at the uniform split.",
+    )
+    p.add_argument(
+        "--selector",
+        choices=["auto", "sketch", "wina", "dip", "predictor", "none"],
+        default="auto",
+        help="The selector the directory ships (manifest sparsity.selector, used by --sparsity auto). "
+        "auto: the cheapest sketch (2/3/4-bit gate/up) within --max-ppl-increase on the neurons "
+        "layout, DIP or WINA on the dip layout.",
+    )
+    p.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        default=0.10,
+        help="Largest held-out perplexity increase a selector may cost (0.10 = +10%%).",
+    )
     p.add_argument("--selector-seqs", type=int, default=2, help="Held-out sequences that measure the selector.")
-    p.add_argument("--sketch-bits", type=lambda s: [int(b) for b in s.split(",")], default=list(SKETCH_BITS),
-                   help="Sketch widths tried, e.g. 4 or 3,4 (default 2,3,4).")
+    p.add_argument(
+        "--sketch-bits",
+        type=lambda s: [int(b) for b in s.split(",")],
+        default=list(SKETCH_BITS),
+        help="Sketch widths tried, e.g. 4 or 3,4 (default 2,3,4).",
+    )
     p.add_argument("--no-predictor", action="store_true")
     p.add_argument("--no-dip", action="store_true")
     p.add_argument("--reorder", action="store_true", help="Rewrite ffn.bin with hot, co-active neurons adjacent.")
     p.add_argument("--report", default=None, help="Write report.json, report.md and report.png here.")
-    p.add_argument("--densities", type=_floats, default=[1.0, 0.75, 0.5, 0.3], help="Report densities, e.g. 100,75,50,30.")
+    p.add_argument(
+        "--densities", type=_floats, default=[1.0, 0.75, 0.5, 0.3], help="Report densities, e.g. 100,75,50,30."
+    )
     p.add_argument("--gamma", type=float, default=0.2, help="DIP-CA gamma.")
-    p.add_argument("--cache-fraction", type=float, default=0.5, help="Report: LFU cache size as a share of each layer's units.")
+    p.add_argument(
+        "--cache-fraction", type=float, default=0.5, help="Report: LFU cache size as a share of each layer's units."
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
     return p
@@ -596,11 +781,20 @@ def run(args) -> dict:
     stats = []
     for i, x in enumerate(xs):
         b = resident.get(f"{fd.ffn['mlp_paths'][i]}.fc1.bias")
-        s = layer_statistics(x, weights[i], fd.ffn["kind"], fd.ffn["activation"], args.density,
-                             None if b is None else b.astype(mx.float32))
+        s = layer_statistics(
+            x,
+            weights[i],
+            fd.ffn["kind"],
+            fd.ffn["activation"],
+            args.density,
+            None if b is None else b.astype(mx.float32),
+        )
         stats.append(s)
-    out = {"model": str(fd.path), "calibration_tokens": int(sum(len(x) for x in xs[:1])),
-           "layer_stats": [{k: v for k, v in s.items() if k != "freq"} for s in stats]}
+    out = {
+        "model": str(fd.path),
+        "calibration_tokens": int(sum(len(x) for x in xs[:1])),
+        "layer_stats": [{k: v for k, v in s.items() if k != "freq"} for s in stats],
+    }
     sparsity = dict(fd.manifest.get("sparsity") or {})
 
     # 2. predictors (the neurons layout serves them; the report uses them on any layout)
@@ -610,15 +804,31 @@ def run(args) -> dict:
         for d in want_densities:
             if d >= 1:
                 continue
-            predictors[d] = train_predictors(fd, xs, d, args.rank, args.rank_worst, args.worst_layers,
-                                             args.threshold if d == args.density else "auto", args.steps,
-                                             args.learning_rate, progress, weights)
+            predictors[d] = train_predictors(
+                fd,
+                xs,
+                d,
+                args.rank,
+                args.rank_worst,
+                args.worst_layers,
+                args.threshold if d == args.density else "auto",
+                args.steps,
+                args.learning_rate,
+                progress,
+                weights,
+            )
         main_p = predictors[args.density]
         out["predictor"] = {k: v for k, v in main_p.items() if k != "weights"}
         if layout == "neurons":
-            fd.save_predictors(main_p["weights"], main_p["threshold"], ranks=main_p["ranks"], recall=main_p["recall"],
-                               precision=main_p["precision"], target_density=args.density,
-                               predicted_density=main_p["predicted_density"])
+            fd.save_predictors(
+                main_p["weights"],
+                main_p["threshold"],
+                ranks=main_p["ranks"],
+                recall=main_p["recall"],
+                precision=main_p["precision"],
+                target_density=args.density,
+                predicted_density=main_p["predicted_density"],
+            )
             sparsity = dict(fd.manifest["sparsity"])
 
     # 3. DIP
@@ -627,8 +837,9 @@ def run(args) -> dict:
         dip_batches = calib[: args.dip_seqs]
         for d in sorted(set(want_densities if args.report else []) | {args.dip_target}):
             if args.dip_per_layer:
-                dip[d] = calibrate_dip_per_layer(model, ctl, dip_batches, d, args.dip_candidates,
-                                                sensitivity=args.dip_sensitivity, progress=progress)
+                dip[d] = calibrate_dip_per_layer(
+                    model, ctl, dip_batches, d, args.dip_candidates, sensitivity=args.dip_sensitivity, progress=progress
+                )
             else:
                 dip[d] = calibrate_dip(model, ctl, dip_batches, d, args.dip_candidates, progress)
         sparsity["dip"] = dip[args.dip_target]
@@ -639,8 +850,10 @@ def run(args) -> dict:
     # 4. neuron order
     if args.reorder:
         group = reorder_group(fd)
-        perm = [neuron_order(activation_targets(x, w, fd.ffn["kind"], fd.ffn["activation"], args.density), group)
-                for x, w in zip(xs, weights)]
+        perm = [
+            neuron_order(activation_targets(x, w, fd.ffn["kind"], fd.ffn["activation"], args.density), group)
+            for x, w in zip(xs, weights)
+        ]
         reorder(fd.path, perm, progress=progress)
         fd = FlashDir(fd.path)
         for p in predictors.values():  # keep the in-memory predictors in the new order for the report
@@ -651,12 +864,24 @@ def run(args) -> dict:
 
     # the selector the directory ships (measured on held-out text; --sparsity auto checks the increase)
     if glu and args.selector != "none":
-        held = token_batches(tok, read_text(args.eval_data or args.data, args.eval_half), args.seq_len,
-                             args.selector_seqs)
-        out["selector"] = calibrate_selector(fd, model, ctl, calib[: args.dip_seqs], held, xs, weights,
-                                             args.density, args.selector, args.max_ppl_increase,
-                                             predictors.get(args.density), progress=progress,
-                                             sketch_bits=args.sketch_bits)
+        held = token_batches(
+            tok, read_text(args.eval_data or args.data, args.eval_half), args.seq_len, args.selector_seqs
+        )
+        out["selector"] = calibrate_selector(
+            fd,
+            model,
+            ctl,
+            calib[: args.dip_seqs],
+            held,
+            xs,
+            weights,
+            args.density,
+            args.selector,
+            args.max_ppl_increase,
+            predictors.get(args.density),
+            progress=progress,
+            sketch_bits=args.sketch_bits,
+        )
         fd = FlashDir(fd.path)
 
     # 5. report
@@ -664,9 +889,9 @@ def run(args) -> dict:
         report_dir = Path(args.report)
         report_dir.mkdir(parents=True, exist_ok=True)
         held = token_batches(tok, read_text(args.eval_data or args.data, args.eval_half), args.seq_len, args.eval_seqs)
-        out["quality"] = quality_report(fd, model, ctl, held, args.densities,
-                                        predictors, dip, args.gamma,
-                                        args.cache_fraction, progress)
+        out["quality"] = quality_report(
+            fd, model, ctl, held, args.densities, predictors, dip, args.gamma, args.cache_fraction, progress
+        )
         with open(report_dir / "report.json", "w") as f:
             json.dump(out, f, indent=1)
         (report_dir / "report.md").write_text(format_table(out) + "\n")
@@ -685,21 +910,27 @@ def main():
         raise SystemExit(f"error: {e}")
     p = out.get("predictor")
     if p:
-        print(f"predictors: threshold {p['threshold']:.3f}, mean recall {np.mean(p['recall']):.3f}, "
-              f"precision {np.mean(p['precision']):.3f}, predicted density {np.mean(p['predicted_density']):.3f}")
+        print(
+            f"predictors: threshold {p['threshold']:.3f}, mean recall {np.mean(p['recall']):.3f}, "
+            f"precision {np.mean(p['precision']):.3f}, predicted density {np.mean(p['predicted_density']):.3f}"
+        )
     for d, r in (out.get("dip") or {}).items():
         pl = r.get("per_layer")
         how = f" ({pl['chosen']} allocation)" if pl else ""
-        print(f"dip {float(d):.0%}{how}: input density {np.mean(r['input_density']):.3f}, neuron density "
-              f"{np.mean(r['neuron_density']):.3f} (means over layers), realised MLP density {r['realised_mlp_density']:.3f}")
+        print(
+            f"dip {float(d):.0%}{how}: input density {np.mean(r['input_density']):.3f}, neuron density "
+            f"{np.mean(r['neuron_density']):.3f} (means over layers), realised MLP density {r['realised_mlp_density']:.3f}"
+        )
         if pl:
             print("  per-layer MLP density: " + " ".join(f"{v:.2f}" for v in pl["mlp_density"]))
     sel = out.get("selector")
     if sel:
         cfg = f" {sel['bits']}-bit" if "bits" in sel else ""
-        print(f"selector: {sel['name']}{cfg} at MLP density {np.mean(sel['density']):.2f}: perplexity "
-              f"{sel['ppl']:.2f} vs dense {sel['dense_ppl']:.2f} ({sel['ppl_increase']:+.1%}), "
-              f"DRAM {sel['nbytes'] / 2**20:.1f} MiB")
+        print(
+            f"selector: {sel['name']}{cfg} at MLP density {np.mean(sel['density']):.2f}: perplexity "
+            f"{sel['ppl']:.2f} vs dense {sel['dense_ppl']:.2f} ({sel['ppl_increase']:+.1%}), "
+            f"DRAM {sel['nbytes'] / 2**20:.1f} MiB"
+        )
     if "quality" in out:
         print(format_table(out))
 

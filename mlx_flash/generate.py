@@ -46,8 +46,10 @@ class _Passes:
         if self.processors:
             self.history = tokens if self.history is None else mx.concat([self.history, tokens])
         prompt = logits != "all"
-        with mx.stream(self.stream or generation_stream), _head_on_last_position(
-                self.model, len(tokens) > 1 and logits == "last"):
+        with (
+            mx.stream(self.stream or generation_stream),
+            _head_on_last_position(self.model, len(tokens) > 1 and logits == "last"),
+        ):
             decoder = getattr(self.model, "decoder", None)  # a flash model's native CPU passes
             if decoder is not None and decoder.applies(tokens, self.cache):
                 out = decoder(tokens.tolist(), self.cache, prompt=prompt and len(tokens) > 1)
@@ -85,9 +87,22 @@ class _Passes:
                 self.history = self.history[: len(self.history) - n]
 
 
-def _start(prompt, model, *, sampler=None, logits_processors=None, prompt_cache=None, prefill_step_size=2048,
-           kv_bits=None, kv_group_size=64, quantized_kv_start=0, prompt_progress_callback=None, max_kv_size=None,
-           input_embeddings=None, stream=None):
+def _start(
+    prompt,
+    model,
+    *,
+    sampler=None,
+    logits_processors=None,
+    prompt_cache=None,
+    prefill_step_size=2048,
+    kv_bits=None,
+    kv_group_size=64,
+    quantized_kv_start=0,
+    prompt_progress_callback=None,
+    max_kv_size=None,
+    input_embeddings=None,
+    stream=None,
+):
     """The prompt's passes: (passes, whether the cache is the loop's own, first token, its logprobs)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -100,8 +115,14 @@ def _start(prompt, model, *, sampler=None, logits_processors=None, prompt_cache=
     own_cache = prompt_cache is None
     if own_cache:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
-    passes = _Passes(model, prompt_cache, sampler or greedy_sampler, logits_processors, stream,
-                     (quantized_kv_start, kv_group_size, kv_bits))
+    passes = _Passes(
+        model,
+        prompt_cache,
+        sampler or greedy_sampler,
+        logits_processors,
+        stream,
+        (quantized_kv_start, kv_group_size, kv_bits),
+    )
     progress = prompt_progress_callback or (lambda *_: None)
     total, done = len(prompt), 0
     progress(0, total)
@@ -142,8 +163,17 @@ def generate_step(prompt, model, *, max_tokens: int = 256, **kwargs):
             passes(unfed, "none")
 
 
-def speculative_generate_step(prompt, model, drafter, *, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-                              adaptive_draft: bool = True, max_tokens: int = 256, spec_stats=None, **kwargs):
+def speculative_generate_step(
+    prompt,
+    model,
+    drafter,
+    *,
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    adaptive_draft: bool = True,
+    max_tokens: int = 256,
+    spec_stats=None,
+    **kwargs,
+):
     """`generate_step` with drafts from `drafter` (mlx_flash.speculative) verified k+1 positions a pass; yields
     (token, logprobs, from_draft) as mlx-lm's `speculative_generate_step`. Every token is the model's own choice
     given the ones before (greedy: the same tokens as `generate_step`). The cache must be trimmable; a
@@ -220,8 +250,17 @@ class _LastPosition:
         return getattr(self.inner, name)
 
 
-def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, prompt_lookup: bool = False,
-                    num_draft_tokens=None, adaptive_draft: bool = True, **kwargs):
+def stream_generate(
+    model,
+    tokenizer,
+    prompt,
+    max_tokens: int = 256,
+    draft_model=None,
+    prompt_lookup: bool = False,
+    num_draft_tokens=None,
+    adaptive_draft: bool = True,
+    **kwargs,
+):
     """mlx-lm's `stream_generate` (same arguments and `GenerationResponse`s) on `generate_step` above;
     `generation_tps` is `decode_tps` (decode steps over their time); closes the flash model's stats at the end. `draft_model` (a model with the same tokenizer, as mlx-lm's) or
     `prompt_lookup` (n-gram drafts from the prompt and the text so far) decode speculatively, up to
@@ -236,8 +275,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if isinstance(prompt, str):
-        prompt = tokenizer.encode(prompt, add_special_tokens=tokenizer.bos_token is None
-                                  or not prompt.startswith(tokenizer.bos_token))
+        prompt = tokenizer.encode(
+            prompt, add_special_tokens=tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        )
     prompt = mx.array(prompt)
     detokenizer = tokenizer.detokenizer
     drafter = make_drafter(prompt_lookup, draft_model)
@@ -247,15 +287,30 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
         spec = SpeculativeStats()
         if hasattr(model, "flash"):
             model.flash.speculative = spec
-        tokens = speculative_generate_step(prompt, model, drafter, max_tokens=max_tokens, spec_stats=spec,
-                                           num_draft_tokens=num_draft_tokens or DEFAULT_DRAFT_TOKENS,
-                                           adaptive_draft=adaptive_draft, **kwargs)
+        tokens = speculative_generate_step(
+            prompt,
+            model,
+            drafter,
+            max_tokens=max_tokens,
+            spec_stats=spec,
+            num_draft_tokens=num_draft_tokens or DEFAULT_DRAFT_TOKENS,
+            adaptive_draft=adaptive_draft,
+            **kwargs,
+        )
 
     def response(finish=None):
         return GenerationResponse(
-            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft, prompt_tokens=prompt.size,
-            prompt_tps=prompt_tps, generation_tokens=n + 1, generation_tps=decode_tps(n, time.perf_counter() - tic),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=logprobs,
+            from_draft=from_draft,
+            prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
+            generation_tps=decode_tps(n, time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+        )
 
     try:
         tic = time.perf_counter()
@@ -305,9 +360,13 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
 
 
 def print_response_stats(response, out=sys.stdout):
-    print(f"\n{'=' * 10}\nPrompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec\n"
-          f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec\n"
-          f"Peak memory: {response.peak_memory:.3f} GB", file=out)
+    print(
+        f"\n{'=' * 10}\nPrompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec\n"
+        f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec\n"
+        f"Peak memory: {response.peak_memory:.3f} GB",
+        file=out,
+    )
+
 
 DEFAULT_PROMPT = "Once upon a time"
 
@@ -322,44 +381,102 @@ def setup_arg_parser():
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature.")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p.")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed.")
-    p.add_argument("--memory-budget", default=None, help="Memory for weights, caches and KV cache: bytes, 2GB, 512MiB or 50%% of the model (default: all).")
-    p.add_argument("--sparsity", default="auto", choices=["auto", *SPARSITIES],
-                   help="How each token's active neurons are chosen (auto: the directory's calibrated selector, "
-                        "if within --max-ppl-increase; else dense).")
-    p.add_argument("--max-ppl-increase", type=float, default=MAX_PPL_INCREASE,
-                   help="auto: the largest perplexity increase (measured at calibration) accepted from a selector.")
-    p.add_argument("--density", type=float, default=None, help="oracle, sketch, predictor: keep this fraction of neurons (top-K); dip, wina: input and neuron density.")
-    p.add_argument("--gamma", type=float, default=1.0, help="DIP-CA cache-aware weight for uncached units (1 = off, paper: 0.2).")
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="Memory for weights, caches and KV cache: bytes, 2GB, 512MiB or 50%% of the model (default: all).",
+    )
+    p.add_argument(
+        "--sparsity",
+        default="auto",
+        choices=["auto", *SPARSITIES],
+        help="How each token's active neurons are chosen (auto: the directory's calibrated selector, "
+        "if within --max-ppl-increase; else dense).",
+    )
+    p.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        default=MAX_PPL_INCREASE,
+        help="auto: the largest perplexity increase (measured at calibration) accepted from a selector.",
+    )
+    p.add_argument(
+        "--density",
+        type=float,
+        default=None,
+        help="oracle, sketch, predictor: keep this fraction of neurons (top-K); dip, wina: input and neuron density.",
+    )
+    p.add_argument(
+        "--gamma", type=float, default=1.0, help="DIP-CA cache-aware weight for uncached units (1 = off, paper: 0.2)."
+    )
     p.add_argument("--window", type=int, default=5, help="Keep neurons active in the last K tokens cached.")
-    p.add_argument("--cache-policy", default=None, choices=["window", "lru", "lfu"],
-                   help="Unit cache eviction policy (default: window for neurons, lru for experts: a token's experts "
-                        "are few, and the window would drop every expert not used in the last --window tokens).")
-    p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="Quantise the KV cache from the first token (default: float).")
+    p.add_argument(
+        "--cache-policy",
+        default=None,
+        choices=["window", "lru", "lfu"],
+        help="Unit cache eviction policy (default: window for neurons, lru for experts: a token's experts "
+        "are few, and the window would drop every expert not used in the last --window tokens).",
+    )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        choices=[4, 8],
+        help="Quantise the KV cache from the first token (default: float).",
+    )
     p.add_argument("--kv-group-size", type=int, default=64, help="Group size of the quantised KV cache.")
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")
     ahead = p.add_mutually_exclusive_group()
-    ahead.add_argument("--no-prefetch", action="store_true", help="Dense: read each layer's uncached units when it runs, not while the previous one computes.")
-    ahead.add_argument("--prefetch", action="store_true", help="MoE: read the experts the next layer's router predicts while a layer computes (off by default: it did not pay on the bench).")
-    p.add_argument("--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE.")
-    p.add_argument("--prompt-lookup", action="store_true",
-                   help="Speculative decoding with drafts from n-gram matches in the prompt and the text so far "
-                        "(lossless; pays on tasks that reuse their input: summarising, extracting, editing).")
-    p.add_argument("--draft-model", default=None,
-                   help="Speculative decoding with drafts from this flash directory (same tokenizer), resident "
-                        "inside --memory-budget.")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="The deepest draft a pass verifies (default 8; shallower after rejections).")
-    p.add_argument("--exact", action="store_true",
-                   help="float32 activations in the CPU kernels, mlx-lm's float arithmetic (also MLX_FLASH_INT8=0); "
-                        "the default rounds them to int8 per block of 32. Either way the output is the same at every budget.")
-    p.add_argument("--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary.")
-    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="Stream text as it is generated.")
+    ahead.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="Dense: read each layer's uncached units when it runs, not while the previous one computes.",
+    )
+    ahead.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="MoE: read the experts the next layer's router predicts while a layer computes (off by default: it did not pay on the bench).",
+    )
+    p.add_argument(
+        "--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE."
+    )
+    p.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="Speculative decoding with drafts from n-gram matches in the prompt and the text so far "
+        "(lossless; pays on tasks that reuse their input: summarising, extracting, editing).",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="Speculative decoding with drafts from this flash directory (same tokenizer), resident "
+        "inside --memory-budget.",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="The deepest draft a pass verifies (default 8; shallower after rejections).",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="float32 activations in the CPU kernels, mlx-lm's float arithmetic (also MLX_FLASH_INT8=0); "
+        "the default rounds them to int8 per block of 32. Either way the output is the same at every budget.",
+    )
+    p.add_argument(
+        "--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary."
+    )
+    p.add_argument(
+        "--verbose",
+        type=lambda s: s.lower() in ("1", "true", "yes"),
+        default=True,
+        help="Stream text as it is generated.",
+    )
     return p
 
 
 def print_stats(engine, out=sys.stdout):
     import mlx.core as mx
-
 
     stats: Stats = engine.stats
     print("\n" + "=" * 10 + " per-token stats (decode) " + "=" * 10, file=out)
@@ -372,37 +489,57 @@ def print_stats(engine, out=sys.stdout):
             + (f"expand {s['expand_ms']:.2f} ms, " if s["expand_ms"] else "")
             + f"compute {s['compute_ms']:.2f} ms, total {s['total_ms']:.2f} ms ({1e3 / s['total_ms']:.2f} tok/s); "
             f"read {fmt_bytes(s['bytes_per_token'])}/token at the device ({fmt_bytes(s['bytes_requested_per_token'])} asked)"
-            + (f" (of which resident weights streamed {fmt_bytes(s['streamed_bytes_per_token'])})"
-               if s["streamed_bytes_per_token"] else "")
+            + (
+                f" (of which resident weights streamed {fmt_bytes(s['streamed_bytes_per_token'])})"
+                if s["streamed_bytes_per_token"]
+                else ""
+            )
             + (f" at {fmt_bytes(s['read_bytes_per_s'])}/s while reads were in flight" if s["read_bytes_per_s"] else "")
             + f", hit rate {s['hit_rate']:.1%}, "
             f"active units/layer {s['active_per_layer']:.1f}"
-            + (f"; read ahead {fmt_bytes(s['ahead_bytes_per_token'])}/token "
-               f"({fmt_bytes(s['ahead_wasted_bytes_per_token'])} not used), the next layer's router predicted "
-               f"{s['prediction_accuracy']:.1%} of the experts routed" if s["prediction_accuracy"] is not None else ""),
+            + (
+                f"; read ahead {fmt_bytes(s['ahead_bytes_per_token'])}/token "
+                f"({fmt_bytes(s['ahead_wasted_bytes_per_token'])} not used), the next layer's router predicted "
+                f"{s['prediction_accuracy']:.1%} of the experts routed"
+                if s["prediction_accuracy"] is not None
+                else ""
+            ),
             file=out,
         )
     spec = getattr(engine, "speculative", None)
     if spec is not None and spec.passes:
         s, passes = spec.summary(), stats.decode_tokens()
-        print(f"speculative: {s['passes']} passes, {s['drafted']} drafted, {s['accepted']} accepted "
-              f"({s['acceptance']:.1%}), {s['mean_accepted_length']:.2f} tokens a pass; per generated token "
-              f"{fmt_bytes(sum(t.bytes_read for t in passes) / s['generated'])} read at the device, "
-              f"{1e3 * sum(t.total_s for t in passes) / s['generated']:.2f} ms", file=out)
+        print(
+            f"speculative: {s['passes']} passes, {s['drafted']} drafted, {s['accepted']} accepted "
+            f"({s['acceptance']:.1%}), {s['mean_accepted_length']:.2f} tokens a pass; per generated token "
+            f"{fmt_bytes(sum(t.bytes_read for t in passes) / s['generated'])} read at the device, "
+            f"{1e3 * sum(t.total_s for t in passes) / s['generated']:.2f} ms",
+            file=out,
+        )
     peak = stats.peak_rss()
     if peak is not None:
-        print(f"memory: peak RSS {fmt_bytes(peak)} above the baseline of {fmt_bytes(stats.baseline_rss)} "
-              f"(interpreter, mlx, mlx-lm, tokenizer); MLX peak {fmt_bytes(mx.get_peak_memory())}", file=out)
+        print(
+            f"memory: peak RSS {fmt_bytes(peak)} above the baseline of {fmt_bytes(stats.baseline_rss)} "
+            f"(interpreter, mlx, mlx-lm, tokenizer); MLX peak {fmt_bytes(mx.get_peak_memory())}",
+            file=out,
+        )
     if mx.default_device() == mx.cpu:
-        print(f"CPU: quantised decode matvecs {'native (kernels/cpu_gemv.c)' if cpu_gemv.available() else 'MLX ops'}, "
-              f"BLAS {blas.status}", file=out)
+        print(
+            f"CPU: quantised decode matvecs {'native (kernels/cpu_gemv.c)' if cpu_gemv.available() else 'MLX ops'}, "
+            f"BLAS {blas.status}",
+            file=out,
+        )
     sp = engine.sparsifier
     detail = f" {sp.bits}-bit gate/up" if getattr(sp, "bits", None) else ""
     print(f"selector: {sp.name}{detail}, resident {fmt_bytes(getattr(sp, 'nbytes', 0))} (the plan's extra)", file=out)
     if engine.why:
         print(engine.why, file=out)
-    print(engine.plan.describe({k: v.stride for k, v in engine.fd.layouts.items()},
-                               {k: r.n_units for k, r in engine.fd.layers[0].items()}), file=out)
+    print(
+        engine.plan.describe(
+            {k: v.stride for k, v in engine.fd.layouts.items()}, {k: r.n_units for k, r in engine.fd.layers[0].items()}
+        ),
+        file=out,
+    )
 
 
 def main(argv=None):
@@ -426,12 +563,21 @@ def main(argv=None):
         else:
             prompt = tokenizer.encode(prompt)
         model, tokenizer = load(
-            path, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
-            policy=args.cache_policy, density=args.density, gamma=args.gamma, threads=args.threads,
-            direct=not args.cached_io, context=len(prompt) + args.max_tokens,  # the KV cache it will need
+            path,
+            memory_budget=args.memory_budget,
+            sparsity=args.sparsity,
+            window=args.window,
+            policy=args.cache_policy,
+            density=args.density,
+            gamma=args.gamma,
+            threads=args.threads,
+            direct=not args.cached_io,
+            context=len(prompt) + args.max_tokens,  # the KV cache it will need
             prefetch=False if args.no_prefetch else (True if args.prefetch else None),
-            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-            max_ppl_increase=args.max_ppl_increase, draft_model=args.draft_model,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            max_ppl_increase=args.max_ppl_increase,
+            draft_model=args.draft_model,
         )
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -440,9 +586,17 @@ def main(argv=None):
     response = None
     try:
         step = model.flash.plan.prefill_step(model.flash.fd.config, len(prompt) + args.max_tokens)  # within the budget
-        for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
-                                        prefill_step_size=step, draft_model=model.draft_model,
-                                        prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens):
+        for response in stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=args.max_tokens,
+            sampler=sampler,
+            prefill_step_size=step,
+            draft_model=model.draft_model,
+            prompt_lookup=args.prompt_lookup,
+            num_draft_tokens=args.num_draft_tokens,
+        ):
             if args.verbose:
                 print(response.text, end="", flush=True)
         if args.verbose and response is not None:

@@ -8,22 +8,22 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .compute import cpu_gemv
-from .engine import memory
-from .models.architectures import adapter_for
 from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
-from .engine.native_step import HostDecoder, HostKVCache
-from .default_model import default_model_dir
-from .errors import BudgetError, FlashError, FlashFormatError
-from .engine.experts import ExpertEngine, FlashSwitchGLU, next_routers
+from .compute import cpu_gemv
 from .compute.ffn import ResidentFFN
-from .format.directory import RESIDENT, FlashDir, dense_ffn_weights
-from .models import get_model_classes
-from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
+from .default_model import default_model_dir
+from .engine import memory
+from .engine.experts import ExpertEngine, FlashSwitchGLU, next_routers
+from .engine.native_step import HostDecoder, HostKVCache
+from .engine.neurons import FlashFFN, NeuronEngine
 from .engine.reader import DEFAULT_MAX_GAP_BYTES, open_reader
-from .engine.neurons import NeuronEngine, FlashFFN
+from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
 from .engine.selectors import load_selector_arrays, wina_norms
 from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
+from .errors import BudgetError, FlashError, FlashFormatError
+from .format.directory import RESIDENT, FlashDir, dense_ffn_weights
+from .models import get_model_classes
+from .models.architectures import adapter_for
 
 
 def cpu_float32(name: str) -> bool:
@@ -53,16 +53,24 @@ def _quantize(model: nn.Module, weights: Dict[str, mx.array], fd: FlashDir) -> N
     DRAM, no reads)."""
     from mlx_lm.utils import infer_quant_config
 
-    nn.quantize(model, class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights
-                and infer_quant_config(p, m, weights))
+    nn.quantize(
+        model,
+        class_predicate=lambda p, m: (
+            hasattr(m, "to_quantized") and f"{p}.scales" in weights and infer_quant_config(p, m, weights)
+        ),
+    )
     cpu_gemv.patch(model)
     modules = dict(model.named_modules())
     for path in fd.symmetric:
         modules[path].pop("biases")
 
 
-def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module], dtype=None,
-                wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
+def build_model(
+    fd: FlashDir,
+    make_ffn: Callable[[int, Dict[str, mx.array]], nn.Module],
+    dtype=None,
+    wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None,
+) -> nn.Module:
     """Instantiate the architecture, load the resident weights, and set layers[i].mlp = make_ffn(i, biases_i).
 
     dtype=mx.float32 casts the float tensors `cpu_float32` selects (the CPU path).
@@ -98,8 +106,9 @@ def build_model(fd: FlashDir, make_ffn: Callable[[int, Dict[str, mx.array]], nn.
     return _load_weights(model, weights, fd, wrap, ffn_tensors)
 
 
-def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None
-                    ) -> nn.Module:
+def build_moe_model(
+    fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Callable[[nn.Module], nn.Module]] = None
+) -> nn.Module:
     """An MoE model with mlx-lm's classes and the resident weights: each SwitchGLU replaced by the engine's
     FlashSwitchGLU, or (engine None) holding all its experts as read from flash: mlx-lm's own model, the reference.
     wrap: as in `build_model` (streamed modules)."""
@@ -108,15 +117,19 @@ def build_moe_model(fd: FlashDir, engine=None, dtype=None, wrap: Dict[str, Calla
     model = model_class(args_class.from_dict(config))
     weights = fd.load_resident(biases=False)
     if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and cpu_float32(k) else v
-                   for k, v in weights.items()}
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and cpu_float32(k) else v
+            for k, v in weights.items()
+        }
     paths = {int(i): p for i, p in fd.ffn["switch_paths"].items()}
     modules = dict(model.named_modules())
     if engine is None:
         for i, path in paths.items():
             weights.update({f"{path}.{k}": v for k, v in fd.unpack_layer(i).items()})
     else:
-        model.update_modules(tree_unflatten([(p, FlashSwitchGLU(engine, i, modules[p].activation)) for i, p in paths.items()]))
+        model.update_modules(
+            tree_unflatten([(p, FlashSwitchGLU(engine, i, modules[p].activation)) for i, p in paths.items()])
+        )
     if "quantization" in config or engine is None:
         _quantize(model, weights, fd)
     return _load_weights(model, weights, fd, wrap)
@@ -160,8 +173,14 @@ def load_tokenizer(fd: FlashDir):
 MAX_PPL_INCREASE = 0.10  # what --sparsity auto accepts from a calibrated selector by default
 
 
-def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.0, threshold=None,
-                    max_ppl_increase: float = MAX_PPL_INCREASE):
+def make_sparsifier(
+    fd: FlashDir,
+    sparsity: str,
+    density=None,
+    gamma: float = 1.0,
+    threshold=None,
+    max_ppl_increase: float = MAX_PPL_INCREASE,
+):
     """Build the sparsifier named `sparsity` for a flash directory.
 
     "auto": the directory's calibrated selector if its perplexity increase, measured at calibration,
@@ -176,14 +195,20 @@ def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.
     if sparsity not in SPARSITIES:
         raise FlashError(f"unknown sparsity {sparsity!r} (choose from auto, {', '.join(SPARSITIES)})")
     if sparsity in LOSSY and sel is not None and sel["name"] != sparsity:
-        raise FlashError(f"{fd.path} is calibrated for --sparsity {sel['name']}, not {sparsity}: "
-                         f"run python -m mlx_flash.calibrate --selector {sparsity} to change it")
+        raise FlashError(
+            f"{fd.path} is calibrated for --sparsity {sel['name']}, not {sparsity}: "
+            f"run python -m mlx_flash.calibrate --selector {sparsity} to change it"
+        )
     dip_layout = fd.ffn.get("layout") == "dip"
     if sparsity in ("dip", "wina") and not dip_layout:
-        raise FlashError(f"--sparsity {sparsity} needs a flash directory converted with --layout dip ({fd.path} is not)")
+        raise FlashError(
+            f"--sparsity {sparsity} needs a flash directory converted with --layout dip ({fd.path} is not)"
+        )
     if sparsity in ("predictor", "sketch") and dip_layout:
-        raise FlashError(f"--sparsity {sparsity} needs the neurons layout: {fd.path} has the dip layout "
-                         "(it serves dense, oracle, dip and wina)")
+        raise FlashError(
+            f"--sparsity {sparsity} needs the neurons layout: {fd.path} has the dip layout "
+            "(it serves dense, oracle, dip and wina)"
+        )
     n, layers = fd.ffn["intermediate_size"], len(fd.layers)
     own = sel if sel is not None and sel["name"] == sparsity else {}
     if density is not None:
@@ -197,15 +222,23 @@ def make_sparsifier(fd: FlashDir, sparsity: str, density=None, gamma: float = 1.
     if sparsity == "predictor":
         weights = fd.load_predictors()
         if weights is None:
-            raise FlashError(f"{fd.path} has no predictors: run python -m mlx_flash.calibrate --selector predictor first")
+            raise FlashError(
+                f"{fd.path} has no predictors: run python -m mlx_flash.calibrate --selector predictor first"
+            )
         t = threshold if threshold is not None else calib["predictor"].get("threshold", 0.5)
         return Predictor(weights, t, dens[0] if dens else None)
     if sparsity == "sketch":
         if not own:
             raise FlashError(f"{fd.path} has no sketch: run python -m mlx_flash.calibrate --selector sketch first")
 
-        return Sketch(load_selector_arrays(fd), fd.ffn["activation"], own["bits"], own["group_size"],
-                      dens or [0.5] * layers, gamma)
+        return Sketch(
+            load_selector_arrays(fd),
+            fd.ffn["activation"],
+            own["bits"],
+            own["group_size"],
+            dens or [0.5] * layers,
+            gamma,
+        )
     # dip / wina: per-layer input and neuron densities
     legacy = calib.get("dip", {}) if sparsity == "dip" else {}
     if density is not None:
@@ -235,7 +268,9 @@ def region_densities(fd: FlashDir, sparsifier) -> Dict[str, list]:
     return {name: d for name in fd.layers[0]}
 
 
-def read_bytes_per_token(fd: FlashDir, plan, densities: Dict[str, list], max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES) -> float:
+def read_bytes_per_token(
+    fd: FlashDir, plan, densities: Dict[str, list], max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES
+) -> float:
     """Device bytes per decode token the plan implies, for choosing: a dense token reads exactly the units its
     cache does not hold; a selector's token reads its units as missed (what its window cache keeps of them
     depends on how its choices repeat: SmolLM2's calibrated sketch hit 0.5%) and, with each, the gap before it
@@ -306,10 +341,27 @@ def load(
     draft, draft_bytes = _load_draft(draft_model, fd, context) if draft_model is not None else (None, 0)
     if fd.ffn.get("kind") == "moe":
         if sparsifier is not None or sparsity not in ("auto", "dense"):
-            raise FlashError(f"sparsity {sparsity!r}: a mixture-of-experts model reads the experts its router picks "
-                             "(exact); neuron sparsity applies to dense models")
-        model = _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy or "lru", window, threads, direct,
-                          kv_bits, kv_group_size, prompt_caches, draft_bytes, bool(prefetch))
+            raise FlashError(
+                f"sparsity {sparsity!r}: a mixture-of-experts model reads the experts its router picks "
+                "(exact); neuron sparsity applies to dense models"
+            )
+        model = _load_moe(
+            fd,
+            tokenizer,
+            baseline,
+            budget,
+            context,
+            dtype,
+            policy or "lru",
+            window,
+            threads,
+            direct,
+            kv_bits,
+            kv_group_size,
+            prompt_caches,
+            draft_bytes,
+            bool(prefetch),
+        )
         model.draft_model = draft
         return model, tokenizer
     auto = sparsifier is None and sparsity == "auto"
@@ -317,14 +369,25 @@ def load(
         sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
     cast = cpu_cast if dtype == mx.float32 else None
     if kv_bits is not None and (kv_bits not in (2, 3, 4, 6, 8) or head_dim(fd.config) % kv_group_size):
-        raise FlashError(f"kv_bits={kv_bits}, kv_group_size={kv_group_size}: needs bits in 2, 3, 4, 6, 8 and a "
-                         f"group size dividing the head dimension ({head_dim(fd.config)})")
+        raise FlashError(
+            f"kv_bits={kv_bits}, kv_group_size={kv_group_size}: needs bits in 2, 3, 4, 6, 8 and a "
+            f"group size dividing the head dimension ({head_dim(fd.config)})"
+        )
 
     def plan_for(sp):
-        return plan_memory(fd, budget, context, dtype.size if dtype else 2, dram_bytes(sp) + draft_bytes,
-                           resident=fd.resident_nbytes(cast), groups=stream_groups(fd, cast, context),
-                           prefetch=prefetch is not False and isinstance(sp, Dense),
-                           kv_bits=kv_bits, kv_group_size=kv_group_size, prompt_caches=prompt_caches)
+        return plan_memory(
+            fd,
+            budget,
+            context,
+            dtype.size if dtype else 2,
+            dram_bytes(sp) + draft_bytes,
+            resident=fd.resident_nbytes(cast),
+            groups=stream_groups(fd, cast, context),
+            prefetch=prefetch is not False and isinstance(sp, Dense),
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            prompt_caches=prompt_caches,
+        )
 
     why = None
     try:
@@ -332,8 +395,10 @@ def load(
     except BudgetError:
         if not auto or isinstance(sparsifier, Dense):
             raise
-        why = (f"auto: dense, since the calibrated {sparsifier.name}'s {fmt_bytes(sparsifier.nbytes)} of DRAM does not "
-               "fit this budget")
+        why = (
+            f"auto: dense, since the calibrated {sparsifier.name}'s {fmt_bytes(sparsifier.nbytes)} of DRAM does not "
+            "fit this budget"
+        )
         sparsifier = Dense(fd.ffn["intermediate_size"])
         plan = plan_for(sparsifier)
     if auto and not isinstance(sparsifier, Dense):
@@ -343,15 +408,23 @@ def load(
         mine = read_bytes_per_token(fd, plan, region_densities(fd, sparsifier))
         theirs = read_bytes_per_token(fd, dense_plan, region_densities(fd, dense))
         if mine >= theirs:
-            why = (f"auto: dense, since the calibrated {sparsifier.name} would read {fmt_bytes(mine)} a token at this "
-                   f"budget against dense's {fmt_bytes(theirs)} (its {fmt_bytes(sparsifier.nbytes)} of DRAM leaves fewer "
-                   "units cached, and its scattered units read the gaps between them)")
+            why = (
+                f"auto: dense, since the calibrated {sparsifier.name} would read {fmt_bytes(mine)} a token at this "
+                f"budget against dense's {fmt_bytes(theirs)} (its {fmt_bytes(sparsifier.nbytes)} of DRAM leaves fewer "
+                "units cached, and its scattered units read the gaps between them)"
+            )
             sparsifier, plan = dense, dense_plan
         else:
-            why = f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
+            why = (
+                f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
+            )
     # (threads other than the plan's: its bounce buffers are threads x FFN_BOUNCE_BYTES of a packed directory)
-    reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES)
-    engine = NeuronEngine.from_plan(fd, plan, reader, sparsifier, policy or "window", window, use_metal, dtype or mx.float32)
+    reader = open_reader(
+        fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES
+    )
+    engine = NeuronEngine.from_plan(
+        fd, plan, reader, sparsifier, policy or "window", window, use_metal, dtype or mx.float32
+    )
     engine.why = why
     engine.stats.baseline_rss = baseline
     if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds
@@ -365,8 +438,9 @@ def load(
     model = build_model(fd, make_ffn, dtype, _streaming(fd, plan, engine, direct, cast))
     model.flash = engine
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
-    model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
-                               kv_group_size)
+    model.make_cache = partial(
+        make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size
+    )
     model.draft_model = draft
     return model, tokenizer
 
@@ -376,8 +450,11 @@ def _streaming(fd, plan, engine, direct: bool, cast) -> Dict[str, Callable[[nn.M
     reads count in the engine's stats; {} when everything resident fits."""
     if not plan.streamed:
         return {}
-    engine.use_streamer(ResidentStreamer(fd, open_reader(fd.path / RESIDENT, direct=direct, threads=STREAM_THREADS),
-                                         plan.streamed, cast))
+    engine.use_streamer(
+        ResidentStreamer(
+            fd, open_reader(fd.path / RESIDENT, direct=direct, threads=STREAM_THREADS), plan.streamed, cast
+        )
+    )
     return {g.path: partial(wrapper_for(g), streamer=engine.streamer) for g in plan.streamed}
 
 
@@ -386,15 +463,32 @@ def _load_draft(path, fd: FlashDir, context: int):
     `fd`'s vocabulary, every unit cached."""
     draft_fd = FlashDir(path)
     if draft_fd.config.get("vocab_size") != fd.config.get("vocab_size"):
-        raise FlashError(f"draft model {path}: vocabulary of {draft_fd.config.get('vocab_size')} tokens, the model's "
-                         f"is {fd.config.get('vocab_size')} (a draft needs the same tokenizer)")
+        raise FlashError(
+            f"draft model {path}: vocabulary of {draft_fd.config.get('vocab_size')} tokens, the model's "
+            f"is {fd.config.get('vocab_size')} (a draft needs the same tokenizer)"
+        )
     model, _ = load(path, context=context)
     engine = model.flash
     return model, engine.plan.nbytes({k: v.stride for k, v in engine.fd.layouts.items()})
 
 
-def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, threads, direct, kv_bits, kv_group_size,
-              prompt_caches, extra: int = 0, read_ahead: bool = False):
+def _load_moe(
+    fd,
+    tokenizer,
+    baseline,
+    budget,
+    context,
+    dtype,
+    policy,
+    window,
+    threads,
+    direct,
+    kv_bits,
+    kv_group_size,
+    prompt_caches,
+    extra: int = 0,
+    read_ahead: bool = False,
+):
     """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
     to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft;
     and the read-ahead's staging buffers)."""
@@ -403,9 +497,18 @@ def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, t
     read_ahead = read_ahead and top_k > 0
     if read_ahead:
         extra += ExpertEngine.read_ahead_bytes(fd, top_k)
-    plan = plan_memory(fd, budget, context, dtype.size if dtype else 2, extra, resident=fd.resident_nbytes(cast),
-                       groups=stream_groups(fd, cast, context), kv_bits=kv_bits, kv_group_size=kv_group_size,
-                       prompt_caches=prompt_caches)
+    plan = plan_memory(
+        fd,
+        budget,
+        context,
+        dtype.size if dtype else 2,
+        extra,
+        resident=fd.resident_nbytes(cast),
+        groups=stream_groups(fd, cast, context),
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        prompt_caches=prompt_caches,
+    )
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
     engine.stats.baseline_rss = baseline
@@ -417,8 +520,9 @@ def _load_moe(fd, tokenizer, baseline, budget, context, dtype, policy, window, t
     if routers:
         engine.read_ahead_with(routers, top_k)
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
-    model.make_cache = partial(make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits,
-                               kv_group_size)
+    model.make_cache = partial(
+        make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size
+    )
     return model
 
 

@@ -73,18 +73,18 @@ from typing import Optional
 from tqdm import tqdm
 
 from . import __version__
-from .models.architectures import adapter_for
 from .budget import fmt_bytes, parse_size
 from .convert.build import convert
 from .convert.export import export
 from .default_model import CONVERSION, cache_root, default_gguf_path
+from .engine.memory import baseline_command
+from .engine.reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .format.directory import FlashDir
 from .loader import default_model_dir, load_tokenizer
-from .engine.memory import baseline_command
-from .tools.plot import pyplot
-from .engine.reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
+from .models.architectures import adapter_for
 from .tools.bench_io import machine_info, run_fio
 from .tools.cap import exit_on_sigterm, run_capped
+from .tools.plot import pyplot
 from .tools.routing import describe as describe_routing
 from .tools.synthetic import PRESETS, ROUTINGS
 from .tools.synthetic_gguf import GGUF_ARCHS, MOE_TYPES, write_gguf
@@ -124,24 +124,65 @@ def llama_cpp_bin(name: str) -> Path:
         return exe
     src = root / "src"
     if not (src / "CMakeLists.txt").is_file():
-        print(f"[peers] downloading llama-cpp-python {LLAMA_CPP_PYTHON} (sdist) for its llama.cpp sources",
-              file=sys.stderr)
+        print(
+            f"[peers] downloading llama-cpp-python {LLAMA_CPP_PYTHON} (sdist) for its llama.cpp sources",
+            file=sys.stderr,
+        )
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                            f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                    "-d",
+                    tmp,
+                ],
+                check=True,
+            )
             with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
                 tar.extractall(tmp, filter="data")
             vendored = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
             root.mkdir(parents=True, exist_ok=True)
             shutil.move(str(vendored), src)
-    print(f"[peers] building llama.cpp ({', '.join(LLAMA_TARGETS)}) in {root}: several minutes, once; "
-          f"log in {root / 'build.log'}", file=sys.stderr)
+    print(
+        f"[peers] building llama.cpp ({', '.join(LLAMA_TARGETS)}) in {root}: several minutes, once; "
+        f"log in {root / 'build.log'}",
+        file=sys.stderr,
+    )
     with open(root / "build.log", "w") as log:
-        amx = [f"-DCMAKE_C_FLAGS={LLAMA_NO_AMX}", f"-DCMAKE_CXX_FLAGS={LLAMA_NO_AMX}"] if platform.machine() == "x86_64" else []
-        subprocess.run(["cmake", "-S", src, "-B", root / LLAMA_BUILD, "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                        "-DCMAKE_BUILD_TYPE=Release", *amx], check=True, stdout=log, stderr=subprocess.STDOUT)
-        subprocess.run(["cmake", "--build", root / LLAMA_BUILD, "-j2", "--target", *LLAMA_TARGETS], check=True,
-                       stdout=log, stderr=subprocess.STDOUT)
+        amx = (
+            [f"-DCMAKE_C_FLAGS={LLAMA_NO_AMX}", f"-DCMAKE_CXX_FLAGS={LLAMA_NO_AMX}"]
+            if platform.machine() == "x86_64"
+            else []
+        )
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                src,
+                "-B",
+                root / LLAMA_BUILD,
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DCMAKE_BUILD_TYPE=Release",
+                *amx,
+            ],
+            check=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        subprocess.run(
+            ["cmake", "--build", root / LLAMA_BUILD, "-j2", "--target", *LLAMA_TARGETS],
+            check=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return exe
 
 
@@ -187,12 +228,16 @@ def prepare(model: str, progress: bool = True, nunspark: bool = False, routing: 
             shutil.rmtree(dip, ignore_errors=True)
             convert(str(gguf), dip, layout="dip", progress=progress)
         if "dip" not in (FlashDir(dip).manifest.get("sparsity") or {}):
-            subprocess.run([sys.executable, "-m", "mlx_flash.calibrate", "--model", dip, "--no-predictor",
-                            "--num-seqs", "2"], check=True)  # DIP's ratio search uses --dip-seqs (2)
+            subprocess.run(
+                [sys.executable, "-m", "mlx_flash.calibrate", "--model", dip, "--no-predictor", "--num-seqs", "2"],
+                check=True,
+            )  # DIP's ratio search uses --dip-seqs (2)
         paths["flash_dip"] = dip
     if nunspark:  # nunspark's own pieces of the same export
         if importlib.util.find_spec("nunspark") is None:
-            raise RuntimeError("nunspark is not installed: pip install 'mlx-flash-runtime[peers]' (or nunspark==0.13.0)")
+            raise RuntimeError(
+                "nunspark is not installed: pip install 'mlx-flash-runtime[peers]' (or nunspark==0.13.0)"
+            )
         packed = root / "nunspark"
         if not (packed / "manifest.json").is_file():
             shutil.rmtree(packed, ignore_errors=True)
@@ -206,13 +251,41 @@ def _llama_cmd(paths, steps, extra=()):
     # llama-bench: its tg test times `steps` decode steps after a one-token warm-up (which, like the others'
     # one-token prompt, faults the weights in); it prints JSON synchronously (llama-completion's timing lines,
     # from its logging thread, were sometimes lost at exit)
-    return [str(a) for a in (llama_cpp_bin("llama-bench"), "-m", paths["gguf"], "-p", 0, "-n", steps, "-t", 2,
-                             "-r", 1, "-o", "json", *extra)]
+    return [
+        str(a)
+        for a in (
+            llama_cpp_bin("llama-bench"),
+            "-m",
+            paths["gguf"],
+            "-p",
+            0,
+            "-n",
+            steps,
+            "-t",
+            2,
+            "-r",
+            1,
+            "-o",
+            "json",
+            *extra,
+        )
+    ]
 
 
 def _mlx_lm_cmd(paths, steps):
-    return [sys.executable, STEPS, "mlx-lm", "--model", paths["mlx"], "--max-tokens", steps + 1,
-            "--prompt", paths.get("prompt", PROMPT), "--ignore-chat-template", *_sampling(paths)]
+    return [
+        sys.executable,
+        STEPS,
+        "mlx-lm",
+        "--model",
+        paths["mlx"],
+        "--max-tokens",
+        steps + 1,
+        "--prompt",
+        paths.get("prompt", PROMPT),
+        "--ignore-chat-template",
+        *_sampling(paths),
+    ]
 
 
 def _sampling(paths, seed=True):
@@ -224,9 +297,26 @@ def _sampling(paths, seed=True):
 
 def _flash_cmd(dir_key, sparsity, *extra):
     def cmd(paths, steps, budget):
-        return [sys.executable, STEPS, "mlx_flash", "--model", paths[dir_key], "--memory-budget", budget,
-                "--sparsity", sparsity, "--max-tokens", steps + 1, "--prompt", paths.get("prompt", PROMPT),
-                "--ignore-chat-template", "--stats", *_sampling(paths), *extra]
+        return [
+            sys.executable,
+            STEPS,
+            "mlx_flash",
+            "--model",
+            paths[dir_key],
+            "--memory-budget",
+            budget,
+            "--sparsity",
+            sparsity,
+            "--max-tokens",
+            steps + 1,
+            "--prompt",
+            paths.get("prompt", PROMPT),
+            "--ignore-chat-template",
+            "--stats",
+            *_sampling(paths),
+            *extra,
+        ]
+
     return cmd
 
 
@@ -234,10 +324,26 @@ NUNSPARK = [sys.executable, "-c", "import sys; from nunspark.cli import main; sy
 
 
 def _nunspark_cmd(paths, steps, budget):
-    return [sys.executable, STEPS, "nunspark", "generate", paths["nunspark"], "--prompt-ids", paths.get("prompt_id", 0),
-            "--max-tokens", steps + 1,
-            "--budget", str(budget), "--io-threads", 8, "--warm-window", 4, "--no-chat-template", "--metrics",
-            *_sampling(paths, seed=False)]
+    return [
+        sys.executable,
+        STEPS,
+        "nunspark",
+        "generate",
+        paths["nunspark"],
+        "--prompt-ids",
+        paths.get("prompt_id", 0),
+        "--max-tokens",
+        steps + 1,
+        "--budget",
+        str(budget),
+        "--io-threads",
+        8,
+        "--warm-window",
+        4,
+        "--no-chat-template",
+        "--metrics",
+        *_sampling(paths, seed=False),
+    ]
 
 
 # name -> (command builder (paths, decode steps, budget bytes), the path it runs on)
@@ -251,8 +357,10 @@ SYSTEMS = {
     "nunspark": (_nunspark_cmd, "nunspark"),
 }
 RESIDENT = ("llama.cpp", "llama.cpp mmap", "mlx-lm")  # also run with no cap, the model in the page cache (--resident)
-_FLASH_SUMMARY = re.compile(r"summary over \d+ tokens \(medians\): io ([\d.]+) ms.*?total ([\d.]+) ms"
-                            r"(?:.*? at ([\d.]+) (B|KiB|MiB|GiB)/s while reads were in flight)?")
+_FLASH_SUMMARY = re.compile(
+    r"summary over \d+ tokens \(medians\): io ([\d.]+) ms.*?total ([\d.]+) ms"
+    r"(?:.*? at ([\d.]+) (B|KiB|MiB|GiB)/s while reads were in flight)?"
+)
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _NUNSPARK_HITS = re.compile(r"cache hits / misses\s*: (\d+) / (\d+)")
 
@@ -264,8 +372,10 @@ def parse_flash_stats(out: str) -> dict:
     if not m:
         return {}
     io, total = float(m.group(1)), float(m.group(2))
-    return {"io_share": io / total if total else None,
-            "read_bytes_per_s": float(m.group(3)) * _UNITS[m.group(4)] if m.group(3) else None}
+    return {
+        "io_share": io / total if total else None,
+        "read_bytes_per_s": float(m.group(3)) * _UNITS[m.group(4)] if m.group(3) else None,
+    }
 
 
 def fio_reference(path: Path, threads: int, seconds: float = 3.0) -> Optional[dict]:
@@ -285,18 +395,23 @@ def parse_steps(system: str, out: str) -> dict:
     if system.startswith("llama.cpp"):
         start, end = out.find("["), out.rfind("]")
         try:
-            tests = json.loads(out[start:end + 1]) if start >= 0 else []
+            tests = json.loads(out[start : end + 1]) if start >= 0 else []
         except json.JSONDecodeError:
             return {}
         tg = [t for t in tests if t.get("n_gen")]
         if not tg:
             return {}
-        return {"generated": tg[0]["n_gen"], "tok_s": tg[0]["avg_ts"], "step_ms_mean": 1e3 / tg[0]["avg_ts"],
-                "step_ms_median": None, "prompt_tokens": 1}
+        return {
+            "generated": tg[0]["n_gen"],
+            "tok_s": tg[0]["avg_ts"],
+            "step_ms_mean": 1e3 / tg[0]["avg_ts"],
+            "step_ms_median": None,
+            "prompt_tokens": 1,
+        }
     line = next((x for x in reversed(out.splitlines()) if x.startswith("steps: ")), None)
     if line is None:
         return {}
-    s = json.loads(line[len("steps: "):])
+    s = json.loads(line[len("steps: ") :])
     rec = {"generated": s.pop("steps"), **s}
     hits = _NUNSPARK_HITS.search(out)
     if hits and int(hits.group(1)) + int(hits.group(2)):
@@ -332,7 +447,7 @@ def _available_memory() -> int:
 def read_into_page_cache(paths) -> None:
     """Read every file of `paths` once, so it is in the page cache (a resident run)."""
     for p in map(Path, paths):
-        for f in ([x for x in p.rglob("*") if x.is_file()] if p.is_dir() else [p]):
+        for f in [x for x in p.rglob("*") if x.is_file()] if p.is_dir() else [p]:
             with open(f, "rb") as fh:
                 while fh.read(64 << 20):
                     pass
@@ -358,9 +473,22 @@ def run_one(system, paths, steps, budget, cap, files, timeout=None, resident: bo
     r = run_capped(cmd, cap, drop=() if resident else files, timeout=timeout)
     out = r.stdout + "\n" + r.stderr
     timing = parse_steps(system, r.stdout if system.startswith("llama.cpp") else out)
-    rec = {"system": system, "tokens": steps, "cap": cap, "returncode": r.returncode, "oom": r.oom_killed,
-           "timed_out": r.timed_out, "read_bytes": r.read_bytes, "max_rss": r.max_rss, "cgroup_peak": r.cgroup_peak,
-           "major_faults": r.major_faults, "wall_s": r.wall_s, "generated": None, "tok_s": None, **timing}
+    rec = {
+        "system": system,
+        "tokens": steps,
+        "cap": cap,
+        "returncode": r.returncode,
+        "oom": r.oom_killed,
+        "timed_out": r.timed_out,
+        "read_bytes": r.read_bytes,
+        "max_rss": r.max_rss,
+        "cgroup_peak": r.cgroup_peak,
+        "major_faults": r.major_faults,
+        "wall_s": r.wall_s,
+        "generated": None,
+        "tok_s": None,
+        **timing,
+    }
     if not r.ok:
         rec["tok_s"] = None
     if system.startswith("mlx_flash"):
@@ -379,14 +507,44 @@ def measure_routing(flash, root: Path, tokens: int = 64) -> Optional[dict]:
     out = root / "routing.json"
     if out.is_file() and json.loads(out.read_text()).get("tokens") == tokens:
         return json.loads(out.read_text())
-    subprocess.run([str(a) for a in (sys.executable, "-m", "mlx_flash.tools.routing", "--model", flash, "--tokens",
-                                     tokens, "--memory-budget", "25%", "--json", out)], check=True)
+    subprocess.run(
+        [
+            str(a)
+            for a in (
+                sys.executable,
+                "-m",
+                "mlx_flash.tools.routing",
+                "--model",
+                flash,
+                "--tokens",
+                tokens,
+                "--memory-budget",
+                "25%",
+                "--json",
+                out,
+            )
+        ],
+        check=True,
+    )
     return json.loads(out.read_text())
 
 
-def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, timeout=1800, progress=True,
-        log=None, resident=RESIDENT, out=None, cap_factor: float = 1.0, prompt: str = PROMPT,
-        routing: str = "uniform", routing_tokens: int = 64) -> dict:
+def run(
+    model="small",
+    budgets=(25, 50, 80),
+    rounds=3,
+    tokens=32,
+    systems=None,
+    timeout=1800,
+    progress=True,
+    log=None,
+    resident=RESIDENT,
+    out=None,
+    cap_factor: float = 1.0,
+    prompt: str = PROMPT,
+    routing: str = "uniform",
+    routing_tokens: int = 64,
+) -> dict:
     """Every system at every budget, `rounds` times, `tokens` decode steps a run; `out`: a JSON file rewritten
     after every run (a long run that is stopped keeps what it measured). cap_factor != 1: every cap scaled by
     it, and every capped row labelled "(cap xF)". `resident`: systems also run with no cap, their model in the
@@ -405,19 +563,35 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
     stats = measure_routing(paths["flash"], paths["flash"].parent, routing_tokens) if paths["moe"] else None
 
     fio = fio_reference(fd.ffn_path, DEFAULT_THREADS)
-    res = {"model": model, "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "prompt_id", "moe")},
-           "sampling": " ".join(map(str, _sampling(paths))), "weight_bytes": weights,
-           "flash_bytes": fd.model_bytes, "flash_down": down_storage(fd), "baseline_rss": baseline, "tokens": tokens,
-           "timing": "one prompt token, then `tokens` decode steps; tok/s = steps / their time",
-           "routing": regime if regime else ("model's own" if paths["moe"] else None), "routing_stats": stats,
-           "rounds": rounds, "cap_factor": cap_factor, "fio": fio, "budgets": list(budgets), "prompt": paths["prompt"],
-           "machine": machine_info(str(paths["flash"])), "versions": versions, "runs": [], "resident_skipped": {}}
+    res = {
+        "model": model,
+        "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "prompt_id", "moe")},
+        "sampling": " ".join(map(str, _sampling(paths))),
+        "weight_bytes": weights,
+        "flash_bytes": fd.model_bytes,
+        "flash_down": down_storage(fd),
+        "baseline_rss": baseline,
+        "tokens": tokens,
+        "timing": "one prompt token, then `tokens` decode steps; tok/s = steps / their time",
+        "routing": regime if regime else ("model's own" if paths["moe"] else None),
+        "routing_stats": stats,
+        "rounds": rounds,
+        "cap_factor": cap_factor,
+        "fio": fio,
+        "budgets": list(budgets),
+        "prompt": paths["prompt"],
+        "machine": machine_info(str(paths["flash"])),
+        "versions": versions,
+        "runs": [],
+        "resident_skipped": {},
+    }
     for s in [s for s in systems if s in resident]:
         if not resident_fits(paths[SYSTEMS[s][1]], baseline):
             res["resident_skipped"][s] = "model + baseline do not fit in the memory available"
     # (system, budget %, cap); budget None: resident, no cap
-    plan = [(s, b) for b in budgets for s in systems] + [(s, None) for s in systems
-                                                         if s in resident and s not in res["resident_skipped"]]
+    plan = [(s, b) for b in budgets for s in systems] + [
+        (s, None) for s in systems if s in resident and s not in res["resident_skipped"]
+    ]
     jobs = []
     for r in range(rounds):
         k = r % len(systems)
@@ -433,8 +607,9 @@ def run(model="small", budgets=(25, 50, 80), rounds=3, tokens=32, systems=None, 
         if system == "nunspark" and cap is not None:
             rec = _nunspark_run(paths, n, budget, cap, files, timeout, retry, pct, res["runs"])
         else:
-            rec = run_one(system, paths, n, budget if budget is not None else weights, cap, files, timeout,
-                          resident=pct is None)
+            rec = run_one(
+                system, paths, n, budget if budget is not None else weights, cap, files, timeout, resident=pct is None
+            )
         rec.update(round=rnd, budget_pct=pct, budget=budget)
         if cap is not None and cap_factor != 1:
             rec["system"] = f"{system} (cap x{cap_factor:.2f})"
@@ -519,20 +694,26 @@ def _describe(rec) -> str:
         status += f" (median step {rec['step_ms_median']:.0f} ms)"
     if rec.get("hit_rate") is not None:
         status += f", hit rate {rec['hit_rate']:.1%}"
-    return (f"  {rec['system']} @ {_label(rec['budget_pct'])}, {rec['tokens']} steps: "
-            f"{status}, read {fmt_bytes(rec['read_bytes'])}, peak RSS {fmt_bytes(rec['max_rss'])}, {rec['wall_s']:.0f} s")
+    return (
+        f"  {rec['system']} @ {_label(rec['budget_pct'])}, {rec['tokens']} steps: "
+        f"{status}, read {fmt_bytes(rec['read_bytes'])}, peak RSS {fmt_bytes(rec['max_rss'])}, {rec['wall_s']:.0f} s"
+    )
 
 
 def _versions() -> dict:
     import mlx.core as mx
     import mlx_lm
 
-
-    v = {"mlx_flash": __version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-         "llama.cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON}"}
+    v = {
+        "mlx_flash": __version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "llama.cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON}",
+    }
     try:
-        out = subprocess.run([llama_cpp_bin("llama-completion"), "--version"], capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(
+            [llama_cpp_bin("llama-completion"), "--version"], capture_output=True, text=True, timeout=30
+        )
         v["llama.cpp"] += ": " + (out.stdout + out.stderr).strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         pass
@@ -551,20 +732,26 @@ def summarize(runs) -> dict:
         full = [r for r in rs if r["tokens"] > 1]
         short = [r for r in rs if r["tokens"] == 1 and r["returncode"] == 0]
         speeds = [r["tok_s"] for r in full if r["tok_s"]]
-        s = {"runs": len(full), "oom": sum(r["oom"] for r in full),
-             "tok_s": statistics.median(speeds) if speeds else None,
-             "tok_s_all": speeds,
-             "step_ms_median": _median([r.get("step_ms_median") for r in full if r["tok_s"]]),
-             "step_ms_mean": _median([r.get("step_ms_mean") for r in full if r["tok_s"]]),
-             "prompt_tokens": _median([r.get("prompt_tokens") for r in full if r["tok_s"]]),
-             "steps": _median([r.get("generated") for r in full if r["tok_s"]]),
-             **{k: _median([r.get(k) for r in full if r["tok_s"]]) for k in ("hit_rate", "hit_rate_cold", "hit_rate_steady")},
-             "max_rss": _median([r["max_rss"] for r in full]),
-             "cgroup_peak": _median([r["cgroup_peak"] for r in full if r["cgroup_peak"]]),
-             "bytes_per_token": None,
-             "io_share": _median([r.get("io_share") for r in full if r["tok_s"]]),
-             "read_bytes_per_s": _median([r.get("read_bytes_per_s") for r in full if r["tok_s"]]),
-             "system_budget": _median([r.get("system_budget") for r in full if r["tok_s"]])}
+        s = {
+            "runs": len(full),
+            "oom": sum(r["oom"] for r in full),
+            "tok_s": statistics.median(speeds) if speeds else None,
+            "tok_s_all": speeds,
+            "step_ms_median": _median([r.get("step_ms_median") for r in full if r["tok_s"]]),
+            "step_ms_mean": _median([r.get("step_ms_mean") for r in full if r["tok_s"]]),
+            "prompt_tokens": _median([r.get("prompt_tokens") for r in full if r["tok_s"]]),
+            "steps": _median([r.get("generated") for r in full if r["tok_s"]]),
+            **{
+                k: _median([r.get(k) for r in full if r["tok_s"]])
+                for k in ("hit_rate", "hit_rate_cold", "hit_rate_steady")
+            },
+            "max_rss": _median([r["max_rss"] for r in full]),
+            "cgroup_peak": _median([r["cgroup_peak"] for r in full if r["cgroup_peak"]]),
+            "bytes_per_token": None,
+            "io_share": _median([r.get("io_share") for r in full if r["tok_s"]]),
+            "read_bytes_per_s": _median([r.get("read_bytes_per_s") for r in full if r["tok_s"]]),
+            "system_budget": _median([r.get("system_budget") for r in full if r["tok_s"]]),
+        }
         ok = [r for r in full if r["tok_s"]]
         if ok and short and ok[0]["generated"] and ok[0]["generated"] > 1:
             per = [(r["read_bytes"] - short[0]["read_bytes"]) / (r["generated"] - 1) for r in ok]
@@ -593,10 +780,14 @@ def ratios(summary, budgets) -> dict:
         best = max(flash, key=flash.get, default=None)
         ns = summary.get("nunspark", {}).get(b, {}).get("tok_s")
         resident = summary.get("llama.cpp", {}).get("resident", {}).get("tok_s")
-        out[b] = {"dense": flash[dense] / ref if ref and dense else None, "dense_system": dense,
-                  "dense_llama_resident": flash[dense] / resident if resident and dense else None,
-                  "best": flash[best] / ref if ref and best else None, "best_system": best,
-                  "dense_nunspark": flash[dense] / ns if ns and dense else None}
+        out[b] = {
+            "dense": flash[dense] / ref if ref and dense else None,
+            "dense_system": dense,
+            "dense_llama_resident": flash[dense] / resident if resident and dense else None,
+            "best": flash[best] / ref if ref and best else None,
+            "best_system": best,
+            "dense_nunspark": flash[dense] / ns if ns and dense else None,
+        }
     return out
 
 
@@ -604,8 +795,11 @@ def table(res) -> str:
     budgets = [_label(b) for b in res["budgets"]] + ["resident", "no cap"]
     summary = res["summary"]
     budgets = [b for b in budgets if any(b in v for v in summary.values())]
-    head = "| system | " + " | ".join(f"{b} (cap {fmt_bytes(_cap(res, b))})" if b.endswith("%") else b
-                                     for b in budgets) + " |"
+    head = (
+        "| system | "
+        + " | ".join(f"{b} (cap {fmt_bytes(_cap(res, b))})" if b.endswith("%") else b for b in budgets)
+        + " |"
+    )
     rows = [head, "|---" * (len(budgets) + 1) + "|"]
     for system, by in summary.items():
         cells = []
@@ -614,41 +808,71 @@ def table(res) -> str:
             if s is None:
                 cells.append("")
                 continue
-            speed = ", ".join(([f"**{s['tok_s']:.2f} tok/s**"] if s["tok_s"] else [] if s["oom"] else ["failed"])
-                              + ([f"OOM-killed {s['oom']}/{s['runs']}"] if s["oom"] else []))
+            speed = ", ".join(
+                ([f"**{s['tok_s']:.2f} tok/s**"] if s["tok_s"] else [] if s["oom"] else ["failed"])
+                + ([f"OOM-killed {s['oom']}/{s['runs']}"] if s["oom"] else [])
+            )
             if s.get("step_ms_median"):
                 speed += f" (median step {s['step_ms_median']:.0f} ms)"
             bpt = [f"{fmt_bytes(s['bytes_per_token'])}/step"] if s["bytes_per_token"] is not None else []
             if s.get("hit_rate") is not None:
-                bpt.append(f"hit {s['hit_rate']:.0%}" + (
-                    f" (cold {s['hit_rate_cold']:.0%}, steady {s['hit_rate_steady']:.0%})"
-                    if s.get("hit_rate_steady") is not None and s.get("hit_rate_cold") is not None else ""))
-            peak = f"RSS {fmt_bytes(s['max_rss'])}" + (f", cg {fmt_bytes(s['cgroup_peak'])}" if s["cgroup_peak"] else "")
+                bpt.append(
+                    f"hit {s['hit_rate']:.0%}"
+                    + (
+                        f" (cold {s['hit_rate_cold']:.0%}, steady {s['hit_rate_steady']:.0%})"
+                        if s.get("hit_rate_steady") is not None and s.get("hit_rate_cold") is not None
+                        else ""
+                    )
+                )
+            peak = f"RSS {fmt_bytes(s['max_rss'])}" + (
+                f", cg {fmt_bytes(s['cgroup_peak'])}" if s["cgroup_peak"] else ""
+            )
             io = [f"I/O wait {s['io_share']:.0%}"] if s.get("io_share") is not None else []
             if s.get("system_budget"):
                 io.append(f"--budget {s['system_budget'] / 1e9:.2f} GB")
             if s.get("read_bytes_per_s"):
                 fio = res.get("fio")
-                io.append(f"reads at {fmt_bytes(s['read_bytes_per_s'])}/s"
-                          + (f" ({s['read_bytes_per_s'] / fio['bytes_per_s']:.0%} of fio)" if fio else ""))
+                io.append(
+                    f"reads at {fmt_bytes(s['read_bytes_per_s'])}/s"
+                    + (f" ({s['read_bytes_per_s'] / fio['bytes_per_s']:.0%} of fio)" if fio else "")
+                )
             cells.append("; ".join([speed] + bpt + io + [peak]))
         rows.append(f"| {system} | " + " | ".join(cells) + " |")
     r = ratios(summary, res["budgets"])
-    rows += ["", "| tok/s ratio | " + " | ".join(_label(b) for b in res["budgets"]) + " |",
-             "|---" * (len(res["budgets"]) + 1) + "|",
-             "| mlx_flash dense / llama.cpp mmap | " + " | ".join(
-                 _x(r[_label(b)]["dense"]) + (f" ({r[_label(b)]['dense_system']})"
-                                              if r[_label(b)]["dense_system"] not in (None, "mlx_flash dense") else "")
-                 for b in res["budgets"]) + " |",
-             "| best mlx_flash / llama.cpp mmap | " + " | ".join(
-                 _x(r[_label(b)]["best"]) + (f" ({r[_label(b)]['best_system']})" if r[_label(b)]["best"] else "")
-                 for b in res["budgets"]) + " |"]
+    rows += [
+        "",
+        "| tok/s ratio | " + " | ".join(_label(b) for b in res["budgets"]) + " |",
+        "|---" * (len(res["budgets"]) + 1) + "|",
+        "| mlx_flash dense / llama.cpp mmap | "
+        + " | ".join(
+            _x(r[_label(b)]["dense"])
+            + (
+                f" ({r[_label(b)]['dense_system']})"
+                if r[_label(b)]["dense_system"] not in (None, "mlx_flash dense")
+                else ""
+            )
+            for b in res["budgets"]
+        )
+        + " |",
+        "| best mlx_flash / llama.cpp mmap | "
+        + " | ".join(
+            _x(r[_label(b)]["best"]) + (f" ({r[_label(b)]['best_system']})" if r[_label(b)]["best"] else "")
+            for b in res["budgets"]
+        )
+        + " |",
+    ]
     if any(r[_label(b)].get("dense_llama_resident") for b in res["budgets"]):
-        rows.append("| mlx_flash dense / llama.cpp resident | " + " | ".join(
-            _x(r[_label(b)].get("dense_llama_resident")) for b in res["budgets"]) + " |")
+        rows.append(
+            "| mlx_flash dense / llama.cpp resident | "
+            + " | ".join(_x(r[_label(b)].get("dense_llama_resident")) for b in res["budgets"])
+            + " |"
+        )
     if any(r[_label(b)]["dense_nunspark"] for b in res["budgets"]):
-        rows.append("| mlx_flash dense / nunspark | " + " | ".join(_x(r[_label(b)]["dense_nunspark"])
-                                                                  for b in res["budgets"]) + " |")
+        rows.append(
+            "| mlx_flash dense / nunspark | "
+            + " | ".join(_x(r[_label(b)]["dense_nunspark"]) for b in res["budgets"])
+            + " |"
+        )
     return "\n".join(rows)
 
 
@@ -657,7 +881,7 @@ def _x(v) -> str:
 
 
 def _cap(res, label) -> int:
-    spec = label[len("cap "):] if label.startswith("cap ") else float(label[:-1])
+    spec = label[len("cap ") :] if label.startswith("cap ") else float(label[:-1])
     return budget_and_cap(spec, res["weight_bytes"], res["baseline_rss"], res.get("cap_factor", 1))[1]
 
 
@@ -673,23 +897,39 @@ def down_storage(fd) -> str:
 
 def header(res) -> str:
     m, v = res["machine"], res["versions"]
-    return (f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
-            f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
-            f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; "
-            + (f"a prompt of one token, then {res['tokens']} decode steps (tok/s = steps / their time), "
-               if res.get("timing") else f"{res['tokens']} tokens, ")
-            + f"{res['rounds']} rounds"
-            + (f"; Python systems sample {res['sampling']} (llama-bench: a random token each step)"
-               if res.get("sampling", "--temp 0") != "--temp 0" else "")
-            + (f"\nrouting: {res['routing']}" + (f" ({describe_routing(res['routing_stats'])})"
-                                                 if res.get("routing_stats") else "") if res.get("routing") else "")
-            + "\n"
-            f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "
-            f"python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items())
-            + (f"\nfio, same run: random O_DIRECT reads of {fmt_bytes(res['fio']['block'])} with {res['fio']['threads']} "
-               f"threads on ffn.bin: {fmt_bytes(res['fio']['bytes_per_s'])}/s"
-               + (f" at the start, {fmt_bytes(res['fio_end']['bytes_per_s'])}/s at the end" if res.get("fio_end") else "")
-               if res.get("fio") else ""))
+    return (
+        f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
+        f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
+        f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; "
+        + (
+            f"a prompt of one token, then {res['tokens']} decode steps (tok/s = steps / their time), "
+            if res.get("timing")
+            else f"{res['tokens']} tokens, "
+        )
+        + f"{res['rounds']} rounds"
+        + (
+            f"; Python systems sample {res['sampling']} (llama-bench: a random token each step)"
+            if res.get("sampling", "--temp 0") != "--temp 0"
+            else ""
+        )
+        + (
+            f"\nrouting: {res['routing']}"
+            + (f" ({describe_routing(res['routing_stats'])})" if res.get("routing_stats") else "")
+            if res.get("routing")
+            else ""
+        )
+        + "\n"
+        f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB, {m.get('filesystem', '?')}; "
+        f"python {m['python']}, "
+        + ", ".join(f"{k} {val}" for k, val in v.items())
+        + (
+            f"\nfio, same run: random O_DIRECT reads of {fmt_bytes(res['fio']['block'])} with {res['fio']['threads']} "
+            f"threads on ffn.bin: {fmt_bytes(res['fio']['bytes_per_s'])}/s"
+            + (f" at the start, {fmt_bytes(res['fio_end']['bytes_per_s'])}/s at the end" if res.get("fio_end") else "")
+            if res.get("fio")
+            else ""
+        )
+    )
 
 
 def plot(res, out):
@@ -722,31 +962,68 @@ def plot(res, out):
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(description="mlx_flash vs llama.cpp and mlx-lm on the same weights, under a hard memory cap.")
-    p.add_argument("--model", default="small", help="small (SmolLM2-135M Q4_1), a synthetic preset written as a random Q4_0 GGUF (llama-7b, qwen3-30b-a3b, moe-small) or a GGUF file.")
-    p.add_argument("--budgets", default="25,50,80",
-                   help="Budgets in %% of the model's weight bytes (cap = budget + baseline), or hard caps as "
-                        "sizes (2.5GiB,1.9GiB: budget = cap - baseline).")
+    p = argparse.ArgumentParser(
+        description="mlx_flash vs llama.cpp and mlx-lm on the same weights, under a hard memory cap."
+    )
+    p.add_argument(
+        "--model",
+        default="small",
+        help="small (SmolLM2-135M Q4_1), a synthetic preset written as a random Q4_0 GGUF (llama-7b, qwen3-30b-a3b, moe-small) or a GGUF file.",
+    )
+    p.add_argument(
+        "--budgets",
+        default="25,50,80",
+        help="Budgets in %% of the model's weight bytes (cap = budget + baseline), or hard caps as "
+        "sizes (2.5GiB,1.9GiB: budget = cap - baseline).",
+    )
     p.add_argument("--rounds", type=int, default=3, help="Rounds (each runs every system at every budget).")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="Decode steps per run, after a one-token prompt (default 64; --quick 8).")
-    p.add_argument("--routing", default="uniform", choices=ROUTINGS,
-                   help="Synthetic MoE presets: uniform (independent, the floor), skewed (Zipf-like) or own (sticky).")
-    p.add_argument("--routing-tokens", type=int, default=64,
-                   help="Random tokens mlx_flash.tools.routing measures an MoE model's routing on (0: not measured).")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="Decode steps per run, after a one-token prompt (default 64; --quick 8).",
+    )
+    p.add_argument(
+        "--routing",
+        default="uniform",
+        choices=ROUTINGS,
+        help="Synthetic MoE presets: uniform (independent, the floor), skewed (Zipf-like) or own (sticky).",
+    )
+    p.add_argument(
+        "--routing-tokens",
+        type=int,
+        default=64,
+        help="Random tokens mlx_flash.tools.routing measures an MoE model's routing on (0: not measured).",
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of: {', '.join(SYSTEMS)}.")
-    p.add_argument("--resident", "--uncapped", dest="resident", default=",".join(RESIDENT),
-                   help="Systems also run with no cap and their model in the page cache (comma-separated; '' for none).")
+    p.add_argument(
+        "--resident",
+        "--uncapped",
+        dest="resident",
+        default=",".join(RESIDENT),
+        help="Systems also run with no cap and their model in the page cache (comma-separated; '' for none).",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="Seconds before a run is killed.")
-    p.add_argument("--cap-factor", type=float, default=1.0,
-                   help="Scale every cap by this (rows labelled), e.g. 1.25 where a system crawls under its cap.")
+    p.add_argument(
+        "--cap-factor",
+        type=float,
+        default=1.0,
+        help="Scale every cap by this (rows labelled), e.g. 1.25 where a system crawls under its cap.",
+    )
     p.add_argument("--json", default=None, help="Write the results here.")
     p.add_argument("--plot", default=None, help="Write the tokens/s plot here (png).")
-    p.add_argument("--prompt", default=PROMPT,
-                   help="Its first token is every Python system's prompt (llama-bench warms up with one token).")
+    p.add_argument(
+        "--prompt",
+        default=PROMPT,
+        help="Its first token is every Python system's prompt (llama-bench warms up with one token).",
+    )
     p.add_argument("--quick", action="store_true", help="One round of 8 decode steps.")
-    p.add_argument("--from-json", nargs="+", default=None,
-                   help="Summarise earlier --json results (e.g. one run per budget) instead of running.")
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        help="Summarise earlier --json results (e.g. one run per budget) instead of running.",
+    )
     return p
 
 
@@ -763,9 +1040,21 @@ def main(argv=None):
     if a.from_json:
         res = merge([json.loads(Path(f).read_text()) for f in a.from_json])
     else:
-        res = run(a.model, budgets, rounds, tokens, systems, a.timeout, log=True,
-                  resident=[s for s in a.resident.split(",") if s], out=a.json, cap_factor=a.cap_factor,
-                  prompt=a.prompt, routing=a.routing, routing_tokens=a.routing_tokens)
+        res = run(
+            a.model,
+            budgets,
+            rounds,
+            tokens,
+            systems,
+            a.timeout,
+            log=True,
+            resident=[s for s in a.resident.split(",") if s],
+            out=a.json,
+            cap_factor=a.cap_factor,
+            prompt=a.prompt,
+            routing=a.routing,
+            routing_tokens=a.routing_tokens,
+        )
     print(header(res))
     print(table(res))
     if a.json:

@@ -54,8 +54,13 @@ class ModelProvider(server.ModelProvider):
             raise ValueError("adapters and draft models are not supported with a flash model")
         args = self.cli_args
         model, tokenizer = load(
-            model_path, memory_budget=args.memory_budget, sparsity=args.sparsity, window=args.window,
-            context=args.max_context, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+            model_path,
+            memory_budget=args.memory_budget,
+            sparsity=args.sparsity,
+            window=args.window,
+            context=args.max_context,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
             prompt_caches=args.prompt_cache_size,  # the stored caches are planned inside the budget
         )
         self.model_key = (model_path, None, None)
@@ -75,8 +80,10 @@ class ResponseGenerator(server.ResponseGenerator):
         prompt, *rest = super()._tokenize(tokenizer, request, args)
         room = self.cli_args.max_context - len(prompt)
         if room < 1:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) does not fit the context of "
-                             f"{self.cli_args.max_context} tokens (--max-context)")
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) does not fit the context of "
+                f"{self.cli_args.max_context} tokens (--max-context)"
+            )
         args.max_tokens = min(args.max_tokens, room)  # the KV cache holds max_context tokens, no more
         return (prompt, *rest)
 
@@ -101,8 +108,10 @@ def read_summary(stats) -> dict:
     prefill passes (several tokens each; the last gives the first generated token), then the
     single-token passes (one per further generated token, and one that feeds the last into the
     stored prompt cache: see `generate.generate_step`)."""
-    return {"prefill_passes": [t.bytes_read for t in stats.tokens if t.prefill],
-            "decode_passes": [t.bytes_read for t in stats.tokens if not t.prefill]}
+    return {
+        "prefill_passes": [t.bytes_read for t in stats.tokens if t.prefill],
+        "decode_passes": [t.bytes_read for t in stats.tokens if not t.prefill],
+    }
 
 
 class APIHandler(server.APIHandler):
@@ -170,26 +179,57 @@ def setup_arg_parser():
     p.add_argument("--memory-budget", default=None, help="Bytes, 2GB, 512MiB or 50%% of the model.")
     p.add_argument("--sparsity", default="auto", choices=["auto", *SPARSITIES])
     p.add_argument("--window", type=int, default=5)
-    p.add_argument("--max-context", type=int, default=2048,
-                   help="Prompt + generated tokens per request (sizes the KV cache in the budget).")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=2048,
+        help="Prompt + generated tokens per request (sizes the KV cache in the budget).",
+    )
     p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8], help="Quantise the KV cache (default: float).")
     p.add_argument("--kv-group-size", type=int, default=64, help="Group size of the quantised KV cache.")
-    p.add_argument("--prompt-cache-size", type=int, default=1,
-                   help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off).")
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=1,
+        help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off).",
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="Default maximum tokens to generate.")
-    p.add_argument("--prompt-lookup", action="store_true",
-                   help="Speculative decoding with n-gram drafts from each request's prompt and reply (lossless).")
+    p.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="Speculative decoding with n-gram drafts from each request's prompt and reply (lossless).",
+    )
     p.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature.")
     p.add_argument("--top-p", type=float, default=1.0, help="Default nucleus sampling top-p.")
-    p.add_argument("--chat-template-args", type=json.loads, default={},
-                   help="JSON arguments for the tokenizer's apply_chat_template.")
-    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default=[],
-                   help="CORS origins allowed (default: none; '*' for any).")
+    p.add_argument(
+        "--chat-template-args",
+        type=json.loads,
+        default={},
+        help="JSON arguments for the tokenizer's apply_chat_template.",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=lambda x: x.split(","),
+        default=[],
+        help="CORS origins allowed (default: none; '*' for any).",
+    )
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     # the rest of what mlx-lm's server reads, at its defaults (draft models and adapters are refused)
-    p.set_defaults(adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
-                   chat_template="", use_default_chat_template=False, top_k=0, min_p=0.0, pipeline=False,
-                   decode_concurrency=1, prompt_concurrency=1, prefill_step_size=2048, quantized_kv_start=0)
+    p.set_defaults(
+        adapter_path=None,
+        draft_model=None,
+        num_draft_tokens=3,
+        trust_remote_code=False,
+        chat_template="",
+        use_default_chat_template=False,
+        top_k=0,
+        min_p=0.0,
+        pipeline=False,
+        decode_concurrency=1,
+        prompt_concurrency=1,
+        prefill_step_size=2048,
+        quantized_kv_start=0,
+    )
     return p
 
 
@@ -202,12 +242,20 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     flash = provider.model.flash
-    print(flash.plan.describe({k: v.stride for k, v in flash.fd.layouts.items()},
-                              {k: r.n_units for k, r in flash.fd.layers[0].items()}), file=sys.stderr)
+    print(
+        flash.plan.describe(
+            {k: v.stride for k, v in flash.fd.layouts.items()}, {k: r.n_units for k, r in flash.fd.layers[0].items()}
+        ),
+        file=sys.stderr,
+    )
     httpd, generator = make_server(provider, args.host, args.port)
-    print(f"serving {provider.name} on http://{args.host}:{httpd.server_address[1]}/v1 (context {args.max_context} "
-          f"tokens, KV cache {args.kv_bits or 'float'}{'-bit' if args.kv_bits else ''}, "
-          f"{args.prompt_cache_size} stored in the prompt cache)", file=sys.stderr, flush=True)
+    print(
+        f"serving {provider.name} on http://{args.host}:{httpd.server_address[1]}/v1 (context {args.max_context} "
+        f"tokens, KV cache {args.kv_bits or 'float'}{'-bit' if args.kv_bits else ''}, "
+        f"{args.prompt_cache_size} stored in the prompt cache)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

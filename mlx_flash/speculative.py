@@ -184,9 +184,14 @@ class SpeculativeStats:
         self.generated += emitted
 
     def summary(self) -> dict:
-        return dict(passes=self.passes, drafted=self.drafted, accepted=self.accepted, generated=self.generated,
-                    acceptance=self.accepted / self.drafted if self.drafted else 0.0,
-                    mean_accepted_length=self.generated / self.passes if self.passes else 0.0)
+        return dict(
+            passes=self.passes,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            generated=self.generated,
+            acceptance=self.accepted / self.drafted if self.drafted else 0.0,
+            mean_accepted_length=self.generated / self.passes if self.passes else 0.0,
+        )
 
 
 def make_drafter(prompt_lookup: bool = False, draft_model=None, max_ngram: int = 3):

@@ -1,6 +1,6 @@
 """Check a flash directory: files, sizes, alignment and checksums.
 
-    python -m mlx_flash.verify DIR
+python -m mlx_flash.verify DIR
 """
 
 import argparse

@@ -1,8 +1,7 @@
 import mlx_flash  # noqa: F401  first, so OpenBLAS is loaded before mlx.core (see mlx_flash/blas.py)
+from mlx_flash.texts import read_text
 
 import pytest
-
-from mlx_flash.texts import read_text
 
 
 @pytest.fixture(scope="session")
@@ -11,7 +10,9 @@ def wikitext() -> str:
     return read_text()
 
 
-CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40
+CALIBRATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40
+)
 
 
 @pytest.fixture
@@ -37,8 +38,8 @@ def generate_capped():
     import re
     import sys
 
-    from mlx_flash.engine import memory
     from mlx_flash.budget import parse_size
+    from mlx_flash.engine import memory
     from mlx_flash.errors import CapError
     from mlx_flash.format.directory import FlashDir
     from mlx_flash.tools.cap import run_capped
@@ -50,8 +51,22 @@ def generate_capped():
             _BASELINES[model_dir] = base.max_rss
         limit = parse_size(budget, FlashDir(model_dir).model_bytes) + _BASELINES[model_dir]
         try:
-            r = run_capped([sys.executable, "-m", "mlx_flash.generate", "--model", str(model_dir), "--memory-budget",
-                            str(budget), "--stats", *args], limit=limit, drop=[model_dir], timeout=600)
+            r = run_capped(
+                [
+                    sys.executable,
+                    "-m",
+                    "mlx_flash.generate",
+                    "--model",
+                    str(model_dir),
+                    "--memory-budget",
+                    str(budget),
+                    "--stats",
+                    *args,
+                ],
+                limit=limit,
+                drop=[model_dir],
+                timeout=600,
+            )
         except CapError as e:
             pytest.skip(f"no hard memory cap on this machine: {e}")
         m = re.search(r"memory: peak RSS ([\d.]+) (KiB|MiB|GiB) above the baseline", r.stdout)

@@ -4,19 +4,18 @@ traces round-trip and replay exactly, the simulator's estimate for this machine 
 import json
 from types import SimpleNamespace
 
-import numpy as np
-import pytest
-
 import mlx_flash  # noqa: F401
-import mlx.core as mx
-
 from mlx_flash import bench
-from mlx_flash.tools import simulate, synthetic
+from mlx_flash.calib.trace import MappedTrace, RecordingSparsifier, Trace, TraceSparsifier, record
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.calib.trace import MappedTrace, RecordingSparsifier, Trace, TraceSparsifier, record
+from mlx_flash.tools import simulate, synthetic
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
@@ -40,8 +39,24 @@ def bench_result(tiny_dir, tiny_trace, tmp_path_factory):
     fd = FlashDir(tiny_dir)
     # a budget whose caches hold about a third of the FFN
     budget = bench.min_budget(fd, 8 + 12 + 8, 4, resident=bench.resident_bytes(fd)) + fd.ffn_bytes // 3
-    argv = ["--model", str(tiny_dir), "--memory-budget", str(budget), "--tokens", "12", "--prompt-tokens", "8",
-            "--quick", "--no-fio", "--trace", str(trace), "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
+    argv = [
+        "--model",
+        str(tiny_dir),
+        "--memory-budget",
+        str(budget),
+        "--tokens",
+        "12",
+        "--prompt-tokens",
+        "8",
+        "--quick",
+        "--no-fio",
+        "--trace",
+        str(trace),
+        "--json",
+        str(out / "r.json"),
+        "--plot",
+        str(out / "r.png"),
+    ]
     bench.main(argv)
     return json.loads((out / "r.json").read_text()), out
 
@@ -85,7 +100,9 @@ def test_naive_reads_every_unit_and_the_others_read_less(bench_result, tiny_dir)
     assert u["requests_per_token"] < pieces * u["bytes_requested_per_token"] / u["stride"]  # neighbours merged
     assert c["hybrid"]["dram_weights_bytes"] <= res["budget_bytes"]
     assert c["hybrid-prefetch"]["dram_weights_bytes"] <= res["budget_bytes"]
-    assert c["hybrid-prefetch"]["bytes_requested_per_token"] == pytest.approx(c["hybrid"]["bytes_requested_per_token"], rel=0.05)
+    assert c["hybrid-prefetch"]["bytes_requested_per_token"] == pytest.approx(
+        c["hybrid"]["bytes_requested_per_token"], rel=0.05
+    )
     assert res["targets"]["io_bytes_naive_over_all"] > 1
 
 
@@ -99,9 +116,9 @@ def test_unbundled_reads_one_request_per_matrix_per_run_of_neighbours():
     file = np.arange(10 * stride)  # each "byte" its own offset
     got, want = np.full(6 * stride, -1), np.full(6 * stride, -1)
     for oi, li, di in zip(o, ln, d):
-        got[di:di + li] = file[oi:oi + li]
+        got[di : di + li] = file[oi : oi + li]
     for u, s in zip(units, slots):
-        want[s * stride:(s + 1) * stride] = file[u * stride:(u + 1) * stride]
+        want[s * stride : (s + 1) * stride] = file[u * stride : (u + 1) * stride]
     assert np.array_equal(got, want)
 
 
@@ -168,24 +185,38 @@ def test_simulate_estimate_for_this_machine_within_factor(bench_result, tiny_tra
     assert sim["machines"]["m1-max"]["configs"]["all"]["tokens_per_s"] > this["all"]["tokens_per_s"]
     # the cache simulation reads what the runtime read (the bench replayed the same trace)
     for name in ("naive", "hybrid", "sparsity", "all"):
-        assert this[name]["bytes_per_token"] == pytest.approx(res["configs"][name]["bytes_requested_per_token"], rel=0.1), name
+        assert this[name]["bytes_per_token"] == pytest.approx(
+            res["configs"][name]["bytes_requested_per_token"], rel=0.1
+        ), name
         # and its model of coalescing gives the bytes read at the device
-        assert this[name]["bytes_read_per_token"] == pytest.approx(res["configs"][name]["bytes_per_token"], rel=0.1), name
+        assert this[name]["bytes_read_per_token"] == pytest.approx(res["configs"][name]["bytes_per_token"], rel=0.1), (
+            name
+        )
 
 
 def test_bench_below_the_resident_floor(tiny_dir, tiny_trace, tmp_path):
     """A budget under the resident weights: every configuration streams the same attention / embedding
     groups, reports them per token, and naive reads the whole FFN on top."""
     from mlx_flash.budget import min_streaming_budget
-    from mlx_flash.loader import cpu_cast
     from mlx_flash.engine.resident import stream_groups
+    from mlx_flash.loader import cpu_cast
 
     fd = FlashDir(tiny_dir)
     context = 8 + 12 + 8
-    lowest = min_streaming_budget(fd, context, 4, resident=bench.resident_bytes(fd),
-                                  groups=stream_groups(fd, cpu_cast, context))
-    res = bench.run(tiny_dir, lowest, tokens=12, prompt_tokens=8, configs=("naive", "all"),
-                    trace=(tiny_trace, "trace"), disk_seconds=0.1, use_fio=False, progress=False)
+    lowest = min_streaming_budget(
+        fd, context, 4, resident=bench.resident_bytes(fd), groups=stream_groups(fd, cpu_cast, context)
+    )
+    res = bench.run(
+        tiny_dir,
+        lowest,
+        tokens=12,
+        prompt_tokens=8,
+        configs=("naive", "all"),
+        trace=(tiny_trace, "trace"),
+        disk_seconds=0.1,
+        use_fio=False,
+        progress=False,
+    )
     assert res["streamed"] and res["min_budget_bytes"] == lowest < res["resident_floor_bytes"]
     naive, all_ = res["configs"]["naive"], res["configs"]["all"]
     assert naive["streamed_bytes_per_token"] == all_["streamed_bytes_per_token"] > 0
@@ -197,8 +228,18 @@ def test_rounds_alternate_and_report_the_median_round(tiny_dir, tiny_trace):
     hybrid/all ratio is the median of the per-round ratios."""
     fd = FlashDir(tiny_dir)
     budget = bench.min_budget(fd, 8 + 6 + 8, 4, resident=bench.resident_bytes(fd)) + fd.ffn_bytes // 3
-    res = bench.run(tiny_dir, budget, tokens=6, prompt_tokens=8, configs=("hybrid", "all"),
-                    trace=(tiny_trace, "trace"), disk_seconds=0.05, use_fio=False, progress=False, rounds=3)
+    res = bench.run(
+        tiny_dir,
+        budget,
+        tokens=6,
+        prompt_tokens=8,
+        configs=("hybrid", "all"),
+        trace=(tiny_trace, "trace"),
+        disk_seconds=0.05,
+        use_fio=False,
+        progress=False,
+        rounds=3,
+    )
     hy, a = res["configs"]["hybrid"], res["configs"]["all"]
     for r in (hy, a):
         assert len(r["rounds_total_ms"]) == 3
@@ -211,8 +252,19 @@ def test_rounds_alternate_and_report_the_median_round(tiny_dir, tiny_trace):
 def test_the_oracle_stand_in_is_in_the_budget_as_load_counts_it(tiny_dir):
     """One budget rule: the live oracle's own copy of gate/up is in the bench's plan, as in load's."""
     fd = FlashDir(tiny_dir)
-    res = bench.run(tiny_dir, 4 * fd.model_bytes, tokens=3, prompt_tokens=4, configs=("all",), density=0.5,
-                    disk_seconds=0.05, use_fio=False, progress=False)
+    res = bench.run(
+        tiny_dir,
+        4 * fd.model_bytes,
+        tokens=3,
+        prompt_tokens=4,
+        configs=("all",),
+        density=0.5,
+        disk_seconds=0.05,
+        use_fio=False,
+        progress=False,
+    )
     flash = load(tiny_dir, memory_budget=4 * fd.model_bytes, sparsity="oracle", density=0.5, context=16)[0].flash
     assert "oracle" in res["sparsifier"] and flash.sparsifier.nbytes > 0
-    assert res["selector_bytes"] == res["configs"]["all"]["selector_bytes"] == flash.plan.extra == flash.sparsifier.nbytes
+    assert (
+        res["selector_bytes"] == res["configs"]["all"]["selector_bytes"] == flash.plan.extra == flash.sparsifier.nbytes
+    )

@@ -2,18 +2,17 @@
 the documented byte layout, the fixed row size, MLX expand equals the numpy decoder, and the
 Metal kernel equals the MLX path (Apple silicon only)."""
 
-import mlx_flash  # noqa: F401  (before mlx.core)
-
 import ctypes
 import shutil
 import subprocess
 import textwrap
 
+import mlx_flash  # noqa: F401  (before mlx.core)
+from mlx_flash.format import bitmap
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_flash.format import bitmap
 
 DTYPES = ["float16", "bfloat16", "float32", "uint8"]
 SHAPES = [(7, 1), (9, 8), (6, 31), (5, 32), (4, 33), (3, 100), (8, 576)]
@@ -161,8 +160,9 @@ def test_explicit_mask_stores_the_masked_positions_for_quantised_values():
     np.testing.assert_array_equal(bitmap.counts(enc, 45), mask.sum(1))
     np.testing.assert_array_equal(bitmap.decode_rows(enc, 45, "uint8"), np.where(mask, q, 0))
     np.testing.assert_array_equal(np.array(bitmap.expand_mask(mx.array(enc), 45)), mask)
-    np.testing.assert_array_equal(np.array(bitmap.expand(mx.array(enc), 45, "uint8", use_metal=False)),
-                                  np.where(mask, q, 0))
+    np.testing.assert_array_equal(
+        np.array(bitmap.expand(mx.array(enc), 45, "uint8", use_metal=False)), np.where(mask, q, 0)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -210,8 +210,13 @@ def test_metal_kernel_body_emulated_on_cpu(tmp_path):
         bits = _random_bits(dtype, n, d, 0.5, rng)
         enc, cap = bitmap.encode_rows(_as_input(bits, dtype))
         size = bitmap.DTYPES[dtype][0]
-        consts = dict(D=d, NWORDS=bitmap.bitmap_words(d), STRIDE=enc.shape[1], VAL_OFF=bitmap.values_offset(d),
-                      CAP=bitmap.capacity_of(enc.shape[1], d, dtype))
+        consts = dict(
+            D=d,
+            NWORDS=bitmap.bitmap_words(d),
+            STRIDE=enc.shape[1],
+            VAL_OFF=bitmap.values_offset(d),
+            CAP=bitmap.capacity_of(enc.shape[1], d, dtype),
+        )
         head = f"typedef {_UTYPE[size]} U;\n" + "\n".join(f"constexpr uint {k} = {v};" for k, v in consts.items())
         pieces.append(f"""
 namespace k{i} {{
@@ -229,13 +234,21 @@ extern "C" void run{i}(const uint8_t* enc, void* out, uint k) {{
     cpp = tmp_path / "bitmap_expand_emulated.cpp"
     cpp.write_text("\n".join(pieces))
     lib = tmp_path / "bitmap_expand_emulated.so"
-    r = subprocess.run([_CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-o", str(lib), str(cpp)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [_CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-o", str(lib), str(cpp)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     so = ctypes.CDLL(str(lib))
     for i, dtype, n, d, enc in cases:
         ubits = bitmap.DTYPES[dtype][1]
         out = np.full((n, d), 0x5A, ubits)  # every element must be written
-        getattr(so, f"run{i}")(np.ascontiguousarray(enc).ctypes.data_as(ctypes.c_void_p),
-                               out.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint(n))
-        np.testing.assert_array_equal(out, _bits_of(bitmap.decode_rows(enc, d, dtype), dtype), err_msg=f"{dtype} {n}x{d}")
+        getattr(so, f"run{i}")(
+            np.ascontiguousarray(enc).ctypes.data_as(ctypes.c_void_p),
+            out.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_uint(n),
+        )
+        np.testing.assert_array_equal(
+            out, _bits_of(bitmap.decode_rows(enc, d, dtype), dtype), err_msg=f"{dtype} {n}x{d}"
+        )

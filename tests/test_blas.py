@@ -3,9 +3,9 @@
 import subprocess
 import sys
 
-import pytest
-
 from mlx_flash.blas import _openblas_path
+
+import pytest
 
 MAPPED = f"os.path.realpath({_openblas_path()!r}) in open('/proc/self/maps').read()"
 
@@ -34,6 +34,8 @@ def test_mlx_imported_first_warns_with_the_fix():
 def test_can_be_disabled():
     r = subprocess.run(
         [sys.executable, "-c", f"import os, mlx_flash; print({MAPPED})"],
-        capture_output=True, text=True, env={"MLX_FLASH_OPENBLAS": "0", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        env={"MLX_FLASH_OPENBLAS": "0", "PATH": "/usr/bin:/bin"},
     )
     assert r.stdout.strip() == "False", r.stderr

@@ -27,8 +27,13 @@ def _run(tmp_path, uid: int, installed: bool):
     _stub(bin_dir, "dpkg-query", 'echo "install ok installed"' if installed else "exit 1")
     if installed:
         _stub(bin_dir, "fio", "exit 0")
-    r = subprocess.run([shutil.which("bash"), str(ROOT / "bootstrap.sh")], capture_output=True, text=True,
-                       env={"PATH": str(bin_dir), "BOOTSTRAP_SYSTEM_ONLY": "1"}, timeout=60)
+    r = subprocess.run(
+        [shutil.which("bash"), str(ROOT / "bootstrap.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(bin_dir), "BOOTSTRAP_SYSTEM_ONLY": "1"},
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return log.read_text().splitlines() if log.exists() else []
 
@@ -55,5 +60,7 @@ def test_nothing_to_install(tmp_path):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (.ci/run installs it)")
 def test_shell_scripts_are_shellcheck_clean():
-    r = subprocess.run(["shellcheck", str(ROOT / "bootstrap.sh"), str(ROOT / ".ci" / "run")], capture_output=True, text=True)
+    r = subprocess.run(
+        ["shellcheck", str(ROOT / "bootstrap.sh"), str(ROOT / ".ci" / "run")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout

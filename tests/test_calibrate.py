@@ -4,17 +4,27 @@ outputs identical and lengthens reads, the CLI runs end to end (tiny random mode
 import json
 import sys
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
-from mlx_flash.calibrate import allocate_densities, calibrate_dip, calibrate_dip_per_layer, collect_inputs, density_sweep, main, train_predictor, train_predictors
+from mlx_flash.calib.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll
+from mlx_flash.calib.reorder import neuron_order, read_stats, reorder, reorder_group
+from mlx_flash.calibrate import (
+    allocate_densities,
+    calibrate_dip,
+    calibrate_dip_per_layer,
+    collect_inputs,
+    density_sweep,
+    main,
+    train_predictor,
+    train_predictors,
+)
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load_resident, make_sparsifier
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.calib.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll
-from mlx_flash.calib.reorder import neuron_order, read_stats, reorder, reorder_group
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
 
 def _flash(tiny, name, **kw):
     root, src, _ = tiny
@@ -46,7 +56,7 @@ def test_saved_predictors_select_the_same_neurons(tiny):
     t = np.log(res["threshold"] / (1 - res["threshold"]))
     for layer, w in enumerate(res["weights"]):
         for x in xs[layer][:5]:
-            z = (np.array(w["B"]) @ (np.array(w["A"]) @ x))
+            z = np.array(w["B"]) @ (np.array(w["A"]) @ x)
             assert sp.select(layer, x).tolist() == np.flatnonzero(z > t).tolist()
     # the "auto" threshold makes the predicted density the target on the training tokens
     assert abs(np.mean(res["predicted_density"]) - 0.5) < 0.1
@@ -109,11 +119,24 @@ def test_dip_per_layer_keeps_target_and_beats_uniform(tmp_path):
     assert sp.input_density == res["input_density"] and sp.neuron_density == res["neuron_density"]
 
 
-@pytest.mark.parametrize("arch,layout,bits,density", [("llama", "neurons", None, 0.1), ("opt", "neurons", None, None),
-                                                      ("llama", "dip", None, None), ("llama", "dip", 4, None)])
+@pytest.mark.parametrize(
+    "arch,layout,bits,density",
+    [
+        ("llama", "neurons", None, 0.1),
+        ("opt", "neurons", None, None),
+        ("llama", "dip", None, None),
+        ("llama", "dip", 4, None),
+    ],
+)
 def test_reorder_keeps_outputs_and_lengthens_reads(tmp_path, arch, layout, bits, density):
-    path = convert(str(make_tiny_model_dir(arch, tmp_path / "src")), tmp_path / "flash", progress=False,
-                   layout=layout, bits=bits, group_size=32)
+    path = convert(
+        str(make_tiny_model_dir(arch, tmp_path / "src")),
+        tmp_path / "flash",
+        progress=False,
+        layout=layout,
+        bits=bits,
+        group_size=32,
+    )
     fd = FlashDir(path)
     sparsity = "dip" if layout == "dip" else "oracle"
     x = mx.array([[1, 5, 9, 33, 2, 7, 100, 64]])
@@ -123,8 +146,10 @@ def test_reorder_keeps_outputs_and_lengthens_reads(tmp_path, arch, layout, bits,
     # activity from the model itself, so the order is one a calibration would produce
     em, ctl = eval_model(fd)
     xs = collect_inputs(em, ctl, _batches(2))
-    masks = [activation_targets(xi, dense_ffn_weights(fd, i), fd.ffn["kind"], fd.ffn["activation"], 0.3)
-             for i, xi in enumerate(xs)]
+    masks = [
+        activation_targets(xi, dense_ffn_weights(fd, i), fd.ffn["kind"], fd.ffn["activation"], 0.3)
+        for i, xi in enumerate(xs)
+    ]
     perm = [neuron_order(m, reorder_group(fd)) for m in masks]
     reorder(path, perm)
     fd2 = FlashDir(path)
@@ -157,11 +182,42 @@ def test_calibrate_cli_on_tiny_model(tiny, tmp_path, monkeypatch):
     root, _, data = tiny
     path = _flash(tiny, "cli")
     out = tmp_path / "report"
-    monkeypatch.setattr(sys, "argv", [
-        "calibrate", "--model", str(path), "--data", str(data), "--seq-len", "64", "--num-seqs", "4",
-        "--dip-seqs", "1", "--eval-seqs", "2", "--rank", "8", "--rank-worst", "16", "--worst-layers", "1",
-        "--steps", "30", "--densities", "100,50", "--dip-candidates", "2", "--dip-per-layer", "--reorder", "--report", str(out), "--quiet",
-    ])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "calibrate",
+            "--model",
+            str(path),
+            "--data",
+            str(data),
+            "--seq-len",
+            "64",
+            "--num-seqs",
+            "4",
+            "--dip-seqs",
+            "1",
+            "--eval-seqs",
+            "2",
+            "--rank",
+            "8",
+            "--rank-worst",
+            "16",
+            "--worst-layers",
+            "1",
+            "--steps",
+            "30",
+            "--densities",
+            "100,50",
+            "--dip-candidates",
+            "2",
+            "--dip-per-layer",
+            "--reorder",
+            "--report",
+            str(out),
+            "--quiet",
+        ],
+    )
     main()
     fd = FlashDir(path)
     s = fd.manifest["sparsity"]
@@ -180,12 +236,14 @@ def test_density_sweep_reports_each_density_and_writes_nothing(tiny):
     _, _, data = tiny
     path = _flash(tiny, "sweep")
     before = {p.name: p.read_bytes() for p in path.iterdir()}
-    out = density_sweep(path, [data], densities=(1.0, 0.75, 0.5), seq_len=32, calib_seqs=1, eval_seqs=2,
-                        dip_candidates=2, gamma=0.7)
+    out = density_sweep(
+        path, [data], densities=(1.0, 0.75, 0.5), seq_len=32, calib_seqs=1, eval_seqs=2, dip_candidates=2, gamma=0.7
+    )
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     rows = out["quality"]["rows"]
     assert [(r["mode"], r["target_density"]) for r in rows] == [("dense", 1.0)] + [
-        (m, d) for d in (0.75, 0.5) for m in ("oracle", "dip", "dip-ca")]
+        (m, d) for d in (0.75, 0.5) for m in ("oracle", "dip", "dip-ca")
+    ]
     assert set(out["dip"]) == {0.75, 0.5} and out["quality"]["gamma"] == 0.7
     for r in rows:
         assert abs(r["mlp_density"] - r["target_density"]) < 0.02 and np.isfinite(r["ppl"]), r

@@ -3,9 +3,9 @@
 import os
 import sys
 
-import pytest
-
 from mlx_flash.tools.cap import CapError, _Cgroup, run_capped
+
+import pytest
 
 MiB = 1 << 20
 
@@ -40,10 +40,12 @@ def test_device_bytes_of_a_dropped_file(tmp_path, direct):
     f = tmp_path / "data.bin"
     size = 32 * MiB
     f.write_bytes(os.urandom(size))
-    read = ("import mmap, os\n"
-            f"fd = os.open({str(f)!r}, os.O_RDONLY | {os.O_DIRECT if direct else 0})\n"
-            "buf = mmap.mmap(-1, 1 << 20)\n"
-            "while os.readv(fd, [buf]): pass\n")
+    read = (
+        "import mmap, os\n"
+        f"fd = os.open({str(f)!r}, os.O_RDONLY | {os.O_DIRECT if direct else 0})\n"
+        "buf = mmap.mmap(-1, 1 << 20)\n"
+        "while os.readv(fd, [buf]): pass\n"
+    )
     r = run_capped([sys.executable, "-c", read], "200MiB", drop=[f])
     assert r.ok, r.stderr
     assert abs(r.read_bytes - size) < 0.05 * size + 4 * MiB  # the interpreter's own files may add a little

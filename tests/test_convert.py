@@ -7,17 +7,17 @@ import shutil
 import subprocess
 import sys
 
+from mlx_flash import FlashError, FlashFormatError, SourceError, UnsupportedArchitectureError
+from mlx_flash.convert import convert
+from mlx_flash.convert.source import load_source_model
+from mlx_flash.format.directory import FlashDir, FlashWriter
+from mlx_flash.loader import load_resident
+from mlx_flash.models.architectures import ADAPTERS
+from mlx_flash.models.tiny import make_tiny_model_dir
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_flash import FlashError, FlashFormatError, SourceError, UnsupportedArchitectureError
-from mlx_flash.models.architectures import ADAPTERS
-from mlx_flash.convert import convert
-from mlx_flash.format.directory import FlashDir, FlashWriter
-from mlx_flash.loader import load_resident
-from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.convert.source import load_source_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt"]
 TOKENS = mx.array([[1, 5, 9, 33, 7, 100, 3, 42]])
@@ -64,11 +64,15 @@ def test_float_bundles_bit_exact_and_logits_match(arch, tiny_dirs, tmp_path):
     assert diff < 1e-4, diff
 
 
-@pytest.mark.parametrize("layout,expected", [("neurons", {"bits": 4, "group_size": 32, "resident_scales": True}),
-                                             ("dip", {"bits": 8, "group_size": 32})])
+@pytest.mark.parametrize(
+    "layout,expected",
+    [("neurons", {"bits": 4, "group_size": 32, "resident_scales": True}), ("dip", {"bits": 8, "group_size": 32})],
+)
 def test_default_down_rows(tiny_dirs, tmp_path, layout, expected):
     """By default down keeps the model's own 4-bit codes (neurons layout); where that cannot be (dip), 8 bits."""
-    fd = FlashDir(convert(str(tiny_dirs["llama"]), tmp_path / "q", bits=4, group_size=32, layout=layout, progress=False))
+    fd = FlashDir(
+        convert(str(tiny_dirs["llama"]), tmp_path / "q", bits=4, group_size=32, layout=layout, progress=False)
+    )
     assert fd.ffn["matrices"]["down"]["quantization"] == expected
 
 
@@ -111,7 +115,9 @@ def test_quantised_bundles(arch, tiny_dirs, tmp_path):
 def test_dip_layout(bits, tiny_dirs, tmp_path):
     """dip layout: gate/up stored by input column, down by neuron; same model either way."""
     src, _ = load_source_model(tiny_dirs["llama"], lazy=False)
-    fd = FlashDir(convert(str(tiny_dirs["llama"]), tmp_path / "dip", layout="dip", bits=bits, group_size=32, progress=False))
+    fd = FlashDir(
+        convert(str(tiny_dirs["llama"]), tmp_path / "dip", layout="dip", bits=bits, group_size=32, progress=False)
+    )
     assert set(fd.layouts) == {"inputs", "neurons"}
     hidden, n = fd.ffn["hidden_size"], fd.ffn["intermediate_size"]
     assert [fd.layers[0][r].n_units for r in ("inputs", "neurons")] == [hidden, n]
@@ -368,8 +374,11 @@ def test_resident_weights_written_one_at_a_time(tmp_path):
     n, shape = 24, (512, 1024)  # 24 lazy float32 arrays of 2 MiB
     resident = {f"model.layers.{i}.w.weight": mx.random.normal(shape, key=mx.random.key(i)) for i in range(n)}
     ref = tmp_path / "ref.safetensors"
-    mx.save_safetensors(str(ref), {k: mx.random.normal(shape, key=mx.random.key(i)) for i, k in enumerate(resident)},
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(ref),
+        {k: mx.random.normal(shape, key=mx.random.key(i)) for i, k in enumerate(resident)},
+        metadata={"format": "mlx"},
+    )
     writer = FlashWriter(tmp_path / "flash")
     one = 512 * 1024 * 4
     mx.reset_peak_memory()
@@ -414,8 +423,14 @@ def llama_ggufs(tmp_path_factory):
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
     root = tmp_path_factory.mktemp("ggufs")
-    shape = dict(hidden_size=1024, intermediate_size=5120, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
-                 vocab_size=4096)
+    shape = dict(
+        hidden_size=1024,
+        intermediate_size=5120,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=4096,
+    )
     return [write_gguf("tiny", root / f"l{n}.gguf", progress=False, num_hidden_layers=n, **shape) for n in (2, 12)]
 
 
@@ -446,8 +461,9 @@ def test_cli_converts_in_bounded_memory_with_progress(llama_ggufs, tmp_path):
     a shard, adds about all of it). Progress shows in bytes, from the header on."""
     runs = []
     for src in llama_ggufs:
-        r, peak = _peak_anon([sys.executable, "-m", "mlx_flash.convert", "--model", str(src), "--out",
-                              str(tmp_path / src.stem)])
+        r, peak = _peak_anon(
+            [sys.executable, "-m", "mlx_flash.convert", "--model", str(src), "--out", str(tmp_path / src.stem)]
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         runs.append((src.stat().st_size, peak, r.stderr))
     (small, small_peak, _), (big, big_peak, shown) = runs
@@ -467,8 +483,15 @@ def test_written_layers_are_freed(kind, tmp_path, monkeypatch):
         shape = {**tiny_moe("qwen3_moe"), "num_experts": 32, "moe_intermediate_size": 256, "num_hidden_layers": 4}
         src = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, **shape)
     else:
-        src = write_gguf("tiny", tmp_path / "d.gguf", progress=False, hidden_size=512, intermediate_size=2048,
-                         num_hidden_layers=4, vocab_size=512)
+        src = write_gguf(
+            "tiny",
+            tmp_path / "d.gguf",
+            progress=False,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=4,
+            vocab_size=512,
+        )
     active, real = [], FlashWriter.finish
 
     def finish(self, *args, **kwargs):
@@ -479,4 +502,7 @@ def test_written_layers_are_freed(kind, tmp_path, monkeypatch):
     gc.collect()
     before = mx.get_active_memory()  # (arrays other tests keep)
     out = convert(str(src), tmp_path / "out", progress=False)
-    assert active[0] - before < (out / "ffn.bin").stat().st_size / 4, (active[0] - before, (out / "ffn.bin").stat().st_size)
+    assert active[0] - before < (out / "ffn.bin").stat().st_size / 4, (
+        active[0] - before,
+        (out / "ffn.bin").stat().st_size,
+    )

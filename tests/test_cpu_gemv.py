@@ -1,14 +1,16 @@
 """cpu_gemv: the native CPU matvecs against MLX's quantized_matmul, the model patch, and bad input."""
 
+from mlx_flash.compute import cpu_gemv
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_flash.compute import cpu_gemv
-
-pytestmark = [pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU"),
-              pytest.mark.usefixtures("float_activations")]  # int8 activations: tests/test_decode.py
+pytestmark = [
+    pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU"),
+    pytest.mark.usefixtures("float_activations"),
+]  # int8 activations: tests/test_decode.py
 
 
 @pytest.fixture(params=["simd", "scalar"], autouse=True)
@@ -28,8 +30,9 @@ def quantized(rng, rows, n, bits, group_size, scale_dtype):
 
 def reference(x, wq, s, b, group_size, bits, transpose):
     """MLX's own op, in float32 (the scales cast up: MLX needs them in x's dtype)."""
-    return mx.quantized_matmul(x, wq, s.astype(mx.float32), b.astype(mx.float32), transpose=transpose,
-                               group_size=group_size, bits=bits)
+    return mx.quantized_matmul(
+        x, wq, s.astype(mx.float32), b.astype(mx.float32), transpose=transpose, group_size=group_size, bits=bits
+    )
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -71,8 +74,9 @@ def test_several_positions_equal_one_at_a_time(bits, int8):
     blocks = np.sort(rng.integers(0, 3, 40)).astype(np.int32)
     S = mx.array(rng.uniform(0.5, 1.5, (3, 256)).astype(np.float16))
     got = cpu_gemv.block_axpy(c, wq, 0, wq.shape[1] * 4, slots, blocks, S, None, 256, bits)
-    assert np.array_equal(got, np.stack([cpu_gemv.block_axpy(v, wq, 0, wq.shape[1] * 4, slots, blocks, S, None, 256, bits)
-                                         for v in c]))
+    assert np.array_equal(
+        got, np.stack([cpu_gemv.block_axpy(v, wq, 0, wq.shape[1] * 4, slots, blocks, S, None, 256, bits) for v in c])
+    )
     with pytest.raises(ValueError, match=r"\[m, "):  # not a whole number of positions
         cpu_gemv._native.row_dot(x.reshape(-1)[:300], np.empty(40, np.float32), *q._args(slots, 40))
 

@@ -1,13 +1,13 @@
 """The native decode step: int8-activation matvecs (SIMD and scalar loops), the attention block, SiLU,
 HostKVCache, and HostDecoder against mlx-lm's forward on SmolLM2."""
 
+from mlx_flash.compute import cpu_gemv
+from mlx_flash.engine.native_step import HostKVCache
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
-from mlx_flash.compute import cpu_gemv
-from mlx_flash.engine.native_step import HostKVCache
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
 
@@ -20,7 +20,9 @@ def loops(request):
 
 
 def quantized(rng, rows, n, bits, group_size, scale_dtype):
-    wq, s, b = mx.quantize(mx.array(rng.standard_normal((rows, n)).astype(np.float32)), group_size=group_size, bits=bits)
+    wq, s, b = mx.quantize(
+        mx.array(rng.standard_normal((rows, n)).astype(np.float32)), group_size=group_size, bits=bits
+    )
     s, b = s.astype(scale_dtype), b.astype(scale_dtype)
     mx.eval(wq, s, b)
     return wq, s, b
@@ -95,15 +97,19 @@ def test_silu_mul():
 
 def _block(rng, d=128, nh=4, nkv=2, hd=32):
     """A random attention block's weights: q, k, v, o as (wq, s, b), norms."""
-    mats = [quantized(rng, r, c, 4, 32, mx.float16) for r, c in ((nh * hd, d), (nkv * hd, d), (nkv * hd, d), (d, nh * hd))]
+    mats = [
+        quantized(rng, r, c, 4, 32, mx.float16) for r, c in ((nh * hd, d), (nkv * hd, d), (nkv * hd, d), (d, nh * hd))
+    ]
     return mats, rng.uniform(0.5, 1.5, d).astype(np.float32), rng.uniform(0.5, 1.5, d).astype(np.float32)
 
 
 def _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd, base=10000.0):
     """The same block in MLX ops (mlx-lm's llama attention, one token): (x out, h out, k, v)."""
+
     def lin(v, m):
         wq, s, b = m
         return mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), 32, 4) @ v
+
     xm = mx.array(x)
     h = mx.fast.rms_norm(xm, mx.array(n1), 1e-5)
     q = lin(h, mats[0]).reshape(1, nh, 1, hd)
@@ -113,7 +119,7 @@ def _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd, base=10000.0):
     k = mx.fast.rope(k, hd, traditional=False, base=base, scale=1.0, offset=pos)
     keys = mx.concatenate([mx.array(K[None, :, :pos]), k], axis=2)
     vals = mx.concatenate([mx.array(V[None, :, :pos]), v], axis=2)
-    a = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=hd ** -0.5)
+    a = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=hd**-0.5)
     xo = xm + lin(a.reshape(-1), mats[3])
     return np.array(xo), np.array(mx.fast.rms_norm(xo, mx.array(n2), 1e-5)), np.array(k).reshape(nkv, hd)
 
@@ -129,18 +135,22 @@ def test_attention_block_equals_mlx(float_activations):
     want_x, want_h, want_k = _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd)
     inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
     h = np.empty_like(x)
-    cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
-                               hd ** -0.5)
+    cpu_gemv._native.attention(
+        x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, hd**-0.5
+    )
     assert np.allclose(x, want_x, rtol=1e-4, atol=1e-4)
     assert np.allclose(h, want_h, rtol=1e-4, atol=1e-4)
     assert np.allclose(K[:, pos], want_k, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="shapes disagree"):  # pos past the cache
         cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, cap, cap, nh, nkv, hd, inv_freq, False, 0.0, 1.0)
     with pytest.raises(ValueError, match="shapes disagree"):  # q's rows are not heads x head_dim
-        cpu_gemv._native.attention(x, h, n1, n2, 1e-5, *handles, K, V, 0, cap, nh, nkv, hd // 2, inv_freq, False, 0.0, 1.0)
+        cpu_gemv._native.attention(
+            x, h, n1, n2, 1e-5, *handles, K, V, 0, cap, nh, nkv, hd // 2, inv_freq, False, 0.0, 1.0
+        )
     with pytest.raises(TypeError, match="linear"):
-        cpu_gemv._native.attention(x, h, n1, n2, 1e-5, handles[0], None, *handles[2:], K, V, 0, cap, nh, nkv, hd,
-                                   inv_freq, False, 0.0, 1.0)
+        cpu_gemv._native.attention(
+            x, h, n1, n2, 1e-5, handles[0], None, *handles[2:], K, V, 0, cap, nh, nkv, hd, inv_freq, False, 0.0, 1.0
+        )
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -160,26 +170,50 @@ def test_attention_of_several_positions_equals_one_at_a_time(int8):
         x1, h1, K1, V1 = x.copy(), np.empty_like(x), K.copy(), V.copy()
         for p in range(m):
             row, h = x1[p].copy(), np.empty(d, np.float32)
-            cpu_gemv._native.attention(row, h, n1, n2, 1e-5, *handles, K1, V1, pos + p, cap, nh, nkv, hd, inv_freq,
-                                       False, 1.0, hd ** -0.5)
+            cpu_gemv._native.attention(
+                row, h, n1, n2, 1e-5, *handles, K1, V1, pos + p, cap, nh, nkv, hd, inv_freq, False, 1.0, hd**-0.5
+            )
             x1[p], h1[p] = row, h
         hm = np.empty_like(x)
-        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
-                                   hd ** -0.5)
+        cpu_gemv._native.attention(
+            x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, hd**-0.5
+        )
     finally:
         cpu_gemv.set_int8_activations(True)
     assert np.array_equal(x, x1) and np.array_equal(hm, h1)
     assert np.array_equal(K, K1) and np.array_equal(V, V1)
     qn = rng.uniform(0.5, 1.5, hd).astype(np.float32)
     with pytest.raises(ValueError, match="go together"):  # (Qwen3's per-head norms: both or neither)
-        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
-                                   1.0, qn, None, 1e-6)
+        cpu_gemv._native.attention(
+            x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, 1.0, qn, None, 1e-6
+        )
     with pytest.raises(ValueError, match=r"\[head_dim\]"):
-        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
-                                   1.0, qn[:-1], qn[:-1], 1e-6)
+        cpu_gemv._native.attention(
+            x,
+            hm,
+            n1,
+            n2,
+            1e-5,
+            *handles,
+            K,
+            V,
+            pos,
+            cap,
+            nh,
+            nkv,
+            hd,
+            inv_freq,
+            False,
+            1.0,
+            1.0,
+            qn[:-1],
+            qn[:-1],
+            1e-6,
+        )
     with pytest.raises(ValueError, match="shapes disagree"):  # the last position past the cache
-        cpu_gemv._native.attention(x, hm, n1, n2, 1e-5, *handles, K, V, cap - m + 1, cap, nh, nkv, hd, inv_freq, False,
-                                   1.0, 1.0)
+        cpu_gemv._native.attention(
+            x, hm, n1, n2, 1e-5, *handles, K, V, cap - m + 1, cap, nh, nkv, hd, inv_freq, False, 1.0, 1.0
+        )
 
 
 def test_linear_checks_its_rows():
@@ -196,7 +230,9 @@ def test_host_kv_cache_is_an_mlx_lm_cache():
     keys, values = c.update_and_fetch(k, -k)
     assert keys.shape == (1, 2, 3, 4) and np.array_equal(np.array(values), -np.array(k))
     c.update_and_fetch(k[:, :, :2] + 100, k[:, :, :2])  # grows past its step
-    assert c.offset == 5 and c._k.shape[2] == 8 and np.array_equal(np.array(c.keys[:, :, 3:]), np.array(k[:, :, :2] + 100))
+    assert (
+        c.offset == 5 and c._k.shape[2] == 8 and np.array_equal(np.array(c.keys[:, :, 3:]), np.array(k[:, :, :2] + 100))
+    )
     assert c.trim(2) == 2 and c.offset == 3 and c.keys.shape[2] == 3
     d = HostKVCache.from_state(c.state)
     assert d.offset == 3 and np.array_equal(np.array(d.keys), np.array(c.keys)) and d.nbytes > 0

@@ -4,10 +4,10 @@ count for the process (/proc/self/io read_bytes) over a real run of the default 
 import os
 from pathlib import Path
 
-import pytest
-
 import mlx_flash
 from mlx_flash.default_model import default_model_dir
+
+import pytest
 
 PROC_IO = Path("/proc/self/io")
 

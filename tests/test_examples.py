@@ -23,7 +23,9 @@ def test_notebook_runs(name, tmp_path, this_checkout):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(EXAMPLES / name, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import mlx_flash; print(mlx_flash.__file__)"))
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     assert nb.cells[-1].outputs[0]["text"].startswith(str(ROOT / "mlx_flash"))  # this checkout's package ran
 
 

@@ -2,15 +2,15 @@
 
 import json
 
-import mlx.core as mx
-import mlx_lm
-import numpy as np
-import pytest
-
 from mlx_flash.convert import convert
 from mlx_flash.convert.export import export
 from mlx_flash.loader import load_resident, load_tokenizer
 from mlx_flash.models.tiny import make_tiny_model_dir
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
 
 PROMPT = "Hello, tiny world!"
 
@@ -19,7 +19,9 @@ PROMPT = "Hello, tiny world!"
 def flash_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     src = make_tiny_model_dir("llama", root / "src")
-    return convert(str(src), root / "flash", bits=4, group_size=32, down_bits="8", progress=False)  # down 8-bit per neuron
+    return convert(
+        str(src), root / "flash", bits=4, group_size=32, down_bits="8", progress=False
+    )  # down 8-bit per neuron
 
 
 def _greedy(model, tokenizer, n=12):

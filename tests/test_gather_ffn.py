@@ -13,14 +13,14 @@ import shutil
 import subprocess
 import textwrap
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlx_flash.compute import backends as gf
 from mlx_flash.compute import metal as gm
 from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward, project
 from mlx_flash.format.directory import BundleLayout
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 KINDS = ["float32", "float16", "bfloat16", "q4", "q8"]
 FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -127,8 +127,13 @@ def test_row_dot_and_row_axpy_match_numpy(kind, alignment):
     rng = np.random.default_rng(KINDS.index(kind) + alignment)
     d, n_out = 128, 64
     other = KINDS[(KINDS.index(kind) + 1) % len(KINDS)]
-    c = Cache(rng, {"gate": (kind, d), "up": (other, d), "down": (kind, n_out)}, n_units=21, alignment=alignment,
-              spare=3 if alignment == 512 else 0)
+    c = Cache(
+        rng,
+        {"gate": (kind, d), "up": (other, d), "down": (kind, n_out)},
+        n_units=21,
+        alignment=alignment,
+        spare=3 if alignment == 512 else 0,
+    )
     x = rng.standard_normal((3, d)).astype(np.float32)
     for case, units in unit_lists(rng, c.n_units).items():
         slots = c.slots_for(units)
@@ -174,8 +179,12 @@ def test_leading_dims_unaligned_offsets_and_slot_types():
     assert any(not gm.supports(gf.row_matrix(c.layout, n)) for n in ("gate", "down"))  # misaligned after the pad
     units = np.array([8, 0, 0, 5])
     x = rng.standard_normal((2, 1, 64)).astype(np.float32)  # [B, L, d] as the model calls it
-    for slots in (c.slots_for(units), np.asarray(c.slot_of_unit[units]), list(c.slot_of_unit[units]),
-                  c.slots_for(units).astype(mx.int64)):
+    for slots in (
+        c.slots_for(units),
+        np.asarray(c.slot_of_unit[units]),
+        list(c.slot_of_unit[units]),
+        c.slots_for(units).astype(mx.int64),
+    ):
         for name in ("gate", "up"):
             out = gf.row_dot(mx.array(x), c.rows, slots, c.layout, name, c.quant[name])
             W = c.rows_of(name, units)
@@ -210,15 +219,19 @@ def test_glu_ffn_equals_ffn_forward(kinds):
     rng = np.random.default_rng(11)
     d = 128
     c = Cache(rng, {"gate": (kinds[0], d), "up": (kinds[0], d), "down": (kinds[1], d)}, n_units=40, alignment=4096)
-    ffn = {"kind": "glu", "activation": "silu",
-           "matrices": ffn_info(c.quant, {"gate": False, "up": False, "down": True})}
+    ffn = {
+        "kind": "glu",
+        "activation": "silu",
+        "matrices": ffn_info(c.quant, {"gate": False, "up": False, "down": True}),
+    }
     x = mx.array(rng.standard_normal((1, 1, d)).astype(np.float32))
     for units in (rng.choice(40, 12, replace=False), np.arange(40)):
         slots = c.slots_for(units)
         ref = ffn_forward(x, c.layout.unpack(mx.take(c.rows, slots, axis=0)), ffn)
         act = ACTIVATIONS["silu"]
         h = act(gf.row_dot(x, c.rows, slots, c.layout, "gate", c.quant["gate"])) * gf.row_dot(
-            x, c.rows, slots, c.layout, "up", c.quant["up"])
+            x, c.rows, slots, c.layout, "up", c.quant["up"]
+        )
         y = gf.row_axpy(h, c.rows, slots, c.layout, "down", c.quant["down"])
         np.testing.assert_allclose(np.array(y), np.array(ref), rtol=1e-4, atol=1e-4 * float(mx.abs(ref).max()))
 
@@ -256,14 +269,19 @@ def test_dip_layout_gate_up_by_input_columns():
     u = gf.row_axpy(x_in, inputs.rows, s_in, inputs.layout, "up", inputs.quant["up"])
     h = act(g) * u
     keep = rng.choice(n, 30, replace=False)
-    y = gf.row_axpy(h[:, mx.array(keep)], neurons.rows, neurons.slots_for(keep), neurons.layout, "down",
-                    neurons.quant["down"])
+    y = gf.row_axpy(
+        h[:, mx.array(keep)], neurons.rows, neurons.slots_for(keep), neurons.layout, "down", neurons.quant["down"]
+    )
     a_in = inputs.layout.unpack(mx.take(inputs.rows, s_in, axis=0))
     g_ref = project(x_in, a_in, "gate", {"quantization": inputs.quant["gate"], "transposed": True})
     u_ref = project(x_in, a_in, "up", {"quantization": None, "transposed": True})
     a_out = neurons.layout.unpack(mx.take(neurons.rows, neurons.slots_for(keep), axis=0))
-    y_ref = project((act(g_ref) * u_ref)[:, mx.array(keep)], a_out, "down",
-                    {"quantization": neurons.quant["down"], "transposed": True})
+    y_ref = project(
+        (act(g_ref) * u_ref)[:, mx.array(keep)],
+        a_out,
+        "down",
+        {"quantization": neurons.quant["down"], "transposed": True},
+    )
     np.testing.assert_allclose(np.array(y), np.array(y_ref), rtol=1e-4, atol=1e-4 * float(mx.abs(y_ref).max()))
 
 
@@ -310,21 +328,26 @@ def test_metal_matches_mlx_ops(kind, B):
     d, n_out = 256, 96
     c = Cache(rng, {"gate": (kind, d), "up": ("q4", d), "down": (kind, n_out)}, n_units=50, alignment=4096)
     for xdtype in (mx.float32, mx.float16, mx.bfloat16):
-        for units in (np.zeros(0, int), np.array([3]), rng.integers(0, 50, 5), rng.integers(0, 50, 37),
-                      rng.permutation(50)):
+        for units in (
+            np.zeros(0, int),
+            np.array([3]),
+            rng.integers(0, 50, 5),
+            rng.integers(0, 50, 37),
+            rng.permutation(50),
+        ):
             slots = c.slots_for(units)
             x = mx.array(rng.standard_normal((B, d)).astype(np.float32)).astype(xdtype)
             for name in ("gate", "up"):
                 m = gf.row_dot(x, c.rows, slots, c.layout, name, c.quant[name], use_metal=True)
                 o = gf.row_dot(x.astype(mx.float32), c.rows, slots, c.layout, name, c.quant[name], use_metal=False)
                 assert m.dtype == xdtype
-                xn, W = to_np(x), c.rows_of(name, units)
+                xn = to_np(x)
                 M = c.mag_of(name, units)
                 assert_close(m, to_np(o), np.abs(xn) @ M.T, xdtype)
             w = mx.array(rng.standard_normal((B, len(units))).astype(np.float32)).astype(xdtype)
             m = gf.row_axpy(w, c.rows, slots, c.layout, "down", c.quant["down"], use_metal=True)
             o = gf.row_axpy(w.astype(mx.float32), c.rows, slots, c.layout, "down", c.quant["down"], use_metal=False)
-            wn, W = to_np(w), c.rows_of("down", units)
+            wn = to_np(w)
             M = c.mag_of("down", units)
             assert_close(m, to_np(o), np.abs(wn) @ M, xdtype)
 
@@ -417,11 +440,21 @@ def _cxx_kernel(which, m, xdtype):
     """One instantiation of a kernel body as a C++ function plus an extern "C" launcher."""
     src = gm.KERNEL_SOURCES[which]
     a = "x" if which == "row_dot" else "w"
-    tmpl = dict(T=CTYPE[m.float_dtype], TO=CTYPE[xdtype], N=m.n, BITS=m.bits, GS=m.group_size,
-                W_OFF=m.weight.offset, S_OFF=m.scales.offset if m.bits else 0,
-                B_OFF=m.biases.offset if m.bits else 0, TC=gm._AXPY_TC, TJ=gm._AXPY_TJ)
-    consts = "\n".join(f"typedef {v} {k};" if k in ("T", "TO") else f"constexpr int {k} = {v};"
-                       for k, v in tmpl.items())
+    tmpl = dict(
+        T=CTYPE[m.float_dtype],
+        TO=CTYPE[xdtype],
+        N=m.n,
+        BITS=m.bits,
+        GS=m.group_size,
+        W_OFF=m.weight.offset,
+        S_OFF=m.scales.offset if m.bits else 0,
+        B_OFF=m.biases.offset if m.bits else 0,
+        TC=gm._AXPY_TC,
+        TJ=gm._AXPY_TJ,
+    )
+    consts = "\n".join(
+        f"typedef {v} {k};" if k in ("T", "TO") else f"constexpr int {k} = {v};" for k, v in tmpl.items()
+    )
     fn = f"{which}_{len(_CXX_CASES)}"
     if which == "row_dot":
         grid, group = "{32 * uint(k), uint(B), 1}", f"{{{gm._ROW_DOT_THREADGROUP}, 1, 1}}"
@@ -464,15 +497,31 @@ def test_kernel_bodies_emulated_on_cpu(tmp_path):
     pieces, cases = [gm.KERNEL_SOURCES["header"]], []
     for c, xdt in zip(caches, xdtypes):
         for which, name in (("row_dot", "gate"), ("row_axpy", "down")):
-            m = gf.row_matrix(c.layout, name, *(() if c.quant[name] is None else
-                                                (c.quant[name]["bits"], c.quant[name]["group_size"])))
+            m = gf.row_matrix(
+                c.layout, name, *(() if c.quant[name] is None else (c.quant[name]["bits"], c.quant[name]["group_size"]))
+            )
             pieces.append(_cxx_kernel(which, m, xdt))
             cases.append((_CXX_CASES[-1], which, c, name, xdt))
     cpp = tmp_path / "gather_ffn_emulated.cpp"
     cpp.write_text(STUBS + "\n".join(pieces))
     lib = tmp_path / "gather_ffn_emulated.so"
-    r = subprocess.run([CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unused-variable",
-                        "-o", str(lib), str(cpp)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            CXX,
+            "-std=c++20",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-Wall",
+            "-Wno-unused-variable",
+            "-o",
+            str(lib),
+            str(cpp),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     so = ctypes.CDLL(str(lib))
     np_of = {mx.float32: np.float32, mx.float16: np.float16}
@@ -493,14 +542,23 @@ def test_kernel_bodies_emulated_on_cpu(tmp_path):
                 a_raw = np.array(a_mx).astype(np_of[xdt])
             n_res = k if which == "row_dot" else c.truth[name].shape[1]
             out = np.zeros((B, n_res), dtype=a_raw.dtype)
-            getattr(so, fn)(a_raw.ctypes.data_as(ctypes.c_void_p), host.ctypes.data_as(ctypes.c_void_p),
-                            host.shape[0], host.shape[1], slots.ctypes.data_as(ctypes.c_void_p), k, B,
-                            out.ctypes.data_as(ctypes.c_void_p))
+            getattr(so, fn)(
+                a_raw.ctypes.data_as(ctypes.c_void_p),
+                host.ctypes.data_as(ctypes.c_void_p),
+                host.shape[0],
+                host.shape[1],
+                slots.ctypes.data_as(ctypes.c_void_p),
+                k,
+                B,
+                out.ctypes.data_as(ctypes.c_void_p),
+            )
             res = to_np(mx.view(mx.array(out), mx.bfloat16)) if xdt == mx.bfloat16 else out.astype(np.float64)
             an = to_np(a_mx)
             ref, scale = (an @ W.T, np.abs(an) @ M.T) if which == "row_dot" else (an @ W, np.abs(an) @ M)
             bad = np.abs(res - ref) > TOL[xdt] * (scale + 1e-6)
-            assert not bad.any(), f"{fn} ({which} {name} {c.quant[name]} x {xdt}) k={k} B={B}: max err {np.abs(res - ref).max()}"
+            assert not bad.any(), (
+                f"{fn} ({which} {name} {c.quant[name]} x {xdt}) k={k} B={B}: max err {np.abs(res - ref).max()}"
+            )
 
 
 # -- native CPU path (cpu_gemv) vs numpy ---------------------------------------------------
@@ -562,8 +620,14 @@ def test_native_cpu_path_only_for_few_float32_rows(native):
     from mlx_flash.compute.cpu_gemv import NATIVE_ROWS
 
     many = NATIVE_ROWS + 1
-    gf.row_dot(mx.array(rng.standard_normal((many, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])
-    gf.row_dot(mx.array(rng.standard_normal((1, 64))).astype(mx.float16), c.rows, slots, c.layout, "gate", c.quant["gate"])
+    gf.row_dot(
+        mx.array(rng.standard_normal((many, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"]
+    )
+    gf.row_dot(
+        mx.array(rng.standard_normal((1, 64))).astype(mx.float16), c.rows, slots, c.layout, "gate", c.quant["gate"]
+    )
     assert native["row_dot"] == 0
-    gf.row_dot(mx.array(rng.standard_normal((1, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"])
+    gf.row_dot(
+        mx.array(rng.standard_normal((1, 64)).astype(np.float32)), c.rows, slots, c.layout, "gate", c.quant["gate"]
+    )
     assert native["row_dot"] == 1

@@ -3,11 +3,11 @@
 import subprocess
 import sys
 
-import pytest
-
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.models.tiny import make_tiny_model_dir
+
+import pytest
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +17,15 @@ def flash(tmp_path_factory):
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "mlx_flash.generate", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_flash.generate", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_with_stats(flash):
-    r = run("--model", str(flash), "--prompt", "hello", "--max-tokens", "6", "--memory-budget", "250%", "--stats")  # tiny: scratch dominates
+    r = run(
+        "--model", str(flash), "--prompt", "hello", "--max-tokens", "6", "--memory-budget", "250%", "--stats"
+    )  # tiny: scratch dominates
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "per-token stats" in out and out.count("[token") == 5  # 6 tokens: the first from the prompt's pass

@@ -6,19 +6,19 @@ import importlib
 import math
 import threading
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from mlx_lm.generate import generate_step as mlx_lm_generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors
-
 from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step, stream_generate
 from mlx_flash.loader import load
 from mlx_flash.models.tiny import make_tiny_model_dir
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
 
 PROMPT = [1, 5, 9, 33, 7, 100, 3] * 4
 CONTEXT = 256
@@ -30,8 +30,9 @@ def flash(tmp_path_factory):
     path = convert(str(make_tiny_model_dir("llama", root / "src", vocab_size=257)), root / "flash", progress=False)
     fd = FlashDir(path)
     # dense streaming with caches for a third of the FFN: every pass reads
-    model, tokenizer = load(path, memory_budget=min_budget(fd, CONTEXT) + fd.ffn_bytes // 3, sparsity="dense",
-                            context=CONTEXT)
+    model, tokenizer = load(
+        path, memory_budget=min_budget(fd, CONTEXT) + fd.ffn_bytes // 3, sparsity="dense", context=CONTEXT
+    )
     yield model, tokenizer
     model.flash.close()
 
@@ -142,9 +143,9 @@ def test_generation_tps_is_decode_steps_over_their_time(monkeypatch, tmp_path):
     """The prompt's pass (5 s) makes the first token; each later token is one decode step (2 s): 8 tokens are
     7 steps in 14 s, 0.5 tokens/s (not 8 / 14)."""
     generation = importlib.import_module("mlx_flash.generate")  # (the attribute mlx_flash.generate is the function)
-    from mlx_lm.utils import load_tokenizer
-
     from mlx_flash.models.tiny import save_tiny_tokenizer
+
+    from mlx_lm.utils import load_tokenizer
 
     save_tiny_tokenizer(tmp_path)
     clock = _Clock()

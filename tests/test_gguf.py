@@ -5,16 +5,16 @@ import math
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
+from mlx_flash.convert.gguf import gguf_to_mlx_dir
+from mlx_flash.default_model import default_gguf_path
+from mlx_flash.errors import SourceError, UnsupportedArchitectureError
+from mlx_flash.models.tiny import bytes_to_unicode
+from mlx_flash.texts import read_text
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
-from mlx_flash.errors import SourceError, UnsupportedArchitectureError
-from mlx_flash.convert.gguf import gguf_to_mlx_dir
-from mlx_flash.default_model import default_gguf_path
-from mlx_flash.texts import read_text
-from mlx_flash.models.tiny import bytes_to_unicode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,9 @@ def _load_float32(model_dir):
     from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
     model, _ = load_model(Path(model_dir))
-    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    model.update(
+        tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters())
+    )
     model = dequantize_model(model)
     mx.eval(model.parameters())
     return model, load_tokenizer(Path(model_dir))
@@ -110,7 +112,12 @@ def test_token_ids_look_right(tokenizer):
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode(" 42")) == ["Ġ", "4", "2"]
     # ordinary English is a handful of whole-word tokens
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("the cat sat on the mat")) == [
-        "the", "Ġcat", "Ġsat", "Ġon", "Ġthe", "Ġmat",
+        "the",
+        "Ġcat",
+        "Ġsat",
+        "Ġon",
+        "Ġthe",
+        "Ġmat",
     ]
     # control tokens are single special tokens; no BOS is added (add_bos_token is false in the GGUF)
     ids = tokenizer.encode("<|im_start|>user\nHi<|im_end|>")
@@ -122,8 +129,12 @@ def test_token_ids_look_right(tokenizer):
 
 
 def test_chat_template(tokenizer, smol_dir):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
-    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith(
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     cfg = json.loads((smol_dir / "tokenizer_config.json").read_text())
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "chat_template" in cfg
 
@@ -183,7 +194,9 @@ def test_loads_and_generates(smol_dir):
     text = mlx_lm.generate(model, tok, "The capital of France is", max_tokens=8, verbose=False)
     assert "Paris" in text, text
     # the instruct chat template works end to end
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
     assert "Paris" in mlx_lm.generate(model, tok, prompt, max_tokens=12, verbose=False)
 
 
@@ -445,7 +458,7 @@ def test_requantised_types_stay_close(tmp_path, qtype):
     w.close()
     from mlx_flash.convert.gguf import _open
 
-    (base, part, arrays, quant), = _open(tmp_path / "t.gguf", True, 0).tensors()
+    ((base, part, arrays, quant),) = _open(tmp_path / "t.gguf", True, 0).tensors()
     assert quant == (32, 8) and arrays["weight"].dtype == mx.uint32
     got = np.array(mx.dequantize(*(arrays[k] for k in ("weight", "scales", "biases")), group_size=32, bits=8))
     err = got - ref
@@ -472,8 +485,12 @@ def test_unpermute_on_quantised_rows(tmp_path):
     for i in range(TINY["layers"]):
         q = _dense(weights, f"model.layers.{i}.self_attn.q_proj")
         k = _dense(weights, f"model.layers.{i}.self_attn.k_proj")
-        np.testing.assert_allclose(_llamacpp_permute(q, TINY["heads"]), stored[f"blk.{i}.attn_q.weight"], rtol=1e-3, atol=1e-5)
-        np.testing.assert_allclose(_llamacpp_permute(k, TINY["kv_heads"]), stored[f"blk.{i}.attn_k.weight"], rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(
+            _llamacpp_permute(q, TINY["heads"]), stored[f"blk.{i}.attn_q.weight"], rtol=1e-3, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            _llamacpp_permute(k, TINY["kv_heads"]), stored[f"blk.{i}.attn_k.weight"], rtol=1e-3, atol=1e-5
+        )
         assert not np.allclose(q, stored[f"blk.{i}.attn_q.weight"], atol=1e-3)  # the permutation did something
 
 
@@ -516,7 +533,14 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
     n = sp.get_piece_size()
     kinds = [(sp.is_unknown, 2), (sp.is_control, 3), (sp.is_byte, 6), (sp.is_unused, 5)]
     types = [next((t for f, t in kinds if f(i)), 1) for i in range(n)]
-    vocab = ([sp.id_to_piece(i) for i in range(n)], [sp.get_score(i) for i in range(n)], types, sp.bos_id(), sp.eos_id(), sp.unk_id())
+    vocab = (
+        [sp.id_to_piece(i) for i in range(n)],
+        [sp.get_score(i) for i in range(n)],
+        types,
+        sp.bos_id(),
+        sp.eos_id(),
+        sp.unk_id(),
+    )
     src = tmp_path / "spm.gguf"
     _write_tiny_gguf(src, spm=vocab)
     out = gguf_to_mlx_dir(src, tmp_path / "out")
@@ -524,7 +548,15 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
-    texts = held_out + ["Hello world", "  two leading spaces", "trailing  ", "tabs\tand\nnewlines\n\n", "日本語 😀 naïve", "12345 67", ""]
+    texts = held_out + [
+        "Hello world",
+        "  two leading spaces",
+        "trailing  ",
+        "tabs\tand\nnewlines\n\n",
+        "日本語 😀 naïve",
+        "12345 67",
+        "",
+    ]
     for text in texts:
         assert tok.encode(text, add_special_tokens=False) == sp.encode(text), text
         ids = tok.encode(text)
@@ -535,9 +567,9 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
 def test_mxfp4_blocks_become_mlx_mxfp4_exactly():
     """GGML MXFP4 (gpt-oss's experts) -> MLX mxfp4 keeps the codes and the scale byte: MLX's dequantisation of the
     repacked rows equals the gguf package's of the original blocks, value for value."""
-    import gguf
-
     from mlx_flash.convert.gguf import _repack_mxfp4
+
+    import gguf
 
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(3, 4, 17), dtype=np.uint8)
@@ -657,8 +689,9 @@ def _hf_to_gguf(hf_dir, path, arch, qtypes=None, extra=None):
     """Write the HF model in `hf_dir` as llama.cpp's convert_hf_to_gguf.py would: its tensor names, metadata,
     Llama's q/k row permutation and Gemma's norm + 1. `qtypes`: {gguf base suffix: GGMLQuantizationType};
     `extra(writer)` adds more metadata or tensors."""
-    import gguf
     from mlx_flash.convert.gguf_archs import ARCHITECTURES
+
+    import gguf
 
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     weights = {k: np.array(v) for k, v in mx.load(str(Path(hf_dir) / "model.safetensors")).items()}
@@ -718,9 +751,9 @@ def _hf_to_gguf(hf_dir, path, arch, qtypes=None, extra=None):
 
 
 def _greedy_tokens(flash_dir, prompt, n=12):
-    import mlx_lm
-
     from mlx_flash import load
+
+    import mlx_lm
 
     model, tok = load(flash_dir)
     try:
@@ -781,7 +814,11 @@ def test_gemma3_norm_shift_matters(tmp_path, monkeypatch):
     monkeypatch.setitem(g.ARCHITECTURES, "gemma3", dataclasses.replace(g.ARCHITECTURES["gemma3"], norm_shift=0.0))
     got = mx.load(str(gguf_to_mlx_dir(src, tmp_path / "out") / "model.safetensors"))
     ref = mx.load(str(hf / "model.safetensors"))
-    for k in ("model.norm.weight", "model.layers.0.self_attn.q_norm.weight", "model.layers.1.post_feedforward_layernorm.weight"):
+    for k in (
+        "model.norm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.1.post_feedforward_layernorm.weight",
+    ):
         np.testing.assert_allclose(np.array(got[k]), np.array(ref[k]) + 1, atol=1e-6)
 
 
@@ -809,10 +846,10 @@ def test_header_parser_matches_gguf_reader(smol_gguf, tmp_path):
     """_GGUFFile (which parses the header straight from the memory map, without a numpy view per metadata item)
     reads the metadata and tensors the gguf package's reader reads: the same values, and views of the same bytes
     with the same dtypes and shapes (float, K-quant, Q5_0, Q8_0, MXFP4 tensors; SentencePiece and BPE vocabularies)."""
-    import gguf
-
     from mlx_flash.convert.gguf import _GGUFFile
     from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+
+    import gguf
 
     T = gguf.GGMLQuantizationType
     tiny = tmp_path / "tiny.gguf"
@@ -823,8 +860,12 @@ def test_header_parser_matches_gguf_reader(smol_gguf, tmp_path):
         assert ours.fields == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
         for a, b in zip(reader.tensors, ours.tensors):
-            assert (b.tensor_type, b.data_offset, b.n_bytes, b.shape) == (a.tensor_type, a.data_offset, a.n_bytes,
-                                                                          tuple(int(x) for x in a.shape))
+            assert (b.tensor_type, b.data_offset, b.n_bytes, b.shape) == (
+                a.tensor_type,
+                a.data_offset,
+                a.n_bytes,
+                tuple(int(x) for x in a.shape),
+            )
             assert b.data.dtype == a.data.dtype and b.data.shape == a.data.shape, a.name
             assert np.array_equal(b.data.view(np.uint8), a.data.view(np.uint8)), a.name
 
@@ -835,8 +876,12 @@ def test_block_repacking_by_rows_is_exact(block):
     repacking them whole, for Q4_0, Q4_1, Q8_0 and MXFP4 blocks."""
     from mlx_flash.convert import gguf as g
 
-    repack = {18: lambda r: g._repack_q4(r, 18), 20: lambda r: g._repack_q4(r, 20), 34: g._repack_q8_0,
-              17: g._repack_mxfp4}[block]
+    repack = {
+        18: lambda r: g._repack_q4(r, 18),
+        20: lambda r: g._repack_q4(r, 20),
+        34: g._repack_q8_0,
+        17: g._repack_mxfp4,
+    }[block]
     rng = np.random.default_rng(block)
     raw = rng.integers(0, 256, (1000, block * 8), dtype=np.uint8)
     blocks = raw.reshape(1000, 8, block)

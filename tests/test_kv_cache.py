@@ -1,23 +1,28 @@
 """The KV cache in the budget: quantised (kv_bits) and float, planned to the byte, close to float."""
 
+from mlx_flash.budget import kv_cache_bytes, parse_size, plan_memory
+from mlx_flash.default_model import default_model_dir
+from mlx_flash.engine.native_step import HostKVCache
+from mlx_flash.engine.resident import stream_groups
+from mlx_flash.errors import FlashError
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import cpu_cast, load
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from mlx_flash.budget import kv_cache_bytes, parse_size, plan_memory
-from mlx_flash.engine.native_step import HostKVCache
-from mlx_flash.default_model import default_model_dir
-from mlx_flash.errors import FlashError
-from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import cpu_cast, load
-from mlx_flash.engine.resident import stream_groups
-
 
 def test_kv_cache_bytes_counts_codes_scales_and_biases():
-    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
-              "head_dim": 64}
+    config = {
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "hidden_size": 576,
+        "head_dim": 64,
+    }
     assert kv_cache_bytes(config, 300, 4) == 2 * 30 * 3 * 64 * 320 * 4  # 301 tokens in whole 32-token steps
     # 8 bits: 64 one-byte codes + a float32 scale and bias per vector of 64
     assert kv_cache_bytes(config, 255, 4, bits=8, group_size=64) == 2 * 30 * 3 * (64 + 8) * 256
@@ -69,15 +74,24 @@ def test_quantised_kv_leaves_room_and_allows_longer_contexts():
     budget = parse_size("60%", fd.model_bytes)  # 768 tokens of float32 KV cache need about half the model
 
     def plan(kv_bits, prompt_caches=0):
-        return plan_memory(fd, budget, 768, 4, resident=fd.resident_nbytes(cpu_cast),
-                           groups=stream_groups(fd, cpu_cast, 768), kv_bits=kv_bits, prompt_caches=prompt_caches)
+        return plan_memory(
+            fd,
+            budget,
+            768,
+            4,
+            resident=fd.resident_nbytes(cpu_cast),
+            groups=stream_groups(fd, cpu_cast, 768),
+            kv_bits=kv_bits,
+            prompt_caches=prompt_caches,
+        )
 
     f, q8 = plan(None), plan(8)
     assert q8.kv_cache * 3.5 < f.kv_cache and q8.max_context > 3 * f.max_context >= 3 * 768
     with_cache = plan(8, prompt_caches=1)
     assert with_cache.prompt_cache == with_cache.kv_cache and with_cache.max_context < q8.max_context
-    assert "prompt cache" in with_cache.describe({k: v.stride for k, v in fd.layouts.items()},
-                                                 {k: r.n_units for k, r in fd.layers[0].items()})
+    assert "prompt cache" in with_cache.describe(
+        {k: v.stride for k, v in fd.layouts.items()}, {k: r.n_units for k, r in fd.layers[0].items()}
+    )
 
 
 def test_kv_bits_needs_a_group_size_dividing_the_head(tmp_path):

@@ -16,10 +16,10 @@ import ast
 import re
 from pathlib import Path
 
+import mlx_flash
+
 import grimp
 import pytest
-
-import mlx_flash
 
 ROOT = "mlx_flash"
 LAYERS = ["tools", "calib", "convert"]  # top to bottom; the core is below them all
@@ -73,8 +73,7 @@ def test_layers_import_only_downwards(graph):
 
 
 def test_nothing_imports_a_command(graph):
-    wrong = [(m, i) for m in graph.modules if m != ROOT for i in imports(graph, m)
-             if layer_of(i) == len(LAYERS) + 1]
+    wrong = [(m, i) for m in graph.modules if m != ROOT for i in imports(graph, m) if layer_of(i) == len(LAYERS) + 1]
     assert not wrong, ", ".join(f"{m} -> {i}" for m, i in sorted(wrong))
 
 
@@ -87,7 +86,7 @@ def test_no_import_cycles(graph):
         state[m] = "open"
         for n in sorted(edges[m]):
             if state.get(n) == "open":
-                cycles.append(path[path.index(n):] + [n])
+                cycles.append(path[path.index(n) :] + [n])
             elif n not in state:
                 visit(n, path + [n])
         state[m] = "done"
@@ -109,8 +108,12 @@ def test_internal_imports_at_module_level():
     """No import of the package's own modules inside a function (they hid cycles); the compiled extensions,
     imported in a try block so that the package works without them, are the exception."""
     top = Path(mlx_flash.__path__[0])
-    inner = [f"{p.relative_to(top)}: {line.strip()}" for p in top.rglob("*.py") for line in p.read_text().splitlines()
-             if re.match(r"\s+from \.", line) and not re.search(r"import _(cpu_gemv|pread_pool) as _native", line)]
+    inner = [
+        f"{p.relative_to(top)}: {line.strip()}"
+        for p in top.rglob("*.py")
+        for line in p.read_text().splitlines()
+        if re.match(r"\s+from \.", line) and not re.search(r"import _(cpu_gemv|pread_pool) as _native", line)
+    ]
     assert not inner, "\n".join(inner)
 
 
@@ -131,12 +134,20 @@ def private_accesses(source: str) -> list:
             own.add(n.arg)
     found = []
     for n in ast.walk(tree):
-        if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
-                and n.attr not in own and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
+        if (
+            isinstance(n, ast.Attribute)
+            and n.attr.startswith("_")
+            and not n.attr.startswith("__")
+            and n.attr not in own
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+        ):
             found.append(f"{n.lineno}: {ast.unparse(n)}")
         elif isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith(ROOT)):
-            found += [f"{n.lineno}: import {a.name}" for a in n.names
-                      if a.name.startswith("_") and not a.name.startswith("__") and a.name not in EXTENSIONS]
+            found += [
+                f"{n.lineno}: import {a.name}"
+                for a in n.names
+                if a.name.startswith("_") and not a.name.startswith("__") and a.name not in EXTENSIONS
+            ]
     return found
 
 
@@ -163,8 +174,11 @@ def test_one_unit_step_and_one_read_ahead():
     defs = {(name, n.name) for name, t in trees.items() for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
     classes = [(name, n.name) for name, t in trees.items() for n in ast.walk(t) if isinstance(n, ast.ClassDef)]
     assert [d for d in defs if d[1] in ("step", "_overflow", "_staged_misses")] and all(
-        name == "units.py" for name, f in defs if f in ("step", "_overflow", "_staged_misses"))
+        name == "units.py" for name, f in defs if f in ("step", "_overflow", "_staged_misses")
+    )
     for kind in ("neurons.py", "experts.py"):
         calls = [n for n in ast.walk(trees[kind]) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.step"]
         assert calls, f"{kind} does not call the unit step"
-    assert [c for c in classes if "ahead" in c[1].lower() or "prefetch" in c[1].lower()] == [("read_ahead.py", "ReadAhead")]
+    assert [c for c in classes if "ahead" in c[1].lower() or "prefetch" in c[1].lower()] == [
+        ("read_ahead.py", "ReadAhead")
+    ]

@@ -1,14 +1,14 @@
 """The budget is the whole process: peak RSS above the baseline `load` records stays under it, the
 selector's DRAM is planned, and the stats say so."""
 
-import pytest
-
 import mlx_flash
-from mlx_flash.engine import memory
 from mlx_flash.budget import parse_size
 from mlx_flash.default_model import default_model_dir
+from mlx_flash.engine import memory
 from mlx_flash.errors import BudgetError
 from mlx_flash.format.directory import FlashDir
+
+import pytest
 
 PROMPT = "The history of the city begins. " * 8  # ~60 tokens: prefill activations count too
 
@@ -26,7 +26,9 @@ def test_memory_readings_move():
 
 
 def _generate(generate_capped, budget: str):
-    return generate_capped(default_model_dir(), budget, "--prompt", PROMPT, "--max-tokens", "8", "--ignore-chat-template")
+    return generate_capped(
+        default_model_dir(), budget, "--prompt", PROMPT, "--max-tokens", "8", "--ignore-chat-template"
+    )
 
 
 @pytest.mark.parametrize("budget", ["25%", "50%", "80%"])

@@ -32,4 +32,6 @@ def test_mlx_lm_still_has_what_mlx_flash_relies_on(module, path, params):
         obj = getattr(obj, name)
     if params is not None:
         have = list(inspect.signature(obj).parameters)
-        assert have[: len(params)] == params, f"mlx-lm {module}.{path}{inspect.signature(obj)} changed: mlx_flash calls it as ({', '.join(params)})"
+        assert have[: len(params)] == params, (
+            f"mlx-lm {module}.{path}{inspect.signature(obj)} changed: mlx_flash calls it as ({', '.join(params)})"
+        )

@@ -1,24 +1,23 @@
 """Mixture-of-experts models from flash: experts as units, the model's own router as the selector."""
 
 import json
-from pathlib import Path
-
-import mlx.core as mx
-import numpy as np
-import pytest
 
 import mlx_flash  # noqa: F401
-from mlx_flash.compute import cpu_gemv
 from mlx_flash.budget import min_budget
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
-from mlx_flash.errors import FlashError
 from mlx_flash.engine.experts import REGION, ExpertEngine, expert_arrays, switch_paths
+from mlx_flash.engine.reader import DEFAULT_MAX_GAP_BYTES
+from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import TINY_MOE_ARCHS, make_tiny_model_dir
-from mlx_flash.engine.reader import DEFAULT_MAX_GAP_BYTES
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 PROMPT = mx.array([1, 5, 9, 33, 70, 2, 11])
 
@@ -89,8 +88,12 @@ def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
     src, _ = load_source_model(src_dir, lazy=False)
     ref_tokens, ref_logits = greedy(src), src(PROMPT[None])
     fd = FlashDir(flash_dir)
-    for budget, ahead in ((None, None), (slots_budget(fd, 1), None), (slots_budget(fd, 3), None),
-                          (slots_budget(fd, 1, read_ahead=True), True)):
+    for budget, ahead in (
+        (None, None),
+        (slots_budget(fd, 1), None),
+        (slots_budget(fd, 3), None),
+        (slots_budget(fd, 1, read_ahead=True), True),
+    ):
         model, _ = load(flash_dir, memory_budget=budget, context=64, prefetch=ahead)
         try:
             assert (model.flash.read_ahead is not None) == bool(ahead)  # off by default
@@ -275,13 +278,12 @@ def test_experts_stay_cached_while_they_fit(moe_dirs):
         model.flash.close()
 
 
-
 def test_export_is_stock_mlx_lm(moe_gguf_dir, tmp_path):
     """`export` of an MoE directory loads in stock mlx-lm with the flash model's logits; the float routers are
     marked unquantized per module (runtimes that quantize every Linear otherwise expect codes for them)."""
-    from mlx_lm.utils import load as mlx_lm_load
-
     from mlx_flash.convert.export import export
+
+    from mlx_lm.utils import load as mlx_lm_load
 
     out = export(moe_gguf_dir, tmp_path / "mlx", progress=False)
     quant = json.loads((out / "config.json").read_text())["quantization"]
@@ -305,7 +307,6 @@ def test_moe_refuses_what_does_not_apply(moe_dirs, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-
 @pytest.fixture(scope="module")
 def moe_gguf_dir(tmp_path_factory):
     """A qwen3moe GGUF of 340 MB (8 layers of 96 experts, top-8), converted: large enough that 25% of it is
@@ -313,9 +314,19 @@ def moe_gguf_dir(tmp_path_factory):
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
     root = tmp_path_factory.mktemp("moe-gguf")
-    gguf = write_gguf("moe-small", root / "m.gguf", progress=False, num_hidden_layers=8, vocab_size=2048,
-                      num_experts=96, hidden_size=512, moe_intermediate_size=512, num_attention_heads=4, head_dim=128,
-                      num_key_value_heads=2)
+    gguf = write_gguf(
+        "moe-small",
+        root / "m.gguf",
+        progress=False,
+        num_hidden_layers=8,
+        vocab_size=2048,
+        num_experts=96,
+        hidden_size=512,
+        moe_intermediate_size=512,
+        num_attention_heads=4,
+        head_dim=128,
+        num_key_value_heads=2,
+    )
     return convert(str(gguf), root / "flash", progress=False)
 
 
@@ -392,8 +403,9 @@ def wide_vocab_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-vocab")
     out = {}
     for arch in ("qwen3_moe", "mixtral"):
-        model, config = load_source_model(make_tiny_model_dir(arch, root / f"{arch}-float", vocab_size=131072,
-                                                              tie_word_embeddings=False), lazy=False)
+        model, config = load_source_model(
+            make_tiny_model_dir(arch, root / f"{arch}-float", vocab_size=131072, tie_word_embeddings=False), lazy=False
+        )
         model, config = quantize_model(model, config, group_size=32, bits=4)
         q = root / f"{arch}-q4"
         save_model(q, model)
@@ -409,8 +421,8 @@ def test_below_the_resident_floor_attention_and_head_stream(wide_vocab_dirs, arc
     dense models (the native decode step binds them as they load, mixtral runs MLX's forward): tokens and logits
     are still stock mlx-lm's, and the streamed bytes are counted."""
     from mlx_flash.budget import min_streaming_budget
-    from mlx_flash.loader import cpu_cast
     from mlx_flash.engine.resident import stream_groups
+    from mlx_flash.loader import cpu_cast
 
     src_dir, flash_dir = wide_vocab_dirs[arch]
     src, _ = load_source_model(src_dir, lazy=False)

@@ -5,17 +5,17 @@ streamed weights' bytes per token, stay within the budget, and the planner must 
 
 import os
 
-import mlx.core as mx
-import pytest
-from mlx_lm.generate import generate_step
-
 from mlx_flash import BudgetError, FlashFormatError
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
 from mlx_flash.convert import convert
+from mlx_flash.engine.resident import _spread, stream_groups
 from mlx_flash.format.directory import RESIDENT, FlashDir
 from mlx_flash.loader import cpu_cast, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.engine.resident import _spread, stream_groups
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
 
 PROMPT = [1, 5, 9, 33, 7, 100, 3]
 CONTEXT = 64
@@ -27,8 +27,12 @@ def dirs(tmp_path_factory):
     """6-layer tiny models: llama (untied head), opt (tied, position embedding), qwen3 (q/k norms), gemma3 (tied)."""
     root = tmp_path_factory.mktemp("offload")
     return {
-        arch: convert(str(make_tiny_model_dir(arch, root / f"src-{arch}", num_hidden_layers=6)), root / arch,
-                      alignment=512, progress=False)
+        arch: convert(
+            str(make_tiny_model_dir(arch, root / f"src-{arch}", num_hidden_layers=6)),
+            root / arch,
+            alignment=512,
+            progress=False,
+        )
         for arch in ("llama", "opt", "qwen3", "gemma3_text")
     }
 
@@ -37,8 +41,12 @@ def floors(path):
     fd = FlashDir(path)
     groups = stream_groups(fd, CAST, CONTEXT)
     resident = fd.resident_nbytes(CAST)
-    return fd, groups, min_streaming_budget(fd, CONTEXT, 4, resident=resident, groups=groups), \
-        min_budget(fd, CONTEXT, 4, resident=resident)
+    return (
+        fd,
+        groups,
+        min_streaming_budget(fd, CONTEXT, 4, resident=resident, groups=groups),
+        min_budget(fd, CONTEXT, 4, resident=resident),
+    )
 
 
 def greedy(model, n):
@@ -64,14 +72,19 @@ def test_streamed_model_equals_resident(dirs, arch):
         assert mx.get_peak_memory() - base <= budget
         # every decode token reads each streamed layer and head once, and one row of each embedding
         index = fd.resident_index()
-        per_token = sum((index[n].nbytes if g.kind != "rows" else 0)
-                        + (index[n].nbytes // index[n].shape[0] if "embed" in g.path else 0)
-                        for g in plan.streamed for n in g.tensors)
+        per_token = sum(
+            (index[n].nbytes if g.kind != "rows" else 0)
+            + (index[n].nbytes // index[n].shape[0] if "embed" in g.path else 0)
+            for g in plan.streamed
+            for n in g.tensors
+        )
         model.flash.stats.end()
         toks = model.flash.stats.decode_tokens()
         assert [t.streamed_bytes for t in toks[2:-2]] == [per_token] * len(toks[4:])
         assert all(t.bytes_requested >= t.streamed_bytes for t in toks)
-        assert model.flash.streamer.reader.stats()["bytes_read"] >= sum(t.streamed_bytes for t in model.flash.stats.tokens)
+        assert model.flash.streamer.reader.stats()["bytes_read"] >= sum(
+            t.streamed_bytes for t in model.flash.stats.tokens
+        )
     finally:
         model.flash.close()
 
@@ -99,7 +112,9 @@ def test_planner_streams_cheapest_first_and_keeps_what_fits(dirs):
 def test_a_large_input_embedding_is_streamed_by_rows_whenever_units_go_uncached(tmp_path):
     """An untied embedding read a row per token frees its bytes for FFN units: the planner streams it as
     soon as the budget cannot cache every unit, though the resident weights fit, and the tokens stay."""
-    src = make_tiny_model_dir("llama", tmp_path / "src", num_hidden_layers=3, vocab_size=4096, tie_word_embeddings=False)
+    src = make_tiny_model_dir(
+        "llama", tmp_path / "src", num_hidden_layers=3, vocab_size=4096, tie_word_embeddings=False
+    )
     path = convert(str(src), tmp_path / "flash", alignment=512, progress=False)
     fd, groups, _, resident_floor = floors(path)
     rows = [g for g in groups if g.kind == "rows"]
@@ -111,7 +126,8 @@ def test_a_large_input_embedding_is_streamed_by_rows_whenever_units_go_uncached(
     everything = plan_memory(fd, resident_floor + 2 * fd.ffn_bytes, CONTEXT, 4, resident=resident, groups=groups)
     assert everything.streamed == []
     assert sum(c["neurons"] for c in plan.capacity) > sum(
-        c["neurons"] for c in plan_memory(fd, budget, CONTEXT, 4, resident=resident).capacity)  # groups=(): resident
+        c["neurons"] for c in plan_memory(fd, budget, CONTEXT, 4, resident=resident).capacity
+    )  # groups=(): resident
     ref, _ = load_resident(path)
     model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT)
     try:

@@ -8,15 +8,15 @@ step; the MLX model gets the same weights through `sanitize`.
 import json
 import math
 
+from mlx_flash.errors import UnsupportedArchitectureError
+from mlx_flash.models import get_model_classes
+from mlx_flash.models.opt import Model, ModelArgs
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-
-from mlx_flash.errors import UnsupportedArchitectureError
-from mlx_flash.models import get_model_classes
-from mlx_flash.models.opt import Model, ModelArgs
 
 TOL = 1e-4
 
@@ -307,10 +307,10 @@ def _save_dir(tmp_path, cfg, w):
 
 
 def test_load_model_and_generate(tmp_path):
+    from mlx_flash.models.tiny import save_tiny_tokenizer
+
     from mlx_lm import generate
     from mlx_lm.utils import load_model, load_tokenizer
-
-    from mlx_flash.models.tiny import save_tiny_tokenizer
 
     cfg = make_config(vocab_size=256)
     w = hf_weights(cfg, seed=5)

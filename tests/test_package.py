@@ -32,16 +32,20 @@ def test_generate_stays_the_function_whatever_is_imported():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
-    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "mlx_flash.generate", "--help"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "mlx_flash.generate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "--memory-budget" in r.stdout and not r.stderr, r.stderr
 
 
 def test_plotting_without_matplotlib_says_what_to_install(monkeypatch):
-    import pytest
-
     from mlx_flash import FlashError
     from mlx_flash.tools.plot import pyplot
+
+    import pytest
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import raises ImportError
     with pytest.raises(FlashError, match=r"mlx-flash-runtime\[plot\]"):

@@ -3,33 +3,53 @@
 
 from pathlib import Path
 
-import gguf
-import pytest
-
 from mlx_flash import peers
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.tools.synthetic_gguf import write_gguf
 
+import gguf
+import pytest
+
 MiB = 1 << 20
 
 
 def _run(system, pct, tok_s, tokens=9, read=100 * MiB, oom=False, rnd=0):
-    return {"system": system, "budget_pct": pct, "tokens": tokens, "generated": tokens if tok_s else None,
-            "tok_s": tok_s, "oom": oom, "returncode": -9 if oom else 0, "read_bytes": read, "max_rss": 50 * MiB,
-            "cgroup_peak": 60 * MiB, "round": rnd}
+    return {
+        "system": system,
+        "budget_pct": pct,
+        "tokens": tokens,
+        "generated": tokens if tok_s else None,
+        "tok_s": tok_s,
+        "oom": oom,
+        "returncode": -9 if oom else 0,
+        "read_bytes": read,
+        "max_rss": 50 * MiB,
+        "cgroup_peak": 60 * MiB,
+        "round": rnd,
+    }
 
 
 def canned():
     runs = []
     for rnd, (a, b) in enumerate([(1.0, 2.0), (3.0, 2.5), (2.0, 9.0)]):
-        runs += [_run("llama.cpp mmap", 50, a, read=10 * MiB + 8 * 4 * MiB, rnd=rnd),
-                 _run("mlx_flash dense", 50, b, read=20 * MiB + 8 * 2 * MiB, rnd=rnd),
-                 _run("llama.cpp", 50, None, oom=True, rnd=rnd)]
-    runs += [_run("llama.cpp mmap", 50, 5.0, tokens=1, read=10 * MiB), _run("mlx_flash dense", 50, 5.0, tokens=1, read=20 * MiB),
-             _run("llama.cpp", 50, None, tokens=1, oom=True)]
-    return {"model": "canned", "budgets": [50], "weight_bytes": 1000 * MiB, "baseline_rss": 100 * MiB,
-            "summary": peers.summarize(runs)}
+        runs += [
+            _run("llama.cpp mmap", 50, a, read=10 * MiB + 8 * 4 * MiB, rnd=rnd),
+            _run("mlx_flash dense", 50, b, read=20 * MiB + 8 * 2 * MiB, rnd=rnd),
+            _run("llama.cpp", 50, None, oom=True, rnd=rnd),
+        ]
+    runs += [
+        _run("llama.cpp mmap", 50, 5.0, tokens=1, read=10 * MiB),
+        _run("mlx_flash dense", 50, 5.0, tokens=1, read=20 * MiB),
+        _run("llama.cpp", 50, None, tokens=1, oom=True),
+    ]
+    return {
+        "model": "canned",
+        "budgets": [50],
+        "weight_bytes": 1000 * MiB,
+        "baseline_rss": 100 * MiB,
+        "summary": peers.summarize(runs),
+    }
 
 
 def test_summary_medians_bytes_per_token_and_oom():
@@ -50,18 +70,33 @@ def test_ratios_and_table():
 
 
 def test_header_brackets_the_run_with_fio():
-    res = dict(canned(), tokens=9, rounds=3, flash_bytes=1000 * MiB, versions={"mlx": "0"},
-               machine={"python": "3", "cores": 2}, fio={"block": MiB, "threads": 32, "bytes_per_s": 2 * 2**30})
+    res = dict(
+        canned(),
+        tokens=9,
+        rounds=3,
+        flash_bytes=1000 * MiB,
+        versions={"mlx": "0"},
+        machine={"python": "3", "cores": 2},
+        fio={"block": MiB, "threads": 32, "bytes_per_s": 2 * 2**30},
+    )
     assert "2.0 GiB/s" in peers.header(res) and "at the end" not in peers.header(res)
     res["fio_end"] = dict(res["fio"], bytes_per_s=1.5 * 2**30)
     assert "2.0 GiB/s at the start, 1.5 GiB/s at the end" in peers.header(res)
 
 
 def test_parse_steps():
-    steps = 'Generation: 9 tokens, 3.2 tokens-per-sec\nsteps: {"prompt_tokens": 1, "steps": 8, "tok_s": 3.0, ' \
-            '"step_ms_mean": 333.3, "step_ms_median": 320.0, "hit_rate": 0.5}\n'
-    assert peers.parse_steps("mlx-lm", steps) == {"generated": 8, "prompt_tokens": 1, "tok_s": 3.0, "step_ms_mean": 333.3,
-                                                  "step_ms_median": 320.0, "hit_rate": 0.5}
+    steps = (
+        'Generation: 9 tokens, 3.2 tokens-per-sec\nsteps: {"prompt_tokens": 1, "steps": 8, "tok_s": 3.0, '
+        '"step_ms_mean": 333.3, "step_ms_median": 320.0, "hit_rate": 0.5}\n'
+    )
+    assert peers.parse_steps("mlx-lm", steps) == {
+        "generated": 8,
+        "prompt_tokens": 1,
+        "tok_s": 3.0,
+        "step_ms_mean": 333.3,
+        "step_ms_median": 320.0,
+        "hit_rate": 0.5,
+    }
     llama = '[\n  {"n_prompt": 0, "n_gen": 8, "avg_ts": 3.5, "n_threads": 2}\n]\n'
     got = peers.parse_steps("llama.cpp mmap", llama)
     assert got["generated"] == 8 and got["tok_s"] == 3.5 and got["step_ms_median"] is None
@@ -118,7 +153,9 @@ def _built(name):
     return exe if exe.is_file() else None
 
 
-@pytest.mark.skipif(_built("llama-bench") is None, reason="llama.cpp is not built (python -m mlx_flash.peers builds it)")
+@pytest.mark.skipif(
+    _built("llama-bench") is None, reason="llama.cpp is not built (python -m mlx_flash.peers builds it)"
+)
 def test_llama_cpp_runs_the_tiny_gguf(tiny_gguf):
     rec = peers.run_one("llama.cpp mmap", {"gguf": tiny_gguf}, 8, None, "1GiB", [tiny_gguf], timeout=120)
     assert rec["returncode"] == 0 and not rec["oom"], rec.get("error")
@@ -133,15 +170,19 @@ def test_merge_runs_of_separate_budgets():
     a["rounds"] = b["rounds"] = 1
     m = peers.merge([a, b])
     assert m["budgets"] == [25, 50]
-    assert m["summary"]["llama.cpp mmap"]["25%"]["tok_s"] == 1.0 and m["summary"]["llama.cpp mmap"]["50%"]["tok_s"] == 2.0
+    assert (
+        m["summary"]["llama.cpp mmap"]["25%"]["tok_s"] == 1.0 and m["summary"]["llama.cpp mmap"]["50%"]["tok_s"] == 2.0
+    )
 
 
 def test_parse_flash_stats_reads_the_generate_summary():
     from mlx_flash.peers import parse_flash_stats
 
-    line = ("summary over 10 tokens (medians): io 810.57 ms, mm 13.33 ms, compute 1918.61 ms, total 2725.61 ms "
-            "(0.37 tok/s); read 2.3 GiB/token at the device (2.3 GiB asked) at 912.5 MiB/s while reads were in "
-            "flight, hit rate 1.8%, active units/layer 11008.0")
+    line = (
+        "summary over 10 tokens (medians): io 810.57 ms, mm 13.33 ms, compute 1918.61 ms, total 2725.61 ms "
+        "(0.37 tok/s); read 2.3 GiB/token at the device (2.3 GiB asked) at 912.5 MiB/s while reads were in "
+        "flight, hit rate 1.8%, active units/layer 11008.0"
+    )
     got = parse_flash_stats("noise\n" + line + "\nmore")
     assert got["io_share"] == pytest.approx(810.57 / 2725.61)
     assert got["read_bytes_per_s"] == pytest.approx(912.5 * 2**20)
@@ -155,7 +196,7 @@ def test_baseline_is_the_childs_own_peak(tiny_gguf, tmp_path):
     a parent grew by 1 GiB (as peers does converting a 7B), the baseline is still the child's own."""
     flash = convert(str(tiny_gguf), tmp_path / "flash", progress=False)
     big = bytearray(1 << 30)
-    big[:: 4096] = b"x" * len(big[:: 4096])  # touch it: resident
+    big[::4096] = b"x" * len(big[::4096])  # touch it: resident
     assert peers.measure_baseline(flash) < 512 * 2**20
 
 
@@ -166,16 +207,26 @@ def test_budgets_as_a_share_of_the_weights_or_as_one_absolute_cap():
         peers.budget_and_cap("64MiB", 1000 * MiB, 100 * MiB)
     res = canned()
     res["budgets"] = ["1GiB"]
-    res["summary"] = peers.summarize([dict(r, budget_pct="1GiB") for r in
-                                      [_run("llama.cpp mmap", 0, 2.0), _run("llama.cpp mmap", 0, 5.0, tokens=1),
-                                       _run("mlx_flash dense", 0, 3.0), _run("nunspark", 0, 0.5)]])
+    res["summary"] = peers.summarize(
+        [
+            dict(r, budget_pct="1GiB")
+            for r in [
+                _run("llama.cpp mmap", 0, 2.0),
+                _run("llama.cpp mmap", 0, 5.0, tokens=1),
+                _run("mlx_flash dense", 0, 3.0),
+                _run("nunspark", 0, 0.5),
+            ]
+        ]
+    )
     t = peers.table(res)
     assert "| cap 1GiB |" in t.splitlines()[0] and "1.50x" in t and "| mlx_flash dense / nunspark | 6.00x |" in t
 
 
 def test_parse_nunspark_hits():
-    out = "--- metrics ---\ncache hits / misses   : 30 / 10\n" \
-          'steps: {"prompt_tokens": 1, "steps": 4, "tok_s": 0.5, "step_ms_mean": 2000, "step_ms_median": 1900}\n'
+    out = (
+        "--- metrics ---\ncache hits / misses   : 30 / 10\n"
+        'steps: {"prompt_tokens": 1, "steps": 4, "tok_s": 0.5, "step_ms_mean": 2000, "step_ms_median": 1900}\n'
+    )
     got = peers.parse_steps("nunspark", out)
     assert got["generated"] == 4 and got["tok_s"] == 0.5 and got["hit_rate"] == 0.75
 
@@ -193,7 +244,10 @@ def test_nunspark_budget_backs_off_until_it_holds_the_cap(monkeypatch):
     runs, tried = [], {}
     rec = peers._nunspark_run({}, 8, 1000 * MiB, 1100 * MiB, [], None, tried, 50, runs)
     assert not rec["oom"] and rec["system_budget"] == told[-1] <= 500 * MiB
-    assert told == [int(1000 * MiB * peers.NUNSPARK_SHARE), int(int(1000 * MiB * peers.NUNSPARK_SHARE) * peers.NUNSPARK_BACKOFF)]
+    assert told == [
+        int(1000 * MiB * peers.NUNSPARK_SHARE),
+        int(int(1000 * MiB * peers.NUNSPARK_SHARE) * peers.NUNSPARK_BACKOFF),
+    ]
     assert [r["system"] for r in runs] == ["nunspark (OOM-killed at its budget)"]
     told.clear()
     peers._nunspark_run({}, 8, 1000 * MiB, 1100 * MiB, [], None, tried, 50, runs)
@@ -203,7 +257,6 @@ def test_nunspark_budget_backs_off_until_it_holds_the_cap(monkeypatch):
 def test_steps_times_mlx_flash_and_mlx_lm_alike(tiny_gguf, tmp_path):
     """The harness's Python systems on the tiny model: one prompt token, then the same 4 decode steps each."""
     import subprocess
-    import sys
 
     from mlx_flash.convert.export import export
 
@@ -224,9 +277,14 @@ def test_steps_times_mlx_flash_and_mlx_lm_alike(tiny_gguf, tmp_path):
 
 def test_resident_baselines_come_from_the_runs():
     """The resident rows (no cap, model in the page cache) are the JSON's baselines and a ratio row: none typed."""
-    runs = [_run("llama.cpp", None, 4.0), _run("llama.cpp", None, 5.0, tokens=1),
-            _run("llama.cpp mmap", 50, 1.0), _run("llama.cpp mmap", 50, 5.0, tokens=1),
-            _run("mlx_flash dense", 50, 2.0), _run("mlx_flash dense", 50, 5.0, tokens=1)]
+    runs = [
+        _run("llama.cpp", None, 4.0),
+        _run("llama.cpp", None, 5.0, tokens=1),
+        _run("llama.cpp mmap", 50, 1.0),
+        _run("llama.cpp mmap", 50, 5.0, tokens=1),
+        _run("mlx_flash dense", 50, 2.0),
+        _run("mlx_flash dense", 50, 5.0, tokens=1),
+    ]
     res = dict(canned(), summary=peers.summarize(runs))
     assert peers.resident_baselines(res["summary"]) == {"llama.cpp": res["summary"]["llama.cpp"]["resident"]}
     assert res["summary"]["llama.cpp"]["resident"]["tok_s"] == 4.0

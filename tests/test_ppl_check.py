@@ -7,15 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mlx_flash import peers
+from mlx_flash.calib.quality import perplexity, sequence_nll
+from mlx_flash.default_model import default_model_dir
+from mlx_flash.texts import llama_ppl_chunks, token_batches
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
-from mlx_flash import peers
-from mlx_flash.default_model import default_model_dir
-from mlx_flash.calib.quality import perplexity, sequence_nll
-from mlx_flash.texts import llama_ppl_chunks, token_batches
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,8 +35,10 @@ def test_llama_chunks_overwrite_each_first_token_with_bos():
     # llama-perplexity: [BOS] + tokens, cut into 4-token chunks, chunk[0] := BOS (a text token is lost)
     assert rows.tolist() == [[1, 100, 101, 102], [1, 104, 105, 106], [1, 108, 109, 110]]
     assert llama_ppl_chunks(WordTokenizer(), text, 4, n_chunks=2).shape == (2, 4)
-    assert llama_ppl_chunks(WordTokenizer(), text, 4, bos=False).tolist() == [[100, 101, 102, 103],
-                                                                              [104, 105, 106, 107]]
+    assert llama_ppl_chunks(WordTokenizer(), text, 4, bos=False).tolist() == [
+        [100, 101, 102, 103],
+        [104, 105, 106, 107],
+    ]
     # mlx_flash's own windows insert BOS instead: no text token is lost
     assert token_batches(WordTokenizer(), text, 3, 2).tolist() == [[1, 100, 101, 102], [1, 103, 104, 105]]
     with pytest.raises(ValueError):
@@ -76,14 +78,33 @@ def _llama_perplexity():
     return exe if exe.is_file() else None
 
 
-@pytest.mark.skipif(_llama_perplexity() is None or not (default_model_dir() / "flash.json").is_file(),
-                    reason="llama-perplexity not built or the default model not converted (python -m mlx_flash.peers does both)")
+@pytest.mark.skipif(
+    _llama_perplexity() is None or not (default_model_dir() / "flash.json").is_file(),
+    reason="llama-perplexity not built or the default model not converted (python -m mlx_flash.peers does both)",
+)
 def test_mlx_flash_matches_llama_perplexity(tmp_path):
     """Same GGUF, same tokens, same scored positions: token ids identical, perplexity within 2%."""
     out = tmp_path / "ppl.json"
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ppl_check.py"), "--ctx", "128", "--chunks", "2",
-                        "--systems", "mlx_flash eval", "--selectors-windows", "0", "--quiet", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "ppl_check.py"),
+            "--ctx",
+            "128",
+            "--chunks",
+            "2",
+            "--systems",
+            "mlx_flash eval",
+            "--selectors-windows",
+            "0",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["tokens"]["ids_differing"] == 0 and res["tokens"]["scored_tokens"] == 2 * 63

@@ -4,18 +4,15 @@ and array types are kept, and calibration norms agree between an mlx-lm model an
 resident flash directory (tiny random models)."""
 
 import mlx_flash  # noqa: F401  (before mlx.core)
+from mlx_flash.convert import convert, prune
+from mlx_flash.convert.source import load_source_model
+from mlx_flash.format import bitmap
+from mlx_flash.loader import load_resident
+from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_flash.format import bitmap
-
-from mlx_flash.convert import prune
-from mlx_flash.convert import convert
-from mlx_flash.loader import load_resident
-from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.convert.source import load_source_model
 
 
 def _brute_force(w, norms, sparsity):

@@ -3,20 +3,20 @@ the pruned model stored dense: same greedy tokens, encoded bytes read, clear err
 
 import json
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from mlx_lm.generate import generate_step
-
 from mlx_flash import FlashError
 from mlx_flash.bench import resident_bytes
 from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
+from mlx_flash.engine.sparsity import Oracle
 from mlx_flash.errors import FlashFormatError
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.engine.sparsity import Oracle
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
 
 PROMPT = [1, 5, 9, 33, 7, 100, 3]
 CONTEXT = 256
@@ -87,8 +87,11 @@ def test_bitmap_generates_like_pruned_dense(dirs, name):
         path = dirs[name, fmt]
         fd = FlashDir(path)
         # same for both; the oracle's own copy of gate/up is in the budget too
-        budget = (min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.1 * FlashDir(dirs[name, "dense"]).ffn_bytes)
-                  + Oracle(fd).nbytes)
+        budget = (
+            min_budget(fd, CONTEXT, resident=resident_bytes(fd))
+            + int(0.1 * FlashDir(dirs[name, "dense"]).ffn_bytes)
+            + Oracle(fd).nbytes
+        )
         # density 0.25: GLU oracles default to every neuron, which would only exercise overflow
         model, _ = load(path, memory_budget=budget, sparsity="oracle", density=0.25, context=CONTEXT)
         try:
@@ -124,7 +127,12 @@ def test_bitmap_dense_sparsifier_streams_overflow(dirs):
     path = dirs["llama", "bitmap"]
     ref, _ = load_resident(path)
     fd = FlashDir(path)
-    model, _ = load(path, memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.05 * fd.ffn_bytes), sparsity="dense", context=CONTEXT)
+    model, _ = load(
+        path,
+        memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.05 * fd.ffn_bytes),
+        sparsity="dense",
+        context=CONTEXT,
+    )
     try:
         assert greedy(model, 8) == greedy(ref, 8)
         model.flash.stats.end()
@@ -192,7 +200,10 @@ def _drop_scales(m):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda m: _first_encoding(m).update(group_size=16), "affine_zero fill needs a dense 'gate.scales' of 32 groups"),
+        (
+            lambda m: _first_encoding(m).update(group_size=16),
+            "affine_zero fill needs a dense 'gate.scales' of 32 groups",
+        ),
         (_drop_scales, "affine_zero fill needs a dense 'gate.scales'"),
         (lambda m: _first_encoding(m).update(dtype="float16"), "affine_zero fill needs uint8 values"),
     ],
@@ -228,7 +239,14 @@ def test_v1_directory_still_loads(dirs, tmp_path):
     v2 = convert(str(src), tmp_path / "v2", unit_alignment=None, prune_format="bitmap", **PRUNE)
     assert FlashDir(v2).version == 2
     ref, fd = load_resident(path)
-    model, _ = load(path, memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.1 * fd.ffn_bytes) + Oracle(fd).nbytes, sparsity="oracle", context=CONTEXT)
+    model, _ = load(
+        path,
+        memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd))
+        + int(0.1 * fd.ffn_bytes)
+        + Oracle(fd).nbytes,
+        sparsity="oracle",
+        context=CONTEXT,
+    )
     try:
         assert greedy(model, 8) == greedy(ref, 8)
     finally:
@@ -257,19 +275,50 @@ def test_cli(dirs, tmp_path):
 
     out = tmp_path / "cli"
     r = subprocess.run(
-        [sys.executable, "-m", "mlx_flash.convert", "--model", str(dirs["src"]["llama"]), "--out", str(out),
-         "--prune", "wanda", "--prune-sparsity", "0.6", "--prune-seqs", "2", "--prune-seq-len", "32"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mlx_flash.convert",
+            "--model",
+            str(dirs["src"]["llama"]),
+            "--out",
+            str(out),
+            "--prune",
+            "wanda",
+            "--prune-sparsity",
+            "0.6",
+            "--prune-seqs",
+            "2",
+            "--prune-seq-len",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stderr
     assert "B expanded" in r.stdout
     fd = FlashDir(out)
     assert fd.manifest["pruning"]["sparsity"] == 0.6 and fd.manifest["pruning"]["calibration"]["seqs"] == 2
     assert {e.capacity for e in fd.layouts["neurons"].encodings().values()} == {64 - int(0.6 * 64)}
-    q4 = [sys.executable, "-m", "mlx_flash.convert", "--model", str(dirs["src"]["llama"]), "--bits", "4", "--prune",
-          "wanda", "--prune-seqs", "2", "--prune-seq-len", "32"]
+    q4 = [
+        sys.executable,
+        "-m",
+        "mlx_flash.convert",
+        "--model",
+        str(dirs["src"]["llama"]),
+        "--bits",
+        "4",
+        "--prune",
+        "wanda",
+        "--prune-seqs",
+        "2",
+        "--prune-seq-len",
+        "32",
+    ]
     r = subprocess.run(q4 + ["--out", str(tmp_path / "q4"), "--prune-format", "bitmap"], capture_output=True, text=True)
-    assert r.returncode == 1 and "4-bit codes are packed" in r.stderr and "calibrate" not in r.stderr  # before calibrating
+    assert (
+        r.returncode == 1 and "4-bit codes are packed" in r.stderr and "calibrate" not in r.stderr
+    )  # before calibrating
     r = subprocess.run(q4 + ["--out", str(tmp_path / "q4")], capture_output=True, text=True)  # auto: the default
     assert r.returncode == 0, r.stderr
     assert "gate: 4-bit rows cannot be bitmap-encoded: stored pruned but dense" in r.stderr

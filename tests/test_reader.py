@@ -8,12 +8,22 @@ import gc
 import os
 import threading
 
+from mlx_flash.engine.reader import (
+    NativeReader,
+    PythonReader,
+    address_of,
+    aligned_buffer,
+    aligned_rows,
+    dio_alignment,
+    have_native,
+    max_gap_from_measurements,
+    open_reader,
+)
+from mlx_flash.errors import FlashError, ReadError
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_flash.errors import FlashError, ReadError
-from mlx_flash.engine.reader import NativeReader, PythonReader, address_of, aligned_buffer, aligned_rows, dio_alignment, have_native, max_gap_from_measurements, open_reader
 
 A = 4096
 FILE_BYTES = 8 * 1024 * 1024 + 1234  # an unaligned tail on purpose
@@ -224,7 +234,13 @@ def test_packed_units_at_every_offset(data_file, native, direct):
     stride, n = 1376, 64
     units = data[: n * stride].reshape(n, stride)
     rng = np.random.default_rng(8)
-    cases = [np.arange(n), np.array([3]), np.arange(5, 12), np.sort(rng.choice(n, 20, replace=False)), np.array([n - 1, 0])]
+    cases = [
+        np.arange(n),
+        np.array([3]),
+        np.arange(5, 12),
+        np.sort(rng.choice(n, 20, replace=False)),
+        np.array([n - 1, 0]),
+    ]
     for chosen in cases:
         base, off = aligned_buffer(len(chosen) * stride, 16)
         slots = rng.permutation(len(chosen))
@@ -236,8 +252,12 @@ def test_packed_units_at_every_offset(data_file, native, direct):
         blocks = set()  # the aligned blocks the chosen units span
         for u in chosen:
             blocks.update(range(u * stride // a, -(-(u + 1) * stride // a)))
-        assert len(chosen) * stride <= st["bytes_read"] <= max(len(blocks) * a, len(chosen) * stride) + (
-            r.max_gap_bytes if hasattr(r, "max_gap_bytes") else 0) * len(chosen)
+        assert (
+            len(chosen) * stride
+            <= st["bytes_read"]
+            <= max(len(blocks) * a, len(chosen) * stride)
+            + (r.max_gap_bytes if hasattr(r, "max_gap_bytes") else 0) * len(chosen)
+        )
 
 
 def test_overlapping_and_duplicate_requests(data_file, native, direct):
@@ -604,9 +624,32 @@ def test_bench_io_runs(tmp_path, capsys, monkeypatch):
     from mlx_flash.tools import bench_io
 
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["bench_io", "--dir", str(tmp_path), "--size-gib", "0.02", "--block-sizes",
-                                      "4k,64k", "--threads", "1,2", "--seconds", "0.05", "--repeats", "1",
-                                      "--no-fio", "--bundle-sizes", "4k", "--adjacent", "4", "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_io",
+            "--dir",
+            str(tmp_path),
+            "--size-gib",
+            "0.02",
+            "--block-sizes",
+            "4k,64k",
+            "--threads",
+            "1,2",
+            "--seconds",
+            "0.05",
+            "--repeats",
+            "1",
+            "--no-fio",
+            "--bundle-sizes",
+            "4k",
+            "--adjacent",
+            "4",
+            "--json",
+            str(out),
+        ],
+    )
     bench_io.main()
     res = json.loads(out.read_text())
     assert len(res["points"]) == 4 and res["recommended_threads"] in (1, 2)

@@ -2,14 +2,14 @@
 mlx_flash.tools.routing on random tokens: uniform routes near-uniformly and independently, own is sticky,
 skewed lies between; the LRU and cold / steady hit-rate arithmetic."""
 
-import numpy as np
-import pytest
-
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.tools.routing import lru_hit_rates, record, regime_of, routing_stats, split_hit_rate
 from mlx_flash.tools.synthetic import build
 from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+
+import numpy as np
+import pytest
 
 E, K = 16, 2
 SHAPE = dict(tiny_moe("qwen3_moe"), num_hidden_layers=8, num_experts=E, num_experts_per_tok=K)
@@ -58,5 +58,9 @@ def test_lru_and_cold_steady_hit_rates():
     # (evicting 3), 0 and 2 hit
     assert r["filled_at_token"] == 2 and r["cold"] == 0.0
     assert r["steady"] == pytest.approx((0 + 1 + 2) / 6) and r["hit_rate"] == pytest.approx(3 / 10)
-    assert split_hit_rate([0, 5], [4, 0], 10) == {"hit_rate": 5 / 9, "cold": 5 / 9, "steady": None,
-                                                 "filled_at_token": None}
+    assert split_hit_rate([0, 5], [4, 0], 10) == {
+        "hit_rate": 5 / 9,
+        "cold": 5 / 9,
+        "steady": None,
+        "filled_at_token": None,
+    }

@@ -1,18 +1,18 @@
 """The flash runtime: streamed FFNs equal the dense model, caches really evict, stats add up, budgets hold."""
 
+from mlx_flash import BudgetError, FlashError
+from mlx_flash.budget import min_budget, parse_size
+from mlx_flash.compute.ffn import ACTIVATIONS, project
+from mlx_flash.convert import convert
+from mlx_flash.engine.sparsity import Oracle
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import load, load_resident
+from mlx_flash.models.tiny import make_tiny_model_dir
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-
-from mlx_flash import BudgetError, FlashError
-from mlx_flash.budget import min_budget, parse_size
-from mlx_flash.convert import convert
-from mlx_flash.compute.ffn import ACTIVATIONS, project
-from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import load, load_resident
-from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.engine.sparsity import Oracle
 
 PROMPT = [1, 5, 9, 33, 7, 100, 3]
 CONTEXT = 256
@@ -32,7 +32,9 @@ def small_budget(path, ffn_fraction=0.1, sparsity=None):
     """Resident + KV cache + scratch + `ffn_fraction` of the FFN (+ the oracle's own copy of gate/up):
     caches far smaller than the FFN."""
     fd = FlashDir(path)
-    return min_budget(fd, CONTEXT) + int(ffn_fraction * fd.ffn_bytes) + (Oracle(fd).nbytes if sparsity == "oracle" else 0)
+    return (
+        min_budget(fd, CONTEXT) + int(ffn_fraction * fd.ffn_bytes) + (Oracle(fd).nbytes if sparsity == "oracle" else 0)
+    )
 
 
 def greedy(model, n=64):
@@ -107,7 +109,9 @@ def test_dip_layer_matches_reference(flash_dirs, gamma):
     """One decode step of one layer against DIP computed from the dense weights (DIP eq. 8)."""
     path = flash_dirs["llama", "dip"]
     fd = FlashDir(path)
-    model, _ = load(path, memory_budget=small_budget(path, 0.3), sparsity="dip", density=0.5, gamma=gamma, context=CONTEXT)
+    model, _ = load(
+        path, memory_budget=small_budget(path, 0.3), sparsity="dip", density=0.5, gamma=gamma, context=CONTEXT
+    )
     engine = model.flash
     try:
         arrays = fd.unpack_layer(0)
@@ -424,8 +428,9 @@ def test_a_short_prompt_reads_what_its_tokens_need(flash_dirs):
     path = flash_dirs["llama", "neurons"]
     fd = FlashDir(path)
     n, stride = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride
-    model, _ = load(path, memory_budget=small_budget(path, 0.3, "oracle"), sparsity="oracle", density=0.2,
-                    context=CONTEXT)
+    model, _ = load(
+        path, memory_budget=small_budget(path, 0.3, "oracle"), sparsity="oracle", density=0.2, context=CONTEXT
+    )
     try:
         stats = model.flash.stats
         list(generate_step(mx.array(PROMPT * 4), model, max_tokens=2))  # a long prompt: the union is most units
@@ -436,6 +441,8 @@ def test_a_short_prompt_reads_what_its_tokens_need(flash_dirs):
         list(generate_step(mx.array(PROMPT[:3]), model, max_tokens=1))
         stats.end()
         prompt = stats.tokens[0]
-        assert prompt.prefill and 0 < prompt.bytes_requested <= 2 * k * stride * len(fd.layers) < n * stride * len(fd.layers)
+        assert prompt.prefill and 0 < prompt.bytes_requested <= 2 * k * stride * len(fd.layers) < n * stride * len(
+            fd.layers
+        )
     finally:
         model.flash.close()

@@ -4,23 +4,23 @@ sum over units runs in one order (runtime.REDUCTION_UNITS)."""
 
 import json
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
-from mlx_flash.compute import cpu_gemv
 from mlx_flash.budget import min_budget, min_streaming_budget
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.compute.rows import RowSet
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.engine.experts import REGION, ExpertEngine
+from mlx_flash.engine.resident import stream_groups
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import cpu_cast, load
-from mlx_flash.engine.resident import stream_groups
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.tools.synthetic import build
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 PROMPTS = ("Once upon a time there was a", "The capital of France is", "def fibonacci(n):")
 
@@ -62,8 +62,9 @@ def test_default_model_every_budget():
 @pytest.fixture(scope="module")
 def wide_dense(tmp_path_factory):
     """A LLaMA-7B-shaped layer (4096 wide, 11008 neurons: 43 reduction blocks), two of them, random Q4 weights."""
-    return build("llama-7b", tmp_path_factory.mktemp("wide") / "flash", progress=False, num_hidden_layers=2,
-                 vocab_size=512)
+    return build(
+        "llama-7b", tmp_path_factory.mktemp("wide") / "flash", progress=False, num_hidden_layers=2, vocab_size=512
+    )
 
 
 def test_7b_shaped_every_budget(wide_dense):
@@ -74,10 +75,16 @@ def test_7b_shaped_every_budget(wide_dense):
     ref, _ = decode(wide_dense, None, 8, prompts)
     ffn = sum(r.nbytes for r in fd.regions())
     floor = min_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast))
-    lowest = min_streaming_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast),
-                                  groups=stream_groups(fd, cpu_cast, 128))
-    for budget, kw in ((floor + ffn * 3 // 4, {}), (floor + ffn // 4, {}), (floor + ffn // 4, {"prefetch": False}),
-                       (floor + ffn // 20, {}), (lowest, {})):
+    lowest = min_streaming_budget(
+        fd, 128, 4, resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 128)
+    )
+    for budget, kw in (
+        (floor + ffn * 3 // 4, {}),
+        (floor + ffn // 4, {}),
+        (floor + ffn // 4, {"prefetch": False}),
+        (floor + ffn // 20, {}),
+        (lowest, {}),
+    ):
         got, plan = decode(wide_dense, budget, 8, prompts, **kw)
         assert_same(ref, got, (budget, kw))
     assert plan.streamed, "the last budget should stream resident weights too"
@@ -137,9 +144,9 @@ def test_partial_sums_do_not_depend_on_the_call():
 
 def test_exact_mode_is_mlx_lm_text(tiny_moe, capsys):
     """`generate --exact` (float32 activations) prints stock mlx-lm's greedy text, at a budget of one expert slot."""
-    import mlx_lm
-
     from mlx_flash.generate import main
+
+    import mlx_lm
 
     flash, q4 = tiny_moe
     model, tokenizer = mlx_lm.load(str(q4))
@@ -147,8 +154,22 @@ def test_exact_mode_is_mlx_lm_text(tiny_moe, capsys):
     fd = FlashDir(flash)
     budget = min_budget(fd, 64, 4) + sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
     try:
-        assert main(["--model", str(flash), "--prompt", "The capital of France is", "--ignore-chat-template", "-m",
-                     "12", "--exact", "--memory-budget", str(budget), "--temp", "0"]) in (0, None)
+        assert main(
+            [
+                "--model",
+                str(flash),
+                "--prompt",
+                "The capital of France is",
+                "--ignore-chat-template",
+                "-m",
+                "12",
+                "--exact",
+                "--memory-budget",
+                str(budget),
+                "--temp",
+                "0",
+            ]
+        ) in (0, None)
     finally:
         cpu_gemv.set_int8_activations(True)
     assert want and want in capsys.readouterr().out
@@ -167,7 +188,11 @@ def test_tiny_dense_every_budget(tmp_path, monkeypatch, ops):
     ref, _ = decode(flash, None, 12, prompts)
     ffn = sum(r.nbytes for r in fd.regions())
     floor = min_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast))
-    for budget, kw in ((floor + ffn * 2 // 3, {}), (floor + ffn // 3, {}), (floor + ffn // 3, {"prefetch": False}),
-                       (floor, {})):
+    for budget, kw in (
+        (floor + ffn * 2 // 3, {}),
+        (floor + ffn // 3, {}),
+        (floor + ffn // 3, {"prefetch": False}),
+        (floor, {}),
+    ):
         got, _ = decode(flash, budget, 12, prompts, **kw)
         assert_same(ref, got, (budget, kw))

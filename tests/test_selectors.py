@@ -3,21 +3,22 @@ ships one calibrated selector (others refused, "auto" checks its measured perple
 
 import sys
 
+from mlx_flash import FlashError
+from mlx_flash.budget import min_budget, min_streaming_budget
+from mlx_flash.calib.quality import dense_ffn_weights, eval_model, perplexity
+from mlx_flash.calibrate import main as calibrate_main
+from mlx_flash.convert import convert
+from mlx_flash.engine.resident import stream_groups
+from mlx_flash.engine.selectors import build_sketch, save_selector, wina_norms
+from mlx_flash.engine.sparsity import WINA, Dense, Predictor, Sketch, top_k
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import cpu_cast, default_model_dir, load, load_tokenizer, make_sparsifier
+from mlx_flash.texts import read_text, token_batches
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_flash import FlashError
-from mlx_flash.calibrate import main as calibrate_main
-from mlx_flash.convert import convert
-from mlx_flash.format.directory import FlashDir
-from mlx_flash.budget import min_budget, min_streaming_budget
-from mlx_flash.loader import cpu_cast, default_model_dir, load, load_tokenizer, make_sparsifier
-from mlx_flash.texts import read_text, token_batches
-from mlx_flash.engine.resident import stream_groups
-from mlx_flash.calib.quality import dense_ffn_weights, eval_model, perplexity
-from mlx_flash.engine.selectors import build_sketch, save_selector, wina_norms
-from mlx_flash.engine.sparsity import WINA, Dense, Predictor, Sketch, top_k
 
 def _flash(tiny, name, layout="neurons"):
     root, src, _ = tiny
@@ -26,8 +27,25 @@ def _flash(tiny, name, layout="neurons"):
 
 def _calibrate(path, data, *extra):
     argv = sys.argv
-    sys.argv = ["calibrate", "--model", str(path), "--data", str(data), "--seq-len", "32", "--num-seqs", "2",
-                "--dip-seqs", "1", "--selector-seqs", "1", "--dip-candidates", "2", "--quiet", *extra]
+    sys.argv = [
+        "calibrate",
+        "--model",
+        str(path),
+        "--data",
+        str(data),
+        "--seq-len",
+        "32",
+        "--num-seqs",
+        "2",
+        "--dip-seqs",
+        "1",
+        "--selector-seqs",
+        "1",
+        "--dip-candidates",
+        "2",
+        "--quiet",
+        *extra,
+    ]
     try:
         calibrate_main()
     finally:
@@ -71,8 +89,11 @@ def test_predictor_top_k_and_dense_on_every_layout():
 # -- a directory ships one selector ---------------------------------------------------------------
 def _tight(fd):
     """A budget with room for the sketch and a tenth of the FFN's units."""
-    return min_budget(fd, 64, resident=fd.resident_nbytes(cpu_cast)) + fd.manifest["sparsity"]["selector"]["nbytes"] + (
-        fd.ffn_bytes // 10)
+    return (
+        min_budget(fd, 64, resident=fd.resident_nbytes(cpu_cast))
+        + fd.manifest["sparsity"]["selector"]["nbytes"]
+        + (fd.ffn_bytes // 10)
+    )
 
 
 def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(tiny):
@@ -129,7 +150,11 @@ def test_wina_on_the_dip_layout(tiny):
     try:
         sp = model.flash.sparsifier
         assert isinstance(sp, WINA) and model.flash.plan.extra == sp.nbytes > 0
-        list(__import__("mlx_lm.generate", fromlist=["generate_step"]).generate_step(mx.array([1, 2, 3]), model, max_tokens=3))
+        list(
+            __import__("mlx_lm.generate", fromlist=["generate_step"]).generate_step(
+                mx.array([1, 2, 3]), model, max_tokens=3
+            )
+        )
     finally:
         model.flash.close()
     with pytest.raises(FlashError, match="calibrated for --sparsity wina, not dip"):
@@ -153,8 +178,19 @@ def test_generate_stats_name_the_selector(tiny):
     path = _flash(tiny, "gen")
     _calibrate(path, data, "--max-ppl-increase", "10")
     nbytes = FlashDir(path).manifest["sparsity"]["selector"]["nbytes"]
-    run = [sys.executable, "-m", "mlx_flash.generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "3",
-           "--stats", "--max-ppl-increase"]
+    run = [
+        sys.executable,
+        "-m",
+        "mlx_flash.generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "3",
+        "--stats",
+        "--max-ppl-increase",
+    ]
     tight = ["--memory-budget", str(_tight(FlashDir(path))), "--density", "0.02"]
     r = subprocess.run(run + ["10"] + tight, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -188,13 +224,20 @@ def test_runtime_and_evaluation_pick_the_same_units_on_smollm2(wikitext):
     weights = [dense_ffn_weights(fd, i) for i in range(L)]
     n_in, n_out = wina_norms(weights)
     rng = np.random.default_rng(0)
-    preds = [{"A": mx.array(rng.normal(size=(8, d)).astype(np.float32)),
-              "B": mx.array(rng.normal(size=(n, 8)).astype(np.float32))} for _ in range(L)]
-    cases = {"sketch": {"sketch": Sketch(build_sketch(weights, None, 3, 64), "silu", 3, 64, [0.5] * L)},
-             "predictor": {"predictors": preds, "predictor_density": 0.3},
-             "dip": {"input_density": [0.6] * L, "neuron_density": [0.4] * L},
-             "wina": {"input_density": [0.6] * L, "neuron_density": [0.4] * L, "input_norm": n_in, "neuron_norm": n_out},
-             "oracle": {"density": 0.5}}
+    preds = [
+        {
+            "A": mx.array(rng.normal(size=(8, d)).astype(np.float32)),
+            "B": mx.array(rng.normal(size=(n, 8)).astype(np.float32)),
+        }
+        for _ in range(L)
+    ]
+    cases = {
+        "sketch": {"sketch": Sketch(build_sketch(weights, None, 3, 64), "silu", 3, 64, [0.5] * L)},
+        "predictor": {"predictors": preds, "predictor_density": 0.3},
+        "dip": {"input_density": [0.6] * L, "neuron_density": [0.4] * L},
+        "wina": {"input_density": [0.6] * L, "neuron_density": [0.4] * L, "input_norm": n_in, "neuron_norm": n_out},
+        "oracle": {"density": 0.5},
+    }
     ids = mx.array(load_tokenizer(fd).encode(wikitext[:3000])[:24])[None]
     for mode, kw in cases.items():
         ctl.set_mode(mode, **kw)
@@ -205,7 +248,8 @@ def test_runtime_and_evaluation_pick_the_same_units_on_smollm2(wikitext):
         finally:
             del ctl.masks
         assert sorted({(layer, region) for layer, region, _, _ in seen}) == sorted(
-            (i, r) for i in range(L) for r in (("inputs", "neurons") if mode in ("dip", "wina") else ("neurons",)))
+            (i, r) for i in range(L) for r in (("inputs", "neurons") if mode in ("dip", "wina") else ("neurons",))
+        )
         for layer, region, a, m in seen:
             assert m.shape == a.shape[:1] + (m.shape[-1],) and 0 < m.mean() < 1, (mode, region)
             for row, mask in zip(a, m):

@@ -9,13 +9,13 @@ import os
 import socket
 import time
 
-import mlx.core as mx
-import pytest
-
 from mlx_flash.convert import convert
 from mlx_flash.errors import ReadError
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.server import ModelProvider, serve, setup_arg_parser
+
+import mlx.core as mx
+import pytest
 
 CONTEXT = 128
 
@@ -25,8 +25,9 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("srv")
     # vocab 257: id 256 is <|endoftext|>, so the tiny tokenizer has an EOS
     path = convert(str(make_tiny_model_dir("llama", root / "src", vocab_size=257)), root / "tiny", progress=False)
-    args = setup_arg_parser().parse_args(["--model", str(path), "--max-context", str(CONTEXT),
-                                          "--memory-budget", "300%", "--sparsity", "dense"])
+    args = setup_arg_parser().parse_args(
+        ["--model", str(path), "--max-context", str(CONTEXT), "--memory-budget", "300%", "--sparsity", "dense"]
+    )
     provider = ModelProvider(args)
     httpd, generator = serve(provider, port=0)
     yield provider, generator, httpd.server_address[1]
@@ -58,14 +59,16 @@ def test_models(server):
 
 def test_chat_and_completion_round_trip(server):
     provider, _, port = server
-    status, payload = request(port, "POST", "/v1/chat/completions",
-                              {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+    status, payload = request(
+        port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+    )
     r = json.loads(payload)
     assert status == 200 and r["object"] == "chat.completion"
     assert r["choices"][0]["message"]["role"] == "assistant"
     assert r["usage"]["completion_tokens"] <= 5 and r["choices"][0]["finish_reason"] in ("length", "stop")
-    status, payload = request(port, "POST", "/v1/completions",
-                              {"prompt": "abc", "max_tokens": 4, "model": provider.name, "logprobs": True})
+    status, payload = request(
+        port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 4, "model": provider.name, "logprobs": True}
+    )
     r = json.loads(payload)
     assert status == 200 and r["object"] == "text_completion" and r["usage"]["prompt_tokens"] == 3
     assert len(r["choices"][0]["logprobs"]["content"]) == 4  # mlx-lm's logprobs
@@ -76,13 +79,19 @@ def test_completion_is_greedy_and_matches_library(server):
 
     provider, _, port = server
     _, payload = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 6})
-    assert json.loads(payload)["choices"][0]["text"] == generate(provider.model, provider.tokenizer, "abc", max_tokens=6)
+    assert json.loads(payload)["choices"][0]["text"] == generate(
+        provider.model, provider.tokenizer, "abc", max_tokens=6
+    )
 
 
 def test_streaming(server):
     _, _, port = server
-    status, payload = request(port, "POST", "/v1/chat/completions",
-                              {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True})
+    status, payload = request(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True},
+    )
     assert status == 200
     ev = events(payload)
     assert ev[-1] == "[DONE]"
@@ -124,8 +133,11 @@ def test_client_disconnect_stops_generation(server):
     assert json.loads(payload)["usage"]["completion_tokens"] == 100  # undisturbed, it runs to the end
     body = json.dumps({"prompt": "abc", "max_tokens": 100, "stream": True}).encode()
     s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     s.recv(200)  # the response has started
     s.close()
     time.sleep(1.0)
@@ -198,7 +210,7 @@ def test_each_request_logs_its_reads_per_forward_pass(server, caplog):
     deadline = time.time() + 10  # logged by the generation thread once the request is done
     while not (logged := [m for m in caplog.messages if m.startswith("flash reads: ")]) and time.time() < deadline:
         time.sleep(0.01)
-    reads = json.loads(logged[-1][len("flash reads: "):])
+    reads = json.loads(logged[-1][len("flash reads: ") :])
     step = provider.cli_args.prefill_step_size
     assert len(reads["prefill_passes"]) == -(-r["usage"]["prompt_tokens"] // step)
     assert r["choices"][0]["finish_reason"] == "length"  # (the tiny model's greedy reply has no EOS here)

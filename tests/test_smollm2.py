@@ -1,19 +1,19 @@
 """The default model, SmolLM2-135M-Instruct (real Q4_1 GGUF weights), through convert and the resident-only loader."""
 
+from mlx_flash.convert import convert
+from mlx_flash.convert.gguf import gguf_to_mlx_dir
+from mlx_flash.convert.source import load_source_model
+from mlx_flash.default_model import default_gguf_path
+from mlx_flash.engine.sparsity import Oracle
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import load_resident, load_tokenizer
+from mlx_flash.models.architectures import ADAPTERS
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-
-from mlx_flash.models.architectures import ADAPTERS
-from mlx_flash.convert import convert
-from mlx_flash.format.directory import FlashDir
-from mlx_flash.convert.gguf import gguf_to_mlx_dir
-from mlx_flash.default_model import default_gguf_path
-from mlx_flash.loader import load_resident, load_tokenizer
-from mlx_flash.convert.source import load_source_model
-from mlx_flash.engine.sparsity import Oracle
 
 PROMPT = "The history of the city begins"
 
@@ -83,9 +83,9 @@ def test_default_directory_holds_the_gguf_bytes(tmp_path):
     """convert of the GGUF itself with no flag: the Q8_0 embedding's biases (-128 x its scales) are not stored
     (format v4) yet load back exactly, so the weights on disk are the GGUF's tensor bytes within 1% (they were
     1.8% over with the biases stored), and the directory as a whole is no larger than the GGUF."""
-    import gguf
-
     from mlx_flash.compute.cpu_gemv import symmetric_biases
+
+    import gguf
 
     out = convert(str(default_gguf_path()), tmp_path / "default", progress=False)
     fd = FlashDir(out)
@@ -119,7 +119,12 @@ def test_oracle_streaming_equals_mlx_lm(source, flash_exact):
 
     fd = FlashDir(flash_exact)
     prompt = load_tokenizer(fd).encode(PROMPT)
-    model, _ = load(flash_exact, memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 10 + Oracle(fd).nbytes, sparsity="oracle", context=128)
+    model, _ = load(
+        flash_exact,
+        memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 10 + Oracle(fd).nbytes,
+        sparsity="oracle",
+        context=128,
+    )
     try:
         assert _greedy(model, prompt, 64) == _greedy(source[1], prompt, 64)
         model.flash.stats.end()

@@ -1,19 +1,19 @@
 """convert --down-bits source: down_proj's codes per neuron, exactly as the source quantised them, the
 groups' scales and biases resident (cpu_gemv.block_axpy / block_matmul, compute.block_row_axpy)."""
 
+from mlx_flash import FlashError
+from mlx_flash.budget import min_budget
+from mlx_flash.compute import cpu_gemv
+from mlx_flash.convert import convert
+from mlx_flash.format.directory import FlashDir, dense_ffn_weights
+from mlx_flash.loader import load, load_resident
+from mlx_flash.models.tiny import make_tiny_model_dir
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-
-from mlx_flash import FlashError
-from mlx_flash.compute import cpu_gemv
-from mlx_flash.budget import min_budget
-from mlx_flash.convert import convert
-from mlx_flash.format.directory import FlashDir, dense_ffn_weights
-from mlx_flash.loader import load, load_resident
-from mlx_flash.models.tiny import make_tiny_model_dir
 
 CONTEXT = 128
 PROMPT = [1, 5, 9, 33, 7, 100, 3]
@@ -23,7 +23,9 @@ PROMPT = [1, 5, 9, 33, 7, 100, 3]
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("src-codes")
     src = make_tiny_model_dir("llama", root / "src", num_hidden_layers=3)
-    return src, convert(str(src), root / "flash", bits=4, group_size=32, down_bits="source", alignment=512, progress=False)
+    return src, convert(
+        str(src), root / "flash", bits=4, group_size=32, down_bits="source", alignment=512, progress=False
+    )
 
 
 def greedy(model, n=24):
@@ -86,7 +88,9 @@ def test_streamed_tokens_equal_the_resident_model(dirs, sparsity, prefetch):
         assert greedy(model) == greedy(ref)
         model.flash.stats.end()
         assert sum(t.misses for t in model.flash.stats.decode_tokens()) > 0
-        tables = sum(fd.resident_index()[f"{p}.down.{k}"].nbytes for p in fd.ffn["mlp_paths"] for k in ("scales", "biases"))
+        tables = sum(
+            fd.resident_index()[f"{p}.down.{k}"].nbytes for p in fd.ffn["mlp_paths"] for k in ("scales", "biases")
+        )
         assert model.flash.plan.resident >= tables > 0
     finally:
         model.flash.close()
@@ -162,8 +166,12 @@ def test_native_symmetric_rows_equal_stored_biases(bits):
     blocks = np.arange(k, dtype=np.int32) // 8
     tables = mx.array(rng.standard_normal((3, n)).astype(np.float16))
     args = (c, w, 0, n * bits // 8, None, blocks)
-    assert np.allclose(cpu_gemv.block_axpy(*args, tables, None, n, bits),
-                       cpu_gemv.block_axpy(*args, tables, cpu_gemv.symmetric_biases(tables, bits), n, bits), rtol=1e-5, atol=1e-4)
+    assert np.allclose(
+        cpu_gemv.block_axpy(*args, tables, None, n, bits),
+        cpu_gemv.block_axpy(*args, tables, cpu_gemv.symmetric_biases(tables, bits), n, bits),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize("kernels", ["native", "mlx"])
@@ -175,15 +183,15 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
     kernels "mlx": MLX's ops derive the biases (the path Metal takes), else the native kernels read none."""
     if kernels == "mlx":
         request.getfixturevalue("mlx_ops")
-    from mlx.utils import tree_flatten
-
-    from mlx_flash.format import directory as flash_format
-    from mlx_flash.generate import generate_step as flash_generate_step
     from mlx_flash.budget import min_streaming_budget
     from mlx_flash.convert.source import load_source_model, resolve_source
-    from mlx_flash.loader import cpu_cast
     from mlx_flash.engine.resident import stream_groups
+    from mlx_flash.format import directory as flash_format
+    from mlx_flash.generate import generate_step as flash_generate_step
+    from mlx_flash.loader import cpu_cast
     from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    from mlx.utils import tree_flatten
 
     gguf = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=4096)  # large enough to stream
     path = convert(str(gguf), tmp_path / "flash", alignment=512, progress=False)
@@ -192,8 +200,11 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
         stored = convert(str(gguf), tmp_path / "stored", alignment=512, progress=False)
     fd, fd_stored = FlashDir(path), FlashDir(stored)
     src, _ = load_source_model(resolve_source(str(gguf), tmp_path))
-    quantised = {p for p, m in src.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-                 and ".mlp." not in p}
+    quantised = {
+        p
+        for p, m in src.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and ".mlp." not in p
+    }
     assert set(fd.symmetric) == quantised and set(fd.symmetric.values()) == {4} and fd_stored.symmetric == {}
     assert not any(k.endswith(".biases") for k in fd.resident_index())
     want = dict(tree_flatten(src.parameters()))
@@ -204,8 +215,9 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
     def run(p):
         f = FlashDir(p)
         if budget == "floor":  # attention layers and the tied embedding streamed: every one of them each token
-            cap = min_streaming_budget(f, CONTEXT, 4, resident=f.resident_nbytes(cpu_cast),
-                                       groups=stream_groups(f, cpu_cast, CONTEXT))
+            cap = min_streaming_budget(
+                f, CONTEXT, 4, resident=f.resident_nbytes(cpu_cast), groups=stream_groups(f, cpu_cast, CONTEXT)
+            )
         else:
             cap = min_budget(f, CONTEXT) + f.ffn_bytes
         model, _ = load(p, memory_budget=cap, sparsity="dense", context=CONTEXT)
@@ -214,8 +226,10 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
             params = [k for k, _ in tree_flatten(model.parameters()) if k.endswith(".biases")]
             assert (model.decoder is not None) == (kernels == "native"), model.flash.decoder_why
             # the native decode step (mlx_flash's loop) and the model's layers (mlx-lm's loop)
-            tokens = [[int(t) for t, _ in steps(mx.array(PROMPT), model, max_tokens=24)]
-                      for steps in (flash_generate_step, generate_step)]
+            tokens = [
+                [int(t) for t, _ in steps(mx.array(PROMPT), model, max_tokens=24)]
+                for steps in (flash_generate_step, generate_step)
+            ]
             model.flash.stats.end()
             return params, tokens, model.flash.stats.decode_tokens()[-1].streamed_bytes
         finally:

@@ -1,16 +1,16 @@
 """Sparsifiers choose what they claim: predictors round-trip through the flash dir, oracle densities, top-K."""
 
+from mlx_flash import FlashFormatError
+from mlx_flash.convert import convert
+from mlx_flash.engine.sparsity import Dense, Oracle, Predictor, dram_bytes, pass_units, prompt_units, top_k
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import load, make_sparsifier
+from mlx_flash.models.tiny import make_tiny_model_dir
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-
-from mlx_flash import FlashFormatError
-from mlx_flash.convert import convert
-from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import load, make_sparsifier
-from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.engine.sparsity import Dense, Oracle, Predictor, dram_bytes, pass_units, prompt_units, top_k
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,10 @@ def random_predictors(fd, rank=8, seed=0):
     rng = np.random.default_rng(seed)
     d, n = fd.ffn["hidden_size"], fd.ffn["intermediate_size"]
     return [
-        {"A": mx.array(rng.normal(size=(rank, d)).astype(np.float32)), "B": mx.array(rng.normal(size=(n, rank)).astype(np.float32))}
+        {
+            "A": mx.array(rng.normal(size=(rank, d)).astype(np.float32)),
+            "B": mx.array(rng.normal(size=(n, rank)).astype(np.float32)),
+        }
         for _ in fd.layers
     ]
 

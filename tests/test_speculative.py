@@ -2,22 +2,24 @@
 lookup, a draft model, on SmolLM2 and a tiny random model, under budgets that stream), the caches end where
 plain decoding leaves them, a pass reads its units once, and the draft model's memory is in the plan."""
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
-from mlx_flash.compute import cpu_gemv
 from mlx_flash.budget import min_budget
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.engine.native_step import MAX_POSITIONS
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step, speculative_generate_step, stream_generate
 from mlx_flash.speculative import AdaptiveDepth, PromptLookup, accept
 
+import mlx.core as mx
+import numpy as np
+import pytest
+
 native = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
 
-TEXT = ("The quick brown fox jumps over the lazy dog. The committee met on Tuesday to discuss the budget for the "
-        "new library, and agreed that the reading room would open in March.")
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. The committee met on Tuesday to discuss the budget for the "
+    "new library, and agreed that the reading room would open in March."
+)
 
 
 # -- drafters ------------------------------------------------------------------------------------------
@@ -137,8 +139,12 @@ def test_rejected_drafts_leave_the_cache_of_plain_decoding(smol):
         plain_cache, spec_cache = model.make_cache(), model.make_cache()
         want = [t for t, _ in generate_step(prompt, model, max_tokens=12, prompt_cache=plain_cache)]
         model.flash.reset()
-        got = [t for t, _, _ in speculative_generate_step(prompt, model, Fixed([want[1], 7, 7, 7]), max_tokens=12,
-                                                          prompt_cache=spec_cache, adaptive_draft=False)]
+        got = [
+            t
+            for t, _, _ in speculative_generate_step(
+                prompt, model, Fixed([want[1], 7, 7, 7]), max_tokens=12, prompt_cache=spec_cache, adaptive_draft=False
+            )
+        ]
         assert got == want
         for a, b in zip(plain_cache, spec_cache):
             assert a.offset == b.offset == len(prompt) + 12
@@ -218,6 +224,7 @@ def test_bad_speculative_requests_raise(tiny, tmp_path):
     from mlx_flash.convert import convert
     from mlx_flash.loader import load
     from mlx_flash.models.tiny import make_tiny_model_dir
+
     from mlx_lm.models.cache import RotatingKVCache
 
     _, src, _ = tiny
@@ -229,12 +236,16 @@ def test_bad_speculative_requests_raise(tiny, tmp_path):
             list(stream_generate(model, tok, prompt.tolist(), max_tokens=4, prompt_lookup=True, draft_model=model))
         with pytest.raises(ValueError, match="trimmable"):  # a full rotating cache cannot take tokens back
             rotating = [RotatingKVCache(max_size=4) for _ in model.layers]
-            list(speculative_generate_step(mx.array(tok.encode("abc abc abc")), model, PromptLookup(), max_tokens=4,
-                                           prompt_cache=rotating))
+            list(
+                speculative_generate_step(
+                    mx.array(tok.encode("abc abc abc")), model, PromptLookup(), max_tokens=4, prompt_cache=rotating
+                )
+            )
     finally:
         model.flash.close()
-    other = convert(str(make_tiny_model_dir("llama", tmp_path / "other", vocab_size=300)), tmp_path / "oflash",
-                    progress=False)
+    other = convert(
+        str(make_tiny_model_dir("llama", tmp_path / "other", vocab_size=300)), tmp_path / "oflash", progress=False
+    )
     with pytest.raises(FlashError, match="same tokenizer"):
         load(path, context=64, draft_model=other)
 
@@ -245,8 +256,9 @@ def test_generate_with_a_draft_model_holds_its_budget_under_a_hard_cap(smol, gen
     import re
 
     budget = FlashDir(smol).model_bytes * 3 // 2  # the draft (the same weights) and the target's resident floor
-    r, peak = generate_capped(smol, budget, "--draft-model", str(smol), "--max-tokens", "24",
-                              "--prompt", "Copy this text: " + TEXT)
+    r, peak = generate_capped(
+        smol, budget, "--draft-model", str(smol), "--max-tokens", "24", "--prompt", "Copy this text: " + TEXT
+    )
     assert r.ok, r.summary() + "\n" + r.stderr
     assert peak, r.stdout
     assert 0 < peak <= budget, r.stdout

@@ -2,15 +2,15 @@
 
 import json
 
+from mlx_flash.models import get_model_classes
+from mlx_flash.models.tiny import TINY_ARCHS, make_tiny_model_dir
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
-
-from mlx_flash.models import get_model_classes
-from mlx_flash.models.tiny import TINY_ARCHS, make_tiny_model_dir
 
 EXPECTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
 

@@ -3,21 +3,19 @@ gate/up weight; replayed on another model it counts that DRAM there, in the budg
 
 import sys
 
-import numpy as np
-import pytest
-
-from mlx_flash import BudgetError
-from mlx_flash import bench
+from mlx_flash import BudgetError, bench
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
+from mlx_flash.calib.quality import collect_inputs, eval_model
+from mlx_flash.calib.trace import Trace, TraceSparsifier, default_trace, describe_selector, gate_up_weights, record
 from mlx_flash.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
+from mlx_flash.engine.resident import stream_groups
+from mlx_flash.engine.sparsity import dram_bytes
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import cpu_cast, make_sparsifier
-from mlx_flash.engine.sparsity import dram_bytes
-from mlx_flash.engine.resident import stream_groups
-from mlx_flash.calib.quality import collect_inputs, eval_model
-from mlx_flash.calib.trace import default_trace
-from mlx_flash.calib.trace import Trace, TraceSparsifier, describe_selector, gate_up_weights, record
+
+import numpy as np
+import pytest
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 CONTEXT = 8 + 6 + 8  # the bench's prompt + tokens + 8
@@ -29,9 +27,26 @@ def sketched(tiny):
     root, src, data = tiny
     path = convert(str(src), root / "sketched", alignment=512, progress=False)
     argv = sys.argv
-    sys.argv = ["calibrate", "--model", str(path), "--data", str(data), "--seq-len", "32", "--num-seqs", "2",
-                "--selector-seqs", "1", "--selector", "sketch", "--sketch-bits", "2", "--max-ppl-increase", "10",
-                "--quiet"]
+    sys.argv = [
+        "calibrate",
+        "--model",
+        str(path),
+        "--data",
+        str(data),
+        "--seq-len",
+        "32",
+        "--num-seqs",
+        "2",
+        "--selector-seqs",
+        "1",
+        "--selector",
+        "sketch",
+        "--sketch-bits",
+        "2",
+        "--max-ppl-increase",
+        "10",
+        "--quiet",
+    ]
     try:
         calibrate_main()
     finally:
@@ -51,8 +66,11 @@ def test_sketch_trace_holds_the_sketchs_own_selections(sketched, sketch_trace):
     # the FFN inputs from another forward pass (quality.py's), handed to the sketch one token at a time
     model, ctl = eval_model(fd)
     xs = collect_inputs(model, ctl, np.array([list(sketch_trace.tokens) + [0]]))
-    agree = [np.array_equal(sp.select(layer, x[t]), sketch_trace.ids(t, layer))
-             for layer, x in enumerate(xs) for t in range(sketch_trace.n_tokens)]
+    agree = [
+        np.array_equal(sp.select(layer, x[t]), sketch_trace.ids(t, layer))
+        for layer, x in enumerate(xs)
+        for t in range(sketch_trace.n_tokens)
+    ]
     assert np.mean(agree) >= 0.95  # another model's float rounding may swap a near-tie at the boundary
     assert sketch_trace.density() == pytest.approx(0.5, abs=0.01)
     sel = sketch_trace.meta["selector"]
@@ -65,15 +83,23 @@ def test_replayed_selector_dram_scales_with_the_targets_gate_up(sketched, sketch
     fd = FlashDir(sketched)
     sp = make_sparsifier(fd, "sketch", 0.5)
     assert TraceSparsifier(sketch_trace).nbytes == sp.nbytes  # its own model: the sketch's own DRAM
-    assert TraceSparsifier(sketch_trace, 2, fd.ffn["intermediate_size"], weights=gate_up_weights(fd)).nbytes == sp.nbytes
+    assert (
+        TraceSparsifier(sketch_trace, 2, fd.ffn["intermediate_size"], weights=gate_up_weights(fd)).nbytes == sp.nbytes
+    )
     per_weight = sketch_trace.meta["selector"]["bytes_per_weight"]
     # a LLaMA-7B shape: 32 layers of gate and up, 4096 x 11008
     big = TraceSparsifier(sketch_trace, 32, 11008, weights=32 * 2 * 4096 * 11008)
     assert big.nbytes == round(per_weight * 32 * 2 * 4096 * 11008)
     # the oracle's trace is the upper bound: no DRAM counted, and labelled so
-    oracle = Trace(sketch_trace.active, meta={"sparsity": "oracle", "selector": {"name": "oracle", "upper_bound": True}})
+    oracle = Trace(
+        sketch_trace.active, meta={"sparsity": "oracle", "selector": {"name": "oracle", "upper_bound": True}}
+    )
     assert TraceSparsifier(oracle, 32, 11008, weights=32 * 2 * 4096 * 11008).nbytes == 0
-    assert describe_selector(oracle.meta) == describe_selector({"sparsity": "oracle"}) == "oracle (upper bound, not deployable)"
+    assert (
+        describe_selector(oracle.meta)
+        == describe_selector({"sparsity": "oracle"})
+        == "oracle (upper bound, not deployable)"
+    )
 
 
 def test_the_plan_holds_the_replayed_selector_or_refuses_the_budget(tiny, sketch_trace):
@@ -92,8 +118,17 @@ def test_the_plan_holds_the_replayed_selector_or_refuses_the_budget(tiny, sketch
     with pytest.raises(BudgetError, match="too small"):
         plan_memory(fd, lowest + sp.nbytes // 2, CONTEXT, 4, sp.nbytes, resident=resident, groups=groups)
     # the bench says so: dense rows run, the selector's rows are skipped with the reason
-    res = bench.run(fd.path, lowest + sp.nbytes // 2, tokens=6, prompt_tokens=8, configs=("hybrid", "all"),
-                    trace=(sketch_trace, "sketch.npz"), disk_seconds=0.05, use_fio=False, progress=False)
+    res = bench.run(
+        fd.path,
+        lowest + sp.nbytes // 2,
+        tokens=6,
+        prompt_tokens=8,
+        configs=("hybrid", "all"),
+        trace=(sketch_trace, "sketch.npz"),
+        disk_seconds=0.05,
+        use_fio=False,
+        progress=False,
+    )
     assert res["configs"]["hybrid"]["bytes_per_token"] > 0
     assert "selector's DRAM" in res["configs"]["all"]["skipped"] and "does not fit" in res["configs"]["all"]["skipped"]
     assert "all" not in res["targets"] and "io_bytes_all_over_dense" not in res["targets"]
@@ -106,10 +141,21 @@ def test_bench_streams_what_the_selector_pushes_out(tiny, sketch_trace):
     fd = FlashDir(root / "target")
     sp = bench.choose_sparsifier(fd, 0.5, (sketch_trace, "sketch.npz"))[0]
     budget = min_budget(fd, CONTEXT, 4, resident=bench.resident_bytes(fd))
-    layers = [sum(g.kind == "layer" for g in bench.engine_plan(fd, budget, CONTEXT, e).streamed) for e in (0, sp.nbytes)]
+    layers = [
+        sum(g.kind == "layer" for g in bench.engine_plan(fd, budget, CONTEXT, e).streamed) for e in (0, sp.nbytes)
+    ]
     assert layers[0] == 0 < layers[1]  # the case: the selector's DRAM pushes attention layers out
-    res = bench.run(fd.path, budget, tokens=6, prompt_tokens=8, configs=("hybrid", "all", "sparsity"),
-                    trace=(sketch_trace, "sketch.npz"), disk_seconds=0.05, use_fio=False, progress=False)
+    res = bench.run(
+        fd.path,
+        budget,
+        tokens=6,
+        prompt_tokens=8,
+        configs=("hybrid", "all", "sparsity"),
+        trace=(sketch_trace, "sketch.npz"),
+        disk_seconds=0.05,
+        use_fio=False,
+        progress=False,
+    )
     hy, a = res["configs"]["hybrid"], res["configs"]["all"]
     assert hy["streamed_attention_layers"] == 0 and hy["selector_bytes"] == 0
     assert a["streamed_attention_layers"] > 0 and a["selector_bytes"] == sp.nbytes

@@ -9,16 +9,14 @@ reference model.
 
 import os
 
+import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
+from mlx_flash.engine.cache import POLICIES, UnitCache, cache_aware_scores, capacity_for_budget
+
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-import mlx.core as mx
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from mlx_flash.engine.cache import POLICIES, UnitCache, cache_aware_scores, capacity_for_budget
 
 RB = 4096  # row bytes used by most tests
 
@@ -176,7 +174,12 @@ def run_and_check(cache, ref, steps, with_mx=True):
         tot["overflow"] += len(ov)
     st_ = cache.stats
     assert (st_.evicted, st_.moved_rows, st_.hits, st_.misses, st_.overflow) == (
-        tot["evicted"], tot["moved"], tot["hits"], tot["misses"], tot["overflow"])
+        tot["evicted"],
+        tot["moved"],
+        tot["hits"],
+        tot["misses"],
+        tot["overflow"],
+    )
     assert cache.row_address(0) == addr0, "the buffer must never be reallocated"
 
 
@@ -481,8 +484,12 @@ def test_native_pread_pool_writes_into_cache_rows(tmp_path):
         for active in ([1, 2, 3], [3, 4, 9, 10], [0, 1, 2, 3, 4, 5, 6], [9, 11]):
             p = c.plan(np.array(active))
             m = p.miss_units.astype(np.int64)
-            pool.read(memoryview(c.buffer), m * rb, np.full(m.size, rb, np.int64),
-                      c.base_offset + p.miss_slots.astype(np.int64) * rb)
+            pool.read(
+                memoryview(c.buffer),
+                m * rb,
+                np.full(m.size, rb, np.int64),
+                c.base_offset + p.miss_slots.astype(np.int64) * rb,
+            )
             check_maps(c)
             check_rows(c)
 

@@ -40,10 +40,10 @@ from tqdm import tqdm
 
 from ..compute import cpu_gemv
 from ..compute.ffn import ACTIVATIONS
-from ..format.directory import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
-from ..loader import build_model
 from ..engine.cache import UnitCache
 from ..engine.sparsity import DIP, WINA, Oracle, Predictor, Sketch, top_k_mask
+from ..format.directory import FlashDir, dense_ffn_weights  # noqa: F401  (re-exported: calibrate, reorder, tests)
+from ..loader import build_model
 
 MODES = ("dense", "oracle", "predictor", "dip", "dip-ca", "wina", "sketch")
 DIP_MODES = ("dip", "dip-ca", "wina")  # prune gate/up inputs first
@@ -246,7 +246,6 @@ def eval_model(fd: FlashDir, **controller_kw):
     """(model, controller): a resident float32 model of `fd` whose FFNs are EvalFFNs (nothing quantised)."""
     from mlx_lm.utils import dequantize_model
 
-
     ctl = Controller(fd.ffn["kind"], fd.ffn["activation"], len(fd.layers), **controller_kw)
 
     def make_ffn(i, bias):
@@ -285,7 +284,7 @@ def sequence_nll(model, ctl: Optional[Controller], batches: np.ndarray, first: i
             ctl.new_sequence()
         x = mx.array(row[None, :-1])
         logits = model(x)[:, first:].astype(mx.float32)
-        loss = nn.losses.cross_entropy(logits, mx.array(row[None, first + 1:]), reduction="sum")
+        loss = nn.losses.cross_entropy(logits, mx.array(row[None, first + 1 :]), reduction="sum")
         total += float(loss.item())
         count += row.shape[0] - 1 - first
         if on_logits is not None:
@@ -302,8 +301,9 @@ def glu_activations(x: mx.array, w: Dict[str, mx.array], activation: str) -> mx.
     return ACTIVATIONS[activation](x @ w["gate"].T) * (x @ w["up"].T)
 
 
-def activation_targets(x: np.ndarray, w: Dict[str, mx.array], kind: str, activation: str, density: float,
-                       bias: Optional[mx.array] = None) -> np.ndarray:
+def activation_targets(
+    x: np.ndarray, w: Dict[str, mx.array], kind: str, activation: str, density: float, bias: Optional[mx.array] = None
+) -> np.ndarray:
     """bool [T, n]: which neurons a token needs. ReLU: h > 0; GLU: top-K of |GLU| at `density`."""
     xm = mx.array(x)
     if kind == "glu":
@@ -315,8 +315,15 @@ def activation_targets(x: np.ndarray, w: Dict[str, mx.array], kind: str, activat
     return np.array(h > 0)
 
 
-def layer_statistics(x: np.ndarray, w: Dict[str, mx.array], kind: str, activation: str, density: float,
-                     bias: Optional[mx.array] = None, hot: int = 32) -> dict:
+def layer_statistics(
+    x: np.ndarray,
+    w: Dict[str, mx.array],
+    kind: str,
+    activation: str,
+    density: float,
+    bias: Optional[mx.array] = None,
+    hot: int = 32,
+) -> dict:
     """Firing frequency per neuron, |activation| quantiles, and co-activation of the `hot` most frequent neurons."""
     xm = mx.array(x)
     if kind == "glu":
@@ -337,5 +344,7 @@ def layer_statistics(x: np.ndarray, w: Dict[str, mx.array], kind: str, activatio
         "magnitude_quantiles": {str(q): float(np.quantile(h, q)) for q in (0.5, 0.9, 0.99, 0.999)},
         "hot_neurons": order.tolist(),
         "hot_coactivation_lift": float((co[off] / np.maximum(indep[off], 1e-9)).mean()) if len(order) > 1 else 1.0,
-        "share_of_activations_in_top10pct": float(np.sort(freq)[::-1][: max(1, len(freq) // 10)].sum() / max(freq.sum(), 1e-9)),
+        "share_of_activations_in_top10pct": float(
+            np.sort(freq)[::-1][: max(1, len(freq) // 10)].sum() / max(freq.sum(), 1e-9)
+        ),
     }

@@ -30,10 +30,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..budget import min_budget
+from ..engine.sparsity import dram_bytes
 from ..format.directory import FFN, MANIFEST, PREDICTORS, RESIDENT, FlashDir, FlashWriter
 from ..generate import generate_step
 from ..loader import load, load_tokenizer, make_sparsifier
-from ..engine.sparsity import dram_bytes
 from ..texts import read_text, token_batches
 from .quality import activation_targets, collect_inputs, dense_ffn_weights, eval_model
 
@@ -102,15 +102,18 @@ def reorder(path, perms: Sequence[np.ndarray], progress: bool = False) -> Path:
     for i, p in enumerate(perms):
         if len(p) != n or not np.array_equal(np.sort(p), np.arange(n)):
             raise ValueError(f"layer {i}: not a permutation of {n} neurons")
-        if group > 1 and not np.array_equal(p.reshape(-1, group) - p.reshape(-1, group)[:, :1], np.tile(np.arange(group), (n // group, 1))):
+        if group > 1 and not np.array_equal(
+            p.reshape(-1, group) - p.reshape(-1, group)[:, :1], np.tile(np.arange(group), (n // group, 1))
+        ):
             raise ValueError(f"layer {i}: quantised dip inputs can only move whole groups of {group} neurons")
     tmp = path.with_name(f".{path.name}.reorder.tmp")
     old = path.with_name(f".{path.name}.reorder.old")
     for d in (tmp, old):
         if d.exists():
             shutil.rmtree(d)
-    writer = FlashWriter(tmp, fd.alignment, {k: e for l in fd.layouts.values() for k, e in l.encodings().items()},
-                         fd.unit_alignment)
+    writer = FlashWriter(
+        tmp, fd.alignment, {k: e for l in fd.layouts.values() for k, e in l.encodings().items()}, fd.unit_alignment
+    )
     try:
         for i in tqdm(range(len(fd.layers)), desc="reorder", unit="layer", disable=not progress):
             regions = {}
@@ -146,7 +149,11 @@ def reorder(path, perms: Sequence[np.ndarray], progress: bool = False) -> Path:
             arrays[f"{i}.B"] = w["B"][mx.array(perms[i])]
         mx.save_safetensors(str(tmp / fd.manifest["sparsity"]["predictor"]["file"]), arrays)
     for f in path.iterdir():  # tokenizer and other files
-        if f.name not in (MANIFEST, RESIDENT, FFN, PREDICTORS, "config.json") and f.is_file() and not (tmp / f.name).exists():
+        if (
+            f.name not in (MANIFEST, RESIDENT, FFN, PREDICTORS, "config.json")
+            and f.is_file()
+            and not (tmp / f.name).exists()
+        ):
             shutil.copy2(f, tmp / f.name)
     os.rename(path, old)
     os.rename(tmp, path)
@@ -154,8 +161,15 @@ def reorder(path, perms: Sequence[np.ndarray], progress: bool = False) -> Path:
     return path
 
 
-def read_stats(path, sparsity: str = "auto", cache_fraction: float = 0.1, tokens: int = 32,
-               prompt: str = "The history of", context: int = 256, **load_kw) -> dict:
+def read_stats(
+    path,
+    sparsity: str = "auto",
+    cache_fraction: float = 0.1,
+    tokens: int = 32,
+    prompt: str = "The history of",
+    context: int = 256,
+    **load_kw,
+) -> dict:
     """Decode greedily with mlx_flash.load under a budget that caches `cache_fraction` of the FFN
     and return the reader's counters for the decode steps (and the tokens)."""
     fd = FlashDir(path)
@@ -181,8 +195,10 @@ def read_stats(path, sparsity: str = "auto", cache_fraction: float = 0.1, tokens
 def setup_arg_parser():
     import argparse
 
-    p = argparse.ArgumentParser(description="Reorder a flash directory's neurons by co-activation on calibration text "
-                                "and report the mean bytes per read request while decoding, before and after.")
+    p = argparse.ArgumentParser(
+        description="Reorder a flash directory's neurons by co-activation on calibration text "
+        "and report the mean bytes per read request while decoding, before and after."
+    )
     p.add_argument("--model", required=True, help="Flash directory (rewritten in place).")
     p.add_argument("--data", nargs="+", default=None, help="Calibration text (default: first half of WikiText-2 test).")
     p.add_argument("--seq-len", type=int, default=256)
@@ -208,13 +224,19 @@ def main():
     xs = collect_inputs(model, ctl, token_batches(load_tokenizer(fd), text, args.seq_len, args.num_seqs), True)
     del model
     group = reorder_group(fd)
-    perms = [neuron_order(activation_targets(x, dense_ffn_weights(fd, i), fd.ffn["kind"], fd.ffn["activation"],
-                                             args.density), group) for i, x in enumerate(xs)]
+    perms = [
+        neuron_order(
+            activation_targets(x, dense_ffn_weights(fd, i), fd.ffn["kind"], fd.ffn["activation"], args.density), group
+        )
+        for i, x in enumerate(xs)
+    ]
     reorder(fd.path, perms, progress=True)
     after = read_stats(fd.path, **kw)
     for name, s in (("before", before), ("after", after)):
-        print(f"{name}: {s['requests']} requests, {s['bytes_requested'] / 2**20:.1f} MiB requested, "
-              f"{s['bytes_per_request']:.0f} B per request, {s['bytes_read'] / 2**20:.1f} MiB read")
+        print(
+            f"{name}: {s['requests']} requests, {s['bytes_requested'] / 2**20:.1f} MiB requested, "
+            f"{s['bytes_per_request']:.0f} B per request, {s['bytes_read'] / 2**20:.1f} MiB read"
+        )
     print("identical tokens:", before["tokens"] == after["tokens"])
 
 

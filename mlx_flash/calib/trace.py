@@ -46,15 +46,15 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
+
 import mlx.core as mx
 import numpy as np
 
-import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-
 from ..default_model import cache_root, default_model_dir
+from ..engine.sparsity import top_k
 from ..format.directory import FlashDir
 from ..loader import load_resident, load_tokenizer, make_sparsifier
-from ..engine.sparsity import top_k
 from ..texts import read_text
 
 
@@ -78,8 +78,13 @@ class Trace:
 
     def save(self, path) -> Path:
         path = Path(path)
-        np.savez_compressed(path, active=np.packbits(self.active, axis=-1), n_units=self.n_units,
-                            tokens=self.tokens, meta=json.dumps(self.meta))
+        np.savez_compressed(
+            path,
+            active=np.packbits(self.active, axis=-1),
+            n_units=self.n_units,
+            tokens=self.tokens,
+            meta=json.dumps(self.meta),
+        )
         return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
     @staticmethod
@@ -140,8 +145,14 @@ def selector_info(sp, fd) -> dict:
     weight (its input scales, 4 bytes a column, are included: ~0.2%), so it scales to any model."""
     if sp.name == "sketch":
         w = gate_up_weights(fd)
-        return {"name": "sketch", "bits": sp.bits, "group_size": sp.group_size, "nbytes": int(sp.nbytes),
-                "gate_up_weights": w, "bytes_per_weight": sp.nbytes / w}
+        return {
+            "name": "sketch",
+            "bits": sp.bits,
+            "group_size": sp.group_size,
+            "nbytes": int(sp.nbytes),
+            "gate_up_weights": w,
+            "bytes_per_weight": sp.nbytes / w,
+        }
     if sp.name == "oracle":
         return {"name": "oracle", "upper_bound": True}
     return {"name": sp.name}
@@ -160,7 +171,9 @@ def describe_selector(meta: dict) -> str:
     """The recorded selector, for tables: e.g. "sketch 4-bit (group 64)", "oracle (upper bound, not deployable)"."""
     sel = meta.get("selector") or {"name": meta.get("sparsity", "?")}  # traces from before meta["selector"]
     if sel["name"] == "sketch":
-        return f"sketch {sel['bits']}-bit (group {sel['group_size']}, {sel['bytes_per_weight']:.3f} B per gate/up weight)"
+        return (
+            f"sketch {sel['bits']}-bit (group {sel['group_size']}, {sel['bytes_per_weight']:.3f} B per gate/up weight)"
+        )
     if sel["name"] == "oracle":
         return "oracle (upper bound, not deployable)"
     return sel["name"] if sel["name"] == "dense" else f"{sel['name']} (its DRAM not counted)"
@@ -173,8 +186,9 @@ class TraceSparsifier:
 
     name = "trace"
 
-    def __init__(self, trace, n_layers: int = None, n_units: int = None, seed: int = 0, start: int = 0,
-                 weights: int = None):
+    def __init__(
+        self, trace, n_layers: int = None, n_units: int = None, seed: int = 0, start: int = 0, weights: int = None
+    ):
         if isinstance(trace, (str, Path)):
             trace = Trace.load(trace)
         if n_layers is not None:
@@ -229,8 +243,14 @@ class _Capture:
         return self.mlp(x)
 
 
-def record(path=None, sparsity: str = "oracle", density: Optional[float] = 0.2, tokens: int = 256,
-           text: Optional[str] = None, offset: int = 0) -> Trace:
+def record(
+    path=None,
+    sparsity: str = "oracle",
+    density: Optional[float] = 0.2,
+    tokens: int = 256,
+    text: Optional[str] = None,
+    offset: int = 0,
+) -> Trace:
     """Record a Trace of the model at `path` (default: SmolLM2) on `tokens` tokens of `text`
     (default: WikiText-2 test, from character `offset`). sparsity "sketch": the directory's calibrated
     sketch, at `density` (None: its calibrated densities), one token at a time as the runtime asks it."""
@@ -259,9 +279,16 @@ def record(path=None, sparsity: str = "oracle", density: Optional[float] = 0.2, 
         else:
             for t in range(len(ids)):
                 active[t, layer, sp.select(layer, x[t])] = True
-    meta = {"model": str(path), "sparsity": sparsity, "density": density, "tokens": len(ids),
-            "text": "wikitext-2 test" if text is None or offset >= 0 else "custom", "offset": offset,
-            "realised_density": float(active.mean()), "selector": selector_info(sp, fd)}
+    meta = {
+        "model": str(path),
+        "sparsity": sparsity,
+        "density": density,
+        "tokens": len(ids),
+        "text": "wikitext-2 test" if text is None or offset >= 0 else "custom",
+        "offset": offset,
+        "realised_density": float(active.mean()),
+        "selector": selector_info(sp, fd),
+    }
     return Trace(active, np.array(ids), meta)
 
 
@@ -271,7 +298,11 @@ def default_trace(density: float = 0.2, tokens: int = 256, model=None):
 
     fd = FlashDir(model if model is not None else default_model_dir())
     sel = (fd.manifest.get("sparsity") or {}).get("selector") or {}
-    sparsity, tag = ("sketch", f"sketch{sel['bits']}b-g{sel['group_size']}") if sel.get("name") == "sketch" else ("oracle", "oracle")
+    sparsity, tag = (
+        ("sketch", f"sketch{sel['bits']}b-g{sel['group_size']}")
+        if sel.get("name") == "sketch"
+        else ("oracle", "oracle")
+    )
     root = cache_root() / "traces"
     path = root / f"{'smollm2' if model is None else fd.path.name}-{tag}-{density:g}-{tokens}.npz"
     if not path.is_file():
@@ -284,10 +315,18 @@ def default_trace(density: float = 0.2, tokens: int = 256, model=None):
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Record per-layer FFN active sets of a model on real text.")
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2, converted once).")
-    p.add_argument("--sparsity", default="oracle", choices=["oracle", "sketch", "predictor", "dense"],
-                   help="sketch: the directory's calibrated sketch (python -m mlx_flash.calibrate --selector sketch).")
-    p.add_argument("--density", type=float, default=0.2,
-                   help="oracle / sketch: share of neurons kept per token (top-K of |GLU| / of the sketch's estimate).")
+    p.add_argument(
+        "--sparsity",
+        default="oracle",
+        choices=["oracle", "sketch", "predictor", "dense"],
+        help="sketch: the directory's calibrated sketch (python -m mlx_flash.calibrate --selector sketch).",
+    )
+    p.add_argument(
+        "--density",
+        type=float,
+        default=0.2,
+        help="oracle / sketch: share of neurons kept per token (top-K of |GLU| / of the sketch's estimate).",
+    )
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--offset", type=int, default=0, help="Character offset into WikiText-2 test.")
     p.add_argument("--out", required=True)
@@ -296,10 +335,14 @@ def setup_arg_parser():
 
 def main():
     a = setup_arg_parser().parse_args()
-    tr = record(a.model, a.sparsity, a.density if a.sparsity in ("oracle", "sketch") else None, a.tokens, offset=a.offset)
+    tr = record(
+        a.model, a.sparsity, a.density if a.sparsity in ("oracle", "sketch") else None, a.tokens, offset=a.offset
+    )
     out = tr.save(a.out)
-    print(f"wrote {out}: {describe_selector(tr.meta)}, {tr.n_tokens} tokens x {tr.n_layers} layers x {tr.n_units} neurons, "
-          f"density {tr.density():.3f}, reuse from the previous token {tr.reuse(1):.1%}, from the last 5 {tr.reuse(5):.1%}")
+    print(
+        f"wrote {out}: {describe_selector(tr.meta)}, {tr.n_tokens} tokens x {tr.n_layers} layers x {tr.n_units} neurons, "
+        f"density {tr.density():.3f}, reuse from the previous token {tr.reuse(1):.1%}, from the last 5 {tr.reuse(5):.1%}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,9 +20,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import cpu_gemv
 from ..format.directory import BundleLayout
-from . import cpu, metal
+from . import cpu, cpu_gemv, metal
 from .cpu import CpuBackend
 from .metal import MetalBackend
 from .ops import OpsBackend
@@ -58,17 +57,23 @@ def backend_for(layout: BundleLayout, ffn: dict, use_metal: Optional[bool] = Non
     ok = _supported(layout, ffn)
     if use_metal:
         if not metal.available():
-            why = "Metal not available (Apple silicon only)" if metal.KERNEL_SOURCES is not None else (
-                f"{metal.KERNEL_FILE} not found in {', '.join(map(str, metal.kernel_source.KERNEL_DIRS))}")
+            why = (
+                "Metal not available (Apple silicon only)"
+                if metal.KERNEL_SOURCES is not None
+                else (f"{metal.KERNEL_FILE} not found in {', '.join(map(str, metal.kernel_source.KERNEL_DIRS))}")
+            )
             raise RuntimeError(f"compute: use_metal=True but {why}")
         if not ok["metal"]:
-            raise ValueError("compute: the Metal kernels cannot read these rows (symmetric, unaligned offsets, "
-                             "or not 2/4/8-bit)")
+            raise ValueError(
+                "compute: the Metal kernels cannot read these rows (symmetric, unaligned offsets, or not 2/4/8-bit)"
+            )
         return MetalBackend(layout, ffn)
     if use_metal is None:
         if metal.KERNEL_SOURCES is None and mx.metal.is_available():
-            warnings.warn(f"compute: {metal.KERNEL_FILE} not found: using the slower MLX-ops path (reinstall mlx_flash)",
-                          stacklevel=2)
+            warnings.warn(
+                f"compute: {metal.KERNEL_FILE} not found: using the slower MLX-ops path (reinstall mlx_flash)",
+                stacklevel=2,
+            )
         if metal.available() and ok["metal"]:
             return MetalBackend(layout, ffn)
     if cpu_gemv.available() and ok["cpu"]:
@@ -86,8 +91,9 @@ def _one(layout, name, quant, use_metal, a, rows, slots, what):
     return backend_for(layout, {"matrices": {name: {"quantization": quant}}}, use_metal), slots
 
 
-def row_dot(x: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str, quant: Optional[dict],
-            use_metal=None) -> mx.array:
+def row_dot(
+    x: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str, quant: Optional[dict], use_metal=None
+) -> mx.array:
     """x [..., n_in] (float16/bfloat16/float32) @ W[slots]^T for matrix `name` of the rows' layout (quant None:
     float rows, or {"bits", "group_size"[, "symmetric"]}): [..., k] in x's dtype."""
     b, slots = _one(layout, name, quant, use_metal, x, rows, slots, "x")
@@ -99,8 +105,9 @@ def row_dot(x: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str,
     return b.finish(b.row_dot(b.prepare(x), rows, slots, name), x)
 
 
-def row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str, quant: Optional[dict],
-             use_metal=None) -> mx.array:
+def row_axpy(
+    w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str, quant: Optional[dict], use_metal=None
+) -> mx.array:
     """w [..., k] @ W[slots] for matrix `name` (k = len(slots)): [..., n_out] in w's dtype."""
     b, slots = _one(layout, name, quant, use_metal, w, rows, slots, "w")
     if w.shape[-1] != len(slots):
@@ -110,8 +117,17 @@ def row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str
     return b.finish(b.row_axpy(b.prepare(w), rows, slots, name), w)
 
 
-def block_row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, name: str, quant: dict, units,
-                   scales: mx.array, biases: Optional[mx.array]) -> mx.array:
+def block_row_axpy(
+    w: mx.array,
+    rows: mx.array,
+    slots,
+    layout: BundleLayout,
+    name: str,
+    quant: dict,
+    units,
+    scales: mx.array,
+    biases: Optional[mx.array],
+) -> mx.array:
     """`row_axpy` for rows holding only the source's codes of `name` (quantisation "resident_scales"): unit
     units[j] (in slot slots[j]) is in group units[j] // group_size, whose scales/biases [n_out] are rows of the
     resident tables. biases None: symmetric."""
@@ -119,7 +135,9 @@ def block_row_axpy(w: mx.array, rows: mx.array, slots, layout: BundleLayout, nam
     codes = layout.component(f"{name}.weight")
     n = codes.shape[0] * 32 // int(quant["bits"])
     if w.shape[-1] != len(slots) or len(units) != len(slots):
-        raise ValueError(f"block_row_axpy: w has {w.shape[-1]} weights per row, {len(units)} units for {len(slots)} slots")
+        raise ValueError(
+            f"block_row_axpy: w has {w.shape[-1]} weights per row, {len(units)} units for {len(slots)} slots"
+        )
     if len(slots) == 0 or 0 in w.shape[:-1]:
         return mx.zeros((*w.shape[:-1], n), dtype=w.dtype)
     return b.finish(b.block_row_axpy(b.prepare(w), rows, slots, name, np.asarray(units), scales, biases), w)

@@ -25,8 +25,22 @@ def supports(m: RowMatrix) -> bool:
 def _quant_rows(rows: mx.array, m: RowMatrix) -> cpu_gemv.QuantRows:
     stride = rows.shape[1]
     b = m.scales if m.symmetric else m.biases  # (ignored when symmetric)
-    return cpu_gemv.QuantRows(rows, m.weight.offset, stride, rows, m.scales.offset, stride, rows, b.offset,
-                              stride, m.n, m.bits, m.group_size, m.float_dtype, m.symmetric)
+    return cpu_gemv.QuantRows(
+        rows,
+        m.weight.offset,
+        stride,
+        rows,
+        m.scales.offset,
+        stride,
+        rows,
+        b.offset,
+        stride,
+        m.n,
+        m.bits,
+        m.group_size,
+        m.float_dtype,
+        m.symmetric,
+    )
 
 
 def _native(rows, slots):
@@ -106,8 +120,9 @@ class CpuBackend(OpsBackend):
         buf, at = _native(rows, slots)
         return cpu_gemv.row_axpy(w, _quant_rows(buf, self.matrix(name)), at, dst, n_out)
 
-    def block_row_axpy(self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array], dst=None,
-                       n_out: int = 1):
+    def block_row_axpy(
+        self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array], dst=None, n_out: int = 1
+    ):
         if not isinstance(w, np.ndarray):
             return super().block_row_axpy(w, rows, slots, name, units, scales, biases)
         if not (cpu_gemv.contiguous(scales) and scales.dtype in cpu_gemv.SCALE_TYPES):
@@ -117,5 +132,17 @@ class CpuBackend(OpsBackend):
         bits = int(q["bits"])
         blocks = np.asarray(units, dtype=np.int32) // int(q["group_size"])
         buf, at = _native(rows, slots)
-        return cpu_gemv.block_axpy(w, buf, codes.offset, buf.shape[1], at, blocks, scales, biases,
-                                   codes.shape[0] * 32 // bits, bits, dst, n_out)
+        return cpu_gemv.block_axpy(
+            w,
+            buf,
+            codes.offset,
+            buf.shape[1],
+            at,
+            blocks,
+            scales,
+            biases,
+            codes.shape[0] * 32 // bits,
+            bits,
+            dst,
+            n_out,
+        )

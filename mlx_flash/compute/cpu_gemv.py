@@ -95,19 +95,49 @@ class QuantRows:
     symmetric: bool = False  # no biases stored (b is ignored): bias = -2^(bits-1) * scale, as llama.cpp's Q4_0
 
     @classmethod
-    def of_matrix(cls, weight: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int, bits: int
-                  ) -> "QuantRows":
+    def of_matrix(
+        cls, weight: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int, bits: int
+    ) -> "QuantRows":
         """The rows of a quantised [rows, n] matrix as MLX stores it (weight uint32 [rows, n * bits / 32]; biases
         None: symmetric)."""
         symmetric = biases is None
         biases = scales if symmetric else biases
-        return cls(weight, 0, weight.shape[-1] * 4, scales, 0, scales.shape[-1] * scales.itemsize,
-                   biases, 0, biases.shape[-1] * biases.itemsize, weight.shape[-1] * 32 // bits, bits, group_size,
-                   scales.dtype, symmetric)
+        return cls(
+            weight,
+            0,
+            weight.shape[-1] * 4,
+            scales,
+            0,
+            scales.shape[-1] * scales.itemsize,
+            biases,
+            0,
+            biases.shape[-1] * biases.itemsize,
+            weight.shape[-1] * 32 // bits,
+            bits,
+            group_size,
+            scales.dtype,
+            symmetric,
+        )
 
     def _args(self, slots, k):
-        return (self.w, self.w_off, self.w_stride, self.s, self.s_off, self.s_stride, self.b, self.b_off,
-                self.b_stride, slots, k, self.n, self.bits, self.group_size, SCALE_TYPES[self.scale_dtype], self.symmetric)
+        return (
+            self.w,
+            self.w_off,
+            self.w_stride,
+            self.s,
+            self.s_off,
+            self.s_stride,
+            self.b,
+            self.b_off,
+            self.b_stride,
+            slots,
+            k,
+            self.n,
+            self.bits,
+            self.group_size,
+            SCALE_TYPES[self.scale_dtype],
+            self.symmetric,
+        )
 
 
 def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
@@ -176,8 +206,23 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> None:
 
 def linear(q: "QuantRows", rows: int):
     """A native handle on `rows` rows of q (their buffers held while it lives), for `_native.attention`."""
-    return _native.linear(q.w, q.w_off, q.w_stride, q.s, q.s_off, q.s_stride, q.b, q.b_off, q.b_stride, rows, q.n,
-                          q.bits, q.group_size, SCALE_TYPES[q.scale_dtype], q.symmetric)
+    return _native.linear(
+        q.w,
+        q.w_off,
+        q.w_stride,
+        q.s,
+        q.s_off,
+        q.s_stride,
+        q.b,
+        q.b_off,
+        q.b_stride,
+        rows,
+        q.n,
+        q.bits,
+        q.group_size,
+        SCALE_TYPES[q.scale_dtype],
+        q.symmetric,
+    )
 
 
 def contiguous(*arrays) -> bool:
@@ -192,11 +237,17 @@ NATIVE_ROWS = 33
 
 def applies(x: mx.array, bits: int, group_size: int, n: int, scale_dtype) -> bool:
     """Whether the native path computes x's product: up to NATIVE_ROWS float32 rows on the CPU, supported weights."""
-    return (x.dtype == mx.float32 and 0 < x.size <= NATIVE_ROWS * x.shape[-1] and available()
-            and supports(bits, group_size, n, scale_dtype))
+    return (
+        x.dtype == mx.float32
+        and 0 < x.size <= NATIVE_ROWS * x.shape[-1]
+        and available()
+        and supports(bits, group_size, n, scale_dtype)
+    )
 
 
-def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> Optional[mx.array]:
+def matvec(
+    x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True
+) -> Optional[mx.array]:
     """mx.quantized_matmul(x, weight, scales, biases, transpose) for up to NATIVE_ROWS rows x, natively (biases
     None: symmetric); None when it does not apply (the caller then uses MLX's op)."""
     n = weight.shape[-1] * 32 // bits
@@ -211,10 +262,14 @@ def matvec(x: mx.array, weight, scales, biases, group_size: int, bits: int, tran
 
 
 DEQUANT_CHUNK_BYTES = 2 << 20  # float32 weights dequantised at a time for prompts (bounded temporaries)
-DEQUANT_MIN_ROWS = 8  # below, dequantising costs more than MLX's kernel saves (benchmarks/cpu_facts.py: 16 rows 3x faster)
+DEQUANT_MIN_ROWS = (
+    8  # below, dequantising costs more than MLX's kernel saves (benchmarks/cpu_facts.py: 16 rows 3x faster)
+)
 
 
-def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True) -> mx.array:
+def quantized_matmul(
+    x: mx.array, weight, scales, biases, group_size: int, bits: int, transpose: bool = True
+) -> mx.array:
     """mx.quantized_matmul, faster on the CPU: up to NATIVE_ROWS float32 rows natively (`matvec`); more float32
     rows (long prompts) as OpenBLAS float32 matmuls of weights dequantised a chunk of rows at a time, which on this
     CPU is several times faster than MLX's quantised kernel (BENCHMARKS.md, "CPU kernels"); else MLX's op.
@@ -245,8 +300,20 @@ def quantized_matmul(x: mx.array, weight, scales, biases, group_size: int, bits:
 # -- columns with block scales (convert --down-bits source) -----------------------------------------
 
 
-def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, scales, biases, n: int, bits: int,
-               dst=None, n_out: int = 1) -> np.ndarray:
+def block_axpy(
+    c: np.ndarray,
+    codes,
+    w_off: int,
+    w_stride: int,
+    slots,
+    blocks,
+    scales,
+    biases,
+    n: int,
+    bits: int,
+    dst=None,
+    n_out: int = 1,
+) -> np.ndarray:
     """float32 [..., n]: out[...] = sum_j c[..., j] W_j, W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j the
     codes of row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's; or Addresses) and scales/biases
     [n_blocks, n] (biases None: symmetric); c [k] or [m, k]. dst, n_out: as `row_axpy` (a block's rows share theirs)."""
@@ -256,20 +323,44 @@ def block_axpy(c: np.ndarray, codes, w_off: int, w_stride: int, slots, blocks, s
     blocks = np.ascontiguousarray(blocks, dtype=np.int32).reshape(-1)
     extra, shape = _dst(dst, n_out, (*c.shape[:-1], n))
     out = np.empty(shape, dtype=np.float32)
-    _native.block_axpy(c, out, codes, w_off, w_stride, _slots(slots), c.shape[-1], n, bits, blocks, scales, biases,
-                       scales.shape[0], SCALE_TYPES[scales.dtype], symmetric, *extra)
+    _native.block_axpy(
+        c,
+        out,
+        codes,
+        w_off,
+        w_stride,
+        _slots(slots),
+        c.shape[-1],
+        n,
+        bits,
+        blocks,
+        scales,
+        biases,
+        scales.shape[0],
+        SCALE_TYPES[scales.dtype],
+        symmetric,
+        *extra,
+    )
     return out
 
 
 def block_applies(c: mx.array, n: int, bits: int, scales: mx.array) -> bool:
     """Whether `block_axpy` computes c's product: up to NATIVE_ROWS float32 rows on the CPU, 2/4/8-bit codes,
     n % 32 == 0."""
-    return (c.dtype == mx.float32 and 0 < c.size <= NATIVE_ROWS * c.shape[-1] and available() and bits in (2, 4, 8)
-            and n % 32 == 0 and scales.dtype in SCALE_TYPES and contiguous(scales))
+    return (
+        c.dtype == mx.float32
+        and 0 < c.size <= NATIVE_ROWS * c.shape[-1]
+        and available()
+        and bits in (2, 4, 8)
+        and n % 32 == 0
+        and scales.dtype in SCALE_TYPES
+        and contiguous(scales)
+    )
 
 
-def block_dequantize(codes: mx.array, blocks: mx.array, scales: mx.array, biases: Optional[mx.array], bits: int,
-                     dtype=mx.float32) -> mx.array:
+def block_dequantize(
+    codes: mx.array, blocks: mx.array, scales: mx.array, biases: Optional[mx.array], bits: int, dtype=mx.float32
+) -> mx.array:
     """W [k, n]: W_j = scales[blocks[j]] * q_j + biases[blocks[j]] (biases None: symmetric) in `dtype`."""
     biases = symmetric_biases(scales, bits) if biases is None else biases
     ones = mx.ones((codes.shape[0], codes.shape[-1] * 32 // bits // 32), dtype=dtype)  # the codes, as floats
@@ -277,15 +368,18 @@ def block_dequantize(codes: mx.array, blocks: mx.array, scales: mx.array, biases
     return scales[blocks].astype(dtype) * q + biases[blocks].astype(dtype)
 
 
-def block_matmul(c: mx.array, codes: mx.array, blocks: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
+def block_matmul(
+    c: mx.array, codes: mx.array, blocks: mx.array, scales: mx.array, biases: mx.array, bits: int
+) -> mx.array:
     """c [..., k] @ W [k, n] with W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j = codes[j] ([k, n * bits / 32]
     uint32; biases None: symmetric): one float32 row natively (`block_axpy`), else in MLX ops a chunk of rows at a
     time (bounded temporaries)."""
     n = codes.shape[-1] * 32 // bits
     if block_applies(c, n, bits, scales) and contiguous(codes):
         row = codes.shape[-1] * 4
-        y = block_axpy(np.asarray(c).reshape(-1, c.shape[-1]), codes, 0, row, None, np.asarray(blocks), scales, biases,
-                       n, bits)
+        y = block_axpy(
+            np.asarray(c).reshape(-1, c.shape[-1]), codes, 0, row, None, np.asarray(blocks), scales, biases, n, bits
+        )
         return mx.array(y).reshape(*c.shape[:-1], n)
     per = max(1, DEQUANT_CHUNK_BYTES // (4 * n))
     out = None
@@ -316,8 +410,16 @@ def _derives_biases(layer: nn.Module) -> bool:
 def _mlx_matmul(layer: nn.Module, x: mx.array) -> mx.array:
     """MLX's x @ W^T for a quantised layer (its bias not added)."""
     b = symmetric_biases(layer["scales"], layer.bits) if _derives_biases(layer) else layer.get("biases")
-    return mx.quantized_matmul(x, layer["weight"], layer["scales"], b, transpose=True,
-                               group_size=layer.group_size, bits=layer.bits, mode=getattr(layer, "mode", "affine"))
+    return mx.quantized_matmul(
+        x,
+        layer["weight"],
+        layer["scales"],
+        b,
+        transpose=True,
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    )
 
 
 class QuantizedLinear(nn.QuantizedLinear):

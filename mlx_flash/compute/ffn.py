@@ -23,7 +23,9 @@ def glu(gate: mx.array, up: mx.array, activation: str) -> mx.array:
     return ACTIVATIONS[activation](gate) * up
 
 
-def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict, resident: Optional[Dict[str, mx.array]] = None) -> mx.array:
+def project(
+    x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict, resident: Optional[Dict[str, mx.array]] = None
+) -> mx.array:
     """x times one stored FFN matrix.
 
     Stored rows are [out, in] (y = x @ rows^T) unless info["transposed"], when they
@@ -36,12 +38,16 @@ def project(x: mx.array, arrays: Dict[str, mx.array], name: str, info: dict, res
         return x @ w if info["transposed"] else x @ w.T
     if quant.get("resident_scales"):
         blocks = mx.arange(w.shape[0]) // quant["group_size"]
-        return cpu_gemv.block_matmul(x, w, blocks, resident[f"{name}.scales"], resident.get(f"{name}.biases"), quant["bits"])
+        return cpu_gemv.block_matmul(
+            x, w, blocks, resident[f"{name}.scales"], resident.get(f"{name}.biases"), quant["bits"]
+        )
     s, b, gs, bits = arrays[f"{name}.scales"], arrays[f"{name}.biases"], quant["group_size"], quant["bits"]
     return cpu_gemv.quantized_matmul(x, w, s, b, gs, bits, transpose=not info["transposed"])
 
 
-def ffn_forward(x: mx.array, arrays: Dict[str, mx.array], ffn: dict, bias: Optional[Dict[str, mx.array]] = None) -> mx.array:
+def ffn_forward(
+    x: mx.array, arrays: Dict[str, mx.array], ffn: dict, bias: Optional[Dict[str, mx.array]] = None
+) -> mx.array:
     """The FFN of the units in `arrays`; `ffn` is the manifest's ffn section, `bias` the resident biases."""
     m = ffn["matrices"]
     act = ACTIVATIONS[ffn["activation"]]

@@ -7,8 +7,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import kernel_source
 from ..format.directory import DTYPES
+from . import kernel_source
 from .kernel_source import split_sections
 from .ops import OpsBackend
 from .rows import RowMatrix
@@ -29,10 +29,20 @@ def _build_kernels():
     if path is None:
         return None, None, None
     src = split_sections(path.read_text())
-    row_dot = mx.fast.metal_kernel(name="gather_ffn_row_dot", input_names=["x", "rows", "slots"],
-                                   output_names=["out"], source=src["row_dot"], header=src["header"])
-    row_axpy = mx.fast.metal_kernel(name="gather_ffn_row_axpy", input_names=["w", "rows", "slots"],
-                                    output_names=["out"], source=src["row_axpy"], header=src["header"])
+    row_dot = mx.fast.metal_kernel(
+        name="gather_ffn_row_dot",
+        input_names=["x", "rows", "slots"],
+        output_names=["out"],
+        source=src["row_dot"],
+        header=src["header"],
+    )
+    row_axpy = mx.fast.metal_kernel(
+        name="gather_ffn_row_axpy",
+        input_names=["w", "rows", "slots"],
+        output_names=["out"],
+        source=src["row_axpy"],
+        header=src["header"],
+    )
     return row_dot, row_axpy, src
 
 
@@ -74,9 +84,14 @@ class MetalBackend(OpsBackend):
         m, slots = self.matrix(name), mx.array(slots)
         x2 = x.reshape(-1, m.n)
         B, k = x2.shape[0], slots.shape[0]
-        out = _row_dot_kernel(inputs=[x2, rows, slots], template=_template(m, x2.dtype), grid=(32 * k, B, 1),
-                              threadgroup=(_ROW_DOT_THREADGROUP, 1, 1), output_shapes=[(B, k)],
-                              output_dtypes=[x2.dtype])[0]
+        out = _row_dot_kernel(
+            inputs=[x2, rows, slots],
+            template=_template(m, x2.dtype),
+            grid=(32 * k, B, 1),
+            threadgroup=(_ROW_DOT_THREADGROUP, 1, 1),
+            output_shapes=[(B, k)],
+            output_dtypes=[x2.dtype],
+        )[0]
         return out.reshape(*x.shape[:-1], k)
 
     def row_axpy(self, w, rows, slots, name: str, dst=None, n_out: int = 1):
@@ -86,7 +101,12 @@ class MetalBackend(OpsBackend):
         B = w2.shape[0]
         columns = m.n // (32 // m.bits if m.bits else 1)  # one thread column per packed word
         groups = -(-columns // _AXPY_TC)
-        out = _row_axpy_kernel(inputs=[w2, rows, slots], template=_template(m, w2.dtype) + [("TC", _AXPY_TC), ("TJ", _AXPY_TJ)],
-                               grid=(groups * _AXPY_TC, _AXPY_TJ, B), threadgroup=(_AXPY_TC, _AXPY_TJ, 1),
-                               output_shapes=[(B, m.n)], output_dtypes=[w2.dtype])[0]
+        out = _row_axpy_kernel(
+            inputs=[w2, rows, slots],
+            template=_template(m, w2.dtype) + [("TC", _AXPY_TC), ("TJ", _AXPY_TJ)],
+            grid=(groups * _AXPY_TC, _AXPY_TJ, B),
+            threadgroup=(_AXPY_TC, _AXPY_TJ, 1),
+            output_shapes=[(B, m.n)],
+            output_dtypes=[w2.dtype],
+        )[0]
         return out.reshape(*w.shape[:-1], m.n)

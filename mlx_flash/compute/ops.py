@@ -16,9 +16,9 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
+from ..format.directory import DTYPES, BundleLayout, Component
 from . import cpu_gemv
 from .ffn import ACTIVATIONS, glu
-from ..format.directory import DTYPES, BundleLayout, Component
 from .rows import RowMatrix, RowSet, matrix, per_partial
 
 _WORDS = (mx.uint32, mx.uint16, mx.uint8)
@@ -97,8 +97,17 @@ class OpsBackend:
         return glu(g, u, self.ffn["activation"])
 
     # -- the FFN over a set of rows ------------------------------------------------------------
-    def units(self, x, rows, slots: np.ndarray, units: np.ndarray, resident: Dict[str, mx.array],
-              mask: Optional[np.ndarray] = None, dst: Optional[np.ndarray] = None, n_out: int = 1):
+    def units(
+        self,
+        x,
+        rows,
+        slots: np.ndarray,
+        units: np.ndarray,
+        resident: Dict[str, mx.array],
+        mask: Optional[np.ndarray] = None,
+        dst: Optional[np.ndarray] = None,
+        n_out: int = 1,
+    ):
         """The FFN of x [..., d] over the units `units` whose rows are rows[slots] (or a RowSet, slots None);
         `resident` holds the layer's resident tables (fc1's bias, the down codes' group scales). mask [rows of x,
         units] (0/1): the units each row uses (None: all). dst (non-decreasing, [len(units)]): [n_out, ..., d],
@@ -106,8 +115,13 @@ class OpsBackend:
         if isinstance(rows, RowSet) and not self.in_place(x):
             rows, slots = rows.gather(), np.arange(len(rows))
         if dst is not None and not self.in_place(x):  # one product per partial sum: its own shape, its own order
-            return per_partial(rows, slots, dst, n_out, lambda r, s, sel: self.units(
-                x, r, s, units[sel], resident, None if mask is None else mask[:, sel]))
+            return per_partial(
+                rows,
+                slots,
+                dst,
+                n_out,
+                lambda r, s, sel: self.units(x, r, s, units[sel], resident, None if mask is None else mask[:, sel]),
+            )
         if self.ffn["kind"] == "glu":
             h = self.glu(self.row_dot(x, rows, slots, "gate"), self.row_dot(x, rows, slots, "up"))
             return self.out(self._masked(h, mask), rows, slots, units, "down", resident, dst, n_out)
@@ -126,8 +140,9 @@ class OpsBackend:
     def out(self, h, rows, slots, units, name: str, resident: Dict[str, mx.array], dst=None, n_out: int = 1):
         q = self.quant[name]
         if q is not None and q.get("resident_scales"):  # the source's codes; group scales resident
-            return self.block_row_axpy(h, rows, slots, name, units, resident[f"{name}.scales"],
-                                       resident.get(f"{name}.biases"), dst, n_out)  # None: symmetric
+            return self.block_row_axpy(
+                h, rows, slots, name, units, resident[f"{name}.scales"], resident.get(f"{name}.biases"), dst, n_out
+            )  # None: symmetric
         return self.row_axpy(h, rows, slots, name, dst, n_out)
 
     # -- the two products (and the block-scaled one) ------------------------------------------
@@ -152,8 +167,9 @@ class OpsBackend:
         s, b = _scales_biases(rows, slots, m, w.dtype)
         return cpu_gemv.quantized_matmul(w, wt, s, b, m.group_size, m.bits, transpose=False)
 
-    def block_row_axpy(self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array], dst=None,
-                       n_out: int = 1):
+    def block_row_axpy(
+        self, w, rows, slots, name: str, units, scales: mx.array, biases: Optional[mx.array], dst=None, n_out: int = 1
+    ):
         """`row_axpy` for rows holding only the source's codes of `name` (convert --down-bits source): unit
         units[j] is in group units[j] // group_size, whose scales/biases [n_out] are rows of the resident
         tables (biases None: symmetric)."""

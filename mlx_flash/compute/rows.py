@@ -37,8 +37,13 @@ class RowMatrix:
 
 
 @lru_cache(maxsize=256)
-def row_matrix(layout: BundleLayout, name: str, bits: Optional[int] = None, group_size: Optional[int] = None,
-               symmetric: bool = False) -> RowMatrix:
+def row_matrix(
+    layout: BundleLayout,
+    name: str,
+    bits: Optional[int] = None,
+    group_size: Optional[int] = None,
+    symmetric: bool = False,
+) -> RowMatrix:
     """Resolve matrix `name` ("gate", "fc1", ...) of `layout` for quantisation (bits, group_size[, symmetric: no
     biases stored]) or float (None)."""
     comps = {c.name: c for c in layout.components}
@@ -144,5 +149,6 @@ class RowSet:
         width = min(p.shape[1] for p in self.parts)
         cuts = np.flatnonzero(np.diff(self.which)) + 1
         runs = zip(np.r_[0, cuts], np.r_[cuts, len(self.which)])
-        return mx.concatenate([self.parts[self.which[a]][mx.array(self.slots[a:b].astype(np.int32)), :width]
-                               for a, b in runs], axis=0)
+        return mx.concatenate(
+            [self.parts[self.which[a]][mx.array(self.slots[a:b].astype(np.int32)), :width] for a, b in runs], axis=0
+        )

@@ -39,12 +39,20 @@ from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
 from .. import __version__
-from ..models.architectures import adapter_for, symmetric
-from ..format.bitmap import capacity_for_sparsity
-from ..errors import FlashError
-from ..format.directory import DEFAULT_ALIGNMENT, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, FlashDir, FlashWriter, dtype_name
-from ..texts import wikitext
 from ..engine.experts import is_moe
+from ..errors import FlashError
+from ..format.bitmap import capacity_for_sparsity
+from ..format.directory import (
+    DEFAULT_ALIGNMENT,
+    PACKED_UNIT_ALIGNMENT,
+    BundleLayout,
+    Encoding,
+    FlashDir,
+    FlashWriter,
+    dtype_name,
+)
+from ..models.architectures import adapter_for, symmetric
+from ..texts import wikitext
 from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms
 from .source import copy_tokenizer, load_source_model, mlp_paths, release, resolve_source
@@ -114,16 +122,28 @@ def convert(
         src_dir = resolve_source(model, work, progress)
         model_obj, config = load_source_model(src_dir)
         if is_moe(config):
-            asked = {"--dtype": dtype, "--bits": bits if bits != "auto" else None, "--dequantize": dequantize or None,
-                     "--down-bits": down_bits, "--prune": prune, "--layout": None if layout == "neurons" else layout}
+            asked = {
+                "--dtype": dtype,
+                "--bits": bits if bits != "auto" else None,
+                "--dequantize": dequantize or None,
+                "--down-bits": down_bits,
+                "--prune": prune,
+                "--layout": None if layout == "neurons" else layout,
+            }
             asked = [k for k, v in asked.items() if v is not None]
             if asked:
-                raise FlashError(f"{' '.join(asked)}: a mixture-of-experts model converts its experts as the source "
-                                 "stores them; these options apply to dense models only")
+                raise FlashError(
+                    f"{' '.join(asked)}: a mixture-of-experts model converts its experts as the source "
+                    "stores them; these options apply to dense models only"
+                )
             return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress)
         adapter = adapter_for(config)
         norms = None
-        if prune is not None and prune_format == "bitmap" and _ffn_bits(bits, dequantize, _model_quantization(model_obj)) == 4:
+        if (
+            prune is not None
+            and prune_format == "bitmap"
+            and _ffn_bits(bits, dequantize, _model_quantization(model_obj)) == 4
+        ):
             raise FlashError(BITMAP_4BIT)  # before calibrating, not minutes later
         if prune is not None:  # on the source weights, before any cast or re-quantisation
             norms, calibration = _calibrate(model_obj, src_dir, config, prune_text, prune_seqs, prune_seq_len, progress)
@@ -134,9 +154,14 @@ def convert(
         if bits == "auto":  # the CLI's default: quantised sources as they are, float ones to 8-bit
             bits = None if source_quant is not None else DEFAULT_FLOAT_BITS
             if bits is not None:
-                print(f"float source ({dtype_name(_float_dtype(model_obj))}): quantising to {bits}-bit, group size "
-                      f"{group_size} (the default; pass --dtype to keep floats)")
-        if source_quant is not None and (dequantize or (bits is not None and (bits, group_size) != (source_quant["bits"], source_quant["group_size"]))):
+                print(
+                    f"float source ({dtype_name(_float_dtype(model_obj))}): quantising to {bits}-bit, group size "
+                    f"{group_size} (the default; pass --dtype to keep floats)"
+                )
+        if source_quant is not None and (
+            dequantize
+            or (bits is not None and (bits, group_size) != (source_quant["bits"], source_quant["group_size"]))
+        ):
             from mlx_lm.utils import dequantize_model
 
             model_obj = dequantize_model(model_obj)
@@ -155,9 +180,11 @@ def convert(
             ffn_quant[adapter.col_matrix] = None
         elif down_bits == "source":
             if quant is None or quant["bits"] not in (2, 4, 8) or layout != "neurons" or prune is not None:
-                raise FlashError("--down-bits source keeps a 2/4/8-bit quantised model's down codes per neuron (groups' "
-                                 f"scales resident); it needs the neurons layout without --prune (got quantisation {quant}, "
-                                 f"layout {layout!r}, prune {prune!r})")
+                raise FlashError(
+                    "--down-bits source keeps a 2/4/8-bit quantised model's down codes per neuron (groups' "
+                    f"scales resident); it needs the neurons layout without --prune (got quantisation {quant}, "
+                    f"layout {layout!r}, prune {prune!r})"
+                )
             ffn_quant[adapter.col_matrix] = {**quant, "resident_scales": True}
             first = adapter.linears(model_obj.layers[0].mlp)
             if all(symmetric(first[m]) for m in adapter.matrices):  # Q4_0 / Q8_0: the biases follow from the scales
@@ -170,17 +197,21 @@ def convert(
         paths = mlp_paths(model_obj)
         resident_ffn, matrices = {}, None
         sizes = [sum(v.nbytes for _, v in tree_flatten(layer.mlp.parameters())) for layer in model_obj.layers]
-        bar = tqdm(total=sum(sizes), desc="FFN layers", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+        bar = tqdm(
+            total=sum(sizes), desc="FFN layers", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
+        )
         for i, layer in enumerate(model_obj.layers):
             pruner = None if norms is None else stored_row_pruner(norms[i], prune_sparsity, adapter.col_matrix)
             regions, biases, matrices = adapter.split(layer.mlp, ffn_quant, layout, prune=pruner)
             mx.eval(regions, biases)
             if writer is None:
                 if prune is not None and prune_format != "dense":
-                    encodings = bitmap_encodings(regions["neurons"], adapter.matrices, ffn_quant, prune_sparsity,
-                                                 strict=prune_format == "bitmap")
-                writer = FlashWriter(work / "flash", alignment or auto_alignment(regions, encodings), encodings,
-                                     unit_alignment)
+                    encodings = bitmap_encodings(
+                        regions["neurons"], adapter.matrices, ffn_quant, prune_sparsity, strict=prune_format == "bitmap"
+                    )
+                writer = FlashWriter(
+                    work / "flash", alignment or auto_alignment(regions, encodings), encodings, unit_alignment
+                )
             writer.add_layer(regions)
             resident_ffn.update(_spooled(biases, work / f"ffn-resident-{i}.safetensors", paths[i]))
             layer.mlp = nn.Module()  # drop the FFN so the resident set below excludes it
@@ -207,9 +238,15 @@ def convert(
                 "mlp_paths": paths,
             },
             "neuron_order": None,
-            "pruning": None if prune is None else {
-                "method": prune, "sparsity": prune_sparsity, "format": prune_format,
-                "gate_up": "per output row", "down": "per neuron (per='input')", "calibration": calibration,
+            "pruning": None
+            if prune is None
+            else {
+                "method": prune,
+                "sparsity": prune_sparsity,
+                "format": prune_format,
+                "gate_up": "per output row",
+                "down": "per neuron (per='input')",
+                "calibration": calibration,
             },
             "source": {"model": str(model), "created_by": f"mlx_flash {__version__}"},
         }
@@ -238,12 +275,16 @@ def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str])
     if quant is None:
         return None
     if quant["bits"] in (2, 4, 8) and layout == "neurons" and prune is None:
-        print(f"down rows: the model's {quant['bits']}-bit codes per neuron, their group scales resident (the model's "
-              "weights and bytes; --down-bits 8 re-quantises them along d_model instead)")
+        print(
+            f"down rows: the model's {quant['bits']}-bit codes per neuron, their group scales resident (the model's "
+            "weights and bytes; --down-bits 8 re-quantises them along d_model instead)"
+        )
         return "source"
     if quant["bits"] == 4:
-        print("down rows: re-quantised to 8 bits along d_model (the source's codes need the neurons layout without "
-              "pruning; 4 bits would cost 4.9% perplexity on SmolLM2)")
+        print(
+            "down rows: re-quantised to 8 bits along d_model (the source's codes need the neurons layout without "
+            "pruning; 4 bits would cost 4.9% perplexity on SmolLM2)"
+        )
         return 8
     return None
 
@@ -251,8 +292,10 @@ def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str])
 def auto_alignment(regions, encodings=None) -> int:
     """4096 (flash pages) unless a unit on flash is smaller: then 512, O_DIRECT's minimum on Linux, so
     small bundles are not padded 2-8x on flash and in the caches (SmolLM2: 1368 B bundles)."""
-    smallest = min(BundleLayout.from_arrays(a, 1, {k: e for k, e in (encodings or {}).items() if k in a}).disk_nbytes
-                   for a in regions.values())
+    smallest = min(
+        BundleLayout.from_arrays(a, 1, {k: e for k, e in (encodings or {}).items() if k in a}).disk_nbytes
+        for a in regions.values()
+    )
     return DEFAULT_ALIGNMENT if smallest >= DEFAULT_ALIGNMENT else 512
 
 
@@ -264,8 +307,10 @@ def _check_prune(prune, sparsity, fmt, layout):
     if fmt not in PRUNE_FORMATS:
         raise FlashError(f"--prune-format must be one of {', '.join(PRUNE_FORMATS)}, got {fmt!r}")
     if layout != "neurons":
-        raise FlashError("--prune needs --layout neurons (the dip layout stores gate/up by input column: "
-                         "Wanda's per-output-row counts would not be per unit)")
+        raise FlashError(
+            "--prune needs --layout neurons (the dip layout stores gate/up by input column: "
+            "Wanda's per-output-row counts would not be per unit)"
+        )
 
 
 def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
@@ -289,12 +334,19 @@ def _calibrate(model, src_dir, config, text, n_seqs, seq_len, progress):
         if quantized:
             model.update_modules(tree_unflatten(quantized))
         model.update(tree_map(lambda p, d: p.astype(d), model.parameters(), dtypes))
-    info = {"text": str(text) if text else "wikitext-2 test (bundled)", "half": "first", "seqs": n_seqs, "seq_len": seq_len}
+    info = {
+        "text": str(text) if text else "wikitext-2 test (bundled)",
+        "half": "first",
+        "seqs": n_seqs,
+        "seq_len": seq_len,
+    }
     return norms, info
 
 
-BITMAP_4BIT = ("4-bit codes are packed several per byte and cannot be bitmap-encoded; use --bits 8, a float model, "
-               "--prune-format dense, or --prune-format auto (4-bit matrices stored dense)")
+BITMAP_4BIT = (
+    "4-bit codes are packed several per byte and cannot be bitmap-encoded; use --bits 8, a float model, "
+    "--prune-format dense, or --prune-format auto (4-bit matrices stored dense)"
+)
 
 
 def _ffn_bits(bits, dequantize: bool, source_quant) -> "int | None":
@@ -317,7 +369,9 @@ def bitmap_encodings(arrays, matrices, quant, sparsity, strict: bool = True) -> 
             out[f"{m}.weight"] = Encoding("bitmap", dtype_name(w.dtype), d, capacity_for_sparsity(d, sparsity))
         elif q["bits"] == 8:
             d = w.shape[-1] * 4  # uint32 words of four codes
-            out[f"{m}.weight"] = Encoding("bitmap", "uint8", d, capacity_for_sparsity(d, sparsity), "affine_zero", q["group_size"])
+            out[f"{m}.weight"] = Encoding(
+                "bitmap", "uint8", d, capacity_for_sparsity(d, sparsity), "affine_zero", q["group_size"]
+            )
         elif strict:
             raise FlashError(f"{m}: {BITMAP_4BIT}")
         else:
@@ -338,11 +392,21 @@ def setup_arg_parser():
     parser = argparse.ArgumentParser(description="Convert a model into an mlx_flash flash directory.")
     parser.add_argument("--model", required=True, help="Local model directory, Hugging Face repo id, or GGUF file.")
     parser.add_argument("--out", "--mlx-path", dest="out", required=True, help="Output flash directory.")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="Float dtype of the stored weights (default: the source's).")
-    parser.add_argument("-q", "--bits", type=int, choices=[4, 8], default=None,
-                        help="Quantise to this many bits (default: a quantised source keeps its quantisation; a float "
-                        "one becomes 8-bit unless --dtype or --dequantize is given).")
-    parser.add_argument("--group-size", "--q-group-size", dest="group_size", type=int, default=64, help="Quantisation group size.")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default=None, help="Float dtype of the stored weights (default: the source's)."
+    )
+    parser.add_argument(
+        "-q",
+        "--bits",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="Quantise to this many bits (default: a quantised source keeps its quantisation; a float "
+        "one becomes 8-bit unless --dtype or --dequantize is given).",
+    )
+    parser.add_argument(
+        "--group-size", "--q-group-size", dest="group_size", type=int, default=64, help="Quantisation group size."
+    )
     parser.add_argument("-d", "--dequantize", action="store_true", help="Store a quantised source in float.")
     parser.add_argument(
         "--down-bits",
@@ -361,22 +425,35 @@ def setup_arg_parser():
         default="neurons",
         help="neurons: one bundle per FFN neuron (all sparsifiers but dip); dip: gate/up by input column, for --sparsity dip.",
     )
-    parser.add_argument("--prune", choices=list(PRUNE_METHODS), default=None,
-                        help="Prune the FFN matrices (Wanda: gate/up per output row, down per neuron).")
+    parser.add_argument(
+        "--prune",
+        choices=list(PRUNE_METHODS),
+        default=None,
+        help="Prune the FFN matrices (Wanda: gate/up per output row, down per neuron).",
+    )
     parser.add_argument("--prune-sparsity", type=float, default=0.5, help="Fraction of each row pruned (default 0.5).")
-    parser.add_argument("--prune-text", default=None,
-                        help="Calibration text; its first half is used (default: WikiText-2 test).")
+    parser.add_argument(
+        "--prune-text", default=None, help="Calibration text; its first half is used (default: WikiText-2 test)."
+    )
     parser.add_argument("--prune-seqs", type=int, default=16, help="Calibration sequences (default 16).")
     parser.add_argument("--prune-seq-len", type=int, default=256, help="Tokens per calibration sequence (default 256).")
-    parser.add_argument("--prune-format", choices=list(PRUNE_FORMATS), default="auto",
-                        help="bitmap: store pruned rows ENDOR bitmap-encoded (float or 8-bit rows); dense: as they are; "
-                             "auto (default): bitmap where the rows allow it, dense for 4-bit ones.")
     parser.add_argument(
-        "--alignment", type=int, default=None,
+        "--prune-format",
+        choices=list(PRUNE_FORMATS),
+        default="auto",
+        help="bitmap: store pruned rows ENDOR bitmap-encoded (float or 8-bit rows); dense: as they are; "
+        "auto (default): bitmap where the rows allow it, dense for 4-bit ones.",
+    )
+    parser.add_argument(
+        "--alignment",
+        type=int,
+        default=None,
         help="Alignment of each layer's region in bytes (power of two >= 512; default 4096, or 512 for bundles under 4 KiB).",
     )
     parser.add_argument(
-        "--unit-alignment", type=int, default=PACKED_UNIT_ALIGNMENT,
+        "--unit-alignment",
+        type=int,
+        default=PACKED_UNIT_ALIGNMENT,
         help=f"Bytes between units are a multiple of this (default {PACKED_UNIT_ALIGNMENT}: units packed, no padding read "
         "with them; the --alignment value pads every unit to it, as format v1/v2 did).",
     )
@@ -390,10 +467,22 @@ def main():
         if bits is None and args.dtype is None and not args.dequantize:
             bits = "auto"
         out = convert(
-            args.model, args.out, args.dtype, bits, args.group_size, args.dequantize, args.down_bits, args.alignment, args.layout,
+            args.model,
+            args.out,
+            args.dtype,
+            bits,
+            args.group_size,
+            args.dequantize,
+            args.down_bits,
+            args.alignment,
+            args.layout,
             unit_alignment=args.unit_alignment,
-            prune=args.prune, prune_sparsity=args.prune_sparsity, prune_text=args.prune_text, prune_format=args.prune_format,
-            prune_seqs=args.prune_seqs, prune_seq_len=args.prune_seq_len,
+            prune=args.prune,
+            prune_sparsity=args.prune_sparsity,
+            prune_text=args.prune_text,
+            prune_format=args.prune_format,
+            prune_seqs=args.prune_seqs,
+            prune_seq_len=args.prune_seq_len,
         )
     except FlashError as e:
         raise SystemExit(f"error: {e}")
@@ -402,7 +491,8 @@ def main():
     streamed = [layer for layer in fd.layers if layer]  # (an MoE model's dense layers stay resident)
     units = ", ".join(
         f"{r.n_units} {name} x {r.stride} B ({fd.layouts[name].disk_nbytes} B of data"
-        + (f", {fd.layouts[name].nbytes} B expanded" if fd.layouts[name].encoded else "") + ")"
+        + (f", {fd.layouts[name].nbytes} B expanded" if fd.layouts[name].encoded else "")
+        + ")"
         for name, r in streamed[0].items()
     )
     print(

@@ -26,15 +26,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
+
 import mlx.core as mx
 from tqdm import tqdm
 
-import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
-
-from ..models.architectures import adapter_for, transpose_codes
 from ..compute.cpu_gemv import symmetric_biases
 from ..errors import FlashError
 from ..format.directory import FlashDir
+from ..models.architectures import adapter_for, transpose_codes
 from .gguf import ShardWriter
 from .source import TOKENIZER_FILES
 
@@ -65,8 +65,11 @@ def ffn_matrices(fd: FlashDir, layer: int, down_bits) -> dict:
         if q.get("resident_scales"):  # the source's codes and group scales: its exact [out, in] layout again
             scales, biases = fd.group_tables(layer, name)
             biases = symmetric_biases(scales, q["bits"]) if biases is None else biases
-            out[name] = {"weight": transpose_codes(arrays[f"{name}.weight"], q["bits"]), "scales": scales.T,
-                         "biases": biases.T}
+            out[name] = {
+                "weight": transpose_codes(arrays[f"{name}.weight"], q["bits"]),
+                "scales": scales.T,
+                "biases": biases.T,
+            }
             continue
         w = _dense(arrays, name, info).T  # stored [in, out] -> mlx-lm's [out, in]
         bits = down_bits if name == col else (q or {}).get("bits")
@@ -110,8 +113,10 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
     for i, mlp in enumerate(tqdm(fd.ffn["mlp_paths"], desc="export", unit="layer", disable=not progress)):
         mats = ffn_matrices(fd, i, down_bits)
         if adapter.fused_gate_up:  # phi3: gate_up_proj = [gate; up]
-            mats = {"gate_up": {k: mx.concatenate([mats["gate"][k], mats["up"][k]]) for k in mats["gate"]},
-                    adapter.col_matrix: mats[adapter.col_matrix]}
+            mats = {
+                "gate_up": {k: mx.concatenate([mats["gate"][k], mats["up"][k]]) for k in mats["gate"]},
+                adapter.col_matrix: mats[adapter.col_matrix],
+            }
             names = {"gate_up": adapter.names[0], adapter.col_matrix: adapter.names[1]}
         else:
             names = module
@@ -137,12 +142,16 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
     for k in sorted(names):
         v = resident.pop(k)  # read when written, then freed
         writer.add(k, v)
-        if quant and k.endswith(".weight") and v.ndim == 2 and f"{k[:-len('.weight')]}.scales" not in names:
+        if quant and k.endswith(".weight") and v.ndim == 2 and f"{k[: -len('.weight')]}.scales" not in names:
             # a Linear the source left unquantized (the routers): said per module, as mlx-lm's mixed configs do,
             # for runtimes that otherwise quantize every Linear of a quantized model
             quant[k[: -len(".weight")]] = False
-    for i, path in tqdm(sorted((int(i), p) for i, p in fd.ffn["switch_paths"].items()), desc="export", unit="layer",
-                        disable=not progress):
+    for i, path in tqdm(
+        sorted((int(i), p) for i, p in fd.ffn["switch_paths"].items()),
+        desc="export",
+        unit="layer",
+        disable=not progress,
+    ):
         for k, v in fd.unpack_layer(i).items():
             writer.add(f"{path}.{k}", v)
     writer.close()
@@ -166,9 +175,13 @@ def setup_arg_parser():
     p = argparse.ArgumentParser(description="Write a flash directory as a stock mlx-lm model directory.")
     p.add_argument("model", help="Flash directory.")
     p.add_argument("--out", "--mlx-path", dest="out", required=True, help="Output mlx-lm model directory.")
-    p.add_argument("--down-bits", choices=["4", "8", "float"], default="8",
-                   help="down_proj (fc2) re-laid out along the neurons: re-quantised at this many bits "
-                   "(default 8: the same bytes as on flash) or float16.")
+    p.add_argument(
+        "--down-bits",
+        choices=["4", "8", "float"],
+        default="8",
+        help="down_proj (fc2) re-laid out along the neurons: re-quantised at this many bits "
+        "(default 8: the same bytes as on flash) or float16.",
+    )
     return p
 
 

@@ -71,7 +71,7 @@ from tqdm import tqdm
 from ..errors import SourceError, UnsupportedArchitectureError
 from ..format.safetensors_io import TensorSpool
 from .gguf_archs import Meta, arch_spec, map_name
-from .gguf_tokenizer import portable_tokenizer_config, build_tokenizer
+from .gguf_tokenizer import build_tokenizer, portable_tokenizer_config
 
 GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0 = MLX group size
@@ -94,8 +94,15 @@ def _plain(v):
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 # tensor types a GGUF stores as plain numbers (any other is blocks of bytes)
-_PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
-          "I64": np.int64}
+_PLAIN = {
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 @dataclass
@@ -384,7 +391,9 @@ class _MxSource:
         return _iter_mx(self.arrays)
 
     def sizes(self) -> Dict[str, int]:
-        return {f"{base}.{part}": sum(a.nbytes for a in arrays.values()) for base, part, arrays, _ in _iter_mx(self.arrays)}
+        return {
+            f"{base}.{part}": sum(a.nbytes for a in arrays.values()) for base, part, arrays, _ in _iter_mx(self.arrays)
+        }
 
 
 class _ReaderSource:
@@ -487,12 +496,19 @@ class ShardWriter:
             weight_map.update({k: name for k in keys})
         if n > 1:
             with open(self.out_dir / "model.safetensors.index.json", "w") as fh:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2
+                )
         return total
 
 
 def _clear_old_outputs(out_dir: Path) -> None:
-    for pattern in ("model*.safetensors", ".tmp-model-*.safetensors", ".tmp-model.spool", "model.safetensors.index.json"):
+    for pattern in (
+        "model*.safetensors",
+        ".tmp-model-*.safetensors",
+        ".tmp-model.spool",
+        "model.safetensors.index.json",
+    ):
         for f in out_dir.glob(pattern):
             f.unlink()
 
@@ -529,8 +545,11 @@ def gguf_to_mlx_dir(
     cast = getattr(mx, dtype) if dtype is not None else None
     _check_file(path)
     if progress:
-        print(f"{path.name}: reading the header and tokenizer ({path.stat().st_size / 2**30:.2f} GiB file)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{path.name}: reading the header and tokenizer ({path.stat().st_size / 2**30:.2f} GiB file)",
+            file=sys.stderr,
+            flush=True,
+        )
     # Small files: mx.load (fast, holds everything). Others: the reader's memory map, a tensor at a time.
     source = _open(path, _force_reader, mx_load_max_bytes=MX_LOAD_MAX_BYTES)
     meta = source.meta
@@ -560,8 +579,14 @@ def gguf_to_mlx_dir(
     writer = ShardWriter(out_dir, shard_bytes)
     quant_of: Dict[str, Tuple[int, int]] = {}
     sizes = source.sizes()
-    bar = tqdm(total=sum(sizes.values()), desc=f"read {path.name}", unit="B", unit_scale=True, unit_divisor=1024,
-               disable=not progress)
+    bar = tqdm(
+        total=sum(sizes.values()),
+        desc=f"read {path.name}",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not progress,
+    )
     for base, part, arrays, quant in source.tensors():
         hf, head_key = map_name(spec, base)
         if head_key is not None and _unpermute_qk:
@@ -582,6 +607,7 @@ def gguf_to_mlx_dir(
     bar.close()
 
     if quant_of:
+
         def entry(q):
             return {"group_size": q[0], "bits": q[1], **({"mode": q[2]} if q[2] != "affine" else {})}
 

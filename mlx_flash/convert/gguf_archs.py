@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
-
 from ..errors import SourceError, UnsupportedArchitectureError
+
 # --------------------------------------------------------------------------------------
 # Architectures
 # --------------------------------------------------------------------------------------
@@ -19,13 +19,18 @@ def _rope_scaling(meta: "Meta", a: str, spec: "ArchSpec") -> Optional[dict]:
     scaling = meta.get(f"{a}.rope.scaling.type")
     if scaling in (None, "none"):
         return None
-    if scaling == "yarn" and spec.yarn:  # (mlx-lm's YarnRoPE, as llama.cpp: correction range floored/ceiled, mscale on q and k)
+    if (
+        scaling == "yarn" and spec.yarn
+    ):  # (mlx-lm's YarnRoPE, as llama.cpp: correction range floored/ceiled, mscale on q and k)
         if meta.float(f"{a}.rope.scaling.yarn_ext_factor", 1.0) != 1.0 or f"{a}.rope.scaling.yarn_attn_factor" in meta:
             raise UnsupportedArchitectureError(f"{meta.path}: YaRN with an ext_factor or attn_factor is not supported")
-        yarn = {"rope_type": "yarn", "factor": meta.float(f"{a}.rope.scaling.factor"),
-                "original_max_position_embeddings": meta.int(f"{a}.rope.scaling.original_context_length"),
-                "beta_fast": meta.float(f"{a}.rope.scaling.yarn_beta_fast", 32.0),
-                "beta_slow": meta.float(f"{a}.rope.scaling.yarn_beta_slow", 1.0)}
+        yarn = {
+            "rope_type": "yarn",
+            "factor": meta.float(f"{a}.rope.scaling.factor"),
+            "original_max_position_embeddings": meta.int(f"{a}.rope.scaling.original_context_length"),
+            "beta_fast": meta.float(f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": meta.float(f"{a}.rope.scaling.yarn_beta_slow", 1.0),
+        }
         if f"{a}.rope.scaling.yarn_log_multiplier" in meta:  # DeepSeek's: 0.1 * mscale_all_dim (the attention scale)
             m = float(f"{meta.float(f'{a}.rope.scaling.yarn_log_multiplier') / 0.1:.6g}")
             yarn.update(mscale=m, mscale_all_dim=m)
@@ -90,8 +95,12 @@ def _llama_config(meta, shapes, spec) -> dict:
 def _qwen_config(meta, shapes, spec) -> dict:
     config = _base_config(meta, shapes, spec)
     config["hidden_act"] = "silu"
-    if spec.model_type in ("qwen2", "qwen2_moe") and "blk.0.attn_q.bias" not in shapes:  # mlx-lm's always has q/k/v biases
-        raise UnsupportedArchitectureError(f"{meta.path}: {meta['general.architecture']} GGUF without attn_q/attn_k/attn_v biases")
+    if (
+        spec.model_type in ("qwen2", "qwen2_moe") and "blk.0.attn_q.bias" not in shapes
+    ):  # mlx-lm's always has q/k/v biases
+        raise UnsupportedArchitectureError(
+            f"{meta.path}: {meta['general.architecture']} GGUF without attn_q/attn_k/attn_v biases"
+        )
     return config
 
 
@@ -101,10 +110,15 @@ def _qwen3_moe_config(meta, shapes, spec) -> dict:
     a = meta["general.architecture"]
     if any(k.endswith("_shexp.weight") for k in shapes):
         raise UnsupportedArchitectureError(f"{meta.path}: {a} with shared experts is not supported")
-    config.update(hidden_act="silu", num_experts=meta.int(f"{a}.expert_count"),
-                  num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
-                  moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
-                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    config.update(
+        hidden_act="silu",
+        num_experts=meta.int(f"{a}.expert_count"),
+        num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+        moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
     return config
 
 
@@ -113,10 +127,12 @@ def _qwen2_moe_config(meta, shapes, spec) -> dict:
     renormalised (mlx-lm's qwen2_moe, as the model)."""
     config = _qwen_config(meta, shapes, spec)
     a = meta["general.architecture"]
-    config.update(num_experts=meta.int(f"{a}.expert_count"),
-                  num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
-                  moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
-                  shared_expert_intermediate_size=meta.int(f"{a}.expert_shared_feed_forward_length"))
+    config.update(
+        num_experts=meta.int(f"{a}.expert_count"),
+        num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+        moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
+        shared_expert_intermediate_size=meta.int(f"{a}.expert_shared_feed_forward_length"),
+    )
     return config
 
 
@@ -127,8 +143,13 @@ def _experts_config(meta, shapes, spec) -> dict:
     config = _base_config(meta, shapes, spec)
     a = meta["general.architecture"]
     count = "num_local_experts" if spec.model_type in ("mixtral", "gpt_oss") else "num_experts"
-    config.update({count: meta.int(f"{a}.expert_count"), "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
-                   "intermediate_size": meta.int(f"{a}.expert_feed_forward_length", meta.int(f"{a}.feed_forward_length", 0))})
+    config.update(
+        {
+            count: meta.int(f"{a}.expert_count"),
+            "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
+            "intermediate_size": meta.int(f"{a}.expert_feed_forward_length", meta.int(f"{a}.feed_forward_length", 0)),
+        }
+    )
     return config
 
 
@@ -137,8 +158,10 @@ def _gpt_oss_config(meta, shapes, spec) -> dict:
     full ones (llama.cpp's pattern 2: even layers slide), YaRN."""
     config = _experts_config(meta, shapes, spec)
     n = config["num_hidden_layers"]
-    config.update(sliding_window=meta.int(f"{meta['general.architecture']}.attention.sliding_window"),
-                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+    config.update(
+        sliding_window=meta.int(f"{meta['general.architecture']}.attention.sliding_window"),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+    )
     return config
 
 
@@ -153,21 +176,28 @@ def _deepseek2_config(meta, shapes, spec) -> dict:
         raise SourceError(f"{meta.path}: {a} without attention.key_length_mla")
     rope = meta.int(f"{a}.rope.dimension_count")
     config = {
-        "architectures": [spec.hf_class], "model_type": spec.model_type,
-        "hidden_size": meta.int(f"{a}.embedding_length"), "num_hidden_layers": meta.int(f"{a}.block_count"),
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
+        "hidden_size": meta.int(f"{a}.embedding_length"),
+        "num_hidden_layers": meta.int(f"{a}.block_count"),
         "num_attention_heads": meta.int(f"{a}.attention.head_count"),
         "num_key_value_heads": meta.int(f"{a}.attention.head_count"),  # (the GGUF's 1: MQA over the latent)
         "intermediate_size": meta.int(f"{a}.feed_forward_length"),
         "moe_intermediate_size": meta.int(f"{a}.expert_feed_forward_length"),
-        "n_routed_experts": meta.int(f"{a}.expert_count"), "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
+        "n_routed_experts": meta.int(f"{a}.expert_count"),
+        "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
         "n_shared_experts": meta.int(f"{a}.expert_shared_count", 0) or None,
-        "first_k_dense_replace": meta.int(f"{a}.leading_dense_block_count", 0), "moe_layer_freq": 1,
+        "first_k_dense_replace": meta.int(f"{a}.leading_dense_block_count", 0),
+        "moe_layer_freq": 1,
         "routed_scaling_factor": meta.float(f"{a}.expert_weights_scale", 1.0),
         "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False)),
-        "n_group": meta.int(f"{a}.expert_group_count", 1), "topk_group": meta.int(f"{a}.expert_group_used_count", 1),
-        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "n_group": meta.int(f"{a}.expert_group_count", 1),
+        "topk_group": meta.int(f"{a}.expert_group_used_count", 1),
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
         "q_lora_rank": meta.int(f"{a}.attention.q_lora_rank", 0) or None,
-        "kv_lora_rank": meta.int(f"{a}.attention.kv_lora_rank"), "qk_rope_head_dim": rope,
+        "kv_lora_rank": meta.int(f"{a}.attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope,
         "qk_nope_head_dim": meta.int(f"{a}.attention.key_length_mla", meta.int(f"{a}.attention.key_length", 0)) - rope,
         "v_head_dim": meta.int(f"{a}.attention.value_length_mla", meta.int(f"{a}.attention.value_length", 0)),
         "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps),
@@ -267,14 +297,22 @@ _LLAMA = ArchSpec(
     rejected=_ROPE_FREQS,
 )
 
-_EXPERTS = {"ffn_gate_exps": "switch_mlp.gate_proj", "ffn_up_exps": "switch_mlp.up_proj", "ffn_down_exps": "switch_mlp.down_proj"}
+_EXPERTS = {
+    "ffn_gate_exps": "switch_mlp.gate_proj",
+    "ffn_up_exps": "switch_mlp.up_proj",
+    "ffn_down_exps": "switch_mlp.down_proj",
+}
 # llama.cpp's "llama" with expert_count (and stacked ffn_*_exps: GGUFs from before mid-2024 hold an
 # ffn_gate.E tensor per expert, refused as unmapped)
 _MIXTRAL = ArchSpec(
     model_type="mixtral",
     hf_class="MixtralForCausalLM",
-    block_names={**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "block_sparse_moe.gate",
-                 **{k: f"block_sparse_moe.{v}" for k, v in _EXPERTS.items()}},
+    block_names={
+        **_ATTENTION,
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        **{k: f"block_sparse_moe.{v}" for k, v in _EXPERTS.items()},
+    },
     make_config=_experts_config,
     permuted=_LLAMA.permuted,
     head_dim_key=False,
@@ -308,8 +346,13 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
     "qwen3moe": ArchSpec(
         model_type="qwen3_moe",
         hf_class="Qwen3MoeForCausalLM",
-        block_names={**_ATTENTION, **_QK_NORM, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-                     **{k: f"mlp.{v}" for k, v in _EXPERTS.items()}},
+        block_names={
+            **_ATTENTION,
+            **_QK_NORM,
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "mlp.gate",
+            **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+        },
         make_config=_qwen3_moe_config,
         rms_norm_eps=1e-6,
         rope_theta=1e6,
@@ -319,10 +362,16 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
     "qwen2moe": ArchSpec(
         model_type="qwen2_moe",
         hf_class="Qwen2MoeForCausalLM",
-        block_names={**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-                     **{k: f"mlp.{v}" for k, v in _EXPERTS.items()}, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-                     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                     "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+        block_names={
+            **_ATTENTION,
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "mlp.gate",
+            **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+            "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+            "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+            "ffn_up_shexp": "mlp.shared_expert.up_proj",
+            "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        },
         make_config=_qwen2_moe_config,
         head_dim_key=False,
         rms_norm_eps=1e-6,
@@ -334,8 +383,13 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
     "olmoe": ArchSpec(  # (NeoX RoPE: stored unpermuted; q/k norms over all heads)
         model_type="olmoe",
         hf_class="OlmoeForCausalLM",
-        block_names={**_ATTENTION, **_QK_NORM, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-                     **{k: f"mlp.{v}" for k, v in _EXPERTS.items()}},
+        block_names={
+            **_ATTENTION,
+            **_QK_NORM,
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "mlp.gate",
+            **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+        },
         make_config=_experts_config,
         rejected=_ROPE_FREQS,
         experts=True,
@@ -343,9 +397,13 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
     "gpt-oss": ArchSpec(  # (NeoX RoPE: stored unpermuted)
         model_type="gpt_oss",
         hf_class="GptOssForCausalLM",
-        block_names={**_ATTENTION, "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
-                     "ffn_gate_inp": "mlp.router",
-                     **{k: v.replace("switch_mlp", "mlp.experts") for k, v in _EXPERTS.items()}},
+        block_names={
+            **_ATTENTION,
+            "attn_sinks": "self_attn.sinks",
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "mlp.router",
+            **{k: v.replace("switch_mlp", "mlp.experts") for k, v in _EXPERTS.items()},
+        },
         make_config=_gpt_oss_config,
         rope_theta=150000.0,
         experts=True,

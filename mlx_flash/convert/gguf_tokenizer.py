@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-
 from ..errors import SourceError
 from .gguf_archs import Meta
 
@@ -29,9 +28,7 @@ def portable_tokenizer_config(out_dir: Path, tokenizer) -> None:
 
 # GPT-2's split regex (the default of tokenizers' ByteLevel pre-tokenizer).
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -152,7 +149,9 @@ def build_tokenizer(meta: Meta):
     tok, add_bos_default = _TOKENIZER_MODELS[model](meta, tokens, vocab)
 
     added = [
-        AddedToken(t, special=ty != _TOKEN_USER_DEFINED, normalized=False, single_word=False, lstrip=False, rstrip=False)
+        AddedToken(
+            t, special=ty != _TOKEN_USER_DEFINED, normalized=False, single_word=False, lstrip=False, rstrip=False
+        )
         for i, (t, ty) in enumerate(zip(tokens, types))
         if ty in (_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED) and vocab.get(t) == i
     ]
@@ -170,7 +169,9 @@ def build_tokenizer(meta: Meta):
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
         pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
         specials = ([(bos, vocab[bos])] if add_bos else []) + ([(eos, vocab[eos])] if add_eos and eos != bos else [])
-        tok.post_processor = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join(single), pair=" ".join(pair), special_tokens=specials
+        )
 
     kwargs = dict(
         tokenizer_object=tok,

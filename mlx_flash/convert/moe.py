@@ -22,8 +22,16 @@ from ..format.directory import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
 from .source import copy_tokenizer, release
 
 
-def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: Path, source: str,
-                alignment: int = None, progress: bool = True) -> Path:
+def convert_moe(
+    model: nn.Module,
+    config: dict,
+    src_dir: Path,
+    work: Path,
+    out: Path,
+    source: str,
+    alignment: int = None,
+    progress: bool = True,
+) -> Path:
     """Write `model`'s experts and resident weights as a flash directory at `out` (built in `work`)."""
     paths = switch_paths(model)
     modules = dict(model.named_modules())
@@ -31,8 +39,10 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment)  # an expert read straight into its row
     quant, n_experts = None, None
     try:
-        sizes = [sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters())) if i in paths else 0
-                 for i in range(len(model.layers))]
+        sizes = [
+            sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters())) if i in paths else 0
+            for i in range(len(model.layers))
+        ]
         bar = tqdm(total=sum(sizes), desc="experts", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
         for i in range(len(model.layers)):
             bar.set_postfix_str(f"layer {i + 1}/{len(sizes)}")
@@ -43,9 +53,15 @@ def convert_moe(model: nn.Module, config: dict, src_dir: Path, work: Path, out: 
             q = expert_quantization(switch)
             arrays = expert_arrays(switch)
             mx.eval(arrays)
-            for name, pq in q.items():  # Q4_0 / Q8_0: the biases follow from the scales, so (as on the source) not stored
-                if pq is not None and f"{name}.biases" in arrays and is_symmetric(arrays[f"{name}.biases"],
-                                                                                   arrays[f"{name}.scales"], pq["bits"]):
+            for (
+                name,
+                pq,
+            ) in q.items():  # Q4_0 / Q8_0: the biases follow from the scales, so (as on the source) not stored
+                if (
+                    pq is not None
+                    and f"{name}.biases" in arrays
+                    and is_symmetric(arrays[f"{name}.biases"], arrays[f"{name}.scales"], pq["bits"])
+                ):
                     q[name] = {**pq, "symmetric": True}
                     del arrays[f"{name}.biases"]
             if quant is not None and q != quant:

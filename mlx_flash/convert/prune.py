@@ -226,14 +226,14 @@ def wikitext_input_norms(path, n_seqs: int = 32, seq_len: int = 512, text_path: 
     else:
         from mlx_lm.utils import load_tokenizer as _load_tokenizer
 
-
         model, _ = load_source_model(path)
         tok = _load_tokenizer(path)
     return text_input_norms(model, tok, text_path, n_seqs, seq_len), model
 
 
-def text_input_norms(model, tokenizer, text_path: Optional[Path] = None, n_seqs: int = 32, seq_len: int = 512,
-                     progress: bool = False) -> List[Dict[str, np.ndarray]]:
+def text_input_norms(
+    model, tokenizer, text_path: Optional[Path] = None, n_seqs: int = 32, seq_len: int = 512, progress: bool = False
+) -> List[Dict[str, np.ndarray]]:
     """collect_input_norms on up to n_seqs x seq_len tokens of the first half of `text_path`
     (default WikiText-2 test: its second half is where quality.py measures perplexity)."""
 

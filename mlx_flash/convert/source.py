@@ -9,10 +9,10 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from ..models.architectures import adapter_for
-from ..errors import SourceError, UnsupportedArchitectureError
 from ..engine.experts import is_moe
+from ..errors import SourceError, UnsupportedArchitectureError
 from ..models import get_model_classes
+from ..models.architectures import adapter_for
 from .gguf import gguf_to_mlx_dir
 
 TOKENIZER_FILES = (
@@ -75,7 +75,6 @@ def read_config(model_dir: Path) -> dict:
 def load_source_model(model_dir: Path, lazy: bool = True):
     """Load an mlx-lm model directory: (model, config). Unsupported architectures fail before any weight is read."""
     from mlx_lm.utils import load_model
-
 
     config = read_config(model_dir)
     if not is_moe(config):

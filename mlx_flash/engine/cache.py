@@ -54,9 +54,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 __all__ = [
     "UnitCache",
@@ -395,9 +394,7 @@ class UnitCache:
                 elif sc.shape == (self.n_units,):
                     ms = sc[miss]
                 else:
-                    raise ValueError(
-                        f"scores must have shape ({k},) or ({self.n_units},), got {sc.shape}"
-                    )
+                    raise ValueError(f"scores must have shape ({k},) or ({self.n_units},), got {sc.shape}")
                 order = np.argsort(-ms.astype(np.float64), kind="stable")
                 adm_mask = np.zeros(miss.size, dtype=bool)
                 adm_mask[order[:n_admit]] = True

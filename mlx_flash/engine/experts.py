@@ -49,7 +49,9 @@ def switch_paths(model: nn.Module) -> Dict[int, str]:
         found = [p for p, m in modules.items() if p.startswith(prefix + ".") and isinstance(m, SwitchGLU)]
         other = [p for p, m in modules.items() if p.startswith(prefix + ".") and type(m).__name__ in ("SwitchMLP",)]
         if other:
-            raise UnsupportedArchitectureError(f"{other[0]}: expert blocks of type SwitchMLP are not supported (SwitchGLU only)")
+            raise UnsupportedArchitectureError(
+                f"{other[0]}: expert blocks of type SwitchMLP are not supported (SwitchGLU only)"
+            )
         if len(found) > 1:
             raise UnsupportedArchitectureError(f"layer {i} has {len(found)} expert blocks; one per layer is supported")
         if found:
@@ -80,8 +82,11 @@ def expert_quantization(switch: nn.Module) -> Dict[str, dict]:
             raise UnsupportedArchitectureError(f"{name}: quantisation mode {mode!r} (one of {', '.join(MODES)})")
         if getattr(p, "global_scale", None) is not None:  # (nvfp4's optional global scale is not a unit's part)
             raise UnsupportedArchitectureError(f"{name}: quantisation with a global scale is not supported")
-        out[name] = ({"bits": p.bits, "group_size": p.group_size, **({"mode": mode} if mode != "affine" else {})}
-                     if hasattr(p, "bits") else None)
+        out[name] = (
+            {"bits": p.bits, "group_size": p.group_size, **({"mode": mode} if mode != "affine" else {})}
+            if hasattr(p, "bits")
+            else None
+        )
     return out
 
 
@@ -113,7 +118,9 @@ def next_routers(model: nn.Module, paths: Dict[int, str]):
     found = {}
     for i, path in paths.items():
         block, norm = modules[path.rsplit(".", 1)[0]], getattr(model.layers[i], "post_attention_layernorm", None)
-        router = next((r for r in (getattr(block, n, None) for n in ("gate", "router")) if isinstance(r, nn.Module)), None)
+        router = next(
+            (r for r in (getattr(block, n, None) for n in ("gate", "router")) if isinstance(r, nn.Module)), None
+        )
         if router is None or type(norm) is not nn.RMSNorm:
             return {}
         found[i] = (norm.weight.astype(mx.float32), router)
@@ -128,8 +135,16 @@ def next_routers(model: nn.Module, paths: Dict[int, str]):
 class ExpertEngine(Engine):
     """Owns the reader, the per-layer expert caches, the scratch buffer and the stats of an MoE model."""
 
-    def __init__(self, fd, reader, capacity: List[Dict[str, int]], scratch_bytes: int, policy: str = "lru",
-                 window: int = 5, compute_dtype=mx.float32):
+    def __init__(
+        self,
+        fd,
+        reader,
+        capacity: List[Dict[str, int]],
+        scratch_bytes: int,
+        policy: str = "lru",
+        window: int = 5,
+        compute_dtype=mx.float32,
+    ):
         self.layout = fd.layouts[REGION]
         self.components = {c.name: c for c in self.layout.components}
         self.quant = fd.ffn["quantization"]
@@ -139,8 +154,18 @@ class ExpertEngine(Engine):
         self.route = None  # benchmarks: (layer, chosen experts) -> the experts to read instead (a replayed trace)
         self.routers, self.top_k = {}, 0  # the next layer's router per layer (read_ahead_with)
         caches = [
-            {REGION: UnitCache(regions[REGION].n_units, capacity[i].get(REGION, 0), self.layout.stride, policy=policy,
-                               window=window, alignment=fd.alignment)} if REGION in regions else {}
+            {
+                REGION: UnitCache(
+                    regions[REGION].n_units,
+                    capacity[i].get(REGION, 0),
+                    self.layout.stride,
+                    policy=policy,
+                    window=window,
+                    alignment=fd.alignment,
+                )
+            }
+            if REGION in regions
+            else {}
             for i, regions in enumerate(fd.layers)
         ]
         super().__init__(fd, reader, caches, max(scratch_bytes, self.layout.stride))
@@ -169,7 +194,11 @@ class ExpertEngine(Engine):
         parts = {}
         for part in ("weight", "scales", "biases", "bias"):
             c = self.components.get(f"{name}.{part}")
-            parts[part] = None if c is None else mx.view(row[c.offset : c.offset + c.nbytes], getattr(mx, c.dtype)).reshape(c.shape)
+            parts[part] = (
+                None
+                if c is None
+                else mx.view(row[c.offset : c.offset + c.nbytes], getattr(mx, c.dtype)).reshape(c.shape)
+            )
         q = self.quant[name]
         if q is not None and q.get("symmetric"):
             parts["biases"] = cpu_gemv.symmetric_biases(parts["scales"], q["bits"])
@@ -180,8 +209,16 @@ class ExpertEngine(Engine):
         if q is None:
             y = x @ p["weight"].astype(x.dtype).T
         elif "mode" in q:  # mxfp4 & co: MLX's own kernel on the codes and scales as stored
-            y = mx.quantized_matmul(x, p["weight"], p["scales"], None, transpose=True, group_size=q["group_size"],
-                                    bits=q["bits"], mode=q["mode"])
+            y = mx.quantized_matmul(
+                x,
+                p["weight"],
+                p["scales"],
+                None,
+                transpose=True,
+                group_size=q["group_size"],
+                bits=q["bits"],
+                mode=q["mode"],
+            )
         else:
             y = cpu_gemv.quantized_matmul(x, p["weight"], p["scales"], p["biases"], q["group_size"], q["bits"])
         return y if p["bias"] is None else y + p["bias"].astype(y.dtype)
@@ -192,8 +229,14 @@ class ExpertEngine(Engine):
         q, c = self.quant[name], {p: self.components[f"{name}.{p}"] for p in ("weight", "scales")}
         c["biases"] = self.components.get(f"{name}.biases", c["scales"])
         at = [v for p in ("weight", "scales", "biases") for v in (c[p].offset, c[p].nbytes // c[p].shape[0])]
-        return (*at, c["weight"].shape[-1] * 32 // q["bits"], q["bits"], q["group_size"], getattr(mx, c["scales"].dtype),
-                bool(q.get("symmetric")))
+        return (
+            *at,
+            c["weight"].shape[-1] * 32 // q["bits"],
+            q["bits"],
+            q["group_size"],
+            getattr(mx, c["scales"].dtype),
+            bool(q.get("symmetric")),
+        )
 
     def _quant_rows(self, host: np.ndarray, slot: int, name: str) -> "cpu_gemv.QuantRows":
         """Projection `name` of the expert in row `slot` of `host` as the native kernels' rows (no copy, no view)."""
@@ -204,17 +247,26 @@ class ExpertEngine(Engine):
     def _native(self, x: mx.array, activation) -> bool:
         """Rows the native kernels compute whole (a decode step, a verification pass, a short prompt: up to
         cpu_gemv.NATIVE_ROWS tokens): float32 on the CPU, quantised SwiGLU experts."""
-        return (x.shape[0] <= cpu_gemv.NATIVE_ROWS and x.dtype == mx.float32 and cpu_gemv.available()
-                and type(activation).__name__ == "SwiGLU" and all(q is not None and "mode" not in q for q in self.quant.values())
-                and "gate_proj.bias" not in self.components)
+        return (
+            x.shape[0] <= cpu_gemv.NATIVE_ROWS
+            and x.dtype == mx.float32
+            and cpu_gemv.available()
+            and type(activation).__name__ == "SwiGLU"
+            and all(q is not None and "mode" not in q for q in self.quant.values())
+            and "gate_proj.bias" not in self.components
+        )
 
     def _expert_row(self, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
         """`_expert` of float32 rows xv [m, D] on the native kernels, straight from the cache row: the expert's
         bytes are read once for all m."""
-        g = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "gate_proj"), k=self.components["gate_proj.weight"].shape[0])
+        g = cpu_gemv.row_dot(
+            xv, self._quant_rows(host, slot, "gate_proj"), k=self.components["gate_proj.weight"].shape[0]
+        )
         u = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "up_proj"), k=g.shape[-1])
         cpu_gemv.silu_mul(g, u)
-        return cpu_gemv.row_dot(g, self._quant_rows(host, slot, "down_proj"), k=self.components["down_proj.weight"].shape[0])
+        return cpu_gemv.row_dot(
+            g, self._quant_rows(host, slot, "down_proj"), k=self.components["down_proj.weight"].shape[0]
+        )
 
     def _expert(self, x: mx.array, row: mx.array, activation) -> mx.array:
         """One expert's output for the tokens x [n, D] that chose it (mlx-lm's SwitchGLU formula)."""
@@ -277,8 +329,9 @@ class ExpertEngine(Engine):
             return outs
 
         read_next = None if ahead is None else (lambda: self._read_next(layer, np.array(ahead)))
-        outs = self.step(layer, REGION, units, fn, (lambda out: None) if native else mx.eval, block=1,
-                         read_next=read_next)
+        outs = self.step(
+            layer, REGION, units, fn, (lambda out: None) if native else mx.eval, block=1, read_next=read_next
+        )
         back = np.argsort(by_unit)  # to (token, choice) order
         y = mx.array(np.concatenate(outs)[back]) if native else mx.concatenate(outs, axis=0)[mx.array(back)]
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)

@@ -37,9 +37,14 @@ def peak_rss() -> int:
 def baseline_command(model_dir) -> list:
     """A child process that only builds the baseline for `model_dir` (mlx, mlx-lm, the model's tokenizer):
     its peak RSS is the baseline a hard cap adds to a budget."""
-    return [sys.executable, "-c", "import sys, mlx_flash, mlx_lm; from mlx_flash.format.directory import FlashDir; "
-            "from mlx_flash.loader import load_tokenizer; load_tokenizer(FlashDir(sys.argv[1])); "
-            "from mlx_flash.engine.memory import print_own_peak; print_own_peak()", str(model_dir)]
+    return [
+        sys.executable,
+        "-c",
+        "import sys, mlx_flash, mlx_lm; from mlx_flash.format.directory import FlashDir; "
+        "from mlx_flash.loader import load_tokenizer; load_tokenizer(FlashDir(sys.argv[1])); "
+        "from mlx_flash.engine.memory import print_own_peak; print_own_peak()",
+        str(model_dir),
+    ]
 
 
 def print_own_peak() -> None:

@@ -33,7 +33,9 @@ from .neurons import FlashFFN
 from .resident import StreamedLayer, StreamedRows
 
 ATTENTION = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen3": True, "mlx_lm.models.qwen3_moe": True}  # -> q/k norms
-MAX_POSITIONS = 256  # per native pass (prompt chunks, plan.prefill_step, are within the workspace); longer: mlx-lm's forward
+MAX_POSITIONS = (
+    256  # per native pass (prompt chunks, plan.prefill_step, are within the workspace); longer: mlx-lm's forward
+)
 
 
 class HostKVCache(KVCache):
@@ -63,8 +65,10 @@ class HostKVCache(KVCache):
         self._k[:, :, self.offset : self.offset + L] = np.asarray(keys.astype(mx.float32))
         self._v[:, :, self.offset : self.offset + L] = np.asarray(values.astype(mx.float32))
         self.offset += L
-        return (mx.array(self._k[:, :, : self.offset]).astype(keys.dtype),
-                mx.array(self._v[:, :, : self.offset]).astype(values.dtype))
+        return (
+            mx.array(self._k[:, :, : self.offset]).astype(keys.dtype),
+            mx.array(self._v[:, :, : self.offset]).astype(values.dtype),
+        )
 
     @property
     def keys(self):
@@ -95,8 +99,12 @@ class HostKVCache(KVCache):
 
 def _quantised(layer) -> bool:
     """A quantised linear layer / embedding of a kind the kernels read (a streamed one: before its weights load)."""
-    return (isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and "bias" not in layer
-            and getattr(layer, "mode", "affine") == "affine" and layer.bits in (2, 4, 8))
+    return (
+        isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        and "bias" not in layer
+        and getattr(layer, "mode", "affine") == "affine"
+        and layer.bits in (2, 4, 8)
+    )
 
 
 def _handle(layer) -> Optional[tuple]:
@@ -165,14 +173,27 @@ class HostDecoder:
             args = model.args  # (a streamed layer's weights are placeholders until loaded)
             head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
             inv_freq = (rope.base ** (-np.arange(0, rope.dims, 2, dtype=np.float32) / rope.dims)).astype(np.float32)
-            layers.append(dict(
-                norm1=_weight(layer.input_layernorm), norm2=_weight(layer.post_attention_layernorm),
-                eps=float(layer.input_layernorm.eps), linears=handles and [h[0] for h in handles], streamed=streamed,
-                qk_norms=([None, None] if streamed is not None else [_weight(a.q_norm), _weight(a.k_norm)])
-                + [float(a.q_norm.eps)] if hasattr(a, "q_norm") else [],
-                n_heads=a.n_heads,
-                n_kv=a.n_kv_heads, head_dim=head_dim, inv_freq=inv_freq, traditional=bool(rope.traditional),
-                rope_scale=float(rope.scale), scale=float(a.scale), mlp=layer.mlp))
+            layers.append(
+                dict(
+                    norm1=_weight(layer.input_layernorm),
+                    norm2=_weight(layer.post_attention_layernorm),
+                    eps=float(layer.input_layernorm.eps),
+                    linears=handles and [h[0] for h in handles],
+                    streamed=streamed,
+                    qk_norms=([None, None] if streamed is not None else [_weight(a.q_norm), _weight(a.k_norm)])
+                    + [float(a.q_norm.eps)]
+                    if hasattr(a, "q_norm")
+                    else [],
+                    n_heads=a.n_heads,
+                    n_kv=a.n_kv_heads,
+                    head_dim=head_dim,
+                    inv_freq=inv_freq,
+                    traditional=bool(rope.traditional),
+                    rope_scale=float(rope.scale),
+                    scale=float(a.scale),
+                    mlp=layer.mlp,
+                )
+            )
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
         head_module = body.embed_tokens if tied else getattr(model, "lm_head", None)
         if isinstance(head_module, StreamedRows):
@@ -216,8 +237,11 @@ class HostDecoder:
         """Up to MAX_POSITIONS positions (one on the dip layout, whose selector takes one) and every layer's cache a
         HostKVCache (the FFN's engine is each layer's current one: the bench swaps engines)."""
         one = getattr(self.model.flash, "dip_layout", False)
-        return (0 < tokens.size <= (1 if one else MAX_POSITIONS) and cache is not None
-                and all(type(c) is HostKVCache for c in cache))
+        return (
+            0 < tokens.size <= (1 if one else MAX_POSITIONS)
+            and cache is not None
+            and all(type(c) is HostKVCache for c in cache)
+        )
 
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
         """Logits [1, m, vocab] of `tokens` (m ints) at the caches' offset (a prompt: [1, 1, vocab] of the last one,
@@ -231,9 +255,29 @@ class HostDecoder:
             pos = c.offset
             c.reserve(pos + len(x), L["n_kv"], L["head_dim"])
             q, k, v, o, *qk_norms = L["linears"] + L["qk_norms"] if L["linears"] else self._load_attention(L)
-            cpu_gemv.attention(x, h, L["norm1"], L["norm2"], L["eps"], q, k, v, o, c._k, c._v, pos,
-                                       c._k.shape[2], L["n_heads"], L["n_kv"], L["head_dim"], L["inv_freq"],
-                                       L["traditional"], L["rope_scale"], L["scale"], *qk_norms)
+            cpu_gemv.attention(
+                x,
+                h,
+                L["norm1"],
+                L["norm2"],
+                L["eps"],
+                q,
+                k,
+                v,
+                o,
+                c._k,
+                c._v,
+                pos,
+                c._k.shape[2],
+                L["n_heads"],
+                L["n_kv"],
+                L["head_dim"],
+                L["inv_freq"],
+                L["traditional"],
+                L["rope_scale"],
+                L["scale"],
+                *qk_norms,
+            )
             c.offset = pos + len(x)
             mlp = L["mlp"]
             if isinstance(mlp, FlashFFN):  # a dense FFN: the engine's selector, cache and kernels on the host rows
@@ -247,6 +291,11 @@ class HostDecoder:
             logits = cpu_gemv.row_dot(x, self.head, k=self.head.w.shape[0])
         else:  # streamed in chunks of vocabulary rows
             m = self.head_streamed
-            logits = np.concatenate([cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0])
-                                     for rows in m.chunks()], axis=-1)
+            logits = np.concatenate(
+                [
+                    cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0])
+                    for rows in m.chunks()
+                ],
+                axis=-1,
+            )
         return mx.array(logits).reshape(1, len(x), -1)

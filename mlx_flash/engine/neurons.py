@@ -57,9 +57,19 @@ class NeuronEngine(Engine):
     """The engine of a dense model's FFN neurons: its sparsifier (which neurons a token needs) and one compute
     backend per region layout, over the unit step's caches, reads and scratch buffer."""
 
-    def __init__(self, fd, reader, sparsifier, capacity: List[Dict[str, int]], scratch_bytes: int,
-                 policy: str = "window", window: int = 5, compute_dtype=mx.float32, use_metal=None,
-                 prefetch_rows: int = 0):
+    def __init__(
+        self,
+        fd,
+        reader,
+        sparsifier,
+        capacity: List[Dict[str, int]],
+        scratch_bytes: int,
+        policy: str = "window",
+        window: int = 5,
+        compute_dtype=mx.float32,
+        use_metal=None,
+        prefetch_rows: int = 0,
+    ):
         self.sparsifier = sparsifier
         self.info = fd.ffn
         self.dip_layout = fd.ffn.get("layout") == "dip"
@@ -69,8 +79,14 @@ class NeuronEngine(Engine):
         self.why = None  # why load's --sparsity auto chose this sparsifier
         caches = [
             {
-                name: UnitCache(r.n_units, capacity[i][name], fd.layouts[name].stride, policy=policy, window=window,
-                                alignment=fd.unit_alignment)  # packed rows: scattered reads bounce
+                name: UnitCache(
+                    r.n_units,
+                    capacity[i][name],
+                    fd.layouts[name].stride,
+                    policy=policy,
+                    window=window,
+                    alignment=fd.unit_alignment,
+                )  # packed rows: scattered reads bounce
                 for name, r in regions.items()
             }
             for i, regions in enumerate(fd.layers)
@@ -81,12 +97,31 @@ class NeuronEngine(Engine):
         self.read_ahead = ReadAhead(self, "neurons", prefetch_rows) if prefetch_rows else None
 
     @classmethod
-    def from_plan(cls, fd, plan, reader, sparsifier, policy: str = "window", window: int = 5, use_metal=None,
-                  compute_dtype=mx.float32) -> "NeuronEngine":
+    def from_plan(
+        cls,
+        fd,
+        plan,
+        reader,
+        sparsifier,
+        policy: str = "window",
+        window: int = 5,
+        use_metal=None,
+        compute_dtype=mx.float32,
+    ) -> "NeuronEngine":
         """The engine a budget plan (budget.plan_memory) describes: its caches, scratch and read-ahead buffers; for
         load and the bench alike."""
-        engine = cls(fd, reader, sparsifier, plan.capacity, min(plan.workspace // 2, plan.scratch), policy, window,
-                     compute_dtype=compute_dtype, use_metal=use_metal, prefetch_rows=plan.prefetch_rows)
+        engine = cls(
+            fd,
+            reader,
+            sparsifier,
+            plan.capacity,
+            min(plan.workspace // 2, plan.scratch),
+            policy,
+            window,
+            compute_dtype=compute_dtype,
+            use_metal=use_metal,
+            prefetch_rows=plan.prefetch_rows,
+        )
         engine.plan = plan
         return engine
 
@@ -160,15 +195,18 @@ class NeuronEngine(Engine):
         cached = self._cached_mask(layer, "neurons")
         active, mask = pass_units([self.sparsifier.select(layer, v, cached) for v in rows])
         self.stats.current.active.append(len(active))
-        return self._sum(layer, "neurons", active, self._units_fn(x, active, bias, mask), self.backends["neurons"].zeros(x))
+        return self._sum(
+            layer, "neurons", active, self._units_fn(x, active, bias, mask), self.backends["neurons"].zeros(x)
+        )
 
     def _sum(self, layer: int, region: str, active: np.ndarray, fn, zero):
         """The sum over the active units (sorted) of fn's terms (units.Engine.step's fn), in one order whatever the
         budget, cache state or read-ahead: the step's partial sums of blocks of REDUCTION_UNITS ids, added in block
         order; `zero` when there are none."""
         backend = self.backends[region]
-        parts = self.step(layer, region, active, fn, backend.sync, per=self._fits(region),
-                          read_next=lambda: self._read_next(layer))
+        parts = self.step(
+            layer, region, active, fn, backend.sync, per=self._fits(region), read_next=lambda: self._read_next(layer)
+        )
         if not parts:
             return zero
         y = parts[0]
@@ -189,16 +227,19 @@ class NeuronEngine(Engine):
         """fn for `_sum`: the FFN of x restricted to those units (mask [rows, active]: which of them each row of
         x uses)."""
         backend = self.backends["neurons"]
-        return lambda rows, slots, pos, dst, n: backend.units(x, rows, slots, active[pos], bias,
-                                                              None if mask is None else mask[:, pos], dst, n)
+        return lambda rows, slots, pos, dst, n: backend.units(
+            x, rows, slots, active[pos], bias, None if mask is None else mask[:, pos], dst, n
+        )
 
     @staticmethod
     def _blockwise(backend, like, f):
         """fn for `_sum` from f(rows, slots, positions), one call per block."""
+
         def fn(rows, slots, pos, dst, n):
             if isinstance(rows, RowSet) and not backend.in_place(like):
                 rows, slots = rows.gather(), np.arange(len(rows))
             return per_partial(rows, slots, dst, n, lambda r, s, sel: f(r, s, pos[sel]))
+
         return fn
 
     def _decode_dip(self, layer, xv, x):
@@ -206,17 +247,27 @@ class NeuronEngine(Engine):
         # 1. gate/up from the input columns with the largest |x| (cache-aware if gamma < 1)
         inputs = dip.select_inputs(layer, xv, self._cached_mask(layer, "inputs"))
         x_in = b_in.index(x, inputs)
-        gu = self._sum(layer, "inputs", inputs,  # (never empty: DIP keeps at least one input)
-                            self._blockwise(b_in, x, lambda rows, slots, pos: b_in.input_columns(
-                                b_in.index(x_in, pos), rows, slots)), None)
+        gu = self._sum(
+            layer,
+            "inputs",
+            inputs,  # (never empty: DIP keeps at least one input)
+            self._blockwise(b_in, x, lambda rows, slots, pos: b_in.input_columns(b_in.index(x_in, pos), rows, slots)),
+            None,
+        )
         h = b_in.glu(gu[0], gu[1])
         # 2. down rows of the largest pruned GLU outputs
         neurons = dip.select_neurons(layer, b_in.host(h)[0], self._cached_mask(layer, "neurons"))
         self.stats.current.active.append(len(inputs) + len(neurons))
         h_out = b_out.index(h, neurons)
-        return self._sum(layer, "neurons", neurons,
-                              self._blockwise(b_out, x, lambda rows, slots, pos: b_out.row_axpy(
-                                  b_out.index(h_out, pos), rows, slots, "down")), b_out.zeros(x))
+        return self._sum(
+            layer,
+            "neurons",
+            neurons,
+            self._blockwise(
+                b_out, x, lambda rows, slots, pos: b_out.row_axpy(b_out.index(h_out, pos), rows, slots, "down")
+            ),
+            b_out.zeros(x),
+        )
 
     def _cached_mask(self, layer: int, region: str) -> Optional[np.ndarray]:
         gamma = getattr(self.sparsifier, "gamma", 1.0)
@@ -243,7 +294,10 @@ class NeuronEngine(Engine):
         for pos, rows in self._stream_all(layer, "inputs"):
             a = self.fd.layouts["inputs"].unpack(rows)
             xs = x[..., int(pos[0]) : int(pos[-1]) + 1]
-            g, u = g + project(xs, a, "gate", info["matrices"]["gate"]), u + project(xs, a, "up", info["matrices"]["up"])
+            g, u = (
+                g + project(xs, a, "gate", info["matrices"]["gate"]),
+                u + project(xs, a, "up", info["matrices"]["up"]),
+            )
             mx.eval(g, u)
         h = glu(g, u, info["activation"])
         y = 0

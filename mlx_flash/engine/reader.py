@@ -170,9 +170,7 @@ class AlignedRows:
         return self.offset + np.asarray(rows, dtype=np.int64) * self.row_bytes
 
 
-def aligned_rows(
-    rows: int, row_bytes: int, alignment: int = DEFAULT_ALIGNMENT, dtype=mx.uint8
-) -> AlignedRows:
+def aligned_rows(rows: int, row_bytes: int, alignment: int = DEFAULT_ALIGNMENT, dtype=mx.uint8) -> AlignedRows:
     """Allocate an evaluated cache matrix [rows, row_bytes // itemsize] of `dtype` whose row 0
     starts at an `alignment` boundary (every row is aligned when row_bytes is a multiple of
     the alignment, as bundle strides are). Read into `.base` at `.dest_offsets(slots)`."""
@@ -293,7 +291,9 @@ class NativeReader:
 
     def submit(self, dest, file_offsets, lengths, dest_offsets, *, coalesce: bool = True):
         """Start a batch; returns a handle for `wait` (it keeps `dest` alive)."""
-        return self._pool.submit(dest, _as_i64(file_offsets), _as_i64(lengths), _as_i64(dest_offsets), coalesce=coalesce)
+        return self._pool.submit(
+            dest, _as_i64(file_offsets), _as_i64(lengths), _as_i64(dest_offsets), coalesce=coalesce
+        )
 
     def wait(self, handle) -> int:
         """Block until the batch is done; returns its bytes requested. Raises ReadError."""
@@ -367,10 +367,6 @@ class _PyHandle:
         if self.state["error"] is not None:
             raise self.state["error"]
         return self.nbytes
-
-    @property
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
 
 
 def _aligned_mmap(nbytes: int) -> mmap.mmap:
@@ -475,7 +471,10 @@ class PythonReader:
         n = len(F)
         if len(L) != n or len(D) != n:
             raise _read_error(
-                self.path, _errno.EINVAL, int(F[0]) if n else 0, int(L[0]) if len(L) else 0,
+                self.path,
+                _errno.EINVAL,
+                int(F[0]) if n else 0,
+                int(L[0]) if len(L) else 0,
                 f"mismatched index arrays (file_offsets has {n} entries, lengths {len(L)}, dest_offsets {len(D)})",
             )
         size = mv.nbytes
@@ -510,7 +509,9 @@ class PythonReader:
             f, l, d = r[:3]
             gap = f - (cur[0] + cur[1]) if cur else -1
             if (
-                cur is not None and maxgap >= 0 and 0 <= gap <= maxgap
+                cur is not None
+                and maxgap >= 0
+                and 0 <= gap <= maxgap
                 and len(cur[2]) + (2 if gap else 1) <= 1024
                 and (not maxreq or cur[1] + gap + l <= maxreq)
             ):
@@ -747,8 +748,14 @@ def open_reader(
     filesystem reports (`dio_alignment`, 512 on this project's disk), else 4096; requests,
     destinations and file offsets aligned to it are read straight into the destination,
     the others through a bounce buffer of `bounce_bytes` per thread. `reader.alignment` tells which was chosen."""
-    kw = dict(threads=threads, direct=direct, alignment=alignment, max_gap_bytes=max_gap_bytes,
-              max_request_bytes=max_request_bytes, bounce_bytes=bounce_bytes)
+    kw = dict(
+        threads=threads,
+        direct=direct,
+        alignment=alignment,
+        max_gap_bytes=max_gap_bytes,
+        max_request_bytes=max_request_bytes,
+        bounce_bytes=bounce_bytes,
+    )
     if native is None:
         native = have_native()
     return NativeReader(path, **kw) if native else PythonReader(path, **kw)

@@ -53,7 +53,8 @@ class StreamGroup:
 
     def describe(self) -> str:
         return {"rows": "rows on lookup", "layer": "whole, prefetched", "head": f"in chunks of {self.chunk_rows} rows"}[
-            self.kind]
+            self.kind
+        ]
 
 
 def _spread(n: int) -> List[int]:

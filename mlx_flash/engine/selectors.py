@@ -28,8 +28,13 @@ from .sparsity import sketch_layer, weight_norms
 SELECTOR_FILE = "selector.safetensors"
 
 
-def build_sketch(weights: Sequence[Dict[str, mx.array]], xs: Optional[Sequence[np.ndarray]], bits: int,
-                 group_size: int = 64, alpha: float = 0.5) -> List[Dict[str, mx.array]]:
+def build_sketch(
+    weights: Sequence[Dict[str, mx.array]],
+    xs: Optional[Sequence[np.ndarray]],
+    bits: int,
+    group_size: int = 64,
+    alpha: float = 0.5,
+) -> List[Dict[str, mx.array]]:
     """Per layer the quantised gate/up of the sketch and its input scale ("input_scale" [d] float32).
     xs: each layer's calibration FFN inputs [T, d] (None, or alpha 0: no scaling)."""
     out = []

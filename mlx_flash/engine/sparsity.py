@@ -244,8 +244,15 @@ class Sketch:
 
     name = "sketch"
 
-    def __init__(self, layers: List[Dict[str, mx.array]], activation: str, bits: int, group_size: int,
-                 density: List[float], gamma: float = 1.0):
+    def __init__(
+        self,
+        layers: List[Dict[str, mx.array]],
+        activation: str,
+        bits: int,
+        group_size: int,
+        density: List[float],
+        gamma: float = 1.0,
+    ):
         self.layers, self.bits, self.group_size = layers, bits, group_size
         self.act = ACTIVATIONS[activation]
         self.density, self.gamma = list(density), gamma
@@ -258,8 +265,15 @@ class Sketch:
             x = x / a["input_scale"]
 
         def mm(name):
-            return mx.quantized_matmul(x, a[f"{name}.weight"], a[f"{name}.scales"], a[f"{name}.biases"],
-                                       transpose=True, group_size=self.group_size, bits=self.bits)
+            return mx.quantized_matmul(
+                x,
+                a[f"{name}.weight"],
+                a[f"{name}.scales"],
+                a[f"{name}.biases"],
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+            )
 
         return mx.abs(self.act(mm("gate")) * mm("up"))
 

@@ -131,15 +131,21 @@ class Stats:
             "total_ms_p90": float(np.percentile([t.total_s * 1e3 for t in toks], 90)),
             "bytes_per_token": float(np.mean([t.bytes_read for t in toks])),
             # the readers' throughput while they had reads in flight (compare with fio at the request size)
-            "read_bytes_per_s": (sum(t.bytes_read for t in toks) / sum(t.busy_s for t in toks)
-                                 if sum(t.busy_s for t in toks) > 0 else None),
+            "read_bytes_per_s": (
+                sum(t.bytes_read for t in toks) / sum(t.busy_s for t in toks)
+                if sum(t.busy_s for t in toks) > 0
+                else None
+            ),
             "bytes_requested_per_token": float(np.mean([t.bytes_requested for t in toks])),
             "streamed_bytes_per_token": float(np.mean([t.streamed_bytes for t in toks])),
             "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "peak_rss_bytes": self.peak_rss(),
-            "active_per_layer": float(np.mean([np.mean(t.active) for t in toks if t.active])) if toks[0].active else 0.0,
-            "prediction_accuracy": (sum(t.predicted for t in toks) / sum(t.routed for t in toks)
-                                    if sum(t.routed for t in toks) else None),
+            "active_per_layer": float(np.mean([np.mean(t.active) for t in toks if t.active]))
+            if toks[0].active
+            else 0.0,
+            "prediction_accuracy": (
+                sum(t.predicted for t in toks) / sum(t.routed for t in toks) if sum(t.routed for t in toks) else None
+            ),
             "ahead_bytes_per_token": float(np.mean([t.ahead_bytes for t in toks])),
             "ahead_wasted_bytes_per_token": float(np.mean([t.ahead_wasted_bytes for t in toks])),
         }
@@ -153,6 +159,10 @@ class Stats:
             f"(asked {t.bytes_requested / 2**20:.2f})"
             + (f" ({t.streamed_bytes / 2**20:.2f} streamed)" if t.streamed_bytes else "")
             + f" | hit {t.hit_rate:6.1%} | active/layer {np.mean(t.active) if t.active else 0:7.1f}"
-            + (f" | ahead {t.ahead_bytes / 2**20:.2f} MiB ({t.ahead_wasted_bytes / 2**20:.2f} unused), "
-               f"predicted {t.predicted / t.routed:.1%}" if t.routed else "")
+            + (
+                f" | ahead {t.ahead_bytes / 2**20:.2f} MiB ({t.ahead_wasted_bytes / 2**20:.2f} unused), "
+                f"predicted {t.predicted / t.routed:.1%}"
+                if t.routed
+                else ""
+            )
         )

@@ -110,7 +110,9 @@ class Engine:
     def _read_misses(self, layer: int, region: str, units: np.ndarray, slots: np.ndarray) -> Callable[[], None]:
         """Start reading misses into their cache rows; returns the function that waits for them."""
         cache = self.caches[layer][region]
-        return self.submit(layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes)
+        return self.submit(
+            layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes
+        )
 
     def _read_chunk(self, layer: int, region: str, chunk: np.ndarray):
         """Dense rows [len, stride] of `chunk` (at most `_fits` units) read through the scratch buffer.
@@ -121,8 +123,9 @@ class Engine:
         layout = self.fd.layouts[region]
         disk, slack = layout.disk_stride, 2 * max(1, self.reader.alignment)
         if chunk[-1] - chunk[0] == len(chunk) - 1 and len(chunk) * disk + slack <= self.scratch.nbytes:
-            wait, at = self.submit_run(layer, region, int(chunk[0]), len(chunk), self.scratch.buffer,
-                                       self.scratch.base_offset)  # a run on flash: one aligned read
+            wait, at = self.submit_run(
+                layer, region, int(chunk[0]), len(chunk), self.scratch.buffer, self.scratch.base_offset
+            )  # a run on flash: one aligned read
             wait()
             out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
         else:
@@ -149,8 +152,17 @@ class Engine:
         return fits // step * step if fits >= step else fits
 
     # -- the unit step ------------------------------------------------------------
-    def step(self, layer: int, region: str, active: np.ndarray, fn, sync, block: int = REDUCTION_UNITS,
-             per: Optional[int] = None, read_next: Optional[Callable[[], None]] = None) -> list:
+    def step(
+        self,
+        layer: int,
+        region: str,
+        active: np.ndarray,
+        fn,
+        sync,
+        block: int = REDUCTION_UNITS,
+        per: Optional[int] = None,
+        read_next: Optional[Callable[[], None]] = None,
+    ) -> list:
         """The results of the active units (sorted ids) of a layer's region, one per block, in block order.
 
         fn(rows, slots, positions, dst, n) returns the n results of the blocks of `positions` (into `active`; block

@@ -205,7 +205,9 @@ def capacity_for_sparsity(d: int, sparsity: float) -> int:
 
 
 # bit i of byte b, as a [256, 8] lookup table (int32: it feeds a cumulative sum)
-_BYTE_BITS = mx.array(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.int32))
+_BYTE_BITS = mx.array(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.int32)
+)
 
 
 def _bitmap_bits(encoded: mx.array, d: int) -> mx.array:
@@ -290,8 +292,14 @@ def expand_metal(encoded: mx.array, d: int, dtype) -> mx.array:
     ubits = _MX_BITS[size]
     (out,) = _expand_kernel(
         inputs=[encoded],
-        template=[("U", ubits), ("D", d), ("NWORDS", W), ("STRIDE", nbytes),
-                  ("VAL_OFF", values_offset(d)), ("CAP", capacity_of(nbytes, d, name))],
+        template=[
+            ("U", ubits),
+            ("D", d),
+            ("NWORDS", W),
+            ("STRIDE", nbytes),
+            ("VAL_OFF", values_offset(d)),
+            ("CAP", capacity_of(nbytes, d, name)),
+        ],
         grid=(W, k, 1),
         threadgroup=(min(W, 256), 1, 1),
         output_shapes=[(k, d)],
@@ -300,7 +308,9 @@ def expand_metal(encoded: mx.array, d: int, dtype) -> mx.array:
     return out if mdtype == ubits else mx.view(out, mdtype)
 
 
-def expand(encoded: mx.array, d: int, dtype, use_metal: Optional[bool] = None, fill: Optional[mx.array] = None) -> mx.array:
+def expand(
+    encoded: mx.array, d: int, dtype, use_metal: Optional[bool] = None, fill: Optional[mx.array] = None
+) -> mx.array:
     """Decode encoded rows on the device: uint8 [k, row_bytes] -> [k, d] of dtype (mx dtype or name).
 
     `encoded` holds whole encoded rows (slice a component out of a wider cache row first);

@@ -41,10 +41,10 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from . import bitmap
 from ..compute.cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
-from ..errors import FlashFormatError, ReadError
 from ..engine.reader import open_reader
+from ..errors import FlashFormatError, ReadError
+from . import bitmap
 from .safetensors_io import TensorSpool
 
 FORMAT_NAME = "mlx_flash"
@@ -68,8 +68,17 @@ DTYPES = {
 
 
 _SAFETENSORS_DTYPES = {
-    "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
-    "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I64": mx.int64, "U64": mx.uint64,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "F32": mx.float32,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "I64": mx.int64,
+    "U64": mx.uint64,
     "BOOL": mx.bool_,
 }
 
@@ -137,7 +146,13 @@ class Encoding:
         return bitmap.row_bytes(self.length, self.capacity, self.dtype)
 
     def to_json(self) -> dict:
-        d = {"kind": self.kind, "dtype": self.dtype, "length": self.length, "capacity": self.capacity, "fill": self.fill}
+        d = {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "length": self.length,
+            "capacity": self.capacity,
+            "fill": self.fill,
+        }
         return dict(d, group_size=self.group_size) if self.fill == "affine_zero" else d
 
     @staticmethod
@@ -147,11 +162,20 @@ class Encoding:
             raise FlashFormatError(
                 f"component {component!r}: unknown encoding {kind!r} (this mlx_flash reads: {', '.join(Encoding.KINDS)})"
             )
-        e = Encoding(d["kind"], d["dtype"], int(d["length"]), int(d["capacity"]), d.get("fill", "zero"), int(d.get("group_size", 0)))
+        e = Encoding(
+            d["kind"],
+            d["dtype"],
+            int(d["length"]),
+            int(d["capacity"]),
+            d.get("fill", "zero"),
+            int(d.get("group_size", 0)),
+        )
         if e.dtype not in bitmap.DTYPES or e.fill not in Encoding.FILLS or not 0 < e.capacity <= e.length:
             raise FlashFormatError(f"component {component!r}: bad bitmap encoding {d}")
         if e.fill == "affine_zero" and (e.dtype != "uint8" or e.group_size <= 0 or e.length % e.group_size):
-            raise FlashFormatError(f"component {component!r}: affine_zero fill needs uint8 values and a group size dividing {e.length}")
+            raise FlashFormatError(
+                f"component {component!r}: affine_zero fill needs uint8 values and a group size dividing {e.length}"
+            )
         return e
 
 
@@ -209,7 +233,9 @@ class BundleLayout:
         return {c.name: c.encoding for c in self.components if c.encoding}
 
     @staticmethod
-    def from_arrays(arrays: Dict[str, mx.array], alignment: int, encodings: Optional[Dict[str, Encoding]] = None) -> "BundleLayout":
+    def from_arrays(
+        arrays: Dict[str, mx.array], alignment: int, encodings: Optional[Dict[str, Encoding]] = None
+    ) -> "BundleLayout":
         """Components in the order of `arrays`; those named in `encodings` are stored encoded on flash."""
         encodings = encodings or {}
         unknown = set(encodings) - set(arrays)
@@ -217,9 +243,13 @@ class BundleLayout:
             raise ValueError(f"encodings for components not in the bundle: {sorted(unknown)}")
         components, offset, disk = [], 0, 0
         for name, a in arrays.items():
-            c = Component(name, dtype_name(a.dtype), tuple(a.shape[1:]), offset, encodings.get(name), disk if encodings else None)
+            c = Component(
+                name, dtype_name(a.dtype), tuple(a.shape[1:]), offset, encodings.get(name), disk if encodings else None
+            )
             if not c.encoding_fits:
-                raise ValueError(f"{name}: encoding of {c.encoding.length} {c.encoding.dtype} values, rows have {c.nbytes} bytes")
+                raise ValueError(
+                    f"{name}: encoding of {c.encoding.length} {c.encoding.dtype} values, rows have {c.nbytes} bytes"
+                )
             components.append(c)
             offset += c.nbytes
             disk += c.disk_nbytes
@@ -253,7 +283,9 @@ class BundleLayout:
         layout = BundleLayout(tuple(comps), int(d["stride"]), int(d["disk_stride"]) if encoded else None)
         for c in layout.components:
             if not c.encoding_fits:
-                raise FlashFormatError(f"component {c.name!r}: its encoding holds {c.encoding.length} values, not {c.nbytes} bytes")
+                raise FlashFormatError(
+                    f"component {c.name!r}: its encoding holds {c.encoding.length} values, not {c.nbytes} bytes"
+                )
             if c.flash_offset + c.disk_nbytes > layout.disk_stride:
                 raise FlashFormatError(f"component {c.name!r} ends past the unit's {layout.disk_stride} bytes on flash")
             if c.encoding and c.encoding.fill == "affine_zero":  # expand needs the group scales/biases, dense
@@ -261,7 +293,9 @@ class BundleLayout:
                 for part in ("scales", "biases"):
                     g = next((x for x in comps if x.name == _sibling(c.name, part)), None)
                     if g is None or g.encoding or int(np.prod(g.shape)) != groups:
-                        raise FlashFormatError(f"component {c.name!r}: affine_zero fill needs a dense {_sibling(c.name, part)!r} of {groups} groups")
+                        raise FlashFormatError(
+                            f"component {c.name!r}: affine_zero fill needs a dense {_sibling(c.name, part)!r} of {groups} groups"
+                        )
         return layout
 
     def pack(self, arrays: Dict[str, mx.array]) -> np.ndarray:
@@ -370,7 +404,9 @@ class FlashDir:
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FlashFormatError(f"{self.path}: not a directory (expected a flash directory made by mlx_flash.convert)")
+            raise FlashFormatError(
+                f"{self.path}: not a directory (expected a flash directory made by mlx_flash.convert)"
+            )
         self.manifest = self._read_manifest()
         m = self.manifest
         try:
@@ -431,7 +467,9 @@ class FlashDir:
         expected = self.manifest["resident"]["bytes"]
         size = (self.path / RESIDENT).stat().st_size
         if size != expected:
-            raise FlashFormatError(f"{self.path / RESIDENT}: {size} bytes, manifest says {expected} (truncated or replaced)")
+            raise FlashFormatError(
+                f"{self.path / RESIDENT}: {size} bytes, manifest says {expected} (truncated or replaced)"
+            )
         size = (self.path / FFN).stat().st_size
         for r in self.regions():
             if r.offset % self.alignment or r.stride % self.unit_alignment:
@@ -484,8 +522,13 @@ class FlashDir:
                 header = json.loads(f.read(n))
             start = 8 + n
             index = {
-                name: ResidentTensor(name, start + t["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0],
-                                     _SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"]))
+                name: ResidentTensor(
+                    name,
+                    start + t["data_offsets"][0],
+                    t["data_offsets"][1] - t["data_offsets"][0],
+                    _SAFETENSORS_DTYPES[t["dtype"]],
+                    tuple(t["shape"]),
+                )
                 for name, t in header.items()
                 if name != "__metadata__"
             }
@@ -527,7 +570,9 @@ class FlashDir:
         except Exception as e:
             raise FlashFormatError(f"{self.path / RESIDENT}: cannot be read ({e})") from e
         if biases:
-            arrays.update({f"{p}.biases": symmetric_biases(arrays[f"{p}.scales"], b) for p, b in self.symmetric.items()})
+            arrays.update(
+                {f"{p}.biases": symmetric_biases(arrays[f"{p}.scales"], b) for p, b in self.symmetric.items()}
+            )
         return arrays
 
     def load_predictors(self) -> Optional[List[Dict[str, mx.array]]]:
@@ -621,16 +666,27 @@ def _sha256(path: Path) -> str:
 class FlashWriter:
     """Writes a flash directory into `path` (the caller picks a temporary name and renames)."""
 
-    def __init__(self, path, alignment: int = DEFAULT_ALIGNMENT, encodings: Optional[Dict[str, Encoding]] = None,
-                 unit_alignment: Optional[int] = None):
+    def __init__(
+        self,
+        path,
+        alignment: int = DEFAULT_ALIGNMENT,
+        encodings: Optional[Dict[str, Encoding]] = None,
+        unit_alignment: Optional[int] = None,
+    ):
         """`encodings` (component name -> Encoding): store those components encoded (format v2). Regions start at
         multiples of `alignment`; units are `unit_alignment` apart (None: the alignment, every unit padded to it;
         PACKED_UNIT_ALIGNMENT: packed, format v3)."""
         if alignment < 512 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 512, got {alignment}")
         unit_alignment = alignment if unit_alignment is None else unit_alignment
-        if unit_alignment < PACKED_UNIT_ALIGNMENT or unit_alignment & (unit_alignment - 1) or unit_alignment > alignment:
-            raise ValueError(f"unit alignment must be a power of two in [{PACKED_UNIT_ALIGNMENT}, {alignment}], got {unit_alignment}")
+        if (
+            unit_alignment < PACKED_UNIT_ALIGNMENT
+            or unit_alignment & (unit_alignment - 1)
+            or unit_alignment > alignment
+        ):
+            raise ValueError(
+                f"unit alignment must be a power of two in [{PACKED_UNIT_ALIGNMENT}, {alignment}], got {unit_alignment}"
+            )
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=False)
         self.alignment, self.unit_alignment = alignment, unit_alignment
@@ -659,7 +715,9 @@ class FlashWriter:
                 if layout.encoded:
                     dense = BundleLayout.from_arrays(part, self.unit_alignment).pack(part)
                     if not np.array_equal(np.array(layout.expand(mx.array(rows), use_metal=False)), dense):
-                        raise FlashFormatError(f"layer {len(self.layers)} {name}: encoded units do not expand to the dense ones")
+                        raise FlashFormatError(
+                            f"layer {len(self.layers)} {name}: encoded units do not expand to the dense ones"
+                        )
                 self._ffn.write(rows.data)
                 crc = zlib.crc32(rows, crc)
             layer[name] = Region(len(self.layers), name, offset, n, layout.disk_stride, crc)
@@ -675,8 +733,9 @@ class FlashWriter:
         names = list(resident)
         total = sum(v.nbytes for v in resident.values())
         spool = TensorSpool(self.path / f".{RESIDENT}.spool")
-        with tqdm(total=total, desc="resident weights", unit="B", unit_scale=True, unit_divisor=1024,
-                  disable=not progress) as bar:
+        with tqdm(
+            total=total, desc="resident weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
+        ) as bar:
             for k in names:
                 a = resident.pop(k)
                 spool.add(k, a)
@@ -684,15 +743,24 @@ class FlashWriter:
                 del a
         symmetric = symmetric_modules(_Spooled(spool), config)
         names = [k for k in names if k.removesuffix(".biases") not in symmetric]
-        with tqdm(total=sum(spool.entries[k][3] for k in names), desc=f"write {RESIDENT} + sha256", unit="B",
-                  unit_scale=True, unit_divisor=1024, disable=not progress) as bar:
+        with tqdm(
+            total=sum(spool.entries[k][3] for k in names),
+            desc=f"write {RESIDENT} + sha256",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=not progress,
+        ) as bar:
             sha256 = spool.save(self.path / RESIDENT, names, {"format": "mlx"}, bar, checksum=True)
         with open(self.path / "config.json", "w") as f:
             json.dump(config, f, indent=2)
         full = {
             "format": FORMAT_NAME,
-            "format_version": 4 if symmetric else 3 if self.unit_alignment != self.alignment else (
-                2 if any(l.encoded for l in self.layouts.values()) else 1),
+            "format_version": 4
+            if symmetric
+            else 3
+            if self.unit_alignment != self.alignment
+            else (2 if any(l.encoded for l in self.layouts.values()) else 1),
             **manifest,
             "alignment": self.alignment,
             "unit_alignment": self.unit_alignment,

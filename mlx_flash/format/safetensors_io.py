@@ -18,13 +18,35 @@ import mlx.core as mx
 import numpy as np
 
 DTYPES = {
-    mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16", mx.uint32: "U32",
-    mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64", mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32",
+    mx.bool_: "BOOL",
+    mx.uint8: "U8",
+    mx.int8: "I8",
+    mx.uint16: "U16",
+    mx.int16: "I16",
+    mx.uint32: "U32",
+    mx.int32: "I32",
+    mx.uint64: "U64",
+    mx.int64: "I64",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.float32: "F32",
     mx.complex64: "C64",
 }
-_NP_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
-              "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16, "BF16": np.uint16,
-              "F32": np.float32, "C64": np.complex64}
+_NP_DTYPES = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "F32": np.float32,
+    "C64": np.complex64,
+}
 CHUNK = 1 << 24
 
 
@@ -78,8 +100,14 @@ class TensorSpool:
         self._f.seek(0, os.SEEK_END)
         return a.view(mx.bfloat16) if dtype == "BF16" else a
 
-    def save(self, path, names: Optional[Iterable[str]] = None, metadata: Optional[dict] = None, progress=None,
-             checksum: bool = False) -> Optional[str]:
+    def save(
+        self,
+        path,
+        names: Optional[Iterable[str]] = None,
+        metadata: Optional[dict] = None,
+        progress=None,
+        checksum: bool = False,
+    ) -> Optional[str]:
         """Write `names` (default: all, in the order added) as the safetensors file `path`, as
         `mx.save_safetensors(path, {name: array}, metadata)` would; returns the file's sha256 if `checksum`.
         `progress`: a tqdm bar updated with the bytes written. The scratch file is removed."""

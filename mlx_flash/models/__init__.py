@@ -23,9 +23,7 @@ def get_model_classes(config: dict) -> Tuple[Type[nn.Module], Type]:
     """
     model_type = config.get("model_type")
     if model_type is None:
-        raise UnsupportedArchitectureError(
-            "The model config has no 'model_type'; cannot pick an architecture."
-        )
+        raise UnsupportedArchitectureError("The model config has no 'model_type'; cannot pick an architecture.")
     if model_type in _LOCAL_MODELS:
         import importlib
 

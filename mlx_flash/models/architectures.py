@@ -48,8 +48,13 @@ class FFNAdapter:
         """On-disk layouts this FFN supports: "neurons" bundles, and "dip" (input columns + down rows) for GLU."""
         return ("neurons", "dip") if self.kind == "glu" else ("neurons",)
 
-    def split(self, mlp: nn.Module, quantization: Dict[str, Optional[dict]], layout: str = "neurons",
-              prune: Optional[Callable[[str, mx.array], mx.array]] = None):
+    def split(
+        self,
+        mlp: nn.Module,
+        quantization: Dict[str, Optional[dict]],
+        layout: str = "neurons",
+        prune: Optional[Callable[[str, mx.array], mx.array]] = None,
+    ):
         """mlp module -> ({region: {"gate.weight": [n_units, ...], ...}}, resident biases, ffn matrix info).
 
         layout "neurons": one unit per neuron i = [gate_i | up_i | down_i] (ReLU: [fc1_i | fc2_i]).
@@ -142,8 +147,10 @@ def symmetric(lin) -> bool:
 
 def _require_symmetric(lin, name) -> bool:
     if not symmetric(lin):
-        raise UnsupportedArchitectureError(f"{name}: quantisation not symmetric in this layer, as in the first "
-                                           "(llama.cpp type mixed per layer): convert without --down-bits source")
+        raise UnsupportedArchitectureError(
+            f"{name}: quantisation not symmetric in this layer, as in the first "
+            "(llama.cpp type mixed per layer): convert without --down-bits source"
+        )
     return True
 
 
@@ -158,7 +165,8 @@ def _source_columns(lin, quant: dict, name: str):
         w, scales, biases = lin["weight"], lin["scales"], lin["biases"]
     else:
         raise UnsupportedArchitectureError(
-            f"{name}: stored as {_quant_of(lin)}, so its codes cannot be kept as {want} (--down-bits source)")
+            f"{name}: stored as {_quant_of(lin)}, so its codes cannot be kept as {want} (--down-bits source)"
+        )
     return {"weight": transpose_codes(w, quant["bits"])}, {"scales": scales.T, "biases": biases.T}
 
 
@@ -205,8 +213,7 @@ def adapter_for(config: dict) -> FFNAdapter:
     model_type = config.get("model_type")
     if model_type not in ADAPTERS:
         raise UnsupportedArchitectureError(
-            f"architecture {model_type!r} is not supported by mlx_flash "
-            f"(supported: {', '.join(sorted(ADAPTERS))})"
+            f"architecture {model_type!r} is not supported by mlx_flash (supported: {', '.join(sorted(ADAPTERS))})"
         )
     if model_type == "opt" and config.get("activation_function", "relu") != "relu":
         raise UnsupportedArchitectureError(f"OPT with activation {config['activation_function']!r} is not supported")

@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-
 from mlx_lm.models.base import (
     BaseModelArgs,
     create_attention_mask,
@@ -63,15 +62,12 @@ class ModelArgs(BaseModelArgs):
             )
         if self.activation_function not in _ACTIVATIONS:
             raise ValueError(
-                f"Unsupported OPT activation_function {self.activation_function!r}; "
-                f"supported: {sorted(_ACTIVATIONS)}"
+                f"Unsupported OPT activation_function {self.activation_function!r}; supported: {sorted(_ACTIVATIONS)}"
             )
 
 
 def _layer_norm(args: ModelArgs) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        args.hidden_size, eps=1e-5, affine=args.layer_norm_elementwise_affine
-    )
+    return nn.LayerNorm(args.hidden_size, eps=1e-5, affine=args.layer_norm_elementwise_affine)
 
 
 class Attention(nn.Module):
@@ -102,9 +98,7 @@ class Attention(nn.Module):
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
 
-        output = scaled_dot_product_attention(
-            queries, keys, values, cache=cache, scale=self.scale, mask=mask
-        )
+        output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.out_proj(output)
 
@@ -170,16 +164,10 @@ class OPTDecoder(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.word_embed_proj_dim)
-        self.embed_positions = nn.Embedding(
-            args.max_position_embeddings + POSITION_OFFSET, args.hidden_size
-        )
+        self.embed_positions = nn.Embedding(args.max_position_embeddings + POSITION_OFFSET, args.hidden_size)
         if args.word_embed_proj_dim != args.hidden_size:
-            self.project_in = nn.Linear(
-                args.word_embed_proj_dim, args.hidden_size, bias=False
-            )
-            self.project_out = nn.Linear(
-                args.hidden_size, args.word_embed_proj_dim, bias=False
-            )
+            self.project_in = nn.Linear(args.word_embed_proj_dim, args.hidden_size, bias=False)
+            self.project_out = nn.Linear(args.hidden_size, args.word_embed_proj_dim, bias=False)
         else:
             self.project_in = None
             self.project_out = None
@@ -235,9 +223,7 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.model = OPTModel(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(
-                args.word_embed_proj_dim, args.vocab_size, bias=False
-            )
+            self.lm_head = nn.Linear(args.word_embed_proj_dim, args.vocab_size, bias=False)
 
     def __call__(
         self,

@@ -105,43 +105,91 @@ _CONFIGS = {
     # mixture-of-experts (experts written stacked, as mlx-lm's sanitize leaves them)
     "qwen3_moe": {
         "architectures": ["Qwen3MoeForCausalLM"],
-        "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
     "qwen2_moe": {
         "architectures": ["Qwen2MoeForCausalLM"],
-        "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
-        "num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
     },
     "mixtral": {
         "architectures": ["MixtralForCausalLM"],
-        "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
     },
     "olmoe": {
         "architectures": ["OlmoeForCausalLM"],
-        "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 4,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
     },
     # many small experts, a shared one, group-limited sigmoid routing, MLA attention, a dense first layer
     "deepseek_v3": {
         "architectures": ["DeepseekV3ForCausalLM"],
-        "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
-        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 2, "topk_group": 1,
-        "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
-        "num_key_value_heads": 4, "num_hidden_layers": 3, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 3,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
     # experts with biases and a clamped SwiGLU; attention sinks, sliding and full layers
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],
-        "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 2,
-        "head_dim": 16, "sliding_window": 8, "rms_norm_eps": 1e-5, "rope_theta": 150000,
-        "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
+        "intermediate_size": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "tie_word_embeddings": False,
         "max_position_embeddings": 131072,  # (transformers checks it against its default YaRN factor)
     },
     "opt": {
@@ -207,11 +255,7 @@ def _to_hf_names(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.arr
 
 def bytes_to_unicode() -> Dict[int, str]:
     """GPT-2's byte -> printable unicode character map (ByteLevel's alphabet)."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -240,9 +284,7 @@ def save_tiny_tokenizer(out_dir: Union[str, Path], vocab_size: int = 256) -> Non
     fast.save_pretrained(str(out_dir))
 
 
-def make_tiny_model_dir(
-    arch: str, out_dir: Union[str, Path], seed: int = 0, **overrides
-) -> Path:
+def make_tiny_model_dir(arch: str, out_dir: Union[str, Path], seed: int = 0, **overrides) -> Path:
     """Write a tiny random model of `arch` (one of TINY_ARCHS) into `out_dir`.
 
     `overrides` replace config.json entries (e.g. `num_hidden_layers=3`,
@@ -260,8 +302,6 @@ def make_tiny_model_dir(
 
     with open(out_dir / "config.json", "w") as f:
         json.dump(config, f, indent=2)
-    mx.save_safetensors(
-        str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"}
-    )
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     save_tiny_tokenizer(out_dir, vocab_size=config["vocab_size"])
     return out_dir

@@ -41,7 +41,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 <<
 def parse_size(s: str) -> int:
     s = s.strip().lower()
     num = s.rstrip("kmgib")
-    return int(float(num) * _UNITS[s[len(num):]])
+    return int(float(num) * _UNITS[s[len(num) :]])
 
 
 def fmt_size(n: int) -> str:
@@ -54,28 +54,49 @@ def fmt_size(n: int) -> str:
 def setup_arg_parser():
     """Set up and return the argument parser."""
     parser = argparse.ArgumentParser(description="Benchmark the mlx_flash I/O engine against fio")
-    parser.add_argument("--dir", type=str, default=None,
-                        help="Directory for the test file (default: a temporary directory under the cwd; "
-                             "must be on the disk to measure, not tmpfs)")
+    parser.add_argument(
+        "--dir",
+        type=str,
+        default=None,
+        help="Directory for the test file (default: a temporary directory under the cwd; "
+        "must be on the disk to measure, not tmpfs)",
+    )
     parser.add_argument("--size-gib", type=float, default=4.0, help="Test file size in GiB (default: 4)")
     parser.add_argument("--keep", action="store_true", help="Keep the test file (and reuse it next time)")
-    parser.add_argument("--block-sizes", type=str, default="4k,16k,32k,64k,128k,1m",
-                        help="Comma-separated read sizes (default: 4k,16k,32k,64k,128k,1m)")
-    parser.add_argument("--threads", type=str, default="1,2,4,8,16,32",
-                        help="Comma-separated thread counts (default: 1,2,4,8,16,32)")
+    parser.add_argument(
+        "--block-sizes",
+        type=str,
+        default="4k,16k,32k,64k,128k,1m",
+        help="Comma-separated read sizes (default: 4k,16k,32k,64k,128k,1m)",
+    )
+    parser.add_argument(
+        "--threads", type=str, default="1,2,4,8,16,32", help="Comma-separated thread counts (default: 1,2,4,8,16,32)"
+    )
     parser.add_argument("--seconds", type=float, default=1.5, help="Run time of each point (default: 1.5)")
     parser.add_argument("--repeats", "-n", type=int, default=5, help="Repeats of each point (default: 5)")
-    parser.add_argument("--inflight", type=int, default=2,
-                        help="Batches queued at once by the native pool (default: 2; 1 = synchronous read())")
+    parser.add_argument(
+        "--inflight",
+        type=int,
+        default=2,
+        help="Batches queued at once by the native pool (default: 2; 1 = synchronous read())",
+    )
     parser.add_argument("--no-fio", action="store_true", help="Skip fio (native pool only)")
-    parser.add_argument("--python-fallback", action="store_true",
-                        help="Also measure the pure-Python fallback reader")
-    parser.add_argument("--bundle-sizes", type=str, default="4k,16k,32k",
-                        help="Bundle sizes for the coalescing test (default: 4k,16k,32k)")
-    parser.add_argument("--adjacent", type=int, default=16,
-                        help="Adjacent bundles per group in the coalescing test (default: 16)")
-    parser.add_argument("--coalesce-threads", type=int, default=None,
-                        help="Threads for the coalescing test (default: the recommended count)")
+    parser.add_argument("--python-fallback", action="store_true", help="Also measure the pure-Python fallback reader")
+    parser.add_argument(
+        "--bundle-sizes",
+        type=str,
+        default="4k,16k,32k",
+        help="Bundle sizes for the coalescing test (default: 4k,16k,32k)",
+    )
+    parser.add_argument(
+        "--adjacent", type=int, default=16, help="Adjacent bundles per group in the coalescing test (default: 16)"
+    )
+    parser.add_argument(
+        "--coalesce-threads",
+        type=int,
+        default=None,
+        help="Threads for the coalescing test (default: the recommended count)",
+    )
     parser.add_argument("--json", type=str, default=None, help="Write all results to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="Random seed")
     return parser
@@ -95,10 +116,16 @@ def _run(cmd):
 def machine_info(path: str) -> dict:
     import mlx.core as mx
 
-
-    info = {"python": platform.python_version(), "numpy": np.__version__, "mlx": mx.__version__,
-            "kernel": platform.release(), "platform": platform.platform(), "cores": os.cpu_count(),
-            "blas": blas.status, "cpu_matvecs": dict(cpu_gemv.info(), on=cpu_gemv.available())}
+    info = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "mlx": mx.__version__,
+        "kernel": platform.release(),
+        "platform": platform.platform(),
+        "cores": os.cpu_count(),
+        "blas": blas.status,
+        "cpu_matvecs": dict(cpu_gemv.info(), on=cpu_gemv.available()),
+    }
     for line in _run(["lscpu"]).splitlines():
         if line.startswith("Model name:"):
             info["cpu"] = line.split(":", 1)[1].strip()
@@ -116,14 +143,18 @@ def machine_info(path: str) -> dict:
         name = os.path.basename(dev)
         q = f"/sys/block/{name}/queue"
         if os.path.isdir(q):
+
             def rd(k):
                 try:
                     with open(os.path.join(q, k)) as f:
                         return f.read().strip()
                 except OSError:
                     return "?"
-            info["disk"] = (f"{name}: rotational={rd('rotational')} logical_block={rd('logical_block_size')} "
-                            f"scheduler={rd('scheduler')} max_sectors_kb={rd('max_sectors_kb')}")
+
+            info["disk"] = (
+                f"{name}: rotational={rd('rotational')} logical_block={rd('logical_block_size')} "
+                f"scheduler={rd('scheduler')} max_sectors_kb={rd('max_sectors_kb')}"
+            )
     return info
 
 
@@ -138,7 +169,9 @@ def make_test_file(path: str, nbytes: int, progress: bool = True) -> None:
     rng = np.random.default_rng(1234)
     block = rng.integers(0, 256, size=chunk, dtype=np.uint8)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    bar = tqdm(total=nbytes, unit="B", unit_scale=True, desc="writing test file", disable=not progress) if tqdm else None
+    bar = (
+        tqdm(total=nbytes, unit="B", unit_scale=True, desc="writing test file", disable=not progress) if tqdm else None
+    )
     try:
         done = 0
         while done < nbytes:
@@ -161,8 +194,9 @@ def make_test_file(path: str, nbytes: int, progress: bool = True) -> None:
 # Measurements
 
 
-def run_native(reader, file_size: int, bs: int, seconds: float, rng, per_thread: int = 64, inflight: int = 2,
-               dest_bytes: int = 0):
+def run_native(
+    reader, file_size: int, bs: int, seconds: float, rng, per_thread: int = 64, inflight: int = 2, dest_bytes: int = 0
+):
     """Random aligned reads of `bs` bytes for `seconds`: (GiB/s, IOPS). Batches of
     threads * per_thread reads, `inflight` batches queued at once (submit/wait), so the
     workers never wait for the Python thread between batches, as fio's jobs never do.
@@ -200,9 +234,21 @@ def run_native(reader, file_size: int, bs: int, seconds: float, rng, per_thread:
 
 def run_fio(path: str, file_size: int, bs: int, threads: int, seconds: float):
     """fio, invoked as in shared/tools/disk-limit: (GiB/s, IOPS)."""
-    cmd = ["fio", "--name=r", f"--filename={path}", f"--size={file_size}", "--rw=randread", f"--bs={bs}",
-           "--direct=1", "--ioengine=psync", f"--numjobs={threads}", "--time_based", f"--runtime={seconds}s",
-           "--group_reporting", "--output-format=json"]
+    cmd = [
+        "fio",
+        "--name=r",
+        f"--filename={path}",
+        f"--size={file_size}",
+        "--rw=randread",
+        f"--bs={bs}",
+        "--direct=1",
+        "--ioengine=psync",
+        f"--numjobs={threads}",
+        "--time_based",
+        f"--runtime={seconds}s",
+        "--group_reporting",
+        "--output-format=json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"fio failed: {out.stderr.strip()}")
@@ -248,8 +294,10 @@ def coalescing_test(path, file_size, bundle, adjacent, threads, seconds, repeats
                 st = r.stats()
                 runs[name].append((n * bundle / dt / 2**30, st["requests"] / max(1, st["reads"])))
         for name, v in runs.items():
-            results[name] = {"gib_s": statistics.median(x[0] for x in v),
-                             "requests_per_read": statistics.median(x[1] for x in v)}
+            results[name] = {
+                "gib_s": statistics.median(x[0] for x in v),
+                "requests_per_read": statistics.median(x[1] for x in v),
+            }
     return results
 
 
@@ -271,12 +319,18 @@ def main():
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, "bench_io.bin")
     file_size = int(args.size_gib * 2**30) // (1 << 20) * (1 << 20)
-    results = {"command": " ".join(["python -m mlx_flash.tools.bench_io"] + sys.argv[1:]), "machine": machine_info(d),
-               "file_size": file_size, "points": [], "seconds": args.seconds, "repeats": args.repeats, "inflight": args.inflight}
+    results = {
+        "command": " ".join(["python -m mlx_flash.tools.bench_io"] + sys.argv[1:]),
+        "machine": machine_info(d),
+        "file_size": file_size,
+        "points": [],
+        "seconds": args.seconds,
+        "repeats": args.repeats,
+        "inflight": args.inflight,
+    }
     try:
         make_test_file(path, file_size)
-        engines = (["native", "spread"] + (["python"] if args.python_fallback else [])
-                   + (["fio"] if use_fio else []))
+        engines = ["native", "spread"] + (["python"] if args.python_fallback else []) + (["fio"] if use_fio else [])
         total = len(sizes) * len(thread_counts) * args.repeats * len(engines)
         bar = tqdm(total=total, desc="random reads") if tqdm else None
         for bs in sizes:
@@ -294,21 +348,33 @@ def main():
                         if e == "fio":
                             samples[e].append(run_fio(path, file_size, bs, t, args.seconds))
                         else:
-                            samples[e].append(run_native(readers[e], file_size, bs, args.seconds, rng,
-                                                         inflight=args.inflight,
-                                                         dest_bytes=(64 << 20) if e == "spread" else 0))
+                            samples[e].append(
+                                run_native(
+                                    readers[e],
+                                    file_size,
+                                    bs,
+                                    args.seconds,
+                                    rng,
+                                    inflight=args.inflight,
+                                    dest_bytes=(64 << 20) if e == "spread" else 0,
+                                )
+                            )
                         if bar:
                             bar.update(1)
                 for r in set(readers.values()):
                     r.close()
                 point = {"block": bs, "threads": t}
                 for e, v in samples.items():
-                    point[e] = {"gib_s": statistics.median(x[0] for x in v), "iops": statistics.median(x[1] for x in v),
-                                "samples_gib_s": [round(x[0], 4) for x in v]}
+                    point[e] = {
+                        "gib_s": statistics.median(x[0] for x in v),
+                        "iops": statistics.median(x[1] for x in v),
+                        "samples_gib_s": [round(x[0], 4) for x in v],
+                    }
                 if use_fio:
                     for e in engines[:-1]:
                         point[f"{e}_vs_fio"] = statistics.median(
-                            a[0] / b[0] for a, b in zip(samples[e], samples["fio"]))
+                            a[0] / b[0] for a, b in zip(samples[e], samples["fio"])
+                        )
                     point["ratio"] = point["native_vs_fio"]
                     # the median of per-repeat ratios and the ratio of medians both, honestly
                     point["ratio_of_medians"] = point["native"]["gib_s"] / point["fio"]["gib_s"]
@@ -365,13 +431,19 @@ def main():
 def print_report(res, use_fio, with_python):
     m = res["machine"]
     print(f"\n{res['command']}")
-    print(f"machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB RAM; {m.get('filesystem')}; "
-          f"{m.get('disk', '')}")
-    print(f"versions: python {m['python']}, mlx {m['mlx']}, numpy {m['numpy']}, {m.get('fio') or 'no fio'}, "
-          f"kernel {m['kernel']}")
-    print(f"file {res['file_size'] / 2**30:.1f} GiB, random aligned O_DIRECT reads, {res['seconds']} s x "
-          f"{res['repeats']} repeats per point, medians; native: batches of threads x 64 reads, "
-          f"{res['inflight']} in flight\n")
+    print(
+        f"machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB RAM; {m.get('filesystem')}; "
+        f"{m.get('disk', '')}"
+    )
+    print(
+        f"versions: python {m['python']}, mlx {m['mlx']}, numpy {m['numpy']}, {m.get('fio') or 'no fio'}, "
+        f"kernel {m['kernel']}"
+    )
+    print(
+        f"file {res['file_size'] / 2**30:.1f} GiB, random aligned O_DIRECT reads, {res['seconds']} s x "
+        f"{res['repeats']} repeats per point, medians; native: batches of threads x 64 reads, "
+        f"{res['inflight']} in flight\n"
+    )
     hdr = f"| {'block':>5} | {'threads':>7} | {'native GiB/s':>12} | {'native IOPS':>11} | {'spread GiB/s':>12} |"
     if with_python:
         hdr += f" {'python GiB/s':>12} |"
@@ -380,25 +452,35 @@ def print_report(res, use_fio, with_python):
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
     for p in res["points"]:
-        row = (f"| {fmt_size(p['block']):>5} | {p['threads']:>7} | {p['native']['gib_s']:>12.3f} | "
-               f"{p['native']['iops']:>11.0f} | {p['spread']['gib_s']:>12.3f} |")
+        row = (
+            f"| {fmt_size(p['block']):>5} | {p['threads']:>7} | {p['native']['gib_s']:>12.3f} | "
+            f"{p['native']['iops']:>11.0f} | {p['spread']['gib_s']:>12.3f} |"
+        )
         if with_python:
             row += f" {p['python']['gib_s']:>12.3f} |"
         if use_fio:
-            row += (f" {p['fio']['gib_s']:>9.3f} | {p['fio']['iops']:>8.0f} | {p['native_vs_fio'] * 100:>9.0f}% |"
-                    f" {p['spread_vs_fio'] * 100:>9.0f}% |")
+            row += (
+                f" {p['fio']['gib_s']:>9.3f} | {p['fio']['iops']:>8.0f} | {p['native_vs_fio'] * 100:>9.0f}% |"
+                f" {p['spread_vs_fio'] * 100:>9.0f}% |"
+            )
         print(row)
-    print("native: reads cycle through 2 x threads block-sized buffers (as fio's jobs reuse one buffer); "
-          "spread: through a 64 MiB buffer (as a neuron cache); x/fio: median of per-repeat ratios")
+    print(
+        "native: reads cycle through 2 x threads block-sized buffers (as fio's jobs reuse one buffer); "
+        "spread: through a 64 MiB buffer (as a neuron cache); x/fio: median of per-repeat ratios"
+    )
     print(f"\nbest threads per size: {res['best_threads']}")
-    print("thread score (geo-mean of GiB/s relative to the best at each size): "
-          + ", ".join(f"{t}: {s:.2f}" for t, s in res["thread_score"].items()))
+    print(
+        "thread score (geo-mean of GiB/s relative to the best at each size): "
+        + ", ".join(f"{t}: {s:.2f}" for t, s in res["thread_score"].items())
+    )
     print(f"recommended threads: {res['recommended_threads']} (current default {DEFAULT_THREADS})")
     print(f"max_gap_bytes from the cost curve at {res['recommended_threads']} threads: {res['max_gap_bytes']}")
     co = res["coalescing"]
     print(f"\ncoalescing: 64 groups of {co['adjacent']} bundles per batch, {co['threads']} threads, useful GiB/s")
-    print(f"| {'bundle':>6} | {'adjacent separate':>17} | {'adjacent coalesced':>18} | {'gain':>5} | "
-          f"{'holes separate':>14} | {'holes gap-filled':>16} | {'gain':>5} |")
+    print(
+        f"| {'bundle':>6} | {'adjacent separate':>17} | {'adjacent coalesced':>18} | {'gain':>5} | "
+        f"{'holes separate':>14} | {'holes gap-filled':>16} | {'gain':>5} |"
+    )
     print("|--------|-------------------|--------------------|-------|----------------|------------------|-------|")
     for b, r in co["results"].items():
         a, c = r["adjacent separate"]["gib_s"], r["adjacent coalesced"]["gib_s"]

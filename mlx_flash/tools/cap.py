@@ -57,12 +57,13 @@ class CapResult:
         return self.returncode == 0 and not self.oom_killed and not self.timed_out
 
     def summary(self) -> str:
-        status = ("OOM-killed" if self.oom_killed else "timed out" if self.timed_out
-                  else f"exit {self.returncode}")
-        return (f"{status} under {fmt_bytes(self.limit) if self.limit else 'no cap'} ({self.backend}): "
-                f"wall {self.wall_s:.1f} s, peak RSS {fmt_bytes(self.max_rss)}, "
-                + (f"cgroup peak {fmt_bytes(self.cgroup_peak)}, " if self.cgroup_peak is not None else "")
-                + f"read {fmt_bytes(self.read_bytes)} from the device, {self.major_faults} major faults")
+        status = "OOM-killed" if self.oom_killed else "timed out" if self.timed_out else f"exit {self.returncode}"
+        return (
+            f"{status} under {fmt_bytes(self.limit) if self.limit else 'no cap'} ({self.backend}): "
+            f"wall {self.wall_s:.1f} s, peak RSS {fmt_bytes(self.max_rss)}, "
+            + (f"cgroup peak {fmt_bytes(self.cgroup_peak)}, " if self.cgroup_peak is not None else "")
+            + f"read {fmt_bytes(self.read_bytes)} from the device, {self.major_faults} major faults"
+        )
 
 
 def drop_page_cache(paths: Sequence) -> None:
@@ -114,8 +115,9 @@ class _Cgroup:
                     _write(self.path / "memory.memsw.limit_in_bytes", limit)
             else:
                 if not (self.path / "memory.max").exists():
-                    raise CapError(f"{parent}: the memory controller is not enabled for child cgroups "
-                                   "(cgroup.subtree_control)")
+                    raise CapError(
+                        f"{parent}: the memory controller is not enabled for child cgroups (cgroup.subtree_control)"
+                    )
                 _write(self.path / "memory.max", limit)
                 if (self.path / "memory.swap.max").exists():
                     _write(self.path / "memory.swap.max", 0)
@@ -167,15 +169,17 @@ class _Cgroup:
 
 def _systemd_run_works() -> bool:
     try:
-        r = subprocess.run(["systemd-run", "--scope", "--quiet", "-p", "MemoryMax=1G", "true"],
-                           capture_output=True, timeout=30)
+        r = subprocess.run(
+            ["systemd-run", "--scope", "--quiet", "-p", "MemoryMax=1G", "true"], capture_output=True, timeout=30
+        )
         return r.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
-def run_capped(cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Optional[float] = None,
-               env=None, cwd=None, stdin=None) -> CapResult:
+def run_capped(
+    cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Optional[float] = None, env=None, cwd=None, stdin=None
+) -> CapResult:
     """Run `cmd` under a hard memory cap of `limit` (bytes or "2.5GiB"; None: no cap, rusage only).
 
     `drop`: files or directories evicted from the page cache first. Output is captured.
@@ -193,13 +197,30 @@ def run_capped(cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Opt
             if not _systemd_run_works():
                 raise CapError(f"{first}; systemd-run --scope does not work here either") from first
             backend = "systemd-run"
-            argv = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={limit}", "-p", "MemorySwapMax=0",
-                    "--", *cmd]
+            argv = [
+                "systemd-run",
+                "--scope",
+                "--quiet",
+                "-p",
+                f"MemoryMax={limit}",
+                "-p",
+                "MemorySwapMax=0",
+                "--",
+                *cmd,
+            ]
     try:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             t0 = time.perf_counter()
-            p = subprocess.Popen(argv, stdout=out, stderr=err, stdin=stdin or subprocess.DEVNULL, env=env, cwd=cwd,
-                                 preexec_fn=cgroup.enter if cgroup else None, start_new_session=True)
+            p = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=err,
+                stdin=stdin or subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                preexec_fn=cgroup.enter if cgroup else None,
+                start_new_session=True,
+            )
             timed_out = False
             deadline = None if timeout is None else t0 + timeout
             try:
@@ -231,17 +252,32 @@ def run_capped(cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Opt
             oom = cgroup.oom_kills() > 0 or (p.returncode == -signal.SIGKILL and cgroup.hit_limit() and not timed_out)
         elif backend == "systemd-run":
             oom = p.returncode == -signal.SIGKILL or "oom" in stderr.lower()
-        return CapResult(cmd, limit, backend, p.returncode, oom, peak, ru.ru_maxrss * 1024, ru.ru_majflt,
-                         ru.ru_inblock * 512, wall, timed_out, stdout, stderr)
+        return CapResult(
+            cmd,
+            limit,
+            backend,
+            p.returncode,
+            oom,
+            peak,
+            ru.ru_maxrss * 1024,
+            ru.ru_majflt,
+            ru.ru_inblock * 512,
+            wall,
+            timed_out,
+            stdout,
+            stderr,
+        )
     finally:
         if cgroup is not None:
             cgroup.remove()
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(description="Run a command under a hard memory cap (a memory cgroup) and report "
-                                "exit, OOM kill, peak memory and bytes read.",
-                                usage="python -m mlx_flash.tools.cap --limit 2.5GiB [--drop FILE ...] -- CMD ...")
+    p = argparse.ArgumentParser(
+        description="Run a command under a hard memory cap (a memory cgroup) and report "
+        "exit, OOM kill, peak memory and bytes read.",
+        usage="python -m mlx_flash.tools.cap --limit 2.5GiB [--drop FILE ...] -- CMD ...",
+    )
     p.add_argument("--limit", required=True, help="Hard memory cap: bytes, 2.5GiB, 512MB ('none': no cap).")
     p.add_argument("--drop", nargs="*", default=[], help="Files or directories to evict from the page cache first.")
     p.add_argument("--timeout", type=float, default=None, help="Kill the command after this many seconds.")

@@ -78,8 +78,12 @@ def split_hit_rate(hits, misses, capacity: int) -> dict:
     def rate(h, m):
         return float(h.sum() / (h.sum() + m.sum())) if h.sum() + m.sum() else None
 
-    return {"hit_rate": rate(hits, misses), "cold": rate(hits[:fill], misses[:fill]),
-            "steady": rate(hits[fill:], misses[fill:]), "filled_at_token": fill if filled.size else None}
+    return {
+        "hit_rate": rate(hits, misses),
+        "cold": rate(hits[:fill], misses[:fill]),
+        "steady": rate(hits[fill:], misses[fill:]),
+        "filled_at_token": fill if filled.size else None,
+    }
 
 
 def engine_hit_rates(engine) -> dict:
@@ -90,8 +94,13 @@ def engine_hit_rates(engine) -> dict:
     prompt = [t for t in engine.stats.tokens if t.prefill]
     toks = engine.stats.decode_tokens()
     r = split_hit_rate([t.hits for t in toks], [t.misses for t in toks], capacity - sum(t.misses for t in prompt))
-    return {"hit_rate": r["hit_rate"], "hit_rate_cold": r["cold"], "hit_rate_steady": r["steady"],
-            "cache_filled_at": r["filled_at_token"], "cache_units": capacity}
+    return {
+        "hit_rate": r["hit_rate"],
+        "hit_rate_cold": r["cold"],
+        "hit_rate_steady": r["steady"],
+        "cache_filled_at": r["filled_at_token"],
+        "cache_units": capacity,
+    }
 
 
 def routing_stats(trace: np.ndarray, n_experts: int, slots=(0.25, 0.5)) -> dict:
@@ -102,15 +111,26 @@ def routing_stats(trace: np.ndarray, n_experts: int, slots=(0.25, 0.5)) -> dict:
     share = counts / counts.sum(axis=1, keepdims=True)
     top = np.sort(share, axis=1)[:, ::-1]
     entropy = -np.sum(np.where(share > 0, share * np.log(np.maximum(share, 1e-30)), 0), axis=1) / np.log(n_experts)
-    reuse = [len(np.intersect1d(trace[t, layer], trace[t - 1, layer])) / k
-             for t in range(1, tokens) for layer in range(layers)]
-    return {"tokens": tokens, "layers": layers, "experts": n_experts, "k": k,
-            "max_share_over_uniform": float(np.mean(top[:, 0] * n_experts)),
-            "top_quarter_share": float(np.mean(top[:, : max(1, n_experts // 4)].sum(axis=1))),
-            "entropy": float(np.mean(entropy)), "consecutive_reuse": float(np.mean(reuse)) if reuse else None,
-            "uniform_reuse": k / n_experts,
-            "lru": {f"{s:g}": dict(lru_hit_rates(trace, max(1, round(s * n_experts))), slots=max(1, round(s * n_experts)))
-                    for s in slots}}
+    reuse = [
+        len(np.intersect1d(trace[t, layer], trace[t - 1, layer])) / k
+        for t in range(1, tokens)
+        for layer in range(layers)
+    ]
+    return {
+        "tokens": tokens,
+        "layers": layers,
+        "experts": n_experts,
+        "k": k,
+        "max_share_over_uniform": float(np.mean(top[:, 0] * n_experts)),
+        "top_quarter_share": float(np.mean(top[:, : max(1, n_experts // 4)].sum(axis=1))),
+        "entropy": float(np.mean(entropy)),
+        "consecutive_reuse": float(np.mean(reuse)) if reuse else None,
+        "uniform_reuse": k / n_experts,
+        "lru": {
+            f"{s:g}": dict(lru_hit_rates(trace, max(1, round(s * n_experts))), slots=max(1, round(s * n_experts)))
+            for s in slots
+        },
+    }
 
 
 def regime_of(fd) -> str:
@@ -119,12 +139,17 @@ def regime_of(fd) -> str:
 
 
 def describe(stats: dict) -> str:
-    lru = "; ".join(f"LRU {v['slots']}/{stats['experts']} slots: hit {v['hit_rate']:.1%} (cold {v['cold']:.1%}, steady "
-                    + (f"{v['steady']:.1%})" if v["steady"] is not None else "-)") for v in stats["lru"].values())
-    return (f"{stats['tokens']} random tokens, {stats['layers']} MoE layers, top-{stats['k']} of {stats['experts']}: "
-            f"consecutive reuse {stats['consecutive_reuse']:.1%} (uniform {stats['uniform_reuse']:.1%}), most used "
-            f"expert {stats['max_share_over_uniform']:.2f}x uniform, top quarter {stats['top_quarter_share']:.1%} of "
-            f"choices, entropy {stats['entropy']:.3f}; {lru}")
+    lru = "; ".join(
+        f"LRU {v['slots']}/{stats['experts']} slots: hit {v['hit_rate']:.1%} (cold {v['cold']:.1%}, steady "
+        + (f"{v['steady']:.1%})" if v["steady"] is not None else "-)")
+        for v in stats["lru"].values()
+    )
+    return (
+        f"{stats['tokens']} random tokens, {stats['layers']} MoE layers, top-{stats['k']} of {stats['experts']}: "
+        f"consecutive reuse {stats['consecutive_reuse']:.1%} (uniform {stats['uniform_reuse']:.1%}), most used "
+        f"expert {stats['max_share_over_uniform']:.2f}x uniform, top quarter {stats['top_quarter_share']:.1%} of "
+        f"choices, entropy {stats['entropy']:.3f}; {lru}"
+    )
 
 
 def main(argv=None):
@@ -136,8 +161,11 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     fd = FlashDir(a.model)
-    stats = routing_stats(record(a.model, a.tokens, memory_budget=a.memory_budget), fd.ffn["n_experts"],
-                          [float(s) for s in a.slots.split(",")])
+    stats = routing_stats(
+        record(a.model, a.tokens, memory_budget=a.memory_budget),
+        fd.ffn["n_experts"],
+        [float(s) for s in a.slots.split(",")],
+    )
     stats["regime"] = regime_of(fd)
     print(f"{a.model} ({stats['regime']} routing): {describe(stats)}")
     if a.json:

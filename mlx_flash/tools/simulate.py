@@ -30,21 +30,28 @@ from pathlib import Path
 
 import numpy as np
 
-from ..calib.trace import Trace, as_mapped
-from ..calib.trace import default_trace
+from ..calib.trace import Trace, as_mapped, default_trace
 
 MIB = 1 << 20
 
 # flash GB/s vs request bytes (random reads at the thread count the runtime uses), DRAM GB/s,
 # per-layer overhead ms, memory GiB
 MACHINES = {
-    "m1-max": {"flash": {4096: 1.0, 16384: 2.5, 32768: 3.5, 65536: 4.5, 262144: 5.5, MIB: 6.0},
-               "dram_gbps": 200.0, "layer_ms": 0.05, "memory_gib": 64,
-               "note": "assumed: ~6 GB/s sequential flash, random-read curve shaped as the paper's Fig. 2; "
-                       "DRAM 200 GB/s effective (of 400)"},
-    "phone": {"flash": {4096: 0.12, 16384: 0.35, 32768: 0.5, 65536: 0.7, 262144: 0.9, MIB: 1.0},
-              "dram_gbps": 30.0, "layer_ms": 0.2, "memory_gib": 8,
-              "note": "assumed: UFS-class flash ~1 GB/s sequential, DRAM 30 GB/s effective"},
+    "m1-max": {
+        "flash": {4096: 1.0, 16384: 2.5, 32768: 3.5, 65536: 4.5, 262144: 5.5, MIB: 6.0},
+        "dram_gbps": 200.0,
+        "layer_ms": 0.05,
+        "memory_gib": 64,
+        "note": "assumed: ~6 GB/s sequential flash, random-read curve shaped as the paper's Fig. 2; "
+        "DRAM 200 GB/s effective (of 400)",
+    },
+    "phone": {
+        "flash": {4096: 0.12, 16384: 0.35, 32768: 0.5, 65536: 0.7, 262144: 0.9, MIB: 1.0},
+        "dram_gbps": 30.0,
+        "layer_ms": 0.2,
+        "memory_gib": 8,
+        "note": "assumed: UFS-class flash ~1 GB/s sequential, DRAM 30 GB/s effective",
+    },
 }
 THIS_LAYER_MS = 0.6  # per-layer runtime overhead on the project machine (CPU MLX, Python), see BENCHMARKS.md
 
@@ -63,8 +70,12 @@ def this_machine(bench: dict) -> dict:
             pts[int(r["mean_request_bytes"])] = r["disk_gbps"]
     dense = bench["configs"].get("mlx-lm", {})
     dram = bench["model_bytes"] / (dense["total_ms"] / 1e3) / 1e9 if dense.get("total_ms") else 10.0
-    return {"flash": pts or {4096: 0.1, MIB: 1.0}, "dram_gbps": dram, "layer_ms": THIS_LAYER_MS,
-            "note": "measured in the bench run: disk GB/s at the configurations' request sizes; DRAM from mlx-lm"}
+    return {
+        "flash": pts or {4096: 0.1, MIB: 1.0},
+        "dram_gbps": dram,
+        "layer_ms": THIS_LAYER_MS,
+        "note": "measured in the bench run: disk GB/s at the configurations' request sizes; DRAM from mlx-lm",
+    }
 
 
 def coalesce(ids: np.ndarray, stride: int, max_gap: int) -> tuple:
@@ -152,9 +163,15 @@ def simulate_config(name: str, r: dict, bench: dict, trace, machine: dict, token
     dram_s = dram_bytes / (machine["dram_gbps"] * 1e9) + layers * machine["layer_ms"] / 1e3
     io_ms = io_s / tokens * 1e3
     ms = io_ms + dram_s * 1e3
-    return {"io_ms": io_ms, "dram_ms": dram_s * 1e3, "total_ms": ms, "tokens_per_s": 1e3 / ms,
-            "bytes_per_token": useful / tokens, "bytes_read_per_token": total_bytes / tokens,
-            "mean_request_bytes": total_bytes / max(1, total_req)}
+    return {
+        "io_ms": io_ms,
+        "dram_ms": dram_s * 1e3,
+        "total_ms": ms,
+        "tokens_per_s": 1e3 / ms,
+        "bytes_per_token": useful / tokens,
+        "bytes_read_per_token": total_bytes / tokens,
+        "mean_request_bytes": total_bytes / max(1, total_req),
+    }
 
 
 def simulate(bench: dict, trace, machines=("this", "m1-max", "phone"), tokens: int = None) -> dict:
@@ -174,9 +191,11 @@ def simulate(bench: dict, trace, machines=("this", "m1-max", "phone"), tokens: i
                 est["ratio"] = est["total_ms"] / r["total_ms"]
                 est["measured_bytes_per_token"] = r["bytes_per_token"]
             res[name] = est
-        out["machines"][m] = {"hardware": {k: v for k, v in hw.items() if k != "flash"},
-                              "flash_curve_gbps": {str(k): v for k, v in sorted(hw["flash"].items())},
-                              "configs": res}
+        out["machines"][m] = {
+            "hardware": {k: v for k, v in hw.items() if k != "flash"},
+            "flash_curve_gbps": {str(k): v for k, v in sorted(hw["flash"].items())},
+            "configs": res,
+        }
     return out
 
 
@@ -185,12 +204,16 @@ def table(sim: dict) -> str:
     for m, d in sim["machines"].items():
         hw = d["hardware"]
         lines.append(f"\n{m}: DRAM {hw['dram_gbps']:.1f} GB/s, {hw['layer_ms']} ms/layer overhead; {hw['note']}")
-        lines.append("| config | flash->DRAM / token | mean request | est. I/O ms | est. DRAM ms | est. ms/token | tokens/s |"
-                     + (" measured ms/token | est./measured |" if m == "this" else ""))
+        lines.append(
+            "| config | flash->DRAM / token | mean request | est. I/O ms | est. DRAM ms | est. ms/token | tokens/s |"
+            + (" measured ms/token | est./measured |" if m == "this" else "")
+        )
         lines.append("|---|---|---|---|---|---|---|" + ("---|---|" if m == "this" else ""))
         for name, e in d["configs"].items():
-            row = (f"| {name} | {e['bytes_per_token'] / MIB:.2f} MiB | {e['mean_request_bytes'] / 1024:.1f} KiB | "
-                   f"{e['io_ms']:.1f} | {e['dram_ms']:.1f} | {e['total_ms']:.1f} | {e['tokens_per_s']:.2f} |")
+            row = (
+                f"| {name} | {e['bytes_per_token'] / MIB:.2f} MiB | {e['mean_request_bytes'] / 1024:.1f} KiB | "
+                f"{e['io_ms']:.1f} | {e['dram_ms']:.1f} | {e['total_ms']:.1f} | {e['tokens_per_s']:.2f} |"
+            )
             if m == "this":
                 row += f" {e['measured_ms']:.1f} | {e['ratio']:.2f} |"
             lines.append(row)
@@ -211,8 +234,10 @@ def main(argv=None):
     else:
         trace = default_trace()[0]
     sim = simulate(bench, trace, [m for m in a.machines.split(",") if m])
-    print(f"simulated {sim['model']} at budget {sim['budget']}, {sim['tokens']} tokens (trace-driven; "
-          f"for a real model run with an oracle, the trace stands in for its active sets)")
+    print(
+        f"simulated {sim['model']} at budget {sim['budget']}, {sim['tokens']} tokens (trace-driven; "
+        f"for a real model run with an oracle, the trace stands in for its active sets)"
+    )
     print(table(sim))
     if a.json:
         Path(a.json).write_text(json.dumps(sim, indent=1))

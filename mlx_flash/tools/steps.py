@@ -28,8 +28,12 @@ import time
 TARGETS = {
     "mlx_flash": ("mlx_flash.generate", "mlx_flash.generate", ("generate_step", "speculative_generate_step"), 0),
     "mlx-lm": ("mlx_lm.generate", "mlx_lm.generate", ("generate_step", "speculative_generate_step"), 0),
-    "nunspark": ("nunspark.cli", "nunspark.generate", ("stream_generate", "ngram_speculative_generate",
-                                                      "speculative_generate", "eagle_speculative_generate"), 1),
+    "nunspark": (
+        "nunspark.cli",
+        "nunspark.generate",
+        ("stream_generate", "ngram_speculative_generate", "speculative_generate", "eagle_speculative_generate"),
+        1,
+    ),
 }
 
 
@@ -52,10 +56,13 @@ def timed(fn, arrivals: list, meta: dict, prompt_at: int, speculative: bool):
 
 def summary(arrivals, meta) -> dict:
     steps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    out = {"prompt_tokens": meta.get("prompt_tokens"), "steps": len(steps),
-           "tok_s": len(steps) / sum(steps) if steps and sum(steps) > 0 else None,
-           "step_ms_mean": 1e3 * statistics.mean(steps) if steps else None,
-           "step_ms_median": 1e3 * statistics.median(steps) if steps and not meta.get("speculative") else None}
+    out = {
+        "prompt_tokens": meta.get("prompt_tokens"),
+        "steps": len(steps),
+        "tok_s": len(steps) / sum(steps) if steps and sum(steps) > 0 else None,
+        "step_ms_mean": 1e3 * statistics.mean(steps) if steps else None,
+        "step_ms_median": 1e3 * statistics.median(steps) if steps and not meta.get("speculative") else None,
+    }
     out.update(meta.get("cache", {}))
     return out
 
@@ -68,7 +75,9 @@ def main(argv=None):
     gen_module = importlib.import_module(module)
     for name in names:
         if hasattr(gen_module, name):
-            setattr(gen_module, name, timed(getattr(gen_module, name), arrivals, meta, prompt_at, "speculative" in name))
+            setattr(
+                gen_module, name, timed(getattr(gen_module, name), arrivals, meta, prompt_at, "speculative" in name)
+            )
     cli = importlib.import_module(command)
     if system == "mlx_flash":  # its caches' hit rates, from the engine --stats prints
         printer = cli.print_stats

@@ -41,12 +41,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlx_flash  # noqa: F401
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-
-import mlx_flash  # noqa: F401
 
 from .. import __version__
 from ..default_model import cache_root
@@ -57,34 +57,98 @@ from ..models.tiny import save_tiny_tokenizer
 
 PRESETS = {
     # LLaMA-1/2 7B
-    "llama-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
+    "llama-7b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
     # Llama 3.2 1B
-    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                     tie_word_embeddings=True),
+    "llama-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
     # OPT 6.7B (the paper's ReLU model)
-    "opt-6.7b": dict(model_type="opt", hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
-                     num_attention_heads=32, vocab_size=50272, word_embed_proj_dim=4096,
-                     do_layer_norm_before=True, activation_function="relu", enable_bias=True,
-                     layer_norm_elementwise_affine=True, tie_word_embeddings=True),
+    "opt-6.7b": dict(
+        model_type="opt",
+        hidden_size=4096,
+        ffn_dim=16384,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        vocab_size=50272,
+        word_embed_proj_dim=4096,
+        do_layer_norm_before=True,
+        activation_function="relu",
+        enable_bias=True,
+        layer_norm_elementwise_affine=True,
+        tie_word_embeddings=True,
+    ),
     # Qwen3-30B-A3B (mixture of experts: 128 experts of width 768, 8 per token)
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
     # a small MoE for quick runs (the same structure, 8 layers of 64 experts of 512)
-    "moe-small": dict(model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
-                      num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=16,
-                      num_key_value_heads=4, head_dim=64, vocab_size=32000, tie_word_embeddings=False),
+    "moe-small": dict(
+        model_type="qwen3_moe",
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_experts=64,
+        num_experts_per_tok=8,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
     # tests only
-    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
-                 tie_word_embeddings=False),
+    "tiny": dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    ),
 }
-_COMMON = {"llama": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096),
-           "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, decoder_sparse_step=1,
-                             mlp_only_layers=[], norm_topk_prob=True),
-           "opt": dict(max_position_embeddings=2048)}
+_COMMON = {
+    "llama": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096),
+    "qwen3_moe": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
+    "opt": dict(max_position_embeddings=2048),
+}
 GROUP = 64
 ROUTINGS = ("own", "uniform", "skewed")
 QUIET = 1 / 16  # uniform, skewed: scale of every block's output projection
@@ -157,8 +221,10 @@ def _ffn_regions(config, storage, rng):
         info[name] = {"quantization": q, "transposed": name in ("down", "fc2"), "region": "neurons"}
     bias = {}
     if config["model_type"] == "opt":
-        bias = {"fc1.bias": mx.array((rng.standard_normal(n) * 0.02).astype(np.float16)),
-                "fc2.bias": mx.array(np.zeros(d, np.float16))}
+        bias = {
+            "fc1.bias": mx.array((rng.standard_normal(n) * 0.02).astype(np.float16)),
+            "fc2.bias": mx.array(np.zeros(d, np.float16)),
+        }
     return {"neurons": arrays}, bias, info
 
 
@@ -176,8 +242,10 @@ def _expert_regions(config, rng, routing="own"):
 def _quantized_from(make, rows: int, chunk: int = 8192):
     """`rows` float rows from make(n) affine-quantised to 4 bits (group GROUP), made a chunk at a time."""
     parts = [mx.quantize(mx.array(make(min(chunk, rows - i))), group_size=GROUP, bits=4) for i in range(0, rows, chunk)]
-    return {k: mx.concatenate([p[j] for p in parts]).astype(mx.float16 if j else mx.uint32)
-            for j, k in enumerate(("weight", "scales", "biases"))}
+    return {
+        k: mx.concatenate([p[j] for p in parts]).astype(mx.float16 if j else mx.uint32)
+        for j, k in enumerate(("weight", "scales", "biases"))
+    }
 
 
 def _resident(config, storage, rng, routing="own"):
@@ -200,8 +268,12 @@ def _resident(config, storage, rng, routing="own"):
     for name, p in tree_flatten(model.parameters()):
         prefix = name[: -len(".weight")]
         if u is not None and name.endswith("embed_tokens.weight"):
-            out.update({f"{prefix}.{k}": v for k, v in _quantized_from(
-                lambda n: skewed_embedding(rng, n, p.shape[1], u), p.shape[0]).items()})
+            out.update(
+                {
+                    f"{prefix}.{k}": v
+                    for k, v in _quantized_from(lambda n: skewed_embedding(rng, n, p.shape[1], u), p.shape[0]).items()
+                }
+            )
         elif u is not None and name.endswith("mlp.gate.weight"):  # the router, float
             out[name] = mx.array(skewed_router(rng, *p.shape, u).astype(np.float16))
         elif p.ndim == 2 and storage != "float16" and p.shape[-1] % GROUP == 0:
@@ -222,8 +294,9 @@ def _resident(config, storage, rng, routing="own"):
     return out, paths
 
 
-def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: bool = True, routing: str = "own",
-          **overrides) -> Path:
+def build(
+    name: str, out=None, storage: str = "q4", seed: int = 0, progress: bool = True, routing: str = "own", **overrides
+) -> Path:
     """Build the synthetic flash directory of preset `name` (if missing; config `overrides`, e.g. num_experts=16)
     with MoE `routing` (own, uniform, skewed: the module's docstring) and return its path."""
     if name not in PRESETS:
@@ -248,12 +321,18 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
     if moe and storage != "q4":
         raise ValueError("MoE presets are 4-bit only")
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
-        writer = (FlashWriter(Path(work) / "flash", alignment=DEFAULT_ALIGNMENT, unit_alignment=DEFAULT_ALIGNMENT) if moe else  # as convert_moe
-                  FlashWriter(Path(work) / "flash", alignment=512, unit_alignment=PACKED_UNIT_ALIGNMENT))  # as convert
+        writer = (
+            FlashWriter(Path(work) / "flash", alignment=DEFAULT_ALIGNMENT, unit_alignment=DEFAULT_ALIGNMENT)
+            if moe
+            # as convert_moe
+            else FlashWriter(Path(work) / "flash", alignment=512, unit_alignment=PACKED_UNIT_ALIGNMENT)
+        )  # as convert
         resident, paths = _resident(config, storage, rng, routing)
         info = None
         for i in range(layers):
-            regions, bias, info = (_expert_regions(config, rng, routing), {}, None) if moe else _ffn_regions(config, storage, rng)
+            regions, bias, info = (
+                (_expert_regions(config, rng, routing), {}, None) if moe else _ffn_regions(config, storage, rng)
+            )
             writer.add_layer(regions)
             resident.update({f"{paths[i]}.{k}": v for k, v in bias.items()})
             del regions
@@ -264,13 +343,20 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
         opt = config["model_type"] == "opt"
         if moe:
             q = {"bits": 4, "group_size": GROUP}
-            info = {"kind": "moe", "hidden_size": config["hidden_size"], "n_experts": config["num_experts"],
-                    "switch_paths": {str(i): p for i, p in enumerate(paths)}, "quantization": {m: q for m in PROJECTIONS}}
+            info = {
+                "kind": "moe",
+                "hidden_size": config["hidden_size"],
+                "n_experts": config["num_experts"],
+                "switch_paths": {str(i): p for i, p in enumerate(paths)},
+                "quantization": {m: q for m in PROJECTIONS},
+            }
         manifest = {
             "architecture": config["model_type"],
             "dtype": "float16",
             "quantization": None if storage == "float16" else {"bits": 4, "group_size": GROUP},
-            "ffn": info if moe else {
+            "ffn": info
+            if moe
+            else {
                 "kind": "relu" if opt else "glu",
                 "activation": "relu" if opt else "silu",
                 "layout": "neurons",
@@ -280,9 +366,13 @@ def build(name: str, out=None, storage: str = "q4", seed: int = 0, progress: boo
                 "mlp_paths": paths,
             },
             "neuron_order": None,
-            "source": {"model": f"synthetic:{name}", "storage": storage, "seed": seed,
-                       **({"routing": routing} if moe else {}),
-                       "created_by": f"mlx_flash {__version__}"},
+            "source": {
+                "model": f"synthetic:{name}",
+                "storage": storage,
+                "seed": seed,
+                **({"routing": routing} if moe else {}),
+                "created_by": f"mlx_flash {__version__}",
+            },
         }
         writer.finish(config, resident, manifest)
 
@@ -303,8 +393,10 @@ def main():
     a = p.parse_args()
     path = build(a.preset, a.out, a.storage, routing=a.routing)
     fd = FlashDir(path)
-    print(f"{path}: resident {fd.resident_bytes / 2**30:.2f} GiB, ffn.bin {fd.ffn_bytes / 2**30:.2f} GiB, "
-          f"{len(fd.layers)} layers x {fd.layers[0]['neurons'].n_units} neurons x {fd.layers[0]['neurons'].stride} B")
+    print(
+        f"{path}: resident {fd.resident_bytes / 2**30:.2f} GiB, ffn.bin {fd.ffn_bytes / 2**30:.2f} GiB, "
+        f"{len(fd.layers)} layers x {fd.layers[0]['neurons'].n_units} neurons x {fd.layers[0]['neurons'].stride} B"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,15 @@ from ..models.tiny import bytes_to_unicode
 from .synthetic import PRESETS, ROUTINGS, output_scale, preset_config, shared_direction, skewed_embedding, skewed_router
 
 # model_type -> llama.cpp's architecture name (Mixtral is "llama" with experts)
-GGUF_ARCHS = {"llama": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
-              "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
+GGUF_ARCHS = {
+    "llama": "llama",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "olmoe": "olmoe",
+    "gpt_oss": "gpt-oss",
+    "deepseek_v3": "deepseek2",
+}
 MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
 FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b")  # kept float32 (routers; DeepSeek's per-head MLA matrices)
 Q4_0_BLOCK = 32
@@ -40,21 +47,58 @@ Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
 def tiny_moe(model_type: str) -> dict:
     """write_gguf overrides of "moe-small" for a tiny MoE GGUF of `model_type` (2 layers of 8 experts of 64,
     d_model 256) as llama.cpp's converter writes that architecture: the tests' and benchmarks/moe_gguf_check.py's."""
-    c = dict(model_type=model_type, num_hidden_layers=2, vocab_size=512, num_experts=8, hidden_size=256,
-             moe_intermediate_size=64, num_attention_heads=4, head_dim=64, num_key_value_heads=2)
+    c = dict(
+        model_type=model_type,
+        num_hidden_layers=2,
+        vocab_size=512,
+        num_experts=8,
+        hidden_size=256,
+        moe_intermediate_size=64,
+        num_attention_heads=4,
+        head_dim=64,
+        num_key_value_heads=2,
+    )
     if model_type == "qwen2_moe":
         c.update(shared_expert_intermediate_size=128)
     if model_type == "olmoe":
         c.update(num_key_value_heads=4)  # llama.cpp's OLMoE: no GQA
     if model_type == "deepseek_v3":  # MLA, a dense first layer, a shared expert, 2 groups of 4 experts, YaRN
-        c.update(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=128, q_lora_rank=64, kv_lora_rank=32,
-                 qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, n_shared_experts=1,
-                 n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_scaling={
-                     "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+        c.update(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            intermediate_size=128,
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
     if model_type == "gpt_oss":  # sliding layers shorter than a test's prompt; gpt-oss's YaRN
-        c.update(sliding_window=16, rope_theta=150000.0, rope_scaling={
-            "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0})
+        c.update(
+            sliding_window=16,
+            rope_theta=150000.0,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        )
     return c
 
 
@@ -82,7 +126,6 @@ def _mxfp4(rng, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
 def tokenizer_tokens(vocab_size: int):
     """(tokens, token types, merges, eos id) of the byte-level tokenizer padded to `vocab_size`."""
     from gguf import TokenType
-
 
     byte_map = bytes_to_unicode()
     tokens = [byte_map[b] for b in range(256)] + ["Ġt", "<|endoftext|>"]
@@ -128,8 +171,15 @@ def _tensors(c: dict):
             yield b + "ffn_up_exps.weight", (e, ff, d)
             yield b + "ffn_down_exps.weight", (e, d, ff)
             if oss:  # the router's and the experts' biases
-                yield from ((b + f"ffn_{x}.bias", n) for x, n in (("gate_inp", (e,)), ("gate_exps", (e, ff)),
-                                                                 ("up_exps", (e, ff)), ("down_exps", (e, d))))
+                yield from (
+                    (b + f"ffn_{x}.bias", n)
+                    for x, n in (
+                        ("gate_inp", (e,)),
+                        ("gate_exps", (e, ff)),
+                        ("up_exps", (e, ff)),
+                        ("down_exps", (e, d)),
+                    )
+                )
             if c["model_type"] == "qwen2_moe":  # the shared expert and its gate (a float row)
                 sh = c["shared_expert_intermediate_size"]
                 yield b + "ffn_gate_inp_shexp.weight", (d,)
@@ -150,23 +200,39 @@ def _deepseek2_tensors(c: dict):
     """llama.cpp's deepseek2 tensors: MLA as its converter writes it (kv_b split per head into k_b, transposed, and
     v_b), dense leading layers, then routed experts with a correction bias and shared experts."""
     d, v, h = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
-    rope, nope, vd, ql, kl = (c[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank"))
+    rope, nope, vd, ql, kl = (
+        c[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank")
+    )
     e, ff, sh = c["num_experts"], c["moe_intermediate_size"], c["n_shared_experts"] * c["moe_intermediate_size"]
     yield "token_embd.weight", (v, d)
     for i in range(c["num_hidden_layers"]):
         b = f"blk.{i}."
-        yield from ((b + "attn_norm.weight", (d,)), (b + "attn_q_a_norm.weight", (ql,)), (b + "attn_kv_a_norm.weight", (kl,)),
-                    (b + "attn_q_a.weight", (ql, d)), (b + "attn_q_b.weight", (h * (nope + rope), ql)),
-                    (b + "attn_kv_a_mqa.weight", (kl + rope, d)), (b + "attn_k_b.weight", (h, kl, nope)),
-                    (b + "attn_v_b.weight", (h, vd, kl)), (b + "attn_output.weight", (d, h * vd)), (b + "ffn_norm.weight", (d,)))
+        yield from (
+            (b + "attn_norm.weight", (d,)),
+            (b + "attn_q_a_norm.weight", (ql,)),
+            (b + "attn_kv_a_norm.weight", (kl,)),
+            (b + "attn_q_a.weight", (ql, d)),
+            (b + "attn_q_b.weight", (h * (nope + rope), ql)),
+            (b + "attn_kv_a_mqa.weight", (kl + rope, d)),
+            (b + "attn_k_b.weight", (h, kl, nope)),
+            (b + "attn_v_b.weight", (h, vd, kl)),
+            (b + "attn_output.weight", (d, h * vd)),
+            (b + "ffn_norm.weight", (d,)),
+        )
         if i < c["first_k_dense_replace"]:
             n = c["intermediate_size"]
             yield from ((b + "ffn_gate.weight", (n, d)), (b + "ffn_up.weight", (n, d)), (b + "ffn_down.weight", (d, n)))
         else:
-            yield from ((b + "ffn_gate_inp.weight", (e, d)), (b + "exp_probs_b.bias", (e,)),
-                        (b + "ffn_gate_exps.weight", (e, ff, d)), (b + "ffn_up_exps.weight", (e, ff, d)),
-                        (b + "ffn_down_exps.weight", (e, d, ff)), (b + "ffn_gate_shexp.weight", (sh, d)),
-                        (b + "ffn_up_shexp.weight", (sh, d)), (b + "ffn_down_shexp.weight", (d, sh)))
+            yield from (
+                (b + "ffn_gate_inp.weight", (e, d)),
+                (b + "exp_probs_b.bias", (e,)),
+                (b + "ffn_gate_exps.weight", (e, ff, d)),
+                (b + "ffn_up_exps.weight", (e, ff, d)),
+                (b + "ffn_down_exps.weight", (e, d, ff)),
+                (b + "ffn_gate_shexp.weight", (sh, d)),
+                (b + "ffn_up_shexp.weight", (sh, d)),
+                (b + "ffn_down_shexp.weight", (d, sh)),
+            )
     yield "output_norm.weight", (d,)
     yield "output.weight", (v, d)
 
@@ -202,7 +268,7 @@ def _q4_0_from(make, rows: int, cols: int, chunk: int = 8192) -> np.ndarray:
     out = np.empty((rows, cols // Q4_0_BLOCK * Q4_0_BYTES), np.uint8)
     for i in range(0, rows, chunk):
         n = min(chunk, rows - i)
-        out[i:i + n] = quants.quantize(make(n), GGMLQuantizationType.Q4_0)
+        out[i : i + n] = quants.quantize(make(n), GGMLQuantizationType.Q4_0)
     return out
 
 
@@ -229,10 +295,16 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
-    experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss")  # as llama.cpp writes them: feed_forward_length is the experts'
+    experts_only = c["model_type"] in (
+        "mixtral",
+        "olmoe",
+        "gpt_oss",
+    )  # as llama.cpp writes them: feed_forward_length is the experts'
     w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(1 if c["model_type"] == "deepseek_v3" else c["num_key_value_heads"])  # (MLA: MQA over the latent)
+    w.add_head_count_kv(
+        1 if c["model_type"] == "deepseek_v3" else c["num_key_value_heads"]
+    )  # (MLA: MQA over the latent)
     if c["model_type"] == "deepseek_v3":
         _deepseek2_meta(w, c)
     else:
@@ -276,10 +348,14 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
         elif oss and "_exps." in name:  # gpt-oss's experts: MXFP4
             raw = (*shape[:-1], shape[-1] // Q4_0_BLOCK * 17)
-            w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            w.add_tensor_info(
+                name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.MXFP4
+            )
         else:
             raw = (*shape[:-1], shape[-1] // Q4_0_BLOCK * Q4_0_BYTES)
-            w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            w.add_tensor_info(
+                name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.Q4_0
+            )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
