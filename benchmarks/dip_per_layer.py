@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
+from mlx_flash.calib.dip import calibrate_dip_per_layer, split_density  # noqa: E402
 from mlx_flash.calib.quality import eval_model, perplexity
-from mlx_flash.calibrate import _split, calibrate_dip_per_layer  # noqa: E402
 from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.loader import load_tokenizer  # noqa: E402
 from mlx_flash.texts import read_text, token_batches, wikitext  # noqa: E402
@@ -52,7 +52,9 @@ def main():
         secs = time.perf_counter() - t0
         uni = min(r["search"], key=lambda s: s["nll"])
         rows = {}
-        sp = [_split(d, uni["input_density"] / t, uni["neuron_density"] / t) for d in r["per_layer"]["mlp_density"]]
+        sp = [
+            split_density(d, uni["input_density"] / t, uni["neuron_density"] / t) for d in r["per_layer"]["mlp_density"]
+        ]
         for name, d_in, d_out in (
             ("uniform", [uni["input_density"]] * L, [uni["neuron_density"]] * L),
             ("per-layer", [s[0] for s in sp], [s[1] for s in sp]),

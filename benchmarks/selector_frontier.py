@@ -35,8 +35,9 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import mlx_flash  # noqa: E402,F401  (OpenBLAS before mlx.core)
+from mlx_flash.calib.dip import calibrate_dip  # noqa: E402
+from mlx_flash.calib.predictors import train_predictors  # noqa: E402
 from mlx_flash.calib.quality import collect_inputs, dense_ffn_weights, eval_model, perplexity, unit_strides  # noqa: E402
-from mlx_flash.calibrate import calibrate_dip, train_predictors  # noqa: E402
 from mlx_flash.default_model import default_model_dir  # noqa: E402
 from mlx_flash.engine.selectors import build_sketch, wina_norms  # noqa: E402
 from mlx_flash.engine.sparsity import (

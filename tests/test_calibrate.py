@@ -4,18 +4,11 @@ outputs identical and lengthens reads, the CLI runs end to end (tiny random mode
 import json
 import sys
 
-from mlx_flash.calib.quality import activation_targets, dense_ffn_weights, eval_model, sequence_nll
+from mlx_flash.calib.dip import allocate_densities, calibrate_dip, calibrate_dip_per_layer
+from mlx_flash.calib.predictors import train_predictor, train_predictors
+from mlx_flash.calib.quality import activation_targets, collect_inputs, dense_ffn_weights, eval_model, sequence_nll
 from mlx_flash.calib.reorder import neuron_order, read_stats, reorder, reorder_group
-from mlx_flash.calibrate import (
-    allocate_densities,
-    calibrate_dip,
-    calibrate_dip_per_layer,
-    collect_inputs,
-    density_sweep,
-    main,
-    train_predictor,
-    train_predictors,
-)
+from mlx_flash.calibrate import density_sweep, main
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load_resident, make_sparsifier

@@ -205,7 +205,7 @@ def test_generate_stats_name_the_selector(tiny):
 
 
 def test_candidates_follow_the_layout():
-    from mlx_flash.calibrate import selector_candidates
+    from mlx_flash.calib.selector import selector_candidates
 
     assert [c["bits"] for c in selector_candidates("neurons")] == [2, 3, 4]  # cheapest DRAM first
     assert [c["bits"] for c in selector_candidates("neurons", sketch_bits=[4, 3])] == [3, 4]  # --sketch-bits
