@@ -32,7 +32,7 @@ import mlx_flash  # noqa: E402,F401  (loads OpenBLAS before mlx.core)
 from mlx_flash.compute import backends as gf  # noqa: E402
 from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward  # noqa: E402
 from mlx_flash.compute.ops import gather  # noqa: E402
-from mlx_flash.format.directory import BundleLayout  # noqa: E402
+from mlx_flash.format.layout import BundleLayout  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

@@ -16,7 +16,7 @@ import textwrap
 from mlx_flash.compute import backends as gf
 from mlx_flash.compute import metal as gm
 from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward, project
-from mlx_flash.format.directory import BundleLayout
+from mlx_flash.format.layout import BundleLayout
 
 import mlx.core as mx
 import numpy as np

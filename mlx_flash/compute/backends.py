@@ -20,7 +20,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..format.directory import BundleLayout
+from ..format.layout import BundleLayout
 from . import cpu, cpu_gemv, metal
 from .cpu import CpuBackend
 from .metal import MetalBackend

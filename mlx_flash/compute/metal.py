@@ -7,7 +7,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..format.directory import DTYPES
+from ..format.layout import DTYPES
 from . import kernel_source
 from .kernel_source import split_sections
 from .ops import OpsBackend

@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..format.directory import DTYPES, BundleLayout, Component
+from ..format.layout import DTYPES, BundleLayout, Component
 from . import cpu_gemv
 from .ffn import ACTIVATIONS, glu
 from .rows import RowMatrix, RowSet, matrix, per_partial

@@ -12,7 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..format.directory import DTYPES, BundleLayout, Component
+from ..format.layout import DTYPES, BundleLayout, Component
 
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 

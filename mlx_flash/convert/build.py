@@ -42,15 +42,8 @@ from .. import __version__
 from ..engine.experts import is_moe
 from ..errors import FlashError
 from ..format.bitmap import capacity_for_sparsity
-from ..format.directory import (
-    DEFAULT_ALIGNMENT,
-    PACKED_UNIT_ALIGNMENT,
-    BundleLayout,
-    Encoding,
-    FlashDir,
-    FlashWriter,
-    dtype_name,
-)
+from ..format.directory import DEFAULT_ALIGNMENT, FlashDir, FlashWriter
+from ..format.layout import PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, dtype_name
 from ..models.architectures import adapter_for, symmetric
 from ..texts import wikitext
 from .moe import convert_moe

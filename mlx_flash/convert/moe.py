@@ -18,7 +18,8 @@ from tqdm import tqdm
 from .. import __version__
 from ..compute.cpu_gemv import is_symmetric
 from ..engine.experts import REGION, expert_arrays, expert_quantization, switch_paths
-from ..format.directory import DEFAULT_ALIGNMENT, FlashWriter, dtype_name
+from ..format.directory import DEFAULT_ALIGNMENT, FlashWriter
+from ..format.layout import dtype_name
 from .source import copy_tokenizer, release
 
 

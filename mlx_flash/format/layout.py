@@ -1,0 +1,321 @@
+"""How units lie in a flash directory's FFN file and in DRAM: components (a matrix's rows in a unit), encodings
+(ENDOR bitmap rows on flash, expanded on reading), a region's layout (`BundleLayout`: offsets, strides, packing) and
+one layer's region (`Region`: where its units start in the file).
+
+A bundle holds one unit's weights contiguously, as rows of "components" (e.g. gate.weight, up.weight, down.weight for
+SwiGLU; quantised matrices add .scales/.biases); the manifest (directory.py) lists them with their dtype, per-unit
+shape and byte offset inside the bundle, so a reader can view any bundle (or a cache row holding one) as arrays
+without copying.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import FlashFormatError
+from . import bitmap
+
+PACKED_UNIT_ALIGNMENT = 16  # packed units: room for any component's element alignment (Metal reads words in place)
+
+
+DTYPES = {
+    "uint8": mx.uint8,
+    "uint32": mx.uint32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise FlashFormatError(f"dtype {dtype} cannot be stored in a bundle")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _as_bytes(a: mx.array) -> np.ndarray:
+    """Rows of `a` as a uint8 numpy matrix [rows, row_bytes] (bfloat16 too)."""
+    a = a.reshape(a.shape[0], -1)
+    return np.array(mx.view(a, mx.uint8))
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a component's rows are stored on flash instead of their dense bytes.
+
+    kind "bitmap": one ENDOR row (bitmap.py) of `length` values of `dtype` with `capacity`
+    value slots. fill: what the positions not stored hold after expansion: "zero" (all
+    bits 0, i.e. +0.0) or "affine_zero" (8-bit affine codes: the code of 0.0 of each group
+    of `group_size`, computed from the component's .scales/.biases, see
+    bitmap.affine_zero_codes).
+    """
+
+    kind: str
+    dtype: str
+    length: int
+    capacity: int
+    fill: str = "zero"
+    group_size: int = 0
+
+    KINDS = ("bitmap",)
+    FILLS = ("zero", "affine_zero")
+
+    @property
+    def nbytes(self) -> int:
+        return bitmap.row_bytes(self.length, self.capacity, self.dtype)
+
+    def to_json(self) -> dict:
+        d = {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "length": self.length,
+            "capacity": self.capacity,
+            "fill": self.fill,
+        }
+        return dict(d, group_size=self.group_size) if self.fill == "affine_zero" else d
+
+    @staticmethod
+    def from_json(d: dict, component: str) -> "Encoding":
+        if not isinstance(d, dict) or d.get("kind") not in Encoding.KINDS:
+            kind = d.get("kind") if isinstance(d, dict) else d
+            raise FlashFormatError(
+                f"component {component!r}: unknown encoding {kind!r} (this mlx_flash reads: {', '.join(Encoding.KINDS)})"
+            )
+        e = Encoding(
+            d["kind"],
+            d["dtype"],
+            int(d["length"]),
+            int(d["capacity"]),
+            d.get("fill", "zero"),
+            int(d.get("group_size", 0)),
+        )
+        if e.dtype not in bitmap.DTYPES or e.fill not in Encoding.FILLS or not 0 < e.capacity <= e.length:
+            raise FlashFormatError(f"component {component!r}: bad bitmap encoding {d}")
+        if e.fill == "affine_zero" and (e.dtype != "uint8" or e.group_size <= 0 or e.length % e.group_size):
+            raise FlashFormatError(
+                f"component {component!r}: affine_zero fill needs uint8 values and a group size dividing {e.length}"
+            )
+        return e
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    dtype: str
+    shape: tuple  # per neuron
+    offset: int  # byte offset inside the (dense) bundle / cache row
+    encoding: Optional[Encoding] = None  # None: stored on flash as its dense bytes
+    disk_offset: Optional[int] = None  # byte offset inside the unit on flash (None: = offset)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * DTYPES[self.dtype].size
+
+    @property
+    def disk_nbytes(self) -> int:
+        return self.encoding.nbytes if self.encoding else self.nbytes
+
+    @property
+    def encoding_fits(self) -> bool:
+        """No encoding, or one that holds exactly the component's dense bytes."""
+        return self.encoding is None or self.encoding.length * bitmap.DTYPES[self.encoding.dtype][0] == self.nbytes
+
+    @property
+    def flash_offset(self) -> int:
+        return self.offset if self.disk_offset is None else self.disk_offset
+
+
+@dataclass(frozen=True)
+class BundleLayout:
+    components: tuple
+    stride: int  # bytes per cache row (the dense bundle), incl. padding
+    encoded_stride: Optional[int] = None  # bytes per unit on flash when components are encoded
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.components)
+
+    @property
+    def encoded(self) -> bool:
+        return self.encoded_stride is not None
+
+    @property
+    def disk_stride(self) -> int:
+        """Bytes per unit on flash (= stride unless encoded)."""
+        return self.stride if self.encoded_stride is None else self.encoded_stride
+
+    @property
+    def disk_nbytes(self) -> int:
+        return sum(c.disk_nbytes for c in self.components)
+
+    def encodings(self) -> Dict[str, Encoding]:
+        return {c.name: c.encoding for c in self.components if c.encoding}
+
+    @staticmethod
+    def from_arrays(
+        arrays: Dict[str, mx.array], alignment: int, encodings: Optional[Dict[str, Encoding]] = None
+    ) -> "BundleLayout":
+        """Components in the order of `arrays`; those named in `encodings` are stored encoded on flash."""
+        encodings = encodings or {}
+        unknown = set(encodings) - set(arrays)
+        if unknown:
+            raise ValueError(f"encodings for components not in the bundle: {sorted(unknown)}")
+        components, offset, disk = [], 0, 0
+        for name, a in arrays.items():
+            c = Component(
+                name, dtype_name(a.dtype), tuple(a.shape[1:]), offset, encodings.get(name), disk if encodings else None
+            )
+            if not c.encoding_fits:
+                raise ValueError(
+                    f"{name}: encoding of {c.encoding.length} {c.encoding.dtype} values, rows have {c.nbytes} bytes"
+                )
+            components.append(c)
+            offset += c.nbytes
+            disk += c.disk_nbytes
+        stride = round_up(max(offset, 1), alignment)
+        return BundleLayout(tuple(components), stride, round_up(max(disk, 1), alignment) if encodings else None)
+
+    def to_json(self) -> dict:
+        d = {"stride": self.stride, "bytes": self.nbytes, "components": []}
+        for c in self.components:
+            e = {"name": c.name, "dtype": c.dtype, "shape": list(c.shape), "offset": c.offset}
+            if self.encoded:
+                e["disk_offset"] = c.flash_offset
+            if c.encoding:
+                e["encoding"] = c.encoding.to_json()
+            d["components"].append(e)
+        if self.encoded:
+            d.update(disk_stride=self.disk_stride, disk_bytes=self.disk_nbytes)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "BundleLayout":
+        comps = []
+        for c in d["components"]:
+            if c["dtype"] not in DTYPES:
+                raise FlashFormatError(f"unknown component dtype {c['dtype']!r}")
+            enc = Encoding.from_json(c["encoding"], c["name"]) if "encoding" in c else None
+            comps.append(Component(c["name"], c["dtype"], tuple(c["shape"]), c["offset"], enc, c.get("disk_offset")))
+        encoded = "disk_stride" in d
+        if any(c.encoding for c in comps) and not encoded:
+            raise FlashFormatError("encoded components but no disk_stride in the layout")
+        layout = BundleLayout(tuple(comps), int(d["stride"]), int(d["disk_stride"]) if encoded else None)
+        for c in layout.components:
+            if not c.encoding_fits:
+                raise FlashFormatError(
+                    f"component {c.name!r}: its encoding holds {c.encoding.length} values, not {c.nbytes} bytes"
+                )
+            if c.flash_offset + c.disk_nbytes > layout.disk_stride:
+                raise FlashFormatError(f"component {c.name!r} ends past the unit's {layout.disk_stride} bytes on flash")
+            if c.encoding and c.encoding.fill == "affine_zero":  # expand needs the group scales/biases, dense
+                groups = c.encoding.length // c.encoding.group_size
+                for part in ("scales", "biases"):
+                    g = next((x for x in comps if x.name == _sibling(c.name, part)), None)
+                    if g is None or g.encoding or int(np.prod(g.shape)) != groups:
+                        raise FlashFormatError(
+                            f"component {c.name!r}: affine_zero fill needs a dense {_sibling(c.name, part)!r} of {groups} groups"
+                        )
+        return layout
+
+    def pack(self, arrays: Dict[str, mx.array]) -> np.ndarray:
+        """Component rows -> units as stored on flash [n, disk_stride] uint8 (encoded, zero padded)."""
+        n = next(iter(arrays.values())).shape[0]
+        out = np.zeros((n, self.disk_stride), dtype=np.uint8)
+        for c in self.components:
+            out[:, c.flash_offset : c.flash_offset + c.disk_nbytes] = self._encode(c, arrays)
+        return out
+
+    def _encode(self, c: Component, arrays) -> np.ndarray:
+        if c.encoding is None:
+            return _as_bytes(arrays[c.name])
+        e = c.encoding
+        values = mx.view(arrays[c.name].reshape(arrays[c.name].shape[0], -1), bitmap.DTYPES[e.dtype][2])
+        mask = None
+        if e.fill == "affine_zero":  # store the codes that differ from their group's code of 0.0
+            zero = self._affine_zero(c, arrays[_sibling(c.name, "scales")], arrays[_sibling(c.name, "biases")])
+            mask = np.array(values != zero)
+        try:
+            return bitmap.encode_rows(values, e.capacity, mask=mask)[0]
+        except ValueError as err:
+            raise ValueError(f"{c.name}: {err} (prune it to at most {e.capacity} non-zeros per row)") from err
+
+    @staticmethod
+    def _affine_zero(c: Component, scales: mx.array, biases: mx.array) -> mx.array:
+        """[k, length] uint8: each position's group code of 0.0."""
+        k = scales.shape[0]
+        zero = bitmap.affine_zero_codes(scales.reshape(k, -1), biases.reshape(k, -1), bits=8)
+        return mx.repeat(zero, c.encoding.group_size, axis=1)
+
+    def expand(self, units: mx.array, use_metal: Optional[bool] = None) -> mx.array:
+        """Units as stored on flash [k, disk_stride] uint8 -> dense cache rows [k, stride] uint8 (lazy)."""
+        if not self.encoded:
+            return units
+        k = units.shape[0]
+        raw = {c.name: units[:, c.flash_offset : c.flash_offset + c.disk_nbytes] for c in self.components}
+        parts = []
+        for c in self.components:  # in offset order: they tile the row
+            e = c.encoding
+            if e is None:
+                parts.append(raw[c.name])
+                continue
+            fill = None
+            if e.fill == "affine_zero":  # the group's code of 0.0, from the dense scales/biases
+                sc, bi = (self.component(_sibling(c.name, s)) for s in ("scales", "biases"))
+                scales = mx.view(raw[sc.name], DTYPES[sc.dtype]).reshape(k, -1)
+                biases = mx.view(raw[bi.name], DTYPES[bi.dtype]).reshape(k, -1)
+                fill = bitmap.affine_zero_codes(scales, biases, bits=8)
+            values = bitmap.expand(raw[c.name], e.length, e.dtype, use_metal, fill)
+            parts.append(mx.view(values, mx.uint8).reshape(k, -1))
+        if self.stride > self.nbytes:
+            parts.append(mx.zeros((k, self.stride - self.nbytes), mx.uint8))
+        return mx.concatenate(parts, axis=1)
+
+    def component(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise FlashFormatError(f"the bundle has no component {name!r}")
+
+    def unpack(self, rows: mx.array) -> Dict[str, mx.array]:
+        """Bundles [k, stride] uint8 (an mx.array, e.g. cache rows) -> component arrays [k, *shape]."""
+        k = rows.shape[0]
+        out = {}
+        for c in self.components:
+            raw = rows[:, c.offset : c.offset + c.nbytes]
+            out[c.name] = mx.view(raw, DTYPES[c.dtype]).reshape(k, *c.shape)
+        return out
+
+
+def _sibling(name: str, part: str) -> str:
+    """'gate.weight' -> 'gate.scales'."""
+    return name.rsplit(".", 1)[0] + "." + part
+
+
+@dataclass(frozen=True)
+class Region:
+    """One layer's run of units (bundles) of one layout in ffn.bin."""
+
+    layer: int
+    name: str  # "neurons" (one unit per FFN neuron) or "inputs" (one per input dim, the dip layout)
+    offset: int  # byte offset of unit 0 in ffn.bin
+    n_units: int
+    stride: int
+    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_units * self.stride
+
+    def unit_offset(self, unit: int) -> int:
+        return self.offset + unit * self.stride
+
+    def unit_offsets(self, units) -> np.ndarray:
+        """int64 file offsets of `units` in ffn.bin, each `stride` bytes long: the one place units become bytes."""
+        return self.offset + np.asarray(units, dtype=np.int64) * self.stride
