@@ -54,9 +54,9 @@ from mlx_flash.default_model import (  # noqa: E402
 )
 from mlx_flash.format.directory import FlashDir  # noqa: E402
 from mlx_flash.loader import load_resident, load_tokenizer  # noqa: E402
-from mlx_flash.peers import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
 from mlx_flash.texts import llama_ppl_chunks, read_text, token_batches  # noqa: E402
 from mlx_flash.tools.bench_io import machine_info  # noqa: E402
+from mlx_flash.tools.peers_systems import LLAMA_CPP_PYTHON, llama_cpp_bin  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

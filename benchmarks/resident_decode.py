@@ -24,7 +24,7 @@ import mlx_flash  # (OpenBLAS before mlx.core)
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert import convert
 from mlx_flash.default_model import default_gguf_path, default_model_dir
-from mlx_flash.peers import llama_cpp_bin
+from mlx_flash.tools.peers_systems import llama_cpp_bin
 
 import mlx.core as mx
 

@@ -13,7 +13,8 @@ page cache of every model file is dropped before each run, and the cgroup is cha
 the run caches, so mmap readers pay for their cache as on a machine with that much memory.
 
 Systems (all on the same weights: the GGUF, its mlx_flash conversion, and that conversion
-exported for mlx-lm by mlx_flash.convert.export):
+exported for mlx-lm by mlx_flash.convert.export; their commands, models and one capped run are in
+mlx_flash.tools.peers_systems):
   llama.cpp             llama-bench's tg test with its defaults (2 threads): weights repacked into
                         anonymous memory on x86 (AVX2), so a cap below the model kills it
   llama.cpp mmap        the same with --repack 0 -lm mmap: weights used in place from the mmap'd file
@@ -56,326 +57,44 @@ tokens: consecutive reuse, per-expert frequency, LRU hit rates) are in the JSON 
 """
 
 import argparse
-import importlib.util
 import json
-import os
-import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
 
-from . import __version__
 from .budget import fmt_bytes, parse_size
-from .convert.build import convert
-from .convert.export import export
-from .default_model import CONVERSION, cache_root, default_gguf_path
-from .engine.memory import baseline_command
 from .engine.reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .format.directory import FlashDir
-from .loader import default_model_dir, load_tokenizer
 from .models.architectures import adapter_for
 from .tools.bench_io import machine_info, run_fio
-from .tools.cap import exit_on_sigterm, run_capped
+from .tools.cap import exit_on_sigterm
+from .tools.peers_systems import (
+    PROMPT,
+    RESIDENT,
+    SYSTEMS,
+    measure_baseline,
+    measure_routing,
+    one_token_prompt,
+    prepare,
+    resident_fits,
+    routing_of,
+    run_one,
+    sampling,
+    versions,
+)
 from .tools.plot import pyplot
 from .tools.routing import describe as describe_routing
-from .tools.synthetic import PRESETS, ROUTINGS
-from .tools.synthetic_gguf import GGUF_ARCHS, MOE_TYPES, write_gguf
+from .tools.synthetic import ROUTINGS
 
-LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
-LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."  # its first token
-STEPS = Path(__file__).parent / "tools" / "steps.py"  # the Python systems' timing (a script: it imports no mlx_flash)
-# MoE models: the Python systems sample at this temperature (near-uniform tokens), as llama-bench feeds a
-# random token each step; a random-weight model's greedy text repeats one token, which would route every
-# step alike and turn every expert read into a hit
-MOE_TEMP = 10000.0
 OOM_RETRY = 1.25  # an OOM-killed mlx_flash runs again under a cap this much larger (then again)
 MAX_RETRIES = 4
 NUNSPARK_SHARE = 0.6  # nunspark's first --budget, of the cap's budget (1.0-1.5 GB held a 2.5 GiB cap; 2.2 did not)
 NUNSPARK_BACKOFF = 0.75
-
-
-# The CPU's own instructions, but not AMX: a VM may report AMX without enabling its tile state, and then
-# llama.cpp's first prompt matmul dies of SIGILL (seen on this project's machines). The flags name the build.
-LLAMA_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-LLAMA_BUILD = "build-noamx"
-
-
-# -- llama.cpp, built from the sources vendored in llama-cpp-python's sdist ---------------------------
-def llama_cpp_path(name: str) -> Path:
-    """Where the llama.cpp program `name` is once built (it may not be)."""
-    return cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON / LLAMA_BUILD / "bin" / name
-
-
-def llama_cpp_bin(name: str) -> Path:
-    """Path of the llama.cpp program `name`, built once (several minutes) into
-    ~/.cache/mlx_flash/llama.cpp/<version>."""
-    root = cache_root() / "llama.cpp" / LLAMA_CPP_PYTHON
-    exe = llama_cpp_path(name)
-    if exe.is_file():
-        return exe
-    src = root / "src"
-    if not (src / "CMakeLists.txt").is_file():
-        print(
-            f"[peers] downloading llama-cpp-python {LLAMA_CPP_PYTHON} (sdist) for its llama.cpp sources",
-            file=sys.stderr,
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "-q",
-                    "--no-deps",
-                    "--no-binary",
-                    ":all:",
-                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-                    "-d",
-                    tmp,
-                ],
-                check=True,
-            )
-            with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
-                tar.extractall(tmp, filter="data")
-            vendored = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(vendored), src)
-    print(
-        f"[peers] building llama.cpp ({', '.join(LLAMA_TARGETS)}) in {root}: several minutes, once; "
-        f"log in {root / 'build.log'}",
-        file=sys.stderr,
-    )
-    with open(root / "build.log", "w") as log:
-        amx = (
-            [f"-DCMAKE_C_FLAGS={LLAMA_NO_AMX}", f"-DCMAKE_CXX_FLAGS={LLAMA_NO_AMX}"]
-            if platform.machine() == "x86_64"
-            else []
-        )
-        subprocess.run(
-            [
-                "cmake",
-                "-S",
-                src,
-                "-B",
-                root / LLAMA_BUILD,
-                "-DGGML_NATIVE=ON",
-                "-DLLAMA_CURL=OFF",
-                "-DCMAKE_BUILD_TYPE=Release",
-                *amx,
-            ],
-            check=True,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        subprocess.run(
-            ["cmake", "--build", root / LLAMA_BUILD, "-j2", "--target", *LLAMA_TARGETS],
-            check=True,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    return exe
-
-
-# -- the models: one GGUF, its flash directory, the flash directory exported for mlx-lm -----------------
-def routing_of(model: str, routing: str = "uniform") -> Optional[str]:
-    """The routing regime `model` runs with: `routing` for a synthetic MoE preset, None for the others."""
-    if model in PRESETS and PRESETS[model]["model_type"] in MOE_TYPES:
-        if routing not in ROUTINGS:
-            raise ValueError(f"unknown routing {routing!r} (choose from {', '.join(ROUTINGS)})")
-        return routing
-    return None
-
-
-def prepare(model: str, progress: bool = True, nunspark: bool = False, routing: str = "uniform") -> dict:
-    """{"gguf", "flash", "mlx"[, "flash_dip", "nunspark"]} paths for `model` (small, a synthetic preset or a GGUF file;
-    a synthetic MoE preset with `routing`), made once under ~/.cache/mlx_flash/peers/<name>[-<routing>]."""
-
-    synthetic = model in PRESETS and PRESETS[model]["model_type"] in GGUF_ARCHS
-    regime = routing_of(model, routing)
-    name = model if regime in (None, "own") else f"{model}-{regime}"
-    if model == "small":
-        gguf, flash = default_gguf_path(), default_model_dir()
-    else:
-        gguf = cache_root() / "peers" / name / "model.Q4_0.gguf" if synthetic else Path(model)
-        if synthetic and not gguf.is_file():
-            write_gguf(model, gguf, progress=progress, routing=regime or "own")
-        flash = None
-    root = cache_root() / "peers" / (name if model == "small" or synthetic else Path(model).stem)
-    mlx = root / "mlx"
-    if flash is None:  # convert's defaults, as a user converts: the GGUF's own codes, units packed
-        flash, made = root / "flash", root / "flash.conversion"  # made anew when convert's defaults change
-        if not (flash / "flash.json").is_file() or not made.is_file() or made.read_text() != str(CONVERSION):
-            shutil.rmtree(flash, ignore_errors=True)
-            convert(str(gguf), flash, progress=progress)
-            made.write_text(str(CONVERSION))
-    paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx}
-    if not (paths["mlx"] / "config.json").is_file():
-        shutil.rmtree(paths["mlx"], ignore_errors=True)
-        export(flash, paths["mlx"], progress=progress)
-    if model == "small":  # real weights: a calibrated DIP conversion is deployable
-        dip = root / "flash-dip"
-        if not (dip / "flash.json").is_file():
-            shutil.rmtree(dip, ignore_errors=True)
-            convert(str(gguf), dip, layout="dip", progress=progress)
-        if "dip" not in (FlashDir(dip).manifest.get("sparsity") or {}):
-            subprocess.run(
-                [sys.executable, "-m", "mlx_flash.calibrate", "--model", dip, "--no-predictor", "--num-seqs", "2"],
-                check=True,
-            )  # DIP's ratio search uses --dip-seqs (2)
-        paths["flash_dip"] = dip
-    if nunspark:  # nunspark's own pieces of the same export
-        if importlib.util.find_spec("nunspark") is None:
-            raise RuntimeError(
-                "nunspark is not installed: pip install 'mlx-flash-runtime[peers]' (or nunspark==0.13.0)"
-            )
-        packed = root / "nunspark"
-        if not (packed / "manifest.json").is_file():
-            shutil.rmtree(packed, ignore_errors=True)
-            subprocess.run([*NUNSPARK, "pack", paths["mlx"], packed], check=True)
-        paths["nunspark"] = packed
-    return paths
-
-
-# -- the systems ---------------------------------------------------------------------------------------
-def _llama_cmd(paths, steps, extra=()):
-    # llama-bench: its tg test times `steps` decode steps after a one-token warm-up (which, like the others'
-    # one-token prompt, faults the weights in); it prints JSON synchronously (llama-completion's timing lines,
-    # from its logging thread, were sometimes lost at exit)
-    return [
-        str(a)
-        for a in (
-            llama_cpp_bin("llama-bench"),
-            "-m",
-            paths["gguf"],
-            "-p",
-            0,
-            "-n",
-            steps,
-            "-t",
-            2,
-            "-r",
-            1,
-            "-o",
-            "json",
-            *extra,
-        )
-    ]
-
-
-def _mlx_lm_cmd(paths, steps):
-    return [
-        sys.executable,
-        STEPS,
-        "mlx-lm",
-        "--model",
-        paths["mlx"],
-        "--max-tokens",
-        steps + 1,
-        "--prompt",
-        paths.get("prompt", PROMPT),
-        "--ignore-chat-template",
-        *_sampling(paths),
-    ]
-
-
-def _sampling(paths, seed=True):
-    """Greedy, or for MoE models near-uniform random tokens (MOE_TEMP)."""
-    if not paths.get("moe"):
-        return ["--temp", 0]
-    return ["--temp", MOE_TEMP, *(["--seed", 0] if seed else [])]
-
-
-def _flash_cmd(dir_key, sparsity, *extra):
-    def cmd(paths, steps, budget):
-        return [
-            sys.executable,
-            STEPS,
-            "mlx_flash",
-            "--model",
-            paths[dir_key],
-            "--memory-budget",
-            budget,
-            "--sparsity",
-            sparsity,
-            "--max-tokens",
-            steps + 1,
-            "--prompt",
-            paths.get("prompt", PROMPT),
-            "--ignore-chat-template",
-            "--stats",
-            *_sampling(paths),
-            *extra,
-        ]
-
-    return cmd
-
-
-NUNSPARK = [sys.executable, "-c", "import sys; from nunspark.cli import main; sys.exit(main())"]
-
-
-def _nunspark_cmd(paths, steps, budget):
-    return [
-        sys.executable,
-        STEPS,
-        "nunspark",
-        "generate",
-        paths["nunspark"],
-        "--prompt-ids",
-        paths.get("prompt_id", 0),
-        "--max-tokens",
-        steps + 1,
-        "--budget",
-        str(budget),
-        "--io-threads",
-        8,
-        "--warm-window",
-        4,
-        "--no-chat-template",
-        "--metrics",
-        *_sampling(paths, seed=False),
-    ]
-
-
-# name -> (command builder (paths, decode steps, budget bytes), the path it runs on)
-SYSTEMS = {
-    "llama.cpp": (lambda p, n, b: _llama_cmd(p, n), "gguf"),
-    "llama.cpp mmap": (lambda p, n, b: _llama_cmd(p, n, ["--repack", 0, "-lm", "mmap"]), "gguf"),
-    "mlx-lm": (lambda p, n, b: _mlx_lm_cmd(p, n), "mlx"),
-    "mlx_flash dense": (_flash_cmd("flash", "dense"), "flash"),
-    "mlx_flash dip": (_flash_cmd("flash_dip", "dip"), "flash_dip"),
-    "mlx_flash prompt-lookup": (_flash_cmd("flash", "dense", "--prompt-lookup"), "flash"),
-    "nunspark": (_nunspark_cmd, "nunspark"),
-}
-RESIDENT = ("llama.cpp", "llama.cpp mmap", "mlx-lm")  # also run with no cap, the model in the page cache (--resident)
-_FLASH_SUMMARY = re.compile(
-    r"summary over \d+ tokens \(medians\): io ([\d.]+) ms.*?total ([\d.]+) ms"
-    r"(?:.*? at ([\d.]+) (B|KiB|MiB|GiB)/s while reads were in flight)?"
-)
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-_NUNSPARK_HITS = re.compile(r"cache hits / misses\s*: (\d+) / (\d+)")
-
-
-def parse_flash_stats(out: str) -> dict:
-    """From `generate --stats`: the I/O wait's share of a token (medians) and the readers' throughput while
-    reads were in flight (bytes/s), or {}."""
-    m = _FLASH_SUMMARY.search(out)
-    if not m:
-        return {}
-    io, total = float(m.group(1)), float(m.group(2))
-    return {
-        "io_share": io / total if total else None,
-        "read_bytes_per_s": float(m.group(3)) * _UNITS[m.group(4)] if m.group(3) else None,
-    }
 
 
 def fio_reference(path: Path, threads: int, seconds: float = 3.0) -> Optional[dict]:
@@ -386,147 +105,6 @@ def fio_reference(path: Path, threads: int, seconds: float = 3.0) -> Optional[di
         return None
     gib_s, iops = run_fio(str(path), path.stat().st_size, DEFAULT_MAX_REQUEST_BYTES, threads, seconds)
     return {"block": DEFAULT_MAX_REQUEST_BYTES, "threads": threads, "bytes_per_s": gib_s * 2**30, "iops": iops}
-
-
-def parse_steps(system: str, out: str) -> dict:
-    """From a system's output: {"generated": decode steps, "tok_s": steps / their time, "step_ms_mean",
-    "step_ms_median", "prompt_tokens"[, cache hit rates]}, {} when it has none. llama-bench: its tg test's
-    n_gen and avg_ts (one warm-up token; no per-step times); the others: steps.py's line."""
-    if system.startswith("llama.cpp"):
-        start, end = out.find("["), out.rfind("]")
-        try:
-            tests = json.loads(out[start : end + 1]) if start >= 0 else []
-        except json.JSONDecodeError:
-            return {}
-        tg = [t for t in tests if t.get("n_gen")]
-        if not tg:
-            return {}
-        return {
-            "generated": tg[0]["n_gen"],
-            "tok_s": tg[0]["avg_ts"],
-            "step_ms_mean": 1e3 / tg[0]["avg_ts"],
-            "step_ms_median": None,
-            "prompt_tokens": 1,
-        }
-    line = next((x for x in reversed(out.splitlines()) if x.startswith("steps: ")), None)
-    if line is None:
-        return {}
-    s = json.loads(line[len("steps: ") :])
-    rec = {"generated": s.pop("steps"), **s}
-    hits = _NUNSPARK_HITS.search(out)
-    if hits and int(hits.group(1)) + int(hits.group(2)):
-        rec["hit_rate"] = int(hits.group(1)) / (int(hits.group(1)) + int(hits.group(2)))
-    return rec
-
-
-def one_token_prompt(flash_dir, text: str = PROMPT):
-    """(text, id) of `text`'s first token, the prompt every Python system gets: a text that encodes to it alone."""
-    tok = load_tokenizer(FlashDir(flash_dir))
-    first = tok.encode(text, add_special_tokens=False)[0]
-    piece = tok.decode([first])
-    if tok.encode(piece) != [first]:
-        raise ValueError(f"{text!r}: its first token {piece!r} does not encode to itself alone")
-    return piece, first
-
-
-def resident_fits(path, baseline: int) -> bool:
-    """Whether `path` (a file or directory) and the Python baseline fit in the memory available now."""
-    p = Path(path)
-    size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
-    return size + baseline <= _available_memory()
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def read_into_page_cache(paths) -> None:
-    """Read every file of `paths` once, so it is in the page cache (a resident run)."""
-    for p in map(Path, paths):
-        for f in [x for x in p.rglob("*") if x.is_file()] if p.is_dir() else [p]:
-            with open(f, "rb") as fh:
-                while fh.read(64 << 20):
-                    pass
-
-
-def measure_baseline(flash_dir) -> int:
-    """Peak RSS of a Python interpreter with mlx_flash and mlx_lm imported and the model's tokenizer loaded
-    (what every Python system pays before any weight; the baseline mlx_flash's budget is above: memory.py)."""
-    r = run_capped(baseline_command(flash_dir), None)
-    if not r.ok:
-        raise RuntimeError(f"measuring the baseline failed: {r.stderr.strip()[-500:]}")
-    own = re.search(r"VmHWM (\d+)", r.stdout)  # the child's own peak (memory.print_own_peak)
-    return int(own.group(1)) * 1024 if own else r.max_rss
-
-
-def run_one(system, paths, steps, budget, cap, files, timeout=None, resident: bool = False) -> dict:
-    """One capped run of `steps` decode steps; `budget`: what the system is told (nunspark's own --budget for
-    nunspark). `resident`: the system's model read into the page cache first (else `files` are dropped from it)."""
-    builder, key = SYSTEMS[system]
-    cmd = builder(paths, steps, budget)
-    if resident:
-        read_into_page_cache([paths[key]])
-    r = run_capped(cmd, cap, drop=() if resident else files, timeout=timeout)
-    out = r.stdout + "\n" + r.stderr
-    timing = parse_steps(system, r.stdout if system.startswith("llama.cpp") else out)
-    rec = {
-        "system": system,
-        "tokens": steps,
-        "cap": cap,
-        "returncode": r.returncode,
-        "oom": r.oom_killed,
-        "timed_out": r.timed_out,
-        "read_bytes": r.read_bytes,
-        "max_rss": r.max_rss,
-        "cgroup_peak": r.cgroup_peak,
-        "major_faults": r.major_faults,
-        "wall_s": r.wall_s,
-        "generated": None,
-        "tok_s": None,
-        **timing,
-    }
-    if not r.ok:
-        rec["tok_s"] = None
-    if system.startswith("mlx_flash"):
-        rec.update(parse_flash_stats(out))
-    if not r.ok and not r.oom_killed:
-        rec["error"] = out.strip().splitlines()[-3:]
-    return rec
-
-
-def measure_routing(flash, root: Path, tokens: int = 64) -> Optional[dict]:
-    """mlx_flash.tools.routing's statistics of an MoE flash directory on `tokens` random tokens (at a 25% budget:
-    routing does not depend on it), kept in root/routing.json; None for a dense model or tokens = 0."""
-    fd = FlashDir(flash)
-    if fd.ffn.get("kind") != "moe" or not tokens:
-        return None
-    out = root / "routing.json"
-    if out.is_file() and json.loads(out.read_text()).get("tokens") == tokens:
-        return json.loads(out.read_text())
-    subprocess.run(
-        [
-            str(a)
-            for a in (
-                sys.executable,
-                "-m",
-                "mlx_flash.tools.routing",
-                "--model",
-                flash,
-                "--tokens",
-                tokens,
-                "--memory-budget",
-                "25%",
-                "--json",
-                out,
-            )
-        ],
-        check=True,
-    )
-    return json.loads(out.read_text())
 
 
 def run(
@@ -558,7 +136,6 @@ def run(
     paths["prompt"], paths["prompt_id"] = one_token_prompt(paths["flash"], prompt)  # llama-bench: -p 0, a warm-up token
     fd = FlashDir(paths["flash"])
     paths["moe"] = fd.ffn.get("kind") == "moe"
-    versions = _versions()
     regime = routing_of(model, routing) if paths["moe"] else None
     stats = measure_routing(paths["flash"], paths["flash"].parent, routing_tokens) if paths["moe"] else None
 
@@ -566,7 +143,7 @@ def run(
     res = {
         "model": model,
         "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "prompt_id", "moe")},
-        "sampling": " ".join(map(str, _sampling(paths))),
+        "sampling": " ".join(map(str, sampling(paths))),
         "weight_bytes": weights,
         "flash_bytes": fd.model_bytes,
         "flash_down": down_storage(fd),
@@ -581,7 +158,7 @@ def run(
         "budgets": list(budgets),
         "prompt": paths["prompt"],
         "machine": machine_info(str(paths["flash"])),
-        "versions": versions,
+        "versions": versions(),
         "runs": [],
         "resident_skipped": {},
     }
@@ -698,26 +275,6 @@ def _describe(rec) -> str:
         f"  {rec['system']} @ {_label(rec['budget_pct'])}, {rec['tokens']} steps: "
         f"{status}, read {fmt_bytes(rec['read_bytes'])}, peak RSS {fmt_bytes(rec['max_rss'])}, {rec['wall_s']:.0f} s"
     )
-
-
-def _versions() -> dict:
-    import mlx.core as mx
-    import mlx_lm
-
-    v = {
-        "mlx_flash": __version__,
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "llama.cpp": f"vendored in llama-cpp-python {LLAMA_CPP_PYTHON}",
-    }
-    try:
-        out = subprocess.run(
-            [llama_cpp_bin("llama-completion"), "--version"], capture_output=True, text=True, timeout=30
-        )
-        v["llama.cpp"] += ": " + (out.stdout + out.stderr).strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        pass
-    return v
 
 
 # -- summary, table, plot ------------------------------------------------------------------------------
@@ -899,7 +456,8 @@ def header(res) -> str:
     m, v = res["machine"], res["versions"]
     return (
         f"model {res['model']}: weights {fmt_bytes(res['weight_bytes'])} (GGUF; flash directory "
-        f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
+        f"{fmt_bytes(res['flash_bytes'])}: {res.get('flash_down', 'down_proj 8-bit')}); "
+        f"baseline (python + mlx_flash + mlx_lm + tokenizer peak RSS) "
         f"{fmt_bytes(res['baseline_rss'])}; cap = budget + baseline; "
         + (
             f"a prompt of one token, then {res['tokens']} decode steps (tok/s = steps / their time), "
@@ -968,7 +526,8 @@ def setup_arg_parser():
     p.add_argument(
         "--model",
         default="small",
-        help="small (SmolLM2-135M Q4_1), a synthetic preset written as a random Q4_0 GGUF (llama-7b, qwen3-30b-a3b, moe-small) or a GGUF file.",
+        help="small (SmolLM2-135M Q4_1), a synthetic preset written as a random Q4_0 GGUF (llama-7b, "
+        "qwen3-30b-a3b, moe-small) or a GGUF file.",
     )
     p.add_argument(
         "--budgets",

@@ -6,6 +6,7 @@ from pathlib import Path
 from mlx_flash import peers
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.tools import peers_systems
 from mlx_flash.tools.synthetic_gguf import write_gguf
 
 import gguf
@@ -89,7 +90,7 @@ def test_parse_steps():
         'Generation: 9 tokens, 3.2 tokens-per-sec\nsteps: {"prompt_tokens": 1, "steps": 8, "tok_s": 3.0, '
         '"step_ms_mean": 333.3, "step_ms_median": 320.0, "hit_rate": 0.5}\n'
     )
-    assert peers.parse_steps("mlx-lm", steps) == {
+    assert peers_systems.parse_steps("mlx-lm", steps) == {
         "generated": 8,
         "prompt_tokens": 1,
         "tok_s": 3.0,
@@ -98,9 +99,12 @@ def test_parse_steps():
         "hit_rate": 0.5,
     }
     llama = '[\n  {"n_prompt": 0, "n_gen": 8, "avg_ts": 3.5, "n_threads": 2}\n]\n'
-    got = peers.parse_steps("llama.cpp mmap", llama)
+    got = peers_systems.parse_steps("llama.cpp mmap", llama)
     assert got["generated"] == 8 and got["tok_s"] == 3.5 and got["step_ms_median"] is None
-    assert peers.parse_steps("llama.cpp", "killed") == {} and peers.parse_steps("mlx_flash dense", "Killed") == {}
+    assert (
+        peers_systems.parse_steps("llama.cpp", "killed") == {}
+        and peers_systems.parse_steps("mlx_flash dense", "Killed") == {}
+    )
 
 
 def test_steps_time_decode_steps_only():
@@ -119,12 +123,13 @@ def test_steps_time_decode_steps_only():
 def test_every_system_gets_one_prompt_token_and_the_same_steps():
     paths = {k: Path(k) for k in ("gguf", "flash", "flash_dip", "mlx", "nunspark")}
     paths.update(prompt="W", prompt_id=87)
-    for system, (builder, _) in peers.SYSTEMS.items():
+    for system, (builder, _) in peers_systems.SYSTEMS.items():
         cmd = [str(c) for c in builder(paths, 8, 1000)]
         if system.startswith("llama.cpp"):
             assert cmd[cmd.index("-n") + 1] == "8" and cmd[cmd.index("-p") + 1] == "0"
             continue
-        assert cmd[1] == str(peers.STEPS) and cmd[cmd.index("--max-tokens") + 1] == "9"  # the prompt's token + 8
+        # the prompt's token + 8
+        assert cmd[1] == str(peers_systems.STEPS) and cmd[cmd.index("--max-tokens") + 1] == "9"
         assert ("--prompt-ids", "87") in zip(cmd, cmd[1:]) or ("--prompt", "W") in zip(cmd, cmd[1:])
 
 
@@ -149,7 +154,7 @@ def test_synthetic_gguf_is_read_and_converted(tiny_gguf, tmp_path):
 
 
 def _built(name):
-    exe = peers.llama_cpp_path(name)
+    exe = peers_systems.llama_cpp_path(name)
     return exe if exe.is_file() else None
 
 
@@ -157,7 +162,7 @@ def _built(name):
     _built("llama-bench") is None, reason="llama.cpp is not built (python -m mlx_flash.peers builds it)"
 )
 def test_llama_cpp_runs_the_tiny_gguf(tiny_gguf):
-    rec = peers.run_one("llama.cpp mmap", {"gguf": tiny_gguf}, 8, None, "1GiB", [tiny_gguf], timeout=120)
+    rec = peers_systems.run_one("llama.cpp mmap", {"gguf": tiny_gguf}, 8, None, "1GiB", [tiny_gguf], timeout=120)
     assert rec["returncode"] == 0 and not rec["oom"], rec.get("error")
     assert rec["generated"] == 8 and rec["tok_s"] > 0 and rec["max_rss"] > 0
 
@@ -176,7 +181,7 @@ def test_merge_runs_of_separate_budgets():
 
 
 def test_parse_flash_stats_reads_the_generate_summary():
-    from mlx_flash.peers import parse_flash_stats
+    from mlx_flash.tools.peers_systems import parse_flash_stats
 
     line = (
         "summary over 10 tokens (medians): io 810.57 ms, mm 13.33 ms, compute 1918.61 ms, total 2725.61 ms "
@@ -197,7 +202,7 @@ def test_baseline_is_the_childs_own_peak(tiny_gguf, tmp_path):
     flash = convert(str(tiny_gguf), tmp_path / "flash", progress=False)
     big = bytearray(1 << 30)
     big[::4096] = b"x" * len(big[::4096])  # touch it: resident
-    assert peers.measure_baseline(flash) < 512 * 2**20
+    assert peers_systems.measure_baseline(flash) < 512 * 2**20
 
 
 def test_budgets_as_a_share_of_the_weights_or_as_one_absolute_cap():
@@ -227,7 +232,7 @@ def test_parse_nunspark_hits():
         "--- metrics ---\ncache hits / misses   : 30 / 10\n"
         'steps: {"prompt_tokens": 1, "steps": 4, "tok_s": 0.5, "step_ms_mean": 2000, "step_ms_median": 1900}\n'
     )
-    got = peers.parse_steps("nunspark", out)
+    got = peers_systems.parse_steps("nunspark", out)
     assert got["generated"] == 4 and got["tok_s"] == 0.5 and got["hit_rate"] == 0.75
 
 
@@ -262,13 +267,13 @@ def test_steps_times_mlx_flash_and_mlx_lm_alike(tiny_gguf, tmp_path):
 
     flash = convert(str(tiny_gguf), tmp_path / "flash", progress=False)
     mlx = export(flash, tmp_path / "mlx", progress=False)
-    text, first = peers.one_token_prompt(flash)
+    text, first = peers_systems.one_token_prompt(flash)
     assert text == "W" and first == ord("W")  # the byte-level tokenizer: "Write ..." starts with one byte
     paths = {"flash": flash, "mlx": mlx, "prompt": text}
     for system in ("mlx_flash dense", "mlx-lm"):
-        cmd = [str(c) for c in peers.SYSTEMS[system][0](paths, 4, "1GiB")]
+        cmd = [str(c) for c in peers_systems.SYSTEMS[system][0](paths, 4, "1GiB")]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        got = peers.parse_steps(system, out.stdout)
+        got = peers_systems.parse_steps(system, out.stdout)
         assert out.returncode == 0 and got["prompt_tokens"] == 1 and got["generated"] == 4, out.stderr[-2000:]
         assert got["tok_s"] > 0 and got["step_ms_median"] > 0
         if system.startswith("mlx_flash"):

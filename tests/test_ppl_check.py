@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_flash import peers
 from mlx_flash.calib.quality import perplexity, sequence_nll
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.texts import llama_ppl_chunks, token_batches
+from mlx_flash.tools import peers_systems
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,7 +74,7 @@ def test_sequence_nll_scores_from_first():
 
 
 def _llama_perplexity():
-    exe = peers.llama_cpp_path("llama-perplexity")
+    exe = peers_systems.llama_cpp_path("llama-perplexity")
     return exe if exe.is_file() else None
 
 
