@@ -74,7 +74,8 @@ def main():
         mib = {s: statistics.median(r[c].get("bytes_per_token", 0) for r in rounds[s]) / 2**20 for s in rounds}
         summary[c] = {"ms": ms, "mib": mib, "ratio": ms["new"] / ms["old"]}
         print(
-            f"| {c} | {ms['old']:.1f} | {ms['new']:.1f} | {ms['new'] / ms['old']:.2f} | {mib['old']:.1f} | {mib['new']:.1f} |"
+            f"| {c} | {ms['old']:.1f} | {ms['new']:.1f} | {ms['new'] / ms['old']:.2f} | "
+            f"{mib['old']:.1f} | {mib['new']:.1f} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"args": side_args, "rounds": rounds, "summary": summary}, indent=1))

@@ -86,7 +86,8 @@ def main():
                 res = run(getattr(args, side), args.model, budget, args.tokens, args.cap, args.sparsity)
                 sides[side].append(res)
                 print(
-                    f"round {r + 1} {budget} {side}: total {res['total_ms']:.2f} ms, compute {res['compute_ms']:.2f} ms",
+                    f"round {r + 1} {budget} {side}: total {res['total_ms']:.2f} ms, "
+                    f"compute {res['compute_ms']:.2f} ms",
                     flush=True,
                 )
     summary = {}

@@ -62,9 +62,8 @@ def main():
         subprocess.run([sys.executable, "-m", "mlx_flash.calibrate", "--model", str(path), "--quiet"], check=True)
         selector = json.loads((path / "flash.json").read_text()).get("sparsity", {}).get("selector")
         rows = {b: {s: generate(path, b, s) for s in ("auto", "dense")} for b in args.budgets}
-    print(
-        f"calibrated selector: {selector and {k: selector[k] for k in ('name', 'bits', 'ppl_increase') if k in selector}}"
-    )
+    shown = selector and {k: selector[k] for k in ("name", "bits", "ppl_increase") if k in selector}
+    print(f"calibrated selector: {shown}")
     print("| budget | auto picks | auto MiB/token | dense MiB/token | auto / dense |")
     print("|---|---|---|---|---|")
     for b, r in rows.items():

@@ -142,7 +142,8 @@ def main():
     if args.decode:
         result["decode"] = decode(args)
         print(
-            "\n| config | total ms, MLX kernels | total ms, native | speed-up | compute ms, MLX / native | I/O ms, MLX / native |"
+            "\n| config | total ms, MLX kernels | total ms, native | speed-up | "
+            "compute ms, MLX / native | I/O ms, MLX / native |"
         )
         print("|---|---|---|---|---|---|")
         m, n = result["decode"]["mlx"]["configs"], result["decode"]["native"]["configs"]

@@ -139,7 +139,8 @@ def main():
             mx.eval(a32)
             t = median_ms(lambda: ffn_forward(x, a32, ffn), args.repeats)
             print(
-                f"{label:<18} {'(f32)':<8} {'dense':>6} {n:>6} {'':>10} {'':>10} {t:>9.2f}   weights resident as float32"
+                f"{label:<18} {'(f32)':<8} {'dense':>6} {n:>6} {'':>10} {'':>10} {t:>9.2f}   "
+                "weights resident as float32"
             )
             del a32
 

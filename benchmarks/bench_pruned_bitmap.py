@@ -18,7 +18,8 @@ dense (not pruned), pruned-dense (--prune wanda --prune-format dense) and pruned
 - Expand replay: the same number of units per layer expanded (BundleLayout.expand, MLX ops
   here) and copied into a cache-like host buffer, 30 layers = one token; median ms per token.
 
-    python benchmarks/bench_pruned_bitmap.py [--out DIR] [--tokens 32] [--json benchmarks/results/bench_pruned_bitmap.json]
+    python benchmarks/bench_pruned_bitmap.py [--out DIR] [--tokens 32]
+        [--json benchmarks/results/bench_pruned_bitmap.json]
 
 Conversions are cached in --out (default ~/.cache/mlx_flash/pruned-bench) and reused.
 """
@@ -235,8 +236,9 @@ def main():
 
 def table(res) -> str:
     rows = [
-        "| rows | format | ffn.bin MiB | B/unit on flash (data) | ratio vs dense | ppl | KiB read/token | I/O speed-up | "
-        "io ms/token | expand ms/token | hit rate | replay: read ms/token | replay: expand ms/token |",
+        "| rows | format | ffn.bin MiB | B/unit on flash (data) | ratio vs dense | ppl | KiB read/token | "
+        "I/O speed-up | io ms/token | expand ms/token | hit rate | replay: read ms/token | "
+        "replay: expand ms/token |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in res["results"].items():
@@ -249,8 +251,8 @@ def table(res) -> str:
         rows.append(
             f"| {variant} | {fmt} | {r['ffn_bin_bytes'] / 2**20:.1f} | {r['disk_stride']} ({r['unit_data_bytes']}) | "
             f"{r['disk_stride'] / base['disk_stride']:.3f} | {r['ppl']:.2f} | {r['bytes_per_token_mean'] / 1024:.0f} | "
-            f"{base['bytes_per_token_mean'] / r['bytes_per_token_mean']:.2f}x | {r['io_ms']:.1f} | {r['expand_ms']:.1f} | "
-            f"{r['hit_rate']:.1%} | {replay} | {expand} |"
+            f"{base['bytes_per_token_mean'] / r['bytes_per_token_mean']:.2f}x | {r['io_ms']:.1f} | "
+            f"{r['expand_ms']:.1f} | {r['hit_rate']:.1%} | {replay} | {expand} |"
         )
     return "\n".join(rows)
 

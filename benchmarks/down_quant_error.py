@@ -61,7 +61,8 @@ def main():
             ppl, logits = perplexity(model, tokens)
             same = greedy(model, prompt, 32) == ref
             print(
-                f"{name}: bundle {fd.layouts['neurons'].nbytes} B, max |dlogit| {mx.abs(logits - logits_src).max().item():.4f}, "
+                f"{name}: bundle {fd.layouts['neurons'].nbytes} B, "
+                f"max |dlogit| {mx.abs(logits - logits_src).max().item():.4f}, "
                 f"ppl {ppl:.3f} ({(ppl / ppl_src - 1) * 100:+.2f}%), greedy 32 tokens identical: {same}"
             )
 

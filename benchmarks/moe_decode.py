@@ -50,7 +50,8 @@ e = model.flash
 vocab = e.fd.config["vocab_size"]
 ids = np.random.default_rng(0).integers(0, vocab, n + 1)
 step = [0]
-replay = np.load(trace)["experts"] if trace != "-" else None  # step s, layer l reads replay[s, l] whatever the router chose
+# step s, layer l reads replay[s, l] whatever the router chose
+replay = np.load(trace)["experts"] if trace != "-" else None
 layers = [i for i, c in enumerate(e.caches) if c]
 k = e.fd.config.get("num_experts_per_tok") or e.fd.config.get("num_experts_per_token")
 routed = np.zeros((n + 1, len(layers), k), dtype=np.int64)
@@ -78,7 +79,8 @@ print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]), "token_ms": 1e3 * 
                   "hit_rate_steady": split["hit_rate_steady"], "cache_filled_at": split["cache_filled_at"],
                   "consecutive_reuse": regime["consecutive_reuse"], "uniform_reuse": regime["uniform_reuse"],
                   "expert_entropy": regime["entropy"],
-                  "hit_rate": hits / max(1, hits + misses), "bytes_per_token": statistics.median(t.bytes_read for t in toks),
+                  "hit_rate": hits / max(1, hits + misses),
+                  "bytes_per_token": statistics.median(t.bytes_read for t in toks),
                   "missed_bytes_per_token": statistics.median(t.misses for t in toks) * e.layout.stride,
                   "io_ms": 1e3 * statistics.median(t.io_s for t in toks), "experts_used_per_layer": per_layer,
                   "slots": e.plan.capacity[0].get("experts"), "peak_rss": e.stats.peak_rss(),
@@ -166,7 +168,8 @@ def main(argv=None):
     print(
         "| routing | budget | read-ahead | expert slots/layer | tok/s | ms/token | hit rate (cold, steady) "
         "| consecutive reuse (uniform) | read/token (missed experts) "
-        "| read ahead/token (unused) | next router predicted | I/O wait/token | missed / fio | experts used per layer (min-max) |"
+        "| read ahead/token (unused) | next router predicted | I/O wait/token | missed / fio "
+        "| experts used per layer (min-max) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g in routings:
@@ -188,7 +191,8 @@ def main(argv=None):
                     + (f"{statistics.median(steady):.1%}" if steady else "not filled")
                     + f") | {med('consecutive_reuse'):.1%} ({rs[0]['uniform_reuse']:.1%}) | "
                     f"{med('bytes_per_token') / 2**20:.1f} MiB "
-                    f"({med('missed_bytes_per_token') / 2**20:.1f} MiB) | {med('ahead_bytes_per_token') / 2**20:.1f} MiB "
+                    f"({med('missed_bytes_per_token') / 2**20:.1f} MiB) | "
+                    f"{med('ahead_bytes_per_token') / 2**20:.1f} MiB "
                     f"({med('ahead_wasted_bytes_per_token') / 2**20:.1f} MiB) | "
                     + ("-" if acc is None else f"{statistics.median(x['prediction_accuracy'] for x in rs):.1%}")
                     + f" | {med('io_ms'):.0f} ms | "

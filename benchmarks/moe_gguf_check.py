@@ -1,8 +1,8 @@
 """MoE GGUFs as llama.cpp writes them, checked against llama.cpp itself (issue #23): for each architecture a tiny
 random GGUF (mlx_flash.tools.synthetic_gguf.tiny_moe: qwen3moe; Mixtral, llama.cpp's "llama" with experts; qwen2moe,
 with a shared expert; olmoe; gpt-oss, MXFP4 experts with biases, sinks, sliding layers, YaRN; deepseek2, MLA,
-grouped sigmoid routing, YaRN), converted with convert's defaults, then benchmarks/ppl_check.py against llama-perplexity on the same tokens: perplexity, KL per
-token and top-1 agreement of mlx_flash's resident model.
+grouped sigmoid routing, YaRN), converted with convert's defaults, then benchmarks/ppl_check.py against
+llama-perplexity on the same tokens: perplexity, KL per token and top-1 agreement of mlx_flash's resident model.
 
     python benchmarks/moe_gguf_check.py [--out benchmarks/results/moe_gguf_check.json]
 

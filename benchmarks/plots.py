@@ -342,8 +342,9 @@ def fig_moe(R, plt):
 def table_moe(R):
     rows = [
         (
-            "| routing (hit rate of the expert caches) | cap | mlx_flash tok/s (rounds) | mlx_flash read/token, I/O wait "
-            "| llama.cpp mmap tok/s | nunspark 0.13 tok/s | mlx_flash / llama.cpp mmap | timing | file |"
+            "| routing (hit rate of the expert caches) | cap | mlx_flash tok/s (rounds) "
+            "| mlx_flash read/token, I/O wait | llama.cpp mmap tok/s | nunspark 0.13 tok/s "
+            "| mlx_flash / llama.cpp mmap | timing | file |"
         ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -459,8 +460,8 @@ def fig_io(R, plt):
 def table_io(R):
     rows = [
         (
-            "| request size (runtime configurations) | points | native pool, GB/s | fio, GB/s | pool / fio: median (range) "
-            "| files |"
+            "| request size (runtime configurations) | points | native pool, GB/s | fio, GB/s "
+            "| pool / fio: median (range) | files |"
         ),
         "|---|---|---|---|---|---|",
     ]
@@ -473,7 +474,8 @@ def table_io(R):
         files = sorted({p[0] for p in sel})
         rows.append(
             f"| {label} | {len(sel)} | {span([p[3] for p in sel])} | {span([p[4] for p in sel])} "
-            f"| {statistics.median(r):.2f}{f' ({span(r)})' if len(r) > 1 else ''} | {', '.join(f'`{f}`' for f in files)} |"
+            f"| {statistics.median(r):.2f}{f' ({span(r)})' if len(r) > 1 else ''} "
+            f"| {', '.join(f'`{f}`' for f in files)} |"
         )
     inf = inflight_points(R)
     r = [p[2] / p[3] for p in inf]

@@ -238,7 +238,8 @@ def main():
 
 def table(out) -> str:
     lines = [
-        "| selector | MLP density | perplexity | vs dense | greedy agreement | DRAM (MiB) | KiB/token selected | KiB/token read (LFU) |",
+        "| selector | MLP density | perplexity | vs dense | greedy agreement | DRAM (MiB) | KiB/token selected | "
+        "KiB/token read (LFU) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:

@@ -32,7 +32,9 @@ import mlx_flash  # noqa: F401
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 from mlx_flash.loader import load
-model_dir, budget, widths, reps = sys.argv[1], int(sys.argv[2]), [int(w) for w in sys.argv[3].split(",")], int(sys.argv[4])
+model_dir, budget, widths, reps = (
+    sys.argv[1], int(sys.argv[2]), [int(w) for w in sys.argv[3].split(",")], int(sys.argv[4])
+)
 model, tok = load(model_dir, memory_budget=budget, sparsity="dense", context=256)
 e, cache = model.flash, model.make_cache()
 decoder = getattr(model, "decoder", None)
@@ -106,8 +108,10 @@ def main(argv=None):
         rows.append((w, cost[w], statistics.median(p["io_ms"] for p in ps), statistics.median(p["bytes"] for p in ps)))
     b1 = rows[0][3] if widths[0] == 1 else None
     print(
-        f"{args.model}: budget {args.memory_budget} ({budget / 2**30:.2f} GiB), cap {(budget + base.max_rss) / 2**30:.2f} "
-        f"GiB; fio {fio['bytes_per_s'] / 2**30 if fio else float('nan'):.2f} GiB/s; medians over {args.rounds} rounds x {args.reps}"
+        f"{args.model}: budget {args.memory_budget} ({budget / 2**30:.2f} GiB), "
+        f"cap {(budget + base.max_rss) / 2**30:.2f} GiB; "
+        f"fio {fio['bytes_per_s'] / 2**30 if fio else float('nan'):.2f} GiB/s; "
+        f"medians over {args.rounds} rounds x {args.reps}"
     )
     print("| positions (k+1) | ms a pass | x one position | waiting for reads, ms | device bytes | x one position |")
     print("|---|---|---|---|---|---|")

@@ -64,7 +64,8 @@ def main(argv=None):
         s = json.loads(out.stdout.strip().splitlines()[-1])
         runs.append({"round": r, "mode": mode, **s})
     print(
-        f"{args.model}, {args.max_tokens} tokens, budget {args.memory_budget}; ms per token (medians of tokens), by round"
+        f"{args.model}, {args.max_tokens} tokens, budget {args.memory_budget}; "
+        "ms per token (medians of tokens), by round"
     )
     print("| run | compute | waiting for reads | total | hit rate |\n|---|---|---|---|---|")
     med = {}

@@ -35,9 +35,9 @@ NOTEBOOKS = {
             "# Running in less memory than the model\n\n"
             "The budget covers resident weights, the KV cache, scratch buffers and the per-layer neuron "
             "caches. Below it, mlx_flash streams FFN neurons from flash for every token; below the "
-            "resident weights themselves (about 75% of this model at this context), attention layers and the embedding / LM "
-            "head are streamed too. Here we compare three budgets and read the per-token stats and what the "
-            "planner decided."
+            "resident weights themselves (about 75% of this model at this context), attention layers and the "
+            "embedding / LM head are streamed too. Here we compare three budgets and read the per-token stats and "
+            "what the planner decided."
         ),
         new_code_cell(
             "import mlx_flash\nimport matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
@@ -64,7 +64,8 @@ NOTEBOOKS = {
             "    bottom = [x + y for x, y in zip(bottom, vals)]\n"
             "ax.set_ylabel('ms / token (median)'); ax.set_xlabel('memory budget'); ax.legend()\n"
             "fig.savefig('budget_breakdown.png', dpi=100, bbox_inches='tight')\n"
-            "assert results['25%']['bytes_per_token'] > results['75%']['bytes_per_token'] > results['100%']['bytes_per_token']\n"
+            "assert results['25%']['bytes_per_token'] > results['75%']['bytes_per_token'] "
+            "> results['100%']['bytes_per_token']\n"
             "assert results['25%']['streamed_bytes_per_token'] > 0 == results['75%']['streamed_bytes_per_token']"
         ),
     ],
@@ -113,8 +114,9 @@ NOTEBOOKS = {
             "To keep a calibration, run `python -m mlx_flash.calibrate --model DIR` on a copy of the directory "
             "(it records the DIP split and trained predictors in `DIR`, and can `--reorder` its neurons). On "
             "this 135M model DIP degrades fast below 75% while the oracle stays close to dense: the headroom a "
-            "better selector could reach. The runtime serves DIP from a directory converted with `--layout dip`, and any sparsifier object "
-            "(e.g. a `mlx_flash.engine.sparsity.Predictor` trained in memory) with `mlx_flash.load(sparsifier=...)`."
+            "better selector could reach. The runtime serves DIP from a directory converted with `--layout dip`, "
+            "and any sparsifier object (e.g. a `mlx_flash.engine.sparsity.Predictor` trained in memory) with "
+            "`mlx_flash.load(sparsifier=...)`."
         ),
     ],
     "04_bench.ipynb": [
@@ -125,8 +127,8 @@ NOTEBOOKS = {
             "cached units), **sparsity** (active units only, no cache), **window-unbundled** and **all** "
             "(sparsity + window cache, without and with bundling) and **mlx-lm** (all weights in DRAM).\n\n"
             "Quick mode on the default model at an 80% budget, where the resident weights still fit (below "
-            "about 78% the planner streams attention layers or the LM head too: see BENCHMARKS.md). The uncalibrated default "
-            "model uses an oracle stand-in sparsifier. 16 "
+            "about 78% the planner streams attention layers or the LM head too: see BENCHMARKS.md). The "
+            "uncalibrated default model uses an oracle stand-in sparsifier. 16 "
             "tokens per configuration on this machine's disk: a quick look; BENCHMARKS.md has the full runs."
         ),
         new_code_cell(

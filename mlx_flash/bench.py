@@ -74,7 +74,8 @@ DESCRIPTIONS = {
     "naive": "dense, no unit cache: every FFN unit read each token",
     "hybrid": "dense, budget filled with cached units, the rest streamed",
     "hybrid-prefetch": "hybrid, the next layer's uncached units read while a layer computes",
-    "speculative": "hybrid-prefetch, prompt-lookup drafts verified k+1 positions a pass (lossless; per generated token)",
+    "speculative": "hybrid-prefetch, prompt-lookup drafts verified k+1 positions a pass "
+    "(lossless; per generated token)",
     "sparsity": "sparsifier, no unit cache (no reuse)",
     "window-unbundled": "sparsifier + window cache, one request per matrix per run of neighbours (unbundled)",
     "all": "sparsifier + window cache + bundling",
@@ -643,7 +644,8 @@ def table(res) -> str:
         )
         selector = f" (selector {fmt_bytes(r['selector_bytes'])})" if r.get("selector_bytes") else ""
         rows.append(
-            f"| {name} | {fmt_bytes(r['dram_weights_bytes'])}{selector} | {fmt_bytes(r['bytes_per_token'])}{streamed} | "
+            f"| {name} | {fmt_bytes(r['dram_weights_bytes'])}{selector} | "
+            f"{fmt_bytes(r['bytes_per_token'])}{streamed} | "
             f"{_f(r.get('read_gbps'), '{:.2f}')} | {disk_s} | {r['io_ms']:.1f} | {r['mm_ms']:.1f} | "
             f"{r['compute_ms']:.1f} ({r['select_ms']:.1f}) | {r['total_ms']:.1f} ({r['total_ms_p10']:.1f}-"
             f"{r['total_ms_p90']:.1f}) | {r['hit_rate']:.1%} |"
@@ -763,11 +765,13 @@ def main(argv=None):
     )
     m = res["machine"]["cpu_matvecs"]
     print(
-        f"decode matvecs: {'native CPU kernels' if m['on'] else 'MLX ops'} ({json.dumps(m)}); BLAS: {res['machine']['blas']}"
+        f"decode matvecs: {'native CPU kernels' if m['on'] else 'MLX ops'} ({json.dumps(m)}); "
+        f"BLAS: {res['machine']['blas']}"
     )
     if res.get("streamed"):
         print(
-            f"below the resident floor ({fmt_bytes(res['resident_floor_bytes'])}), streamed every token: {res['streamed']}"
+            f"below the resident floor ({fmt_bytes(res['resident_floor_bytes'])}), "
+            f"streamed every token: {res['streamed']}"
         )
     print(table(res))
     if a.rounds > 1:

@@ -106,10 +106,12 @@ class Plan:
             + (f" ({self.kv_bits}-bit)" if self.kv_bits else "")
             + ", "
             + (f"prompt cache {fmt_bytes(self.prompt_cache)}, " if self.prompt_cache else "")
-            + f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, extra {fmt_bytes(self.extra)}, "
+            + f"scratch {fmt_bytes(self.scratch)}, workspace {fmt_bytes(self.workspace)}, "
+            f"extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
             + (
-                f", prefetch buffers 2 x {self.prefetch_rows} rows ({fmt_bytes(2 * self.prefetch_rows * strides['neurons'])})"
+                f", prefetch buffers 2 x {self.prefetch_rows} rows "
+                f"({fmt_bytes(2 * self.prefetch_rows * strides['neurons'])})"
                 if self.prefetch_rows
                 else ""
             )

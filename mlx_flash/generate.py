@@ -262,7 +262,8 @@ def stream_generate(
     **kwargs,
 ):
     """mlx-lm's `stream_generate` (same arguments and `GenerationResponse`s) on `generate_step` above;
-    `generation_tps` is `decode_tps` (decode steps over their time); closes the flash model's stats at the end. `draft_model` (a model with the same tokenizer, as mlx-lm's) or
+    `generation_tps` is `decode_tps` (decode steps over their time); closes the flash model's stats at the end.
+    `draft_model` (a model with the same tokenizer, as mlx-lm's) or
     `prompt_lookup` (n-gram drafts from the prompt and the text so far) decode speculatively, up to
     `num_draft_tokens` drafts a pass (default DEFAULT_DRAFT_TOKENS; `adaptive_draft`: fewer after rejections);
     the flash model's `speculative` then holds the drafted and accepted counts."""
@@ -434,7 +435,8 @@ def setup_arg_parser():
     ahead.add_argument(
         "--prefetch",
         action="store_true",
-        help="MoE: read the experts the next layer's router predicts while a layer computes (off by default: it did not pay on the bench).",
+        help="MoE: read the experts the next layer's router predicts while a layer computes "
+        "(off by default: it did not pay on the bench).",
     )
     p.add_argument(
         "--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE."
@@ -488,7 +490,8 @@ def print_stats(engine, out=sys.stdout):
             f"summary over {s['tokens']} tokens (medians): io {s['io_ms']:.2f} ms, mm {s['mm_ms']:.2f} ms, "
             + (f"expand {s['expand_ms']:.2f} ms, " if s["expand_ms"] else "")
             + f"compute {s['compute_ms']:.2f} ms, total {s['total_ms']:.2f} ms ({1e3 / s['total_ms']:.2f} tok/s); "
-            f"read {fmt_bytes(s['bytes_per_token'])}/token at the device ({fmt_bytes(s['bytes_requested_per_token'])} asked)"
+            f"read {fmt_bytes(s['bytes_per_token'])}/token at the device "
+            f"({fmt_bytes(s['bytes_requested_per_token'])} asked)"
             + (
                 f" (of which resident weights streamed {fmt_bytes(s['streamed_bytes_per_token'])})"
                 if s["streamed_bytes_per_token"]

@@ -446,8 +446,8 @@ def load(
 
 
 def _streaming(fd, plan, engine, direct: bool, cast) -> Dict[str, Callable[[nn.Module], nn.Module]]:
-    """The wrappers of what the plan streams below the resident floor (engine/resident.py), read through a streamer whose
-    reads count in the engine's stats; {} when everything resident fits."""
+    """The wrappers of what the plan streams below the resident floor (engine/resident.py), read through a streamer
+    whose reads count in the engine's stats; {} when everything resident fits."""
     if not plan.streamed:
         return {}
     engine.use_streamer(

@@ -78,7 +78,8 @@ def test_default_down_rows(tiny_dirs, tmp_path, layout, expected):
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "opt"])
 def test_quantised_bundles(arch, tiny_dirs, tmp_path):
-    """--bits 4 --down-bits 8 on a float source: every row matrix and the transposed down/fc2 quantised once, per neuron."""
+    """--bits 4 --down-bits 8 on a float source: every row matrix and the transposed down/fc2 quantised once, per
+    neuron."""
     fd = FlashDir(convert(str(tiny_dirs[arch]), tmp_path / "q", bits=4, group_size=32, down_bits="8", progress=False))
     assert fd.manifest["quantization"] == {"bits": 4, "group_size": 32}
     adapter = ADAPTERS[arch]

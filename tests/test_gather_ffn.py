@@ -463,6 +463,7 @@ def _cxx_kernel(which, m, xdtype):
         groups = -(-cols // gm._AXPY_TC)
         grid, group = f"{{{groups * gm._AXPY_TC}, {gm._AXPY_TJ}, uint(B)}}", f"{{{gm._AXPY_TC}, {gm._AXPY_TJ}, 1}}"
     body = textwrap.indent(src, "    ")
+    ct = CTYPE[xdtype]
     _CXX_CASES.append(fn)
     return f"""
 namespace {fn}_ns {{
@@ -478,7 +479,7 @@ extern "C" void {fn}(const void* a, const uint8_t* rows, int capacity, int strid
     int rows_shape[2] = {{capacity, stride}};
     int slots_shape[1] = {{k}};
     dispatch({grid}, {group}, [&](uint3 g, uint3 l, uint lane) {{
-        {fn}_ns::kernel((const {CTYPE[xdtype]}*)a, rows, rows_shape, slots, slots_shape, ({CTYPE[xdtype]}*)out, g, l, lane);
+        {fn}_ns::kernel((const {ct}*)a, rows, rows_shape, slots, slots_shape, ({ct}*)out, g, l, lane);
     }});
 }}
 """

@@ -340,8 +340,10 @@ def main():
     )
     out = tr.save(a.out)
     print(
-        f"wrote {out}: {describe_selector(tr.meta)}, {tr.n_tokens} tokens x {tr.n_layers} layers x {tr.n_units} neurons, "
-        f"density {tr.density():.3f}, reuse from the previous token {tr.reuse(1):.1%}, from the last 5 {tr.reuse(5):.1%}"
+        f"wrote {out}: {describe_selector(tr.meta)}, "
+        f"{tr.n_tokens} tokens x {tr.n_layers} layers x {tr.n_units} neurons, "
+        f"density {tr.density():.3f}, reuse from the previous token {tr.reuse(1):.1%}, "
+        f"from the last 5 {tr.reuse(5):.1%}"
     )
 
 

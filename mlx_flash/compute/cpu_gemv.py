@@ -66,7 +66,8 @@ def available() -> bool:
 
 
 def info() -> dict:
-    """{"avx2", "vnni": CPU has them, "simd": AVX2 loops in use, "int8": int8 activations, "threads": OpenMP threads} ({} if not built)."""
+    """{"avx2", "vnni": CPU has them, "simd": AVX2 loops in use, "int8": int8 activations,
+    "threads": OpenMP threads} ({} if not built)."""
     return _native.info() if _native is not None else {}
 
 

@@ -416,7 +416,8 @@ def setup_arg_parser():
         "--layout",
         choices=["neurons", "dip"],
         default="neurons",
-        help="neurons: one bundle per FFN neuron (all sparsifiers but dip); dip: gate/up by input column, for --sparsity dip.",
+        help="neurons: one bundle per FFN neuron (all sparsifiers but dip); "
+        "dip: gate/up by input column, for --sparsity dip.",
     )
     parser.add_argument(
         "--prune",
@@ -441,14 +442,15 @@ def setup_arg_parser():
         "--alignment",
         type=int,
         default=None,
-        help="Alignment of each layer's region in bytes (power of two >= 512; default 4096, or 512 for bundles under 4 KiB).",
+        help="Alignment of each layer's region in bytes "
+        "(power of two >= 512; default 4096, or 512 for bundles under 4 KiB).",
     )
     parser.add_argument(
         "--unit-alignment",
         type=int,
         default=PACKED_UNIT_ALIGNMENT,
-        help=f"Bytes between units are a multiple of this (default {PACKED_UNIT_ALIGNMENT}: units packed, no padding read "
-        "with them; the --alignment value pads every unit to it, as format v1/v2 did).",
+        help=f"Bytes between units are a multiple of this (default {PACKED_UNIT_ALIGNMENT}: "
+        "units packed, no padding read with them; the --alignment value pads every unit to it, as format v1/v2 did).",
     )
     return parser
 

@@ -127,9 +127,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _streamed_handles(module, names, rows=None, norms=()):
-    """Handles on the quantised linears `names` of a streamed module (resident.StreamedLayer / StreamedRows), loaded now (rows: a
-    head's chunk); '' names the module itself. The handles keep the loaded buffers alive. norms: names of RMSNorms
-    inside it (Qwen3's q_norm, k_norm), whose weights follow the handles as float32 host copies."""
+    """Handles on the quantised linears `names` of a streamed module (resident.StreamedLayer / StreamedRows), loaded
+    now (rows: a head's chunk); '' names the module itself. The handles keep the loaded buffers alive. norms: names of
+    RMSNorms inside it (Qwen3's q_norm, k_norm), whose weights follow the handles as float32 host copies."""
     with module.loaded(rows) as inner:
         handles = [_handle(getattr(inner, n) if n else inner) for n in names]
         weights = [_weight(getattr(inner, n)) for n in norms]

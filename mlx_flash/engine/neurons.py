@@ -172,7 +172,8 @@ class NeuronEngine(Engine):
 
     def ffn_row(self, layer: int, x: np.ndarray, bias: Dict[str, mx.array], prefill: bool = False) -> np.ndarray:
         """`ffn` of a decode step's host rows x (float32 [d], or [m, d]: the positions of a verification pass or a
-        prompt chunk) on the native CPU backend: the entry of native_step.HostDecoder, whose layers never leave the host."""
+        prompt chunk) on the native CPU backend: the entry of native_step.HostDecoder, whose layers never leave the
+        host."""
         y = self.guarded(layer, prefill, lambda: self._step(layer, x, bias))
         return y + np.asarray(bias["fc2"], dtype=np.float32) if "fc2" in bias else y
 
@@ -287,7 +288,8 @@ class NeuronEngine(Engine):
         return self._sum(layer, "neurons", units, self._units_fn(x, units, bias), backend.zeros(x))
 
     def _prefill_dip(self, layer: int, x: mx.array) -> mx.array:
-        """Dense FFN over a prompt in the dip layout, the layer streamed sequentially; the caches are seeded on the way."""
+        """Dense FFN over a prompt in the dip layout, the layer streamed sequentially; the caches are seeded on the
+        way."""
         self._seed(layer, x)
         info = self.info
         g = u = 0

@@ -79,8 +79,9 @@ class ReadAhead:
         return staged
 
     def drain(self):
-        """Wait for the reads in flight (their rows are dropped, their bytes wasted). A read that failed raises its ReadError here:
-        nothing will use its rows, but the disk failing is news (the caller reporting a failed layer chains it)."""
+        """Wait for the reads in flight (their rows are dropped, their bytes wasted). A read that failed raises its
+        ReadError here: nothing will use its rows, but the disk failing is news (the caller reporting a failed layer
+        chains it)."""
         pending, self.pending = list(self.pending.values()), {}
         errors = []
         for staged in pending:

@@ -86,7 +86,8 @@ class Encoding:
         if not isinstance(d, dict) or d.get("kind") not in Encoding.KINDS:
             kind = d.get("kind") if isinstance(d, dict) else d
             raise FlashFormatError(
-                f"component {component!r}: unknown encoding {kind!r} (this mlx_flash reads: {', '.join(Encoding.KINDS)})"
+                f"component {component!r}: unknown encoding {kind!r} "
+                f"(this mlx_flash reads: {', '.join(Encoding.KINDS)})"
             )
         e = Encoding(
             d["kind"],
@@ -220,7 +221,8 @@ class BundleLayout:
                     g = next((x for x in comps if x.name == _sibling(c.name, part)), None)
                     if g is None or g.encoding or int(np.prod(g.shape)) != groups:
                         raise FlashFormatError(
-                            f"component {c.name!r}: affine_zero fill needs a dense {_sibling(c.name, part)!r} of {groups} groups"
+                            f"component {c.name!r}: affine_zero fill needs a dense "
+                            f"{_sibling(c.name, part)!r} of {groups} groups"
                         )
         return layout
 

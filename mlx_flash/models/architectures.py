@@ -8,8 +8,8 @@ that module into canonical per-neuron rows:
 
 Row i of every matrix belongs to neuron i, so a bundle is the concatenation of
 row i of each. The "dip" layout (GLU only) instead stores gate/up by input
-column, since DIP prunes their inputs, and down by neuron. Quantised rows (MLX affine quantisation groups run along d) are
-stored as their .weight/.scales/.biases rows. The transposed down/fc2 rows
+column, since DIP prunes their inputs, and down by neuron. Quantised rows (MLX affine
+quantisation groups run along d) are stored as their .weight/.scales/.biases rows. The transposed down/fc2 rows
 cannot keep the source quantisation (its groups span 32 neurons), so they are
 dequantised and either re-quantised along d_model or kept in float, or (`resident_scales`)
 stored as the source's codes with the groups' scales and biases resident.

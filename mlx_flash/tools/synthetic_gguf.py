@@ -9,8 +9,9 @@ for: this file goes to llama.cpp as it is, through `mlx_flash.convert` to mlx_fl
 
 Every 2-D weight (and 3-D stacked experts) is Q4_0 (32 values per 18-byte block: a float16 scale, 16 bytes
 of nibbles), with random nibbles and a scale giving each row's outputs about unit variance; norms are float32
-ones, MoE routers float32. MoE presets draw nibbles from 1..15 (zero-mean values: see `_q4_0`). The tokenizer is byte-level BPE ("gpt2", pre-tokenizer "default"): the 256 byte symbols,
-one merge, <|endoftext|> (BOS/EOS) and filler tokens up to the vocabulary size.
+ones, MoE routers float32. MoE presets draw nibbles from 1..15 (zero-mean values: see `_q4_0`). The tokenizer
+is byte-level BPE ("gpt2", pre-tokenizer "default"): the 256 byte symbols, one merge, <|endoftext|> (BOS/EOS) and
+filler tokens up to the vocabulary size.
 `routing` (MoE presets: own, uniform, skewed) is synthetic.py's: the blocks' output projections scaled down and
 the token embeddings of unit variance (uniform, skewed), a shared embedding direction and biased routers (skewed);
 llama.cpp routes as mlx_flash does, since both run this file.
