@@ -173,8 +173,8 @@ def test_one_unit_step_and_one_read_ahead():
     trees = {p.name: ast.parse(p.read_text()) for p in engine.glob("*.py")}
     defs = {(name, n.name) for name, t in trees.items() for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
     classes = [(name, n.name) for name, t in trees.items() for n in ast.walk(t) if isinstance(n, ast.ClassDef)]
-    assert [d for d in defs if d[1] in ("step", "_overflow", "_staged_misses")] and all(
-        name == "units.py" for name, f in defs if f in ("step", "_overflow", "_staged_misses")
+    assert [d for d in defs if d[1] in ("step", "_overflow", "_where")] and all(
+        name == "units.py" for name, f in defs if f in ("step", "_overflow", "_where")
     )
     for kind in ("neurons.py", "experts.py"):
         calls = [n for n in ast.walk(trees[kind]) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.step"]

@@ -544,3 +544,42 @@ def test_capacity_for_budget():
         capacity_for_budget(RB, 0)
     with pytest.raises(ValueError):
         capacity_for_budget(-1, RB)
+
+
+@SETTINGS
+@given(scenarios())
+def test_in_place_decides_as_compact_and_copies_no_row(sc):
+    """compact=False (what the engines use): the same hits, misses, overflow and evictions as the paper's compact
+    cache, no row moved, a cached unit keeps its slot until evicted, and every cached unit's row holds its bytes."""
+    n, cap, pol, window, steps = sc
+    compact = UnitCache(n, cap, RB, policy=pol, window=window)
+    in_place = UnitCache(n, cap, RB, policy=pol, window=window, compact=False)
+    for active, scores in steps:
+        active = np.asarray(active, dtype=np.int64)
+        slots_before = in_place.unit_to_slot.copy()
+        a, b = compact.plan(active, scores), in_place.plan(active, scores)
+        write_misses(compact, a)
+        write_misses(in_place, b)
+        assert np.array_equal(a.miss_units, b.miss_units) and np.array_equal(a.overflow_units, b.overflow_units)
+        assert a.evicted == b.evicted and a.hits == b.hits and b.moved_rows == 0
+        assert np.array_equal(compact.cached_mask(), in_place.cached_mask())
+        kept = (slots_before >= 0) & (in_place.unit_to_slot >= 0)
+        assert np.array_equal(slots_before[kept], in_place.unit_to_slot[kept]), "a cached unit moved"
+        used = np.flatnonzero(in_place.slot_to_unit >= 0)
+        assert used.size == in_place.num_used
+        assert np.array_equal(in_place.unit_to_slot[in_place.slot_to_unit[used]], used), "maps are not inverse"
+        units = in_place.slot_to_unit[used]
+        assert np.array_equal(in_place.host[used], pattern_np(units, RB)), "row content lost its unit"
+        assert np.array_equal(np.sort(in_place.cached_units()), np.sort(compact.cached_units()))
+
+
+def test_bypassed_misses_overflow_without_admission_or_eviction():
+    """Units the caller holds elsewhere (read ahead) are neither admitted nor evict anything; hits stay hits."""
+    cache = UnitCache(10, 3, RB, policy="lru", compact=False)
+    write_misses(cache, cache.plan(np.array([0, 1, 2])))
+    plan = cache.plan(np.array([1, 5, 7]), bypass=np.array([5, 9]))
+    assert plan.overflow_units.tolist() == [5] and plan.miss_units.tolist() == [7]
+    assert plan.evicted == 1 and cached_set(cache) == {1, 2, 7}  # 7 took the least recent (lowest id): 0
+    assert plan.slots[1] == -1 and not cache.contains(5)
+    plan = cache.plan(np.array([5]), bypass=np.array([5]))
+    assert plan.overflow_units.tolist() == [5] and plan.evicted == 0 and cache.num_used == 3

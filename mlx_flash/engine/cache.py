@@ -7,15 +7,18 @@ each) as the rows of ONE preallocated MLX buffer.
 The buffer is never reallocated: the native pread pool writes missing units straight into
 it, and the FFN computes from the rows of the token's active units.
 
-Memory management follows the paper's Figure 6:
+Memory management, two ways:
 
-1. delete: every unit that leaves the cache leaves a hole; the hole is filled by moving
-   the LAST used row into it (one row copy per hole below the new `num_used`, never a
-   shift of everything, never a reallocation), both maps are fixed and `num_used` shrinks;
-2. append: the misses get slots `num_used .. num_used + m - 1`.
+* in place (`compact=False`, what the engines use: every backend reads rows by slot): a unit that
+  leaves the cache frees its slot, a miss takes a free slot; only the maps change, no row is copied.
+* compact (the paper's Figure 6, for a backend that computes over a contiguous prefix of rows):
+  1. delete: every unit that leaves the cache leaves a hole; the hole is filled by moving the LAST
+     used row into it (one row copy per hole below the new `num_used`, never a shift of everything,
+     never a reallocation), both maps are fixed and `num_used` shrinks;
+  2. append: the misses get slots `num_used .. num_used + m - 1`.
 
-`plan()` performs step 1 itself (row copies through the numpy view `host`) and returns
-where the caller must read the misses (step 2). Order of one token, per layer:
+`plan()` performs the deletions itself (compact: row copies through the numpy view `host`) and
+returns where the caller must read the misses. Order of one token, per layer:
 
     p = cache.plan(active)                       # deletions + row moves happen here
     pool.read(offsets_of(p.miss_units), dest=memoryview(cache.buffer),
@@ -190,6 +193,7 @@ class UnitCache:
         policy: str = "window",
         window: int = 5,
         alignment: int = 4096,
+        compact: bool = True,
     ):
         n_units, capacity, row_bytes = int(n_units), int(capacity), int(row_bytes)
         window, alignment = int(window), int(alignment)
@@ -215,6 +219,7 @@ class UnitCache:
         self.row_bytes = row_bytes
         self.policy = policy
         self.window = window
+        self.compact = bool(compact)
         self.alignment = alignment
 
         nbytes = capacity * row_bytes
@@ -250,7 +255,7 @@ class UnitCache:
 
     def cached_units(self) -> np.ndarray:
         """int32 [num_used]: the unit in each used slot, in slot order (a copy)."""
-        return self.slot_to_unit[: self.num_used].copy()
+        return self.slot_to_unit[self.slot_to_unit >= 0]
 
     def contains(self, units) -> Union[bool, np.ndarray]:
         """Whether each unit is cached (bool for a scalar, bool array otherwise)."""
@@ -324,7 +329,7 @@ class UnitCache:
         # keys are unique (they embed the unit id), so the partition is exact
         return cand[np.argpartition(key, m - 1)[:m]]
 
-    def plan(self, active, scores: Optional[np.ndarray] = None) -> Plan:
+    def plan(self, active, scores: Optional[np.ndarray] = None, bypass: Optional[np.ndarray] = None) -> Plan:
         """Admit one token's active set (sorted unique int unit ids).
 
         Deletes/evicts per policy, moves rows to keep slots 0..num_used-1 contiguous
@@ -333,7 +338,8 @@ class UnitCache:
         ``miss_units[i]`` into slot ``miss_slots[i]`` and reads ``overflow_units`` into a
         scratch buffer. `scores` (optional, [len(active)] aligned with `active`, or
         [n_units]) decides which misses overflow when the active set exceeds the
-        capacity: the highest-scored misses are cached.
+        capacity: the highest-scored misses are cached. Misses in `bypass` (units the caller already holds
+        elsewhere, e.g. read ahead) go to overflow: neither admitted nor evicting anything.
         """
         act = self._check_active(active)
         k = act.size
@@ -346,12 +352,18 @@ class UnitCache:
         hit = act_slots >= 0
         n_hit = int(np.count_nonzero(hit))
         miss = act[~hit]
+        held = np.zeros(miss.size, dtype=bool)
+        if bypass is not None and miss.size:
+            held = np.isin(miss, bypass)
+        bypassed, miss = miss[held], miss[~held]
         n_admit = min(miss.size, self.capacity - n_hit)  # hits are never evicted
 
         # ---- choose the units to delete (never one of the current active set)
-        cached = s2n[:used].astype(np.int64)
-        keep_active = np.zeros(used, dtype=bool)
-        keep_active[act_slots[hit]] = True
+        used_slots = np.arange(used) if self.compact else np.flatnonzero(s2n >= 0)
+        cached = s2n[used_slots].astype(np.int64)
+        keep = np.zeros(self.capacity, dtype=bool)
+        keep[act_slots[hit]] = True
+        keep_active = keep[used_slots]
         delete = np.zeros(used, dtype=bool)
         if self.policy == "window":
             delete = (self.last_active[cached] < t - self.window + 1) & ~keep_active
@@ -360,13 +372,16 @@ class UnitCache:
             cand_mask = ~keep_active & ~delete
             cand = cached[cand_mask]
             victims = self._victims(cand, need)
-            delete[n2s[victims]] = True
-        del_slots = np.flatnonzero(delete)
+            delete[np.searchsorted(used_slots, n2s[victims])] = True
+        del_slots = used_slots[delete]
         n_del = del_slots.size
 
-        # ---- delete: move the last used rows into the holes (paper Figure 6)
         moved = 0
-        if n_del:
+        if n_del and not self.compact:  # a unit's row stays where it was read: the slot is free, only maps change
+            n2s[cached[delete]] = -1
+            s2n[del_slots] = -1
+            used -= n_del
+        elif n_del:  # compact: move the last used rows into the holes (paper Figure 6)
             n2s[cached[del_slots]] = -1
             new_used = used - n_del
             holes = del_slots[del_slots < new_used]  # ascending
@@ -390,7 +405,7 @@ class UnitCache:
             if scores is not None:
                 sc = np.asarray(scores)
                 if sc.shape == (k,):
-                    ms = sc[~hit]
+                    ms = sc[~hit][~held]
                 elif sc.shape == (self.n_units,):
                     ms = sc[miss]
                 else:
@@ -403,9 +418,14 @@ class UnitCache:
                 admitted, overflow = miss[:n_admit], miss[n_admit:]
         else:
             admitted, overflow = miss, miss[:0]
+        if bypassed.size:
+            overflow = np.sort(np.concatenate([overflow, bypassed]))
 
-        # ---- append the admitted misses at the end
-        miss_slots = np.arange(used, used + admitted.size, dtype=np.int32)
+        # ---- the admitted misses take free slots (compact: the ones after the used prefix)
+        if self.compact:
+            miss_slots = np.arange(used, used + admitted.size, dtype=np.int32)
+        else:
+            miss_slots = np.flatnonzero(s2n < 0)[: admitted.size].astype(np.int32)
         s2n[miss_slots] = admitted
         n2s[admitted] = miss_slots
         used += admitted.size

@@ -162,6 +162,7 @@ class ExpertEngine(Engine):
                     policy=policy,
                     window=window,
                     alignment=fd.alignment,
+                    compact=False,  # an expert is computed where it was read: no row moves on eviction
                 )
             }
             if REGION in regions

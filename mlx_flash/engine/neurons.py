@@ -85,8 +85,9 @@ class NeuronEngine(Engine):
                     fd.layouts[name].stride,
                     policy=policy,
                     window=window,
-                    alignment=fd.unit_alignment,
-                )  # packed rows: scattered reads bounce
+                    alignment=fd.unit_alignment,  # packed rows: scattered reads bounce
+                    compact=False,  # the backends read rows by slot: no row moves on eviction
+                )
                 for name, r in regions.items()
             }
             for i, regions in enumerate(fd.layers)

@@ -3,11 +3,11 @@
 Per layer and forward pass a kind says which units it needs (sorted ids) and how to compute over their rows; the
 step does the rest:
 
-    active --UnitCache.plan--> hits, misses (admitted into cache slots), overflow (more than the cache holds)
-      units read ahead for this layer (read_ahead.py): a staged miss copied into its cache row, staged overflow
-      used in place;  the other misses --reader (pread pool)--> their cache rows
-      the blocks of hits computed while the misses are read, then the blocks with misses, then those with
-      overflow (staged rows, the rest read through the scratch buffer a chunk at a time)
+    active --UnitCache.plan--> hits, misses (admitted into cache slots), overflow (more than the cache holds);
+      units read ahead for this layer (read_ahead.py) are used in their staging rows, not admitted (no copy, no
+      eviction for them);  the misses --reader (pread pool)--> their cache rows
+      the blocks of hits and staged rows computed while the misses are read, then the blocks with misses, then
+      those with overflow, read through the scratch buffer a chunk at a time
 
 Results come back per block, in block order. A block is `block` consecutive ids: REDUCTION_UNITS for neurons, whose
 partial sums are added in block order, so the sum is the same whatever the budget, cache state or read-ahead; one
@@ -171,88 +171,80 @@ class Engine:
         most (None: any number), synchronised between calls; read_next() starts the next layer's reads ahead once
         this layer's misses are on their way."""
         cache = self.caches[layer][region]
+        ahead = self.read_ahead
+        staged = ahead.take(layer) if ahead is not None and ahead.region == region else None
         t = time.perf_counter()
-        plan = cache.plan(active)
+        plan = cache.plan(active, bypass=None if staged is None else staged.units)  # staged: used where they are
         s = self.stats.current
         s.mm_s += time.perf_counter() - t
         s.misses += len(plan.miss_units) + len(plan.overflow_units)
         s.hits += len(active) - len(plan.miss_units) - len(plan.overflow_units)
-        ahead = self.read_ahead
-        staged = ahead.take(layer) if ahead is not None and ahead.region == region else None
-        misses, slots = self._staged_misses(cache, active, plan, staged)
-        wait = self._read_misses(layer, region, misses, slots)
+        wait = self._read_misses(layer, region, plan.miss_units, plan.miss_slots)
         if read_next is not None:
             read_next()
         if not self.overlap or not len(active):
             wait()
         if not len(active):
             return []
+        where, index = self._where(active, plan, staged)
         blocks = Blocks(active, block)
-        over = plan.slots < 0
-        reading = np.zeros(len(active), dtype=np.int8)
-        reading[~over] = np.isin(active[~over], misses)
-        kind = np.maximum.reduceat(over * 2 + reading, blocks.starts)  # per block: 0 all hits, 1 misses, 2 overflow
+        reading = (where == 0) & np.isin(active, plan.miss_units)
+        kind = np.maximum.reduceat(np.where(where == 2, 2, reading), blocks.starts)  # 0 ready, 1 read now, 2 streamed
         parts = [None] * len(blocks)
+        buffers = [cache.rows, cache.rows if staged is None else staged.rows]
 
         def compute(todo):
             groups = self._groups(todo, blocks.sizes, per or len(active))
             for group in groups:
                 pos, dst = blocks.select(group)
-                out = fn(cache.rows, plan.slots[pos], pos, dst, len(group))
+                if (where[pos] == 0).all():
+                    out = fn(cache.rows, plan.slots[pos], pos, dst, len(group))
+                else:  # rows read ahead among them, in place
+                    out = fn(*RowSet(buffers, where[pos], index[pos]).single(), pos, dst, len(group))
                 if per and len(groups) > 1:
                     sync(out)  # one group's gathered rows (MLX ops) alive at a time
                 parts[group[0] : group[-1] + 1] = out
 
-        compute(np.flatnonzero(kind == 0))
+        if (where == 1).any():
+            staged.wait()
+        compute(np.flatnonzero(kind == 0))  # hits and rows read ahead, while the misses are read
         wait()  # before anything reads the misses' rows
         compute(np.flatnonzero(kind == 1))
         if (kind == 2).any():
-            self._overflow(layer, region, active, plan, staged, np.flatnonzero(kind == 2), blocks, parts, fn, sync)
+            self._overflow(layer, region, active, where, index, buffers, np.flatnonzero(kind == 2), blocks, parts, fn,
+                           sync)  # fmt: skip
         return parts
 
-    def _staged_misses(self, cache: UnitCache, active, plan, staged):
-        """The misses still to read: those read ahead are copied into their cache rows. Counts what was staged for
-        nothing and, where the staging followed a prediction, how much of `active` it had."""
+    def _where(self, active, plan, staged):
+        """Per active unit, where its row is (0: its cache slot, 1: a staging row, 2: to stream through the
+        scratch buffer) and its row there. Counts what was staged for nothing and, where the staging followed a
+        prediction, how much of `active` it had."""
+        where = np.where(plan.slots >= 0, 0, 2)
+        index = plan.slots.astype(np.int64)
         if staged is None:
-            return plan.miss_units, plan.miss_slots
+            return where, index
         s = self.stats.current
-        needed = np.concatenate([plan.miss_units, plan.overflow_units])
-        s.ahead_wasted_bytes += int((~np.isin(staged.units, needed)).sum()) * cache.row_bytes
+        s.ahead_wasted_bytes += int((~np.isin(staged.units, active)).sum()) * self.read_ahead.stride
         if staged.predicted is not None:
             s.routed += len(active)
             s.predicted += int(np.isin(active, staged.predicted).sum())
-        have = np.isin(plan.miss_units, staged.units)
-        if not have.any():
-            return plan.miss_units, plan.miss_slots
-        staged.wait()
-        t = time.perf_counter()
-        cache.host[plan.miss_slots[have]] = staged.host[np.searchsorted(staged.units, plan.miss_units[have])]
-        s.mm_s += time.perf_counter() - t
-        return plan.miss_units[~have], plan.miss_slots[~have]
+        over = np.flatnonzero(where == 2)
+        if len(over) and len(staged.units):
+            at = np.minimum(np.searchsorted(staged.units, active[over]), len(staged.units) - 1)
+            found = staged.units[at] == active[over]
+            where[over[found]], index[over[found]] = 1, at[found]
+        return where, index
 
-    def _overflow(self, layer, region, active, plan, staged, todo, blocks, parts, fn, sync):
-        """`step`'s blocks with overflow units: those read ahead computed in place, the rest streamed through the
-        scratch buffer; each call holds whole blocks, their cached rows read in place beside the others (a RowSet)."""
-        cache = self.caches[layer][region]
-        overflow = np.flatnonzero(plan.slots < 0)
-        where = np.full(len(active), 0, dtype=np.int64)  # 0: cache row, 1: staged, 2: scratch
-        index = plan.slots.astype(np.int64)
-        where[overflow] = 2
-        if staged is not None:
-            at = np.minimum(np.searchsorted(staged.units, active[overflow]), len(staged.units) - 1)
-            found = staged.units[at] == active[overflow]
-            where[overflow[found]], index[overflow[found]] = 1, at[found]
-            if found.any():
-                staged.wait()
+    def _overflow(self, layer, region, active, where, index, buffers, todo, blocks, parts, fn, sync):
+        """`step`'s blocks with units to stream: read through the scratch buffer a chunk of whole blocks at a time,
+        their other rows read in place beside them (a RowSet)."""
         streamed = np.add.reduceat(where == 2, blocks.starts)
         for group in self._groups(todo, streamed, self._fits(region)):
             pos, dst = blocks.select(group)
             mine = pos[where[pos] == 2]
-            scratch = cache.rows
-            if len(mine):
-                scratch = self._read_chunk(layer, region, active[mine])
-                index[mine] = np.arange(len(mine))
-            rows = RowSet([cache.rows, cache.rows if staged is None else staged.rows, scratch], where[pos], index[pos])
+            scratch = self._read_chunk(layer, region, active[mine])
+            index[mine] = np.arange(len(mine))
+            rows = RowSet([*buffers, scratch], where[pos], index[pos])
             out = fn(*rows.single(), pos, dst, len(group))
             sync(out)  # before the next chunk overwrites the scratch rows
             parts[group[0] : group[-1] + 1] = out
