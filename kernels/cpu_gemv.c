@@ -2,8 +2,9 @@
 
    The CPU counterpart of gather_ffn.metal: MLX's CPU quantized_matmul runs at ~1 G
    elements/s here (0.5 GB/s of 4-bit weights), which makes decode compute-bound on a
-   CPU; these loops dequantise and accumulate in float32 with AVX2 where the CPU has it
-   (runtime check, scalar loops otherwise) on OpenMP threads.
+   CPU; these loops dequantise and accumulate in float32 with AVX2, or AVX-512 (F, BW, VL,
+   VNNI: the same bits), where the CPU has it (runtime checks, scalar loops otherwise) on
+   OpenMP threads.
 
    A quantised matrix is a set of rows r (MLX affine quantisation, values packed LSB first
    in little-endian words, one scale and bias per group of `group_size` values):
@@ -184,6 +185,7 @@ AVX2 static float qdot_avx2(const float *x, const uint8_t *w, int gs, int bits) 
 /* out[0:gs] += sum_r a[r] q_r for m <= 4 rows: out stays in registers across the rows */
 AVX2 static void qaxpy4_avx2(float *out, const uint8_t *const *w, const float *a, int m, int gs, int bits) {
     __m256 f[4];
+    if (m > 4) __builtin_unreachable(); /* the rows' loop unrolled: twice as fast as a loop (its loads wait) */
     for (int i = 0; i < gs; i += 32) {
         __m256 acc[4];
         for (int t = 0; t < 4; t++) acc[t] = _mm256_loadu_ps(out + i + 8 * t);
@@ -204,6 +206,7 @@ AVX2 static void qaxpy4_avx2(float *out, const uint8_t *const *w, const float *a
    (AXPY_BLOCK) coefficients per position. */
 AVX2 static void qaxpy4_multi_avx2(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int nr, int m,
                                    int len, int bits) {
+    if (nr > 4) __builtin_unreachable(); /* as in qaxpy4_avx2 */
     for (int i = 0; i < len; i += 32) {
         __m256 f[4][4];
         for (int r = 0; r < nr; r++) {
@@ -265,6 +268,9 @@ static void biases_f32(const Rows *r, const uint8_t *p, int groups, const float 
 }
 
 static int simd_allowed = 1; /* set_simd(False): the scalar loops, for tests */
+static int avx512_allowed = 1; /* set_avx512(False) (MLX_FLASH_AVX512=0): the AVX2 / VNNI loops on an AVX-512 CPU */
+static int cpu_has_avx512(void);
+static int use_avx512(void) { return simd_allowed && avx512_allowed && cpu_has_avx512(); }
 
 static int use_avx2(const Rows *r) { return simd_allowed && cpu_has_avx2() && (r->bits == 4 || r->bits == 8) && r->gs % 32 == 0; }
 
@@ -285,7 +291,16 @@ static int threads_for(const Rows *r, int m) {
 #endif
 }
 
+#define ROWS_AHEAD_512 8 /* the AVX-512 dot loops (4 rows at a time; 4, 8, 12, 16 tried: 8 best, 1.3x faster than 4) */
 #define PREFETCH_AHEAD 4 /* rows; 10-20% faster on 7B-shaped cache rows than none (2, 4, 8 alike; alternated runs, shared machine) */
+
+/* Rows added per pass over `out` by the AVX-512 loops of several positions (AXPY_BLOCK in the others) and of one
+   (row_axpy1_avx512): more rows per load and store of the sums, the same sums (each element's FMAs in row order,
+   whatever the blocking). */
+#define AXPY_MAX 8
+#define ROW_PASS 16
+#define ROW_AHEAD 256  /* bytes asked for ahead in each row by the one-position axpy loops (128-512 tried: 256 best) */
+#define BLOCK_AHEAD 64 /* rows of the next block (or pass) asked for meanwhile, their first ROW_AHEAD bytes */
 
 /* Rows in a neuron cache are a stride apart: the hardware prefetcher loses the stream at each row, so the
    loops ask for a later row's bytes themselves. */
@@ -296,17 +311,22 @@ static inline void prefetch_span(const uint8_t *p, Py_ssize_t bytes) {
 static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path);
 static int int8_path(const Rows *r);
 
-/* Row j of a dot product: its codes, with its scales and biases as float32 in scale / bias; the row
-   PREFETCH_AHEAD later is asked for meanwhile. */
-static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast) {
+/* Row j of a dot product: its codes, with its scales and biases as float32 in scale / bias; the row `ahead` later
+   is asked for meanwhile (ahead < 0: only the scales of row j - ahead, its codes asked for elsewhere). */
+static const uint8_t *row_start_ahead(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast, int ahead) {
     const int groups = r->n / r->gs, scale_size = r->stype == SCALE_F32 ? 4 : 2;
-    if (j + PREFETCH_AHEAD < r->k) {
-        prefetch_span(w_row(r, j + PREFETCH_AHEAD), (Py_ssize_t)r->n * r->bits / 8);
-        prefetch_span(s_row(r, j + PREFETCH_AHEAD), (Py_ssize_t)groups * scale_size);
+    const Py_ssize_t a = ahead < 0 ? -ahead : ahead;
+    if (j + a < r->k) {
+        if (ahead > 0) prefetch_span(w_row(r, j + a), (Py_ssize_t)r->n * r->bits / 8);
+        prefetch_span(s_row(r, j + a), (Py_ssize_t)groups * scale_size);
     }
     scales_f32(s_row(r, j), r->stype, groups, scale, fast);
     biases_f32(r, b_row(r, j), groups, scale, bias, fast);
     return w_row(r, j);
+}
+
+static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast) {
+    return row_start_ahead(r, j, scale, bias, fast, PREFETCH_AHEAD);
 }
 
 /* Positions computed per sweep over the rows (at most): their activations stay in L1/L2 while a row is hot.
@@ -382,6 +402,7 @@ typedef struct {
     float *dx; /* per block of 32 */
     float *xs; /* per group: the sum of the rounded x */
     float *dxv; /* 4 bits: each block's dx 4 times (a block pair's 8 int32 lanes, block by block) */
+    int8_t *xq4; /* 4 bits, AVX-512: xq with block pairs in twos, [even 32 of both pairs, odd 32 of both] (quad_x) */
 } QX;
 
 /* Where block b's even (or, for 8 bits, all) and odd elements sit in xq. */
@@ -513,9 +534,16 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
     int g = 0;                                                                                                \
     for (; g + 8 <= groups; g += 8)                                                                           \
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(q->xs + g), acc);                    \
-    float r = hsum(acc);                                                                                      \
-    for (; g < groups; g++) r += bias[g] * q->xs[g];                                                          \
+    return q8_finish(acc, bias, q->xs, g, groups);
+
+/* Q8DOT_BODY's end: the lanes summed, then the groups past the last 8. One function for every path's loops (AVX2,
+   VNNI, AVX-512): how a compiler vectorises this loop decides its rounding (GCC 12 multiplies 4 groups at once, then
+   adds, and fuses the rest), so each inlined copy could round differently. */
+AVX2 __attribute__((noinline)) static float q8_finish(__m256 acc, const float *bias, const float *xs, int g, int groups) {
+    float r = hsum(acc);
+    for (; g < groups; g++) r += bias[g] * xs[g];
     return r;
+}
 
 #define DP_VNNI(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #define DP_AVX2(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
@@ -536,35 +564,384 @@ static int cpu_has_vnni(void) {
     }
     return cached;
 }
+
+/* -- AVX-512 (F, BW, VL, VNNI): the same sums in 512-bit registers --------------------------------
+   Each output is bit for bit the AVX2 / VNNI loops' (tests/test_cpu_gemv.py compares them): integer block dots
+   are exact whatever the width, and every float operation is the one those loops do, on the same lane, in the same
+   order (where they multiply and add apart, so do these, with the _round forms a compiler cannot fuse).
+   - row_dot, int8 activations: 4-bit codes four blocks per load (the activations laid out in quads, q->xq4), their
+     int32 sums then meet the 8-lane float accumulator of Q8DOT_BODY pair by pair; four rows at a time, since one
+     row's accumulator is a chain of dependent FMAs (latency-bound alone; the rows' chains overlap).
+   - row_axpy / block_axpy: each output element's FMAs over the rows in order, whatever the blocking; one position's
+     sums stay in registers over many rows (a whole block of block_axpy's), 128 columns at a time.
+   - the rows, a stride apart in a neuron cache, are asked for ahead a line at a time as the loops go (the hardware
+     prefetcher restarts at every row): at 2 threads the 7B's FFN rows then stream from DRAM at 30-33 GB/s, against
+     17-25 for the AVX2 loops (benchmarks/bench_avx512.py). */
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+static int cpu_has_avx512(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return cached;
+}
+
+AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* Q8DOT_BODY (VNNI) of 4 rows at once: out[t] = row t's result. pf: 4 later rows' codes, asked for a line at a time
+   meanwhile (spread over the loop: a row's lines asked for at once stall the loop, and memory idles while it
+   computes). */
+AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const float *const *scale,
+                                 const float *const *bias, int n, int gs, int bits, const uint8_t *const *pf, float *out) {
+    const int blocks = n / 32, per_group = gs / 32;
+    __m256 acc[4];
+    for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps();
+    int b = 0;
+    if (bits == 4) {
+        const __m512i nib = _mm512_set1_epi8(0x0f);
+        const __m256i pair_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), pair_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+        for (; b + 3 < blocks; b += 4) { /* two pairs: 64 bytes of codes, 128 of activations */
+            const __m512i xe = _mm512_loadu_si512(q->xq4 + 32 * b), xo = _mm512_loadu_si512(q->xq4 + 32 * b + 64);
+            const __m512 d = _mm512_loadu_ps(q->dxv + 4 * b);
+            for (int t = 0; t < 4; t++) {
+                _mm_prefetch((const char *)(pf[t] + 16 * b), _MM_HINT_T0);
+                const __m512i v = _mm512_loadu_si512(w[t] + 16 * b);
+                const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+                const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(p), d); /* lanes 0-7: pair b, 8-15: pair b + 2 */
+                __m256 s0, s1;
+                if (per_group == 1) {
+                    const __m256 s4 = _mm256_castps128_ps256(_mm_loadu_ps(scale[t] + b));
+                    s0 = _mm256_permutevar8x32_ps(s4, pair_lo);
+                    s1 = _mm256_permutevar8x32_ps(s4, pair_hi);
+                } else {
+                    s0 = _mm256_set1_ps(scale[t][b / per_group]);
+                    s1 = _mm256_set1_ps(scale[t][(b + 2) / per_group]);
+                }
+                acc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), s0, acc[t]);
+                acc[t] = _mm256_fmadd_ps(hi256(f), s1, acc[t]);
+            }
+        }
+        const __m256i nib8 = _mm256_set1_epi8(0x0f);
+        if (b + 1 < blocks) { /* a last pair, as Q8DOT_BODY (the quad layout keeps it as it was) */
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)(q->xq4 + 32 * b));
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(q->xq4 + 32 * b + 32));
+            const __m256 d = _mm256_loadu_ps(q->dxv + 4 * b);
+            for (int t = 0; t < 4; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w[t] + 16 * b));
+                const __m256i lo = _mm256_and_si256(v, nib8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib8);
+                const __m256i p = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+                const __m256 s = per_group == 1 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(
+                                                                               _mm_loadl_epi64((const __m128i *)(scale[t] + b)))),
+                                                                           pair_lo)
+                                                : _mm256_set1_ps(scale[t][b / per_group]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), d), s, acc[t]);
+            }
+            b += 2;
+        }
+        if (b < blocks) { /* the unpaired last block */
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q->xq4 + 32 * b));
+            for (int t = 0; t < 4; t++) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(w[t] + 16 * b));
+                const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib8);
+                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, x);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[t][b / per_group] * q->dx[b]), acc[t]);
+            }
+        }
+    } else {
+        for (; b + 1 < blocks; b += 2) { /* two blocks a load */
+            const __m512i x = _mm512_loadu_si512(q->xq + 32 * b);
+            for (int t = 0; t < 4; t++) {
+                _mm_prefetch((const char *)(pf[t] + 32 * b), _MM_HINT_T0);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w[t] + 32 * b), x);
+                const __m512 f = _mm512_cvtepi32_ps(p);
+                acc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm256_set1_ps(scale[t][b / per_group] * q->dx[b]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(hi256(f), _mm256_set1_ps(scale[t][(b + 1) / per_group] * q->dx[b + 1]), acc[t]);
+            }
+        }
+        if (b < blocks) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q->xq + 32 * b));
+            for (int t = 0; t < 4; t++) {
+                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w[t] + 32 * b)), x);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[t][b / per_group] * q->dx[b]), acc[t]);
+            }
+        }
+    }
+    const int groups = n / gs;
+    for (int t = 0; t < 4; t++) { /* the biases, as Q8DOT_BODY */
+        int g = 0;
+        for (; g + 8 <= groups; g += 8)
+            acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(bias[t] + g), _mm256_loadu_ps(q->xs + g), acc[t]);
+        out[t] = q8_finish(acc[t], bias[t], q->xs, g, groups);
+    }
+}
+
+/* row_axpy's loops: out[i] += a_r q_r[i], row after row, each element's FMAs those of qaxpy4_avx2 in its order.
+   32 4-bit codes widen (one byte a lane) to their even and odd elements, so the accumulators are de-interleaved
+   to match (two permutes each way per 32 columns and block of rows, instead of shuffles per row); 8-bit codes are in
+   element order. */
+AVX512 static inline void codes32_avx512(const uint8_t *w, int bits, __m512 *e, __m512 *o) {
+    if (bits == 4) { /* a code's float from a table of 0..15 (vpermps reads the index's low 4 bits: no mask) */
+        const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+        *e = _mm512_permutexvar_ps(c, values);
+        *o = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), values);
+    } else {
+        *e = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w)));
+        *o = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
+    }
+}
+
+/* out[0:32] as codes32_avx512's two halves meet it */
+AVX512 static inline void load32_avx512(const float *out, int bits, __m512 *e, __m512 *o) {
+    const __m512 a = _mm512_loadu_ps(out), b = _mm512_loadu_ps(out + 16);
+    if (bits == 4) {
+        *e = _mm512_permutex2var_ps(a, _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), b);
+        *o = _mm512_permutex2var_ps(a, _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1), b);
+    } else {
+        *e = a;
+        *o = b;
+    }
+}
+
+/* 4 bits: the even and odd elements of 32 columns back in element order */
+AVX512 static inline void interleave_avx512(__m512 *e, __m512 *o) {
+    const __m512 lo = _mm512_permutex2var_ps(*e, _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), *o);
+    *o = _mm512_permutex2var_ps(*e, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8), *o);
+    *e = lo;
+}
+
+AVX512 static inline void store32_avx512(float *out, int bits, __m512 e, __m512 o) {
+    if (bits == 4) {
+        interleave_avx512(&e, &o);
+        _mm512_storeu_ps(out, e);
+        _mm512_storeu_ps(out + 16, o);
+    } else {
+        _mm512_storeu_ps(out, e);
+        _mm512_storeu_ps(out + 16, o);
+    }
+}
+
+/* qaxpy4_multi_avx2 in 512 bits: out[p * stride + 0:len] += sum_r a[p * as + r] q_r for m positions and nr <=
+   AXPY_MAX rows, each 32 codes converted once for all positions */
+AVX512 static void qaxpy_multi_avx512(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int as,
+                                      int nr, int m, int len, int bits) {
+    for (int i = 0; i < len; i += 32) {
+        __m512 ce[AXPY_MAX], co[AXPY_MAX];
+        for (int r = 0; r < nr; r++) codes32_avx512(w[r] + i * bits / 8, bits, &ce[r], &co[r]);
+        for (int p = 0; p < m; p++) {
+            __m512 e, o;
+            load32_avx512(out + p * stride + i, bits, &e, &o);
+            for (int r = 0; r < nr; r++) {
+                const __m512 v = _mm512_set1_ps(a[p * as + r]);
+                e = _mm512_fmadd_ps(ce[r], v, e);
+                o = _mm512_fmadd_ps(co[r], v, o);
+            }
+            store32_avx512(out + p * stride + i, bits, e, o);
+        }
+    }
+}
+
+/* 16 scales (or biases) from i as floats, converted as scales_f32 does (F16C's conversion, bf16's shift) */
+AVX512 static inline __m512 scales16_avx512(const uint8_t *p, int stype, int i) {
+    if (stype == SCALE_F32) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 2 * i));
+    if (stype == SCALE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* o[i] += s[i] acc[i] + b[i] csum as block_axpy_impl's scalar loop rounds it: two products, then two sums, none
+   fused (the _round forms are builtins a compiler does not contract into FMAs, as it may plain vector products) */
+#define RN (_MM_FROUND_CUR_DIRECTION)
+AVX512 static inline void block_end16_avx512(float *o, __m512 acc, __m512 s, __m512 b, __m512 csum) {
+    const __m512 t = _mm512_add_round_ps(_mm512_mul_round_ps(s, acc, RN), _mm512_mul_round_ps(b, csum, RN), RN);
+    _mm512_storeu_ps(o, _mm512_add_round_ps(_mm512_loadu_ps(o), t, RN));
+}
+
+/* block_axpy1_avx512's columns [i, i + 32 q): q = 4 in its main loop, 8 independent chains of FMAs to hide their
+   latency (the 2 of 32 columns alone run at half the speed) */
+AVX512 static inline __attribute__((always_inline)) void block_cols_avx512(float *o, const uint8_t *const *w,
+                                                                           const float *a, int nr, const uint8_t *S,
+                                                                           const uint8_t *B, int stype, int sym,
+                                                                           __m512 voff, __m512 vc, int i, int q, int bits) {
+    const int at = i * bits / 8;
+    __m512 acc[8], c[8];
+    for (int t = 0; t < 2 * q; t++) acc[t] = _mm512_setzero_ps();
+    for (int u = 0; u < nr; u++) {
+        const __m512 v = _mm512_set1_ps(a[u]);
+        /* a few lines ahead in each row: the rows are read side by side, one short stream each, which the hardware
+           prefetcher does not follow in time (2x faster on the 7B's down projection) */
+        for (int l = 0; l < q * 4 * bits; l += 64) _mm_prefetch((const char *)(w[u] + at + ROW_AHEAD + l), _MM_HINT_T0);
+        for (int h = 0; h < q; h++) codes32_avx512(w[u] + at + h * 4 * bits, bits, &c[2 * h], &c[2 * h + 1]);
+        for (int t = 0; t < 2 * q; t++) acc[t] = _mm512_fmadd_ps(c[t], v, acc[t]);
+    }
+    for (int h = 0; bits == 4 && h < q; h++) interleave_avx512(&acc[2 * h], &acc[2 * h + 1]);
+    for (int t = 0; t < 2 * q; t++) {
+        const __m512 s = scales16_avx512(S, stype, i + 16 * t);
+        const __m512 b = sym ? _mm512_mul_round_ps(voff, s, RN) : scales16_avx512(B, stype, i + 16 * t);
+        block_end16_avx512(o + i + 16 * t, acc[t], s, b, vc);
+    }
+}
+
+/* block_axpy of one position over the nr rows of one block, their codes w[r] (at the thread's first column), S and B
+   the block's scales and biases there (sym: b = off s): o[i] += s_i sum_r a[r] q_r[i] + b_i csum for i < len. The
+   sums stay in registers across all the rows (no scratch row, no pass over it), in the other loops' order (from 0,
+   row by row). */
+AVX512 static void block_axpy1_avx512(float *o, const uint8_t *const *w, const float *a, int nr, const uint8_t *S,
+                                      const uint8_t *B, int stype, int sym, float off, float csum, int len, int bits) {
+    const __m512 vc = _mm512_set1_ps(csum), voff = _mm512_set1_ps(off);
+    int i = 0;
+    for (; i + 128 <= len; i += 128) block_cols_avx512(o, w, a, nr, S, B, stype, sym, voff, vc, i, 4, bits);
+    for (; i < len; i += 32) block_cols_avx512(o, w, a, nr, S, B, stype, sym, voff, vc, i, 1, bits);
+}
+
+
+/* row_axpy of one position, AVX-512: one row's coefficients over the thread's G groups from g0, a[g] = scale_g c and
+   bias_sum[g] += c bias_g, the scalar loops' products and sums (not fused) */
+AVX512 static void row_coeffs_avx512(const Rows *r, Py_ssize_t j, int g0, int G, float c, float *a, float *bias_sum) {
+    const int scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const uint8_t *s = s_row(r, j) + (Py_ssize_t)g0 * scale_size, *b = b_row(r, j) + (Py_ssize_t)g0 * scale_size;
+    const __m512 vc = _mm512_set1_ps(c), off = _mm512_set1_ps(-(float)(1 << (r->bits - 1)));
+    for (int g = 0; g < G; g += 16) {
+        const __mmask16 k = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);
+        __m512 sc, bi;
+        if (r->stype == SCALE_F32) {
+            sc = _mm512_maskz_loadu_ps(k, (const float *)s + g);
+            bi = r->sym ? _mm512_mul_round_ps(off, sc, RN) : _mm512_maskz_loadu_ps(k, (const float *)b + g);
+        } else {
+            const __m256i hs = _mm256_maskz_loadu_epi16(k, (const __m256i *)(s + 2 * g));
+            const __m256i hb = r->sym ? hs : _mm256_maskz_loadu_epi16(k, (const __m256i *)(b + 2 * g));
+            sc = r->stype == SCALE_F16 ? _mm512_cvtph_ps(hs) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hs), 16));
+            bi = r->sym ? _mm512_mul_round_ps(off, sc, RN)
+                        : r->stype == SCALE_F16 ? _mm512_cvtph_ps(hb)
+                                                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
+        }
+        _mm512_mask_storeu_ps(a + g, k, _mm512_mul_round_ps(sc, vc, RN));
+        const __m512 t = _mm512_mul_round_ps(vc, bi, RN);
+        _mm512_mask_storeu_ps(bias_sum + g, k, _mm512_add_round_ps(_mm512_maskz_loadu_ps(k, bias_sum + g), t, RN));
+    }
+}
+
+/* row_axpy's columns [i, i + 32 q) of one position over nr rows (a[u * G + group]: row u's coefficient there): o
+   loaded once, then each row's FMAs, in row order; q = 4 for 8 independent chains (as block_cols_avx512) */
+AVX512 static inline __attribute__((always_inline)) void row_cols_avx512(float *o, const uint8_t *const *w,
+                                                                         const float *a, int G, int nr, int i, int q,
+                                                                         int gs, int bits) {
+    const int at = i * bits / 8;
+    __m512 acc[8], c[8];
+    int grp[4];
+    for (int h = 0; h < q; h++) {
+        load32_avx512(o + i + 32 * h, bits, &acc[2 * h], &acc[2 * h + 1]);
+        grp[h] = (i + 32 * h) / gs;
+    }
+    for (int u = 0; u < nr; u++) {
+        for (int l = 0; l < q * 4 * bits; l += 64) _mm_prefetch((const char *)(w[u] + at + ROW_AHEAD + l), _MM_HINT_T0);
+        for (int h = 0; h < q; h++) {
+            const __m512 v = _mm512_set1_ps(a[u * G + grp[h]]);
+            codes32_avx512(w[u] + at + h * 4 * bits, bits, &c[2 * h], &c[2 * h + 1]);
+            acc[2 * h] = _mm512_fmadd_ps(c[2 * h], v, acc[2 * h]);
+            acc[2 * h + 1] = _mm512_fmadd_ps(c[2 * h + 1], v, acc[2 * h + 1]);
+        }
+    }
+    for (int h = 0; h < q; h++) store32_avx512(o + i + 32 * h, bits, acc[2 * h], acc[2 * h + 1]);
+}
+
+/* o[0:len] += sum_u a[u][group] q_u over nr rows (their codes w[u] at the thread's first column) */
+AVX512 static void row_axpy1_avx512(float *o, const uint8_t *const *w, const float *a, int G, int nr, int len, int gs,
+                                    int bits) {
+    int i = 0;
+    for (; i + 128 <= len; i += 128) row_cols_avx512(o, w, a, G, nr, i, 4, gs, bits);
+    for (; i < len; i += 32) row_cols_avx512(o, w, a, G, nr, i, 1, gs, bits);
+}
 #else
 static int cpu_has_vnni(void) { return 0; }
+static int cpu_has_avx512(void) { return 0; }
 #endif
 
 static int int8_allowed = 1; /* set_int8(False): float activations, for references */
 
-/* 0: float activations; 1: scalar int8 loops; 2: AVX2; 3: VNNI. 8-bit codes need VNNI (pmaddubsw would
-   saturate) or the scalar loops. */
+/* 0: float activations; 1: scalar int8 loops; 2: AVX2; 3: VNNI; 4: AVX-512 VNNI. 8-bit codes need VNNI
+   (pmaddubsw would saturate) or the scalar loops. */
 static int int8_path(const Rows *r) {
     if (!int8_allowed || (r->bits != 4 && r->bits != 8) || r->gs % 32) return 0;
     if (!simd_allowed) return 1;
+    if (use_avx512()) return 4;
     if (cpu_has_vnni()) return 3;
     return r->bits == 4 && cpu_has_avx2() ? 2 : 0;
 }
 
+/* xq (4 bits) for 512-bit loads: each two block pairs' halves regrouped, [even 32 of pair 0, even 32 of pair 1, odd
+   32 of pair 0, odd 32 of pair 1]; a last pair or block as it was. */
+static void quad_x(const int8_t *xq, int n, int8_t *xq4) {
+    const int blocks = n / 32;
+    int b = 0;
+    for (; b + 3 < blocks; b += 4) {
+        const int8_t *s = xq + 32 * b;
+        int8_t *d = xq4 + 32 * b;
+        memcpy(d, s, 32);
+        memcpy(d + 32, s + 64, 32);
+        memcpy(d + 64, s + 32, 32);
+        memcpy(d + 96, s + 96, 32);
+    }
+    memcpy(xq4 + 32 * b, xq + 32 * b, (size_t)(n - 32 * b));
+}
+
+/* acc plus the outliers of position q, in float */
+static inline float add_outliers(const Rows *r, const uint8_t *w, const float *scale, const float *bias, const QX *q,
+                                 float acc) {
+    for (int t = 0; t < q->n_out; t++) {
+        const int i = q->out_idx[t], g = i / r->gs;
+        const int code = r->bits == 8 ? w[i] : (w[i / 2] >> (4 * (i % 2))) & 15;
+        acc += (scale[g] * (float)code + bias[g]) * q->out_val[t];
+    }
+    return acc;
+}
+
 /* x [m, n] -> out [m, k]: each position quantised once, then POS_TILE positions per sweep over the rows */
 static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path) {
-    const int groups = r->n / r->gs;
+    const int groups = r->n / r->gs, quads = path == 4 && r->bits == 4;
     const size_t n = (size_t)r->n;
-    int8_t *xq = aligned_alloc(32, m * n);
+    int8_t *xq = aligned_alloc(32, m * n * (quads ? 2 : 1));
     float *f = malloc(sizeof(float) * m * (n / 32 + groups + n / 8));
     QX *q = malloc(sizeof(QX) * (size_t)m);
     for (int p = 0; p < m; p++) {
         q[p] = (QX){.xq = xq + p * n, .dx = f + p * (n / 32), .xs = f + m * (n / 32) + (size_t)p * groups,
-                    .dxv = f + m * (n / 32 + groups) + p * (n / 8)};
+                    .dxv = f + m * (n / 32 + groups) + p * (n / 8), .xq4 = quads ? xq + (m + p) * n : NULL};
         quantize_x(x + p * n, r->n, r->gs, r->bits, &q[p]);
+        if (quads) quad_x(q[p].xq, r->n, q[p].xq4);
     }
     for (int p0 = 0, tile = pos_tile(m); p0 < m; p0 += tile) {
         const int p1 = p0 + tile < m ? p0 + tile : m;
+#if HAVE_X86
+        if (path == 4) { /* four rows at a time */
+#pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
+            for (Py_ssize_t j0 = 0; j0 < r->k; j0 += 4) {
+                float scale[4][groups], bias[4][groups], res[4];
+                const uint8_t *w[4];
+                const float *sp[4], *bp[4];
+                const int nr = r->k - j0 < 4 ? (int)(r->k - j0) : 4;
+                const uint8_t *pf[4];
+                w[0] = row_start_ahead(r, j0, scale[0], bias[0], 1, -ROWS_AHEAD_512);
+                for (int t = 1; t < nr; t++) w[t] = row_start_ahead(r, j0 + t, scale[t], bias[t], 1, -ROWS_AHEAD_512);
+                for (int t = 0; t < 4; t++) { /* past the last row: row j0 again, its result unused */
+                    const int u = t < nr ? t : 0;
+                    w[t] = w[u];
+                    sp[t] = scale[u];
+                    bp[t] = bias[u];
+                    pf[t] = j0 + t + ROWS_AHEAD_512 < r->k ? w_row(r, j0 + t + ROWS_AHEAD_512) : w[t];
+                }
+                for (int p = p0; p < p1; p++) {
+                    q8dot4_avx512(w, &q[p], sp, bp, r->n, r->gs, r->bits, pf, res);
+                    for (int t = 0; t < nr; t++)
+                        out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], scale[t], bias[t], &q[p], res[t]);
+                }
+            }
+            continue;
+        }
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
         for (Py_ssize_t j = 0; j < r->k; j++) {
             float scale[groups], bias[groups];
@@ -580,12 +957,7 @@ static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int pat
                 else
 #endif
                     acc = q8dot_scalar(w, qp, scale, bias, r->n, r->gs, r->bits);
-                for (int t = 0; t < qp->n_out; t++) { /* the outliers, in float */
-                    const int i = qp->out_idx[t], g = i / r->gs;
-                    const int code = r->bits == 8 ? w[i] : (w[i / 2] >> (4 * (i % 2))) & 15;
-                    acc += (scale[g] * (float)code + bias[g]) * qp->out_val[t];
-                }
-                out[(Py_ssize_t)p * r->k + j] = acc;
+                out[(Py_ssize_t)p * r->k + j] = add_outliers(r, w, scale, bias, qp, acc);
             }
         }
     }
@@ -598,32 +970,40 @@ static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int pat
    loaded and stored once per block instead of once per row. */
 #define AXPY_BLOCK 4
 
-static void axpy_block(float *out, const uint8_t *const *w, const float *a, int m, int gs, int bits, int avx) {
+/* row_axpy's loops: 0 scalar, 1 AVX2 (AXPY_BLOCK rows a pass), 2 AVX-512 (AXPY_MAX rows) */
+static int axpy_path(const Rows *r) { return use_avx2(r) ? 1 + use_avx512() : 0; }
+
+static void axpy_block(float *out, const uint8_t *const *w, const float *a, int m, int gs, int bits, int path) {
 #if HAVE_X86
-    if (avx) {
+    if (path) { /* (1: path 2 takes qaxpy_multi_avx512, or its own loops for one position) */
         qaxpy4_avx2(out, w, a, m, gs, bits);
         return;
     }
 #endif
-    (void)avx;
+    (void)path;
     for (int r = 0; r < m; r++) qaxpy_scalar(out, w[r], a[r], gs, bits);
 }
 
-/* axpy_block for m positions: out[p * stride ...] += sum_r a[p * AXPY_BLOCK + r] q_r; the codes converted once */
-static inline void axpy_block_multi(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int nr,
-                                    int m, int gs, int bits, int avx) {
-    if (m == 1) { /* a decode step: qaxpy4_avx2 keeps its rows' codes in registers (same arithmetic); inlined, as
-                     this runs once per group of every 4 rows */
-        axpy_block(out, w, a, nr, gs, bits, avx);
+/* axpy_block for m positions: out[p * stride ...] += sum_r a[p * as + r] q_r (as: AXPY_BLOCK, or AXPY_MAX on
+   path 2); the codes converted once */
+static inline void axpy_block_multi(float *out, Py_ssize_t stride, const uint8_t *const *w, const float *a, int as,
+                                    int nr, int m, int gs, int bits, int path) {
+    if (m == 1 && path < 2) { /* a decode step: qaxpy4_avx2 keeps its rows' codes in registers (same arithmetic);
+                                 inlined, as this runs once per group of every 4 rows */
+        axpy_block(out, w, a, nr, gs, bits, path);
         return;
     }
 #if HAVE_X86
-    if (avx) {
+    if (path == 2) {
+        qaxpy_multi_avx512(out, stride, w, a, as, nr, m, gs, bits);
+        return;
+    }
+    if (path) {
         qaxpy4_multi_avx2(out, stride, w, a, nr, m, gs, bits);
         return;
     }
 #endif
-    for (int p = 0; p < m; p++) axpy_block(out + p * stride, w, a + p * AXPY_BLOCK, nr, gs, bits, avx);
+    for (int p = 0; p < m; p++) axpy_block(out + p * stride, w, a + p * as, nr, gs, bits, path);
 }
 
 /* This OpenMP thread's share [lo, hi) of `units` (inside a parallel region). */
@@ -648,7 +1028,9 @@ static int any_nonzero(const float *c, Py_ssize_t k, Py_ssize_t j, int m) {
    each out row the sum of its rows alone, whichever other rows the call holds */
 static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const int32_t *dst, int n_out) {
     const int groups = r->n / r->gs, group_bytes = r->gs * r->bits / 8;
-    const int avx = use_avx2(r), nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const int path = axpy_path(r), avx = path > 0, nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const int rows_a_pass = path == 2 ? AXPY_MAX : AXPY_BLOCK;
+    const int one = path == 2 && m == 1; /* row_axpy1_avx512: ROW_PASS rows a pass, their coefficients [row][group] */
     (void)nt; /* unused without OpenMP */
     memset(out, 0, sizeof(float) * (size_t)r->n * m * n_out);
     /* each thread owns a contiguous range of groups (columns) and walks every row over it */
@@ -659,10 +1041,10 @@ static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const
         const int g0 = (int)lo, g1 = (int)hi;
         const int G = g1 > g0 ? g1 - g0 : 1;
         /* per position: sum_j c_j bias_jg, added once per column at the end; a block's scales and biases */
-        float *bias_sum = malloc(sizeof(float) * (size_t)m * G), *sc = malloc(sizeof(float) * 2 * AXPY_BLOCK * G);
-        float *bias = sc + AXPY_BLOCK * G, *a = malloc(sizeof(float) * AXPY_BLOCK * (size_t)m * G);
-        const uint8_t *w[AXPY_BLOCK];
-        Py_ssize_t jr[AXPY_BLOCK];
+        float *bias_sum = malloc(sizeof(float) * (size_t)m * G), *sc = malloc(sizeof(float) * 2 * rows_a_pass * G);
+        float *bias = sc + rows_a_pass * G, *a = malloc(sizeof(float) * (one ? ROW_PASS : rows_a_pass) * (size_t)m * G);
+        const uint8_t *w[ROW_PASS];
+        Py_ssize_t jr[AXPY_MAX];
         Py_ssize_t j = 0;
         while (j < r->k) {
             const int d = dst ? dst[j] : 0;
@@ -670,9 +1052,27 @@ static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const
             Py_ssize_t end = j;
             while (end < r->k && (dst ? dst[end] : 0) == d) end++;
             memset(bias_sum, 0, sizeof(float) * (size_t)m * G);
+#if HAVE_X86
+            while (one && j < end) { /* the next ROW_PASS non-zero rows over the thread's columns */
+                int nr = 0;
+                for (; j < end && nr < ROW_PASS; j++) {
+                    if (c[j] == 0.0f) continue;
+                    w[nr] = w_row(r, j) + (Py_ssize_t)g0 * group_bytes;
+                    row_coeffs_avx512(r, j, g0, g1 - g0, c[j], a + (size_t)nr * G, bias_sum);
+                    nr++;
+                }
+                for (Py_ssize_t t = j; t < end && t < j + ROW_PASS; t++) { /* the next pass's first lines, and scales */
+                    prefetch_span(w_row(r, t) + (Py_ssize_t)g0 * group_bytes, ROW_AHEAD);
+                    prefetch_span(s_row(r, t) + (Py_ssize_t)g0 * scale_size, (Py_ssize_t)(g1 - g0) * scale_size);
+                    if (!r->sym)
+                        prefetch_span(b_row(r, t) + (Py_ssize_t)g0 * scale_size, (Py_ssize_t)(g1 - g0) * scale_size);
+                }
+                if (nr) row_axpy1_avx512(o + g0 * r->gs, w, a, G, nr, (g1 - g0) * r->gs, r->gs, r->bits);
+            }
+#endif
             while (j < end) {
                 int nr = 0; /* gather the next non-zero rows: their weights, scales and biases */
-                for (; j < end && nr < AXPY_BLOCK; j++) {
+                for (; j < end && nr < rows_a_pass; j++) {
                     if (!any_nonzero(c, r->k, j, m)) continue;
                     w[nr] = w_row(r, j);
                     scales_f32(s_row(r, j) + (Py_ssize_t)g0 * scale_size, r->stype, g1 - g0, sc + nr * G, avx);
@@ -680,20 +1080,20 @@ static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const
                     jr[nr++] = j;
                 }
                 /* c_j * scale, group-major ([group][position][row]): each group's coefficients are contiguous */
-                const int per_group = AXPY_BLOCK * m;
+                const int per_group = rows_a_pass * m;
                 for (int p = 0; p < m; p++)
                     for (int q = 0; q < nr; q++) {
                         const float cj = c[p * r->k + jr[q]];
                         for (int g = 0; g < g1 - g0; g++) {
-                            a[(size_t)g * per_group + p * AXPY_BLOCK + q] = sc[q * G + g] * cj;
+                            a[(size_t)g * per_group + p * rows_a_pass + q] = sc[q * G + g] * cj;
                             bias_sum[p * G + g] += cj * bias[q * G + g];
                         }
                     }
                 for (int g = g0; g < g1; g++) {
-                    const uint8_t *wg[AXPY_BLOCK];
+                    const uint8_t *wg[AXPY_MAX];
                     for (int q = 0; q < nr; q++) wg[q] = w[q] + g * group_bytes;
-                    axpy_block_multi(o + g * r->gs, r->n, wg, a + (size_t)(g - g0) * per_group, nr, m, r->gs, r->bits,
-                                     avx);
+                    axpy_block_multi(o + g * r->gs, r->n, wg, a + (size_t)(g - g0) * per_group, rows_a_pass, nr, m, r->gs,
+                                     r->bits, path);
                 }
             }
             for (int p = 0; p < m; p++)
@@ -720,7 +1120,8 @@ static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const
    over its columns) and m more (the sums of c) per thread */
 static void block_axpy_impl(const Rows *r, const float *c, float *out, const int32_t *blk, const uint8_t *S,
                             const uint8_t *B, float *scratch, int m, const int32_t *dst, int n_out) {
-    const int avx = use_avx2(r), nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const int path = axpy_path(r), avx = path > 0, nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const int rows_a_pass = path == 2 ? AXPY_MAX : AXPY_BLOCK;
     const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size, n = r->n;
     (void)nt;
     memset(out, 0, sizeof(float) * (size_t)n * m * n_out);
@@ -731,31 +1132,57 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
         const int i0 = (int)(32 * lo), len = (int)(32 * (hi - lo));
         if (len > 0) {
             float *acc = scratch + i0, *s = scratch + m * n + i0, *b = scratch + (m + 1) * n + i0;
-            float *csum = malloc(sizeof(float) * (size_t)m), *a = malloc(sizeof(float) * AXPY_BLOCK * (size_t)m);
+            float *csum = malloc(sizeof(float) * (size_t)m), *a = malloc(sizeof(float) * rows_a_pass * (size_t)m);
+            /* one position on the AVX-512 path: a block's rows at once (block_axpy1_avx512) */
+            const int one = path == 2 && m == 1;
+            const uint8_t **wb = one ? malloc(sizeof(*wb) * (size_t)r->k) : NULL;
+            float *ab = one ? malloc(sizeof(float) * (size_t)r->k) : NULL;
             Py_ssize_t j = 0;
             while (j < r->k) {
                 const int32_t g = blk[j];
                 float *o = out + (dst ? (size_t)dst[j] * m * n : 0);
                 int any = 0;
+#if HAVE_X86
+                if (one) {
+                    const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8, span_bytes = (Py_ssize_t)len * r->bits / 8;
+                    int nr = 0;
+                    float cs = 0.0f;
+                    for (; j < r->k && blk[j] == g; j++) {
+                        if (c[j] == 0.0f) continue;
+                        wb[nr] = w_row(r, j) + span;
+                        ab[nr] = c[j];
+                        cs += ab[nr++];
+                    }
+                    /* the next block's rows, read while this one computes (its rows are a stride apart: one short
+                       stream each, which the hardware prefetcher does not follow in time) */
+                    for (Py_ssize_t t = j; t < r->k && blk[t] == blk[j] && t < j + BLOCK_AHEAD; t++)
+                        prefetch_span(w_row(r, t) + span, span_bytes < ROW_AHEAD ? span_bytes : ROW_AHEAD);
+                    if (nr)
+                        block_axpy1_avx512(o + i0, wb, ab, nr, S + g * table_row + (Py_ssize_t)i0 * scale_size,
+                                           B + g * table_row + (Py_ssize_t)i0 * scale_size, r->stype, r->sym,
+                                           -(float)(1 << (r->bits - 1)), cs, len, r->bits);
+                    continue;
+                }
+#endif
                 for (int p = 0; p < m; p++) {
                     csum[p] = 0.0f;
                     memset(acc + p * n, 0, sizeof(float) * (size_t)len);
                 }
                 while (j < r->k && blk[j] == g) {
-                    const uint8_t *w[AXPY_BLOCK];
-                    Py_ssize_t jr[AXPY_BLOCK];
+                    const uint8_t *w[AXPY_MAX];
+                    Py_ssize_t jr[AXPY_MAX];
                     int nr = 0;
-                    for (; j < r->k && blk[j] == g && nr < AXPY_BLOCK; j++) {
+                    for (; j < r->k && blk[j] == g && nr < rows_a_pass; j++) {
                         if (!any_nonzero(c, r->k, j, m)) continue;
                         w[nr] = w_row(r, j) + (Py_ssize_t)i0 * r->bits / 8;
                         jr[nr++] = j;
                     }
                     for (int p = 0; nr && p < m; p++)
                         for (int q = 0; q < nr; q++) {
-                            a[p * AXPY_BLOCK + q] = c[p * r->k + jr[q]];
-                            csum[p] += a[p * AXPY_BLOCK + q];
+                            a[p * rows_a_pass + q] = c[p * r->k + jr[q]];
+                            csum[p] += a[p * rows_a_pass + q];
                         }
-                    if (nr) axpy_block_multi(acc, n, w, a, nr, m, len, r->bits, avx);
+                    if (nr) axpy_block_multi(acc, n, w, a, rows_a_pass, nr, m, len, r->bits, path);
                     any |= nr;
                 }
                 if (!any) continue;
@@ -766,6 +1193,8 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
             }
             free(csum);
             free(a);
+            free(wb);
+            free(ab);
         }
     }
 }
@@ -1290,6 +1719,11 @@ static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     return set_flag(&simd_allowed, arg);
 }
 
+static PyObject *py_set_avx512(PyObject *self, PyObject *arg) {
+    (void)self;
+    return set_flag(&avx512_allowed, arg);
+}
+
 static PyObject *py_set_int8(PyObject *self, PyObject *arg) {
     (void)self;
     return set_flag(&int8_allowed, arg);
@@ -1302,8 +1736,9 @@ static PyObject *py_info(PyObject *self, PyObject *noargs) {
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i}", "avx2", cpu_has_avx2(), "vnni", cpu_has_vnni(), "simd",
-                         simd_allowed && cpu_has_avx2(), "int8", int8_allowed, "threads", threads);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "avx2", cpu_has_avx2(), "vnni", cpu_has_vnni(), "avx512_cpu",
+                         cpu_has_avx512(), "simd", simd_allowed && cpu_has_avx2(), "avx512", use_avx512(), "int8",
+                         int8_allowed, "threads", threads);
 }
 
 #define ARGS_DOC                                                                                              \
@@ -1329,7 +1764,11 @@ static PyMethodDef methods[] = {
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(g, u): g = silu(g) * u in place (float32)"},
     {"set_int8", py_set_int8, METH_O,
      "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},
-    {"info", py_info, METH_NOARGS, "info() -> {'avx2': CPU has it, 'simd': AVX2 loops in use, 'threads': n}"},
+    {"info", py_info, METH_NOARGS,
+     "info() -> {'avx2', 'vnni', 'avx512_cpu': CPU has them, 'simd': AVX2 loops in use, 'avx512': AVX-512 loops in use, "
+     "'int8': int8 activations, 'threads': n}"},
+    {"set_avx512", py_set_avx512, METH_O,
+     "set_avx512(on): the AVX-512 loops where the CPU has them (default) or the AVX2 / VNNI ones (same bits)"},
     {"set_simd", py_set_simd, METH_O, "set_simd(on): use the AVX2 loops where the CPU has them (default) or the scalar ones"},
     {NULL, NULL, 0, NULL}};
 

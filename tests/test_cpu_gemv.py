@@ -1,4 +1,9 @@
-"""cpu_gemv: the native CPU matvecs against MLX's quantized_matmul, the model patch, and bad input."""
+"""cpu_gemv: the native CPU matvecs against MLX's quantized_matmul, the model patch, bad input, and the AVX-512 loops
+against the AVX2 / VNNI ones."""
+
+import os
+import subprocess
+import sys
 
 from mlx_flash.compute import cpu_gemv
 
@@ -172,3 +177,131 @@ def test_an_untied_head_leaves_prompt_logits_lazy(monkeypatch):
     x = mx.array(np.random.default_rng(0).standard_normal((1, 40, 64)).astype(np.float32))  # > NATIVE_ROWS
     model.lm_head(model.proj(x))
     assert len(calls) == 1  # the projection's prompt path dequantised; the head's matmul stays lazy
+
+
+# -- the AVX-512 loops against the AVX2 / VNNI ones: the same bits ---------------------------------------------
+
+AVX512_CPU = bool(cpu_gemv.info().get("avx512_cpu"))
+# n in blocks of 32: quads, a last pair, an unpaired block; groups past the last 8 (1-7, 4-7 among them)
+N_BLOCKS = [1, 2, 3, 5, 6, 7, 12, 20, 22, 36, 80, 128]
+SCALE_TYPES = [mx.float16, mx.bfloat16, mx.float32]
+
+
+@pytest.fixture
+def both_paths(loops):
+    """f -> (f() with the AVX-512 loops, f() with the AVX2 / VNNI ones), checking which ran."""
+    if loops == "scalar":
+        pytest.skip("compares the SIMD loops")
+    if not AVX512_CPU:
+        pytest.skip("the CPU lacks AVX-512 F/BW/VL/VNNI")
+
+    def run(f):
+        out = []
+        try:
+            for on in (True, False):
+                cpu_gemv.set_avx512(on)
+                assert cpu_gemv.info()["avx512"] == on
+                out.append(f())
+        finally:
+            cpu_gemv.set_avx512(True)
+        return out
+
+    return run
+
+
+def shapes(group_size, seed):
+    """(n, scale dtype, symmetric) for every n in N_BLOCKS that holds whole groups, the scale types and biases
+    cycled."""
+    ns = [32 * b for b in N_BLOCKS if (32 * b) % group_size == 0]
+    return [(n, SCALE_TYPES[(i + seed) % 3], (i + seed) % 2 == 1) for i, n in enumerate(ns)]
+
+
+def assert_same(got, want, what):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert np.array_equal(got, want), f"{what}: {np.count_nonzero(got != want)} of {got.size} differ"
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx512_row_dot_has_the_vnni_bits(both_paths, bits, group_size, m):
+    """int8 activations (decoding's row_dot): four rows at a time in 512-bit VNNI, each the VNNI loop's result bit for
+    bit; k = 37 rows (not a multiple of 4), rows picked by slots, a few outliers in x kept in float."""
+    if bits == 8 and not cpu_gemv.info().get("vnni"):
+        pytest.skip("without AVX-VNNI, 8-bit rows take float activations off AVX-512")
+    rng = np.random.default_rng(bits * group_size + m)
+    for n, scale_dtype, symmetric in shapes(group_size, m):
+        wq, s, b = quantized(rng, 50, n, bits, group_size, scale_dtype)
+        q = cpu_gemv.QuantRows.of_matrix(wq, s, None if symmetric else b, group_size, bits)
+        slots = rng.integers(0, 50, 37).astype(np.int32)
+        x = rng.standard_normal((m, n)).astype(np.float32)
+        x[0, rng.integers(0, n)] = 50.0  # an outlier
+        cpu_gemv.set_int8_activations(True)
+        try:
+            fast, ref = both_paths(lambda: cpu_gemv.row_dot(x, q, slots))
+        finally:
+            cpu_gemv.set_int8_activations(False)
+        assert_same(fast, ref, f"row_dot n={n} {scale_dtype} symmetric={symmetric}")
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx512_row_axpy_has_the_avx2_bits(both_paths, bits, group_size, m):
+    """row_axpy: each output element's FMAs in the AVX2 loop's order, with zero coefficients skipped, partial sums
+    (dst), rows by slots."""
+    rng = np.random.default_rng(100 + bits * group_size + m)
+    for n, scale_dtype, symmetric in shapes(group_size, m):
+        k = 45
+        wq, s, b = quantized(rng, 60, n, bits, group_size, scale_dtype)
+        q = cpu_gemv.QuantRows.of_matrix(wq, s, None if symmetric else b, group_size, bits)
+        slots = rng.permutation(60)[:k].astype(np.int32)
+        c = rng.standard_normal((m, k)).astype(np.float32)
+        c[:, 3] = 0.0  # a row no position uses
+        c[0, 7] = 0.0  # a row one position does not
+        dst = np.sort(rng.integers(0, 3, k)).astype(np.int32)
+        fast, ref = both_paths(lambda: cpu_gemv.row_axpy(c, q, slots))
+        assert_same(fast, ref, f"row_axpy n={n} {scale_dtype} symmetric={symmetric}")
+        fast, ref = both_paths(lambda: cpu_gemv.row_axpy(c, q, slots, dst, 3))
+        assert_same(fast, ref, f"row_axpy (dst) n={n} {scale_dtype} symmetric={symmetric}")
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx512_block_axpy_has_the_avx2_bits(both_paths, bits, m):
+    """block_axpy (convert --down-bits source: a block's rows summed, then scaled once): the same bits, whatever the
+    block's length (runs of 1..40 rows) and the thread's share of columns."""
+    rng = np.random.default_rng(200 + bits + m)
+    for n, scale_dtype, symmetric in shapes(32, m):
+        k = 90
+        wq, _, _ = quantized(rng, 100, n, bits, 32, mx.float16)
+        slots = rng.permutation(100)[:k].astype(np.int32)
+        blocks = np.sort(rng.choice([0, 0, 1, 2, 2, 2, 3, 5], k)).astype(np.int32)
+        S = mx.array(rng.uniform(0.5, 1.5, (6, n)).astype(np.float32)).astype(scale_dtype)
+        B = None if symmetric else mx.array(rng.uniform(-1, 1, (6, n)).astype(np.float32)).astype(scale_dtype)
+        c = rng.standard_normal((m, k)).astype(np.float32)
+        c[:, 5] = 0.0
+        c[0, 9] = 0.0
+        dst = np.minimum(blocks // 2, 1).astype(np.int32)  # a block's rows share their dst
+
+        def product(*extra):
+            return cpu_gemv.block_axpy(c, wq, 0, wq.shape[1] * 4, slots, blocks, S, B, n, bits, *extra)
+
+        fast, ref = both_paths(product)
+        assert_same(fast, ref, f"block_axpy n={n} {scale_dtype} symmetric={symmetric}")
+        fast, ref = both_paths(lambda: product(dst, 2))
+        assert_same(fast, ref, f"block_axpy (dst) n={n} {scale_dtype} symmetric={symmetric}")
+
+
+def test_avx512_switch(loops):
+    """set_avx512 / MLX_FLASH_AVX512=0 choose the loops; info() says which run."""
+    info = cpu_gemv.info()
+    assert info["avx512"] == (AVX512_CPU and loops == "simd")
+    cpu_gemv.set_avx512(False)
+    try:
+        assert not cpu_gemv.info()["avx512"]
+    finally:
+        cpu_gemv.set_avx512(True)
+    code = "from mlx_flash.compute import cpu_gemv; print(cpu_gemv.info()['avx512'])"
+    env = {**os.environ, "MLX_FLASH_AVX512": "0"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "0"

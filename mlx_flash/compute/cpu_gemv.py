@@ -2,8 +2,8 @@
 
 MLX's CPU quantized_matmul computes about 1 G weights/s here (a 4-bit 4096x4096 matvec in
 16 ms; BENCHMARKS.md "CPU kernels"), so on a CPU decode time is mostly that kernel. The C
-extension dequantises in registers and accumulates in float32 (AVX2 when the CPU has it, on
-OpenMP threads) straight from where the rows are stored:
+extension dequantises in registers and accumulates in float32 (AVX2, or AVX-512 where the CPU has
+it: the same bits; on OpenMP threads) straight from where the rows are stored:
 
     row_dot(x, q, slots)    out[j] = sum_i x[i] W[slots[j]][i]   (x @ W[slots]^T)
     row_axpy(c, q, slots)   out[i] = sum_j c[j] W[slots[j]][i]   (c @ W[slots])
@@ -54,6 +54,17 @@ def set_int8_activations(on: bool) -> None:
 set_int8_activations(os.environ.get("MLX_FLASH_INT8", "1") != "0")
 
 
+def set_avx512(on: bool) -> None:
+    """The AVX-512 loops where the CPU has them (AVX-512 F/BW/VL/VNNI; the default) or the AVX2 / AVX-VNNI ones
+    (MLX_FLASH_AVX512=0). Both give the same bits (tests/test_cpu_gemv.py compares them); `info()["avx512"]` says which
+    run."""
+    if _native is not None:
+        _native.set_avx512(bool(on))
+
+
+set_avx512(os.environ.get("MLX_FLASH_AVX512", "1") != "0")
+
+
 def attention(x: np.ndarray, h: np.ndarray, *args) -> None:
     """A decoder layer's attention on host rows, in place (kernels/cpu_gemv.c: x += attention(norm1(x)), the KV
     written at its position, h = norm2(x)); args as the kernel takes them (native_step.py)."""
@@ -66,8 +77,8 @@ def available() -> bool:
 
 
 def info() -> dict:
-    """{"avx2", "vnni": CPU has them, "simd": AVX2 loops in use, "int8": int8 activations,
-    "threads": OpenMP threads} ({} if not built)."""
+    """{"avx2", "vnni", "avx512_cpu": CPU has them, "simd": AVX2 loops in use, "avx512": AVX-512 loops in use,
+    "int8": int8 activations, "threads": OpenMP threads} ({} if not built)."""
     return _native.info() if _native is not None else {}
 
 
