@@ -128,11 +128,14 @@ def run(
     it, and every capped row labelled "(cap xF)". `resident`: systems also run with no cap, their model in the
     page cache (mlx-lm only where it fits). `routing`: a synthetic MoE preset's regime."""
 
-    paths = prepare(model, progress, nunspark="nunspark" in (systems or ()), routing=routing)
+    needs = set(systems or ()) | set(resident or ())
+    paths = prepare(
+        model, progress, nunspark="nunspark" in needs, routing=routing, mlx=not systems or "mlx-lm" in needs
+    )
     systems = [s for s in (systems or SYSTEMS) if SYSTEMS[s][1] in paths]
     weights = paths["gguf"].stat().st_size  # the source model, the same absolute cap for every system
     baseline = measure_baseline(paths["flash"])
-    files = list(paths.values())
+    files = [p for p in paths.values() if p.exists()]  # (the mlx-lm export exists only where a system needs it)
     paths["prompt"], paths["prompt_id"] = one_token_prompt(paths["flash"], prompt)  # llama-bench: -p 0, a warm-up token
     fd = FlashDir(paths["flash"])
     paths["moe"] = fd.ffn.get("kind") == "moe"

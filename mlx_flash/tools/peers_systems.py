@@ -138,9 +138,12 @@ def routing_of(model: str, routing: str = "uniform") -> Optional[str]:
     return None
 
 
-def prepare(model: str, progress: bool = True, nunspark: bool = False, routing: str = "uniform") -> dict:
+def prepare(
+    model: str, progress: bool = True, nunspark: bool = False, routing: str = "uniform", mlx: bool = True
+) -> dict:
     """{"gguf", "flash", "mlx"[, "flash_dip", "nunspark"]} paths for `model` (small, a synthetic preset or a GGUF file;
-    a synthetic MoE preset with `routing`), made once under ~/.cache/mlx_flash/peers/<name>[-<routing>]."""
+    a synthetic MoE preset with `routing`), made once under ~/.cache/mlx_flash/peers/<name>[-<routing>]. mlx=False:
+    the mlx-lm export (a copy of the model's size on disk) is made only if nunspark needs it."""
 
     synthetic = model in PRESETS and PRESETS[model]["model_type"] in GGUF_ARCHS
     regime = routing_of(model, routing)
@@ -153,15 +156,15 @@ def prepare(model: str, progress: bool = True, nunspark: bool = False, routing: 
             write_gguf(model, gguf, progress=progress, routing=regime or "own")
         flash = None
     root = cache_root() / "peers" / (name if model == "small" or synthetic else Path(model).stem)
-    mlx = root / "mlx"
+    mlx_dir = root / "mlx"
     if flash is None:  # convert's defaults, as a user converts: the GGUF's own codes, units packed
         flash, made = root / "flash", root / "flash.conversion"  # made anew when convert's defaults change
         if not (flash / "flash.json").is_file() or not made.is_file() or made.read_text() != str(CONVERSION):
             shutil.rmtree(flash, ignore_errors=True)
             convert(str(gguf), flash, progress=progress)
             made.write_text(str(CONVERSION))
-    paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx}
-    if not (paths["mlx"] / "config.json").is_file():
+    paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx_dir}
+    if (mlx or nunspark) and not (paths["mlx"] / "config.json").is_file():
         shutil.rmtree(paths["mlx"], ignore_errors=True)
         export(flash, paths["mlx"], progress=progress)
     if model == "small":  # real weights: a calibrated DIP conversion is deployable
