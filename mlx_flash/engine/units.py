@@ -189,7 +189,8 @@ class Engine:
         where, index = self._where(active, plan, staged)
         blocks = Blocks(active, block)
         reading = (where == 0) & np.isin(active, plan.miss_units)
-        kind = np.maximum.reduceat(np.where(where == 2, 2, reading), blocks.starts)  # 0 ready, 1 read now, 2 streamed
+        # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
+        kind = np.maximum.reduceat(np.select([where == 2, reading, where == 1], [3, 2, 1], 0), blocks.starts)
         parts = [None] * len(blocks)
         buffers = [cache.rows, cache.rows if staged is None else staged.rows]
 
@@ -205,13 +206,14 @@ class Engine:
                     sync(out)  # one group's gathered rows (MLX ops) alive at a time
                 parts[group[0] : group[-1] + 1] = out
 
+        compute(np.flatnonzero(kind == 0))  # the hits, while the misses (and the tail of the reads ahead) arrive
         if (where == 1).any():
             staged.wait()
-        compute(np.flatnonzero(kind == 0))  # hits and rows read ahead, while the misses are read
+        compute(np.flatnonzero(kind == 1))  # rows read ahead, in place
         wait()  # before anything reads the misses' rows
-        compute(np.flatnonzero(kind == 1))
-        if (kind == 2).any():
-            self._overflow(layer, region, active, where, index, buffers, np.flatnonzero(kind == 2), blocks, parts, fn,
+        compute(np.flatnonzero(kind == 2))
+        if (kind == 3).any():
+            self._overflow(layer, region, active, where, index, buffers, np.flatnonzero(kind == 3), blocks, parts, fn,
                            sync)  # fmt: skip
         return parts
 
