@@ -28,9 +28,6 @@ class Staged:
     wait: Callable[[], None]
     predicted: Optional[np.ndarray] = None  # what the prediction chose (units: those the cache lacked)
 
-    def rows_of(self) -> Dict[int, int]:
-        return {int(u): r for r, u in enumerate(self.units)}
-
 
 class ReadAhead:
     """Two staging buffers of `rows` units of `region`. A layer's step takes what was staged for it (`take`), then
@@ -39,10 +36,8 @@ class ReadAhead:
     def __init__(self, engine, region: str, rows: int):
         self.engine, self.region, self.rows = engine, region, rows
         self.stride = engine.fd.layouts[region].stride
-        self.slack = 2 * max(1, engine.reader.alignment)  # a run's aligned superset
-        self.buffers = [AlignedBuffer(rows * self.stride + self.slack, engine.fd.alignment) for _ in range(2)]
-        self.views = [(b.rows(self.stride)[:rows], b.host_rows(self.stride)[:rows]) for b in self.buffers]
-        mx.eval([v[0] for v in self.views])  # views now: a lazy one would need this thread's stream (a server thread)
+        slack = 2 * max(1, engine.reader.alignment)  # room for a run's aligned superset
+        self.buffers = [AlignedBuffer(rows * self.stride + slack, engine.fd.alignment) for _ in range(2)]
         self.pending: Dict[int, Staged] = {}
         self.in_use = None  # the buffer `take` gave out last: its layer may still compute from it
 
@@ -59,15 +54,11 @@ class ReadAhead:
             return
         b, engine = 1 if self.in_use == 0 else 0, self.engine
         buf = self.buffers[b]
-        if units[-1] - units[0] == len(units) - 1:  # a run on flash: one aligned read
-            wait, at = engine.submit_run(layer, self.region, int(units[0]), len(units), buf.buffer, buf.base_offset)
-            rows = buf.buffer[at : at + len(units) * self.stride].reshape(len(units), self.stride)
-            mx.eval(rows)  # a view now, as the others
-            host = buf.host_bytes()[at : at + len(units) * self.stride].reshape(len(units), self.stride)
-        else:
-            dest = buf.base_offset + np.arange(len(units), dtype=np.int64) * self.stride
-            wait = engine.submit(layer, self.region, units, buf.buffer, dest)
-            rows, host = self.views[b][0][: len(units)], self.views[b][1][: len(units)]
+        wait, at = engine.submit_rows(layer, self.region, units, buf)
+        span = slice(at, at + len(units) * self.stride)
+        rows = buf.buffer[span].reshape(len(units), self.stride)
+        mx.eval(rows)  # a view now: a lazy one would need this thread's stream where it is used (a server thread)
+        host = buf.host_bytes()[span].reshape(len(units), self.stride)
         engine.stats.current.ahead_bytes += len(units) * self.stride
         self.pending[layer] = Staged(b, units, rows, host, _once(wait), predicted)
 

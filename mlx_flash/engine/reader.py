@@ -139,18 +139,9 @@ class AlignedBuffer:
         self.buffer, self.base_offset = aligned_buffer(nbytes, alignment)
         self.nbytes = nbytes
 
-    def rows(self, stride: int) -> mx.array:
-        n = self.nbytes // stride
-        return self.buffer[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
-
     def host_bytes(self) -> np.ndarray:
         """The whole buffer as a numpy view (byte 0 is the buffer's, not base_offset's)."""
         return np.asarray(memoryview(self.buffer))
-
-    def host_rows(self, stride: int) -> np.ndarray:
-        """The same rows as `rows` as a numpy view (the native kernels read them in place)."""
-        n = self.nbytes // stride
-        return self.host_bytes()[self.base_offset : self.base_offset + n * stride].reshape(n, stride)
 
 
 @dataclass

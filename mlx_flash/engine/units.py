@@ -114,6 +114,19 @@ class Engine:
             layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes
         )
 
+    def submit_rows(self, layer: int, region: str, units: np.ndarray, buf: AlignedBuffer):
+        """Start reading `units` (sorted) into `buf` as consecutive rows: a run on flash that `buf` holds with its
+        aligned superset as one direct read, else one batch. Returns (wait, the byte offset of the first row in
+        buf.buffer)."""
+        stride = self.fd.layouts[region].disk_stride
+        if (
+            units[-1] - units[0] == len(units) - 1
+            and len(units) * stride + 2 * max(1, self.reader.alignment) <= buf.nbytes
+        ):
+            return self.submit_run(layer, region, int(units[0]), len(units), buf.buffer, buf.base_offset)
+        dest = buf.base_offset + np.arange(len(units), dtype=np.int64) * stride
+        return self.submit(layer, region, units, buf.buffer, dest), buf.base_offset
+
     def _read_chunk(self, layer: int, region: str, chunk: np.ndarray):
         """Dense rows [len, stride] of `chunk` (at most `_fits` units) read through the scratch buffer.
 
@@ -121,17 +134,10 @@ class Engine:
         Encoded units are expanded (evaluated) into new arrays (chunks are sized so that those stay within the
         scratch size too)."""
         layout = self.fd.layouts[region]
-        disk, slack = layout.disk_stride, 2 * max(1, self.reader.alignment)
-        if chunk[-1] - chunk[0] == len(chunk) - 1 and len(chunk) * disk + slack <= self.scratch.nbytes:
-            wait, at = self.submit_run(
-                layer, region, int(chunk[0]), len(chunk), self.scratch.buffer, self.scratch.base_offset
-            )  # a run on flash: one aligned read
-            wait()
-            out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
-        else:
-            dest = self.scratch.base_offset + np.arange(len(chunk), dtype=np.int64) * disk
-            self.submit(layer, region, chunk, self.scratch.buffer, dest)()
-            out = self.scratch.rows(disk)[: len(chunk)]
+        disk = layout.disk_stride
+        wait, at = self.submit_rows(layer, region, chunk, self.scratch)
+        wait()
+        out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
         if layout.encoded:
             t = time.perf_counter()
             out = layout.expand(out, self.use_metal)
