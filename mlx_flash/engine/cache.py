@@ -377,12 +377,11 @@ class UnitCache:
         n_del = del_slots.size
 
         moved = 0
+        n2s[cached[delete]] = -1
         if n_del and not self.compact:  # a unit's row stays where it was read: the slot is free, only maps change
-            n2s[cached[delete]] = -1
             s2n[del_slots] = -1
             used -= n_del
         elif n_del:  # compact: move the last used rows into the holes (paper Figure 6)
-            n2s[cached[del_slots]] = -1
             new_used = used - n_del
             holes = del_slots[del_slots < new_used]  # ascending
             if holes.size:
