@@ -177,7 +177,7 @@ def fixed_bytes(
 ) -> dict:
     """The parts of the budget that do not depend on it: resident, KV cache, prompt cache, scratch, workspace."""
     # a dense layer's rows; an MoE token's experts (more than that stream through it in turns)
-    per_pass = fd.config["num_experts_per_tok"] if fd.ffn.get("kind") == "moe" else None
+    per_pass = fd.ffn.get("experts_per_token") or fd.config.get("num_experts_per_tok")  # (config: older MoE dirs)
     scratch = min(
         SCRATCH_BYTES, max(min(r.n_units, per_pass or r.n_units) * fd.layouts[r.name].stride for r in fd.regions())
     )
