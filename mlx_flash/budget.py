@@ -73,6 +73,7 @@ class Plan:
 
     def prefill_step(self, config: dict, context: int) -> int:
         """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size)."""
+        config = config.get("text_config", config)  # a multimodal wrapper's language model
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         n = config.get("intermediate_size") or config.get("ffn_dim") or 4 * hidden
         per_token = 4 * (4 * hidden + 3 * n + heads * context)  # float32: residual, q/k/v/o, FFN, attention scores
@@ -152,13 +153,15 @@ def kv_tokens(context: int) -> int:
 
 
 def head_dim(config: dict) -> int:
+    config = config.get("text_config", config)  # a multimodal wrapper's language model
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
 def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2, bits: int = None, group_size: int = 64) -> int:
     """Keys and values for `context` tokens. With `bits` (mlx-lm's QuantizedKVCache) each head's vector
     is `bits`-bit codes plus a scale and a bias (in the activations' dtype) per `group_size` elements."""
-    layers = config["num_hidden_layers"]
+    config = config.get("text_config", config)  # a multimodal wrapper's language model
+    layers = config.get("num_hidden_layers") or config["num_layers"]
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     dim = head_dim(config)
     per_vector = dim * dtype_size if bits is None else dim * bits // 8 + 2 * (dim // group_size) * dtype_size
