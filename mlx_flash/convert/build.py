@@ -3,7 +3,8 @@
     python -m mlx_flash.convert --model SRC --out DIR [--dtype float16] [--bits 4] [--group-size 64]
         [--prune wanda --prune-sparsity 0.5 [--prune-text PATH] [--prune-format bitmap|dense]]
 
-SRC is a local mlx-lm / Hugging Face directory, a hub id, or a GGUF file. With neither --dtype
+SRC is a local mlx-lm / Hugging Face directory, a hub id, or a GGUF file (a SRC that does not exist is a hub id
+if it reads org/name, not ending in .gguf or .safetensors: ./models/smol is a path). With neither --dtype
 nor --bits, a float source (F32/F16/BF16 GGUF, float HF directory) is quantised to 8-bit, group
 --group-size (float32 runs about 2x slower than 8-bit on the CPU; 8-bit is as good as lossless),
 and a quantised one keeps its quantisation. --dtype alone keeps floats, cast to that dtype.
@@ -383,7 +384,13 @@ def _quantize_resident(model: nn.Module, bits: int, group_size: int) -> None:
 
 def setup_arg_parser():
     parser = argparse.ArgumentParser(description="Convert a model into an mlx_flash flash directory.")
-    parser.add_argument("--model", required=True, help="Local model directory, Hugging Face repo id, or GGUF file.")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="Local model directory, GGUF file, or Hugging Face repo id. A path that does not exist is a repo id if it "
+        "reads org/name (one '/', not starting with '.', not ending in .gguf or .safetensors), else an error: "
+        "write ./models/smol for a local models/smol.",
+    )
     parser.add_argument("--out", "--mlx-path", dest="out", required=True, help="Output flash directory.")
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default=None, help="Float dtype of the stored weights (default: the source's)."

@@ -4,6 +4,7 @@ Every source becomes a local mlx-lm model directory, so one code path loads them
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,16 @@ TOKENIZER_FILES = (
 )
 
 
+# `org/name` as the Hub spells it (ASCII letters, digits, '-', '_', '.'; no part starts with '.').
+HUB_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*/[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
+def is_hub_id(src: str) -> bool:
+    """Whether a source that is no file or directory here is a Hub id: `org/name`, not ending in .gguf or
+    .safetensors. Anything else is a missing path; so is `./models/smol`, while a missing `models/smol` is an id."""
+    return HUB_ID.fullmatch(src) is not None and not src.endswith((".gguf", ".safetensors"))
+
+
 def _is_gguf(path: Path) -> bool:
     if not path.is_file():
         return False
@@ -45,9 +56,9 @@ def resolve_source(src: str, workdir: Path, progress: bool = False) -> Path:
         if not (path / "config.json").is_file():
             raise SourceError(f"{path}: no config.json (not a Hugging Face / mlx-lm model directory)")
         return path
-    if src.count("/") == 1 and not src.startswith((".", "/", "~")):
+    if is_hub_id(src):
         return _download(src)
-    raise SourceError(f"{src}: no such file or directory")
+    raise SourceError(f"no such file or directory: {src}")
 
 
 def _download(repo_id: str) -> Path:
@@ -61,7 +72,11 @@ def _download(repo_id: str) -> Path:
             )
         )
     except Exception as e:  # offline, unknown repo, gated repo: all end the same way
-        raise SourceError(f"cannot fetch {repo_id!r} from the Hugging Face Hub: {type(e).__name__}: {e}") from e
+        detail = " ".join(str(e).split())  # (the Hub's messages run over several lines)
+        raise SourceError(
+            f"{repo_id}: no such file or directory, and cannot fetch it from the Hugging Face Hub "
+            f"({type(e).__name__}: {detail})"
+        ) from e
 
 
 def read_config(model_dir: Path) -> dict:
