@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..compute.cpu_gemv import is_symmetric
-from ..engine.experts import REGION, expert_arrays, expert_quantization, switch_paths
+from ..engine.experts import REGION, expert_arrays, expert_quantization, experts_per_token, switch_paths
 from ..format.directory import DEFAULT_ALIGNMENT, FlashWriter
 from ..format.layout import dtype_name
 from .source import copy_tokenizer, release
@@ -35,10 +35,11 @@ def convert_moe(
 ) -> Path:
     """Write `model`'s experts and resident weights as a flash directory at `out` (built in `work`)."""
     paths = switch_paths(model)
+    top_k = experts_per_token(model, paths)
     modules = dict(model.named_modules())
     alignment = alignment or DEFAULT_ALIGNMENT
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment)  # an expert read straight into its row
-    quant, n_experts = None, None
+    quant, n_experts, hidden = None, None, None
     try:
         sizes = [
             sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters())) if i in paths else 0
@@ -69,6 +70,7 @@ def convert_moe(
                 raise ValueError(f"layer {i}: experts quantised as {q}, earlier layers as {quant}")
             quant = q
             n_experts = next(iter(arrays.values())).shape[0]
+            hidden = arrays[f"{list(q)[-1]}.weight"].shape[1]  # the last projection's outputs
             writer.add_layer({REGION: arrays})
             parent, name = paths[i].rsplit(".", 1)
             setattr(modules[parent], name, nn.Module())  # the resident set below excludes the experts
@@ -84,8 +86,9 @@ def convert_moe(
             "quantization": config.get("quantization"),
             "ffn": {
                 "kind": "moe",
-                "hidden_size": config["hidden_size"],
+                "hidden_size": hidden,
                 "n_experts": n_experts,
+                "experts_per_token": top_k,  # the runtime's read-ahead and buffers for one token's experts
                 "switch_paths": {str(k): v for k, v in paths.items()},
                 "quantization": quant,
             },

@@ -1,16 +1,16 @@
 """Experts of mixture-of-experts models streamed from flash: an expert is a unit.
 
-mlx-lm's MoE blocks (qwen3_moe, qwen2_moe, mixtral, olmoe, ...) route each token with their own router
-and hand the chosen expert ids to a `SwitchGLU`. `FlashSwitchGLU` takes that module's place, so the
-router, the shared experts and the weighting of the experts' outputs stay mlx-lm's: the selection is the
-model's own top-k, exact. Per layer and forward pass:
+mlx-lm's MoE blocks (qwen3_moe, mixtral, deepseek_v3, gpt_oss, ...) route each token with their own router
+and hand the chosen expert ids to a `SwitchGLU` (or, without a gate, a `SwitchMLP`). `FlashSwitchGLU` takes
+that module's place, so the router, the shared experts and the weighting of the experts' outputs stay
+mlx-lm's: the selection is the model's own top-k, exact. Per layer and forward pass:
 
     indices --host (the layer's one synchronisation)--> the union of the experts the tokens chose
       --the unit step (units.py), one block per expert--> each expert's gate / up / down computed from its row
       in place (cache, staging or scratch), for the tokens that chose it
       the next MoE layer's router applied to this layer's input: its predicted experts read ahead (read_ahead.py)
 
-On flash each expert is one unit: its gate, up and down matrices (codes, scales, and biases where the
+On flash each expert is one unit: its gate, up and down matrices (fc1 and fc2) (codes, scales, and biases where the
 source has them: symmetric codes such as Q4_0 keep none) back to back, aligned so it is read straight
 into its cache row (a Qwen3-30B-A3B Q4_0 expert, 2,654,208 B, needs no padding at 4 KiB).
 """
@@ -21,49 +21,113 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from ..compute import cpu_gemv
 from ..errors import UnsupportedArchitectureError
+from ..models import get_model_classes
 from .cache import UnitCache
 from .read_ahead import ReadAhead
 from .units import Engine
 
 REGION = "experts"
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a SwitchGLU's
+MLP_PROJECTIONS = ("fc1", "fc2")  # a SwitchMLP's (no gate)
+SWITCHES = (SwitchGLU, SwitchMLP)
+
+# where mlx-lm's MoE blocks and routers keep the number of experts a token is routed to
+TOP_K_NAMES = ("num_experts_per_tok", "top_k", "num_experts_per_token", "top_k_experts", "moe_topk", "moe_top_k", "k")
+
+
+def instantiate(config: dict) -> nn.Module:
+    """mlx-lm's model of `config` with lazy random weights (nothing allocated or read): what a model is made of is
+    asked of it, as its config keys differ between architectures."""
+    model_class, args_class = get_model_classes(config)
+    try:
+        return model_class(args_class.from_dict(config))
+    except Exception as e:
+        why = (str(e).splitlines() or [""])[0]
+        raise UnsupportedArchitectureError(
+            f"architecture {config['model_type']!r} is not supported: mlx-lm cannot build it from this config "
+            f"({type(e).__name__}: {why})"
+        ) from e
 
 
 def is_moe(config: dict) -> bool:
-    """Whether a config describes a mixture-of-experts model (its FFNs are expert blocks)."""
-    return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    """Whether mlx-lm's model of `config` routes tokens to experts (has SwitchGLU / SwitchMLP blocks)."""
+    return any(isinstance(m, SWITCHES) for _, m in instantiate(config).named_modules())
+
+
+def projections(switch: nn.Module) -> tuple:
+    return PROJECTIONS if isinstance(switch, SwitchGLU) else MLP_PROJECTIONS
 
 
 def switch_paths(model: nn.Module) -> Dict[int, str]:
-    """layer index -> module path of that layer's SwitchGLU (layers without experts are left out).
+    """layer index -> module path of that layer's expert block, a SwitchGLU or SwitchMLP (layers without experts are
+    left out).
 
-    Raises UnsupportedArchitectureError for expert blocks mlx_flash cannot stream (not a SwitchGLU)."""
+    Raises UnsupportedArchitectureError for expert blocks mlx_flash cannot stream."""
     modules = dict(model.named_modules())
     paths = {}
     for i, layer in enumerate(model.layers):
         prefix = next(p for p, m in modules.items() if m is layer)
-        found = [p for p, m in modules.items() if p.startswith(prefix + ".") and isinstance(m, SwitchGLU)]
-        other = [p for p, m in modules.items() if p.startswith(prefix + ".") and type(m).__name__ in ("SwitchMLP",)]
-        if other:
-            raise UnsupportedArchitectureError(
-                f"{other[0]}: expert blocks of type SwitchMLP are not supported (SwitchGLU only)"
-            )
+        found = [p for p, m in modules.items() if p.startswith(prefix + ".") and isinstance(m, SWITCHES)]
         if len(found) > 1:
             raise UnsupportedArchitectureError(f"layer {i} has {len(found)} expert blocks; one per layer is supported")
         if found:
+            other = [
+                k for k in modules[found[0]].children() if k not in (*projections(modules[found[0]]), "activation")
+            ]
+            if other:  # (they would leave with the experts)
+                raise UnsupportedArchitectureError(f"{found[0]}.{other[0]}: a module inside an expert block")
             paths[i] = found[0]
     if not paths:
-        raise UnsupportedArchitectureError(f"{type(model).__module__}: no SwitchGLU expert block found")
+        raise UnsupportedArchitectureError(f"{type(model).__module__}: no SwitchGLU or SwitchMLP expert block found")
     return paths
 
 
+def _top_k_of(obj):
+    """The number of experts per token `obj` (a module, or the args / config it holds) keeps, or None."""
+    for holder in (obj, getattr(obj, "args", None), getattr(obj, "config", None)):
+        for name in TOP_K_NAMES:
+            k = holder.get(name) if type(holder) is dict else getattr(holder, name, None)
+            if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+                return k
+    return None
+
+
+def experts_per_token(model: nn.Module, paths: Dict[int, str]) -> int:
+    """The most experts a token is routed to in any layer, as the model's MoE blocks keep it: on the expert block's
+    enclosing modules (nearest first: the MoE block, then the layer) or their children (the router), or on their
+    args; else on the model's args (or its text_config)."""
+    modules = dict(model.named_modules())
+    found = []
+    for i, path in paths.items():
+        layer = next(p for p, m in modules.items() if m is model.layers[i])
+        parts, k = path.split("."), None
+        enclosing = [".".join(parts[:n]) for n in range(len(parts) - 1, len(layer.split(".")) - 1, -1)]
+        for module in (modules[p] for p in enclosing):
+            k = _top_k_of(module) or next(filter(None, (_top_k_of(c) for c in _child_modules(module))), None)
+            if k:
+                break
+        args = getattr(model, "args", None)
+        k = k or _top_k_of(args) or _top_k_of(getattr(args, "text_config", None))
+        if k is None:
+            raise UnsupportedArchitectureError(
+                f"{path}: the number of experts per token is not found (none of {', '.join(TOP_K_NAMES)} on the "
+                "modules around it, their routers or args)"
+            )
+        found.append(k)
+    return max(found)
+
+
+def _child_modules(module: nn.Module):
+    return [m for m in module.children().values() if isinstance(m, nn.Module)]
+
+
 def expert_arrays(switch: nn.Module) -> Dict[str, mx.array]:
-    """A SwitchGLU's parameters as unit components: 'gate_proj.weight' -> [n_experts, ...] (codes as stored)."""
-    return dict(tree_flatten(switch.parameters()))
+    """An expert block's projections as unit components: 'gate_proj.weight' -> [n_experts, ...] (codes as stored)."""
+    return {f"{p}.{k}": v for p in projections(switch) for k, v in tree_flatten(getattr(switch, p).parameters())}
 
 
 # MLX's quantisation modes whose codes and scales an expert unit keeps as they are (no biases but affine's):
@@ -72,10 +136,10 @@ MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 
 def expert_quantization(switch: nn.Module) -> Dict[str, dict]:
-    """projection -> {"bits", "group_size"[, "mode"]} of a quantised SwitchGLU, None for float projections
+    """projection -> {"bits", "group_size"[, "mode"]} of a quantised expert block, None for float projections
     ("mode" only when not affine)."""
     out = {}
-    for name in PROJECTIONS:
+    for name in projections(switch):
         p = getattr(switch, name)
         mode = getattr(p, "mode", "affine")
         if mode not in MODES:
@@ -98,7 +162,8 @@ class Router:
 
 
 class FlashSwitchGLU(nn.Module):
-    """Replaces a SwitchGLU: its experts come from the engine's cache of layer `layer`; its activation stays."""
+    """Replaces a SwitchGLU or SwitchMLP: its experts come from the engine's cache of layer `layer`; its activation
+    stays."""
 
     def __init__(self, engine: "ExpertEngine", layer: int, activation):
         super().__init__()
@@ -270,12 +335,14 @@ class ExpertEngine(Engine):
         )
 
     def _expert(self, x: mx.array, row: mx.array, activation) -> mx.array:
-        """One expert's output for the tokens x [n, D] that chose it (mlx-lm's SwitchGLU formula)."""
+        """One expert's output for the tokens x [n, D] that chose it (mlx-lm's SwitchGLU / SwitchMLP formula)."""
+        if "fc1" in self.quant:
+            return self._project(activation(self._project(x, row, "fc1")), row, "fc2")
         h = activation(self._project(x, row, "up_proj"), self._project(x, row, "gate_proj"))
         return self._project(h, row, "down_proj")
 
     def experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
-        """SwitchGLU(x, indices): [..., k, D], each token's output of each expert it chose."""
+        """SwitchGLU(x, indices) (or SwitchMLP's): [..., k, D], each token's output of each expert it chose."""
         prefill = indices.size > indices.shape[-1]
         return self.guarded(layer, prefill, lambda: self._experts(layer, x, indices, activation))
 

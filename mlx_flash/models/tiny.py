@@ -220,14 +220,12 @@ def tiny_config(arch: str, **overrides) -> dict:
 
 
 def _random_weights(model, config: dict, rng: np.random.Generator) -> Dict[str, mx.array]:
-    gemma_norms = config["model_type"].startswith("gemma")
-    hidden = config["hidden_size"]
+    gemma_norms = config["model_type"] in ("gemma3_text",)
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         shape = tuple(p.shape)
-        if len(shape) >= 2:
-            std = hidden**-0.5 if "embed" in name else shape[-1] ** -0.5
-            w = rng.standard_normal(shape) * std
+        if len(shape) >= 2:  # matrices ~ N(0, 1/fan_in); an embedding's rows ~ N(0, 1/hidden)
+            w = rng.standard_normal(shape) * shape[-1] ** -0.5
         elif name.endswith("bias"):
             w = rng.standard_normal(shape) * 0.02
         else:  # norm scales; Gemma stores them as an offset from 1
@@ -304,4 +302,24 @@ def make_tiny_model_dir(arch: str, out_dir: Union[str, Path], seed: int = 0, **o
         json.dump(config, f, indent=2)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     save_tiny_tokenizer(out_dir, vocab_size=config["vocab_size"])
+    return out_dir
+
+
+def make_tiny_quantized_dir(
+    config: dict, out_dir: Union[str, Path], bits: int = 4, group_size: int = 32, seed: int = 0
+):
+    """Write a tiny random model of any mlx-lm architecture `config` describes (config.json as published, e.g. a
+    nested text_config) as mlx-lm's convert writes a quantised one: its own parameter names, the config with its
+    "quantization", and the byte-level tokenizer. Returns the directory as a Path."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    out_dir = Path(out_dir)
+    model_class, args_class = get_model_classes(config)
+    model = model_class(args_class.from_dict(copy.deepcopy(config)))
+    model.load_weights(list(_random_weights(model, config, np.random.default_rng(seed)).items()))
+    model, config = quantize_model(model, copy.deepcopy(config), group_size=group_size, bits=bits)
+    save_model(out_dir, model)
+    with open(out_dir / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    save_tiny_tokenizer(out_dir)
     return out_dir
