@@ -2,8 +2,10 @@
 each end in one line naming what is wrong (no traceback, no core dump), and leave no temporary directory behind."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from mlx_flash.convert.source import resolve_source
 from mlx_flash.errors import SourceError
@@ -34,6 +36,73 @@ def assert_refused(r, *words):
 
 def leftovers(folder, out="out"):
     return sorted(p.name for p in folder.iterdir() if p.name == out or p.name.startswith(f".{out}."))
+
+
+# -- signals ------------------------------------------------------------------------------------------------------
+PAUSED_CONVERT = """
+import sys, time
+from mlx_flash.format.directory import FlashWriter
+src, out, ready = sys.argv[1:]
+real = FlashWriter.add_layer
+def add(self, arrays):  # the first layer written, then wait to be signalled
+    real(self, arrays)
+    open(ready, "w").close()
+    time.sleep(60)
+FlashWriter.add_layer = add
+from mlx_flash.convert.build import main
+sys.argv = ["convert", "--model", src, "--out", out, "--dtype", "float16"]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_way_removes_the_temporary_directory(tiny, tmp_path, sig):
+    _, src, _ = tiny
+    ready = tmp_path / "ready"
+    p = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_CONVERT, str(src), str(tmp_path / "out"), str(ready)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.05)
+    assert [n for n in leftovers(tmp_path) if n.startswith(".out.")], "no temporary directory mid-way"
+    p.send_signal(sig)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode != 0
+    if sig == signal.SIGTERM:  # (Ctrl-C keeps Python's own ending)
+        assert p.returncode == 128 + sig and "Traceback" not in stderr, (p.returncode, stderr)
+    assert leftovers(tmp_path) == []
+
+
+KILLED_CONVERT = """
+import os, signal, sys
+from mlx_flash.format.directory import FlashWriter
+real = FlashWriter.add_layer
+def add(self, arrays):
+    real(self, arrays)
+    os.kill(os.getpid(), signal.SIGKILL)
+FlashWriter.add_layer = add
+from mlx_flash.convert import convert
+convert(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_a_rerun_removes_what_a_killed_run_left(tiny, tmp_path):
+    """SIGKILL cannot be caught: its temporary directory stays until the next conversion to the same --out, which
+    removes it (its process is gone), and leaves alone one of a conversion still running."""
+    _, src, _ = tiny
+    r = subprocess.run([sys.executable, "-c", KILLED_CONVERT, str(src), str(tmp_path / "out")])
+    assert r.returncode == -signal.SIGKILL
+    (stale,) = leftovers(tmp_path)
+    running = tmp_path / f".out.{os.getpid()}.running"  # this process's: alive
+    running.mkdir()
+    r = convert_cli("--model", src, "--out", tmp_path / "out", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    assert leftovers(tmp_path) == sorted(["out", running.name])
 
 
 # -- a mistyped path ------------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ source, or --prune-format dense).
 
 import argparse
 import os
+import re
+import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -111,7 +114,7 @@ def convert(
     if prune is not None:
         _check_prune(prune, prune_sparsity, prune_format, layout)
 
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
+    with _work_dir(out) as work:
         work = Path(work)
         src_dir = resolve_source(model, work, progress)
         model_obj, config = load_source_model(src_dir)
@@ -249,6 +252,27 @@ def convert(
         copy_tokenizer(src_dir, writer.path)
         os.replace(writer.path, out)
     return out
+
+
+def _work_dir(out: Path) -> tempfile.TemporaryDirectory:
+    """The temporary directory beside `out`, `.NAME.PID.xxxxxxxx`, once those of earlier conversions to `out` whose
+    process is gone are removed (SIGKILL leaves them; exceptions, Ctrl-C and SIGTERM remove their own). A pid rather
+    than a lock: nothing to release, and a pid reused meanwhile only puts the removal off to a later run."""
+    for p in out.parent.iterdir():
+        m = re.fullmatch(rf"\.{re.escape(out.name)}\.(\d+)\.\w+", p.name)
+        if m and p.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+    return tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.{os.getpid()}.")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; not a pid at all (left alone)
+        pass
+    return True
 
 
 def _spooled(arrays: dict, path: Path, prefix: str) -> dict:
@@ -462,8 +486,14 @@ def setup_arg_parser():
     return parser
 
 
+def _exit_on_sigterm(signum, frame):
+    # unwinds as Ctrl-C does, so that the temporary directory is removed on the way out (exit status 143, as killed)
+    raise SystemExit(128 + signum)
+
+
 def main():
     args = setup_arg_parser().parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         bits = args.bits
         if bits is None and args.dtype is None and not args.dequantize:
