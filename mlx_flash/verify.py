@@ -1,4 +1,5 @@
-"""Check a flash directory: files, sizes, alignment and checksums.
+"""Check a flash directory: files, sizes, alignment, checksums (of the resident weights, each layer and each unit)
+and that its tokenizer loads.
 
 python -m mlx_flash.verify DIR
 """
@@ -10,6 +11,7 @@ from tqdm import tqdm
 
 from .errors import FlashFormatError
 from .format.directory import FlashDir
+from .loader import load_tokenizer
 
 
 def setup_arg_parser():
@@ -23,10 +25,11 @@ def main(argv=None):
     try:
         fd = FlashDir(args.model)
         fd.verify(progress=lambda layers: tqdm(layers, desc="verify", unit="layer"))
+        load_tokenizer(fd)
     except FlashFormatError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"ok: {fd.path}: {len(fd.layers)} layers, {fd.ffn_bytes} bytes of bundles, checksums match")
+    print(f"ok: {fd.path}: {len(fd.layers)} layers, {fd.ffn_bytes} bytes of bundles, checksums match, tokenizer loads")
     return 0
 
 

@@ -8,6 +8,7 @@ step does the rest:
       eviction for them);  the misses --reader (pread pool)--> their cache rows
       the blocks of hits and staged rows computed while the misses are read, then the blocks with misses, then
       those with overflow, read through the scratch buffer a chunk at a time
+      every read unit checked against its checksum the first time it is read (checks.py)
 
 Results come back per block, in block order. A block is `block` consecutive ids: REDUCTION_UNITS for neurons, whose
 partial sums are added in block order, so the sum is the same whatever the budget, cache state or read-ahead; one
@@ -24,6 +25,7 @@ import numpy as np
 from ..compute.rows import RowSet
 from ..errors import ReadError
 from .cache import UnitCache
+from .checks import CHECK_UNITS, UnitChecks
 from .reader import AlignedBuffer, aligned_span
 from .stats import Stats
 
@@ -58,6 +60,7 @@ class Engine:
     streamer = None  # resident.ResidentStreamer when resident weights are streamed too
     read_ahead = None  # read_ahead.ReadAhead: the next layer's units read while a layer computes
     overlap = True  # compute the hits while the misses are read (False: wait first; for A/B runs)
+    context = None  # the tokens the plan's KV cache holds (loader.load): generation stops there
     use_metal = None  # expand encoded units with the Metal kernel (None: where available)
 
     def __init__(self, fd, reader, caches: List[Dict[str, UnitCache]], scratch_bytes: int):
@@ -65,6 +68,7 @@ class Engine:
         self.stats = Stats([reader])
         self.last_layer = max(i for i, c in enumerate(caches) if c)
         self.scratch = AlignedBuffer(scratch_bytes, fd.alignment)
+        self.checks = UnitChecks(fd) if CHECK_UNITS else None
 
     def use_streamer(self, streamer):
         """Resident weights are streamed through `streamer` (resident.ResidentStreamer): its reads count here."""
@@ -78,7 +82,8 @@ class Engine:
         if len(units) == 0:
             return lambda: None
         r = self.fd.layers[layer][region]
-        return self._submit_ranges(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64), dest)
+        wait = self._submit_ranges(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64), dest)
+        return self._checked(wait, r, units, buffer, dest)
 
     def submit_run(self, layer: int, region: str, first: int, n: int, buffer, base: int):
         """Start reading units first..first+n-1, neighbours on flash, as the aligned superset of their bytes into
@@ -89,7 +94,8 @@ class Engine:
         lo = r.unit_offset(first)
         start, end = aligned_span(lo, n * r.stride, max(1, self.reader.alignment))
         wait = self._submit_ranges(buffer, np.array([start]), np.array([end - start]), np.array([base]), n * r.stride)
-        return wait, base + lo - start
+        at = base + lo - start
+        return self._checked(wait, r, np.arange(first, first + n), buffer, at + np.arange(n) * r.stride), at
 
     def _submit_ranges(self, buffer, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, requested=None):
         """The reads of `submit` (any byte ranges); `requested`: the units' bytes among them (default all: the
@@ -106,6 +112,19 @@ class Engine:
             self.stats.current.io_s += time.perf_counter() - t
 
         return wait
+
+    def _checked(self, wait, r, units: np.ndarray, buffer, dest: np.ndarray) -> Callable[[], None]:
+        """`wait`, then the units' checksums where not checked before (checks.py), counted as I/O."""
+        if not self.checks:
+            return wait
+
+        def checked():
+            wait()
+            t = time.perf_counter()
+            self.checks.check(r.layer, r.name, units, buffer, dest, r.stride)
+            self.stats.current.io_s += time.perf_counter() - t
+
+        return checked
 
     def _read_misses(self, layer: int, region: str, units: np.ndarray, slots: np.ndarray) -> Callable[[], None]:
         """Start reading misses into their cache rows; returns the function that waits for them."""

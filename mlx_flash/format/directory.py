@@ -42,9 +42,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..compute.cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
+from ..engine.checks import crc32_at
 from ..engine.reader import open_reader
 from ..errors import FlashFormatError, ReadError
-from .layout import DTYPES, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, Region, round_up
+from .layout import DTYPES, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, Region, is_count, round_up
 from .safetensors_io import TensorSpool
 
 FORMAT_NAME = "mlx_flash"
@@ -54,6 +55,7 @@ MANIFEST = "flash.json"
 RESIDENT = "resident.safetensors"
 FFN = "ffn.bin"
 PREDICTORS = "predictors.safetensors"
+UNIT_CHECKSUMS = "units.crc32"  # each unit's zlib CRC-32 on flash, uint32 little-endian, in file order
 DEFAULT_ALIGNMENT = 4096
 PACK_BYTES = 32 << 20  # FlashWriter packs a layer's units this many bytes at a time
 
@@ -112,17 +114,17 @@ class FlashDir:
             self.alignment = int(m["alignment"])
             self.unit_alignment = int(m.get("unit_alignment", self.alignment))  # v1/v2: units padded to the alignment
             self.layouts: Dict[str, BundleLayout] = {k: BundleLayout.from_json(v) for k, v in m["layouts"].items()}
+            if not (is_count(self.alignment) and self.alignment > 0 and is_count(self.unit_alignment)):
+                raise ValueError("alignment and unit_alignment must be positive counts")
             self.layers: List[Dict[str, Region]] = [
-                {
-                    name: Region(l["index"], name, r["offset"], r["n_units"], r["stride"], r["crc32"])
-                    for name, r in l["regions"].items()
-                }
-                for l in m["layers"]
+                {name: _region(i, name, r, self.layouts) for name, r in l["regions"].items()}
+                for i, l in enumerate(m["layers"])
             ]
-            for regions in self.layers:
-                for r in regions.values():
-                    if r.stride != self.layouts[r.name].disk_stride:
-                        raise ValueError(f"layer {r.layer} region {r.name}: stride differs from its layout")
+            if [l["index"] for l in m["layers"]] != list(range(len(self.layers))):
+                raise ValueError("layers are not numbered 0, 1, 2, ... in order")
+            for name in _named_files(m):
+                if Path(name).name != name or name in ("", ".", ".."):
+                    raise ValueError(f"{name!r} names a file outside the model directory")
             if self.version == 1 and any(l.encoded for l in self.layouts.values()):
                 raise ValueError("encoded components need format version 2")
             if self.version < 3 and self.unit_alignment != self.alignment:
@@ -132,8 +134,10 @@ class FlashDir:
         except (KeyError, TypeError, ValueError) as e:
             raise FlashFormatError(f"{self.path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})") from e
         self.config = self._read_json("config.json")
+        self._check_layer_count()
         self._check_files()
         self._resident_index = None
+        self._resident_checked = False
 
     # -- manifest and files -------------------------------------------------
     def _read_json(self, name):
@@ -159,6 +163,17 @@ class FlashDir:
         self.version = v
         return m
 
+    def _check_layer_count(self):
+        """As many layers as the model has: a manifest cut short would leave layers without weights."""
+        c = self.config.get("text_config", self.config)
+        want = c.get("num_hidden_layers") or c.get("num_layers") or c.get("n_layer")
+        paths = self.ffn.get("mlp_paths")
+        for n, what in ((want, "the config's"), (len(paths) if paths else None, "the FFN paths'")):
+            if n is not None and n != len(self.layers):
+                raise FlashFormatError(
+                    f"{self.path / MANIFEST}: {len(self.layers)} layers, {what} count is {n} (cut short or edited)"
+                )
+
     def _check_files(self):
         for name in (RESIDENT, FFN):
             if not (self.path / name).is_file():
@@ -170,6 +185,11 @@ class FlashDir:
                 f"{self.path / RESIDENT}: {size} bytes, manifest says {expected} (truncated or replaced)"
             )
         size = (self.path / FFN).stat().st_size
+        end = 0
+        for r in sorted(self.regions(), key=lambda r: r.offset):
+            if r.offset < end:
+                raise FlashFormatError(f"{self.path / MANIFEST}: layer {r.layer} {r.name} overlaps another region")
+            end = r.offset + r.nbytes
         for r in self.regions():
             if r.offset % self.alignment or r.stride % self.unit_alignment:
                 raise FlashFormatError(
@@ -264,6 +284,7 @@ class FlashDir:
     def load_resident(self, biases: bool = True) -> Dict[str, mx.array]:
         """The resident weights as mlx-lm names them; biases=False leaves out the symmetric modules' biases
         (the runtime's layers derive them: `symmetric`)."""
+        self.check_resident()
         try:
             arrays = mx.load(str(self.path / RESIDENT))
         except Exception as e:
@@ -273,6 +294,32 @@ class FlashDir:
                 {f"{p}.biases": symmetric_biases(arrays[f"{p}.scales"], b) for p, b in self.symmetric.items()}
             )
         return arrays
+
+    def check_resident(self) -> None:
+        """Raise FlashFormatError unless resident.safetensors hashes to the manifest's sha256 (once per FlashDir):
+        every load reads it, so a corrupted byte there is found before anything computes with it."""
+        if not self._resident_checked:
+            if _sha256(self.path / RESIDENT) != self.manifest["resident"]["sha256"]:
+                raise FlashFormatError(f"{self.path / RESIDENT}: checksum mismatch (corrupted); re-convert the model")
+            self._resident_checked = True
+
+    def unit_checksums(self) -> Optional[Dict[tuple, np.ndarray]]:
+        """{(layer, region name): each unit's CRC-32 as convert wrote it (uint32 [n_units])}, or None for a directory
+        converted before units had checksums."""
+        info = self.manifest.get("unit_checksums")
+        if info is None:
+            return None
+        path = self.path / info["file"]
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise FlashFormatError(f"{path}: cannot be read ({e.strerror})") from e
+        regions = self.regions()
+        if len(raw) != 4 * sum(r.n_units for r in regions) or zlib.crc32(raw) != info["crc32"]:
+            raise FlashFormatError(f"{path}: checksum mismatch or wrong size (corrupted); re-convert the model")
+        crcs = np.frombuffer(raw, dtype="<u4")
+        starts = np.cumsum([0] + [r.n_units for r in regions])
+        return {(r.layer, r.name): crcs[a:b] for r, a, b in zip(regions, starts[:-1], starts[1:])}
 
     def load_predictors(self) -> Optional[List[Dict[str, mx.array]]]:
         """Low-rank predictors per layer ({"A": [rank, d], "B": [n, rank]}), or None if not calibrated."""
@@ -313,6 +360,8 @@ class FlashDir:
                 reader.read(buf, [r.offset], [r.nbytes], [0])
         except ReadError as e:
             raise FlashFormatError(f"{self.ffn_path}: cannot read layer {layer} ({e})") from e
+        if zlib.crc32(buf) != r.crc32:
+            raise FlashFormatError(f"{self.ffn_path}: checksum mismatch in layer {layer} ({name}; corrupted)")
         return buf
 
     def unpack_layer(self, layer: int) -> Dict[str, mx.array]:
@@ -334,13 +383,39 @@ class FlashDir:
         return tables[f"{prefix}.scales"], tables.get(f"{prefix}.biases")
 
     def verify(self, progress=None) -> None:
-        """Re-check sizes, alignment and checksums; raise FlashFormatError naming the first bad part."""
-        if _sha256(self.path / RESIDENT) != self.manifest["resident"]["sha256"]:
-            raise FlashFormatError(f"{self.path / RESIDENT}: checksum mismatch (corrupted)")
+        """Re-check sizes, alignment and checksums (each region's and each unit's); raise FlashFormatError naming the
+        first bad part."""
+        self.check_resident()
+        units = self.unit_checksums()
         regions = progress(self.regions()) if progress else self.regions()
         for r in regions:
-            if zlib.crc32(self.read_region(r.layer, r.name)) != r.crc32:
-                raise FlashFormatError(f"{self.ffn_path}: checksum mismatch in layer {r.layer} ({r.name}; corrupted)")
+            rows = self.read_region(r.layer, r.name)  # (checks the region's checksum)
+            if units is not None:
+                bad = np.flatnonzero(
+                    crc32_at(rows, np.arange(r.n_units) * r.stride, r.stride) != units[r.layer, r.name]
+                )
+                if len(bad):
+                    raise FlashFormatError(
+                        f"{self.ffn_path}: checksum mismatch in layer {r.layer} ({r.name} unit {bad[0]}; corrupted)"
+                    )
+
+
+def _region(layer: int, name: str, r: dict, layouts: Dict[str, BundleLayout]) -> Region:
+    """A manifest's region, its fields checked: counts where counts belong, the stride its layout's."""
+    if name not in layouts:
+        raise ValueError(f"layer {layer}: region {name!r} has no layout")
+    for field in ("offset", "n_units", "stride", "crc32"):
+        if not is_count(r[field]) or (field == "n_units" and r[field] == 0):
+            raise ValueError(f"layer {layer} region {name}: {field} {r[field]!r} is not a valid count")
+    if r["stride"] != layouts[name].disk_stride:
+        raise ValueError(f"layer {layer} region {name}: stride differs from its layout")
+    return Region(layer, name, r["offset"], r["n_units"], r["stride"], r["crc32"])
+
+
+def _named_files(manifest: dict) -> List[str]:
+    """The file names a manifest gives (each must name a file inside the directory)."""
+    named = [manifest.get("unit_checksums"), (manifest.get("sparsity") or {}).get("predictor")]
+    return [d["file"] for d in named if d is not None]
 
 
 def _write_json_atomic(path: Path, obj) -> None:
@@ -393,6 +468,8 @@ class FlashWriter:
         self.layouts: Dict[str, BundleLayout] = {}
         self.layers: List[Dict[str, Region]] = []
         self._ffn = open(self.path / FFN, "wb")
+        self._unit_crcs = open(self.path / UNIT_CHECKSUMS, "wb")
+        self._unit_crcs_crc = 0
 
     def add_layer(self, regions: Dict[str, Dict[str, mx.array]]) -> None:
         """Append one layer: region name -> {component name -> [n_units, ...]}.
@@ -419,6 +496,9 @@ class FlashWriter:
                         )
                 self._ffn.write(rows.data)
                 crc = zlib.crc32(rows, crc)
+                units = crc32_at(rows, np.arange(len(rows)) * layout.disk_stride, layout.disk_stride).astype("<u4")
+                self._unit_crcs.write(units.data)
+                self._unit_crcs_crc = zlib.crc32(units, self._unit_crcs_crc)
             layer[name] = Region(len(self.layers), name, offset, n, layout.disk_stride, crc)
         self.layers.append(layer)
 
@@ -429,6 +509,7 @@ class FlashWriter:
         `resident` is emptied as it is written: each array is evaluated, spooled to a scratch file and dropped in
         turn, so memory holds one of them at a time when `resident` holds the only references to them."""
         self._ffn.close()
+        self._unit_crcs.close()
         names = list(resident)
         total = sum(v.nbytes for v in resident.values())
         spool = TensorSpool(self.path / f".{RESIDENT}.spool")
@@ -481,11 +562,13 @@ class FlashWriter:
                 "symmetric": symmetric,
             },
             "ffn_file": {"file": FFN, "bytes": (self.path / FFN).stat().st_size},
+            "unit_checksums": {"file": UNIT_CHECKSUMS, "crc32": self._unit_crcs_crc},
         }
         _write_json_atomic(self.path / MANIFEST, full)  # last: a directory without it never opens
 
     def abort(self):
         self._ffn.close()
+        self._unit_crcs.close()
 
 
 def _affine_quant(config: dict, path: str) -> Optional[dict]:

@@ -202,13 +202,19 @@ class BundleLayout:
         for c in d["components"]:
             if c["dtype"] not in DTYPES:
                 raise FlashFormatError(f"unknown component dtype {c['dtype']!r}")
+            if not all(is_count(x) for x in (c["offset"], *c["shape"])):
+                raise FlashFormatError(f"component {c['name']!r}: offset and shape must be counts, not {c}")
             enc = Encoding.from_json(c["encoding"], c["name"]) if "encoding" in c else None
             comps.append(Component(c["name"], c["dtype"], tuple(c["shape"]), c["offset"], enc, c.get("disk_offset")))
         encoded = "disk_stride" in d
         if any(c.encoding for c in comps) and not encoded:
             raise FlashFormatError("encoded components but no disk_stride in the layout")
-        layout = BundleLayout(tuple(comps), int(d["stride"]), int(d["disk_stride"]) if encoded else None)
+        if not all(is_count(d[k]) and d[k] > 0 for k in ("stride", "disk_stride") if k in d):
+            raise FlashFormatError(f"a layout's stride must be a positive count, not {d['stride']!r}")
+        layout = BundleLayout(tuple(comps), d["stride"], d["disk_stride"] if encoded else None)
         for c in layout.components:
+            if c.offset + c.nbytes > layout.stride:
+                raise FlashFormatError(f"component {c.name!r} ends past the unit's {layout.stride} bytes in a row")
             if not c.encoding_fits:
                 raise FlashFormatError(
                     f"component {c.name!r}: its encoding holds {c.encoding.length} values, not {c.nbytes} bytes"
@@ -298,6 +304,11 @@ class BundleLayout:
 def _sibling(name: str, part: str) -> str:
     """'gate.weight' -> 'gate.scales'."""
     return name.rsplit(".", 1)[0] + "." + part
+
+
+def is_count(x) -> bool:
+    """Whether a manifest value is a count: a non-negative int (not a bool, a float or a string)."""
+    return type(x) is int and x >= 0
 
 
 @dataclass(frozen=True)
