@@ -13,9 +13,10 @@ does; the streaming buffers hold two loads (the one in use and the prefetched ne
 If even that does not fit, loading fails before any weight is read.
 """
 
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 from .engine.reader import DEFAULT_THREADS
 from .errors import BudgetError
@@ -31,21 +32,25 @@ FFN_BOUNCE_BYTES = 64 << 10
 
 
 def parse_size(size: Union[int, float, str, None], total: int = None) -> int:
-    """Bytes from 123, "2GB", "512MiB", "1.5G" or "50%" (of `total`)."""
+    """Bytes (at least one) from 123, "2GB", "512MiB", "1.5G" or "50%" (of `total`); ValueError for anything else."""
     if size is None:
         raise ValueError("no size given")
     if isinstance(size, (int, float)):
-        return int(size)
-    s = size.strip().upper().replace(" ", "")
-    if s.endswith("%"):
-        if total is None:
+        value = size
+    else:
+        s = str(size).strip().upper().replace(" ", "")
+        m = re.fullmatch(r"(\d+\.?\d*|\.\d+)(?:(%)|([KMGT]?)I?B?)", s)
+        if not m:
+            raise ValueError(f"cannot parse size {size!r} (examples: 2GB, 512MiB, 50%)")
+        if m.group(2) and total is None:
             raise ValueError(f"{size!r}: a percentage needs a total")
-        return int(float(s[:-1]) / 100 * total)
-    m = re.fullmatch(r"([0-9.]+)([KMGT]?)(I?B?)", s)
-    if not m:
-        raise ValueError(f"cannot parse size {size!r} (examples: 2GB, 512MiB, 50%)")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)]
-    return int(float(m.group(1)) * scale)
+        scale = (
+            total / 100 if m.group(2) else {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(3)]
+        )
+        value = float(m.group(1)) * scale
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"size {size!r} is not a positive number of bytes (examples: 2GB, 512MiB, 50%)")
+    return int(value)
 
 
 def fmt_bytes(n: float) -> str:
@@ -150,6 +155,23 @@ def kv_tokens(context: int) -> int:
     KV_ALIGN steps. With a budget each cache is allocated whole, once (loader.make_cache), so a short
     run does not pay for mlx-lm's 256-token steps (256 MiB of float32 KV on a 7B)."""
     return -(-(context + 1) // KV_ALIGN) * KV_ALIGN
+
+
+def longest_context(config: dict, budget: Optional[int], minimum: Callable[[int], int]) -> int:
+    """The context of a run with no token limit. Without a budget, the model's own (max_position_embeddings); under
+    one, at most that: the most tokens whose KV cache takes at most half of what the budget leaves above its
+    minimum for one token (`minimum(context)`: the smallest budget for a context), so the units keep the other half
+    to cache in."""
+    config = config.get("text_config", config)  # a multimodal wrapper's language model
+    most = config.get("max_position_embeddings") or 4096
+    if budget is None:
+        return most
+    room = (budget - minimum(1)) // 2
+    lo, hi = 1, most  # minimum() grows with the context: the largest that fits, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if minimum(mid) - minimum(1) <= room else (lo, mid - 1)
+    return lo
 
 
 def head_dim(config: dict) -> int:

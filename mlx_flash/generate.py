@@ -19,7 +19,7 @@ from .compute import cpu_gemv
 from .default_model import default_model_dir
 from .engine.sparsity import SPARSITIES
 from .engine.stats import Stats
-from .errors import FlashError
+from .errors import BudgetError, FlashError
 from .format.directory import FlashDir
 from .loader import MAX_PPL_INCREASE, load, load_tokenizer
 from .speculative import AdaptiveDepth, SpeculativeStats, accept, make_drafter
@@ -280,6 +280,7 @@ def stream_generate(
             prompt, add_special_tokens=tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         )
     prompt = mx.array(prompt)
+    max_tokens = _within_context(model, prompt.size, max_tokens, kwargs.get("prompt_cache"))
     detokenizer = tokenizer.detokenizer
     drafter = make_drafter(prompt_lookup, draft_model)
     if drafter is None:
@@ -333,6 +334,22 @@ def stream_generate(
             model.flash.stats.end()
 
 
+def _within_context(model, prompt_tokens: int, max_tokens: int, prompt_cache) -> int:
+    """max_tokens (-1: no limit) cut to what the flash model's planned context leaves after the prompt (and the
+    tokens a prompt cache holds already): the KV cache never outgrows the budget's plan."""
+    context = getattr(getattr(model, "flash", None), "context", None)
+    if context is None:
+        return max_tokens
+    held = next((c.offset for c in prompt_cache or () if hasattr(c, "offset")), 0)
+    room = context - held - prompt_tokens
+    if room < 1:
+        raise BudgetError(
+            f"the prompt's {held + prompt_tokens} tokens leave no room in the planned context of {context} tokens "
+            "(load's context, generate's --max-tokens, the server's --max-context)"
+        )
+    return room if max_tokens < 0 else min(max_tokens, room)
+
+
 def decode_tps(steps: int, seconds: float) -> float:
     """Tokens/s of decoding: the tokens after the first (which the prompt's pass makes) over their time,
     as llama-bench counts its generation test: one token a decode step."""
@@ -378,7 +395,14 @@ def setup_arg_parser():
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="Message to the model ('-' reads stdin).")
     p.add_argument("--system-prompt", default=None, help="System prompt for the chat template.")
     p.add_argument("--ignore-chat-template", action="store_true", help="Use the raw prompt without the chat template.")
-    p.add_argument("--max-tokens", "-m", type=int, default=100, help="Maximum number of tokens to generate.")
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=100,
+        help="Maximum number of tokens to generate (-1: until the end of the sequence or the longest context the "
+        "budget holds).",
+    )
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature.")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p.")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed.")
@@ -548,16 +572,20 @@ def print_stats(engine, out=sys.stdout):
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
 
     if args.seed is not None:
         mx.random.seed(args.seed)
     if args.exact:
         cpu_gemv.set_int8_activations(False)
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        print(f"error: --max-tokens {args.max_tokens}: give a positive count, or -1 for no limit", file=sys.stderr)
+        return 1
     try:
         path = args.model or default_model_dir()
         tokenizer = load_tokenizer(FlashDir(path))
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not prompt and args.ignore_chat_template:
+            raise ValueError("the prompt is empty: a raw prompt (--ignore-chat-template) needs at least one token")
         if not args.ignore_chat_template and tokenizer.chat_template is not None:
             messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [
                 {"role": "user", "content": prompt}
@@ -575,7 +603,8 @@ def main(argv=None):
             gamma=args.gamma,
             threads=args.threads,
             direct=not args.cached_io,
-            context=len(prompt) + args.max_tokens,  # the KV cache it will need
+            # the KV cache it will need; -1: the longest the budget holds, where generation stops
+            context=len(prompt) + args.max_tokens if args.max_tokens > 0 else None,
             prefetch=False if args.no_prefetch else (True if args.prefetch else None),
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
@@ -585,30 +614,44 @@ def main(argv=None):
     except (FlashError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    sampler = make_sampler(args.temp, args.top_p)
-    response = None
     try:
-        step = model.flash.plan.prefill_step(model.flash.fd.config, len(prompt) + args.max_tokens)  # within the budget
-        for response in stream_generate(
-            model,
-            tokenizer,
-            prompt,
-            max_tokens=args.max_tokens,
-            sampler=sampler,
-            prefill_step_size=step,
-            draft_model=model.draft_model,
-            prompt_lookup=args.prompt_lookup,
-            num_draft_tokens=args.num_draft_tokens,
-        ):
-            if args.verbose:
-                print(response.text, end="", flush=True)
-        if args.verbose and response is not None:
-            print_response_stats(response)
-        if args.stats:
-            print_stats(model.flash)
-    finally:
-        model.flash.close()
+        try:
+            _generate(args, model, tokenizer, prompt)
+        finally:
+            model.flash.close()
+    except FlashError as e:  # a failed read, a corrupted unit, a prompt longer than the context
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _generate(args, model, tokenizer, prompt):
+    from mlx_lm.sample_utils import make_sampler
+
+    response = None
+    context = model.flash.context
+    step = model.flash.plan.prefill_step(model.flash.fd.config, context)  # within the budget
+    for response in stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        sampler=make_sampler(args.temp, args.top_p),
+        prefill_step_size=step,
+        draft_model=model.draft_model,
+        prompt_lookup=args.prompt_lookup,
+        num_draft_tokens=args.num_draft_tokens,
+    ):
+        if args.verbose:
+            print(response.text, end="", flush=True)
+    if args.verbose and response is not None:
+        print_response_stats(response)
+    if response is not None and response.finish_reason == "length" and response.generation_tokens != args.max_tokens:
+        print(
+            f"[stopped at the planned context of {context} tokens: what the budget's KV cache holds]", file=sys.stderr
+        )
+    if args.stats:
+        print_stats(model.flash)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,17 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .budget import FFN_BOUNCE_BYTES, ffn_reader_threads, fmt_bytes, head_dim, kv_tokens, parse_size, plan_memory
+from .budget import (
+    FFN_BOUNCE_BYTES,
+    ffn_reader_threads,
+    fmt_bytes,
+    head_dim,
+    kv_tokens,
+    longest_context,
+    min_streaming_budget,
+    parse_size,
+    plan_memory,
+)
 from .compute import cpu_gemv
 from .compute.ffn import ResidentFFN
 from .default_model import default_model_dir
@@ -167,7 +177,10 @@ def load_resident(path, dtype=None) -> Tuple[nn.Module, FlashDir]:
 def load_tokenizer(fd: FlashDir):
     from mlx_lm.utils import load_tokenizer as _load
 
-    return _load(fd.path, eos_token_ids=fd.config.get("eos_token_id"))
+    try:
+        return _load(fd.path, eos_token_ids=fd.config.get("eos_token_id"))
+    except Exception as e:  # transformers raises whatever its tokenizer classes raise
+        raise FlashFormatError(f"{fd.path}: no tokenizer can be loaded from it ({type(e).__name__}: {e})") from e
 
 
 MAX_PPL_INCREASE = 0.10  # what --sparsity auto accepts from a calibrated selector by default
@@ -296,7 +309,7 @@ def load(
     gamma: float = 1.0,
     threads: int = None,
     direct: bool = True,
-    context: int = 2048,
+    context: Optional[int] = 2048,
     use_metal: bool = None,
     dtype=None,
     sparsifier=None,
@@ -309,6 +322,8 @@ def load(
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
+    context: the tokens (prompt and generated) the KV cache is planned for; generation (stream_generate) stops
+    there. None: the longest the budget holds beside the units (budget.longest_context).
     memory_budget: bytes, "2GB" or "50%" (of the model's size) for weights + caches + KV cache;
     None caches every unit. If the resident weights do not fit, attention layers, embeddings and
     the LM head are streamed from flash too (engine/resident.py; `model.flash.plan` says what); if even
@@ -332,12 +347,19 @@ def load(
     """
 
     fd = FlashDir(path if path is not None else default_model_dir())
+    fd.check_resident()
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
+    if context is None:
+        cast = cpu_cast if dtype == mx.float32 else None
+        resident, groups = fd.resident_nbytes(cast), stream_groups(fd, cast, 1)
+        context = longest_context(
+            fd.config, budget, lambda c: min_streaming_budget(fd, c, dtype.size if dtype else 2, 0, resident, groups)
+        )
     draft, draft_bytes = _load_draft(draft_model, fd, context) if draft_model is not None else (None, 0)
     if fd.ffn.get("kind") == "moe":
         if sparsifier is not None or sparsity not in ("auto", "dense"):
@@ -437,6 +459,7 @@ def load(
 
     model = build_model(fd, make_ffn, dtype, _streaming(fd, plan, engine, direct, cast))
     model.flash = engine
+    engine.context = context  # where generation stops: the KV cache holds no more
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(
         make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size
@@ -516,6 +539,7 @@ def _load_moe(
         mx.set_cache_limit(plan.workspace)
     model = build_moe_model(fd, engine, dtype, _streaming(fd, plan, engine, direct, cast))
     model.flash = engine
+    engine.context = context  # where generation stops: the KV cache holds no more
     routers = next_routers(model, {int(i): p for i, p in fd.ffn["switch_paths"].items()}) if read_ahead else {}
     if routers:
         engine.read_ahead_with(routers, top_k)

@@ -34,6 +34,7 @@ Pass the base array and byte offsets (what `aligned_rows` returns) to be safe.
 """
 
 import errno as _errno
+import itertools
 import mmap
 import os
 import sys
@@ -749,4 +750,40 @@ def open_reader(
     )
     if native is None:
         native = have_native()
-    return NativeReader(path, **kw) if native else PythonReader(path, **kw)
+    reader = NativeReader(path, **kw) if native else PythonReader(path, **kw)
+    return FaultyReader(reader) if FAIL_READ else reader
+
+
+# Fault injection for tests of what follows a failed read, everywhere and without LD_PRELOAD:
+# MLX_FLASH_FAIL_READ=n fails the n-th batch of reads this process submits (counted over every reader) with EIO.
+FAIL_READ = int(os.environ.get("MLX_FLASH_FAIL_READ") or 0)
+_batches = itertools.count(1)
+
+
+class FaultyReader:
+    """A reader whose FAIL_READ-th batch of the process is never read: its wait raises ReadError (EIO)."""
+
+    _failed = object()
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+    def submit(self, *args, **kwargs):
+        return self._failed if next(_batches) == FAIL_READ else self.reader.submit(*args, **kwargs)
+
+    def wait(self, handle) -> int:
+        if handle is self._failed:
+            raise _read_error(self.reader.path, _errno.EIO, 0, 0, "read failed (injected by MLX_FLASH_FAIL_READ)")
+        return self.reader.wait(handle)
+
+    def read(self, *args, **kwargs) -> int:
+        return self.wait(self.submit(*args, **kwargs))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.reader.close()
