@@ -5,9 +5,9 @@ the groups `stream_groups` lists, cheapest first, until the rest fits:
 
     rows    an untied input embedding (OPT's position embedding too): only the rows of the
             tokens being embedded are read, so streaming it costs almost no I/O
-    layer   one layer's attention (every tensor under `layers.i.self_attn`), read whole
-            every token; layers are taken evenly spread, so the resident layers between
-            streamed ones give the prefetch compute to hide behind
+    layer   a module of one layer other than its FFN (its attention of whatever kind, a
+            convolution, ...), read whole every token; layers are taken evenly spread, so the
+            resident layers between streamed ones give the prefetch compute to hide behind
     head    the LM head, or a tied embedding used as one: read every token in chunks of
             vocabulary rows, so it never needs more than two chunks of memory (logits for
             several positions at once are left lazy: see StreamedRows._chunked)
@@ -32,12 +32,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from .experts import SWITCHES, instantiate
 from .reader import aligned_buffer, aligned_span
 
 HEAD_CHUNK_BYTES = 2 << 20  # LM head rows per streamed chunk: large reads, little memory
 STREAM_THREADS = 8  # a few large reads per load
+EMBEDDINGS = (nn.Embedding, nn.QuantizedEmbedding)
+LINEARS = (nn.Linear, nn.QuantizedLinear)
 
 
 @dataclass
@@ -76,33 +79,56 @@ def _group(path: str, kind: str, tensors, cast, alignment: int, rows: Optional[i
 
 
 def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
-    """The modules that may be streamed, in the order the planner streams them (module doc)."""
+    """The modules that may be streamed, in the order the planner streams them (module doc). What a module is
+    comes from its type in mlx-lm's model of the directory's config (lazy weights: nothing is read), not its name:
+
+    an embedding (nn.Embedding, quantised or not) is read by rows; the head, in chunks, if no linear layer outside
+    the layers maps to a vocabulary (tied: then the token embedding, the first one defined);
+    a linear layer outside the layers is read in chunks as a head;
+    each child of a layer holding matrices is read whole (attention of any kind, with its norms and sinks: MLA's
+    embed_q / unembed_out, linear attention, convolutions, a dense FFN the engine does not stream), but not the
+    module holding the experts (router and shared experts stay resident) nor a dense FFN streamed as units."""
     index = fd.resident_index()
     by_module: Dict[str, list] = {}
     for name, t in index.items():
         by_module.setdefault(name.rsplit(".", 1)[0], []).append(t)
-    tied = not any(p.split(".")[-1] == "lm_head" for p in by_module)
+    model = instantiate(fd.config)
+    names = {id(m): p for p, m in model.named_modules()}
+    layers = [names[id(layer)] for layer in model.layers]
+    outside = [
+        (p, m) for p, m in model.named_modules() if p in by_module and not any(p.startswith(q + ".") for q in layers)
+    ]
+    embeddings = [p for p, m in outside if isinstance(m, EMBEDDINGS)]
+    linears = [p for p, m in outside if isinstance(m, LINEARS)]
+    vocabularies = {by_module[p][0].shape[0] for p in embeddings}
+    untied = any(by_module[p][0].shape[0] in vocabularies for p in linears)  # a linear head, as many rows as one
+    order = {p: i for i, (p, _) in enumerate(tree_flatten(model.parameters()))}
+    tied = [] if untied or not embeddings else [min(embeddings, key=lambda p: order[p + ".weight"])]  # tokens': first
 
-    rows, layers, heads = [], [], []
-    for path, ts in sorted(by_module.items()):
-        leaf = path.split(".")[-1]
-        if leaf == "lm_head" or (tied and leaf == "embed_tokens"):
-            vocab = ts[0].shape[0]
-            chunk = max(1, min(vocab, int(HEAD_CHUNK_BYTES * vocab // sum(t.nbytes_as(cast) for t in ts))))
-            heads.append(_group(path, "head", ts, cast, fd.alignment, rows=chunk, chunk=chunk))
-        elif leaf.startswith("embed"):
-            rows.append(_group(path, "rows", ts, cast, fd.alignment, rows=min(context, ts[0].shape[0])))
-    if "mlp_paths" in fd.ffn:  # "model.layers.3.mlp" -> "model.layers.3"
-        layer_prefixes = [p.rsplit(".", 1)[0] for p in fd.ffn["mlp_paths"]]
-    else:  # MoE: every layer with attention, in order
-        found = {name.split(".self_attn.")[0] for name in index if ".self_attn." in name}
-        layer_prefixes = sorted(found, key=_layer_number)
-    for i in _spread(len(layer_prefixes)):
-        prefix = layer_prefixes[i] + ".self_attn."
-        ts = [t for name, t in index.items() if name.startswith(prefix)]
-        if ts:
-            layers.append(_group(prefix[:-1], "layer", ts, cast, fd.alignment))
-    return rows + layers + heads
+    rows, heads = [], []
+    for path in tied + linears:
+        ts = by_module[path]
+        vocab = ts[0].shape[0]
+        chunk = max(1, min(vocab, int(HEAD_CHUNK_BYTES * vocab // sum(t.nbytes_as(cast) for t in ts))))
+        heads.append(_group(path, "head", ts, cast, fd.alignment, rows=chunk, chunk=chunk))
+    for path in (p for p in embeddings if p not in tied):
+        ts = by_module[path]
+        rows.append(_group(path, "rows", ts, cast, fd.alignment, rows=min(context, ts[0].shape[0])))
+    ffn = set(fd.ffn.get("mlp_paths", ()))
+    layer_groups = []
+    for i in _spread(len(layers)):
+        for name, child in tree_flatten(model.layers[i].children(), is_leaf=nn.Module.is_module):
+            path = f"{layers[i]}.{name}"  # (a list of blocks, as longcat_flash's two attentions: one each)
+            ts = [t for n, t in index.items() if n.startswith(path + ".")]
+            if path in ffn or _holds_experts(child):
+                continue
+            if any(len(t.shape) > 1 for t in ts):  # (norms alone stay resident: too small to be worth a read)
+                layer_groups.append(_group(path, "layer", ts, cast, fd.alignment))
+    return rows + layer_groups + heads
+
+
+def _holds_experts(module: nn.Module) -> bool:
+    return any(isinstance(m, SWITCHES) for _, m in module.named_modules())
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -269,6 +295,15 @@ class _Streamed(nn.Module):
         # empty stand-ins between calls, made once: the loaded weights are freed after each output
         self._placeholders = tree_map(lambda a: mx.zeros((0,), a.dtype), inner.parameters())
         self._release()
+
+    def __getattr__(self, key: str):
+        """The original module's other attributes, as the model reads them (e.g. make_cache: a layer's kind)."""
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if key.startswith("_"):
+                raise
+            return getattr(self._inner, key)
 
     def _use(self, arrays: Dict[str, mx.array]):
         self._inner.update(tree_unflatten([(k[len(self._prefix) :], v) for k, v in arrays.items()]))
