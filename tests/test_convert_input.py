@@ -3,14 +3,20 @@ each end in one line naming what is wrong (no traceback, no core dump), and leav
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
 
+from mlx_flash.convert.gguf import read_header
 from mlx_flash.convert.source import resolve_source
 from mlx_flash.errors import SourceError
 
+import gguf
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def convert_cli(*args, cwd=None):
@@ -36,6 +42,214 @@ def assert_refused(r, *words):
 
 def leftovers(folder, out="out"):
     return sorted(p.name for p in folder.iterdir() if p.name == out or p.name.startswith(f".{out}."))
+
+
+# -- a damaged GGUF ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("counts", [None, (3, 2, 5)], ids=["random", "plausible-counts"])
+def test_a_damaged_gguf_header_is_refused(tmp_path, counts):
+    """The GGUF magic, then 5 MB of random bytes (or a valid version and small counts, then random bytes): mx.load
+    dies of SIGSEGV on such a file, so the header is checked before it runs."""
+    head = b"GGUF"
+    if counts is not None:
+        version, n_tensors, n_kv = counts
+        head += version.to_bytes(4, "little") + n_tensors.to_bytes(8, "little") + n_kv.to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(head + np.random.default_rng(0).bytes(5_000_000))
+    assert_refused(convert_cli("--model", bad, "--out", tmp_path / "out"), "bad.gguf")
+    assert leftovers(tmp_path) == []
+
+
+def small_gguf(path):
+    """A small valid GGUF: metadata of every kind the header check reads (scalars, strings, arrays of numbers, bools
+    and strings, general.alignment) and tensors of the types mx.load reads itself, converts or cannot read."""
+    T = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("general.alignment", 32)
+    w.add_block_count(1)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_token_list(["<s>", "a", "b\u00e9"])
+    w.add_token_types([3, 1, 1])
+    w.add_array("test.bools", [True, False])
+    w.add_int64("test.big", -(2**40))
+    w.add_tensor("f32.weight", np.ones(4, np.float32))
+    w.add_tensor("f16.weight", np.ones((2, 32), np.float16))
+    for name, qtype, shape in (("q4.weight", T.Q4_0, (2, 32)), ("q8.weight", T.Q8_0, (1, 64))):
+        w.add_tensor(name, gguf.quants.quantize(np.ones(shape, np.float32), qtype), raw_dtype=qtype)
+    w.add_tensor("k.weight", np.full((1, 144), 17, np.uint8), raw_dtype=T.Q4_K)  # (any bytes are a Q4_K block)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def header_fields(path):
+    """(offset, width) of every number the header check reads: counts, lengths, value and tensor types, dimensions,
+    offsets, and the values themselves."""
+    from mlx_flash.convert import gguf as g
+
+    fields = []
+
+    class Recorder(g._GGUFFile):
+        def _unpack(self, fmt):
+            fields.append((self._pos, struct.calcsize(fmt)))
+            return super()._unpack(fmt)
+
+    h = Recorder(path)
+    return fields, h.tensors[0].data_offset
+
+
+def number_at(path, field):
+    """(offset, width) of a number in the header: `field` is its index (0 the version, 1 the tensor count, 2 the
+    metadata count), or (a key or tensor name, the index of a number after it: a key's value type, then its value or
+    element type and count; a tensor's dimension count, dimensions, type, offset)."""
+    fields, _ = header_fields(path)
+    if isinstance(field, int):
+        return fields[field]
+    name = field[0].encode()
+    data = path.read_bytes()
+    end = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    return fields[[pos for pos, _ in fields].index(end) + field[1]]
+
+
+def test_the_small_gguf_reads_as_gguf_reads_it(tmp_path):
+    """The fuzzing's starting point passes the check, read as the gguf package reads it."""
+    p = small_gguf(tmp_path / "small.gguf")
+    h, ref = read_header(p), gguf.GGUFReader(str(p))
+    assert h.fields == {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in h.tensors] == [
+        (t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in ref.tensors
+    ]
+
+
+def patched(src, dst, at, value, width):
+    data = bytearray(src.read_bytes())
+    data[at : at + width] = value.to_bytes(width, "little")
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        (0, 1, "version 1 is not supported"),
+        (1, 2**40, "tensors and"),  # the tensor count
+        (2, 2**33, "metadata items cannot fit"),  # the metadata count
+        (("general.alignment", 0), 0, "general.alignment has value type"),  # its type: uint8, not uint32
+        (("tokenizer.ggml.tokens", 1), 9, "array element type 9"),  # an array of arrays
+        (("tokenizer.ggml.tokens", 2), 2**62, "strings at byte"),  # the string array's length
+        (("f16.weight", 0), 5, "5 dimensions"),
+        (("f16.weight", 1), 2**64 - 1, "past the end"),  # its first dimension
+        (("q4.weight", 3), 77, "unknown type 77"),
+        (("q4.weight", 3), 16, "not rows of whole IQ2_XXS blocks"),  # a 256-value block type on 32-value rows
+        (("q8.weight", 4), 3, "not a multiple of the alignment"),  # its offset
+    ],
+)
+def test_what_the_header_check_refuses(tmp_path, field, value, says):
+    """A number of the header changed (number_at): the check names what is wrong in one line."""
+    src = small_gguf(tmp_path / "small.gguf")
+    at, width = number_at(src, field)
+    bad = patched(src, tmp_path / "bad.gguf", at, value % 256**width, width)
+    with pytest.raises(SourceError, match="bad.gguf: not a valid GGUF file: .*" + says) as e:
+        read_header(bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("counts", [(1, 1), (3, 40), (0, 380_000), (150_000, 0)])
+def test_random_bytes_after_a_valid_version_are_refused(tmp_path, counts):
+    """5 MB of random bytes after a valid version and tensor / metadata counts that fit in the file."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, *counts) + np.random.default_rng(0).bytes(5_000_000))
+    with pytest.raises(SourceError, match="bad.gguf"):
+        read_header(bad)
+
+
+def test_the_check_takes_time_bounded_by_the_file_size(tmp_path):
+    """The most items 5 MB can hold (an array of 625,000 empty strings) is read in about half a second."""
+    n = 5_000_000 // 8
+    p = tmp_path / "strings.gguf"
+    p.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1) + b"a" + struct.pack("<IIQ", 9, 8, n) + bytes(8 * n))
+    start = time.perf_counter()
+    assert read_header(p).fields == {"a": [""] * n}
+    assert time.perf_counter() - start < 5
+
+
+# The mutated files that passed the check, each loaded by mx.load in a child process: a SIGSEGV there (what the
+# check exists to prevent) fails the test, naming the file; Python exceptions (a type mx.load cannot read) are fine.
+MX_LOAD_EACH = """
+import sys
+import mlx.core as mx
+for path in sys.argv[1:]:
+    print(path, flush=True)
+    try:
+        mx.load(path, format="gguf", return_metadata=True)
+    except Exception:
+        pass
+"""
+
+INTERESTING = [0, 1, 2, 3, 4, 7, 8, 9, 12, 13, 31, 32, 33, 64, 255, 256, 2**31 - 1, 2**31, 2**32 - 1, 2**32]
+INTERESTING += [2**63 - 1, 2**63, 2**64 - 1]
+
+
+def test_fuzzed_headers_are_refused_or_read_correctly(tmp_path):
+    """Mutated headers of a small valid GGUF (numbers of the header set to edge values, random bytes overwritten,
+    the file cut short): every outcome is SourceError or a header whose every tensor lies within the file and reads
+    as gguf's own reader reads it, each within the deadline; and mx.load survives every header that passes."""
+    src = small_gguf(tmp_path / "small.gguf")
+    data = src.read_bytes()
+    fields, header_end = header_fields(src)
+    passed = []
+
+    @settings(
+        max_examples=1000,
+        deadline=1000,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(
+        edits=st.lists(
+            st.one_of(
+                st.tuples(st.sampled_from(fields), st.sampled_from(INTERESTING) | st.integers(0, 2**64 - 1)),
+                st.tuples(st.tuples(st.integers(0, header_end - 1), st.just(1)), st.integers(0, 255)),
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+        cut=st.none() | st.integers(0, len(data)),
+    )
+    def check(edits, cut):
+        mutated = bytearray(data)
+        for (at, width), value in edits:
+            mutated[at : at + width] = (value % 256**width).to_bytes(width, "little")
+        path = tmp_path / "m.gguf"
+        path.write_bytes(bytes(mutated[:cut]))
+        try:
+            h = read_header(path)
+        except SourceError as e:
+            assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
+            return
+        size = path.stat().st_size
+        for t in h.tensors:
+            assert t.data_offset + t.n_bytes <= size
+            assert t.data.nbytes == t.n_bytes
+        try:
+            ref = gguf.GGUFReader(str(path))
+        except Exception:  # gguf's reader refuses some headers llama.cpp reads (e.g. overlapping tensors)
+            ref = None
+        if ref is not None:  # (as text: NaN == NaN)
+            assert repr(h.fields) == repr({k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")})
+            assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in h.tensors] == [
+                (t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in ref.tensors
+            ]
+        if bytes(mutated[:cut]) != data:
+            passed.append(path.rename(tmp_path / f"passed-{len(passed)}.gguf"))
+
+    check()
+    assert len(passed) > 20  # the fuzzing reaches mx.load, not only the check's refusals
+    r = subprocess.run([sys.executable, "-c", MX_LOAD_EACH, *map(str, passed)], capture_output=True, text=True)
+    assert r.returncode == 0, f"mx.load died ({r.returncode}) after reading {r.stdout[-300:]}: {r.stderr[-2000:]}"
 
 
 # -- signals ------------------------------------------------------------------------------------------------------

@@ -18,11 +18,12 @@ Weights (GGUF type -> what the mlx-lm directory stores)
     group 32), and a held-out measurement (BENCHMARKS.md) found Q4_K_M re-quantised to MLX 4-bit group
     64 at +41% perplexity, 8-bit lossless.
     Such tensors take 9 bits per weight instead of 4.5-6.6; 1-D ones become float16.
-  * Files made only of the first kind and no larger than MX_LOAD_MAX_BYTES are
-    read by `mx.load` (fast path). Other files are memory-mapped (_GGUFFile
-    parses the header) and read a tensor at a time, each tensor spooled to disk
-    as it is converted, so peak memory is about one tensor. Both paths write
-    bit-identical weights.
+  * Every header is parsed and checked first (_GGUFFile, in pure Python: mx.load
+    trusts every length and offset in it). Files made only of the first kind and
+    no larger than MX_LOAD_MAX_BYTES are then read by `mx.load` (fast path).
+    Other files are memory-mapped and read a tensor at a time, each tensor
+    spooled to disk as it is converted, so peak memory is about one tensor. Both
+    paths write bit-identical weights.
   * llama.cpp's converter permutes the rows of attn_q / attn_k of llama-style
     models for its RoPE layout; the permutation is undone here (it commutes with
     per-row quantisation, so .weight/.scales/.biases rows are permuted alike).
@@ -57,6 +58,7 @@ deepseek2 (-> deepseek_v3: MLA in llama.cpp's k_b / v_b form, dense leading laye
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 import sys
@@ -83,16 +85,12 @@ DTYPES = ("float16", "bfloat16", "float32")
 REQUANT = (32, 8)
 
 
-def _plain(v):
-    import mlx.core as mx
-
-    if isinstance(v, mx.array):
-        return v.item() if v.ndim == 0 else v.tolist()
-    return v
-
-
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+_UINT32, _BOOL, _STRING, _ARRAY = 4, 7, 8, 9
+MAX_DIMS = 4  # GGML_MAX_DIMS
+# the fewest bytes a metadata item (key length, type, a one-byte value) and a tensor info (name length, one
+# dimension, type, offset) take: the counts in the header cannot exceed the file's size over these
+_MIN_ITEM_BYTES, _MIN_TENSOR_BYTES = 13, 32
 # tensor types a GGUF stores as plain numbers (any other is blocks of bytes)
 _PLAIN = {
     "F16": np.float16,
@@ -129,43 +127,67 @@ class _TensorInfo:
 
 class _GGUFFile:
     """A GGUF file's metadata (plain Python values) and tensor infos, parsed straight from its memory map (the
-    gguf package's reader keeps a numpy view per metadata item: hundreds of MB and seconds for a large vocabulary)."""
+    gguf package's reader keeps a numpy view per metadata item: hundreds of MB and seconds for a large vocabulary).
+
+    Every count, length, type code, shape and offset is checked against the file as it is read, as llama.cpp
+    checks them (ValueError saying what is wrong): the work is bounded by the file's size, whatever its bytes, and
+    what passes can be handed to mx.load, whose gguflib trusts them all (a damaged header is a SIGSEGV there)."""
 
     def __init__(self, path: Path):
         import gguf
 
         self.data = np.memmap(path, mode="r")
         self._buf, self._pos = memoryview(self.data), 0
+        size = len(self.data)
         if bytes(self._read(4)) != GGUF_MAGIC:
             raise ValueError("GGUF magic invalid")
         version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported")
+        if n_kv > size // _MIN_ITEM_BYTES or n_tensors > size // _MIN_TENSOR_BYTES:
+            raise ValueError(f"{n_tensors} tensors and {n_kv} metadata items cannot fit in a {size}-byte file")
         self.fields = {}
         for _ in range(n_kv):
-            key = self._string()
-            self.fields[key] = self._value(self._unpack("<I"))
-        infos = []
+            key, kind = self._string(), self._unpack("<I")
+            if key in self.fields:
+                raise ValueError(f"metadata key {key!r} appears twice")
+            if key == "general.alignment" and kind != _UINT32:  # (what gguflib and llama.cpp read)
+                raise ValueError(f"general.alignment has value type {kind}, not uint32")
+            self.fields[key] = self._value(kind)
+        infos = {}
         for _ in range(n_tensors):
-            name = self._string()
-            shape = tuple(self._unpack("<Q") for _ in range(self._unpack("<I")))
-            infos.append((name, shape, gguf.GGMLQuantizationType(self._unpack("<I")), self._unpack("<Q")))
-        align = int(self.fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+            name, n_dims = self._string(), self._unpack("<I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+            shape = tuple(self._unpack("<Q") for _ in range(n_dims))
+            code, offset = self._unpack("<I"), self._unpack("<Q")
+            try:
+                qtype = gguf.GGMLQuantizationType(code)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has unknown type {code}") from None
+            if name in infos:
+                raise ValueError(f"tensor {name!r} appears twice")
+            infos[name] = shape, qtype, offset
+        align = self.fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
         if align <= 0 or align & (align - 1):
             raise ValueError(f"invalid alignment {align}")
         start = -(-self._pos // align) * align
         self.tensors = []
-        for name, shape, qtype, offset in infos:
-            block, size = gguf.GGML_QUANT_SIZES[qtype]
-            n_bytes = int(np.prod(shape)) // block * size
-            if start + offset + n_bytes > len(self.data):
+        for name, (shape, qtype, offset) in infos.items():
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            if min(shape) < 1 or shape[0] % block:
+                raise ValueError(f"tensor {name!r} has shape {shape}, not rows of whole {qtype.name} blocks")
+            n_bytes = math.prod(shape) // block * type_size
+            if offset % align:
+                raise ValueError(f"tensor {name!r} has offset {offset}, not a multiple of the alignment {align}")
+            if start + offset + n_bytes > size:
                 raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
             self.tensors.append(_TensorInfo(name, shape, qtype, start + offset, n_bytes, self.data))
         del self._buf
 
     def _read(self, n: int) -> memoryview:
         if self._pos + n > len(self._buf):
-            raise ValueError("unexpected end of file in the header (truncated?)")
+            raise ValueError(f"unexpected end of file in the header, at byte {self._pos} (truncated?)")
         self._pos += n
         return self._buf[self._pos - n : self._pos]
 
@@ -173,20 +195,37 @@ class _GGUFFile:
         return struct.unpack(fmt, self._read(struct.calcsize(fmt)))[0]
 
     def _string(self) -> str:
-        return str(self._read(self._unpack("<Q")), "utf-8")
+        at = self._pos
+        try:
+            return str(self._read(self._unpack("<Q")), "utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"the string at byte {at} is not UTF-8") from None
 
     def _value(self, kind: int):
         if kind == _STRING:
             return self._string()
         if kind == _ARRAY:
             kind, n = self._unpack("<I"), self._unpack("<Q")
-            if kind in _SCALARS and kind != 7:
-                dtype = np.dtype(_SCALARS[kind])
-                return np.frombuffer(self._read(n * dtype.itemsize), dtype).tolist()
-            return [self._value(kind) for _ in range(n)]
+            if kind == _STRING:
+                if 8 * n > len(self._buf) - self._pos:  # (each string takes at least its 8-byte length)
+                    raise ValueError(f"an array of {n} strings at byte {self._pos} cannot fit in the file")
+                return [self._string() for _ in range(n)]
+            if kind not in _SCALARS:  # arrays of arrays too: neither llama.cpp nor mx.load reads them
+                raise ValueError(f"unsupported GGUF array element type {kind}")
+            dtype = np.dtype(_SCALARS[kind] if kind != _BOOL else np.uint8)
+            values = np.frombuffer(self._read(n * dtype.itemsize), dtype)
+            return (values != 0 if kind == _BOOL else values).tolist()
         if kind not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {kind}")
         return self._unpack(_SCALARS[kind])
+
+
+def read_header(path: Path) -> _GGUFFile:
+    """The GGUF's header, checked (_GGUFFile); SourceError saying what is wrong."""
+    try:
+        return _GGUFFile(path)
+    except (ValueError, OSError) as e:
+        raise SourceError(f"{path}: not a valid GGUF file: {e}") from e
 
 
 # --------------------------------------------------------------------------------------
@@ -424,30 +463,24 @@ def _tensor_count(path: Path) -> int:
         return int.from_bytes(f.read(8), "little")
 
 
-def _open(path: Path, force_reader: bool, mx_load_max_bytes: int):
-    """mx.load for files up to `mx_load_max_bytes` whose tensors it can all read, else _GGUFFile.
+def _open(path: Path, force_reader: bool, mx_load_max_bytes: int, reader: Optional[_GGUFFile] = None):
+    """mx.load for files up to `mx_load_max_bytes` whose tensors it can all read, else `reader` (read_header's).
 
-    Damaged files -> SourceError.
+    Damaged files -> SourceError, before mx.load sees them.
     """
-    mx_error = None
+    if reader is None:
+        reader = read_header(path)
+    meta = Meta(reader.fields, path)
     if not force_reader and path.stat().st_size <= mx_load_max_bytes:
         import mlx.core as mx
 
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
+            arrays = mx.load(str(path), format="gguf")
             loaded = sum(not k.endswith((".scales", ".biases")) for k in arrays)
-            if loaded == _tensor_count(path):  # (mx.load stops at a type it cannot read, e.g. MXFP4, and says nothing)
-                return _MxSource(arrays, Meta({k: _plain(v) for k, v in meta.items()}, path))
-        except Exception as e:  # an unsupported tensor type, or a damaged file: the reader tells which
-            mx_error = e
-    try:
-        reader = _GGUFFile(path)
-        meta = Meta(reader.fields, path)
-    except Exception as e:
-        detail = mx_error if mx_error is not None else e
-        raise SourceError(
-            f"{path}: cannot read the GGUF file (truncated or corrupted?): {type(detail).__name__}: {detail}"
-        ) from e
+            if loaded == len(reader.tensors):  # (mx.load stops at a type it cannot read, e.g. MXFP4, and says nothing)
+                return _MxSource(arrays, meta)
+        except Exception:  # a tensor type mx.load cannot read (the reader reads them all)
+            pass
     return _ReaderSource(reader, meta)
 
 
@@ -544,6 +577,7 @@ def gguf_to_mlx_dir(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     cast = getattr(mx, dtype) if dtype is not None else None
     _check_file(path)
+    header = read_header(path)  # (a damaged one ends here, in one line)
     if progress:
         print(
             f"{path.name}: reading the header and tokenizer ({path.stat().st_size / 2**30:.2f} GiB file)",
@@ -551,7 +585,7 @@ def gguf_to_mlx_dir(
             flush=True,
         )
     # Small files: mx.load (fast, holds everything). Others: the reader's memory map, a tensor at a time.
-    source = _open(path, _force_reader, mx_load_max_bytes=MX_LOAD_MAX_BYTES)
+    source = _open(path, _force_reader, MX_LOAD_MAX_BYTES, header)
     meta = source.meta
     arch = meta.get("general.architecture")
     spec = arch_spec(arch, meta)
