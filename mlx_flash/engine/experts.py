@@ -79,7 +79,9 @@ def switch_paths(model: nn.Module) -> Dict[int, str]:
                 k for k in modules[found[0]].children() if k not in (*projections(modules[found[0]]), "activation")
             ]
             if other:  # (they would leave with the experts)
-                raise UnsupportedArchitectureError(f"{found[0]}.{other[0]}: a module inside an expert block")
+                raise UnsupportedArchitectureError(
+                    f"{found[0]}.{other[0]}: a module inside the expert block, where only the experts are expected"
+                )
             paths[i] = found[0]
     if not paths:
         raise UnsupportedArchitectureError(f"{type(model).__module__}: no SwitchGLU or SwitchMLP expert block found")
@@ -97,24 +99,22 @@ def _top_k_of(obj):
 
 
 def experts_per_token(model: nn.Module, paths: Dict[int, str]) -> int:
-    """The most experts a token is routed to in any layer, as the model's MoE blocks keep it: on the expert block's
-    enclosing modules (nearest first: the MoE block, then the layer) or their children (the router), or on their
-    args; else on the model's args (or its text_config)."""
+    """The most experts a token is routed to in any layer, as the model's MoE blocks keep it: on the modules
+    around the expert block (nearest first: the MoE block, up to the layer), their children (the router) or the args
+    they hold; else on the model's args (or their text_config)."""
     modules = dict(model.named_modules())
+    names = {id(m): p for p, m in modules.items()}
+    args = getattr(model, "args", None)
     found = []
     for i, path in paths.items():
-        layer = next(p for p, m in modules.items() if m is model.layers[i])
-        parts, k = path.split("."), None
-        enclosing = [".".join(parts[:n]) for n in range(len(parts) - 1, len(layer.split(".")) - 1, -1)]
-        for module in (modules[p] for p in enclosing):
-            k = _top_k_of(module) or next(filter(None, (_top_k_of(c) for c in _child_modules(module))), None)
-            if k:
-                break
-        args = getattr(model, "args", None)
+        k, layer = None, names[id(model.layers[i])]
+        while k is None and path != layer:
+            path = path.rsplit(".", 1)[0]
+            k = _top_k_of(modules[path]) or next(filter(None, map(_top_k_of, _child_modules(modules[path]))), None)
         k = k or _top_k_of(args) or _top_k_of(getattr(args, "text_config", None))
         if k is None:
             raise UnsupportedArchitectureError(
-                f"{path}: the number of experts per token is not found (none of {', '.join(TOP_K_NAMES)} on the "
+                f"{paths[i]}: the number of experts per token is not found (none of {', '.join(TOP_K_NAMES)} on the "
                 "modules around it, their routers or args)"
             )
         found.append(k)
