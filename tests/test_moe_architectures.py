@@ -221,6 +221,11 @@ ARCHS.update({
 
 # arch -> (config, what the one-line refusal names)
 REFUSED = {
+    # experts as a list of MLPs, not a SwitchGLU
+    "dbrx": (dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4,
+                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2},
+                  attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}),
+             r"its experts, transformer.blocks.0.ffn.experts, are not a SwitchGLU or SwitchMLP"),
     # a norm stored inside the expert block (and a Metal-only kernel: mlx-lm cannot run it on the CPU)
     "muse_spark": (dict(text_config=dict(C, **KV, num_hidden_layers=2, rms_norm_eps=1e-6, post_norm_eps=1e-6,
         rope_parameters={"rope_theta": 10000.0}, layer_rope_theta=[10000.0, 0], sliding_window=8,

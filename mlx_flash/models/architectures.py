@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from ..compute.cpu_gemv import is_symmetric
 from ..errors import UnsupportedArchitectureError
+from . import get_model_classes
 
 
 @dataclass(frozen=True)
@@ -212,9 +213,25 @@ ADAPTERS: Dict[str, FFNAdapter] = {
 def adapter_for(config: dict) -> FFNAdapter:
     model_type = config.get("model_type")
     if model_type not in ADAPTERS:
-        raise UnsupportedArchitectureError(
-            f"architecture {model_type!r} is not supported by mlx_flash (supported: {', '.join(sorted(ADAPTERS))})"
+        experts = _other_experts(config)
+        why = (
+            f"its experts, {experts}, are not a SwitchGLU or SwitchMLP"
+            if experts
+            else f"supported: {', '.join(sorted(ADAPTERS))} and mixtures of experts"
         )
+        raise UnsupportedArchitectureError(f"architecture {model_type!r} is not supported by mlx_flash ({why})")
     if model_type == "opt" and config.get("activation_function", "relu") != "relu":
         raise UnsupportedArchitectureError(f"OPT with activation {config['activation_function']!r} is not supported")
     return ADAPTERS[model_type]
+
+
+def _other_experts(config: dict) -> Optional[str]:
+    """Where mlx-lm's model of `config` keeps experts that are not the SwitchGLU / SwitchMLP blocks an MoE is
+    streamed by (dbrx: a list of MLPs per layer), or None."""
+    try:
+        model_class, args_class = get_model_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except Exception:  # (an architecture mlx-lm cannot build says so elsewhere)
+        return None
+    paths = (p.split(".") for p, _ in model.named_modules())
+    return min((".".join(p[: p.index("experts") + 1]) for p in paths if "experts" in p), default=None)
