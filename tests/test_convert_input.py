@@ -175,6 +175,37 @@ def test_the_check_takes_time_bounded_by_the_file_size(tmp_path):
     assert time.perf_counter() - start < 5
 
 
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        (("llama.attention.head_count", 1), 0, "head_count 0"),
+        (("llama.attention.head_count_kv", 1), 0, "head_count_kv 0"),
+        (("llama.block_count", 0), 6, "block_count is '5.6.*e-45', not an integer"),  # uint32 4 read as a float32
+    ],
+)
+def test_metadata_values_that_cannot_be_a_model(tmp_path, field, value, says):
+    """A header that is sound but whose values cannot describe a model (zero heads, a count that is no integer):
+    SourceError, where they divided by zero or became a model of no layers."""
+    from mlx_flash.convert.gguf import gguf_to_mlx_dir
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    src = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=320)
+    at, width = number_at(src, field)
+    bad = patched(src, tmp_path / "bad.gguf", at, value, width)
+    with pytest.raises(SourceError, match=says):
+        gguf_to_mlx_dir(bad, tmp_path / "out")
+
+
+def test_metadata_of_the_wrong_kind():
+    from mlx_flash.convert.gguf_archs import Meta
+
+    meta = Meta({"n": "12", "x": [1.5], "f": "1e-5", "ok": 4.0}, "m.gguf")
+    assert meta.int("ok") == 4 and meta.float("ok") == 4.0
+    for get, key in ((meta.int, "n"), (meta.int, "x"), (meta.float, "f"), (meta.float, "x")):
+        with pytest.raises(SourceError, match=f"m.gguf: GGUF metadata {key} is .*, not an? (integer|number)"):
+            get(key)
+
+
 # The mutated files that passed the check, each loaded by mx.load in a child process: a SIGSEGV there (what the
 # check exists to prevent) fails the test, naming the file; Python exceptions (a type mx.load cannot read) are fine.
 MX_LOAD_EACH = """

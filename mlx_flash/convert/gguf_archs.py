@@ -45,6 +45,11 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
     a = meta["general.architecture"]
     hidden = meta.int(f"{a}.embedding_length")
     n_head = meta.int(f"{a}.attention.head_count")
+    n_kv_head = meta.int(f"{a}.attention.head_count_kv", n_head)
+    if min(hidden, n_head, n_kv_head) < 1:  # (divisors below and in the RoPE unpermutation)
+        raise SourceError(
+            f"{meta.path}: embedding_length {hidden}, head_count {n_head}, head_count_kv {n_kv_head}: not all positive"
+        )
     head_dim = meta.int(f"{a}.attention.key_length", hidden // n_head)
     if meta.int(f"{a}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedArchitectureError(f"{meta.path}: {a} with key_length != value_length is not supported")
@@ -67,7 +72,7 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
         "intermediate_size": meta.int(f"{a}.feed_forward_length", meta.int(f"{a}.expert_feed_forward_length", 0)),
         "num_hidden_layers": meta.int(f"{a}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": meta.int(f"{a}.attention.head_count_kv", n_head),
+        "num_key_value_heads": n_kv_head,
         "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps),
         "rope_theta": meta.float(f"{a}.rope.freq_base", spec.rope_theta),
         "vocab_size": shapes["token_embd.weight"][0],
@@ -524,8 +529,14 @@ class Meta(dict):
             if not v or any(x != v[0] for x in v):
                 raise UnsupportedArchitectureError(f"{self.path}: per-layer {key} ({v[:8]}...) is not supported")
             v = v[0]
-        return int(v)
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int):
+            raise SourceError(f"{self.path}: GGUF metadata {key} is {str(v)[:40]!r}, not an integer")
+        return v
 
     def float(self, key, default=None) -> float:
-        v = float(self._required(key) if default is None else self.get(key, default))
+        v = self._required(key) if default is None else self.get(key, default)
+        if not isinstance(v, (int, float)):
+            raise SourceError(f"{self.path}: GGUF metadata {key} is {str(v)[:40]!r}, not a number")
         return float(f"{v:.7g}")  # GGUF floats are float32: 9.999999747e-06 -> 1e-05
