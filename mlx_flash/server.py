@@ -7,10 +7,12 @@ Request handling comes from `mlx_lm.server`: /v1/models, /v1/completions, /v1/ch
 (+ "stream": true), /health, the LRU prompt cache (a new chat turn prefills only its new
 tokens), stop sequences, logprobs, tool calls and the OpenAI response shapes. This module adds
 what a budget needs: the model from `mlx_flash.load`, one request at a time (the neuron caches
-are per process), the prompt cache inside the budget, prompts that must fit --max-context, and a
-5xx JSON error for a request that fails mid-generation (a flash ReadError), after which the
-server goes on. Binds to 127.0.0.1 unless told otherwise. At --log-level INFO each request logs
-the device bytes of its forward passes ("flash reads: {json}", see `read_summary`).
+are per process), the prompt cache inside the budget, prompts that must fit --max-context,
+and a 5xx JSON error for a request that fails mid-generation (a flash ReadError), after which the
+server goes on. Bad input gets a 4xx JSON error before it reaches the model: a body larger than
+--max-context can use (refused unread), a bad Content-Length, or a body that is not UTF-8.
+Binds to 127.0.0.1 unless told otherwise. At --log-level INFO each request logs the device
+bytes of its forward passes ("flash reads: {json}", see `read_summary`).
 """
 
 import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
@@ -34,6 +36,13 @@ from .loader import load
 from .engine.sparsity import SPARSITIES
 
 log = logging.getLogger(__name__)
+
+# A request body is bounded before it is read: this many bytes per token of --max-context (a token is a few
+# characters, at most 6 bytes each when JSON escapes them) plus room for the rest of the request
+BODY_BYTES_PER_TOKEN = 64
+BODY_SLACK = 64 << 10
+# Of a body refused unread, at most this much is read and dropped: the client sees the answer, not a reset
+DISCARD_BYTES = 64 << 20
 
 
 class ModelProvider(server.ModelProvider):
@@ -115,6 +124,25 @@ def read_summary(stats) -> dict:
 
 
 class APIHandler(server.APIHandler):
+    def do_POST(self):
+        # mlx-lm reads the body whole, as many bytes as announced: refuse a length that is not a count ("-1" would
+        # read until the client leaves) or larger than a prompt of --max-context needs, before reading any
+        length = self.headers.get("Content-Length")
+        limit = BODY_BYTES_PER_TOKEN * self.response_generator.cli_args.max_context + BODY_SLACK
+        if length is None:
+            return self._refuse(411, "Content-Length header is required")
+        if not (length.isascii() and length.isdigit()):
+            return self._refuse(400, "Invalid Content-Length header")
+        if int(length) > limit:
+            message = f"the request body ({length} bytes) is larger than a request of --max-context tokens needs"
+            return self._refuse(413, f"{message} ({limit} bytes)", unread=int(length))
+        try:
+            super().do_POST()
+        except UnicodeDecodeError:  # mlx-lm decodes the body outside its `try` for JSON errors
+            self._refuse(400, "the request body is not UTF-8")
+        except RecursionError:  # JSON nested deeper than Python's parser goes
+            self._refuse(400, "the request body is nested too deeply")
+
     def handle_models_request(self):
         # mlx-lm lists the Hugging Face cache, whose models this server cannot load
         provider = self.response_generator.model_provider
@@ -140,6 +168,19 @@ class APIHandler(server.APIHandler):
             else:
                 self._headers_buffer = []  # mlx-lm's 200 is still buffered (sent by end_headers): drop it
                 self._json(500, error)
+
+    def _refuse(self, status: int, message: str, unread: int = 0):
+        """Answer `status` with a JSON error, log it in one line and close the connection, after reading and
+        dropping the `unread` bytes of the request the client sends anyway (up to DISCARD_BYTES)."""
+        log.warning("refused a request (%d): %s", status, message)
+        self.close_connection = True
+        try:
+            self._json(status, {"error": message})
+            unread = min(unread, DISCARD_BYTES)
+            while unread > 0 and (chunk := self.rfile.read1(min(unread, 1 << 16))):
+                unread -= len(chunk)
+        except OSError:
+            pass  # the client left
 
     def _json(self, status: int, obj: dict):
         data = json.dumps(obj).encode()

@@ -1,0 +1,140 @@
+"""The server (`python -m mlx_flash.server`, the default model at a 50% budget) against a careless or hostile
+client (issue 39): a body larger than --max-context can use is refused before it is read, bad lengths and encodings
+are answered with a 4xx JSON error; each in one log line, never a traceback, and the server goes on."""
+
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+from mlx_flash.default_model import default_model_dir
+
+import pytest
+
+CONTEXT = 256
+BUDGET = "50%"
+
+
+class Server:
+    """`python -m mlx_flash.server` in a child process, its log in a file."""
+
+    def __init__(self, log_path, env=None):
+        self.log_path = log_path
+        args = ["--model", default_model_dir(), "--memory-budget", BUDGET, "--max-context", CONTEXT, "--port", 0]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_flash.server", "--log-level", "INFO", *map(str, args)],
+            stderr=open(log_path, "w"),  # noqa: SIM115  (the child's; closed when it exits)
+            env=dict(os.environ, **(env or {})),
+        )
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", self.log())):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+            time.sleep(0.05)
+        self.port = int(m.group(1))
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def status(self, field: str) -> int:
+        """A field of the child's /proc status, in bytes (VmRSS, VmHWM)."""
+        text = open(f"/proc/{self.proc.pid}/status").read()
+        return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) << 10
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("server") / "log")
+    yield s
+    s.stop()
+    assert "Traceback" not in s.log(), s.log()  # nothing it was sent made a traceback
+
+
+def request(port, path, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    payload = r.read()
+    conn.close()
+    return r.status, payload
+
+
+def exchange(port, head: str, body: bytes = b"", timeout: float = 10):
+    """Sends a request as written (its headers unchecked, no more body than `body`), the connection left open;
+    returns the answer's status and body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        return r.status, r.read()
+
+
+def post_head(length, path="/v1/completions") -> str:
+    return f"POST {path} HTTP/1.1\nHost: x\nContent-Type: application/json\nContent-Length: {length}\n"
+
+
+def assert_error(payload, pattern):
+    """A JSON error body that says what is wrong."""
+    assert re.search(pattern, json.loads(payload)["error"]), payload
+
+
+def assert_serving(server):
+    status, payload = request(server.port, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3})
+    assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 3
+
+
+# -- the body's size, before it is read -------------------------------------------------------------------------
+def test_a_body_larger_than_the_context_needs_is_refused_unread(server):
+    """A 5 MB prompt at --max-context 256: a 413 before the body is read or tokenised, and the server's memory
+    stays where it was (mlx-lm read it whole and tokenised it: 195 -> 852 MB, then 598 MB held, and a 404)."""
+    body = json.dumps({"prompt": "hello " * ((5 << 20) // 6), "max_tokens": 4}).encode()
+    assert_serving(server)
+    rss = server.status("VmRSS")
+    with open(f"/proc/{server.proc.pid}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    status, payload = exchange(server.port, post_head(len(body)), body, timeout=60)
+    assert status == 413
+    assert_error(payload, r"request body \(\d+ bytes\) is larger than")
+    assert server.status("VmHWM") - rss < 4 << 20
+    assert_serving(server)
+
+
+def test_a_refused_body_is_not_waited_for(server):
+    """Its length alone refuses it: the answer comes before the body (the client never sends it)."""
+    status, payload = exchange(server.port, post_head(5 << 20), timeout=5)
+    assert status == 413
+
+
+# -- lengths and encodings ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "length, status, pattern",
+    [(None, 411, "Content-Length"), ("-1", 400, "Content-Length"), ("1e3", 400, "Content-Length")],
+)
+def test_a_length_that_is_not_a_count(server, length, status, pattern):
+    """No Content-Length, or one that is not a count (mlx-lm read "-1" until the client left): answered at once."""
+    head = post_head(length) if length is not None else post_head(0).replace("Content-Length: 0\n", "")
+    got, payload = exchange(server.port, head, b'{"prompt": "x"}', timeout=5)
+    assert got == status
+    assert_error(payload, pattern)
+    assert_serving(server)
+
+
+@pytest.mark.parametrize(
+    "body, pattern",
+    [
+        ('{"prompt": "caf\xe9", "max_tokens": 3}'.encode("latin-1"), "not UTF-8"),
+        (b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "nested too deeply"),
+    ],
+)
+def test_bodies_that_are_not_text(server, body, pattern):
+    status, payload = exchange(server.port, post_head(len(body)), body)
+    assert status == 400
+    assert_error(payload, pattern)
