@@ -7,7 +7,7 @@ Request handling comes from `mlx_lm.server`: /v1/models, /v1/completions, /v1/ch
 (+ "stream": true), /health, the LRU prompt cache (a new chat turn prefills only its new
 tokens), stop sequences, logprobs, tool calls and the OpenAI response shapes. This module adds
 what a budget needs: the model from `mlx_flash.load`, one request at a time (the neuron caches
-are per process), the prompt cache inside the budget, prompts that must fit --max-context,
+are per process), the prompt cache inside the budget, prompts that must fit --max-context (a 413),
 and a 5xx JSON error for a request that fails mid-generation (a flash ReadError), after which the
 server goes on. Bad input gets a 4xx JSON error before it reaches the model: a body larger than
 --max-context can use (refused unread), a bad Content-Length, or a body that is not UTF-8.
@@ -43,6 +43,19 @@ BODY_BYTES_PER_TOKEN = 64
 BODY_SLACK = 64 << 10
 # Of a body refused unread, at most this much is read and dropped: the client sees the answer, not a reset
 DISCARD_BYTES = 64 << 20
+
+
+class PromptTooLong(ValueError):
+    """A prompt that does not fit --max-context."""
+
+
+class Refused(BaseException):
+    """A request answered with `status`. A BaseException, to pass the `except Exception` with which mlx-lm
+    answers any error before generation with a 404."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 class ModelProvider(server.ModelProvider):
@@ -89,12 +102,18 @@ class ResponseGenerator(server.ResponseGenerator):
         prompt, *rest = super()._tokenize(tokenizer, request, args)
         room = self.cli_args.max_context - len(prompt)
         if room < 1:
-            raise ValueError(
+            raise PromptTooLong(
                 f"the prompt ({len(prompt)} tokens) does not fit the context of "
                 f"{self.cli_args.max_context} tokens (--max-context)"
             )
         args.max_tokens = min(args.max_tokens, room)  # the KV cache holds max_context tokens, no more
         return (prompt, *rest)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        try:
+            return super().generate(request, generation_args, progress_callback)
+        except PromptTooLong as e:
+            raise Refused(413, str(e)) from None
 
     def _serve_single(self, request, stream):
         stats = self.model_provider.model.flash.stats
@@ -157,6 +176,8 @@ class APIHandler(server.APIHandler):
     def handle_completion(self, request, stop_words):
         try:
             super().handle_completion(request, stop_words)
+        except Refused as e:
+            self._refuse(e.status, e.message)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left: mlx-lm's `finally` stopped its generation
         except Exception as e:  # e.g. a flash ReadError mid-generation: this request fails, the server goes on

@@ -113,6 +113,12 @@ def test_a_refused_body_is_not_waited_for(server):
     assert status == 413
 
 
+def test_a_prompt_longer_than_the_context_is_413(server):
+    status, payload = request(server.port, "/v1/completions", {"prompt": "hello " * CONTEXT, "max_tokens": 4})
+    assert status == 413
+    assert_error(payload, rf"does not fit the context of {CONTEXT} tokens")
+
+
 # -- lengths and encodings ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "length, status, pattern",
