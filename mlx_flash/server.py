@@ -10,9 +10,10 @@ what a budget needs: the model from `mlx_flash.load`, one request at a time (the
 are per process), the prompt cache inside the budget, prompts that must fit --max-context (a 413),
 and a 5xx JSON error for a request that fails mid-generation (a flash ReadError), after which the
 server goes on. Bad input gets a 4xx JSON error before it reaches the model: a body larger than
---max-context can use (refused unread), a bad Content-Length, or a body that is not UTF-8.
-Binds to 127.0.0.1 unless told otherwise. At --log-level INFO each request logs the device
-bytes of its forward passes ("flash reads: {json}", see `read_summary`).
+--max-context can use (refused unread), a bad Content-Length, a body that is not UTF-8, and types
+mlx-lm would fail on in its generation thread (a 404) or crash on. Binds to 127.0.0.1 unless
+told otherwise. At --log-level INFO each request logs the device bytes of its forward passes
+("flash reads: {json}", see `read_summary`).
 """
 
 import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
@@ -87,6 +88,9 @@ class ModelProvider(server.ModelProvider):
         )
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.flash = model, tokenizer, model.flash
+        # The token ids both the tokenizer and the model's head know: mlx does not bound-check the ids with
+        # which logit_bias indexes the logits (one outside crashes the process)
+        self.n_tokens = min(len(tokenizer.vocab), getattr(getattr(model, "args", None), "vocab_size", 1 << 62))
         self.processor = self.draft_model = None
         # One request at a time: mlx-lm's BatchGenerator would run several through the one neuron cache
         self.is_batchable = False
@@ -162,6 +166,27 @@ class APIHandler(server.APIHandler):
         except RecursionError:  # JSON nested deeper than Python's parser goes
             self._refuse(400, "the request body is nested too deeply")
 
+    def validate_model_parameters(self):
+        super().validate_model_parameters()
+        # What mlx-lm takes here but fails on later: in its generation thread (a 404), mid-stream, or in mlx (a crash)
+        stop = self.body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ValueError("stop must be a string or a list of strings")
+        self._validate("stream_options", dict, optional=True)
+        if self.stream_options is not None:
+            self.stream_options.setdefault("include_usage", False)
+        self._validate("chat_template_kwargs", dict, optional=True)
+        self._validate("seed", int, min_val=0, max_val=(1 << 64) - 1, optional=True)
+        n_tokens = self.response_generator.model_provider.n_tokens
+        self._validate("top_k", int, min_val=0, max_val=n_tokens - 1)
+        if self.logit_bias and not all(0 <= k < n_tokens for k in self.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids, from 0 to {n_tokens - 1}")
+        try:
+            json.dumps(self.body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError("the request holds a lone surrogate (\\ud800 to \\udfff), which is not text") from None
+
     def handle_models_request(self):
         # mlx-lm lists the Hugging Face cache, whose models this server cannot load
         provider = self.response_generator.model_provider
@@ -172,6 +197,10 @@ class APIHandler(server.APIHandler):
         if not isinstance(self.body.get("prompt"), str):
             raise ValueError("'prompt' must be a string")  # noqa: TRY004  (mlx-lm answers a ValueError with a 400)
         return super().handle_text_completions()
+
+    def handle_chat_completions(self):
+        check_chat(self.body)  # here, a 400 (mlx-lm applies the chat template in its generation thread: a 404)
+        return super().handle_chat_completions()
 
     def handle_completion(self, request, stop_words):
         try:
@@ -212,6 +241,39 @@ class APIHandler(server.APIHandler):
 
     def log_message(self, fmt, *args):
         log.debug(fmt, *args)
+
+
+def check_chat(body: dict):
+    """Raises ValueError unless a chat request is what mlx-lm's chat template and content conversion take: a
+    non-empty list of messages with a string role, content that is a string, null or a list of text parts (no
+    images here), tool calls whose arguments are JSON; tools and role_mapping that are objects."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError("each message must be an object with a string 'role'")
+        content = m.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": "" if content is None else content}]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+            raise ValueError("a message's 'content' must be a string or a list of {'type': 'text', 'text': string}")
+        calls = m.get("tool_calls") or []
+        if not (
+            isinstance(calls, list)
+            and all(isinstance(c, dict) and isinstance(c.get("function", {}), dict) for c in calls)
+        ):
+            raise ValueError("a message's 'tool_calls' must be a list of objects with a 'function' object")
+        for arguments in (c.get("function", {}).get("arguments") for c in calls):
+            try:
+                if isinstance(arguments, str) and arguments:
+                    json.loads(arguments)  # as mlx-lm will
+            except ValueError:
+                raise ValueError("a tool call's 'arguments' must be JSON") from None
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError("'tools' must be a list of objects")
+    if not isinstance(body.get("role_mapping") or {}, dict):
+        raise ValueError("'role_mapping' must be an object")
 
 
 def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 8080):

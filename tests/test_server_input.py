@@ -1,6 +1,6 @@
 """The server (`python -m mlx_flash.server`, the default model at a 50% budget) against a careless or hostile
-client (issue 39): a body larger than --max-context can use is refused before it is read, bad lengths and encodings
-are answered with a 4xx JSON error; each in one log line, never a traceback, and the server goes on."""
+client (issue 39): a body larger than --max-context can use is refused before it is read, bad lengths, encodings
+and types are answered with a 4xx JSON error; each in one log line, never a traceback, and the server goes on."""
 
 import http.client
 import json
@@ -137,6 +137,7 @@ def test_a_length_that_is_not_a_count(server, length, status, pattern):
     "body, pattern",
     [
         ('{"prompt": "caf\xe9", "max_tokens": 3}'.encode("latin-1"), "not UTF-8"),
+        (b'{"prompt": "a\\ud800b", "max_tokens": 3}', "surrogate"),  # JSON, but not text
         (b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "nested too deeply"),
     ],
 )
@@ -144,3 +145,55 @@ def test_bodies_that_are_not_text(server, body, pattern):
     status, payload = exchange(server.port, post_head(len(body)), body)
     assert status == 400
     assert_error(payload, pattern)
+
+
+# -- types ----------------------------------------------------------------------------------------------------------
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "body, pattern",
+    [
+        ({"messages": [{"role": "user", "content": 123}]}, "content"),
+        ({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "content"),
+        ({"messages": [{"role": 5, "content": "hi"}]}, "role"),
+        ({"messages": [{"content": "hi"}]}, "role"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "assistant", "tool_calls": 5}, *USER]}, "tool_calls"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{x"}}]}, *USER]}, "arguments"),
+        ({"messages": USER, "tools": 5}, "tools"),
+        ({"messages": USER, "stop": 5}, "stop"),
+        ({"messages": USER, "stop": [5]}, "stop"),
+        ({"messages": USER, "chat_template_kwargs": 5}, "chat_template_kwargs"),
+        ({"messages": USER, "stream": True, "stream_options": [1]}, "stream_options"),
+        ({"messages": USER, "seed": -1}, "seed"),
+        ({"messages": USER, "seed": 1 << 64}, "seed"),
+        ({"messages": USER, "top_k": 1 << 40}, "top_k"),
+        ({"messages": USER, "logit_bias": {"-99999999": 1}}, "logit_bias"),  # mlx indexes the logits unchecked:
+        ({"messages": USER, "logit_bias": {"99999999": 1}}, "logit_bias"),  # a segmentation fault
+    ],
+)
+def test_bad_types_are_400(server, body, pattern):
+    """What mlx-lm took and then failed on in its generation thread (a 404), mid-stream (a 500 or an error event,
+    with a traceback) or in mlx (the process crashed), refused as it arrives."""
+    status, payload = request(server.port, "/v1/chat/completions", {"max_tokens": 3, **body})
+    assert status == 400
+    assert_error(payload, pattern)
+
+
+def test_good_requests_still_pass(server):
+    """What the checks let through: text parts, tool calls with JSON arguments, stream options without a usage."""
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": '{"a": 2}'}}]},
+        {"role": "user", "content": "thanks"},
+    ]
+    body = {"messages": messages, "max_tokens": 3, "stop": ["\n"], "seed": 7, "logit_bias": {"0": -1}}
+    status, payload = request(server.port, "/v1/chat/completions", body)
+    assert status == 200 and json.loads(payload)["object"] == "chat.completion"
+    body = {"messages": USER, "max_tokens": 3, "stream": True, "stream_options": {}}
+    status, payload = request(server.port, "/v1/chat/completions", body)
+    assert status == 200 and payload.decode().endswith("data: [DONE]\n\n")
