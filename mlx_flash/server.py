@@ -11,9 +11,9 @@ are per process), the prompt cache inside the budget, prompts that must fit --ma
 and a 5xx JSON error for a request that fails mid-generation (a flash ReadError), after which the
 server goes on. Bad input gets a 4xx JSON error before it reaches the model: a body larger than
 --max-context can use (refused unread), a bad Content-Length, a body that is not UTF-8, and types
-mlx-lm would fail on in its generation thread (a 404) or crash on. Binds to 127.0.0.1 unless
-told otherwise. At --log-level INFO each request logs the device bytes of its forward passes
-("flash reads: {json}", see `read_summary`).
+mlx-lm would fail on in its generation thread (a 404) or crash on. No error sent to a client
+names a file (the log does). Binds to 127.0.0.1 unless told otherwise. At --log-level INFO each
+request logs the device bytes of its forward passes ("flash reads: {json}", see `read_summary`).
 """
 
 import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
@@ -31,7 +31,7 @@ from mlx_lm import server
 from mlx_lm.models.cache import LRUPromptCache
 
 from .default_model import default_model_dir
-from .errors import FlashError
+from .errors import FlashError, ReadError
 from .generate import stream_generate
 from .loader import load
 from .engine.sparsity import SPARSITIES
@@ -210,9 +210,14 @@ class APIHandler(server.APIHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left: mlx-lm's `finally` stopped its generation
         except Exception as e:  # e.g. a flash ReadError mid-generation: this request fails, the server goes on
-            log.exception("request failed")
+            if isinstance(e, ReadError):  # the disk's error, in one line: its message names the file, for the log only
+                log.error("request failed: %s", e)
+                message = "the model's data could not be read"
+            else:
+                log.exception("request failed")
+                message = "the request failed on the server"
             self.close_connection = True
-            error = {"error": f"{type(e).__name__}: {e}", "type": "server_error"}
+            error = {"error": f"{type(e).__name__}: {message}", "type": "server_error"}
             if self.stream:  # the 200 and earlier events are out: end the stream with the error
                 self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
             else:

@@ -1,7 +1,9 @@
 """The server (`python -m mlx_flash.server`, the default model at a 50% budget) against a careless or hostile
 client (issue 39): a body larger than --max-context can use is refused before it is read, bad lengths, encodings
-and types are answered with a 4xx JSON error; each in one log line, never a traceback, and the server goes on."""
+and types are answered with a 4xx JSON error, a failed read with a 500 that names no file; each in one log line,
+never a traceback, and the server goes on."""
 
+import errno
 import http.client
 import json
 import os
@@ -12,6 +14,9 @@ import sys
 import time
 
 from mlx_flash.default_model import default_model_dir
+from mlx_flash.errors import ReadError
+from mlx_flash.format.directory import FFN
+from mlx_flash.server import ModelProvider, serve, setup_arg_parser
 
 import pytest
 
@@ -197,3 +202,64 @@ def test_good_requests_still_pass(server):
     body = {"messages": USER, "max_tokens": 3, "stream": True, "stream_options": {}}
     status, payload = request(server.port, "/v1/chat/completions", body)
     assert status == 200 and payload.decode().endswith("data: [DONE]\n\n")
+
+
+# -- a failed read ------------------------------------------------------------------------------------------------
+def test_an_injected_read_error_is_a_500_that_names_no_file(tmp_path):
+    """MLX_FLASH_FAIL_READ=n fails a read mid-request with EIO: the client gets a 500 whose message names no file
+    (the log has the file, in one line), and the next request is served."""
+    s = Server(tmp_path / "log", env={"MLX_FLASH_FAIL_READ": "40"})
+    try:
+        status, payload = request(s.port, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 30})
+        assert status == 500
+        assert json.loads(payload)["error"] == "ReadError: the model's data could not be read"
+        assert "/" not in payload.decode() and FFN not in payload.decode()
+        assert_serving(s)
+    finally:
+        s.stop()
+    assert re.search(rf"request failed: .*Errno 5.*{FFN}", s.log()) and "Traceback" not in s.log(), s.log()
+
+
+class FailingReader:
+    """The engine's reader, whose `n`-th wait raises what a failed read raises: a ReadError naming the file."""
+
+    def __init__(self, reader, n: int):
+        self.reader, self.n = reader, n
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+    def wait(self, handle):
+        done = self.reader.wait(handle)  # (its buffers are reused once it is done)
+        self.n -= 1
+        if self.n == 0:
+            path = self.reader.path
+            raise ReadError(errno.EIO, f"read failed: path={path}, offset=0, length=4096", str(path))
+        return done
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_read_error_names_no_file_in_either_shape(monkeypatch, caplog, stream):
+    """The same in-process, the response streamed or not: the client's error names no file, the log's does."""
+    args = ["--model", str(default_model_dir()), "--max-context", str(CONTEXT), "--memory-budget", BUDGET]
+    provider = ModelProvider(setup_arg_parser().parse_args(args))
+    httpd, generator = serve(provider, port=0)
+    port, engine = httpd.server_address[1], provider.flash
+    try:
+        monkeypatch.setattr(engine, "reader", FailingReader(engine.reader, 10))
+        status, payload = request(port, "/v1/completions", {"prompt": "abc", "max_tokens": 20, "stream": stream})
+        assert engine.reader.n <= 0  # it failed mid-request
+        monkeypatch.undo()
+        text = payload.decode()
+        if stream:  # the 200 went with the first event: the stream ends with the error
+            assert status == 200 and json.loads(text.split("data: ")[-1])["type"] == "server_error"
+        else:
+            assert status == 500
+        assert "ReadError: the model's data could not be read" in text and FFN not in text
+        assert request(port, "/v1/completions", {"prompt": "abc", "max_tokens": 3})[0] == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        generator.stop_and_join()
+        provider.close()
+    assert [r for r in caplog.records if FFN in r.getMessage()] and not [r for r in caplog.records if r.exc_info]
