@@ -347,7 +347,7 @@ class ExpertEngine(Engine):
         return self.guarded(layer, prefill, lambda: self._experts(layer, x, indices, activation))
 
     def _predict(self, layer: int, x: mx.array):
-        """The next layer's top-k experts for each row of this layer's expert input x [T, D] (lazy), or None."""
+        """The next layer's top-k experts for each token of this layer's expert input x [..., D] (lazy), or None."""
         if self.read_ahead is None or layer not in self.routers:
             return None
         _, scale, gate = self.routers[layer]
@@ -368,7 +368,7 @@ class ExpertEngine(Engine):
     def _experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
         shape, k = indices.shape, indices.shape[-1]
         xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
-        ahead = self._predict(layer, xf)
+        ahead = self._predict(layer, x.astype(self.compute_dtype))  # in the shape its block gives a router
         mx.eval(indices, *([] if ahead is None else [ahead]))  # the layer's one synchronisation
         chosen = np.array(indices).reshape(-1)  # the router's choice
         if self.route is not None:
