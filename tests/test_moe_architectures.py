@@ -11,7 +11,7 @@ from mlx_flash.budget import fixed_bytes, min_budget, min_streaming_budget, with
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import load_source_model
-from mlx_flash.engine.experts import REGION, experts_per_token, instantiate, switch_paths
+from mlx_flash.engine.experts import REGION, ExpertEngine, experts_per_token, instantiate, switch_paths
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.errors import UnsupportedArchitectureError
 from mlx_flash.format.directory import FlashDir
@@ -28,14 +28,16 @@ CONTEXT = 64
 
 # hidden 64, 2-4 layers (a dense first layer where the architecture has one), 8 experts of width 32, 2 per token (3
 # where the config names it otherwise: moe_k, moe_top_k, top_k_experts, num_experts_per_token, moe_topk; llama4 1); a
-# vocabulary large enough that streaming the embedding and head saves more than its buffers (budgets below the floor)
-VOCAB = 131072
+# vocabulary large enough that streaming the embedding and head saves more than its buffers (budgets below the floor;
+# twice that where the head is the embedding, always tied: TIED)
+VOCAB = 65536
 # fmt: off
 C = dict(hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=256,
          tie_word_embeddings=False)
 KV = dict(num_key_value_heads=2, head_dim=16)
 MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 E = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+TIED = dict(vocab_size=2 * VOCAB)
 
 ARCHS = {  # streamed: mlx-lm runs the model on the CPU, its experts a SwitchGLU / SwitchMLP
     "qwen3_moe": dict(C, **KV, **E, num_hidden_layers=2, intermediate_size=128, num_experts=8, decoder_sparse_step=1,
@@ -89,7 +91,7 @@ ARCHS = {  # streamed: mlx-lm runs the model on the CPU, its experts a SwitchGLU
     "exaone_moe": dict(C, **KV, **E, num_hidden_layers=3, intermediate_size=96, num_experts=8, num_shared_experts=1,
         rms_norm_eps=1e-5, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         is_moe_layer=[False, True, True]),
-    "lfm2_moe": dict(C, **E, num_hidden_layers=3, intermediate_size=96, num_experts=8, num_key_value_heads=2,
+    "lfm2_moe": dict(C, **TIED, **E, num_hidden_layers=3, intermediate_size=96, num_experts=8, num_key_value_heads=2,
         norm_topk_prob=True, use_expert_bias=True, num_dense_layers=1, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
         layer_types=["conv", "full_attention", "conv"]),
     "mimo_v2_flash": dict(C, **E, num_hidden_layers=3, intermediate_size=96, hybrid_layer_pattern=[0, 1, 0],
@@ -124,7 +126,7 @@ ARCHS = {  # streamed: mlx-lm runs the model on the CPU, its experts a SwitchGLU
         num_shared_experts=1, first_k_dense_replace=1,
         linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2], "num_heads": 4, "head_dim": 16,
                             "short_conv_kernel_size": 4}),
-    "hunyuan": dict(C, num_hidden_layers=2, intermediate_size=32, num_key_value_heads=2, attention_bias=False,
+    "hunyuan": dict(C, **TIED, num_hidden_layers=2, intermediate_size=32, num_key_value_heads=2, attention_bias=False,
         moe_topk=3, num_experts=8, num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True, rms_norm_eps=1e-5,
         rope_theta=10000.0, use_cla=False, cla_share_factor=2, moe_intermediate_size=32,
         rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}),
@@ -157,7 +159,7 @@ ARCHS.update({
         attention_bias=False, embedding_multiplier=6.0, attention_multiplier=0.0625, logits_scaling=4.0,
         residual_multiplier=0.5, layer_types=["mamba", "attention"], rms_norm_eps=1e-6, num_local_experts=8,
         num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=32, mamba_proj_bias=False,
-        mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True, tie_word_embeddings=True),
+        mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True),
     "jamba": dict(C, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2, attn_layer_offset=1,
         attn_layer_period=2, expert_layer_offset=0, expert_layer_period=1, mamba_d_conv=4, mamba_d_state=16,
         mamba_expand=2, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6),
@@ -264,8 +266,9 @@ def greedy(model, generate=generate_step, n=8):
 
 def budgets(fd):
     """name -> memory budget: every expert cached; 2 and 4 of the 8 experts cached per layer (with the input
-    embedding streamed by rows, as the planner does whenever some expert goes uncached); below the resident floor
-    (every streamable group streamed, no expert cached)."""
+    embedding streamed by rows, as the planner does whenever some expert goes uncached), the first also with the
+    read-ahead of the next layer's experts beside; below the resident floor (every streamable group streamed, no
+    expert cached)."""
     resident = fd.resident_nbytes(cpu_cast)
     groups = stream_groups(fd, cpu_cast, CONTEXT)
     rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
@@ -273,7 +276,14 @@ def budgets(fd):
     per_slot = len(fd.layers) * fd.layouts[REGION].stride  # (the plan splits what is left evenly over the layers)
     lowest = min_streaming_budget(fd, CONTEXT, 4, resident=resident, groups=groups)
     assert lowest < min_budget(fd, CONTEXT, 4, resident=resident)
-    return {"all": None, "25%": base + 2 * per_slot, "50%": base + 4 * per_slot, "below floor": lowest}
+    ahead = ExpertEngine.read_ahead_bytes(fd, fd.ffn["experts_per_token"])
+    return {
+        "all": None,
+        "25%": base + 2 * per_slot,
+        "25% read ahead": base + ahead + 2 * per_slot,
+        "50%": base + 4 * per_slot,
+        "below floor": lowest,
+    }
 
 
 def test_streams_as_mlx_lm(converted, float_activations, monkeypatch):
@@ -286,7 +296,7 @@ def test_streams_as_mlx_lm(converted, float_activations, monkeypatch):
     want_tokens, want_logits = greedy(ref, mlx_lm_generate_step), ref(PROMPT[None])
     fd = FlashDir(flash_dir)
     for name, budget in budgets(fd).items():
-        model, _ = load(flash_dir, memory_budget=budget, context=CONTEXT)
+        model, _ = load(flash_dir, memory_budget=budget, context=CONTEXT, prefetch="read ahead" in name)
         engine = model.flash
         routed = set()  # experts per token as the model's router hands them to the engine
         experts = engine.experts
@@ -296,7 +306,7 @@ def test_streams_as_mlx_lm(converted, float_activations, monkeypatch):
             assert mx.abs(model(PROMPT[None]) - want_logits).max().item() < 1e-4, name
             assert routed == {fd.ffn["experts_per_token"]}
             slots = {c[REGION] for c in engine.plan.capacity if REGION in c}
-            if name in ("25%", "50%"):
+            if name.startswith(("25%", "50%")):
                 assert slots == {int(name[:2]) * fd.ffn["n_experts"] // 100}, name
                 assert {g.kind for g in engine.plan.streamed} <= {"rows"}, name
             if name == "below floor":
