@@ -23,7 +23,7 @@ from .compute import cpu_gemv
 from .compute.ffn import ResidentFFN
 from .default_model import default_model_dir
 from .engine import memory
-from .engine.experts import ExpertEngine, FlashSwitchGLU, next_routers
+from .engine.experts import SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
 from .engine.native_step import HostDecoder, HostKVCache
 from .engine.neurons import FlashFFN, NeuronEngine
 from .engine.reader import DEFAULT_MAX_GAP_BYTES, open_reader
@@ -31,7 +31,7 @@ from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wr
 from .engine.selectors import load_selector_arrays, wina_norms
 from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
 from .errors import BudgetError, FlashError, FlashFormatError
-from .format.directory import RESIDENT, FlashDir, dense_ffn_weights
+from .format.directory import MANIFEST, RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
 from .models.architectures import adapter_for
 
@@ -133,6 +133,9 @@ def build_moe_model(
         }
     paths = {int(i): p for i, p in fd.ffn["switch_paths"].items()}
     modules = dict(model.named_modules())
+    bad = [p for p in paths.values() if not isinstance(modules.get(p), SWITCHES)]
+    if bad:
+        raise FlashFormatError(f"{fd.path / MANIFEST}: {bad[0]!r} is not an expert block of the model")
     if engine is None:
         for i, path in paths.items():
             weights.update({f"{path}.{k}": v for k, v in fd.unpack_layer(i).items()})

@@ -172,8 +172,9 @@ def test_unit_checksums_are_zlibs_crc32(monkeypatch, native):
     """What convert writes and the engine checks is zlib's CRC-32, native or not, at any offset and length."""
     import zlib
 
-    import numpy as np
     from mlx_flash.engine import checks
+
+    import numpy as np
 
     if not native:
         monkeypatch.setattr(checks, "_native", None)

@@ -202,10 +202,13 @@ class BundleLayout:
         for c in d["components"]:
             if c["dtype"] not in DTYPES:
                 raise FlashFormatError(f"unknown component dtype {c['dtype']!r}")
-            if not all(is_count(x) for x in (c["offset"], *c["shape"])):
+            if not (is_count(c["offset"]) and all(is_count(x) and x > 0 for x in c["shape"])):
                 raise FlashFormatError(f"component {c['name']!r}: offset and shape must be counts, not {c}")
             enc = Encoding.from_json(c["encoding"], c["name"]) if "encoding" in c else None
             comps.append(Component(c["name"], c["dtype"], tuple(c["shape"]), c["offset"], enc, c.get("disk_offset")))
+        names = [c.name for c in comps]
+        if len(set(names)) != len(names) or not all(isinstance(n, str) and "." in n for n in names):
+            raise FlashFormatError(f"component names must be distinct 'matrix.part' names, not {names}")
         encoded = "disk_stride" in d
         if any(c.encoding for c in comps) and not encoded:
             raise FlashFormatError("encoded components but no disk_stride in the layout")

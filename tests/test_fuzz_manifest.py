@@ -1,0 +1,87 @@
+"""FlashDir over mutated manifests: every outcome is a typed error (FlashFormatError) or a directory that opens,
+verifies and computes a token (or refuses to load with a FlashError), never another exception, a crash or a hang."""
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from mlx_flash import load
+from mlx_flash.convert import convert
+from mlx_flash.errors import FlashError, FlashFormatError
+from mlx_flash.format.directory import MANIFEST, FlashDir
+from mlx_flash.models.tiny import make_tiny_model_dir
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def flash_dir(request, tmp_path_factory):
+    """A dense and a mixture-of-experts directory."""
+    root = tmp_path_factory.mktemp("fuzz")
+    src = make_tiny_model_dir(request.param, root / "src")
+    return convert(str(src), root / "flash", alignment=512, progress=False)
+
+
+def paths(obj, at=()):
+    """Every path to a value of a JSON tree."""
+    yield at
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from paths(v, at + (k,))
+
+
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, -1, 1, 511, 512, 4096, 2**31, 2**63, math.inf, -math.inf, math.nan]),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.sampled_from(["../x", "/etc/passwd", "ffn.bin", "resident.safetensors", "neurons", "glu", "uint8"]),
+    st.lists(st.integers(min_value=-5, max_value=5000), max_size=4),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
+
+
+def test_the_unmutated_directory_opens(flash_dir):
+    FlashDir(flash_dir).verify()
+
+
+@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_manifests_open_or_raise_a_typed_error(flash_dir, data):
+    manifest = json.loads((flash_dir / MANIFEST).read_text())
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        at = data.draw(st.sampled_from(list(paths(manifest))[1:]), label="path")
+        parent = manifest
+        for k in at[:-1]:
+            parent = parent[k]
+        if data.draw(st.booleans(), label="delete") and isinstance(parent, dict):
+            del parent[at[-1]]
+        else:
+            parent[at[-1]] = data.draw(VALUES, label="value")
+    with tempfile.TemporaryDirectory() as d:
+        for f in flash_dir.iterdir():
+            if f.name != MANIFEST:
+                os.symlink(f, Path(d) / f.name)
+        (Path(d) / MANIFEST).write_text(json.dumps(manifest))
+        try:
+            fd = FlashDir(d)
+            fd.verify()
+            fd.resident_index()
+            fd.load_predictors()
+        except FlashFormatError:
+            event("refused at open")
+            return
+        try:  # what opens also loads and computes a token, or says why not
+            model, _ = load(d, context=16)
+            model(mx.array([[1, 2, 3]]))
+            model.flash.close()
+            event("loaded")
+        except FlashError:
+            event("refused at load")
