@@ -391,7 +391,13 @@ def test_resident_weights_written_one_at_a_time(tmp_path):
     import hashlib
 
     assert manifest["resident"]["sha256"] == hashlib.sha256(ref.read_bytes()).hexdigest()
-    assert sorted(os.listdir(tmp_path / "flash")) == ["config.json", "ffn.bin", "flash.json", "resident.safetensors"]
+    assert sorted(os.listdir(tmp_path / "flash")) == [
+        "config.json",
+        "ffn.bin",
+        "flash.json",
+        "resident.safetensors",
+        "units.crc32",
+    ]
 
 
 def test_gguf_read_through_its_memory_map(tmp_path, monkeypatch):

@@ -190,8 +190,11 @@ def test_corrupt_resident_header_is_a_format_error(dirs, tmp_path):
     path = shutil.copytree(dirs["llama"], tmp_path / "copy")
     with open(path / RESIDENT, "r+b") as f:
         f.write((1 << 40).to_bytes(8, "little"))  # a header length past the end of the file
-    with pytest.raises(FlashFormatError, match="unreadable safetensors header"):
+    with pytest.raises(FlashFormatError, match="checksum mismatch"):
         load(path, memory_budget="50%", context=CONTEXT)
+    # the header is parsed safely too, whatever its checksum says
+    with pytest.raises(FlashFormatError, match="unreadable safetensors header"):
+        FlashDir(path).resident_index()
 
 
 def test_prompt_logits_stay_lazy_and_equal_resident(dirs):

@@ -108,8 +108,7 @@ def test_streaming(server):
         (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "not found"),
         (json.dumps({"prompt": 5}).encode(), 400, "'prompt' must be a string"),
         (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
-        # mlx-lm answers any request it cannot start with a 404
-        (json.dumps({"prompt": "x" * (CONTEXT + 10), "max_tokens": 10}).encode(), 404, "does not fit the context"),
+        (json.dumps({"prompt": "x" * (CONTEXT + 10), "max_tokens": 10}).encode(), 413, "does not fit the context"),
     ],
 )
 def test_bad_requests(server, raw, status, text):
@@ -163,7 +162,7 @@ def test_a_read_error_fails_the_request_not_the_server(server, monkeypatch, stre
     if stream:  # the 200 was sent with the first event: the stream ends with the error
         assert status == 200 and "ReadError" in json.loads(events(payload)[-1])["error"]
     else:
-        assert status == 500 and "ReadError: [Errno 5] injected EIO" in json.loads(payload)["error"]
+        assert status == 500 and "ReadError: the model's data could not be read" in json.loads(payload)["error"]
     monkeypatch.undo()
     status, payload = request(port, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 3})
     assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 3
