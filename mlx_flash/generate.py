@@ -226,15 +226,16 @@ def speculative_generate_step(
 def _head_on_last_position(model, on: bool):
     """mlx-lm's models apply their head to `model.model`'s output: give it the last position only.
     The prompt's other logits are unused, and [positions, vocab] floats need not fit a budget."""
-    inner = getattr(model, "model", None) if on else None
+    owner = model.get("language_model", model) if on else None  # (a multimodal wrapper's `model` is a property)
+    inner = owner.get("model") if owner is not None else None
     if inner is None:
         yield
         return
-    model.model = _LastPosition(inner)
+    owner.model = _LastPosition(inner)
     try:
         yield
     finally:
-        model.model = inner
+        owner.model = inner
 
 
 class _LastPosition:
