@@ -19,12 +19,12 @@ import tempfile
 from pathlib import Path
 
 from mlx_flash.convert.build import convert
-from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+from mlx_flash.tools.synthetic_gguf import MOE_TYPES, tiny_moe, write_gguf
 
 
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Tiny MoE GGUFs: mlx_flash against llama-perplexity.")
-    p.add_argument("--model-types", default="qwen3_moe,mixtral,qwen2_moe,olmoe,gpt_oss,deepseek_v3")
+    p.add_argument("--model-types", default=",".join(MOE_TYPES))
     p.add_argument("--out", default="benchmarks/results/moe_gguf_check.json")
     return p
 

@@ -72,7 +72,7 @@ from tqdm import tqdm
 
 from ..errors import SourceError, UnsupportedArchitectureError
 from ..format.safetensors_io import TensorSpool
-from .gguf_archs import Meta, arch_spec, map_name
+from .gguf_archs import Meta, arch_spec, is_mtp, map_name
 from .gguf_tokenizer import build_tokenizer, portable_tokenizer_config
 
 GGUF_MAGIC = b"GGUF"
@@ -592,8 +592,11 @@ def gguf_to_mlx_dir(
 
     shapes = source.shapes()
     unknown = []
-    for name in shapes:
+    for name in list(shapes):
         base, _ = _split_name(name)
+        if is_mtp(spec, meta, base):
+            del shapes[name]
+            continue
         if base in spec.rejected:
             raise UnsupportedArchitectureError(f"{path}: {spec.rejected[base]}")
         if map_name(spec, base)[0] is None:
@@ -622,6 +625,9 @@ def gguf_to_mlx_dir(
         disable=not progress,
     )
     for base, part, arrays, quant in source.tensors():
+        if is_mtp(spec, meta, base):
+            bar.update(sizes[f"{base}.{part}"])
+            continue
         hf, head_key = map_name(spec, base)
         if head_key is not None and _unpermute_qk:
             n_head = meta.int(f"{arch}.{head_key}", meta.int(f"{arch}.attention.head_count"))

@@ -58,7 +58,7 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
             f"{meta.path}: {a} with head_dim {head_dim} != hidden_size / heads ({hidden // n_head}) is not supported"
         )
     rope_dim = meta.int(f"{a}.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and not spec.partial_rotary:
         raise UnsupportedArchitectureError(
             f"{meta.path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
             f"are not supported for {a}"
@@ -70,7 +70,7 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
         "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": meta.int(f"{a}.feed_forward_length", meta.int(f"{a}.expert_feed_forward_length", 0)),
-        "num_hidden_layers": meta.int(f"{a}.block_count"),
+        "num_hidden_layers": meta.int(f"{a}.block_count") - mtp_blocks(spec, meta),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv_head,
         "rms_norm_eps": meta.float(f"{a}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps),
@@ -81,6 +81,10 @@ def _base_config(meta: "Meta", shapes: Dict[str, Tuple[int, ...]], spec: "ArchSp
     }
     if spec.head_dim_key:
         config["head_dim"] = head_dim
+    if spec.partial_rotary == "rotary_dim":
+        config["rotary_dim"] = rope_dim
+    elif spec.partial_rotary:
+        config[spec.partial_rotary] = rope_dim / head_dim
     scaling = _rope_scaling(meta, a, spec)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -147,7 +151,7 @@ def _experts_config(meta, shapes, spec) -> dict:
     (renormalised in Mixtral, not in OLMoE)."""
     config = _base_config(meta, shapes, spec)
     a = meta["general.architecture"]
-    count = "num_local_experts" if spec.model_type in ("mixtral", "gpt_oss") else "num_experts"
+    count = "num_local_experts" if spec.model_type in ("mixtral", "gpt_oss", "granitemoe") else "num_experts"
     config.update(
         {
             count: meta.int(f"{a}.expert_count"),
@@ -217,6 +221,79 @@ def _deepseek2_config(meta, shapes, spec) -> dict:
     return config
 
 
+def _sigmoid_routing(meta, a: str) -> dict:
+    """DeepSeek-V3-style routing as llama.cpp's glm4moe / dots1 / minimax-m2 store it (sigmoid scores, exp_probs_b
+    choosing the experts, groups, a scale) under mlx-lm's names."""
+    if meta.int(f"{a}.expert_gating_func", 2) != 2:  # (llama.cpp's glm4moe reads a missing one as sigmoid)
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with softmax routing is not supported")
+    return {
+        "num_experts_per_tok": meta.int(f"{a}.expert_used_count"),
+        "moe_intermediate_size": meta.int(f"{a}.expert_feed_forward_length"),
+        "n_routed_experts": meta.int(f"{a}.expert_count"),
+        "n_shared_experts": meta.int(f"{a}.expert_shared_count", 0),
+        "first_k_dense_replace": meta.int(f"{a}.leading_dense_block_count", 0),
+        "routed_scaling_factor": meta.float(f"{a}.expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False)),
+        "n_group": meta.int(f"{a}.expert_group_count", 1),
+        "topk_group": meta.int(f"{a}.expert_group_used_count", 1),
+    }
+
+
+def _glm4_moe_config(meta, shapes, spec) -> dict:
+    """GLM-4.5 (llama.cpp "glm4moe"): q/k/v biases, optional q/k norms, half-rotary heads, leading dense layers,
+    sigmoid routing with shared experts; its MTP block (nextn) left out."""
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    config.update(
+        _sigmoid_routing(meta, a),
+        rope_scaling=config.get("rope_scaling"),
+        use_qk_norm="blk.0.attn_q_norm.weight" in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        partial_rotary_factor=config.get("partial_rotary_factor", 1.0),
+    )
+    return config
+
+
+def _dots1_config(meta, shapes, spec) -> dict:
+    """dots.llm1 (llama.cpp "dots1"): Qwen3's attention, DeepSeek-V3's routing and shared experts."""
+    config = _base_config(meta, shapes, spec)
+    config.update(_sigmoid_routing(meta, meta["general.architecture"]), scoring_func="noaux_tc")
+    return config
+
+
+def _minimax_m2_config(meta, shapes, spec) -> dict:
+    """MiniMax-M2 (llama.cpp "minimax-m2" -> mlx-lm's minimax): q/k norms over all heads, a rotary part of each head,
+    sigmoid routing with exp_probs_b, no shared expert."""
+    config = _base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    routing = _sigmoid_routing(meta, a)
+    if routing["n_shared_experts"] or routing["first_k_dense_replace"] or routing["routed_scaling_factor"] != 1.0:
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with shared experts, dense layers or a routing scale")
+    config.update(
+        intermediate_size=routing["moe_intermediate_size"],
+        num_local_experts=routing["n_routed_experts"],
+        num_experts_per_tok=routing["num_experts_per_tok"],
+        shared_intermediate_size=0,
+        scoring_func="sigmoid",
+        use_qk_norm="blk.0.attn_q_norm.weight" in shapes,
+    )
+    return config
+
+
+def _granitemoe_config(meta, shapes, spec) -> dict:
+    """Granite MoE (llama.cpp "granitemoe"): Mixtral's blocks with Granite's four multipliers."""
+    config = _experts_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    config.update(
+        logits_scaling=meta.float(f"{a}.logit_scale", 1.0),
+        attention_multiplier=meta.float(f"{a}.attention.scale", 1.0 / config["hidden_size"] ** 0.5),
+        embedding_multiplier=meta.float(f"{a}.embedding_scale", 1.0),
+        residual_multiplier=meta.float(f"{a}.residual_scale", 1.0),
+        attention_bias="blk.0.attn_q.bias" in shapes,
+    )
+    return config
+
+
 def _phi3_config(meta, shapes, spec) -> dict:
     config = _base_config(meta, shapes, spec)
     a = meta["general.architecture"]
@@ -276,6 +353,12 @@ class ArchSpec:
     # per-block GGUF base names whose "weight" is a bare parameter in mlx-lm (gpt-oss's attention sinks)
     bare: Tuple[str, ...] = ()
     yarn: bool = False  # YaRN RoPE scaling maps onto mlx-lm's (checked against llama.cpp: benchmarks/moe_gguf_check.py)
+    # the config key taking a rotary part of each head (rope.dimension_count < head_dim): a fraction, or "rotary_dim"
+    partial_rotary: Optional[str] = None
+    # metadata key (after "<arch>.") counting the multi-token-prediction blocks llama.cpp appends after the model's
+    # own: mlx-lm's models run without them (their sanitize drops them), so their tensors are left out
+    mtp_key: Optional[str] = None
+    layers: str = "model.layers"  # the mlx-lm path of the blocks
 
 
 _ATTENTION = {
@@ -306,6 +389,15 @@ _EXPERTS = {
     "ffn_gate_exps": "switch_mlp.gate_proj",
     "ffn_up_exps": "switch_mlp.up_proj",
     "ffn_down_exps": "switch_mlp.down_proj",
+}
+# DeepSeek-V3-style MoE layers: a router with a correction bias choosing the experts, shared experts
+_SIGMOID_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 # llama.cpp's "llama" with expert_count (and stacked ffn_*_exps: GGUFs from before mid-2024 hold an
 # ffn_gate.E tensor per expert, refused as unmapped)
@@ -444,6 +536,67 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         bare=("exp_probs_b",),
         yarn=True,
     ),
+    "glm4moe": ArchSpec(  # (NeoX RoPE: stored unpermuted)
+        model_type="glm4_moe",
+        hf_class="Glm4MoeForCausalLM",
+        block_names={
+            **_ATTENTION,
+            **_QK_NORM,
+            "post_attention_norm": "post_attention_layernorm",
+            **{k: v for k, v in _SWIGLU.items() if k != "ffn_norm"},  # the leading dense layers
+            **_SIGMOID_EXPERTS,
+        },
+        make_config=_glm4_moe_config,
+        experts=True,
+        bare=("exp_probs_b",),
+        partial_rotary="partial_rotary_factor",
+        mtp_key="nextn_predict_layers",
+    ),
+    "dots1": ArchSpec(  # (NeoX RoPE: stored unpermuted)
+        model_type="dots1",
+        hf_class="Dots1ForCausalLM",
+        block_names={
+            **_ATTENTION,
+            **_QK_NORM,
+            **_SWIGLU,
+            **{k: v.replace("switch_mlp", "experts") for k, v in _SIGMOID_EXPERTS.items()},
+        },
+        make_config=_dots1_config,
+        rms_norm_eps=1e-6,
+        experts=True,
+        bare=("exp_probs_b",),
+    ),
+    "minimax-m2": ArchSpec(  # (NeoX RoPE: stored unpermuted)
+        model_type="minimax",
+        hf_class="MiniMaxM2ForCausalLM",
+        block_names={
+            **_ATTENTION,
+            **_QK_NORM,
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "block_sparse_moe.gate",
+            "exp_probs_b": "block_sparse_moe.e_score_correction_bias",
+            **{k: f"block_sparse_moe.{v}" for k, v in _EXPERTS.items()},
+        },
+        make_config=_minimax_m2_config,
+        rms_norm_eps=1e-6,
+        experts=True,
+        bare=("exp_probs_b",),
+        partial_rotary="rotary_dim",
+    ),
+    "granitemoe": ArchSpec(
+        model_type="granitemoe",
+        hf_class="GraniteMoeForCausalLM",
+        block_names={
+            **_ATTENTION,
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "block_sparse_moe.router.layer",
+            **{k: f"block_sparse_moe.{v}" for k, v in _EXPERTS.items()},
+        },
+        make_config=_granitemoe_config,
+        permuted=_LLAMA.permuted,
+        head_dim_key=False,
+        experts=True,
+    ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",
         hf_class="Gemma3ForCausalLM",
@@ -483,8 +636,22 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
 }
 
 
+# llama.cpp architectures with an mlx-lm class of their own that mlx_flash does not convert, and why
+NOT_CONVERTED = {
+    "qwen3next": "its gated DeltaNet layers (ssm_* tensors, as llama.cpp's converter rearranges them) are not mapped",
+    "qwen35moe": "its gated DeltaNet layers (ssm_* tensors, as llama.cpp's converter rearranges them) are not mapped",
+    "llama4": "llama4 GGUFs are not mapped yet (mlx-lm's llama4 wrapper, its chunked attention and no-RoPE layers)",
+    "hunyuan-moe": "llama.cpp renormalises the top-k expert weights and mlx-lm's hunyuan does not",
+    "deepseek32": "the lightning indexer (indexer.* tensors) is not mapped onto mlx-lm's deepseek_v32",
+}
+
+
 def arch_spec(arch: Optional[str], meta: "Meta") -> ArchSpec:
     path = meta.path
+    if arch in NOT_CONVERTED:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} is not supported: {NOT_CONVERTED[arch]}"
+        )
     spec = _MIXTRAL if arch == "llama" and meta.get("llama.expert_count", 0) else ARCHITECTURES.get(arch)
     if spec is None:
         raise UnsupportedArchitectureError(
@@ -502,8 +669,19 @@ def map_name(spec: ArchSpec, base: str) -> Tuple[Optional[str], Optional[str]]:
         return spec.global_names[base], None
     m = _BLOCK_RE.match(base)
     if m and m.group(2) in spec.block_names:
-        return f"model.layers.{m.group(1)}.{spec.block_names[m.group(2)]}", spec.permuted.get(m.group(2))
+        return f"{spec.layers}.{m.group(1)}.{spec.block_names[m.group(2)]}", spec.permuted.get(m.group(2))
     return None, None
+
+
+def mtp_blocks(spec: ArchSpec, meta: "Meta") -> int:
+    return meta.int(f"{meta['general.architecture']}.{spec.mtp_key}", 0) if spec.mtp_key else 0
+
+
+def is_mtp(spec: ArchSpec, meta: "Meta", base: str) -> bool:
+    """A tensor of the multi-token-prediction blocks (ArchSpec.mtp_key), left out of the converted model."""
+    m = _BLOCK_RE.match(base)
+    n = mtp_blocks(spec, meta)
+    return bool(n and m) and int(m.group(1)) >= meta.int(f"{meta['general.architecture']}.block_count") - n
 
 
 # --------------------------------------------------------------------------------------

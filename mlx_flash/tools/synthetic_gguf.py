@@ -38,8 +38,23 @@ GGUF_ARCHS = {
     "olmoe": "olmoe",
     "gpt_oss": "gpt-oss",
     "deepseek_v3": "deepseek2",
+    "glm4_moe": "glm4moe",
+    "dots1": "dots1",
+    "minimax": "minimax-m2",
+    "granitemoe": "granitemoe",
 }
 MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
+# how these architectures' blocks differ from qwen3moe's, as llama.cpp's converter writes them: q/k/v biases, q/k
+# norms per head or over all heads (None: none), the FFN's norm, leading dense layers, the router's correction bias
+# (exp_probs_b), shared experts (*_shexp) and a multi-token-prediction block (GLM's nextn) after the model's own
+BLOCKS = {
+    "glm4_moe": dict(
+        qkv_bias=True, qk_norm="head", ffn_norm="post_attention_norm", dense=True, probs_b=True, shexp=True, nextn=True
+    ),
+    "dots1": dict(qk_norm="head", dense=True, probs_b=True, shexp=True),
+    "minimax": dict(qk_norm="all", probs_b=True),
+    "granitemoe": dict(),
+}
 FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b")  # kept float32 (routers; DeepSeek's per-head MLA matrices)
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
@@ -61,8 +76,8 @@ def tiny_moe(model_type: str) -> dict:
     )
     if model_type == "qwen2_moe":
         c.update(shared_expert_intermediate_size=128)
-    if model_type == "olmoe":
-        c.update(num_key_value_heads=4)  # llama.cpp's OLMoE: no GQA
+    if model_type in ("olmoe", "dots1"):
+        c.update(num_key_value_heads=4)  # llama.cpp's OLMoE and dots1: no GQA
     if model_type == "deepseek_v3":  # MLA, a dense first layer, a shared expert, 2 groups of 4 experts, YaRN
         c.update(
             num_hidden_layers=3,
@@ -88,6 +103,18 @@ def tiny_moe(model_type: str) -> dict:
                 "mscale_all_dim": 1.0,
             },
         )
+    if model_type in BLOCKS:  # a dense first layer and a shared expert where the model has them
+        c.update(num_hidden_layers=3, intermediate_size=128, first_k_dense_replace=1)
+        c.update(n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+        if BLOCKS[model_type].get("probs_b"):  # 4 of 8 experts, chosen by the correction bias (see write_gguf)
+            c.update(num_experts_per_tok=4)
+    if model_type == "glm4_moe":  # GLM-4.5's half-rotary heads and its MTP block
+        c.update(partial_rotary_factor=0.5, num_nextn_predict_layers=1)
+    if model_type == "minimax":  # a rotary part of each head
+        c.update(rotary_dim=32)
+    if model_type == "granitemoe":  # Granite's multipliers; the head is the embedding
+        c.update(attention_multiplier=0.0625, embedding_multiplier=6.0, residual_multiplier=0.5, logits_scaling=4.0)
+        c.update(tie_word_embeddings=True, rope_theta=10000.0)
     if model_type == "gpt_oss":  # sliding layers shorter than a test's prompt; gpt-oss's YaRN
         c.update(
             sliding_window=16,
@@ -148,6 +175,9 @@ def _tensors(c: dict):
     if c["model_type"] == "deepseek_v3":
         yield from _deepseek2_tensors(c)
         return
+    if c["model_type"] in BLOCKS:
+        yield from _blocks_tensors(c, BLOCKS[c["model_type"]])
+        return
     yield "token_embd.weight", (v, d)
     for i in range(c["num_hidden_layers"]):
         b = f"blk.{i}."
@@ -195,6 +225,71 @@ def _tensors(c: dict):
     yield "output_norm.weight", (d,)
     if not c.get("tie_word_embeddings"):
         yield "output.weight", (v, d)
+
+
+def _blocks_tensors(c: dict, t: dict):
+    """The tensors of an architecture of BLOCKS: attention, then dense or MoE FFNs, in llama.cpp's names."""
+    d, v, h = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    hd = c.get("head_dim") or d // h
+    q, kv = h * hd, c["num_key_value_heads"] * hd
+    e, ff = c["num_experts"], c["moe_intermediate_size"]
+    yield "token_embd.weight", (v, d)
+    n = c["num_hidden_layers"]
+    for i in range(n + (c.get("num_nextn_predict_layers", 0) if t.get("nextn") else 0)):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", (d,)
+        yield from ((b + f"attn_{x}.weight", (m, d)) for x, m in (("q", q), ("k", kv), ("v", kv)))
+        if t.get("qkv_bias"):
+            yield from ((b + f"attn_{x}.bias", (m,)) for x, m in (("q", q), ("k", kv), ("v", kv)))
+        yield b + "attn_output.weight", (d, q)
+        if t.get("qk_norm"):
+            yield b + "attn_q_norm.weight", (hd if t["qk_norm"] == "head" else q,)
+            yield b + "attn_k_norm.weight", (hd if t["qk_norm"] == "head" else kv,)
+        yield b + t.get("ffn_norm", "ffn_norm") + ".weight", (d,)
+        if t.get("dense") and i < c["first_k_dense_replace"]:
+            m = c["intermediate_size"]
+            yield from ((b + "ffn_gate.weight", (m, d)), (b + "ffn_up.weight", (m, d)), (b + "ffn_down.weight", (d, m)))
+            continue
+        yield b + "ffn_gate_inp.weight", (e, d)
+        if t.get("probs_b"):
+            yield b + "exp_probs_b.bias", (e,)
+        yield from ((b + "ffn_gate_exps.weight", (e, ff, d)), (b + "ffn_up_exps.weight", (e, ff, d)))
+        yield b + "ffn_down_exps.weight", (e, d, ff)
+        if t.get("shexp"):
+            sh = c["n_shared_experts"] * ff
+            yield from ((b + "ffn_gate_shexp.weight", (sh, d)), (b + "ffn_up_shexp.weight", (sh, d)))
+            yield b + "ffn_down_shexp.weight", (d, sh)
+        if i >= n:  # the MTP block's own: the embedding and hidden state, normed, joined and projected
+            yield from ((b + "nextn.eh_proj.weight", (d, 2 * d)), (b + "nextn.enorm.weight", (d,)))
+            yield from ((b + "nextn.hnorm.weight", (d,)), (b + "nextn.shared_head_norm.weight", (d,)))
+    yield "output_norm.weight", (d,)
+    if not c.get("tie_word_embeddings"):
+        yield "output.weight", (v, d)
+
+
+def _blocks_meta(w, c: dict) -> None:
+    """The metadata llama.cpp's converter writes for an architecture of BLOCKS, beyond write_gguf's common keys."""
+    import gguf
+
+    t = c["model_type"]
+    if t != "granitemoe":
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if t in ("glm4_moe", "dots1"):
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c["norm_topk_prob"])
+    if t == "glm4_moe":
+        w.add_expert_group_count(1)
+        w.add_expert_group_used_count(1)
+        w.add_nextn_predict_layers(c["num_nextn_predict_layers"])
+    if t != "granitemoe":  # (scoring_func "sigmoid"; GLM and dots.llm1 route so whatever their configs say)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if t == "granitemoe":
+        w.add_attention_scale(c["attention_multiplier"])
+        w.add_embedding_scale(c["embedding_multiplier"])
+        w.add_residual_scale(c["residual_multiplier"])
+        w.add_logit_scale(c["logits_scaling"])
 
 
 def _deepseek2_tensors(c: dict):
@@ -295,12 +390,10 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     w.add_name(f"synthetic {preset}" + ("" if routing == "own" else f", {routing} routing"))
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    experts_only = c["model_type"] in (
-        "mixtral",
-        "olmoe",
-        "gpt_oss",
-    )  # as llama.cpp writes them: feed_forward_length is the experts'
+    nextn = c.get("num_nextn_predict_layers", 0) if BLOCKS.get(c["model_type"], {}).get("nextn") else 0
+    w.add_block_count(c["num_hidden_layers"] + nextn)
+    # as llama.cpp writes them: feed_forward_length is the experts'
+    experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss", "minimax", "granitemoe")
     w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(
@@ -311,7 +404,9 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     else:
         w.add_key_length(hd)
         w.add_value_length(hd)
-        w.add_rope_dimension_count(hd)
+        w.add_rope_dimension_count(c.get("rotary_dim") or int(hd * c.get("partial_rotary_factor", 1.0)))
+    if c["model_type"] in BLOCKS:
+        _blocks_meta(w, c)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_theta"])
     w.add_vocab_size(c["vocab_size"])
@@ -319,7 +414,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     if moe:
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
-        if c["model_type"] not in ("mixtral", "olmoe"):  # (their converters write feed_forward_length only)
+        if c["model_type"] not in ("mixtral", "olmoe", *BLOCKS):  # (mixtral's, olmoe's: feed_forward_length only)
             w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         if c["model_type"] == "qwen2_moe":
             w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
@@ -364,9 +459,15 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     u = shared_direction(rng, c["hidden_size"]) if routing == "skewed" else None
     from tqdm import tqdm
 
+    moe_k = c.get("num_experts_per_tok", 0)
     for name, shape in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
         scale = quiet if name.endswith(BLOCK_OUTPUTS) else 1.0
-        if name.endswith(".bias") or "ffn_gate_inp_shexp" in name or "attn_sinks" in name:
+        if "exp_probs_b" in name and moe_k < shape[0]:
+            # the router's correction bias 0, 1, ..., E - 1 shuffled: wider than the sigmoid scores' range, it alone
+            # picks the experts, so a wrong mapping picks others, and llama.cpp's int8 activations (its CPU's
+            # Q4_0 products) cannot flip a near tie
+            data = rng.permutation(shape[0]).astype(np.float32)
+        elif name.endswith(".bias") or "ffn_gate_inp_shexp" in name or "attn_sinks" in name:
             data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(c["hidden_size"])).astype(np.float32)
         elif len(shape) == 1:
             data = np.ones(shape, np.float32)

@@ -1,0 +1,136 @@
+"""More MoE GGUFs as llama.cpp writes them (mlx_flash.tools.synthetic_gguf.tiny_moe: the tensor names of gguf-py's
+MODEL_TENSORS for the architecture, the metadata keys of llama.cpp's converter, Q4_0 weights, float32 routers and
+norms): converted, every weight is the GGUF tensor's values, and streamed at one expert slot per layer the greedy
+tokens are the resident model's. benchmarks/moe_gguf_check.py checks the same files against llama-perplexity.
+Architectures mlx_flash cannot convert are refused in one line naming what stops them."""
+
+import re
+
+import mlx_flash  # noqa: F401
+from mlx_flash.budget import min_budget
+from mlx_flash.convert.build import convert
+from mlx_flash.convert.gguf import gguf_to_mlx_dir, read_header
+from mlx_flash.convert.gguf_archs import Meta, arch_spec, is_mtp, map_name
+from mlx_flash.engine.experts import REGION
+from mlx_flash.errors import UnsupportedArchitectureError
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.generate import generate_step
+from mlx_flash.loader import load
+from mlx_flash.tools.synthetic_gguf import GGUF_ARCHS, tiny_moe, write_gguf
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+PROMPT = mx.array([1, 5, 9, 33, 70, 2, 11])
+CONTEXT = 64
+
+# mlx-lm model_type -> what the file holds beyond qwen3moe's blocks (tests/test_moe.py has the first six)
+ARCHS = {
+    "glm4_moe": "q/k/v biases, half-rotary heads, a dense first layer, sigmoid routing with exp_probs_b, a shared "
+    "expert, the MTP block (nextn) left out",
+    "dots1": "q/k norms, a dense first layer, sigmoid routing with exp_probs_b, a shared expert",
+    "minimax": "q/k norms over all heads, a rotary part of each head, sigmoid routing with exp_probs_b",
+    "granitemoe": "Granite's four multipliers, RoPE-permuted q/k, the head tied to the embedding",
+}
+# llama.cpp architecture -> what the one-line refusal names
+REFUSED = {
+    "qwen3next": "gated DeltaNet",
+    "qwen35moe": "gated DeltaNet",
+    "llama4": "llama4",
+    "ernie4_5-moe": "exp_probs_b",
+    "hunyuan-moe": "renormalises",
+    "deepseek32": "indexer",
+}
+
+
+def _gguf_tensor_names(arch: str) -> list:
+    """gguf-py's names of the architecture's tensors, as patterns ("blk.{bid}.attn_q" -> blk.N.attn_q)."""
+    (key,) = [k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch]
+    names = [gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[key]]
+    return [re.compile(re.escape(n).replace(r"\{bid\}", r"\d+") + r"\.(weight|bias)") for n in names]
+
+
+def _unpermute(a: np.ndarray, n_head: int) -> np.ndarray:
+    return a.reshape(n_head, a.shape[0] // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _converted(weights: dict, name: str, quant: dict) -> np.ndarray:
+    """A weight of the converted directory as float32 values (dequantised in float32: exactly Q4_0's d * (q - 8))."""
+    stem = name[: -len(".weight")]
+    if f"{stem}.scales" not in weights:
+        return np.array(weights[name].astype(mx.float32))
+    s, b = (weights[f"{stem}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+    q = quant.get(stem, quant)
+    return np.array(mx.dequantize(weights[name], s, b, group_size=q["group_size"], bits=q["bits"]))
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def converted(request, tmp_path_factory):
+    """(model_type, the GGUF, its mlx-lm directory, its flash directory)."""
+    root = tmp_path_factory.mktemp(request.param)
+    path = write_gguf("moe-small", root / "m.gguf", progress=False, **tiny_moe(request.param))
+    return request.param, path, gguf_to_mlx_dir(path, root / "mlx"), convert(str(path), root / "flash", progress=False)
+
+
+def test_weights_are_the_gguf_tensors(converted):
+    """Every tensor has a name of gguf-py's for the architecture, and each converted weight is its values (RoPE rows
+    unpermuted where llama.cpp permutes them); the MTP block's tensors are left out."""
+    import json
+
+    model_type, path, mlx_dir, _ = converted
+    reader = gguf.GGUFReader(path)
+    arch = GGUF_ARCHS[model_type]
+    meta = Meta(read_header(path).fields, path)
+    spec = arch_spec(arch, meta)
+    patterns = _gguf_tensor_names(arch)
+    weights = mx.load(str(mlx_dir / "model.safetensors"))
+    quant = json.loads((mlx_dir / "config.json").read_text()).get("quantization", {})
+    checked = set()
+    for t in reader.tensors:
+        assert any(p.fullmatch(t.name) for p in patterns), t.name
+        base, _, part = t.name.rpartition(".")
+        if is_mtp(spec, meta, base):
+            continue
+        want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        hf, head_key = map_name(spec, base)
+        if head_key is not None:
+            want = _unpermute(want, meta.int(f"{arch}.{head_key}"))
+        name = hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{part}"
+        got = _converted(weights, name, quant)
+        assert got.shape == want.shape and np.array_equal(got, want), t.name
+        checked.add(name)
+    assert checked == {k for k in weights if not k.endswith((".scales", ".biases"))}
+    assert any("nextn" in t.name for t in reader.tensors) == (model_type == "glm4_moe")
+
+
+def test_streamed_tokens_are_the_resident_models(converted):
+    """Greedy tokens with every expert cached, and streamed under a budget of one expert slot per layer, agree."""
+    flash_dir = converted[3]
+    fd = FlashDir(flash_dir)
+    stride = sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
+    tokens = []
+    for budget in (None, min_budget(fd, CONTEXT, 4) + stride):
+        model, _ = load(flash_dir, memory_budget=budget, context=CONTEXT)
+        try:
+            tokens.append([int(t) for t, _ in generate_step(PROMPT, model, max_tokens=12)])
+            slots = {c[REGION] for c in model.flash.plan.capacity if REGION in c}
+            assert budget is None or max(slots) < fd.ffn["n_experts"]  # (streamed: not every expert cached)
+        finally:
+            model.flash.close()
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_refused_in_one_line(arch, tmp_path):
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match=REFUSED[arch]) as e:
+        gguf_to_mlx_dir(path, tmp_path / "out")
+    assert "\n" not in str(e.value)
