@@ -33,6 +33,7 @@ ARCHS = {
     "dots1": "q/k norms, a dense first layer, sigmoid routing with exp_probs_b, a shared expert",
     "minimax": "q/k norms over all heads, a rotary part of each head, sigmoid routing with exp_probs_b",
     "granitemoe": "Granite's four multipliers, RoPE-permuted q/k, the head tied to the embedding",
+    "ernie4_5_moe": "a dense first layer, softmax routing renormalised over the top k, a shared expert",
 }
 # llama.cpp architecture -> what the one-line refusal names
 REFUSED = {
@@ -127,6 +128,7 @@ def test_refused_in_one_line(arch, tmp_path):
     path = tmp_path / f"{arch}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.add_tensor("blk.0.exp_probs_b.bias", np.zeros(8, np.float32))  # (ERNIE's correction bias)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -294,6 +294,32 @@ def _granitemoe_config(meta, shapes, spec) -> dict:
     return config
 
 
+def _ernie_moe_config(meta, shapes, spec) -> dict:
+    """ERNIE 4.5 MoE (llama.cpp "ernie4_5-moe"): leading dense layers, then an MoE layer every
+    interleave_moe_layer_step, softmax routing renormalised over the top k, shared experts. A correction bias
+    (exp_probs_b) is refused: llama.cpp picks the experts with it, mlx-lm's ernie4_5_moe drops it (its sanitize)."""
+    a = meta["general.architecture"]
+    if any(k.endswith(".exp_probs_b.bias") for k in shapes):
+        raise UnsupportedArchitectureError(
+            f"{meta.path}: {a} with exp_probs_b (llama.cpp chooses experts with it, mlx-lm's ernie4_5_moe drops it)"
+        )
+    config = _base_config(meta, shapes, spec)
+    moe_ff, shared = meta.int(f"{a}.expert_feed_forward_length"), meta.int(f"{a}.expert_shared_count", 0)
+    widths = {v[0] for k, v in shapes.items() if k.endswith(".ffn_up_shexp.weight")}
+    if widths - {moe_ff * shared}:  # (mlx-lm's shared experts are moe_intermediate_size wide each)
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} shared experts {widths} wide, not {moe_ff} x {shared}")
+    config.update(
+        moe_num_experts=meta.int(f"{a}.expert_count"),
+        moe_k=meta.int(f"{a}.expert_used_count"),
+        moe_layer_start_index=meta.int(f"{a}.leading_dense_block_count", 0),
+        moe_layer_interval=meta.int(f"{a}.interleave_moe_layer_step"),
+        moe_intermediate_size=moe_ff,
+        moe_num_shared_experts=shared,
+        use_bias=False,
+    )
+    return config
+
+
 def _phi3_config(meta, shapes, spec) -> dict:
     config = _base_config(meta, shapes, spec)
     a = meta["general.architecture"]
@@ -594,6 +620,21 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
         },
         make_config=_granitemoe_config,
         permuted=_LLAMA.permuted,
+        head_dim_key=False,
+        experts=True,
+    ),
+    "ernie4_5-moe": ArchSpec(  # (RoPE on adjacent pairs, as mlx-lm's traditional=True: stored unpermuted)
+        model_type="ernie4_5_moe",
+        hf_class="Ernie4_5_MoeForCausalLM",
+        block_names={
+            **_ATTENTION,
+            **_SWIGLU,
+            "ffn_gate_inp": "mlp.gate",
+            **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+            **{k: v for k, v in _SIGMOID_EXPERTS.items() if k.endswith("_shexp")},
+            "exp_probs_b": "mlp.gate.e_score_correction_bias",  # (refused by _ernie_moe_config, saying why)
+        },
+        make_config=_ernie_moe_config,
         head_dim_key=False,
         experts=True,
     ),

@@ -42,6 +42,7 @@ GGUF_ARCHS = {
     "dots1": "dots1",
     "minimax": "minimax-m2",
     "granitemoe": "granitemoe",
+    "ernie4_5_moe": "ernie4_5-moe",
 }
 MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
 # how these architectures' blocks differ from qwen3moe's, as llama.cpp's converter writes them: q/k/v biases, q/k
@@ -54,6 +55,7 @@ BLOCKS = {
     "dots1": dict(qk_norm="head", dense=True, probs_b=True, shexp=True),
     "minimax": dict(qk_norm="all", probs_b=True),
     "granitemoe": dict(),
+    "ernie4_5_moe": dict(dense=True, shexp=True),  # (an ERNIE without moe_statics: no exp_probs_b)
 }
 FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b")  # kept float32 (routers; DeepSeek's per-head MLA matrices)
 Q4_0_BLOCK = 32
@@ -272,24 +274,30 @@ def _blocks_meta(w, c: dict) -> None:
     import gguf
 
     t = c["model_type"]
-    if t != "granitemoe":
-        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
-    if t in ("glm4_moe", "dots1"):
-        w.add_leading_dense_block_count(c["first_k_dense_replace"])
-        w.add_expert_shared_count(c["n_shared_experts"])
-        w.add_expert_weights_scale(c["routed_scaling_factor"])
-        w.add_expert_weights_norm(c["norm_topk_prob"])
-    if t == "glm4_moe":
-        w.add_expert_group_count(1)
-        w.add_expert_group_used_count(1)
-        w.add_nextn_predict_layers(c["num_nextn_predict_layers"])
-    if t != "granitemoe":  # (scoring_func "sigmoid"; GLM and dots.llm1 route so whatever their configs say)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    if t == "granitemoe":
+    if t == "granitemoe":  # Granite's multipliers (feed_forward_length is the experts')
         w.add_attention_scale(c["attention_multiplier"])
         w.add_embedding_scale(c["embedding_multiplier"])
         w.add_residual_scale(c["residual_multiplier"])
         w.add_logit_scale(c["logits_scaling"])
+        return
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if t != "minimax":  # a dense first layer and a shared expert
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+    if t == "ernie4_5_moe":  # (softmax routing: fixed in llama.cpp's ERNIE)
+        w.add_interleave_moe_layer_step(1)
+        # its converter's intermediate_size // num_key_value_heads, which llama.cpp reads as the shared expert's width
+        w.add_expert_shared_feed_forward_length(c["intermediate_size"] // c["num_key_value_heads"])
+        return
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # (GLM and dots.llm1 route so, whatever they say)
+    if t == "minimax":
+        return
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    w.add_expert_weights_norm(c["norm_topk_prob"])
+    if t == "glm4_moe":
+        w.add_expert_group_count(1)
+        w.add_expert_group_used_count(1)
+        w.add_nextn_predict_layers(c["num_nextn_predict_layers"])
 
 
 def _deepseek2_tensors(c: dict):
