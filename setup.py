@@ -8,7 +8,7 @@ pread_pool = Extension(
     "mlx_flash._pread_pool",
     sources=["kernels/pread_pool.c"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"] + ([] if sys.platform == "darwin" else ["-pthread"]),
-    extra_link_args=[] if sys.platform == "darwin" else ["-pthread"],
+    extra_link_args=[] if sys.platform == "darwin" else ["-pthread", "-ldl"],  # dlopen: the system's zlib CRC
 )
 
 # Quantised matrix-vector products for MLX's CPU backend (Linux CI, Macs without Metal use):

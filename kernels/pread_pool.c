@@ -21,6 +21,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -1170,12 +1171,22 @@ static PyTypeObject HandleType = {
 
 /* ---- checksums -------------------------------------------------------------------------------------------- */
 
-/* zlib's CRC-32 (reflected 0xEDB88320), eight bytes a step ("slicing by 8"): the checksum convert writes per
- * unit, checked here where units land, with no zlib to link against. */
+/* zlib's CRC-32 (reflected 0xEDB88320): the checksum convert writes per unit, checked here where units land.
+ * The system's zlib where it can be opened (its braided CRC is about 3x faster than the table below), else eight
+ * bytes a step ("slicing by 8"), so nothing needs zlib's headers to build. */
+typedef unsigned long (*zlib_crc32_t)(unsigned long, const unsigned char *, unsigned int);
+static zlib_crc32_t zlib_crc32;
 static uint32_t crc_table[8][256];
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
 
 static void crc_init(void) {
+#ifdef __APPLE__
+    const char *libz = "libz.1.dylib";
+#else
+    const char *libz = "libz.so.1";
+#endif
+    void *z = getenv("MLX_FLASH_NO_ZLIB") ? NULL : dlopen(libz, RTLD_NOW | RTLD_LOCAL); /* (tests: the table) */
+    if (z) zlib_crc32 = (zlib_crc32_t)dlsym(z, "crc32");
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
         for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
@@ -1186,6 +1197,7 @@ static void crc_init(void) {
 }
 
 static uint32_t crc32_bytes(const unsigned char *p, size_t n) {
+    if (zlib_crc32 && n <= UINT_MAX) return (uint32_t)zlib_crc32(0, p, (unsigned int)n);
     uint32_t c = 0xFFFFFFFFu;
     for (; n && ((uintptr_t)p & 7); n--) c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
     for (; n >= 8; n -= 8, p += 8) {

@@ -167,6 +167,22 @@ def test_unlimited_tokens_under_a_hard_cap(smol, generate_capped, wikitext):
     assert "[stopped at the planned context of" in r.stderr, r.stdout[-2000:]
 
 
+CRC_CHECK = """
+import zlib, numpy as np
+from mlx_flash.engine import checks
+buf = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+for length in (0, 1, 7, 1008, 4099):
+    offsets = np.arange(3, len(buf) - length, 1531)
+    assert checks.crc32_at(buf, offsets, length).tolist() == [zlib.crc32(buf[o : o + length]) for o in offsets]
+"""
+
+
+def test_the_native_crc_without_the_system_zlib():
+    """The extension's own CRC table, used where the system's zlib cannot be opened."""
+    r = subprocess.run([sys.executable, "-c", CRC_CHECK], env=dict(os.environ, MLX_FLASH_NO_ZLIB="1"))
+    assert r.returncode == 0
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_unit_checksums_are_zlibs_crc32(monkeypatch, native):
     """What convert writes and the engine checks is zlib's CRC-32, native or not, at any offset and length."""
