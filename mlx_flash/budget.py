@@ -22,9 +22,10 @@ from .engine.reader import DEFAULT_THREADS
 from .errors import BudgetError
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
-# an MoE model's least workspace, a dense model's usual one (2 x the 16 MiB scratch): its scratch is only a
-# token's experts, and besides MLX's temporaries the process has its own while decoding (modules imported by
-# the first token, numpy rows, reader threads: 17 MiB measured on a 170 MB model under a hard cap)
+# an MoE model's least workspace, a dense model's usual one (2 x the 16 MiB scratch), or an eighth of a smaller
+# model: its scratch is only a token's experts, and besides MLX's temporaries the process has its own while decoding
+# (modules imported by the first token, numpy rows, reader threads: 17 MiB measured on a 170 MB model under a hard
+# cap)
 MIN_MOE_WORKSPACE_BYTES = 2 * SCRATCH_BYTES
 # Packed units (format v3) are read through each reader thread's bounce buffer (O_DIRECT wants aligned offsets,
 # lengths and addresses): its memory is in the budget, so it is kept small.
@@ -103,7 +104,7 @@ class Plan:
         )
 
     def describe(self, strides: Dict[str, int], units: Dict[str, int]) -> str:
-        caps = self.capacity[0]
+        caps = next((c for c in self.capacity if c), {})  # (an MoE model's first layers may be dense)
         per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)
         return (
             (f"budget {fmt_bytes(self.budget)}" if self.budget is not None else "no budget")
@@ -214,7 +215,7 @@ def fixed_bytes(
         "kv_cache": kv,
         "prompt_cache": prompt_caches * kv,  # each stored cache is one KV cache of `context` tokens
         "scratch": scratch + fd.alignment * n_buffers + bounce_bytes(fd),
-        "workspace": max(2 * scratch, MIN_MOE_WORKSPACE_BYTES if per_pass else 0),
+        "workspace": max(2 * scratch, min(MIN_MOE_WORKSPACE_BYTES, fd.model_bytes // 8) if per_pass else 0),
         "extra": extra,
     }
 
@@ -253,16 +254,17 @@ def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, 
 def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
     """The groups to stream (`always`, then the shortest prefix of the other `groups`, cheapest first, that
     fits; then any of those that fit back are kept resident) and the fixed parts with them. BudgetError if
-    none fits."""
+    none fits (naming the parts of the prefix that needs least: in a small model, streaming a group can take more
+    buffer than it frees)."""
 
-    def fits(streamed):
-        return sum(with_streamed(fixed, streamed).values()) <= budget
+    def total(streamed):
+        return sum(with_streamed(fixed, streamed).values())
 
-    streamed = list(always)
-    for g in (g for g in groups if g not in streamed):
-        if fits(streamed):
-            break
-        streamed.append(g)
+    rest = [g for g in groups if g not in always]
+    prefixes = [list(always) + rest[:i] for i in range(len(rest) + 1)]
+    streamed = next((p for p in prefixes if total(p) <= budget), None)
+    if streamed is None:
+        streamed = min(prefixes, key=total)
     f = with_streamed(fixed, streamed)
     if sum(f.values()) > budget:
         raise BudgetError(
@@ -277,9 +279,9 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
             + f" need {fmt_bytes(sum(f.values()))} before any FFN unit is cached"
         )
     for g in reversed(streamed[len(always) : -1]):  # the last one made it fit
-        rest = [s for s in streamed if s is not g]
-        if fits(rest):
-            streamed = rest
+        kept = [s for s in streamed if s is not g]
+        if total(kept) <= budget:
+            streamed = kept
     return streamed, with_streamed(fixed, streamed)
 
 

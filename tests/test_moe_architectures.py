@@ -17,7 +17,7 @@ from mlx_flash.errors import UnsupportedArchitectureError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import cpu_cast, load
-from mlx_flash.models.tiny import make_tiny_quantized_dir
+from mlx_flash.models.tiny import make_tiny_model_dir, make_tiny_quantized_dir
 
 import mlx.core as mx
 import pytest
@@ -352,3 +352,21 @@ def test_experts_per_token_not_found_is_one_clear_line():
     model.args.num_experts_per_tok = None
     with pytest.raises(UnsupportedArchitectureError, match="model.layers.0.mlp.switch_mlp: the number of experts per"):
         experts_per_token(model, switch_paths(model))
+
+
+def test_percent_budgets_of_a_small_model(tmp_path):
+    """The workspace scales with the model (an eighth of it at most): 25% of a 13 MB MoE model streams, with the same
+    tokens as with every expert cached (the default int8 activations: the same bits at every budget)."""
+    src = make_tiny_model_dir(
+        "qwen3_moe", tmp_path / "src", hidden_size=128, moe_intermediate_size=128, num_experts=32, num_hidden_layers=2
+    )
+    path = convert(str(src), tmp_path / "flash", progress=False)
+    tokens = {}
+    for budget in (None, "50%", "25%"):
+        model, _ = load(path, memory_budget=budget, context=CONTEXT)
+        try:
+            tokens[budget] = greedy(model)
+            assert budget is None or 0 < model.flash.plan.capacity[0]["experts"] < 32
+        finally:
+            model.flash.close()
+    assert tokens["25%"] == tokens["50%"] == tokens[None]
