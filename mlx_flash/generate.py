@@ -17,6 +17,7 @@ from . import blas
 from .budget import fmt_bytes
 from .compute import cpu_gemv
 from .default_model import default_model_dir
+from .engine.native_step import HostKVCache
 from .engine.sparsity import SPARSITIES
 from .engine.stats import Stats
 from .errors import BudgetError, FlashError
@@ -57,7 +58,8 @@ class _Passes:
                 out = self.model(tokens[None], cache=self.cache)
             maybe_quantize_kv_cache(self.cache, *self.kv)
             if logits == "none":  # the head's output is never evaluated
-                mx.eval([c.state for c in self.cache])
+                # (a HostKVCache is written as the pass runs: its state would be a copy of the cache for nothing)
+                mx.eval([c.state for c in self.cache if not isinstance(c, HostKVCache)])
                 return None
             if logits == "last":
                 y, logprobs = self._sample(out[:, -1, :], 0)
@@ -564,7 +566,8 @@ def print_stats(engine, out=sys.stdout):
         print(engine.why, file=out)
     print(
         engine.plan.describe(
-            {k: v.stride for k, v in engine.fd.layouts.items()}, {k: r.n_units for k, r in engine.fd.layers[0].items()}
+            {k: v.stride for k, v in engine.fd.layouts.items()},
+            {k: r.n_units for k, r in next(l for l in engine.fd.layers if l).items()},
         ),
         file=out,
     )

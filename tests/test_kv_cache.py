@@ -101,3 +101,22 @@ def test_kv_bits_needs_a_group_size_dividing_the_head(tmp_path):
     path = convert(str(make_tiny_model_dir("llama", tmp_path / "src")), tmp_path / "tiny", progress=False)
     with pytest.raises(FlashError, match="head dimension"):  # the tiny model's heads are 16 wide
         load(path, kv_bits=8, kv_group_size=64)
+
+
+def test_a_prompt_pass_holds_no_second_copy_of_the_host_cache(wikitext):
+    """The prompt's chunks (whose logits are never computed) are evaluated without taking the host KV cache's state:
+    that would copy every layer's keys and values into MLX arrays at once, a second cache above the plan."""
+    from mlx_flash.generate import generate_step
+
+    model, tok = load(default_model_dir(), memory_budget="50%", context=400)
+    try:
+        prompt = mx.array(tok.encode(wikitext[:4000])[:360])
+        assert model.decoder is not None  # (its caches are HostKVCaches)
+        mx.eval(mx.zeros(1))
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        next(generate_step(prompt, model, max_tokens=1, prefill_step_size=64))
+        kv = kv_cache_bytes(model.flash.fd.config, len(prompt), 4)
+        assert mx.get_peak_memory() - before < kv / 2, (mx.get_peak_memory() - before, kv)
+    finally:
+        model.flash.close()

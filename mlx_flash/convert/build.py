@@ -518,6 +518,8 @@ def main():
         )
     except FlashError as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:  # (the temporary directory is gone by now)
+        raise SystemExit("interrupted: nothing was written") from None
 
     fd = FlashDir(out)
     streamed = [layer for layer in fd.layers if layer]  # (an MoE model's dense layers stay resident)
