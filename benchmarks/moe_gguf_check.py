@@ -1,17 +1,22 @@
-"""MoE GGUFs as llama.cpp writes them, checked against llama.cpp itself (issue #23): for each architecture a tiny
+"""MoE GGUFs as llama.cpp writes them, checked against llama.cpp itself (issues #23, #40): for each architecture a tiny
 random GGUF (mlx_flash.tools.synthetic_gguf.tiny_moe: qwen3moe; Mixtral, llama.cpp's "llama" with experts; qwen2moe,
 with a shared expert; olmoe; gpt-oss, MXFP4 experts with biases, sinks, sliding layers, YaRN; deepseek2, MLA,
-grouped sigmoid routing, YaRN), converted with convert's defaults, then benchmarks/ppl_check.py against
-llama-perplexity on the same tokens: perplexity, KL per token and top-1 agreement of mlx_flash's resident model.
+grouped sigmoid routing, YaRN; glm4moe, half-rotary heads and an MTP block; dots1; minimax-m2; granitemoe;
+ernie4_5-moe; llama4, top-1 routing and a layer without RoPE), converted with convert's defaults, then
+benchmarks/ppl_check.py against llama-perplexity on the same tokens: perplexity, KL per token and top-1 agreement of
+mlx_flash's resident model, twice: llama-perplexity on the GGUF as written, and on its copy dequantised to F32.
 
-    python benchmarks/moe_gguf_check.py [--out benchmarks/results/moe_gguf_check.json]
+    python benchmarks/moe_gguf_check.py [--model-types glm4_moe,llama4] [--out benchmarks/results/moe_gguf_check.json]
 
 The tests check the conversion against mlx-lm on the same weights; this checks the mapping (names, RoPE
-permutations, the shared expert's gate, MXFP4's nibbles, YaRN) against an independent implementation. Random
-weights: mapping only, the perplexities are near the vocabulary size.
+permutations, the shared expert's gate, MXFP4's nibbles, YaRN, routing) against an independent implementation.
+On the Q4_0 file llama.cpp multiplies with its activations rounded to 8 bits, which moves a token to another expert
+where two router scores nearly tie: llama4's top-1 routing shows it (KL 2e-3), the F32 copy does not (its products
+in float32, as mlx_flash's). Random weights: mapping only, the perplexities are near the vocabulary size.
 """
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -19,7 +24,9 @@ import tempfile
 from pathlib import Path
 
 from mlx_flash.convert.build import convert
-from mlx_flash.tools.synthetic_gguf import MOE_TYPES, tiny_moe, write_gguf
+from mlx_flash.tools.synthetic_gguf import GGUF_ARCHS, MOE_TYPES, tiny_moe, write_gguf
+
+FORMS = {"gguf": [], "f32": ["--f32-gguf"]}  # llama-perplexity on the file as written / on its F32 copy
 
 
 def setup_arg_parser():
@@ -29,38 +36,40 @@ def setup_arg_parser():
     return p
 
 
+def ppl_check(gguf: Path, flash: Path, out: Path, extra: list) -> dict:
+    subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("ppl_check.py")),
+            *("--gguf", str(gguf), "--model", str(flash), "--ctx", "64", "--chunks", "4"),
+            *("--systems", "mlx_flash resident", "--selectors-windows", "0", "--quiet", "--out", str(out)),
+            *extra,
+        ],
+        check=True,
+    )
+    return json.loads(out.read_text())
+
+
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    results = {}
+    runs = {form: {} for form in FORMS}
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in args.model_types.split(","):
-            gguf = write_gguf("moe-small", Path(tmp) / f"{model_type}.gguf", progress=False, **tiny_moe(model_type))
+            gguf = write_gguf("moe-small", Path(tmp) / "m.gguf", progress=False, **tiny_moe(model_type))
+            # named by its bytes: ppl_check keeps the F32 copy under the cache by the file's name
+            digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:12]
+            gguf = gguf.rename(gguf.with_name(f"{model_type}-{digest}.gguf"))
             flash = convert(str(gguf), Path(tmp) / f"{model_type}-flash", progress=False)
-            out = Path(tmp) / f"{model_type}.json"
-            subprocess.run(
-                [
-                    sys.executable,
-                    str(Path(__file__).with_name("ppl_check.py")),
-                    "--gguf",
-                    str(gguf),
-                    "--model",
-                    str(flash),
-                    "--ctx",
-                    "64",
-                    "--chunks",
-                    "4",
-                    "--systems",
-                    "mlx_flash resident",
-                    "--selectors-windows",
-                    "0",
-                    "--quiet",
-                    "--out",
-                    str(out),
-                ],
-                check=True,
-            )
-            results[model_type] = json.loads(out.read_text())
-    Path(args.out).write_text(json.dumps({"configs": {t: tiny_moe(t) for t in results}, "runs": results}, indent=1))
+            for form, extra in FORMS.items():
+                runs[form][model_type] = ppl_check(gguf, flash, Path(tmp) / f"{model_type}-{form}.json", extra)
+    print("| model_type | GGUF architecture | KL / token, GGUF as written | top-1 | KL / token, F32 copy | top-1 |")
+    print("|---|---|---|---|---|---|")
+    for t in runs["gguf"]:
+        rows = [next(r for r in runs[form][t]["rows"] if "kld" in r) for form in FORMS]
+        cells = " | ".join(f"{r['kld']:.1e} | {r['top1_agreement']:.3f}" for r in rows)
+        print(f"| {t} | {GGUF_ARCHS[t]} | {cells} |")
+    configs = {t: tiny_moe(t) for t in runs["gguf"]}
+    Path(args.out).write_text(json.dumps({"configs": configs, "runs": runs["gguf"], "runs_f32": runs["f32"]}, indent=1))
 
 
 if __name__ == "__main__":

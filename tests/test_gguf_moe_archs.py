@@ -34,12 +34,12 @@ ARCHS = {
     "minimax": "q/k norms over all heads, a rotary part of each head, sigmoid routing with exp_probs_b",
     "granitemoe": "Granite's four multipliers, RoPE-permuted q/k, the head tied to the embedding",
     "ernie4_5_moe": "a dense first layer, softmax routing renormalised over the top k, a shared expert",
+    "llama4": "MoE and dense layers alternating, top-1 sigmoid routing, a shared expert, a layer without RoPE",
 }
 # llama.cpp architecture -> what the one-line refusal names
 REFUSED = {
     "qwen3next": "gated DeltaNet",
     "qwen35moe": "gated DeltaNet",
-    "llama4": "llama4",
     "ernie4_5-moe": "exp_probs_b",
     "hunyuan-moe": "renormalises",
     "deepseek32": "indexer",

@@ -19,6 +19,7 @@ from .gguf_config import (
     glm4_moe_config,
     gpt_oss_config,
     granitemoe_config,
+    llama4_config,
     llama_config,
     minimax_m2_config,
     mtp_blocks,
@@ -95,14 +96,17 @@ _EXPERTS = {
     "ffn_up_exps": "switch_mlp.up_proj",
     "ffn_down_exps": "switch_mlp.down_proj",
 }
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 # DeepSeek-V3-style MoE layers: a router with a correction bias choosing the experts, shared experts
 _SIGMOID_EXPERTS = {
     "ffn_gate_inp": "mlp.gate",
     "exp_probs_b": "mlp.gate.e_score_correction_bias",
     **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    **_SHARED_EXPERT,
 }
 # llama.cpp's "llama" with expert_count (and stacked ffn_*_exps: GGUFs from before mid-2024 hold an
 # ffn_gate.E tensor per expert, refused as unmapped)
@@ -310,12 +314,33 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
             **_SWIGLU,
             "ffn_gate_inp": "mlp.gate",
             **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
-            **{k: v for k, v in _SIGMOID_EXPERTS.items() if k.endswith("_shexp")},
+            **_SHARED_EXPERT,
             "exp_probs_b": "mlp.gate.e_score_correction_bias",  # (refused by ernie_moe_config, saying why)
         },
         make_config=ernie_moe_config,
         head_dim_key=False,
         experts=True,
+    ),
+    "llama4": ArchSpec(  # (RoPE on adjacent pairs, as mlx-lm's traditional=True: its converter does not permute)
+        model_type="llama4",
+        hf_class="Llama4ForConditionalGeneration",
+        block_names={
+            **_ATTENTION,
+            **{k: v.replace("mlp.", "feed_forward.") for k, v in _SWIGLU.items()},  # (the dense layers)
+            "ffn_gate_inp": "feed_forward.router",
+            **{k: v.replace("switch_mlp", "feed_forward.experts") for k, v in _EXPERTS.items()},
+            **{k: v.replace("mlp.shared_experts", "feed_forward.shared_expert") for k, v in _SHARED_EXPERT.items()},
+        },
+        make_config=llama4_config,
+        rope_theta=500000.0,
+        rejected=_ROPE_FREQS,
+        experts=True,
+        layers="language_model.model.layers",
+        global_names={
+            "token_embd": "language_model.model.embed_tokens",
+            "output_norm": "language_model.model.norm",
+            "output": "language_model.lm_head",
+        },
     ),
     "gemma3": ArchSpec(
         model_type="gemma3_text",
@@ -360,7 +385,6 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
 NOT_CONVERTED = {
     "qwen3next": "its gated DeltaNet layers (ssm_* tensors, as llama.cpp's converter rearranges them) are not mapped",
     "qwen35moe": "its gated DeltaNet layers (ssm_* tensors, as llama.cpp's converter rearranges them) are not mapped",
-    "llama4": "llama4 GGUFs are not mapped yet (mlx-lm's llama4 wrapper, its chunked attention and no-RoPE layers)",
     "hunyuan-moe": "llama.cpp renormalises the top-k expert weights and mlx-lm's hunyuan does not",
     "deepseek32": "the lightning indexer (indexer.* tensors) is not mapped onto mlx-lm's deepseek_v32",
 }

@@ -378,3 +378,29 @@ def gemma3_config(meta, shapes, spec) -> dict:
 def mtp_blocks(spec, meta: "Meta") -> int:
     """How many multi-token-prediction blocks (ArchSpec.mtp_key) follow the model's own."""
     return meta.int(f"{meta['general.architecture']}.{spec.mtp_key}", 0) if spec.mtp_key else 0
+
+
+def llama4_config(meta, shapes, spec) -> dict:
+    """Llama 4 (llama.cpp "llama4" -> mlx-lm's llama4, its text_config): an MoE layer every interleave_moe_layer_step
+    (a top-1 sigmoid router, a shared expert as wide as an expert), dense layers between. The rest is fixed in
+    llama.cpp, not in the GGUF: attention chunked by 8192 in three layers of four, the fourth without RoPE and with
+    temperature tuning, q/k L2-normed in the RoPE layers except in the 128-expert model."""
+    a = meta["general.architecture"]
+    if meta.int(f"{a}.attention.sliding_window", 8192) != 8192:  # (0: MobileLLM, every layer full and with RoPE)
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} without 8192-token chunked attention is not supported")
+    text = base_config(meta, shapes, spec)
+    config = {k: text.pop(k) for k in ("architectures", "model_type", "tie_word_embeddings")}
+    experts = meta.int(f"{a}.expert_count")
+    text.update(
+        model_type="llama4_text",
+        attention_bias=False,
+        attention_chunk_size=8192,
+        interleave_moe_layer_step=meta.int(f"{a}.interleave_moe_layer_step"),
+        intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
+        intermediate_size_mlp=meta.int(f"{a}.feed_forward_length"),
+        num_local_experts=experts,
+        num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+        use_qk_norm=experts != 128,
+        rope_scaling=text.get("rope_scaling"),
+    )
+    return {**config, "text_config": text}

@@ -43,6 +43,7 @@ GGUF_ARCHS = {
     "minimax": "minimax-m2",
     "granitemoe": "granitemoe",
     "ernie4_5_moe": "ernie4_5-moe",
+    "llama4": "llama4",
 }
 MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
 # how these architectures' blocks differ from qwen3moe's, as llama.cpp's converter writes them: q/k/v biases, q/k
@@ -56,6 +57,7 @@ BLOCKS = {
     "minimax": dict(qk_norm="all", probs_b=True),
     "granitemoe": dict(),
     "ernie4_5_moe": dict(dense=True, shexp=True),  # (an ERNIE without moe_statics: no exp_probs_b)
+    "llama4": dict(interleave=True, shexp=True),  # (dense layers between the MoE ones, as Maverick's)
 }
 FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b")  # kept float32 (routers; DeepSeek's per-head MLA matrices)
 Q4_0_BLOCK = 32
@@ -112,6 +114,8 @@ def tiny_moe(model_type: str) -> dict:
             c.update(num_experts_per_tok=4)
     if model_type == "glm4_moe":  # GLM-4.5's half-rotary heads and its MTP block
         c.update(partial_rotary_factor=0.5, num_nextn_predict_layers=1)
+    if model_type == "llama4":  # top-1 routing; MoE and dense layers alternating, the fourth without RoPE
+        c.update(num_experts_per_tok=1, num_hidden_layers=4, interleave_moe_layer_step=2, rope_theta=500000.0)
     if model_type == "minimax":  # a rotary part of each head
         c.update(rotary_dim=32)
     if model_type == "granitemoe":  # Granite's multipliers; the head is the embedding
@@ -248,7 +252,9 @@ def _blocks_tensors(c: dict, t: dict):
             yield b + "attn_q_norm.weight", (hd if t["qk_norm"] == "head" else q,)
             yield b + "attn_k_norm.weight", (hd if t["qk_norm"] == "head" else kv,)
         yield b + t.get("ffn_norm", "ffn_norm") + ".weight", (d,)
-        if t.get("dense") and i < c["first_k_dense_replace"]:
+        if (t.get("dense") and i < c["first_k_dense_replace"]) or (
+            t.get("interleave") and (i + 1) % c["interleave_moe_layer_step"]
+        ):
             m = c["intermediate_size"]
             yield from ((b + "ffn_gate.weight", (m, d)), (b + "ffn_up.weight", (m, d)), (b + "ffn_down.weight", (d, m)))
             continue
@@ -281,6 +287,9 @@ def _blocks_meta(w, c: dict) -> None:
         w.add_logit_scale(c["logits_scaling"])
         return
     w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if t == "llama4":  # (feed_forward_length is the dense layers')
+        w.add_interleave_moe_layer_step(c["interleave_moe_layer_step"])
+        return
     if t != "minimax":  # a dense first layer and a shared expert
         w.add_leading_dense_block_count(c["first_k_dense_replace"])
         w.add_expert_shared_count(c["n_shared_experts"])
