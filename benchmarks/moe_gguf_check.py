@@ -36,18 +36,20 @@ def setup_arg_parser():
     return p
 
 
-def ppl_check(gguf: Path, flash: Path, out: Path, extra: list) -> dict:
-    subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).with_name("ppl_check.py")),
-            *("--gguf", str(gguf), "--model", str(flash), "--ctx", "64", "--chunks", "4"),
-            *("--systems", "mlx_flash resident", "--selectors-windows", "0", "--quiet", "--out", str(out)),
-            *extra,
-        ],
-        check=True,
-    )
-    return json.loads(out.read_text())
+def ppl_check(gguf: Path, flash: Path, out: Path, extra: list, tries: int = 3) -> dict:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("ppl_check.py")),
+        *("--gguf", str(gguf), "--model", str(flash), "--ctx", "64", "--chunks", "4"),
+        *("--systems", "mlx_flash resident", "--selectors-windows", "0", "--quiet", "--out", str(out)),
+        *extra,
+    ]
+    # llama-perplexity's log thread sometimes exits before writing its last chunk and final estimate when the
+    # machine is busy (exit 0, no "Final estimate"): asked again
+    for i in range(tries):
+        if subprocess.run(cmd).returncode == 0:
+            return json.loads(out.read_text())
+    raise RuntimeError(f"ppl_check failed {tries} times: {' '.join(cmd)}")
 
 
 def main(argv=None):
