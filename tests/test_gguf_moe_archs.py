@@ -36,13 +36,13 @@ ARCHS = {
     "ernie4_5_moe": "a dense first layer, softmax routing renormalised over the top k, a shared expert",
     "llama4": "MoE and dense layers alternating, top-1 sigmoid routing, a shared expert, a layer without RoPE",
 }
-# llama.cpp architecture -> what the one-line refusal names
+# llama.cpp architecture -> (the mlx-lm model_type of the same architecture, what the one-line refusal names)
 REFUSED = {
-    "qwen3next": "gated DeltaNet",
-    "qwen35moe": "gated DeltaNet",
-    "ernie4_5-moe": "exp_probs_b",
-    "hunyuan-moe": "renormalises",
-    "deepseek32": "indexer",
+    "qwen3next": ("qwen3_next", "gated DeltaNet"),
+    "qwen35moe": ("qwen3_5_moe", "gated DeltaNet"),
+    "hunyuan-moe": ("hunyuan", "renormalises"),
+    "deepseek32": ("deepseek_v32", "indexer"),
+    "ernie4_5-moe": ("ernie4_5_moe", "exp_probs_b"),  # (with one)
 }
 
 
@@ -133,6 +133,6 @@ def test_refused_in_one_line(arch, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitectureError, match=REFUSED[arch]) as e:
+    with pytest.raises(UnsupportedArchitectureError, match=REFUSED[arch][1]) as e:
         gguf_to_mlx_dir(path, tmp_path / "out")
     assert "\n" not in str(e.value)

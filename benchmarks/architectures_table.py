@@ -1,0 +1,115 @@
+"""The README's table of architectures: mlx-lm architecture x source form (Hugging Face float, mlx-community style
+4-bit, llama.cpp GGUF) x how the tests check it, built from the tests' own parametrisations (imported), with the
+KL per token against llama-perplexity from benchmarks/results/moe_gguf_check.json.
+
+    python benchmarks/architectures_table.py [--out benchmarks/results/architectures.md]
+
+A cell names what the test asserts; "-" is a form no test builds for that architecture.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from mlx_flash.convert.gguf_archs import NOT_CONVERTED  # noqa: E402
+from mlx_flash.models.tiny import TINY_MOE_ARCHS  # noqa: E402
+from mlx_flash.tools.synthetic_gguf import GGUF_ARCHS  # noqa: E402
+
+import test_convert  # noqa: E402
+import test_gguf  # noqa: E402
+import test_gguf_moe_archs  # noqa: E402
+import test_moe  # noqa: E402
+import test_moe_architectures  # noqa: E402
+import test_tiny_models  # noqa: E402
+
+FORMS = ("Hugging Face (float)", "mlx-community 4-bit", "GGUF (llama.cpp)")
+
+
+def parametrised(test, name: str) -> list:
+    """The values a test function is parametrised with for argument `name`."""
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize" and mark.args[0] == name:
+            return list(mark.args[1])
+    raise LookupError(f"{test.__name__} is not parametrised over {name!r}")
+
+
+def kl_cells(path: Path) -> dict:
+    """model_type -> "KL a (F32 b)": moe_gguf_check's KL per token against llama-perplexity, on the GGUF as written
+    and on its F32 copy."""
+    if not path.is_file():
+        return {}
+    results = json.loads(path.read_text())
+
+    def kl(run):
+        x = next(r["kld"] for r in run["rows"] if "kld" in r)
+        return f"{x:.0e}" if x >= 1e-7 else "<1e-7"
+
+    f32 = results.get("runs_f32", {})
+    return {t: f"KL {kl(run)}" + (f" (F32 {kl(f32[t])})" if t in f32 else "") for t, run in results["runs"].items()}
+
+
+LEGEND = """
+What a cell asserts (the test module in parentheses):
+- *bit-exact*: every converted bundle holds the source's values, the resident model's logits within 1e-4 of
+  mlx-lm's (test_convert); *runs*: mlx-lm runs the tiny model (test_tiny_models).
+- *streamed = mlx-lm*: greedy tokens of the model streamed from flash (experts under a budget) = mlx-lm's on the same
+  weights; HF: a float directory with a tensor per expert (test_moe); 4-bit: at no budget, 25% and 50% of the experts
+  and below the resident floor, logits within 1e-4 (test_moe_architectures, and test_moe for the first six).
+- GGUF, `llama.cpp architecture`: dense: weights and tokens = the HF model's conversion (test_gguf); MoE: the
+  converted model = mlx-lm's on the GGUF's weights bit for bit, streamed (test_moe), or every weight = the GGUF's
+  values and streamed tokens = the cached model's (test_gguf_moe_archs); KL per token against llama-perplexity on the
+  same tokens, on the file as written and on its F32 copy (benchmarks/moe_gguf_check.py).
+- *refused*: conversion stops with one line saying why.
+"""
+
+
+def table(kl_path: Path) -> str:
+    rows = {}  # (kind, architecture) -> {form index: cell}
+
+    def cell(kind, arch, form, text):
+        rows.setdefault((kind, arch), {})[form] = text
+
+    hf, q4, gg = range(len(FORMS))
+    for arch in test_tiny_models.EXPECTED_ARCHS:
+        cell("dense", arch, hf, "bit-exact" if arch in test_convert.ARCHS else "runs")
+    for arch, gguf_arch, _ in test_gguf.GGUF_ARCHS.values():
+        cell("dense", arch, gg, f"`{gguf_arch}`: = HF")
+
+    kls = kl_cells(kl_path)
+    for arch in TINY_MOE_ARCHS:
+        cell("MoE", arch, hf, "streamed = mlx-lm")
+    for arch in [*TINY_MOE_ARCHS, *test_moe_architectures.ARCHS]:
+        cell("MoE", arch, q4, "streamed = mlx-lm")
+    for arch, (_, why) in test_moe_architectures.REFUSED.items():
+        cell("MoE", arch, q4, f"refused: {why.replace('|', '/')}")
+    gguf_moe = [*parametrised(test_moe.test_gguf_moe_as_llama_cpp_writes_it, "model_type"), *test_gguf_moe_archs.ARCHS]
+    for arch in gguf_moe:
+        cell("MoE", arch, gg, f"`{GGUF_ARCHS[arch]}`: streamed; {kls.get(arch, 'no KL measured')}")
+    for gguf_arch, (arch, _) in test_gguf_moe_archs.REFUSED.items():
+        why = NOT_CONVERTED.get(gguf_arch, "with exp_probs_b (llama.cpp chooses experts with it, mlx-lm drops it)")
+        done = rows.get(("MoE", arch), {}).get(gg)
+        cell("MoE", arch, gg, f"{done}; refused {why}" if done else f"`{gguf_arch}`: refused: {why}")
+
+    lines = ["| architecture | kind | " + " | ".join(FORMS) + " |", "|---|---|" + "---|" * len(FORMS)]
+    for kind, arch in sorted(rows, key=lambda k: (k[0] != "dense", k[1].lower())):
+        cells = rows[kind, arch]
+        lines.append(f"| {arch} | {kind} | " + " | ".join(cells.get(i, "-") for i in range(len(FORMS))) + " |")
+    return "\n".join(lines) + "\n" + LEGEND
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="The README's architecture table, from the tests' parametrisations.")
+    p.add_argument("--kl", default=str(ROOT / "benchmarks/results/moe_gguf_check.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/architectures.md"))
+    args = p.parse_args(argv)
+    text = table(Path(args.kl))
+    Path(args.out).write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
