@@ -1,0 +1,159 @@
+"""The flash manifest's schema (flash.json), checked when a directory opens, so that whatever reads a field later
+can rely on its type and on the layouts, layers and files agreeing: a bad field raises KeyError, TypeError or
+ValueError (FlashDir turns them into one FlashFormatError naming the file)."""
+
+from pathlib import Path
+from typing import Dict, List
+
+from ..compute.rows import matrix
+from .layout import BundleLayout, Region, is_count
+
+# The manifest's fields and their JSON types, checked at load so that what reads them later can rely on them
+# (optional ones: a tuple of the type and None)
+MANIFEST_TYPES = {
+    "architecture": str,
+    "ffn": dict,
+    "alignment": int,
+    "unit_alignment": (int, None),
+    "layouts": dict,
+    "layers": list,
+    "resident": {"bytes": int, "sha256": str, "symmetric": (dict, None)},
+    "unit_checksums": ({"file": str, "crc32": int}, None),
+    "sparsity": (dict, None),
+}
+FFN_TYPES = {  # dense, mixture of experts
+    False: {
+        "kind": str,
+        "activation": str,
+        "hidden_size": int,
+        "intermediate_size": int,
+        "matrices": dict,
+        "mlp_paths": [str],
+    },
+    True: {"kind": str, "n_experts": int, "switch_paths": dict, "quantization": dict, "experts_per_token": (int, None)},
+}
+# An expert's matrices (a SwitchGLU's, a SwitchMLP's): those reading the hidden state, the one writing it
+EXPERT_MATRICES = {
+    frozenset({"gate_proj", "up_proj", "down_proj"}): (("gate_proj", "up_proj"), "down_proj"),
+    frozenset({"fc1", "fc2"}): (("fc1",), "fc2"),
+}
+FFN_MATRICES = {"glu": ("gate", "up", "down"), "relu": ("fc1", "fc2")}  # what each kind of dense FFN computes with
+FFN_ACTIVATIONS = ("silu", "gelu_approx", "relu")
+MATRIX_TYPES = {"region": str, "transposed": (bool, None), "quantization": ({"bits": int, "group_size": int}, None)}
+
+
+def _check(obj: dict, types: dict, at: str = "") -> None:
+    """TypeError naming the first field of `obj` missing or not of its type in `types` (nested dicts checked too)."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"{at or 'the manifest'} is not an object")
+    for key, want in types.items():
+        optional = isinstance(want, tuple)
+        want = want[0] if optional else want
+        value = obj.get(key)
+        if value is None and optional:
+            continue
+        if key not in obj:
+            raise KeyError(f"{at}{key}")
+        if isinstance(want, dict):
+            _check(value, want, f"{at}{key}.")
+        elif isinstance(want, list):  # a list of values of one type
+            if type(value) is not list or any(type(v) is not want[0] for v in value):
+                raise TypeError(f"field {at}{key} is {value!r}, not a list of {want[0].__name__}")
+        elif type(value) is not want:  # (not isinstance: a bool is not an int here)
+            raise TypeError(f"field {at}{key} is {value!r}, not a {want.__name__}")
+
+
+def _regions_of(ffn: dict, layer: int) -> set:
+    """The regions a layer has: a dense FFN's matrices' in every layer; "experts" where a layer has experts."""
+    if ffn["kind"] == "moe":
+        return {"experts"} if str(layer) in ffn["switch_paths"] else set()
+    return {spec["region"] for spec in ffn["matrices"].values()}
+
+
+def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
+    """A dense FFN's matrices are each in a region whose layout holds rows of them as its quantisation says (what
+    the backends compute with: compute/rows.py raises ValueError); an expert's matrices are each as their
+    quantisation says."""
+    if ffn["kind"] == "moe":
+        if not all(type(v) is str for v in ffn["switch_paths"].values()):
+            raise TypeError("ffn.switch_paths must map layers to module paths")
+        layout = layouts.get("experts")
+        quant = ffn["quantization"]  # every matrix's, None where it is float
+        names = {c.name.rsplit(".", 1)[0] for c in layout.components} if layout else set()
+        if not names or set(quant) != names:
+            raise ValueError(f"ffn.quantization names {sorted(quant)}; the experts' layout has {sorted(names)}")
+        comps, shape = {c.name: c for c in layout.components}, {}
+        for name in names:
+            q, w = quant.get(name), comps.get(f"{name}.weight")
+            if q is not None:
+                _check(q, {"bits": int, "group_size": int}, f"ffn.quantization.{name}.")
+            if w is None or len(w.shape) != 2 or (q is not None) != (f"{name}.scales" in comps):
+                raise ValueError(f"expert matrix {name!r}: its components do not match its quantisation {q}")
+            shape[name] = (w.shape[0], w.shape[1] * 32 // q["bits"] if q else w.shape[1])  # (out, in) dequantised
+        first, last = EXPERT_MATRICES.get(frozenset(names), (None, None))
+        hidden = ffn.get("hidden_size", shape.get(first, (0, 0))[1])
+        if first is None or any(shape[n][1] != hidden for n in first) or shape[last][0] != hidden:
+            raise ValueError(f"expert matrices {shape} (out, in) do not compute an expert of {hidden} features")
+        if len({shape[n][0] for n in first} | {shape[last][1]}) != 1:
+            raise ValueError(f"expert matrices {shape} (out, in) disagree on the expert's width")
+        return
+    if ffn["activation"] not in FFN_ACTIVATIONS:
+        raise ValueError(f"ffn activation {ffn['activation']!r} is not one of {', '.join(FFN_ACTIVATIONS)}")
+    need = FFN_MATRICES.get(ffn["kind"])
+    if need is None or not set(need) <= set(ffn["matrices"]):
+        raise ValueError(f"ffn kind {ffn['kind']!r} with matrices {list(ffn['matrices'])}")
+    for name, spec in ffn["matrices"].items():
+        _check(spec, MATRIX_TYPES, f"ffn.matrices.{name}.")
+        if "quantization" not in spec:
+            raise KeyError(f"ffn.matrices.{name}.quantization")
+        if spec["region"] not in layouts:
+            raise ValueError(f"ffn matrix {name!r} is in a region {spec['region']!r} without a layout")
+        q, layout = spec["quantization"], layouts[spec["region"]]
+        if q and q.get("resident_scales"):  # the source's codes, their group scales resident
+            _check(q, {"bits": int}, f"ffn.matrices.{name}.quantization.")
+            n = layout.component(f"{name}.weight").shape[0] * 32 // q["bits"]
+        else:
+            n = matrix(layout, name, q).n
+        want = ffn["hidden_size"] if spec["region"] == "neurons" else ffn["intermediate_size"]  # a unit: a neuron
+        if n != want:  # (or, in the dip layout's "inputs", an input dimension)
+            raise ValueError(f"ffn matrix {name!r} has rows of {n} values, not {want}")
+
+
+def _region(layer: int, name: str, r: dict, layouts: Dict[str, BundleLayout]) -> Region:
+    """A manifest's region, its fields checked: counts where counts belong, the stride its layout's."""
+    if name not in layouts:
+        raise ValueError(f"layer {layer}: region {name!r} has no layout")
+    for field in ("offset", "n_units", "stride", "crc32"):
+        if not is_count(r[field]) or (field == "n_units" and r[field] == 0):
+            raise ValueError(f"layer {layer} region {name}: {field} {r[field]!r} is not a valid count")
+    if r["stride"] != layouts[name].disk_stride:
+        raise ValueError(f"layer {layer} region {name}: stride differs from its layout")
+    return Region(layer, name, r["offset"], r["n_units"], r["stride"], r["crc32"])
+
+
+def _named_files(manifest: dict) -> List[str]:
+    """The file names a manifest gives (each must name a file inside the directory)."""
+    named = [manifest.get("unit_checksums"), (manifest.get("sparsity") or {}).get("predictor")]
+    return [d["file"] for d in named if d is not None]
+
+
+def check_types(m: dict) -> None:
+    """Every field a reader relies on is there, of its JSON type."""
+    _check(m, MANIFEST_TYPES)
+    _check(m["ffn"], FFN_TYPES[m["ffn"].get("kind") == "moe"])
+    for name in _named_files(m):
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"{name!r} names a file outside the model directory")
+
+
+def read_layers(m: dict, layouts: Dict[str, BundleLayout]) -> List[Dict[str, Region]]:
+    """The layers' regions, numbered in order, each layer with the regions its kind of FFN has."""
+    layers = [
+        {name: _region(i, name, r, layouts) for name, r in l["regions"].items()} for i, l in enumerate(m["layers"])
+    ]
+    if [l["index"] for l in m["layers"]] != list(range(len(layers))):
+        raise ValueError("layers are not numbered 0, 1, 2, ... in order")
+    for i, regions in enumerate(layers):
+        if set(regions) != _regions_of(m["ffn"], i):
+            raise ValueError(f"layer {i} has regions {sorted(regions)}, not {sorted(_regions_of(m['ffn'], i))}")
+    return layers
