@@ -51,8 +51,10 @@ Mistral, which llama.cpp also calls "llama"), mistral, qwen2, qwen3, phi3
 gemma3_text, with llama.cpp's fixed defaults for what the GGUF leaves out:
 sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
 Mixture of experts (stacked ffn_*_exps, router ffn_gate_inp): qwen3moe, qwen2moe (shared expert *_shexp),
-olmoe, Mixtral (llama.cpp's "llama" with an expert_count), gpt-oss (MXFP4 experts kept as MLX mxfp4) and
-deepseek2 (-> deepseek_v3: MLA in llama.cpp's k_b / v_b form, dense leading layers, shared experts).
+olmoe, Mixtral (llama.cpp's "llama" with an expert_count), gpt-oss (MXFP4 experts kept as MLX mxfp4),
+deepseek2 (-> deepseek_v3: MLA in llama.cpp's k_b / v_b form, dense leading layers, shared experts), glm4moe (its
+MTP block, nextn, left out), dots1, minimax-m2 (-> minimax), granitemoe, ernie4_5-moe (without exp_probs_b) and
+llama4. gguf_archs.NOT_CONVERTED names the architectures refused and why.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or mixtral,
-qwen2_moe, olmoe, gpt_oss, deepseek_v3 by model_type=, see tiny_moe), random Q4_0 weights.
+"""Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or any other of MOE_TYPES by
+model_type=, see tiny_moe), random Q4_0 weights, the tensor names and metadata of llama.cpp's converter.
 
     python -m mlx_flash.tools.synthetic_gguf --preset llama-7b --out FILE
 
