@@ -80,7 +80,7 @@ class Plan:
     def prefill_step(self, config: dict, context: int) -> int:
         """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size)."""
         config = config.get("text_config", config)  # a multimodal wrapper's language model
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        _, hidden, heads = attention_shape(config)
         n = config.get("intermediate_size") or config.get("ffn_dim") or 4 * hidden
         per_token = 4 * (4 * hidden + 3 * n + heads * context)  # float32: residual, q/k/v/o, FFN, attention scores
         return max(16, min(2048, self.workspace // per_token))
@@ -175,17 +175,32 @@ def longest_context(config: dict, budget: Optional[int], minimum: Callable[[int]
     return lo
 
 
-def head_dim(config: dict) -> int:
+def _first(config: dict, *keys):
+    """The first of `keys` a config has (architectures name the same size differently)."""
+    return next(config[k] for k in keys if config.get(k))
+
+
+def attention_shape(config: dict) -> tuple:
+    """(layers, hidden size, attention heads) of a config, as mlx-lm's model args name them too (phixtral's
+    num_layers, model_dim, num_heads)."""
     config = config.get("text_config", config)  # a multimodal wrapper's language model
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return (
+        _first(config, "num_hidden_layers", "num_layers", "n_layer"),
+        _first(config, "hidden_size", "model_dim", "n_embd"),
+        _first(config, "num_attention_heads", "num_heads", "n_head"),
+    )
+
+
+def head_dim(config: dict) -> int:
+    _, hidden, heads = attention_shape(config)
+    return config.get("text_config", config).get("head_dim") or hidden // heads
 
 
 def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2, bits: int = None, group_size: int = 64) -> int:
     """Keys and values for `context` tokens. With `bits` (mlx-lm's QuantizedKVCache) each head's vector
     is `bits`-bit codes plus a scale and a bias (in the activations' dtype) per `group_size` elements."""
-    config = config.get("text_config", config)  # a multimodal wrapper's language model
-    layers = config.get("num_hidden_layers") or config["num_layers"]
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    layers, _, heads = attention_shape(config)
+    heads = config.get("text_config", config).get("num_key_value_heads") or heads
     dim = head_dim(config)
     per_vector = dim * dtype_size if bits is None else dim * bits // 8 + 2 * (dim // group_size) * dtype_size
     return 2 * layers * heads * per_vector * kv_tokens(context)

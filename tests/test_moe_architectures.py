@@ -240,8 +240,6 @@ REFUSED = {
 # mlx-lm's model itself moves its last logits by 1e-3 when its inputs move by 1e-6 (relative): compared through
 # MLX's ops (the same arithmetic, bit for bit), as the native kernels' float rounding differs from MLX's
 ROUNDING_SENSITIVE = {"deepseek_v41"}
-# configs budget.py cannot read the KV cache's shape from (mlx-lm's own field names: model_dim, num_heads, num_layers)
-KV_SHAPE_UNREAD = {"phixtral"}
 
 
 def published(arch: str, config: dict) -> dict:
@@ -285,8 +283,6 @@ def budgets(fd):
 
 def test_streams_as_mlx_lm(converted, float_activations, monkeypatch):
     arch, src_dir, flash_dir = converted
-    if arch in KV_SHAPE_UNREAD:
-        pytest.xfail("budget.kv_cache_bytes reads hidden_size / num_attention_heads / num_hidden_layers")
     if arch in ROUNDING_SENSITIVE:
         monkeypatch.setattr(cpu_gemv, "enabled", False)
     ref, _ = load_source_model(src_dir, lazy=False)  # mlx-lm's model of the same directory
