@@ -309,6 +309,8 @@ def test_a_signal_mid_way_removes_the_temporary_directory(tiny, tmp_path, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default: a test run started in the background (as CI may be) ignores SIGINT, and its children too
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not ready.exists():
