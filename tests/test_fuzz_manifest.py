@@ -52,7 +52,7 @@ def test_the_unmutated_directory_opens(flash_dir):
     FlashDir(flash_dir).verify()
 
 
-@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_manifests_open_or_raise_a_typed_error(flash_dir, data):
     manifest = json.loads((flash_dir / MANIFEST).read_text())

@@ -156,4 +156,15 @@ def read_layers(m: dict, layouts: Dict[str, BundleLayout]) -> List[Dict[str, Reg
     for i, regions in enumerate(layers):
         if set(regions) != _regions_of(m["ffn"], i):
             raise ValueError(f"layer {i} has regions {sorted(regions)}, not {sorted(_regions_of(m['ffn'], i))}")
+        for name, r in regions.items():
+            if r.n_units != _units_of(m["ffn"], name):
+                raise ValueError(f"layer {i} region {name}: {r.n_units} units, not {_units_of(m['ffn'], name)}")
     return layers
+
+
+def _units_of(ffn: dict, region: str) -> int:
+    """A region's units: an MoE layer's experts, a dense layer's neurons (or, in the dip layout's "inputs", its
+    input dimensions)."""
+    if ffn["kind"] == "moe":
+        return ffn["n_experts"]
+    return ffn["intermediate_size"] if region == "neurons" else ffn["hidden_size"]
