@@ -310,6 +310,22 @@ def test_streams_as_mlx_lm(converted, float_activations, monkeypatch):
             engine.close()
 
 
+def test_the_default_mode_gives_the_same_tokens_at_every_budget(converted):
+    """int8 activations (the CPU's default): the tokens and logits with every expert cached, whatever the budget."""
+    arch, _, flash_dir = converted
+    want_tokens = want_logits = None
+    for name, budget in budgets(FlashDir(flash_dir)).items():
+        model, _ = load(flash_dir, memory_budget=budget, context=CONTEXT, prefetch="read ahead" in name)
+        try:
+            tokens, logits = greedy(model), model(PROMPT[None])
+        finally:
+            model.flash.close()
+        if want_tokens is None:
+            want_tokens, want_logits = tokens, logits
+        assert tokens == want_tokens, name
+        assert mx.array_equal(logits, want_logits), name
+
+
 def test_flash_generate_loop_on_a_wrapper(tmp_path, float_activations):
     """A multimodal wrapper (its `model` a read-only property) through mlx_flash's own loop, against mlx-lm's."""
     src = make_tiny_quantized_dir(published("qwen3_5_moe", ARCHS["qwen3_5_moe"]), tmp_path / "src")
