@@ -79,9 +79,8 @@ class Plan:
 
     def prefill_step(self, config: dict, context: int) -> int:
         """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size)."""
-        config = config.get("text_config", config)  # a multimodal wrapper's language model
         _, hidden, heads = attention_shape(config)
-        n = config.get("intermediate_size") or config.get("ffn_dim") or 4 * hidden
+        n = first_of(config, ("intermediate_size", "ffn_dim")) or 4 * hidden
         per_token = 4 * (4 * hidden + 3 * n + heads * context)  # float32: residual, q/k/v/o, FFN, attention scores
         return max(16, min(2048, self.workspace // per_token))
 
@@ -167,40 +166,46 @@ def longest_context(config: dict, budget: Optional[int], minimum: Callable[[int]
     most = config.get("max_position_embeddings") or 4096
     if budget is None:
         return most
-    room = (budget - minimum(1)) // 2
+    floor = minimum(1)
+    room = (budget - floor) // 2
     lo, hi = 1, most  # minimum() grows with the context: the largest that fits, by bisection
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if minimum(mid) - minimum(1) <= room else (lo, mid - 1)
+        lo, hi = (mid, hi) if minimum(mid) - floor <= room else (lo, mid - 1)
     return lo
 
 
-def _first(config: dict, *keys):
-    """The first of `keys` a config has (architectures name the same size differently)."""
-    return next(config[k] for k in keys if config.get(k))
+# the names configs give the attention's sizes (Hugging Face's; mlx-lm's model args, e.g. phixtral's; GPT-2 style)
+LAYERS = ("num_hidden_layers", "num_layers", "n_layer")
+HIDDEN = ("hidden_size", "model_dim", "n_embd")
+HEADS = ("num_attention_heads", "num_heads", "n_head")
+
+
+def first_of(config: dict, keys: tuple):
+    """The first of `keys` a config has, a multimodal wrapper's language model's (text_config) if it has one;
+    None if it has none of them."""
+    config = config.get("text_config", config)
+    return next((config[k] for k in keys if config.get(k)), None)
 
 
 def attention_shape(config: dict) -> tuple:
-    """(layers, hidden size, attention heads) of a config, as mlx-lm's model args name them too (phixtral's
-    num_layers, model_dim, num_heads)."""
-    config = config.get("text_config", config)  # a multimodal wrapper's language model
-    return (
-        _first(config, "num_hidden_layers", "num_layers", "n_layer"),
-        _first(config, "hidden_size", "model_dim", "n_embd"),
-        _first(config, "num_attention_heads", "num_heads", "n_head"),
-    )
+    """(layers, hidden size, attention heads) of a config; KeyError naming what it lacks."""
+    shape = tuple(first_of(config, keys) for keys in (LAYERS, HIDDEN, HEADS))
+    if None in shape:
+        raise KeyError(f"the config gives none of {', '.join((LAYERS, HIDDEN, HEADS)[shape.index(None)])}")
+    return shape
 
 
 def head_dim(config: dict) -> int:
     _, hidden, heads = attention_shape(config)
-    return config.get("text_config", config).get("head_dim") or hidden // heads
+    return first_of(config, ("head_dim",)) or hidden // heads
 
 
 def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2, bits: int = None, group_size: int = 64) -> int:
     """Keys and values for `context` tokens. With `bits` (mlx-lm's QuantizedKVCache) each head's vector
     is `bits`-bit codes plus a scale and a bias (in the activations' dtype) per `group_size` elements."""
     layers, _, heads = attention_shape(config)
-    heads = config.get("text_config", config).get("num_key_value_heads") or heads
+    heads = first_of(config, ("num_key_value_heads",)) or heads
     dim = head_dim(config)
     per_vector = dim * dtype_size if bits is None else dim * bits // 8 + 2 * (dim // group_size) * dtype_size
     return 2 * layers * heads * per_vector * kv_tokens(context)
@@ -218,7 +223,7 @@ def fixed_bytes(
 ) -> dict:
     """The parts of the budget that do not depend on it: resident, KV cache, prompt cache, scratch, workspace."""
     # a dense layer's rows; an MoE token's experts (more than that stream through it in turns)
-    per_pass = fd.ffn.get("experts_per_token") or fd.config.get("num_experts_per_tok")  # (config: older MoE dirs)
+    per_pass = fd.experts_per_token
     scratch = min(
         SCRATCH_BYTES, max(min(r.n_units, per_pass or r.n_units) * fd.layouts[r.name].stride for r in fd.regions())
     )

@@ -519,7 +519,7 @@ def _load_moe(
     to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft;
     and the read-ahead's staging buffers)."""
     cast = cpu_cast if dtype == mx.float32 else None
-    top_k = int(fd.ffn.get("experts_per_token") or fd.config.get("num_experts_per_tok") or 0)
+    top_k = int(fd.experts_per_token or 0)
     read_ahead = read_ahead and top_k > 0
     if read_ahead:
         extra += ExpertEngine.read_ahead_bytes(fd, top_k)

@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from ..budget import LAYERS, first_of
 from ..compute.cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
 from ..engine.checks import crc32_at
 from ..engine.reader import open_reader
@@ -160,8 +161,7 @@ class FlashDir:
 
     def _check_layer_count(self):
         """As many layers as the model has: a manifest cut short would leave layers without weights."""
-        c = self.config.get("text_config", self.config)
-        want = c.get("num_hidden_layers") or c.get("num_layers") or c.get("n_layer")
+        want = first_of(self.config, LAYERS)
         paths = self.ffn.get("mlp_paths")
         for n, what in ((want, "the config's"), (len(paths) if paths else None, "the FFN paths'")):
             if n is not None and n != len(self.layers):
@@ -213,6 +213,14 @@ class FlashDir:
     def ffn(self) -> dict:
         """FFN description: kind, activation, layout, per-matrix quantisation (see architectures.py)."""
         return self.manifest["ffn"]
+
+    @property
+    def experts_per_token(self) -> Optional[int]:
+        """An MoE model's experts a token (recorded by convert; the config's num_experts_per_tok for directories
+        converted before), None for a dense model."""
+        if self.ffn.get("kind") != "moe":
+            return None
+        return self.ffn.get("experts_per_token") or self.config.get("num_experts_per_tok")
 
     @property
     def resident_bytes(self) -> int:
