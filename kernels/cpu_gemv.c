@@ -1518,33 +1518,43 @@ static void rope(float *v, int dims, const float *inv_freq, float pos, int tradi
     }
 }
 
+/* One sequence's share of a pass: rows start..start+m-1 of x, at positions pos.. of its own cache */
+typedef struct {
+    float *kc, *vc;
+    Py_ssize_t pos, cap;
+    int start, m;
+} Segment;
+
 typedef struct {
     float *x, *h;
     const float *norm1, *norm2, *inv_freq, *q_norm, *k_norm; /* q_norm, k_norm: NULL, or per head [head_dim] */
-    float *kc, *vc;
     const Rows *q, *k, *v, *o;
+    const Segment *seg;
+    const int *seg_of; /* the segment of each row */
     float eps, scale, rope_scale, qk_eps;
-    Py_ssize_t pos, cap;
-    int m, d, n_heads, n_kv, hd, rope_dims, traditional;
+    Py_ssize_t keys; /* the most keys a row attends to */
+    int m, d, n_heads, n_kv, hd, rope_dims, traditional, n_seg;
 } Block;
 
 /* scratch: attention_scratch() floats */
 static size_t attention_scratch(const Block *B, int threads) {
     const size_t m = B->m, d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv;
-    return m * (3 * d + 2 * nh * hd + 2 * nkv * hd) + (size_t)threads * (B->pos + m);
+    return m * (3 * d + 2 * nh * hd + 2 * nkv * hd) + (size_t)threads * B->keys;
 }
 
 static void attention_impl(const Block *B, float *scratch, int threads) {
     const int d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv, group = B->n_heads / B->n_kv, m = B->m;
-    const Py_ssize_t T = B->pos + m; /* the last position's keys */
     float *hn = scratch, *q = hn + (size_t)m * d, *k = q + (size_t)m * nh * hd, *v = k + (size_t)m * nkv * hd,
-          *att = v + (size_t)m * nkv * hd, *o = att + (size_t)m * nh * hd, *scores = o + (size_t)m * d; /* T per thread */
+          *att = v + (size_t)m * nkv * hd, *o = att + (size_t)m * nh * hd, *scores = o + (size_t)m * d; /* keys per thread */
     for (int p = 0; p < m; p++) rms_norm(B->x + (size_t)p * d, B->norm1, B->eps, d, hn + (size_t)p * d);
+    /* every matrix's rows read once for all rows, whichever sequence they belong to */
     row_dot_impl(B->q, hn, q, m);
     row_dot_impl(B->k, hn, k, m);
     row_dot_impl(B->v, hn, v, m);
     for (int p = 0; p < m; p++) {
-        const float at = (float)(B->pos + p) * B->rope_scale;
+        const Segment *S = &B->seg[B->seg_of[p]];
+        const Py_ssize_t t = S->pos + (p - S->start);
+        const float at = (float)t * B->rope_scale;
         for (int h = 0; h < nh; h++) {
             float *qh = q + ((size_t)p * nh + h) * hd;
             if (B->q_norm) rms_norm(qh, B->q_norm, B->qk_eps, hd, qh);
@@ -1554,8 +1564,8 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
             float *kh = k + ((size_t)p * nkv + h) * hd;
             if (B->k_norm) rms_norm(kh, B->k_norm, B->qk_eps, hd, kh);
             rope(kh, B->rope_dims, B->inv_freq, at, B->traditional);
-            memcpy(B->kc + (h * B->cap + B->pos + p) * hd, kh, sizeof(float) * (size_t)hd);
-            memcpy(B->vc + (h * B->cap + B->pos + p) * hd, v + ((size_t)p * nkv + h) * hd, sizeof(float) * (size_t)hd);
+            memcpy(S->kc + (h * S->cap + t) * hd, kh, sizeof(float) * (size_t)hd);
+            memcpy(S->vc + (h * S->cap + t) * hd, v + ((size_t)p * nkv + h) * hd, sizeof(float) * (size_t)hd);
         }
     }
     (void)threads;
@@ -1566,10 +1576,11 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
 #ifdef _OPENMP
         t_id = omp_get_thread_num();
 #endif
-        const Py_ssize_t n_keys = B->pos + p + 1;
-        const float *qh = q + (size_t)ph * hd, *K = B->kc + (Py_ssize_t)(h / group) * B->cap * hd,
-                    *V = B->vc + (Py_ssize_t)(h / group) * B->cap * hd;
-        float *sc = scores + (size_t)t_id * T, *out = att + (size_t)ph * hd, mx = -INFINITY, sum = 0.0f;
+        const Segment *S = &B->seg[B->seg_of[p]];
+        const Py_ssize_t n_keys = S->pos + (p - S->start) + 1;
+        const float *qh = q + (size_t)ph * hd, *K = S->kc + (Py_ssize_t)(h / group) * S->cap * hd,
+                    *V = S->vc + (Py_ssize_t)(h / group) * S->cap * hd;
+        float *sc = scores + (size_t)t_id * B->keys, *out = att + (size_t)ph * hd, mx = -INFINITY, sum = 0.0f;
         for (Py_ssize_t t = 0; t < n_keys; t++) {
             float dot = 0.0f;
             for (int i = 0; i < hd; i++) dot += qh[i] * K[t * hd + i];
@@ -1600,31 +1611,17 @@ static const Rows *linear_rows(PyObject *capsule, const char *what) {
     return L ? &L->r : NULL;
 }
 
-/* attention(x, h, norm1, norm2, eps, q, k, v, o, kc, vc, pos, cap, n_heads, n_kv, head_dim, inv_freq, traditional,
-             rope_scale, scale, q_norm=None, k_norm=None, qk_eps=0): x (float32 [m, d]: positions pos..pos+m-1) +=
-             the block's output, h = the FFN's input; kc, vc float32 [n_kv, cap, head_dim] get those positions.
-             inv_freq: float32 [rope_dims / 2]; RoPE at position t * rope_scale. q_norm, k_norm (float32 [head_dim]):
-             each head of q and k RMS-normed before RoPE (Qwen3). */
-static PyObject *py_attention(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *x, *h, *n1, *n2, *caps[4], *kc, *vc, *inv, *qn = Py_None, *kn = Py_None;
-    Block blk;
-    memset(&blk, 0, sizeof(blk));
-    if (!PyArg_ParseTuple(args, "OOOOfOOOOOOnniiiOpff|OOf", &x, &h, &n1, &n2, &blk.eps, &caps[0], &caps[1], &caps[2],
-                          &caps[3], &kc, &vc, &blk.pos, &blk.cap, &blk.n_heads, &blk.n_kv, &blk.hd, &inv,
-                          &blk.traditional, &blk.rope_scale, &blk.scale, &qn, &kn, &blk.qk_eps))
-        return NULL;
-    const Rows **lin[4] = {&blk.q, &blk.k, &blk.v, &blk.o};
-    const char *names[4] = {"q", "k", "v", "o"};
-    for (int i = 0; i < 4; i++)
-        if ((*lin[i] = linear_rows(caps[i], names[i])) == NULL) return NULL;
+/* The block of `blk` (its linears, scalars and segments' positions set) over buffers x, h, norms and each segment's
+   keys and values (caches[2 s], caches[2 s + 1], held by the caller); checks the shapes and runs it. */
+static PyObject *run_attention(Block *blk, Segment *seg, Py_buffer *caches, PyObject *x, PyObject *h, PyObject *n1,
+                               PyObject *n2, PyObject *inv, PyObject *qn, PyObject *kn) {
     Buffers Bf;
     memset(&Bf, 0, sizeof(Bf));
     Py_buffer extra[3];
     int held = 0; /* extra[0..held) are held: inv_freq, q_norm, k_norm */
+    int *seg_of = NULL;
     PyObject *result = NULL;
-    if (get(&Bf, 0, x, 1, "x") || get(&Bf, 1, h, 1, "h") || get(&Bf, 2, n1, 0, "norm1") || get(&Bf, 3, n2, 0, "norm2") ||
-        get(&Bf, 4, kc, 1, "keys") || get(&Bf, 5, vc, 1, "values"))
+    if (get(&Bf, 0, x, 1, "x") || get(&Bf, 1, h, 1, "h") || get(&Bf, 2, n1, 0, "norm1") || get(&Bf, 3, n2, 0, "norm2"))
         goto done;
     if (PyObject_GetBuffer(inv, &extra[0], PyBUF_C_CONTIGUOUS) != 0) goto done;
     held = 1;
@@ -1637,50 +1634,170 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         held = 2;
         if (PyObject_GetBuffer(kn, &extra[2], PyBUF_C_CONTIGUOUS) != 0) goto done;
         held = 3;
-        if (extra[1].len != blk.hd * 4 || extra[2].len != blk.hd * 4) {
+        if (extra[1].len != blk->hd * 4 || extra[2].len != blk->hd * 4) {
             PyErr_SetString(PyExc_ValueError, "attention: q_norm and k_norm must be float32 [head_dim]");
             goto done;
         }
-        blk.q_norm = extra[1].buf;
-        blk.k_norm = extra[2].buf;
+        blk->q_norm = extra[1].buf;
+        blk->k_norm = extra[2].buf;
     }
-    const int d = blk.q ? blk.q->n : 0, nh = blk.n_heads, nkv = blk.n_kv, hd = blk.hd;
-    blk.d = d;
-    blk.m = d > 0 ? (int)(Bf.views[0].len / (4 * d)) : 0;
-    blk.rope_dims = (int)(2 * (extra[0].len / 4));
-    const Py_ssize_t cache_len = (Py_ssize_t)nkv * blk.cap * hd * 4;
-    if (nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || blk.m < 1 || Bf.views[0].len != (Py_ssize_t)blk.m * d * 4 ||
-        blk.pos < 0 || blk.pos + blk.m > blk.cap || blk.rope_dims > hd || Bf.views[1].len != Bf.views[0].len ||
-        Bf.views[2].len != d * 4 || Bf.views[3].len != d * 4 ||
-        Bf.views[4].len < cache_len || Bf.views[5].len < cache_len || blk.q->n != d || blk.q->k != nh * hd ||
-        blk.k->n != d || blk.k->k != nkv * hd || blk.v->n != d || blk.v->k != nkv * hd || blk.o->n != nh * hd ||
-        blk.o->k != d) {
+    const int d = blk->q ? blk->q->n : 0, nh = blk->n_heads, nkv = blk->n_kv, hd = blk->hd;
+    blk->d = d;
+    blk->m = d > 0 ? (int)(Bf.views[0].len / (4 * d)) : 0;
+    blk->rope_dims = (int)(2 * (extra[0].len / 4));
+    int rows = 0, fits = 1;
+    blk->keys = 0;
+    for (int s = 0; s < blk->n_seg; s++) {
+        const Py_ssize_t cache_len = (Py_ssize_t)nkv * seg[s].cap * hd * 4;
+        seg[s].start = rows;
+        rows += seg[s].m;
+        fits = fits && seg[s].m >= 1 && seg[s].pos >= 0 && seg[s].pos + seg[s].m <= seg[s].cap &&
+               caches[2 * s].len >= cache_len && caches[2 * s + 1].len >= cache_len;
+        seg[s].kc = caches[2 * s].buf;
+        seg[s].vc = caches[2 * s + 1].buf;
+        if (seg[s].pos + seg[s].m > blk->keys) blk->keys = seg[s].pos + seg[s].m;
+    }
+    if (nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || blk->m < 1 || !fits || rows != blk->m ||
+        Bf.views[0].len != (Py_ssize_t)blk->m * d * 4 || blk->rope_dims > hd || Bf.views[1].len != Bf.views[0].len ||
+        Bf.views[2].len != d * 4 || Bf.views[3].len != d * 4 || blk->q->n != d || blk->q->k != nh * hd ||
+        blk->k->n != d || blk->k->k != nkv * hd || blk->v->n != d || blk->v->k != nkv * hd || blk->o->n != nh * hd ||
+        blk->o->k != d) {
         PyErr_Format(PyExc_ValueError,
-                     "attention: shapes disagree (d=%d, %d positions, heads %d/%d x %d, pos %zd of %zd, rope dims %d)", d,
-                     blk.m, nh, nkv, hd, blk.pos, blk.cap, blk.rope_dims);
+                     "attention: shapes disagree (d=%d, %d positions in %d sequences, heads %d/%d x %d, pos %zd of "
+                     "%zd, rope dims %d)",
+                     d, blk->m, blk->n_seg, nh, nkv, hd, seg[0].pos, seg[0].cap, blk->rope_dims);
         goto done;
     }
-    blk.x = Bf.views[0].buf;
-    blk.h = Bf.views[1].buf;
-    blk.norm1 = Bf.views[2].buf;
-    blk.norm2 = Bf.views[3].buf;
-    blk.kc = Bf.views[4].buf;
-    blk.vc = Bf.views[5].buf;
-    blk.inv_freq = extra[0].buf;
+    seg_of = PyMem_RawMalloc(sizeof(int) * (size_t)blk->m);
+    if (seg_of == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int s = 0; s < blk->n_seg; s++)
+        for (int p = 0; p < seg[s].m; p++) seg_of[seg[s].start + p] = s;
+    blk->seg = seg;
+    blk->seg_of = seg_of;
+    blk->x = Bf.views[0].buf;
+    blk->h = Bf.views[1].buf;
+    blk->norm1 = Bf.views[2].buf;
+    blk->norm2 = Bf.views[3].buf;
+    blk->inv_freq = extra[0].buf;
     /* (p, head) pairs worth two threads */
-    const int threads = (Py_ssize_t)blk.m * nh * (blk.pos + blk.m) * hd >= MIN_WORK_PER_THREAD ? 2 : 1;
-    float *scratch = PyMem_RawMalloc(sizeof(float) * attention_scratch(&blk, threads));
+    const int threads = (Py_ssize_t)blk->m * nh * blk->keys * hd >= MIN_WORK_PER_THREAD ? 2 : 1;
+    float *scratch = PyMem_RawMalloc(sizeof(float) * attention_scratch(blk, threads));
     if (scratch == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS attention_impl(&blk, scratch, threads);
+    Py_BEGIN_ALLOW_THREADS attention_impl(blk, scratch, threads);
     Py_END_ALLOW_THREADS PyMem_RawFree(scratch);
     result = Py_None;
     Py_INCREF(result);
 done:
+    PyMem_RawFree(seg_of);
     for (int i = 0; i < held; i++) PyBuffer_Release(&extra[i]);
     release(&Bf);
+    return result;
+}
+
+static int block_linears(Block *blk, PyObject **caps) {
+    const Rows **lin[4] = {&blk->q, &blk->k, &blk->v, &blk->o};
+    const char *names[4] = {"q", "k", "v", "o"};
+    for (int i = 0; i < 4; i++)
+        if ((*lin[i] = linear_rows(caps[i], names[i])) == NULL) return -1;
+    return 0;
+}
+
+static int get_cache(Py_buffer *view, PyObject *obj, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Format(PyExc_TypeError, "attention: %s must be a writable contiguous buffer", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* attention(x, h, norm1, norm2, eps, q, k, v, o, kc, vc, pos, cap, n_heads, n_kv, head_dim, inv_freq, traditional,
+             rope_scale, scale, q_norm=None, k_norm=None, qk_eps=0): x (float32 [m, d]: positions pos..pos+m-1) +=
+             the block's output, h = the FFN's input; kc, vc float32 [n_kv, cap, head_dim] get those positions.
+             inv_freq: float32 [rope_dims / 2]; RoPE at position t * rope_scale. q_norm, k_norm (float32 [head_dim]):
+             each head of q and k RMS-normed before RoPE (Qwen3). */
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *x, *h, *n1, *n2, *caps[4], *kc, *vc, *inv, *qn = Py_None, *kn = Py_None;
+    Block blk;
+    Segment seg;
+    memset(&blk, 0, sizeof(blk));
+    memset(&seg, 0, sizeof(seg));
+    if (!PyArg_ParseTuple(args, "OOOOfOOOOOOnniiiOpff|OOf", &x, &h, &n1, &n2, &blk.eps, &caps[0], &caps[1], &caps[2],
+                          &caps[3], &kc, &vc, &seg.pos, &seg.cap, &blk.n_heads, &blk.n_kv, &blk.hd, &inv,
+                          &blk.traditional, &blk.rope_scale, &blk.scale, &qn, &kn, &blk.qk_eps) ||
+        block_linears(&blk, caps))
+        return NULL;
+    Py_buffer caches[2];
+    if (get_cache(&caches[0], kc, "keys")) return NULL;
+    if (get_cache(&caches[1], vc, "values")) {
+        PyBuffer_Release(&caches[0]);
+        return NULL;
+    }
+    blk.n_seg = 1;
+    Py_buffer xv;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(x, &xv, PyBUF_SIMPLE) == 0) {
+        seg.m = blk.q->n > 0 ? (int)(xv.len / (4 * blk.q->n)) : 0;
+        PyBuffer_Release(&xv);
+        result = run_attention(&blk, &seg, caches, x, h, n1, n2, inv, qn, kn);
+    }
+    PyBuffer_Release(&caches[0]);
+    PyBuffer_Release(&caches[1]);
+    return result;
+}
+
+/* attention_batch(x, h, norm1, norm2, eps, q, k, v, o, segments, n_heads, n_kv, head_dim, inv_freq, traditional,
+                   rope_scale, scale, q_norm=None, k_norm=None, qk_eps=0): attention() over several sequences at once,
+                   segments [(kc, vc, pos, cap, m), ...] in x's row order: each sequence's m rows at its positions
+                   pos.. of its own cache; the projections' rows read once for all. */
+static PyObject *py_attention_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *x, *h, *n1, *n2, *caps[4], *segs, *inv, *qn = Py_None, *kn = Py_None;
+    Block blk;
+    memset(&blk, 0, sizeof(blk));
+    if (!PyArg_ParseTuple(args, "OOOOfOOOOOiiiOpff|OOf", &x, &h, &n1, &n2, &blk.eps, &caps[0], &caps[1], &caps[2],
+                          &caps[3], &segs, &blk.n_heads, &blk.n_kv, &blk.hd, &inv, &blk.traditional, &blk.rope_scale,
+                          &blk.scale, &qn, &kn, &blk.qk_eps) ||
+        block_linears(&blk, caps))
+        return NULL;
+    PyObject *list = PySequence_Fast(segs, "attention_batch: segments must be a sequence");
+    if (list == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(list);
+    Segment *seg = PyMem_Calloc(n > 0 ? n : 1, sizeof(Segment));
+    Py_buffer *caches = PyMem_Calloc(n > 0 ? 2 * n : 1, sizeof(Py_buffer));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0; /* caches[0..got) are held */
+    if (seg == NULL || caches == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (n < 1) {
+        PyErr_SetString(PyExc_ValueError, "attention_batch: no segments");
+        goto done;
+    }
+    for (Py_ssize_t s = 0; s < n; s++) {
+        PyObject *kc, *vc;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(list, s), "OOnni", &kc, &vc, &seg[s].pos, &seg[s].cap,
+                              &seg[s].m))
+            goto done;
+        if (get_cache(&caches[got], kc, "keys")) goto done;
+        got++;
+        if (get_cache(&caches[got], vc, "values")) goto done;
+        got++;
+    }
+    blk.n_seg = (int)n;
+    result = run_attention(&blk, seg, caches, x, h, n1, n2, inv, qn, kn);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&caches[i]);
+    PyMem_Free(caches);
+    PyMem_Free(seg);
+    Py_DECREF(list);
     return result;
 }
 
@@ -1761,6 +1878,10 @@ static PyMethodDef methods[] = {
      "attention(x, h, norm1, norm2, eps, q, k, v, o, keys, values, pos, cap, n_heads, n_kv, head_dim, inv_freq, "
      "traditional, rope_scale, scale): one llama attention block of m positions pos.. in place (x [m, d] += "
      "block(x), causal; h = the FFN's input; keys/values [n_kv, cap, head_dim] get those positions)"},
+    {"attention_batch", py_attention_batch, METH_VARARGS,
+     "attention_batch(x, h, norm1, norm2, eps, q, k, v, o, segments, n_heads, n_kv, head_dim, inv_freq, traditional, "
+     "rope_scale, scale): attention() of several sequences in one pass, segments [(keys, values, pos, cap, m), ...] "
+     "in x's row order"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(g, u): g = silu(g) * u in place (float32)"},
     {"set_int8", py_set_int8, METH_O,
      "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},

@@ -220,8 +220,10 @@ def fixed_bytes(
     kv_bits: int = None,
     kv_group_size: int = 64,
     prompt_caches: int = 0,
+    sequences: int = 1,
 ) -> dict:
-    """The parts of the budget that do not depend on it: resident, KV cache, prompt cache, scratch, workspace."""
+    """The parts of the budget that do not depend on it: resident, KV cache (of `sequences` decoded together),
+    prompt cache, scratch, workspace."""
     # a dense layer's rows; an MoE token's experts (more than that stream through it in turns)
     per_pass = fd.experts_per_token
     scratch = min(
@@ -232,7 +234,7 @@ def fixed_bytes(
     kv = kv_cache_bytes(fd.config, context, dtype_size, kv_bits, kv_group_size)
     return {
         "resident": fd.resident_bytes if resident is None else resident,
-        "kv_cache": kv,
+        "kv_cache": sequences * kv,
         "prompt_cache": prompt_caches * kv,  # each stored cache is one KV cache of `context` tokens
         "scratch": scratch + fd.alignment * n_buffers + bounce_bytes(fd),
         "workspace": max(2 * scratch, min(MIN_MOE_WORKSPACE_BYTES, fd.model_bytes // 8) if per_pass else 0),
@@ -317,20 +319,21 @@ def plan_memory(
     kv_bits: int = None,
     kv_group_size: int = 64,
     prompt_caches: int = 0,
+    sequences: int = 1,
 ) -> Plan:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
     `resident`: bytes of the resident weights as loaded (default: their size on disk).
     `groups`: resident.StreamGroup candidates, streamed only if the resident weights do not fit.
     `kv_bits`: a quantised KV cache (`kv_cache_bytes`); `prompt_caches`: room for that many more KV caches,
-    stored between requests.
+    stored between requests; `sequences`: KV caches of that many sequences decoded together (the server's batch).
     budget None: no budget (every unit cached).
     `prefetch` (dense decoding of a plain `neurons` layout): every uncached unit is read every token, so two
     buffers of the uncached rows let layer l+1's reads run while layer l computes; they come off the caches:
     L * c + 2 * (n - c) rows fill what is left. Below that (two whole layers do not fit) the caches stay
     empty and the buffers take what is left, the first units of each layer read ahead, the rest on demand."""
     limit = budget if budget is not None else 1 << 62
-    fixed = fixed_bytes(fd, context, dtype_size, extra, resident, kv_bits, kv_group_size, prompt_caches)
+    fixed = fixed_bytes(fd, context, dtype_size, extra, resident, kv_bits, kv_group_size, prompt_caches, sequences)
     groups = list(groups)
     # an input embedding streamed by rows reads a row per token, and the bytes it frees (past its two loads'
     # buffers) cache FFN units instead: worth it whenever some unit would not be cached
@@ -375,7 +378,7 @@ def plan_memory(
         floor = with_streamed(fixed, groups)
         per_step = kv_cache_bytes(fd.config, KV_STEP, dtype_size, kv_bits, kv_group_size)
         room = budget - sum(floor.values()) + floor["kv_cache"] + floor["prompt_cache"]
-        max_context = room // ((1 + prompt_caches) * per_step) * KV_STEP
+        max_context = room // ((sequences + prompt_caches) * per_step) * KV_STEP
     return Plan(
         budget,
         f["resident"],

@@ -320,6 +320,7 @@ def load(
     kv_bits: int = None,
     kv_group_size: int = 64,
     prompt_caches: int = 0,
+    sequences: int = 1,
     max_ppl_increase: float = MAX_PPL_INCREASE,
     draft_model=None,
 ):
@@ -345,6 +346,7 @@ def load(
     scale) from the first token; the plan holds it at that size. `model.make_cache()` builds it.
     prompt_caches: room in the budget for this many KV caches of `context` tokens stored between
     requests (the server's prompt cache): `model.flash.plan.prompt_cache` bytes.
+    sequences: KV caches of `context` tokens for this many sequences decoded together (the server's batch).
     draft_model: a flash directory with the same tokenizer, loaded resident as `model.draft_model` for
     speculative decoding (generate.stream_generate's draft_model); its memory comes out of the budget.
     """
@@ -386,6 +388,7 @@ def load(
             prompt_caches,
             draft_bytes,
             bool(prefetch),
+            sequences,
         )
         model.draft_model = draft
         return model, tokenizer
@@ -412,6 +415,7 @@ def load(
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             prompt_caches=prompt_caches,
+            sequences=sequences,
         )
 
     why = None
@@ -514,6 +518,7 @@ def _load_moe(
     prompt_caches,
     extra: int = 0,
     read_ahead: bool = False,
+    sequences: int = 1,
 ):
     """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
     to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft;
@@ -534,6 +539,7 @@ def _load_moe(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         prompt_caches=prompt_caches,
+        sequences=sequences,
     )
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)

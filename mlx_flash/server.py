@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 import threading
+import time
 from functools import partial
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -31,7 +32,8 @@ from mlx_lm import server
 from mlx_lm.models.cache import LRUPromptCache
 
 from .default_model import default_model_dir
-from .errors import FlashError, ReadError
+from .engine.native_step import HostBatchKVCache
+from .errors import BudgetError, FlashError, ReadError
 from .generate import stream_generate
 from .loader import load
 from .engine.sparsity import SPARSITIES
@@ -44,6 +46,12 @@ BODY_BYTES_PER_TOKEN = 64
 BODY_SLACK = 64 << 10
 # Of a body refused unread, at most this much is read and dropped: the client sees the answer, not a reset
 DISCARD_BYTES = 64 << 20
+# Sequences decoded together when --max-batch is not given: as many of these as the budget holds
+MAX_BATCH = 8
+STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the device bytes)
+RETRY_AFTER_S = 1  # what a 503 (the queue full) asks the client to wait
+# A request's own options, from its handler thread to ResponseGenerator.generate (called in the same thread)
+_request_options = threading.local()
 
 
 class PromptTooLong(ValueError):
@@ -76,32 +84,156 @@ class ModelProvider(server.ModelProvider):
         if adapter_path is not None or draft_model_path is not None:
             raise ValueError("adapters and draft models are not supported with a flash model")
         args = self.cli_args
-        model, tokenizer = load(
-            model_path,
-            memory_budget=args.memory_budget,
-            sparsity=args.sparsity,
-            window=args.window,
-            context=args.max_context,
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            prompt_caches=args.prompt_cache_size,  # the stored caches are planned inside the budget
-        )
+        batch = args.max_batch or MAX_BATCH
+        while True:
+            try:
+                model, tokenizer = load(
+                    model_path,
+                    memory_budget=args.memory_budget,
+                    sparsity=args.sparsity,
+                    window=args.window,
+                    context=args.max_context,
+                    kv_bits=args.kv_bits,
+                    kv_group_size=args.kv_group_size,
+                    prompt_caches=args.prompt_cache_size,  # the stored caches are planned inside the budget
+                    sequences=batch,  # and the KV caches of the sequences decoded together
+                )
+                break
+            except BudgetError:
+                if args.max_batch or batch == 1:  # (a batch asked for is not made smaller)
+                    raise
+                batch //= 2
+        args.max_batch = batch
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.flash = model, tokenizer, model.flash
         # The token ids both the tokenizer and the model's head know: mlx does not bound-check the ids with
         # which logit_bias indexes the logits (one outside crashes the process)
         self.n_tokens = min(len(tokenizer.vocab), getattr(getattr(model, "args", None), "vocab_size", 1 << 62))
         self.processor = self.draft_model = None
-        # One request at a time: mlx-lm's BatchGenerator would run several through the one neuron cache
-        self.is_batchable = False
+        # mlx-lm's BatchGenerator decodes the requests together through the native decoder's batched pass; without
+        # it (MLX on a GPU, or a model the native step does not compute) one request at a time
+        self.is_batchable = model.decoder is not None
+        self.batch_model = BatchModel(model)
+        args.decode_concurrency = batch
         args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        """The model for mlx-lm's BatchGenerator (its single-request path takes `self.model`)."""
+        _, tokenizer = super().load(model_path, adapter_path, draft_model_path)
+        return self.batch_model, tokenizer
 
     def close(self):
         self.flash.close()  # mlx-lm's generation thread resets the provider (drops the model) when it stops
         self.reset()
 
 
+class BatchModel:
+    """The flash model as mlx-lm's BatchGenerator calls it: a batch whose caches are merged HostKVCaches goes
+    through the native decoder's batched pass (the units read once for all its sequences, each sequence's tokens
+    what it alone would get); the rest is the model itself."""
+
+    def __init__(self, model):
+        self.model = model
+        self.batch_size = self.largest_batch = 0  # sequences in the last decode pass, and the most in one
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if cache and isinstance(cache[0], HostBatchKVCache):
+            if inputs.shape[1] == 1:
+                self.batch_size = inputs.shape[0]
+                self.largest_batch = max(self.largest_batch, self.batch_size)
+            stats = self.model.flash.stats
+            if len(stats.tokens) >= STATS_KEPT:  # a server runs for long: the device bytes are the readers' counters
+                stats.reset()
+            return self.model.decoder.batch(inputs, cache)
+        return self.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+class _Tracked:
+    """A request's response queue, as the generation thread sees it: the request is in flight until its last
+    response (None, or an error) or until its client leaves."""
+
+    def __init__(self, queue):
+        self.queue, self.ctx, self.done = queue, None, False
+
+    def put(self, item):
+        if isinstance(item, server.GenerationContext):
+            self.ctx = item
+        self.done = self.done or item is None or isinstance(item, Exception)
+        self.queue.put(item)
+
+    @property
+    def in_flight(self) -> bool:
+        return not self.done and not (self.ctx is not None and self.ctx._should_stop)
+
+
 class ResponseGenerator(server.ResponseGenerator):
+    """mlx-lm's generation thread, with admission: at most --max-batch requests in flight (their KV caches are in
+    the budget); the others wait in the queue, holding no cache, and a request finding --max-queue waiting gets a
+    503. Prompt lookup (--prompt-lookup, or a request's "prompt_lookup") is served one request at a time."""
+
+    def __init__(self, model_provider, prompt_cache):
+        self._tracked, self._lock = [], threading.Lock()
+        self.generated = 0
+        super().__init__(model_provider, prompt_cache)
+
+    def _run_generate(self):
+        # mlx-lm's generation thread ends at a failure in a batched pass: here the requests in flight fail with its
+        # error (a 500 each: a flash ReadError, say) and a new loop serves the next ones
+        while True:
+            try:
+                return self._generate()
+            except Exception as e:
+                log.error("a batched pass failed: %s", e)
+                with self._lock:
+                    failed, self._tracked = self._tracked, []
+                for t in failed:
+                    if t.in_flight:
+                        t.put(e)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            self._tracked = [t for t in self._tracked if t.in_flight]
+            return len(self._tracked)
+
+    def _next_request(self, timeout=None):
+        if self.in_flight() >= self.cli_args.max_batch:
+            if timeout:  # (mlx-lm's loop waits here when it has nothing to step)
+                time.sleep(timeout)
+            return None
+        request = super()._next_request(timeout)
+        if request is None:
+            return None
+        tracked = _Tracked(request[0])
+        with self._lock:
+            self._tracked.append(tracked)
+        return (tracked, *request[1:])
+
+    def _is_batchable(self, args):
+        return super()._is_batchable(args) and not args.prompt_lookup
+
+    def metrics(self) -> dict:
+        flash = self.model_provider.model.flash
+        batch = self.model_provider.batch_model
+        return {
+            "batch_size": batch.batch_size,
+            "largest_batch": batch.largest_batch,
+            "in_flight": self.in_flight(),
+            "queue": self.requests.qsize(),
+            "max_batch": self.cli_args.max_batch,
+            "max_queue": self.cli_args.max_queue,
+            "generated_tokens": self.generated,
+            "bytes_read": flash.stats.device_bytes(),
+        }
+
+    def _count(self, responses):
+        for r in responses:
+            with self._lock:
+                self.generated += 1
+            yield r
+
     def _tokenize(self, tokenizer, request, args):
         prompt, *rest = super()._tokenize(tokenizer, request, args)
         room = self.cli_args.max_context - len(prompt)
@@ -114,16 +246,21 @@ class ResponseGenerator(server.ResponseGenerator):
         return (prompt, *rest)
 
     def generate(self, request, generation_args, progress_callback=None):
+        if self.requests.qsize() >= self.cli_args.max_queue and self.in_flight() >= self.cli_args.max_batch:
+            raise Refused(503, f"the server is busy: {self.cli_args.max_queue} requests are waiting (--max-queue)")
+        lookup = getattr(_request_options, "prompt_lookup", None)
+        generation_args.prompt_lookup = self.cli_args.prompt_lookup if lookup is None else lookup
         try:
-            return super().generate(request, generation_args, progress_callback)
+            ctx, responses = super().generate(request, generation_args, progress_callback)
         except PromptTooLong as e:
             raise Refused(413, str(e)) from None
+        return ctx, self._count(responses)
 
     def _serve_single(self, request, stream):
         stats = self.model_provider.model.flash.stats
         stats.reset()  # per request: a long-running server would otherwise keep every token's stats
         # mlx-lm's handler calls the `stream_generate` of its module: the flash loop has two passes fewer
-        lookup = getattr(self.model_provider.cli_args, "prompt_lookup", False)
+        lookup = request[2].prompt_lookup
         mlx_lm_generate = server.stream_generate
         server.stream_generate = partial(stream_generate, prompt_lookup=True) if lookup else stream_generate
         try:
@@ -166,8 +303,16 @@ class APIHandler(server.APIHandler):
         except RecursionError:  # JSON nested deeper than Python's parser goes
             self._refuse(400, "the request body is nested too deeply")
 
+    def do_GET(self):
+        if self.path == "/metrics":
+            return self._json(200, self.response_generator.metrics())
+        return super().do_GET()
+
     def validate_model_parameters(self):
         super().validate_model_parameters()
+        self.prompt_lookup = self.body.get("prompt_lookup")
+        self._validate("prompt_lookup", bool, optional=True)
+        _request_options.prompt_lookup = self.prompt_lookup  # read by ResponseGenerator.generate
         # What mlx-lm takes here but fails on later: in its generation thread (a 404), mid-stream, or in mlx (a crash)
         stop = self.body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
@@ -230,16 +375,18 @@ class APIHandler(server.APIHandler):
         log.warning("refused a request (%d): %s", status, message)
         self.close_connection = True
         try:
-            self._json(status, {"error": message})
+            self._json(status, {"error": message}, {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {})
             unread = min(unread, DISCARD_BYTES)
             while unread > 0 and (chunk := self.rfile.read1(min(unread, 1 << 16))):
                 unread -= len(chunk)
         except OSError:
             pass  # the client left
 
-    def _json(self, status: int, obj: dict):
+    def _json(self, status: int, obj: dict, headers: dict = None):
         data = json.dumps(obj).encode()
         self._set_completion_headers(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -322,6 +469,16 @@ def setup_arg_parser():
         default=1,
         help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off).",
     )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help=f"Requests decoded together (their KV caches are in the budget; default: up to {MAX_BATCH}, as many as "
+        "the budget holds). More wait in the queue.",
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="Requests that may wait; one more gets a 503 with Retry-After."
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="Default maximum tokens to generate.")
     p.add_argument(
         "--prompt-lookup",
@@ -355,7 +512,8 @@ def setup_arg_parser():
         min_p=0.0,
         pipeline=False,
         decode_concurrency=1,
-        prompt_concurrency=1,
+        prompt_concurrency=1,  # prompts are prefilled one at a time (a chunk of one is a whole workspace)
+        prompt_cache_bytes=None,  # (the prompt cache is bounded by the plan: make_server)
         prefill_step_size=2048,
         quantized_kv_start=0,
     )
@@ -363,7 +521,12 @@ def setup_arg_parser():
 
 
 def main(argv=None):
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.max_batch is not None and args.max_batch < 1:
+        parser.error(f"--max-batch {args.max_batch}: must be at least 1")
+    if args.max_queue < 0:
+        parser.error(f"--max-queue {args.max_queue}: must be at least 0")
     logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     try:
         provider = ModelProvider(args)

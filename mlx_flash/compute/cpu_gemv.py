@@ -71,6 +71,12 @@ def attention(x: np.ndarray, h: np.ndarray, *args) -> None:
     _native.attention(x, h, *args)
 
 
+def attention_batch(x: np.ndarray, h: np.ndarray, *args) -> None:
+    """`attention` of several sequences in one pass: args as the kernel takes them, the caches and positions as
+    segments [(keys, values, pos, cap, m), ...] in x's row order (native_step.HostDecoder)."""
+    _native.attention_batch(x, h, *args)
+
+
 def available() -> bool:
     """The extension is built, enabled, and MLX computes on the CPU."""
     return _native is not None and enabled and mx.default_device() == mx.cpu

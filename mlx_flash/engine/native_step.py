@@ -20,7 +20,7 @@ models it computes (llama attention, RoPE without scaling, quantised projections
 and why not when it cannot.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,6 +95,10 @@ class HostKVCache(KVCache):
     @property
     def nbytes(self):
         return 0 if self._k is None else self._k.nbytes + self._v.nbytes
+
+    @classmethod
+    def merge(cls, caches: List["HostKVCache"]) -> "HostBatchKVCache":
+        return HostBatchKVCache(caches)
 
 
 def _quantised(layer) -> bool:
@@ -246,16 +250,41 @@ class HostDecoder:
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
         """Logits [1, m, vocab] of `tokens` (m ints) at the caches' offset (a prompt: [1, 1, vocab] of the last one,
         and the stats count a prompt pass); the caches advance by m."""
+        x = self._layers([np.asarray(tokens, dtype=np.int32).reshape(-1).tolist()], [[c] for c in cache], prompt)
+        logits = self._head(x[-1:] if prompt else x)
+        return mx.array(logits).reshape(1, len(logits), -1)
+
+    def batch(self, tokens: mx.array, cache: List["HostBatchKVCache"]) -> mx.array:
+        """Logits [B, 1, vocab] of the last token of each sequence of a batch (tokens [B, L], right-padded where
+        the caches were prepared with lengths: see HostBatchKVCache) in one pass: every matrix's rows and every FFN
+        unit read once for all, each sequence at its own position of its own caches. Each sequence's logits are,
+        bit for bit, what a pass of it alone gives. A pass of one token a sequence is a decode step, longer ones a
+        prompt chunk (the stats count it as one)."""
+        ids = [row[:m] for row, m in zip(tokens.tolist(), cache[0].lengths(tokens.shape[1]))]
+        for c in cache:
+            c.advance(tokens.shape[1])
+        live = [i for i, row in enumerate(ids) if row]  # (right padding can leave a sequence none)
+        x = self._layers([ids[i] for i in live], [[c.caches[i] for i in live] for c in cache], tokens.shape[1] > 1)
+        last = self._head(x[np.cumsum([len(ids[i]) for i in live]) - 1])
+        logits = np.zeros((len(ids), last.shape[-1]), np.float32)
+        logits[live] = last
+        return mx.array(logits)[:, None]
+
+    def _layers(self, ids: List[List[int]], caches: List[List[HostKVCache]], prompt: bool) -> np.ndarray:
+        """The host rows after the last layer of the tokens `ids` of each sequence (their rows in order), each at
+        its cache's offset; caches[layer][sequence] advance by their tokens."""
         body = self.model.model
         self.model.flash.stats.touch(prefill=prompt)  # (a streamed embedding would begin it as a prompt)
-        ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
-        x = np.array(body.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
+        flat = np.asarray([t for seq in ids for t in seq], dtype=np.int32).reshape(1, -1)
+        x = np.array(body.embed_tokens(mx.array(flat)).astype(mx.float32)).reshape(flat.shape[1], -1)
         h = np.empty_like(x)
-        for i, (L, c) in enumerate(zip(self.layers, cache)):
-            pos = c.offset
-            c.reserve(pos + len(x), L["n_kv"], L["head_dim"])
+        for L, cs in zip(self.layers, caches):
+            segments = []
+            for c, seq in zip(cs, ids):
+                c.reserve(c.offset + len(seq), L["n_kv"], L["head_dim"])
+                segments.append((c._k, c._v, c.offset, c._k.shape[2], len(seq)))
             q, k, v, o, *qk_norms = L["linears"] + L["qk_norms"] if L["linears"] else self._load_attention(L)
-            cpu_gemv.attention(
+            cpu_gemv.attention_batch(
                 x,
                 h,
                 L["norm1"],
@@ -265,10 +294,7 @@ class HostDecoder:
                 k,
                 v,
                 o,
-                c._k,
-                c._v,
-                pos,
-                c._k.shape[2],
+                segments,
                 L["n_heads"],
                 L["n_kv"],
                 L["head_dim"],
@@ -278,24 +304,73 @@ class HostDecoder:
                 L["scale"],
                 *qk_norms,
             )
-            c.offset = pos + len(x)
+            for c, seq in zip(cs, ids):
+                c.offset += len(seq)
             mlp = L["mlp"]
             if isinstance(mlp, FlashFFN):  # a dense FFN: the engine's selector, cache and kernels on the host rows
                 x += mlp.ffn_row(h, prefill=prompt)
             else:  # an MoE block: its router in MLX ops, its experts from the expert engine (the layer's one sync)
                 x += np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
-        if prompt:
-            x = x[-1:]
+        return x
+
+    def _head(self, x: np.ndarray) -> np.ndarray:
+        """Logits [rows, vocab] of the final norm and LM head of host rows x."""
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.norm
         if self.head is not None:
-            logits = cpu_gemv.row_dot(x, self.head, k=self.head.w.shape[0])
-        else:  # streamed in chunks of vocabulary rows
-            m = self.head_streamed
-            logits = np.concatenate(
-                [
-                    cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0])
-                    for rows in m.chunks()
-                ],
-                axis=-1,
-            )
-        return mx.array(logits).reshape(1, len(x), -1)
+            return cpu_gemv.row_dot(x, self.head, k=self.head.w.shape[0])
+        m = self.head_streamed  # streamed in chunks of vocabulary rows
+        return np.concatenate(
+            [cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0]) for rows in m.chunks()],
+            axis=-1,
+        )
+
+
+class HostBatchKVCache:
+    """One layer's caches of a batch of sequences, as mlx-lm's BatchGenerator merges them (`HostKVCache.merge`):
+    each sequence keeps its own HostKVCache, which `HostDecoder.batch` writes at that sequence's own position, so a
+    sequence joins, leaves or is stored without moving the others' keys. A prompt chunk of right-padded prompts
+    (`prepare(lengths=...)`) computes each sequence's own tokens only."""
+
+    def __init__(self, caches: List[HostKVCache]):
+        self.caches = list(caches)
+        self._left = None  # tokens of each sequence still to come in the padded passes, when prepared
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None and any(left_padding):
+            raise ValueError("HostBatchKVCache: sequences are not left-padded")
+        self._left = None if lengths is None else list(lengths)
+
+    def finalize(self):
+        self._left = None
+
+    def lengths(self, n: int) -> List[int]:
+        """Each sequence's own tokens among the next pass's n."""
+        return [n] * len(self.caches) if self._left is None else [min(n, left) for left in self._left]
+
+    def advance(self, n: int):
+        if self._left is not None:
+            self._left = [max(0, left - n) for left in self._left]
+
+    def filter(self, keep: List[int]):
+        self.caches = [self.caches[i] for i in keep]
+
+    def extend(self, other: "HostBatchKVCache"):
+        self.caches += other.caches
+
+    def extract(self, idx: int) -> HostKVCache:
+        """A copy of sequence idx's cache (the batch goes on writing its own)."""
+        c = self.caches[idx]
+        out = HostKVCache(c.step)
+        out.state = c.state
+        return out
+
+    @property
+    def state(self):
+        return ()  # host buffers, written in place: nothing for MLX to evaluate
+
+    def empty(self) -> bool:
+        return all(c.empty() for c in self.caches)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)

@@ -1,0 +1,318 @@
+"""Continuous batching: the native decoder's batched pass gives each sequence what a pass of it alone gives, bit for
+bit; the server decodes concurrent requests together (mlx-lm's BatchGenerator), each response its solo response,
+with admission (--max-batch, --max-queue), disconnects, long prompts joining, stop sequences, logprobs and prompt
+lookup per request."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+from mlx_flash.budget import kv_cache_bytes, min_budget
+from mlx_flash.engine.native_step import HostKVCache
+from mlx_flash.errors import BudgetError
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import load
+from mlx_flash.server import ModelProvider, serve, setup_arg_parser
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+CONTEXT = 192
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    from mlx_flash.convert import convert
+    from mlx_flash.default_model import default_gguf_path
+
+    return convert(str(default_gguf_path()), tmp_path_factory.mktemp("smol") / "flash", progress=False)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny 4-bit qwen3_moe (the MoE architecture the native step computes), converted."""
+    from mlx_flash.convert.build import convert
+    from mlx_flash.convert.source import copy_tokenizer, load_source_model
+    from mlx_flash.models.tiny import make_tiny_model_dir
+
+    from mlx_lm.utils import quantize_model, save_model
+
+    root = tmp_path_factory.mktemp("moe")
+    src = make_tiny_model_dir("qwen3_moe", root / "float")
+    model, config = load_source_model(src, lazy=False)
+    model, config = quantize_model(model, config, group_size=32, bits=4)
+    save_model(root / "q4", model)
+    (root / "q4" / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(src, root / "q4")
+    return convert(str(root / "q4"), root / "flash", progress=False)
+
+
+def _solo(model, prompt, steps):
+    """Logits of a prompt's last token, then of `steps` greedy decode steps, the sequence alone."""
+    cache = model.make_cache()
+    out = [np.array(model.decoder(prompt, cache, prompt=True))[0, -1]]
+    for _ in range(steps):
+        out.append(np.array(model.decoder([int(out[-1].argmax())], cache))[0, -1])
+    return out
+
+
+def _batched(model, prompts, steps):
+    """The same, the prompts prefilled together right-padded (as mlx-lm's BatchGenerator does) and decoded together."""
+    cache = [HostKVCache.merge(list(layer)) for layer in zip(*[model.make_cache() for _ in prompts])]
+    n = max(len(p) for p in prompts)
+    for c in cache:
+        c.prepare(lengths=[len(p) for p in prompts], right_padding=[n - len(p) for p in prompts])
+    padded = mx.array([p + [0] * (n - len(p)) for p in prompts])
+    out = [[row] for row in np.array(model.decoder.batch(padded, cache))[:, 0]]
+    for c in cache:
+        c.finalize()
+    for _ in range(steps):
+        tokens = mx.array([[int(o[-1].argmax())] for o in out])
+        for o, row in zip(out, np.array(model.decoder.batch(tokens, cache))[:, 0]):
+            o.append(row)
+    return out
+
+
+@pytest.mark.parametrize("which", ["smol", "moe"])
+def test_a_batched_pass_is_each_sequence_alone(which, request):
+    """Prompts of different lengths, prefilled and decoded together: each sequence's logits are its solo logits, bit
+    for bit, and the batch reads its units once (fewer bytes than the sequences alone)."""
+    path = request.getfixturevalue(which)
+    fd = FlashDir(path)
+    # SmolLM2: most units streamed; the MoE: two expert slots a layer
+    budget = "60%" if which == "smol" else min_budget(fd, 64, 4) + 2 * len(fd.layers) * fd.layouts["experts"].stride
+    model, _ = load(path, memory_budget=budget, context=64)
+    try:
+        assert model.decoder is not None, model.flash.decoder_why
+        prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41], [7, 300, 12, 99, 5], [256, 3, 80, 17, 23, 9, 11]]
+        stats = model.flash.stats
+        before = stats.device_bytes()
+        solo = [_solo(model, p, 6) for p in prompts]
+        alone = stats.device_bytes() - before
+        before = stats.device_bytes()
+        together = _batched(model, prompts, 6)
+        batched = stats.device_bytes() - before
+    finally:
+        model.flash.close()
+    for s, t in zip(solo, together):
+        assert len(s) == len(t) and all(np.array_equal(a, b) for a, b in zip(s, t))
+    # dense: every streamed unit once for all; MoE: the union of the sequences' experts (of 8, 2 cached)
+    assert batched < (0.6 if which == "smol" else 0.95) * alone
+
+
+def test_batch_caches_join_leave_and_are_stored_apart():
+    a, b, c = HostKVCache(16), HostKVCache(16), HostKVCache(16)
+    for i, x in enumerate((a, b, c)):
+        x.reserve(4, 2, 8)
+        x._k[:] = i
+        x.offset = 4
+    batch = HostKVCache.merge([a, b])
+    batch.extend(HostKVCache.merge([c]))
+    batch.filter([0, 2])
+    assert batch.caches == [a, c] and batch.nbytes == a.nbytes + c.nbytes
+    stored = batch.extract(1)  # a copy: the batch goes on writing c
+    c._k[:] = 9
+    assert stored.offset == 4 and np.all(np.array(stored.keys) == 2)
+    batch.prepare(lengths=[3, 1], right_padding=[0, 2])
+    assert batch.lengths(2) == [2, 1]
+    batch.advance(2)
+    assert batch.lengths(2) == [1, 0]
+    with pytest.raises(ValueError, match="left-padded"):
+        batch.prepare(left_padding=[0, 1])
+
+
+# -- the server ---------------------------------------------------------------------------------------------------
+
+TOPICS = ["cats", "the sea", "rockets", "bread", "music", "rivers", "trains", "chess"]
+
+
+def _serve(path, *flags):
+    args = setup_arg_parser().parse_args(
+        ["--model", str(path), "--max-context", str(CONTEXT), "--memory-budget", "150%", *flags]
+    )
+    provider = ModelProvider(args)
+    httpd, generator = serve(provider, port=0)
+    return provider, generator, httpd
+
+
+@pytest.fixture(scope="module")
+def server(smol):
+    provider, generator, httpd = _serve(smol, "--max-batch", "4", "--prompt-cache-size", "0")
+    yield provider, generator, httpd.server_address[1]
+    httpd.shutdown()
+    httpd.server_close()
+    generator.stop_and_join()
+    provider.close()
+
+
+def post(port, body, path="/v1/chat/completions"):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, dict(r.getheaders()), r.read()
+    conn.close()
+    return out
+
+
+def chat(port, i, max_tokens=24, **extra):
+    body = {
+        "messages": [{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]}."}],
+        "max_tokens": max_tokens,
+        "logprobs": True,
+        **extra,
+    }
+    status, _, payload = post(port, body)
+    assert status == 200, payload
+    r = json.loads(payload)["choices"][0]
+    return r["message"]["content"], [c["logprob"] for c in r["logprobs"]["content"]], r["finish_reason"]
+
+
+def together(fn, n):
+    """fn(i) for i < n, all at once."""
+    out = [None] * n
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def metrics(port):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    return json.loads(conn.getresponse().read())
+
+
+def test_concurrent_requests_are_batched_and_each_is_its_solo_run(server):
+    provider, _, port = server
+    assert provider.is_batchable
+    solo = [chat(port, i) for i in range(4)]
+    assert metrics(port)["largest_batch"] == 1
+    m0 = metrics(port)
+    assert together(lambda i: chat(port, i), 4) == solo  # text, logprobs and finish reasons
+    m = metrics(port)
+    assert m["largest_batch"] >= 2 and m["in_flight"] == 0
+    assert m["generated_tokens"] - m0["generated_tokens"] == sum(len(s[1]) for s in solo)
+
+
+def test_stop_sequences_and_logprobs_per_request(server):
+    _, _, port = server
+    asks = [dict(stop=["the"]), dict(top_logprobs=3), dict(stop=[".", ","], max_tokens=40), dict(temperature=0.0)]
+    solo = [chat(port, i, **a) for i, a in enumerate(asks)]
+    assert together(lambda i: chat(port, i, **asks[i]), 4) == solo
+    plain = chat(port, 2, max_tokens=40)
+    assert plain[2] == "length" and solo[2][2] == "stop" and len(solo[2][1]) < len(plain[1])  # the stop acted
+    assert len(solo[1][1]) == 24 and solo[1][0] == chat(port, 1)[0]
+
+
+def test_a_long_prompt_joins_a_running_batch(server):
+    """A prompt of several prefill chunks sent while others decode: all equal their solo runs."""
+    provider, _, port = server
+    long = {"messages": [{"role": "user", "content": "Summarise: " + "the cat sat on the mat and " * 20}]}
+    long_ask = lambda: chat(port, 0, messages=long["messages"])  # noqa: E731
+    assert provider.cli_args.prefill_step_size < 150  # (more than one chunk)
+    solo = [chat(port, i, max_tokens=48) for i in range(3)] + [long_ask()]
+
+    def run(i):
+        if i < 3:
+            return chat(port, i, max_tokens=48)
+        time.sleep(0.5)  # the others are decoding
+        return long_ask()
+
+    assert together(run, 4) == solo
+
+
+def test_prompt_lookup_and_plain_requests_mixed(server):
+    """Prompt lookup (lossless, served alone) and plain requests at once: each gives the plain request's tokens."""
+    _, _, port = server
+    plain = [chat(port, i) for i in range(4)]
+    got = together(lambda i: chat(port, i, prompt_lookup=i % 2 == 0), 4)
+    assert [g[0] for g in got] == [p[0] for p in plain]
+    status, _, payload = post(port, {"messages": [{"role": "user", "content": "x"}], "prompt_lookup": "yes"})
+    assert status == 400 and b"prompt_lookup" in payload
+
+
+def test_a_client_leaving_mid_batch_frees_its_slot(server):
+    provider, _, port = server
+    solo = chat(port, 1, max_tokens=64)
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Write about cats."}], "max_tokens": 150, "stream": True}
+    ).encode()
+
+    def leave():
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        s.recv(300)  # streaming has begun
+        s.close()
+
+    def run(i):
+        if i == 0:
+            return leave()
+        time.sleep(0.2)
+        return chat(port, 1, max_tokens=64)
+
+    _, other = together(run, 2)
+    assert other == solo  # the one that stayed is undisturbed
+    deadline = time.time() + 30
+    while metrics(port)["in_flight"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert metrics(port)["in_flight"] == 0
+
+
+def test_admission_and_a_full_queue(smol):
+    """--max-batch 2: five requests all answered, never more than two decoded together; --max-queue 0 with the batch
+    full: a 503 with Retry-After, and the server goes on."""
+    provider, generator, httpd = _serve(smol, "--max-batch", "2", "--max-queue", "0", "--prompt-cache-size", "0")
+    port = httpd.server_address[1]
+    try:
+        fd = provider.model.flash.fd
+        assert provider.model.flash.plan.kv_cache == 2 * kv_cache_bytes(fd.config, CONTEXT, 4)
+        first = threading.Thread(target=lambda: chat(port, 0, max_tokens=120))
+        second = threading.Thread(target=lambda: chat(port, 1, max_tokens=120))
+        first.start()
+        second.start()
+        deadline = time.time() + 60
+        while metrics(port)["in_flight"] < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        status, headers, payload = post(port, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 503 and headers.get("Retry-After") == "1" and b"--max-queue" in payload
+        first.join()
+        second.join()
+        generator.cli_args.max_queue = 8
+        assert all(r[0] for r in together(lambda i: chat(port, i, max_tokens=8), 5))
+        assert metrics(port)["largest_batch"] == 2
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        generator.stop_and_join()
+        provider.close()
+
+
+def test_the_budget_holds_the_batch_kv(smol):
+    """The plan holds --max-batch KV caches; without --max-batch, as many (up to 8) as the budget holds."""
+    one, _ = load(smol, memory_budget="150%", context=CONTEXT, sequences=1)
+    four, _ = load(smol, memory_budget="150%", context=CONTEXT, sequences=4)
+    try:
+        assert four.flash.plan.kv_cache == 4 * one.flash.plan.kv_cache
+        strides = {k: v.stride for k, v in four.flash.fd.layouts.items()}
+        assert four.flash.plan.nbytes(strides) <= four.flash.plan.budget
+    finally:
+        one.flash.close()
+        four.flash.close()
+    args = setup_arg_parser().parse_args(["--model", str(smol), "--max-context", "1024", "--memory-budget", "150%"])
+    provider = ModelProvider(args)
+    try:
+        assert 1 <= args.max_batch < 8  # 8 KV caches of 1024 tokens do not fit 150% of SmolLM2
+        assert provider.model.flash.plan.kv_cache == args.max_batch * kv_cache_bytes(provider.flash.fd.config, 1024, 4)
+    finally:
+        provider.close()
+    with pytest.raises(BudgetError):  # twice as many do not fit
+        load(smol, memory_budget="150%", context=1024, sequences=2 * args.max_batch, prompt_caches=1)
