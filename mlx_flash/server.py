@@ -102,7 +102,7 @@ class ModelProvider(server.ModelProvider):
             except BudgetError:
                 if args.max_batch or batch == 1:  # (a batch asked for is not made smaller)
                     raise
-                batch //= 2
+                batch -= 1
         args.max_batch = batch
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.flash = model, tokenizer, model.flash
