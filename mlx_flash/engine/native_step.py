@@ -31,6 +31,7 @@ from ..compute import cpu_gemv
 from .experts import FlashSwitchGLU
 from .neurons import FlashFFN
 from .resident import StreamedLayer, StreamedRows
+from .stage import Absent
 
 ATTENTION = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen3": True, "mlx_lm.models.qwen3_moe": True}  # -> q/k norms
 MAX_POSITIONS = (
@@ -144,7 +145,8 @@ class HostDecoder:
     def __init__(self, model, layers, head, head_streamed=None):
         self.model, self.layers, self.head, self.head_streamed = model, layers, head, head_streamed
         body = model.model
-        self.norm, self.eps = _weight(body.norm), float(body.norm.eps)
+        last = not isinstance(body.norm, Absent)  # a pipeline stage before the last ends with hidden rows
+        self.norm, self.eps = (_weight(body.norm), float(body.norm.eps)) if last else (None, None)
 
     @classmethod
     def of(cls, model, engine):
@@ -194,6 +196,8 @@ class HostDecoder:
                     mlp=layer.mlp,
                 )
             )
+        if isinstance(body.norm, Absent):  # a pipeline stage before the last (stage.py): no norm, no head
+            return cls(model, layers, None), None
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
         head_module = body.embed_tokens if tied else getattr(model, "lm_head", None)
         if isinstance(head_module, StreamedRows):
@@ -246,10 +250,17 @@ class HostDecoder:
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
         """Logits [1, m, vocab] of `tokens` (m ints) at the caches' offset (a prompt: [1, 1, vocab] of the last one,
         and the stats count a prompt pass); the caches advance by m."""
-        body = self.model.model
         self.model.flash.stats.touch(prefill=prompt)  # (a streamed embedding would begin it as a prompt)
+        return self.logits(self.run_layers(self.embed(tokens), cache, prompt), prompt)
+
+    def embed(self, tokens) -> np.ndarray:
+        """The float32 host rows [m, d] of `tokens`."""
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
-        x = np.array(body.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
+        return np.array(self.model.model.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
+
+    def run_layers(self, x: np.ndarray, cache, prompt: bool = False) -> np.ndarray:
+        """The hidden rows x [m, d] (float32, updated in place) through every layer, the caches advanced by m (a
+        pipeline stage: its layers, from the rows the stage before sent)."""
         h = np.empty_like(x)
         for i, (L, c) in enumerate(zip(self.layers, cache)):
             pos = c.offset
@@ -284,6 +295,10 @@ class HostDecoder:
                 x += mlp.ffn_row(h, prefill=prompt)
             else:  # an MoE block: its router in MLX ops, its experts from the expert engine (the layer's one sync)
                 x += np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
+        return x
+
+    def logits(self, x: np.ndarray, prompt: bool = False) -> mx.array:
+        """The head's logits [1, m, vocab] of the last layer's rows x (a prompt: of its last row)."""
         if prompt:
             x = x[-1:]
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.norm
