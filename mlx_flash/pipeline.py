@@ -43,7 +43,7 @@ from .format.directory import FlashDir
 
 TIMEOUT = float(os.environ.get("MLX_FLASH_PIPELINE_TIMEOUT", "30"))
 LOAD_WAITS = 20  # loading (hashing, reading the resident weights) may differ between ranks by far more than a pass
-HEADER = 5  # a pass's command: op, positions, KV offset, prompt, status; then the tokens
+HEADER = 6  # a pass's command: op, positions, KV offset, prompt, status, its number; then the tokens
 PASS, STOP = 1, 2
 
 
@@ -228,7 +228,8 @@ def agree(group, error: Optional[BaseException], value: int = 0, timeout: float 
         raise error
     failed = [r for r in range(size) if total[r]]
     if failed:
-        raise PipelineError(f"pipeline rank {rank}: rank {', '.join(map(str, failed))} failed (its error is above)")
+        names = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
+        raise PipelineError(f"pipeline rank {rank}: {names} failed (see the error it printed)")
     return int(total[size])
 
 
@@ -249,6 +250,7 @@ class Stage:
             model.decoder = self
         self.stats = model.flash.stats
         self.waits, self.sends = [], []  # seconds per pass: waiting for the rows before, sending them on
+        self.passes = 0  # exchanges so far, the same count on every rank: each one's number checks it arrived whole
         fd = model.flash.fd
         self.layers = (fd.start, fd.stop) if isinstance(fd, StageDir) else (0, len(fd.layers))
 
@@ -287,12 +289,17 @@ class Stage:
     # -- both ----------------------------------------------------------------------------------------------------
     def _command(self, op=0, tokens=(), offset=0, prompt=False, status=0):
         buf = np.zeros(HEADER + MAX_POSITIONS, np.int32)
+        self.passes += 1
         if self.rank == 0:
-            buf[:HEADER] = op, len(tokens), offset, prompt, status
+            buf[:HEADER] = op, len(tokens), offset, prompt, status, self.passes
             buf[HEADER : HEADER + len(tokens)] = tokens
-        with self.group.watch("waiting for rank 0's next pass"):
+        what = "sending the next pass" if self.rank == 0 else "waiting for rank 0's next pass"
+        with self.group.watch(what):
             buf = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group.mx, stream=mx.cpu))
-        op, m, offset, prompt, status = (int(v) for v in buf[:HEADER])
+        op, m, offset, prompt, status, number = (int(v) for v in buf[:HEADER])
+        # (a ring that lost a peer may fail its pending exchanges with whatever its buffers held, raising nothing)
+        if number != self.passes or op not in (PASS, STOP) or not (op == STOP or 0 < m <= MAX_POSITIONS):
+            raise PipelineError(f"pipeline rank {self.rank}: {what}: another rank ended or cannot be reached")
         return op, buf[HEADER : HEADER + m].tolist(), offset, bool(prompt), status
 
     def _pass(self, tokens, cache, prompt: bool):
@@ -303,9 +310,13 @@ class Stage:
             x = self.decoder.embed(tokens)
         else:
             start = time.perf_counter()
-            with self.group.watch(f"waiting for rank {self.rank + 1}'s hidden rows"):
-                x = mx.distributed.recv((len(tokens), self.hidden), mx.float32, self.rank + 1, group=self.group.mx)
+            what = f"waiting for rank {self.rank + 1}'s hidden rows"
+            with self.group.watch(what):
+                x = mx.distributed.recv((len(tokens) + 1, self.hidden), mx.float32, self.rank + 1, group=self.group.mx)
                 x = np.array(x, copy=True)
+            if not np.all(x[-1] == self.passes):  # the pass's number, after the rows: not stale or failed bytes
+                raise PipelineError(f"pipeline rank {self.rank}: {what}: another rank ended or cannot be reached")
+            x = np.ascontiguousarray(x[:-1])
             self.waits.append(time.perf_counter() - start)
             self.stats.touch(prefill=prompt)
         x = self.decoder.run_layers(x, cache, prompt)
@@ -317,7 +328,8 @@ class Stage:
         self.stats.end()
         start = time.perf_counter()
         with self.group.watch(f"sending the hidden rows to rank {self.rank - 1}"):
-            mx.eval(mx.distributed.send(mx.array(x), self.rank - 1, group=self.group.mx, stream=mx.cpu))
+            rows = np.concatenate([x, np.full((1, x.shape[1]), self.passes, np.float32)])
+            mx.eval(mx.distributed.send(mx.array(rows), self.rank - 1, group=self.group.mx, stream=mx.cpu))
         self.sends.append(time.perf_counter() - start)
         return None
 
