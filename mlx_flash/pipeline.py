@@ -233,6 +233,24 @@ def agree(group, error: Optional[BaseException], value: int = 0, timeout: float 
     return int(total[size])
 
 
+class PassClock:
+    """A stage's tokens in its Stats: its own work, not the waits for the other ranks. A token still closes at the
+    next one's start (as in one process: reads the read-ahead finishes in between count), less the time idle."""
+
+    def __init__(self, stats):
+        self.stats, self.idle_from = stats, None
+
+    def begin(self, prompt: bool) -> None:
+        closed = len(self.stats.tokens)
+        idle = 0.0 if self.idle_from is None else time.perf_counter() - self.idle_from
+        self.stats.touch(prefill=prompt)
+        if len(self.stats.tokens) > closed:
+            self.stats.tokens[-1].total_s -= idle
+
+    def done(self) -> None:
+        self.idle_from = time.perf_counter()
+
+
 class Stage:
     """This rank's layers in the pipeline (module doc): on rank 0 the model's decoder (`_Passes` calls it as it
     calls HostDecoder), on the others `follow()` runs the passes rank 0 broadcasts."""
@@ -249,6 +267,7 @@ class Stage:
         if self.rank == 0:  # the generation loop's passes come here (generate._Passes)
             model.decoder = self
         self.stats = model.flash.stats
+        self.clock = PassClock(self.stats)
         self.waits, self.sends = [], []  # seconds per pass: waiting for the rows before, sending them on
         self.passes = 0  # exchanges so far, the same count on every rank: each one's number checks it arrived whole
         fd = model.flash.fd
@@ -306,7 +325,7 @@ class Stage:
         """This rank's share of a forward pass; rank 0 returns the logits. The stats' token is this rank's own work
         (from the rows' arrival to its output), not the waits for the others."""
         if self.first:
-            self.stats.touch(prefill=prompt)
+            self.clock.begin(prompt)
             x = self.decoder.embed(tokens)
         else:
             start = time.perf_counter()
@@ -318,14 +337,14 @@ class Stage:
                 raise PipelineError(f"pipeline rank {self.rank}: {what}: another rank ended or cannot be reached")
             x = np.ascontiguousarray(x[:-1])
             self.waits.append(time.perf_counter() - start)
-            self.stats.touch(prefill=prompt)
+            self.clock.begin(prompt)
         x = self.decoder.run_layers(x, cache, prompt)
         if self.rank == 0:
             logits = self.decoder.logits(x, prompt)
             mx.eval(logits)
-            self.stats.end()
+            self.clock.done()
             return logits
-        self.stats.end()
+        self.clock.done()
         start = time.perf_counter()
         with self.group.watch(f"sending the hidden rows to rank {self.rank - 1}"):
             rows = np.concatenate([x, np.full((1, x.shape[1]), self.passes, np.float32)])

@@ -44,9 +44,12 @@ def rank_env(rank: int, hostfile: str, env: Optional[dict] = None) -> dict:
 
 
 def run_ranks(
-    n: int, cmd: Sequence[str], limit=None, drop: Sequence = (), timeout: Optional[float] = None, env=None
+    n: int, cmd: Sequence, limit=None, drop: Sequence = (), timeout: Optional[float] = None, env=None
 ) -> List[CapResult]:
-    """Run `cmd` as ranks 0..n-1 at once, each under a cap of `limit` (None: rusage only); their results."""
+    """Run `cmd` as ranks 0..n-1 at once, each under a cap of `limit` (None: rusage only); their results. `cmd` and
+    `limit` may be lists of one per rank (ranks with budgets of their own)."""
+    cmds = list(cmd) if isinstance(cmd[0], (list, tuple)) else [cmd] * n
+    limits = list(limit) if isinstance(limit, (list, tuple)) else [limit] * n
     if drop:
         drop_page_cache(drop)
     hostfile = write_hostfile(n)
@@ -55,7 +58,7 @@ def run_ranks(
 
     def one(rank):
         try:
-            results[rank] = run_capped(cmd, limit, timeout=timeout, env=rank_env(rank, hostfile, env))
+            results[rank] = run_capped(cmds[rank], limits[rank], timeout=timeout, env=rank_env(rank, hostfile, env))
         except Exception as e:  # a CapError: reported after the others end
             errors.append(e)
 
