@@ -13,7 +13,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from . import blas
+from . import blas, pipeline
 from .budget import fmt_bytes
 from .compute import cpu_gemv
 from .default_model import default_model_dir
@@ -496,6 +496,12 @@ def setup_arg_parser():
         "--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary."
     )
     p.add_argument(
+        "--pipeline-split",
+        default=None,
+        help="Under mlx.launch: the layers of each rank, e.g. 12,18 (rank 0 runs the last ones, as mlx-lm's; "
+        "default: shares as even in bytes as they can be).",
+    )
+    p.add_argument(
         "--verbose",
         type=lambda s: s.lower() in ("1", "true", "yes"),
         default=True,
@@ -585,48 +591,78 @@ def main(argv=None):
         print(f"error: --max-tokens {args.max_tokens}: give a positive count, or -1 for no limit", file=sys.stderr)
         return 1
     try:
-        path = args.model or default_model_dir()
-        tokenizer = load_tokenizer(FlashDir(path))
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        if not prompt and args.ignore_chat_template:
-            raise ValueError("the prompt is empty: a raw prompt (--ignore-chat-template) needs at least one token")
-        if not args.ignore_chat_template and tokenizer.chat_template is not None:
-            messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [
-                {"role": "user", "content": prompt}
-            ]
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        else:
-            prompt = tokenizer.encode(prompt)
-        model, tokenizer = load(
-            path,
-            memory_budget=args.memory_budget,
-            sparsity=args.sparsity,
-            window=args.window,
-            policy=args.cache_policy,
-            density=args.density,
-            gamma=args.gamma,
-            threads=args.threads,
-            direct=not args.cached_io,
+        group = pipeline.init()  # under mlx.launch with 2+ ranks this process is one pipeline stage
+        lead = group is None or group.rank == 0
+        model, prompt, error = None, None, None
+        try:
+            path = args.model or default_model_dir()
+            if lead:
+                prompt = _prompt(args, load_tokenizer(FlashDir(path)))
             # the KV cache it will need; -1: the longest the budget holds, where generation stops
-            context=len(prompt) + args.max_tokens if args.max_tokens > 0 else None,
-            prefetch=False if args.no_prefetch else (True if args.prefetch else None),
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            max_ppl_increase=args.max_ppl_increase,
-            draft_model=args.draft_model,
-        )
+            context = len(prompt) + args.max_tokens if lead and args.max_tokens > 0 else None
+            layers = pipeline.stage_layers(path, group, args) if group is not None else None
+        except (FlashError, ValueError) as e:
+            if group is None:
+                raise
+            error = e
+        if group is not None:  # the ranks' plans need rank 0's context (0: the longest the budget holds)
+            context = pipeline.agree(group, error, context or 0) or None
+        try:
+            model, tokenizer = load(
+                path,
+                memory_budget=args.memory_budget,
+                sparsity=args.sparsity,
+                window=args.window,
+                policy=args.cache_policy,
+                density=args.density,
+                gamma=args.gamma,
+                threads=args.threads,
+                direct=not args.cached_io,
+                context=context,
+                prefetch=False if args.no_prefetch else (True if args.prefetch else None),
+                kv_bits=args.kv_bits,
+                kv_group_size=args.kv_group_size,
+                max_ppl_increase=args.max_ppl_increase,
+                draft_model=args.draft_model if lead else None,
+                layers=layers,
+            )
+            stage = pipeline.Stage(group, model) if group is not None else None
+        except (FlashError, ValueError) as e:
+            if group is None:
+                raise
+            error = e
+        if group is not None:
+            pipeline.agree(group, error, timeout=pipeline.LOAD_WAITS * pipeline.TIMEOUT)
     except (FlashError, ValueError) as e:
+        if model is not None:
+            model.flash.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         try:
-            _generate(args, model, tokenizer, prompt)
+            if group is None:
+                _generate(args, model, tokenizer, prompt)
+            else:
+                pipeline.run(stage, lambda: _generate(args, model, tokenizer, prompt), args.stats)
         finally:
             model.flash.close()
-    except FlashError as e:  # a failed read, a corrupted unit, a prompt longer than the context
+    except FlashError as e:  # a failed read, a corrupted unit, a prompt longer than the context, a rank lost
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _prompt(args, tokenizer) -> list:
+    """The prompt's tokens: the chat template applied unless --ignore-chat-template."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt and args.ignore_chat_template:
+        raise ValueError("the prompt is empty: a raw prompt (--ignore-chat-template) needs at least one token")
+    if not args.ignore_chat_template and tokenizer.chat_template is not None:
+        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(prompt)
 
 
 def _generate(args, model, tokenizer, prompt):
@@ -635,6 +671,8 @@ def _generate(args, model, tokenizer, prompt):
     response = None
     context = model.flash.context
     step = model.flash.plan.prefill_step(model.flash.fd.config, context)  # within the budget
+    if isinstance(model.decoder, pipeline.Stage):  # every pass native: at most its positions
+        step = min(step, model.decoder.max_positions)
     for response in stream_generate(
         model,
         tokenizer,

@@ -30,6 +30,7 @@ from .engine.reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
 from .engine.selectors import load_selector_arrays, wina_norms
 from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
+from .engine.stage import StageDir, absent_modules
 from .errors import BudgetError, FlashError, FlashFormatError
 from .format.directory import MANIFEST, RESIDENT, FlashDir, dense_ffn_weights
 from .models import get_model_classes
@@ -323,6 +324,7 @@ def load(
     sequences: int = 1,
     max_ppl_increase: float = MAX_PPL_INCREASE,
     draft_model=None,
+    layers: Optional[Tuple[int, int]] = None,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -349,9 +351,13 @@ def load(
     sequences: KV caches of `context` tokens for this many sequences decoded together (the server's batch).
     draft_model: a flash directory with the same tokenizer, loaded resident as `model.draft_model` for
     speculative decoding (generate.stream_generate's draft_model); its memory comes out of the budget.
+    layers: (start, stop) loads, plans and streams only those layers (a pipeline stage: engine/stage.py), with the
+    embedding if start is 0 and the final norm and LM head if stop is the last; a "50%" budget is then of its share.
     """
 
     fd = FlashDir(path if path is not None else default_model_dir())
+    if layers is not None:
+        fd = StageDir(fd, *layers)
     fd.check_resident()
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
     baseline = memory.rss()  # what the budget is above (see memory.py)
@@ -464,7 +470,7 @@ def load(
             sparsifier.bias[i] = bias["fc1"]
         return FlashFFN(engine, i, bias)
 
-    model = build_model(fd, make_ffn, dtype, _streaming(fd, plan, engine, direct, cast))
+    model = build_model(fd, make_ffn, dtype, {**_streaming(fd, plan, engine, direct, cast), **absent_modules(fd)})
     model.flash = engine
     engine.context = context  # where generation stops: the KV cache holds no more
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
@@ -546,7 +552,7 @@ def _load_moe(
     engine.stats.baseline_rss = baseline
     if budget is not None:
         mx.set_cache_limit(plan.workspace)
-    model = build_moe_model(fd, engine, dtype, _streaming(fd, plan, engine, direct, cast))
+    model = build_moe_model(fd, engine, dtype, {**_streaming(fd, plan, engine, direct, cast), **absent_modules(fd)})
     model.flash = engine
     engine.context = context  # where generation stops: the KV cache holds no more
     routers = next_routers(model, {int(i): p for i, p in fd.ffn["switch_paths"].items()}) if read_ahead else {}

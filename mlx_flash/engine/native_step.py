@@ -31,6 +31,7 @@ from ..compute import cpu_gemv
 from .experts import FlashSwitchGLU
 from .neurons import FlashFFN
 from .resident import StreamedLayer, StreamedRows
+from .stage import Absent
 
 ATTENTION = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen3": True, "mlx_lm.models.qwen3_moe": True}  # -> q/k norms
 MAX_POSITIONS = (
@@ -148,7 +149,8 @@ class HostDecoder:
     def __init__(self, model, layers, head, head_streamed=None):
         self.model, self.layers, self.head, self.head_streamed = model, layers, head, head_streamed
         body = model.model
-        self.norm, self.eps = _weight(body.norm), float(body.norm.eps)
+        last = not isinstance(body.norm, Absent)  # a pipeline stage before the last ends with hidden rows
+        self.norm, self.eps = (_weight(body.norm), float(body.norm.eps)) if last else (None, None)
 
     @classmethod
     def of(cls, model, engine):
@@ -198,6 +200,8 @@ class HostDecoder:
                     mlp=layer.mlp,
                 )
             )
+        if isinstance(body.norm, Absent):  # a pipeline stage before the last (stage.py): no norm, no head
+            return cls(model, layers, None), None
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
         head_module = body.embed_tokens if tied else getattr(model, "lm_head", None)
         if isinstance(head_module, StreamedRows):
@@ -250,7 +254,21 @@ class HostDecoder:
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
         """Logits [1, m, vocab] of `tokens` (m ints) at the caches' offset (a prompt: [1, 1, vocab] of the last one,
         and the stats count a prompt pass); the caches advance by m."""
-        x = self._layers([np.asarray(tokens, dtype=np.int32).reshape(-1).tolist()], [[c] for c in cache], prompt)
+        self.model.flash.stats.touch(prefill=prompt)  # (a streamed embedding would begin it as a prompt)
+        return self.logits(self.run_layers(self.embed(tokens), cache, prompt), prompt)
+
+    def embed(self, tokens) -> np.ndarray:
+        """The float32 host rows [m, d] of `tokens`."""
+        ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
+        return np.array(self.model.model.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
+
+    def run_layers(self, x: np.ndarray, cache, prompt: bool = False) -> np.ndarray:
+        """The hidden rows x [m, d] (float32, updated in place) through every layer, the caches advanced by m (a
+        pipeline stage: its layers, from the rows the stage before sent)."""
+        return self._layers(x, [len(x)], [[c] for c in cache], prompt)
+
+    def logits(self, x: np.ndarray, prompt: bool = False) -> mx.array:
+        """The head's logits [1, m, vocab] of the last layer's rows x (a prompt: of its last row)."""
         logits = self._head(x[-1:] if prompt else x)
         return mx.array(logits).reshape(1, len(logits), -1)
 
@@ -264,25 +282,24 @@ class HostDecoder:
         for c in cache:
             c.advance(tokens.shape[1])
         live = [i for i, row in enumerate(ids) if row]  # (right padding can leave a sequence none)
-        x = self._layers([ids[i] for i in live], [[c.caches[i] for i in live] for c in cache], tokens.shape[1] > 1)
-        last = self._head(x[np.cumsum([len(ids[i]) for i in live]) - 1])
+        lengths = [len(ids[i]) for i in live]
+        self.model.flash.stats.touch(prefill=tokens.shape[1] > 1)
+        x = self.embed([t for i in live for t in ids[i]])
+        x = self._layers(x, lengths, [[c.caches[i] for i in live] for c in cache], tokens.shape[1] > 1)
+        last = self._head(x[np.cumsum(lengths) - 1])
         logits = np.zeros((len(ids), last.shape[-1]), np.float32)
         logits[live] = last
         return mx.array(logits)[:, None]
 
-    def _layers(self, ids: List[List[int]], caches: List[List[HostKVCache]], prompt: bool) -> np.ndarray:
-        """The host rows after the last layer of the tokens `ids` of each sequence (their rows in order), each at
-        its cache's offset; caches[layer][sequence] advance by their tokens."""
-        body = self.model.model
-        self.model.flash.stats.touch(prefill=prompt)  # (a streamed embedding would begin it as a prompt)
-        flat = np.asarray([t for seq in ids for t in seq], dtype=np.int32).reshape(1, -1)
-        x = np.array(body.embed_tokens(mx.array(flat)).astype(mx.float32)).reshape(flat.shape[1], -1)
+    def _layers(self, x: np.ndarray, lengths: List[int], caches: List[List[HostKVCache]], prompt: bool) -> np.ndarray:
+        """Host rows x [m, d] (float32, updated in place: `lengths` rows of each sequence in turn) through every
+        layer, each sequence at its own cache's offset; caches[layer][sequence] advance by its rows."""
         h = np.empty_like(x)
         for L, cs in zip(self.layers, caches):
             segments = []
-            for c, seq in zip(cs, ids):
-                c.reserve(c.offset + len(seq), L["n_kv"], L["head_dim"])
-                segments.append((c._k, c._v, c.offset, c._k.shape[2], len(seq)))
+            for c, m in zip(cs, lengths):
+                c.reserve(c.offset + m, L["n_kv"], L["head_dim"])
+                segments.append((c._k, c._v, c.offset, c._k.shape[2], m))
             q, k, v, o, *qk_norms = L["linears"] + L["qk_norms"] if L["linears"] else self._load_attention(L)
             cpu_gemv.attention_batch(
                 x,
@@ -304,8 +321,8 @@ class HostDecoder:
                 L["scale"],
                 *qk_norms,
             )
-            for c, seq in zip(cs, ids):
-                c.offset += len(seq)
+            for c, m in zip(cs, lengths):
+                c.offset += m
             mlp = L["mlp"]
             if isinstance(mlp, FlashFFN):  # a dense FFN: the engine's selector, cache and kernels on the host rows
                 x += mlp.ffn_row(h, prefill=prompt)

@@ -104,6 +104,7 @@ def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
     untied = any(by_module[p][0].shape[0] in vocabularies for p in linears)  # a linear head, as many rows as one
     order = {p: i for i, (p, _) in enumerate(tree_flatten(model.parameters()))}
     tied = [] if untied or not embeddings else [min(embeddings, key=lambda p: order[p + ".weight"])]  # tokens': first
+    tied = tied if getattr(fd, "last", True) else []  # a pipeline stage before the last holds no head (stage.py)
 
     rows, heads = [], []
     for path in tied + linears:

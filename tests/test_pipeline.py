@@ -1,0 +1,231 @@
+"""Pipeline stages (mlx_flash/pipeline.py, engine/stage.py): each rank loads, plans and streams its own layers; the
+tokens are the single process's, bit for bit; bad input and a lost rank end every rank with one line."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from mlx_flash.budget import fixed_bytes, min_budget, with_streamed
+from mlx_flash.convert.build import convert
+from mlx_flash.convert.source import copy_tokenizer, load_source_model
+from mlx_flash.default_model import default_model_dir
+from mlx_flash.engine import memory
+from mlx_flash.engine.resident import stream_groups
+from mlx_flash.engine.stage import StageDir
+from mlx_flash.errors import CapError
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.loader import cpu_cast, load
+from mlx_flash.models.tiny import make_tiny_model_dir
+from mlx_flash.pipeline import PipelineError, parse_split, split_layers
+from mlx_flash.tools.cap import run_capped
+from mlx_flash.tools.ranks import rank_env, run_ranks, write_hostfile
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+CONTEXT = 64
+PROMPT = [1, 5, 9, 33, 70, 2, 11]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A 4-layer qwen3_moe, 4-bit, converted (three stages need three layers at least)."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    root = tmp_path_factory.mktemp("pipeline-moe")
+    src = make_tiny_model_dir("qwen3_moe", root / "float", num_hidden_layers=4)
+    model, config = quantize_model(*load_source_model(src, lazy=False), group_size=32, bits=4)
+    save_model(root / "q4", model)
+    (root / "q4" / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(src, root / "q4")
+    return convert(str(root / "q4"), root / "flash", progress=False)
+
+
+def matching_budget(whole, stage) -> int:
+    """A stage's budget that gives its layers the unit caches (and read-ahead buffers) the whole model's plan gives
+    them: its own floor (its resident weights resident but an input embedding, which the planner streams by rows
+    whenever a unit would not be cached: a tied one on the first stage) plus those bytes. Device bytes compare."""
+    plan, fd = whole.flash.plan, whole.flash.fd
+    strides = {k: v.stride for k, v in fd.layouts.items()}
+    caches = sum(
+        c * strides[r] for layer in plan.capacity[stage.start : stage.stop] for r, c in layer.items()
+    ) + 2 * plan.prefetch_rows * strides.get("neurons", 0)
+    rows = [g for g in stream_groups(stage, cpu_cast, CONTEXT) if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
+    fixed = fixed_bytes(stage, CONTEXT, 4, resident=stage.resident_nbytes(cpu_cast))
+    return sum(with_streamed(fixed, rows).values()) + caches
+
+
+def decode_chained(stages, n):
+    """Greedy tokens and every step's logits of the stages run in order in this process (embed on the first, the
+    float32 rows passed on, the head on the last)."""
+    caches = [m.make_cache() for m in stages]
+    tokens, out, logits = list(PROMPT), [], []
+    for _ in range(n):
+        prompt = len(tokens) > 1
+        x = stages[0].decoder.embed(tokens)
+        for model, cache in zip(stages, caches):
+            x = model.decoder.run_layers(np.array(x), cache, prompt)
+        step = stages[-1].decoder.logits(x, prompt)
+        logits.append(np.array(step))
+        tokens = [int(mx.argmax(step[0, -1]).item())]
+        out.append(tokens[0])
+    return out, logits
+
+
+@pytest.mark.parametrize("name, ranks, cached", [("smollm2", 2, 0.5), ("smollm2", 3, 0.25), ("tiny_moe", 3, 0.25)])
+def test_stages_give_the_whole_models_bits_and_bytes(request, name, ranks, cached):
+    """Stages chained in one process: the whole model's logits bit for bit, each stage holding and reading only its
+    layers (its resident bytes below the whole's, device bytes summing to the whole's within 5%)."""
+    path = request.getfixturevalue(name)
+    fd = FlashDir(path)
+    # every resident weight resident (so the stages' plans stream none either), `cached` of the FFN units cached
+    budget = min_budget(fd, CONTEXT, 4, resident=fd.resident_nbytes(cpu_cast)) + int(cached * fd.ffn_bytes)
+    whole, _ = load(path, memory_budget=budget, context=CONTEXT)
+    bounds = split_layers(fd, ranks)[::-1]  # the first stage (the last rank) first
+    assert [b[0] for b in bounds] == [0] + [b[1] for b in bounds[:-1]] and bounds[-1][1] == len(fd.layers)
+    stages = []
+    for start, stop in bounds:
+        budget_s = matching_budget(whole, StageDir(fd, start, stop))
+        model, _ = load(path, memory_budget=budget_s, context=CONTEXT, layers=(start, stop))
+        assert model.decoder is not None, model.flash.decoder_why
+        assert len(model.layers) == stop - start
+        assert model.flash.plan.resident < whole.flash.plan.resident
+        stages.append(model)
+    n = 8
+    want, want_logits = [], []
+    cache, tokens = whole.make_cache(), list(PROMPT)
+    for _ in range(n):
+        step = whole.decoder(tokens, cache, prompt=len(tokens) > 1)
+        want_logits.append(np.array(step))
+        tokens = [int(mx.argmax(step[0, -1]).item())]
+        want.append(tokens[0])
+    got, got_logits = decode_chained(stages, n)
+    assert got == want
+    assert all(np.array_equal(a, b) for a, b in zip(want_logits, got_logits))
+    single = whole.flash.stats.device_bytes()
+    per_stage = [m.flash.stats.device_bytes() for m in stages]
+    assert single > 0 and all(b > 0 for b in per_stage), (single, per_stage)  # every stage streams
+    assert abs(sum(per_stage) - single) <= 0.05 * single, (single, per_stage)
+    for m in [whole, *stages]:
+        m.flash.close()
+
+
+def test_split_by_bytes_and_by_hand(smollm2):
+    fd = FlashDir(smollm2)
+    assert split_layers(fd, 2) == [(15, 30), (0, 15)]  # rank 0 the last layers, as mlx-lm's
+    assert split_layers(fd, 2, parse_split("10,20", 2, 30)) == [(20, 30), (0, 20)]
+    for bad in ("10,10", "30,0", "1,2,27", "a,b"):
+        with pytest.raises(PipelineError, match="--pipeline-split"):
+            parse_split(bad, 2, 30)
+    with pytest.raises(PipelineError, match="at least one layer"):
+        split_layers(fd, 31)
+
+
+# -- ranks in processes, as mlx.launch runs them -----------------------------------------------------------------
+
+
+def generate_cmd(path, *args):
+    return [sys.executable, "-m", "mlx_flash.generate", "--model", str(path), "--max-tokens", "8", *args]
+
+
+def single_text(path, *args) -> str:
+    r = subprocess.run(generate_cmd(path, *args), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("\n==========")[0]
+
+
+def test_two_ranks_under_hard_caps(smollm2):
+    """SmolLM2 over 2 ranks, each under a cap of its budget + the baseline: rank 0 prints the single process's text;
+    --stats names each rank's layers and the bytes it reads."""
+    budget = 40 << 20
+    args = ("--memory-budget", str(budget), "--stats", "--prompt", "Name three colours.")
+    base = run_capped(memory.baseline_command(smollm2))
+    assert base.ok, base.stderr
+    try:
+        results = run_ranks(2, generate_cmd(smollm2, *args), limit=budget + base.max_rss, timeout=240)
+    except CapError as e:
+        pytest.skip(f"no hard memory cap on this machine: {e}")
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    assert not any(r.oom_killed for r in results)
+    assert results[0].stdout.split("\n==========")[0] == single_text(smollm2, *args)
+    assert results[1].stdout == ""  # rank 0 prints
+    stages = re.findall(
+        r"rank (\d): layers (\d+)-(\d+), budget 40.0 MiB: read ([\d.]+) (KiB|MiB)/token", results[0].stdout
+    )
+    assert [s[:3] for s in stages] == [("0", "15", "29"), ("1", "0", "14")], results[0].stdout
+    assert all(float(s[3]) > 0 for s in stages)  # each rank streams its own layers
+
+
+def test_three_ranks_moe_by_hand(tiny_moe):
+    """The tiny MoE over 3 ranks split by hand, each reading experts under a budget below one layer's 8: the text of
+    the whole model in memory (the same at every budget)."""
+    prompt = ("--prompt", "hello", "--ignore-chat-template")
+    args = ("--memory-budget", "140KiB", "--pipeline-split", "1,1,2", "--stats", *prompt)
+    results = run_ranks(3, generate_cmd(tiny_moe, *args), timeout=240)
+    assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
+    assert results[0].stdout.split("\n==========")[0] == single_text(tiny_moe, *prompt)
+    device = re.findall(r"rank (\d): layers (\d)-(\d), .*\(([\d.]+) KiB in all\)", results[0].stdout)
+    assert [d[:3] for d in device] == [("0", "3", "3"), ("1", "2", "2"), ("2", "0", "1")], results[0].stdout
+    assert all(float(d[3]) > 0 for d in device)
+
+
+def test_bad_split_is_one_line_on_every_rank(tiny_moe):
+    results = run_ranks(2, generate_cmd(tiny_moe, "--pipeline-split", "2,3"), timeout=120)
+    for r in results:
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            "error: --pipeline-split 2,3: needs 2 positive counts (one per rank) summing to the model's 4 layers"
+        ]
+
+
+def start_ranks(path, n, env=None):
+    hostfile = write_hostfile(n)
+    cmd = generate_cmd(path, "--memory-budget", "50%", "--prompt", "Tell me a long story.")
+    cmd[cmd.index("8")] = "400"
+    return [
+        subprocess.Popen(
+            cmd,
+            env=rank_env(r, hostfile, dict(os.environ, **(env or {}))),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+
+
+@pytest.mark.parametrize("how, victim", [("killed", 1), ("stopped", 1), ("killed", 0)])
+def test_a_lost_rank_ends_the_others(smollm2, how, victim):
+    """A rank killed (its sockets close) or stopped (silent: the watchdog's timeout, here 5 s) mid-generation: rank 0
+    exits with status 1 and one line within the timeout (30 s by default), not a hang."""
+    procs = start_ranks(smollm2, 2, {"MLX_FLASH_PIPELINE_TIMEOUT": "5"})
+    try:
+        os.set_blocking(procs[0].stdout.fileno(), False)
+        deadline = time.monotonic() + 120
+        while not procs[0].stdout.read(1):  # generating
+            assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].stderr.read()
+            time.sleep(0.2)
+        procs[victim].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        rc = procs[1 - victim].wait(timeout=30)
+        assert time.monotonic() - start < 30
+        err = procs[1 - victim].stderr.read()
+        assert rc == 1 and "Traceback" not in err, err
+        line = err.strip().splitlines()[-1]
+        assert line.startswith(f"error: pipeline rank {1 - victim}:"), err
+        # a closed socket fails the exchange at once, or (the ring's all_sum) leaves it to the watchdog
+        assert "no answer within 5 s" in line or (how == "killed" and "another rank ended" in line), line
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
