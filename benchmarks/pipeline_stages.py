@@ -140,12 +140,11 @@ def ranks_run(model, n: int, budgets, tokens: int, baseline: int) -> dict:
     return {"ranks": n, "text": text_of(out), "per_rank": per_rank, "wall_s": max(r.wall_s for r in results)}
 
 
-def isolated(model, bounds, budgets, whole_budget: int, tokens: int, context: int) -> dict:
-    """The stages chained in this process, each timed alone, and the whole model (module doc)."""
+def isolated(model, bounds, budgets, whole_budgets, tokens: int, context: int) -> dict:
+    """The stages chained in this process, each timed alone, and the whole model at each of `whole_budgets` (module
+    doc). Every model's tokens are counted as a rank's are (pipeline.PassClock)."""
     fd = FlashDir(model)
     ids = prompt_ids(model)
-    whole, _ = load(model, memory_budget=whole_budget, context=context)
-    stages = [load(model, memory_budget=b, context=context, layers=lay)[0] for lay, b in zip(bounds, budgets)]
 
     def run(passes):
         toks, out = list(ids), []
@@ -155,13 +154,31 @@ def isolated(model, bounds, budgets, whole_budget: int, tokens: int, context: in
             out.append(toks[0])
         return out
 
-    def whole_pass(toks, prompt):
-        s = whole.flash.stats
-        s.touch(prefill=prompt)
-        out = whole.decoder(toks, cache_w, prompt)
-        mx.eval(out)
-        s.end()
-        return out
+    def figures(m):
+        s = m.flash.stats.summary()
+        return {k: s[k] for k in ("io_ms", "compute_ms", "total_ms", "bytes_per_token", "hit_rate")}
+
+    wholes, want = [], None
+    for budget in whole_budgets:
+        whole, _ = load(model, memory_budget=budget, context=context)
+        cache, clock = whole.make_cache(), PassClock(whole.flash.stats)
+
+        def whole_pass(toks, prompt):
+            clock.begin(prompt)
+            out = whole.decoder(toks, cache, prompt)
+            mx.eval(out)
+            clock.done()
+            return out
+
+        got = run(whole_pass)
+        whole.flash.stats.end()
+        wholes.append(dict(figures(whole), budget=budget, plan_resident=whole.flash.plan.resident, tokens=got))
+        want = want or got
+        whole.flash.close()
+
+    stages = [load(model, memory_budget=b, context=context, layers=lay)[0] for lay, b in zip(bounds, budgets)]
+    caches = [m.make_cache() for m in stages]
+    clocks = [PassClock(m.flash.stats) for m in stages]
 
     def chained(toks, prompt):
         x = None
@@ -175,28 +192,19 @@ def isolated(model, bounds, budgets, whole_budget: int, tokens: int, context: in
             clock.done()
         return x
 
-    cache_w = whole.make_cache()
-    want = run(whole_pass)
-    caches = [m.make_cache() for m in stages]
-    clocks = [PassClock(m.flash.stats) for m in stages]
     got = run(chained)
     for m in stages:
         m.flash.stats.end()
-
-    def figures(m):
-        s = m.flash.stats.summary()
-        return {k: s[k] for k in ("io_ms", "compute_ms", "total_ms", "bytes_per_token", "hit_rate")}
-
     out = {
-        "tokens_equal": got == want,
-        "whole": dict(figures(whole), budget=whole_budget, plan_resident=whole.flash.plan.resident),
+        "tokens_equal": all(w["tokens"] == got for w in wholes),
+        "wholes": wholes,
         "stages": [
             dict(figures(m), layers=list(lay), budget=b, plan_resident=m.flash.plan.resident)
             for m, lay, b in zip(stages, bounds, budgets)
         ],
         "hidden_bytes_per_hop": 4 * fd.config["hidden_size"],
     }
-    for m in [whole, *stages]:
+    for m in stages:
         m.flash.close()
     return out
 
@@ -208,14 +216,36 @@ def main():
     p.add_argument("--budget", required=True, help="The single process's budget.")
     p.add_argument("--rank-budget", default=None, help="Each rank's budget (default: matched, module doc).")
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--isolated", action="store_true")
+    p.add_argument("--isolated", action="store_true", help="Also time the 2 stages alone (module doc).")
+    p.add_argument(
+        "--isolated-only", action="store_true", help="Only that, into the --json file's `isolated` (a quieter time)."
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     fd = FlashDir(args.model)
     context = len(prompt_ids(args.model)) + args.tokens
     budget = parse_size(args.budget, fd.model_bytes)
-    base = run_capped(memory.baseline_command(args.model)).max_rss
     plan = whole_plan(fd, budget, context)
+
+    def budgets_of(bounds):
+        if args.rank_budget:
+            return [parse_size(args.rank_budget)] * len(bounds)
+        return [matched_budget(plan, fd, StageDir(fd, *b), context) for b in bounds]
+
+    def time_stages(report):  # last: models loaded here would raise the ranks' wait4 peaks (their parent's at fork)
+        bounds = split_layers(fd, 2)[::-1]  # the first stage (embedding) first
+        budgets = budgets_of(bounds)
+        wholes = sorted({budget, sum(budgets)})  # one machine with one rank's memory, and with all of theirs
+        report["isolated"] = isolated(args.model, bounds, budgets, wholes, args.tokens, context)
+        print(f"isolated: {json.dumps(report['isolated'])}", file=sys.stderr)
+
+    if args.isolated_only:
+        report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
+        time_stages(report)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        return
+    base = run_capped(memory.baseline_command(args.model)).max_rss
     report = {
         "machine": machine_info(args.model),
         "note": "shared 2-core VM, other work running; ranks share the disk and the cores",
@@ -229,31 +259,25 @@ def main():
     print(f"single: {report['single']['summary']}", file=sys.stderr)
     for n in (int(x) for x in args.ranks.split(",")):
         bounds = split_layers(fd, n)
-        if args.rank_budget:
-            budgets = [parse_size(args.rank_budget)] * n
-        else:
-            budgets = [matched_budget(plan, fd, StageDir(fd, *b), context) for b in bounds]
+        budgets = budgets_of(bounds)
         run = ranks_run(args.model, n, budgets, args.tokens, base)
         run["text_equal"] = run["text"] == report["single"]["text"]
         total = sum(r["bytes_per_token"] for r in run["per_rank"])
         run["bytes_per_token_sum"] = total
         run["bytes_vs_single"] = total / report["single"]["bytes_per_token"]
-        # (wait4's peak of a child can be its parent's RSS at fork: each rank's own VmHWM above its baseline is used)
-        run["under_caps"] = all(
-            r["own_peak_above_baseline"] <= r["budget"] and r["cgroup_peak"] <= r["cap"] and not r["oom_killed"]
-            for r in run["per_rank"]
-        )
+        # the cgroup's hard cap held (no OOM kill; its charge, page cache included, at most the cap); the budget: each
+        # rank's own peak above its baseline (wait4's RSS also counts shared library pages the cgroup does not charge)
+        run["under_caps"] = all(r["cgroup_peak"] <= r["cap"] and not r["oom_killed"] for r in run["per_rank"])
+        run["within_budgets"] = all(r["own_peak_above_baseline"] <= r["budget"] for r in run["per_rank"])
         report["runs"].append(run)
         print(
             f"{n} ranks: text equal {run['text_equal']}, bytes/token {total} vs single "
-            f"{report['single']['bytes_per_token']} ({run['bytes_vs_single']:.3f}x), under caps {run['under_caps']}",
+            f"{report['single']['bytes_per_token']} ({run['bytes_vs_single']:.3f}x), under caps {run['under_caps']}, "
+            f"within budgets {run['within_budgets']}",
             file=sys.stderr,
         )
-        if n == 2:
-            two = bounds[::-1], budgets[::-1]  # the first stage (embedding) first
-    if args.isolated:  # last: loading models here would raise the ranks' wait4 peaks (their parent's RSS at fork)
-        report["isolated"] = isolated(args.model, *two, budget, args.tokens, context)
-        print(f"isolated: {json.dumps(report['isolated'])}", file=sys.stderr)
+    if args.isolated:
+        time_stages(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
