@@ -40,11 +40,6 @@ import mlx.core as mx
 
 PROMPT = "Tell me a story about a lighthouse."
 SIZE = r"([\d.]+ (?:B|KiB|MiB|GiB))"
-RANK = re.compile(
-    rf"rank (\d+): layers (\d+)-(\d+), budget (.+?): read {SIZE}/token at the device \({SIZE} in all\), hit rate "
-    rf"([\d.]+)%, io ([\d.]+) ms, compute ([\d.]+) ms, own work ([\d.]+) ms, waiting for the rows ([\d.]+) ms, "
-    rf"sending them ([\d.]+) ms; peak RSS {SIZE} above the baseline"
-)
 
 
 def size(text: str) -> int:
@@ -77,8 +72,8 @@ def whole_plan(fd, budget: int, context: int):
 def matched_budget(plan, fd, stage: StageDir, context: int) -> int:
     """A stage's budget giving its layers the whole plan's unit caches and read-ahead buffers (tests/test_pipeline.py:
     its floor, with an input embedding streamed by rows as the planner does, + those bytes)."""
-    if plan.streamed:
-        raise SystemExit("matched budgets need a --budget that keeps every resident weight resident")
+    if any(g.kind != "rows" for g in plan.streamed):  # (an input embedding by rows: the stages' floors have it too)
+        raise SystemExit("matched budgets need a --budget that keeps the resident weights resident")
     strides = {k: v.stride for k, v in fd.layouts.items()}
     caches = sum(c * strides[r] for layer in plan.capacity[stage.start : stage.stop] for r, c in layer.items())
     caches += 2 * plan.prefetch_rows * strides.get("neurons", 0)
@@ -107,12 +102,13 @@ def single(model, budget: int, tokens: int, baseline: int) -> dict:
     r = run_capped(generate_cmd(model, budget, tokens), limit=budget + baseline, drop=[model], timeout=3600)
     if not r.ok:
         raise SystemExit(f"single process failed ({r.returncode}, OOM {r.oom_killed}): {r.stderr[-2000:]}")
-    per_token = re.search(rf"read {SIZE}/token at the device", r.stdout)
+    # the per-token lines' MiB with 2 decimals (the summary's figure is rounded to 0.1 GiB on a 7B)
+    per_token = [float(m) * 2**20 for m in re.findall(r"\[token +\d+\] .*\| read +([\d.]+) MiB", r.stdout)]
     return {
         "budget": budget,
         "cap": budget + baseline,
         "text": text_of(r.stdout),
-        "bytes_per_token": size(per_token.group(1)),
+        "bytes_per_token": sum(per_token) / len(per_token),
         "peak_rss_above_baseline": r.max_rss - baseline,
         "summary": next(l for l in r.stdout.splitlines() if l.startswith("summary over")),
         "plan": r.stdout.strip().splitlines()[-1],
@@ -126,39 +122,29 @@ def ranks_run(model, n: int, budgets, tokens: int, baseline: int) -> dict:
     if not all(r.ok for r in results):
         raise SystemExit("ranks failed: " + " | ".join(f"{r.returncode} {r.stderr[-1500:]}" for r in results))
     out = results[0].stdout
+    rows = json.loads(next(l for l in out.splitlines() if l.startswith("pipeline stages (JSON): ")).split(": ", 1)[1])
     per_rank = []
-    for m in RANK.finditer(out):
-        rank = int(m.group(1))
+    for rank, (row, r) in enumerate(zip(rows, results)):
         per_rank.append(
-            {
-                "rank": rank,
-                "layers": [int(m.group(2)), int(m.group(3))],
-                "budget": budgets[rank],
-                "cap": budgets[rank] + baseline,
-                "bytes_per_token": size(m.group(5)),
-                "device_bytes": size(m.group(6)),
-                "hit_rate": float(m.group(7)) / 100,
-                "io_ms": float(m.group(8)),
-                "compute_ms": float(m.group(9)),
-                "own_work_ms": float(m.group(10)),
-                "wait_ms": float(m.group(11)),
-                "send_ms": float(m.group(12)),
-                "peak_rss_above_baseline_own": size(m.group(13)),
-                "peak_rss": results[rank].max_rss,
-                "peak_rss_above_baseline": results[rank].max_rss - baseline,
-                "cgroup_peak": results[rank].cgroup_peak,
-                "oom_killed": results[rank].oom_killed,
-            }
+            dict(
+                row,
+                rank=rank,
+                layers=[int(row["start"]), int(row["stop"]) - 1],
+                cap=budgets[rank] + baseline,
+                own_peak_above_baseline=row["peak_rss"],  # the rank's VmHWM above its own baseline
+                wait4_peak_rss=r.max_rss,
+                cgroup_peak=r.cgroup_peak,
+                oom_killed=r.oom_killed,
+            )
         )
     return {"ranks": n, "text": text_of(out), "per_rank": per_rank, "wall_s": max(r.wall_s for r in results)}
 
 
-def isolated(model, bounds, budgets, whole_budget: int, tokens: int, context: int) -> dict:
-    """The stages chained in this process, each timed alone, and the whole model (module doc)."""
+def isolated(model, bounds, budgets, whole_budgets, tokens: int, context: int) -> dict:
+    """The stages chained in this process, each timed alone, and the whole model at each of `whole_budgets` (module
+    doc). Every model's tokens are counted as a rank's are (pipeline.PassClock)."""
     fd = FlashDir(model)
     ids = prompt_ids(model)
-    whole, _ = load(model, memory_budget=whole_budget, context=context)
-    stages = [load(model, memory_budget=b, context=context, layers=lay)[0] for lay, b in zip(bounds, budgets)]
 
     def run(passes):
         toks, out = list(ids), []
@@ -168,13 +154,31 @@ def isolated(model, bounds, budgets, whole_budget: int, tokens: int, context: in
             out.append(toks[0])
         return out
 
-    def whole_pass(toks, prompt):
-        s = whole.flash.stats
-        s.touch(prefill=prompt)
-        out = whole.decoder(toks, cache_w, prompt)
-        mx.eval(out)
-        s.end()
-        return out
+    def figures(m):
+        s = m.flash.stats.summary()
+        return {k: s[k] for k in ("io_ms", "compute_ms", "total_ms", "bytes_per_token", "hit_rate")}
+
+    wholes, want = [], None
+    for budget in whole_budgets:
+        whole, _ = load(model, memory_budget=budget, context=context)
+        cache, clock = whole.make_cache(), PassClock(whole.flash.stats)
+
+        def whole_pass(toks, prompt):
+            clock.begin(prompt)
+            out = whole.decoder(toks, cache, prompt)
+            mx.eval(out)
+            clock.done()
+            return out
+
+        got = run(whole_pass)
+        whole.flash.stats.end()
+        wholes.append(dict(figures(whole), budget=budget, plan_resident=whole.flash.plan.resident, tokens=got))
+        want = want or got
+        whole.flash.close()
+
+    stages = [load(model, memory_budget=b, context=context, layers=lay)[0] for lay, b in zip(bounds, budgets)]
+    caches = [m.make_cache() for m in stages]
+    clocks = [PassClock(m.flash.stats) for m in stages]
 
     def chained(toks, prompt):
         x = None
@@ -188,28 +192,19 @@ def isolated(model, bounds, budgets, whole_budget: int, tokens: int, context: in
             clock.done()
         return x
 
-    cache_w = whole.make_cache()
-    want = run(whole_pass)
-    caches = [m.make_cache() for m in stages]
-    clocks = [PassClock(m.flash.stats) for m in stages]
     got = run(chained)
     for m in stages:
         m.flash.stats.end()
-
-    def figures(m):
-        s = m.flash.stats.summary()
-        return {k: s[k] for k in ("io_ms", "compute_ms", "total_ms", "bytes_per_token", "hit_rate")}
-
     out = {
-        "tokens_equal": got == want,
-        "whole": dict(figures(whole), budget=whole_budget, plan_resident=whole.flash.plan.resident),
+        "tokens_equal": all(w["tokens"] == got for w in wholes),
+        "wholes": wholes,
         "stages": [
             dict(figures(m), layers=list(lay), budget=b, plan_resident=m.flash.plan.resident)
             for m, lay, b in zip(stages, bounds, budgets)
         ],
         "hidden_bytes_per_hop": 4 * fd.config["hidden_size"],
     }
-    for m in [whole, *stages]:
+    for m in stages:
         m.flash.close()
     return out
 
@@ -221,14 +216,36 @@ def main():
     p.add_argument("--budget", required=True, help="The single process's budget.")
     p.add_argument("--rank-budget", default=None, help="Each rank's budget (default: matched, module doc).")
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--isolated", action="store_true")
+    p.add_argument("--isolated", action="store_true", help="Also time the 2 stages alone (module doc).")
+    p.add_argument(
+        "--isolated-only", action="store_true", help="Only that, into the --json file's `isolated` (a quieter time)."
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     fd = FlashDir(args.model)
     context = len(prompt_ids(args.model)) + args.tokens
     budget = parse_size(args.budget, fd.model_bytes)
-    base = run_capped(memory.baseline_command(args.model)).max_rss
     plan = whole_plan(fd, budget, context)
+
+    def budgets_of(bounds):
+        if args.rank_budget:
+            return [parse_size(args.rank_budget)] * len(bounds)
+        return [matched_budget(plan, fd, StageDir(fd, *b), context) for b in bounds]
+
+    def time_stages(report):  # last: models loaded here would raise the ranks' wait4 peaks (their parent's at fork)
+        bounds = split_layers(fd, 2)[::-1]  # the first stage (embedding) first
+        budgets = budgets_of(bounds)
+        wholes = sorted({budget, sum(budgets)})  # one machine with one rank's memory, and with all of theirs
+        report["isolated"] = isolated(args.model, bounds, budgets, wholes, args.tokens, context)
+        print(f"isolated: {json.dumps(report['isolated'])}", file=sys.stderr)
+
+    if args.isolated_only:
+        report = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
+        time_stages(report)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        return
+    base = run_capped(memory.baseline_command(args.model)).max_rss
     report = {
         "machine": machine_info(args.model),
         "note": "shared 2-core VM, other work running; ranks share the disk and the cores",
@@ -242,31 +259,25 @@ def main():
     print(f"single: {report['single']['summary']}", file=sys.stderr)
     for n in (int(x) for x in args.ranks.split(",")):
         bounds = split_layers(fd, n)
-        if args.rank_budget:
-            budgets = [parse_size(args.rank_budget)] * n
-        else:
-            budgets = [matched_budget(plan, fd, StageDir(fd, *b), context) for b in bounds]
+        budgets = budgets_of(bounds)
         run = ranks_run(args.model, n, budgets, args.tokens, base)
         run["text_equal"] = run["text"] == report["single"]["text"]
         total = sum(r["bytes_per_token"] for r in run["per_rank"])
         run["bytes_per_token_sum"] = total
         run["bytes_vs_single"] = total / report["single"]["bytes_per_token"]
-        # (wait4's peak of a child can be its parent's RSS at fork: each rank's own VmHWM above its baseline is used)
-        run["under_caps"] = all(
-            r["peak_rss_above_baseline_own"] <= r["budget"] and r["cgroup_peak"] <= r["cap"] and not r["oom_killed"]
-            for r in run["per_rank"]
-        )
+        # the cgroup's hard cap held (no OOM kill; its charge, page cache included, at most the cap); the budget: each
+        # rank's own peak above its baseline (wait4's RSS also counts shared library pages the cgroup does not charge)
+        run["under_caps"] = all(r["cgroup_peak"] <= r["cap"] and not r["oom_killed"] for r in run["per_rank"])
+        run["within_budgets"] = all(r["own_peak_above_baseline"] <= r["budget"] for r in run["per_rank"])
         report["runs"].append(run)
         print(
             f"{n} ranks: text equal {run['text_equal']}, bytes/token {total} vs single "
-            f"{report['single']['bytes_per_token']} ({run['bytes_vs_single']:.3f}x), under caps {run['under_caps']}",
+            f"{report['single']['bytes_per_token']} ({run['bytes_vs_single']:.3f}x), under caps {run['under_caps']}, "
+            f"within budgets {run['within_budgets']}",
             file=sys.stderr,
         )
-        if n == 2:
-            two = bounds[::-1], budgets[::-1]  # the first stage (embedding) first
-    if args.isolated:  # last: loading models here would raise the ranks' wait4 peaks (their parent's RSS at fork)
-        report["isolated"] = isolated(args.model, *two, budget, args.tokens, context)
-        print(f"isolated: {json.dumps(report['isolated'])}", file=sys.stderr)
+    if args.isolated:
+        time_stages(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -24,6 +24,7 @@ seconds (default 30; the wait for every rank to finish loading, LOAD_WAITS times
 one line and exits with status 1.
 """
 
+import json
 import os
 import sys
 import threading
@@ -370,7 +371,8 @@ class Stage:
     )
 
     def gather(self) -> Optional[List[dict]]:
-        """Every rank's figures (FIELDS; medians over decode passes) on rank 0, None on the others."""
+        """Every rank's figures (FIELDS; medians over decode passes) on rank 0, None on the others. (float64: exact
+        byte counts; the ring backend gathers it, other backends are not tried here.)"""
         s = self.stats.summary()
         plan = self.model.flash.plan
         mine = [
@@ -412,3 +414,4 @@ def print_stages(rows: List[dict], out=sys.stdout) -> None:
         f"{fmt_bytes(sum(r['bytes_per_token'] for r in rows))}/token",
         file=out,
     )
+    print("pipeline stages (JSON): " + json.dumps(rows), file=out)  # for scripts (benchmarks/pipeline_stages.py)

@@ -139,7 +139,7 @@ def generate_cmd(path, *args):
 
 
 def single_text(path, *args) -> str:
-    r = subprocess.run(generate_cmd(path, *args), capture_output=True, text=True, timeout=300)
+    r = run_capped(generate_cmd(path, *args), timeout=300)  # (as the ranks' output: no newline translation)
     assert r.returncode == 0, r.stderr
     return r.stdout.split("\n==========")[0]
 
@@ -166,17 +166,25 @@ def test_two_ranks_under_hard_caps(smollm2):
     assert all(float(s[3]) > 0 for s in stages)  # each rank streams its own layers
 
 
-def test_three_ranks_moe_by_hand(tiny_moe):
+@pytest.mark.parametrize(
+    "budget, speculative", [("170KiB", ()), ("170KiB", ("--prompt-lookup",)), ("1MiB", ("--draft-model", "SELF"))]
+)
+def test_three_ranks_moe_by_hand(tiny_moe, budget, speculative):
     """The tiny MoE over 3 ranks split by hand, each reading experts under a budget below one layer's 8: the text of
-    the whole model in memory (the same at every budget)."""
-    prompt = ("--prompt", "hello", "--ignore-chat-template")
-    args = ("--memory-budget", "140KiB", "--pipeline-split", "1,1,2", "--stats", *prompt)
+    the whole model in memory (the same at every budget), plain and with speculative passes (drafts verified over the
+    stages, rejected ones trimmed on every rank; a draft model on rank 0 only, inside its budget)."""
+    speculative = tuple(str(tiny_moe) if a == "SELF" else a for a in speculative)
+    prompt = ("--prompt", "hello hello hello hello hello", "--ignore-chat-template")
+    args = ("--memory-budget", budget, "--pipeline-split", "1,1,2", "--stats", *prompt, *speculative)
     results = run_ranks(3, generate_cmd(tiny_moe, *args), timeout=240)
     assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
     assert results[0].stdout.split("\n==========")[0] == single_text(tiny_moe, *prompt)
     device = re.findall(r"rank (\d): layers (\d)-(\d), .*\(([\d.]+) KiB in all\)", results[0].stdout)
     assert [d[:3] for d in device] == [("0", "3", "3"), ("1", "2", "2"), ("2", "0", "1")], results[0].stdout
     assert all(float(d[3]) > 0 for d in device)
+    if speculative:
+        drafted = re.search(r"speculative: \d+ passes, (\d+) drafted", results[0].stdout)
+        assert drafted and int(drafted.group(1)) > 0, results[0].stdout
 
 
 def test_bad_split_is_one_line_on_every_rank(tiny_moe):
