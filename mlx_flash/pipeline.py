@@ -274,6 +274,16 @@ class Stage:
         fd = model.flash.fd
         self.layers = (fd.start, fd.stop) if isinstance(fd, StageDir) else (0, len(fd.layers))
 
+    def share_context(self) -> int:
+        """Every rank's planned context (`-m -1`: the longest each budget holds) cut to the least, where rank 0's
+        generation then stops: no rank's KV cache outgrows its plan."""
+        with self.group.watch("agreeing on the context"):
+            contexts = mx.distributed.all_gather(
+                mx.array([self.model.flash.context], dtype=mx.int64), group=self.group.mx, stream=mx.cpu
+            )
+            self.model.flash.context = int(np.array(contexts).min())
+        return self.model.flash.context
+
     # -- rank 0: the generation loop's passes --------------------------------------------------------------------
     def applies(self, tokens, cache) -> bool:
         if not self.decoder.applies(tokens, cache):
