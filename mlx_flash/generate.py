@@ -633,6 +633,7 @@ def main(argv=None):
             error = e
         if group is not None:
             pipeline.agree(group, error, timeout=pipeline.LOAD_WAITS * pipeline.TIMEOUT)
+            stage.share_context()
     except (FlashError, ValueError) as e:
         if model is not None:
             model.flash.close()

@@ -20,7 +20,7 @@ process's, bit for bit.
 
 Failure: a rank that ends makes the others' next exchange fail (the ring backend: "connection to a peer was lost");
 one that stops answering is caught by a watchdog thread: no exchange waits longer than MLX_FLASH_PIPELINE_TIMEOUT
-seconds (default 30; the wait for every rank to finish loading, LOAD_WAITS times that). Either way each rank prints
+seconds (default 30; a prompt chunk of m positions 1 + m/32 times that, loading LOAD_WAITS times). Each rank prints
 one line and exits with status 1.
 """
 
@@ -210,7 +210,7 @@ def run(stage, generate, stats: bool) -> None:
     else:
         status = stage.follow()
     if status:
-        raise PipelineError(f"pipeline rank {stage.rank}: rank 0 ended with an error (its error is above)")
+        raise PipelineError(f"pipeline rank {stage.rank}: rank 0 ended with an error (see the error it printed)")
     rows = stage.gather() if stats else None
     if rows:
         print_stages(rows)
@@ -270,9 +270,20 @@ class Stage:
         self.stats = model.flash.stats
         self.clock = PassClock(self.stats)
         self.waits, self.sends = [], []  # seconds per pass: waiting for the rows before, sending them on
+        self.positions = 1  # of the last pass
         self.passes = 0  # exchanges so far, the same count on every rank: each one's number checks it arrived whole
         fd = model.flash.fd
         self.layers = (fd.start, fd.stop) if isinstance(fd, StageDir) else (0, len(fd.layers))
+
+    def share_context(self) -> int:
+        """Every rank's planned context (`-m -1`: the longest each budget holds) cut to the least, where rank 0's
+        generation then stops: no rank's KV cache outgrows its plan."""
+        with self.group.watch("agreeing on the context"):
+            contexts = mx.distributed.all_gather(
+                mx.array([self.model.flash.context], dtype=mx.int64), group=self.group.mx, stream=mx.cpu
+            )
+            self.model.flash.context = int(np.array(contexts).min())
+        return self.model.flash.context
 
     # -- rank 0: the generation loop's passes --------------------------------------------------------------------
     def applies(self, tokens, cache) -> bool:
@@ -314,7 +325,7 @@ class Stage:
             buf[:HEADER] = op, len(tokens), offset, prompt, status, self.passes
             buf[HEADER : HEADER + len(tokens)] = tokens
         what = "sending the next pass" if self.rank == 0 else "waiting for rank 0's next pass"
-        with self.group.watch(what):
+        with self.group.watch(what, self._limit(self.positions)):  # (after the last pass's work downstream)
             buf = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group.mx, stream=mx.cpu))
         op, m, offset, prompt, status, number = (int(v) for v in buf[:HEADER])
         # (a ring that lost a peer may fail its pending exchanges with whatever its buffers held, raising nothing)
@@ -325,13 +336,14 @@ class Stage:
     def _pass(self, tokens, cache, prompt: bool):
         """This rank's share of a forward pass; rank 0 returns the logits. The stats' token is this rank's own work
         (from the rows' arrival to its output), not the waits for the others."""
+        self.positions = len(tokens)
         if self.first:
             self.clock.begin(prompt)
             x = self.decoder.embed(tokens)
         else:
             start = time.perf_counter()
             what = f"waiting for rank {self.rank + 1}'s hidden rows"
-            with self.group.watch(what):
+            with self.group.watch(what, self._limit(len(tokens))):
                 x = mx.distributed.recv((len(tokens) + 1, self.hidden), mx.float32, self.rank + 1, group=self.group.mx)
                 x = np.array(x, copy=True)
             if not np.all(x[-1] == self.passes):  # the pass's number, after the rows: not stale or failed bytes
@@ -352,6 +364,12 @@ class Stage:
             mx.eval(mx.distributed.send(mx.array(rows), self.rank - 1, group=self.group.mx, stream=mx.cpu))
         self.sends.append(time.perf_counter() - start)
         return None
+
+    @staticmethod
+    def _limit(positions: int) -> float:
+        """How long a wait for the other ranks' share of a pass of `positions` may take: the timeout for a decode
+        step, longer for a prompt chunk (each stage reads its units and computes every position)."""
+        return TIMEOUT * (1 + positions // 32)
 
     # -- stats --------------------------------------------------------------------------------------------------
     FIELDS = (

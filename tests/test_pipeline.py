@@ -237,3 +237,24 @@ def test_a_lost_rank_ends_the_others(smollm2, how, victim):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_under_mlx_launch(tiny_moe):
+    """`mlx.launch --backend ring -n 2` itself (it prints the ranks' output, rank 0's text among it)."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    if not os.path.exists(launcher):
+        pytest.skip("no mlx.launch beside this interpreter")
+    prompt = ("--prompt", "hello", "--ignore-chat-template")
+    cmd = [
+        launcher,
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--",
+        *generate_cmd(tiny_moe, "--memory-budget", "200KiB", *prompt),
+    ]
+    r = run_capped(cmd, timeout=240)
+    assert r.returncode == 0 and "error" not in r.stderr, r.stderr
+    text = single_text(tiny_moe, *prompt)
+    assert text and text in r.stdout

@@ -87,7 +87,7 @@ class StageDir(FlashDir):
                 for i, p in ffn["switch_paths"].items()
                 if start <= int(i) < stop
             }
-        self.manifest = dict(fd.manifest, ffn=ffn)
+        self.manifest = dict(fd.manifest, ffn=ffn, sparsity=None)  # (a selector's arrays are the whole model's)
         self._resident_index = None
 
     def _outside(self, model: nn.Module, paths) -> set:
