@@ -153,20 +153,23 @@ class BatchModel:
 
 class _Tracked:
     """A request's response queue, as the generation thread sees it: the request is in flight until its last
-    response (None, or an error) or until its client leaves."""
+    response (None, or an error) or until its client leaves (mlx-lm's handler then stops its context)."""
 
     def __init__(self, queue):
-        self.queue, self.ctx, self.done = queue, None, False
+        self.queue, self.in_flight = queue, True
 
     def put(self, item):
         if isinstance(item, server.GenerationContext):
-            self.ctx = item
-        self.done = self.done or item is None or isinstance(item, Exception)
-        self.queue.put(item)
+            stop = item.stop
 
-    @property
-    def in_flight(self) -> bool:
-        return not self.done and not (self.ctx is not None and self.ctx._should_stop)
+            def stopped():
+                self.in_flight = False
+                stop()
+
+            item.stop = stopped
+        if item is None or isinstance(item, Exception):
+            self.in_flight = False
+        self.queue.put(item)
 
 
 class ResponseGenerator(server.ResponseGenerator):
