@@ -113,9 +113,11 @@ def test_batch_caches_join_leave_and_are_stored_apart():
     batch.extend(HostKVCache.merge([c]))
     batch.filter([0, 2])
     assert batch.caches == [a, c] and batch.nbytes == a.nbytes + c.nbytes
-    stored = batch.extract(1)  # a copy: the batch goes on writing c
-    c._k[:] = 9
-    assert stored.offset == 4 and np.all(np.array(stored.keys) == 2)
+    stored = batch.extract(1)  # handed out, not copied (a finishing sequence leaves without a copy) ...
+    assert stored is c
+    batch.own([1])  # ... until the batch writes there again
+    batch.caches[1]._k[:] = 9
+    assert stored.offset == 4 and np.all(np.array(stored.keys) == 2) and batch.caches[1].offset == 4
     batch.prepare(lengths=[3, 1], right_padding=[0, 2])
     assert batch.lengths(2) == [2, 1]
     batch.advance(2)

@@ -283,6 +283,8 @@ class HostDecoder:
             c.advance(tokens.shape[1])
         live = [i for i, row in enumerate(ids) if row]  # (right padding can leave a sequence none)
         lengths = [len(ids[i]) for i in live]
+        for c in cache:
+            c.own(live)
         self.model.flash.stats.touch(prefill=tokens.shape[1] > 1)
         x = self.embed([t for i in live for t in ids[i]])
         x = self._layers(x, lengths, [[c.caches[i] for i in live] for c in cache], tokens.shape[1] > 1)
@@ -350,6 +352,7 @@ class HostBatchKVCache:
 
     def __init__(self, caches: List[HostKVCache]):
         self.caches = list(caches)
+        self._lent = [False] * len(self.caches)  # handed out by extract: copied before the batch writes there again
         self._left = None  # tokens of each sequence still to come in the padded passes, when prepared
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
@@ -370,16 +373,26 @@ class HostBatchKVCache:
 
     def filter(self, keep: List[int]):
         self.caches = [self.caches[i] for i in keep]
+        self._lent = [self._lent[i] for i in keep]
 
     def extend(self, other: "HostBatchKVCache"):
         self.caches += other.caches
+        self._lent += other._lent
 
     def extract(self, idx: int) -> HostKVCache:
-        """A copy of sequence idx's cache (the batch goes on writing its own)."""
-        c = self.caches[idx]
-        out = HostKVCache(c.step)
-        out.state = c.state
-        return out
+        """Sequence idx's cache, handed out (to the server's prompt cache): the batch copies it before it writes there
+        again, so a sequence that finishes leaves without a copy of its keys and values."""
+        self._lent[idx] = True
+        return self.caches[idx]
+
+    def own(self, live: List[int]):
+        """Copies of the caches of sequences `live` that were handed out, before a pass writes them."""
+        for i in live:
+            if self._lent[i]:
+                c = self.caches[i]
+                self.caches[i] = HostKVCache(c.step)
+                self.caches[i].state = c.state
+                self._lent[i] = False
 
     @property
     def state(self):
