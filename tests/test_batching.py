@@ -3,6 +3,7 @@ bit; the server decodes concurrent requests together (mlx-lm's BatchGenerator), 
 with admission (--max-batch, --max-queue), disconnects, long prompts joining, stop sequences, logprobs and prompt
 lookup per request."""
 
+import copy
 import http.client
 import json
 import socket
@@ -118,6 +119,7 @@ def test_batch_caches_join_leave_and_are_stored_apart():
     batch.own([1])  # ... until the batch writes there again
     batch.caches[1]._k[:] = 9
     assert stored.offset == 4 and np.all(np.array(stored.keys) == 2) and batch.caches[1].offset == 4
+    assert copy.deepcopy(batch).caches[0] is a  # mlx-lm copies a batch to split it: no sequence's KV doubled
     batch.prepare(lengths=[3, 1], right_padding=[0, 2])
     assert batch.lengths(2) == [2, 1]
     batch.advance(2)

@@ -379,6 +379,13 @@ class HostBatchKVCache:
         self.caches += other.caches
         self._lent += other._lent
 
+    def __deepcopy__(self, memo):
+        """A batch that shares its sequences' caches: mlx-lm copies a batch only to split it (PromptProcessingBatch's
+        split, each sequence then kept on one side), and a deep copy would double every sequence's keys and values."""
+        out = HostBatchKVCache(self.caches)
+        out._lent, out._left = list(self._lent), None if self._left is None else list(self._left)
+        return out
+
     def extract(self, idx: int) -> HostKVCache:
         """Sequence idx's cache, handed out (to the server's prompt cache): the batch copies it before it writes there
         again, so a sequence that finishes leaves without a copy of its keys and values."""
