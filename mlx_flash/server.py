@@ -17,6 +17,7 @@ request logs the device bytes of its forward passes ("flash reads: {json}", see 
 """
 
 import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
+import ctypes
 import json
 import logging
 import sys
@@ -49,7 +50,8 @@ DISCARD_BYTES = 64 << 20
 # Sequences decoded together when --max-batch is not given: as many of these as the budget holds
 MAX_BATCH = 8
 STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the device bytes)
-RETRY_AFTER_S = 1  # what a 503 (the queue full) asks the client to wait
+RETRY_AFTER_S = 1
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter  # what a 503 (the queue full) asks the client to wait
 # A request's own options, from its handler thread to ResponseGenerator.generate (called in the same thread)
 _request_options = threading.local()
 
@@ -229,6 +231,8 @@ class ResponseGenerator(server.ResponseGenerator):
             "max_queue": self.cli_args.max_queue,
             "generated_tokens": self.generated,
             "bytes_read": flash.stats.device_bytes(),
+            "baseline_rss": flash.stats.baseline_rss,  # what the budget is above
+            "peak_rss_above_baseline": flash.stats.peak_rss(),
         }
 
     def _count(self, responses):
@@ -523,7 +527,19 @@ def setup_arg_parser():
     return p
 
 
+def _mmap_large_blocks():
+    """Blocks of 1 MiB and more from mmap, given back to the system when freed. glibc otherwise serves blocks of up
+    to 32 MiB from its heap once one such block was freed, and keeps them: a server's host KV caches (several MiB a
+    layer) come and go with its requests, and the heap they leave is outside the budget."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 def main(argv=None):
+    _mmap_large_blocks()
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     if args.max_batch is not None and args.max_batch < 1:

@@ -199,7 +199,7 @@ def test_concurrent_requests_are_batched_and_each_is_its_solo_run(server):
     m0 = metrics(port)
     assert together(lambda i: chat(port, i), 4) == solo  # text, logprobs and finish reasons
     m = metrics(port)
-    assert m["largest_batch"] >= 2 and m["in_flight"] == 0
+    assert m["largest_batch"] >= 2 and m["in_flight"] == 0 and m["baseline_rss"] > 0
     assert m["generated_tokens"] - m0["generated_tokens"] == sum(len(s[1]) for s in solo)
 
 
