@@ -13,8 +13,9 @@ Pages cached before the run are not charged, so --drop evicts the given files fr
 cache first (fsync, then POSIX_FADV_DONTNEED).
 
 Reported: exit code, whether the OOM killer fired, the cgroup's peak usage (page cache
-included), and the child's rusage from wait4: peak RSS, major faults, bytes read from the
-device (ru_inblock x 512: O_DIRECT reads, page-cache misses and mmap faults alike), wall time.
+included), and the child's rusage from wait4: peak RSS (never below the launching process's own: Linux's exec
+keeps the larger of the two, so a large launcher runs this as its own small process), major faults, bytes read
+from the device (ru_inblock x 512: O_DIRECT reads, page-cache misses and mmap faults alike), wall time.
 """
 
 import argparse
