@@ -1611,8 +1611,8 @@ static const Rows *linear_rows(PyObject *capsule, const char *what) {
     return L ? &L->r : NULL;
 }
 
-/* The block of `blk` (its linears, scalars and segments' positions set) over buffers x, h, norms and each segment's
-   keys and values (caches[2 s], caches[2 s + 1], held by the caller); checks the shapes and runs it. */
+/* The block of `blk` (its linears, scalars and segments' positions set; a single segment's m -1: all of x's rows)
+   over buffers x, h, norms and each segment's keys and values (caches[2 s], caches[2 s + 1], held by the caller); checks the shapes and runs it. */
 static PyObject *run_attention(Block *blk, Segment *seg, Py_buffer *caches, PyObject *x, PyObject *h, PyObject *n1,
                                PyObject *n2, PyObject *inv, PyObject *qn, PyObject *kn) {
     Buffers Bf;
@@ -1645,6 +1645,7 @@ static PyObject *run_attention(Block *blk, Segment *seg, Py_buffer *caches, PyOb
     blk->d = d;
     blk->m = d > 0 ? (int)(Bf.views[0].len / (4 * d)) : 0;
     blk->rope_dims = (int)(2 * (extra[0].len / 4));
+    if (blk->n_seg == 1 && seg[0].m < 0) seg[0].m = blk->m; /* attention(): one sequence, all of x */
     int rows = 0, fits = 1;
     blk->keys = 0;
     for (int s = 0; s < blk->n_seg; s++) {
@@ -1740,13 +1741,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         return NULL;
     }
     blk.n_seg = 1;
-    Py_buffer xv;
-    PyObject *result = NULL;
-    if (PyObject_GetBuffer(x, &xv, PyBUF_SIMPLE) == 0) {
-        seg.m = blk.q->n > 0 ? (int)(xv.len / (4 * blk.q->n)) : 0;
-        PyBuffer_Release(&xv);
-        result = run_attention(&blk, &seg, caches, x, h, n1, n2, inv, qn, kn);
-    }
+    seg.m = -1; /* every row of x: run_attention counts them */
+    PyObject *result = run_attention(&blk, &seg, caches, x, h, n1, n2, inv, qn, kn);
     PyBuffer_Release(&caches[0]);
     PyBuffer_Release(&caches[1]);
     return result;

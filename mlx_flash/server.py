@@ -50,8 +50,8 @@ DISCARD_BYTES = 64 << 20
 # Sequences decoded together when --max-batch is not given: as many of these as the budget holds
 MAX_BATCH = 8
 STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the device bytes)
-RETRY_AFTER_S = 1
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter  # what a 503 (the queue full) asks the client to wait
+RETRY_AFTER_S = 1  # what a 503 (the queue full) asks the client to wait
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # A request's own options, from its handler thread to ResponseGenerator.generate (called in the same thread)
 _request_options = threading.local()
 
