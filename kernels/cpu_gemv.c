@@ -91,6 +91,24 @@ static inline float load_scale(const uint8_t *p, int stype, int g) {
     return f;
 }
 
+/* float32 -> float16, rounded to nearest even (numpy's astype and F16C's conversion give the same bits) */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 | ((ax >> 13) & 0x3ff) : 0));
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* 65520 and above: inf */
+    if (ax < 0x38800000) {                                   /* below 2^-14: a subnormal half, or zero */
+        if (ax < 0x33000000) return (uint16_t)sign;
+        const uint32_t e = ax >> 23, mant = (ax & 0x7fffff) | 0x800000, shift = 126 - e;
+        uint32_t h = mant >> shift;
+        const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    return (uint16_t)(sign | ((ax + 0xfff + ((ax >> 13) & 1) - 0x38000000) >> 13));
+}
+
 static inline Py_ssize_t row_of(const Rows *r, Py_ssize_t j) { return r->slots ? r->slots[j] : j; }
 static inline const uint8_t *w_row(const Rows *r, Py_ssize_t j) {
     return r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + r->w_off : r->w + row_of(r, j) * r->w_stride;
@@ -140,6 +158,13 @@ AVX2 static void scales_f16c(const uint8_t *p, int groups, float *dst) {
     int g = 0;
     for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * g))));
     for (; g < groups; g++) dst[g] = load_scale(p, SCALE_F16, g);
+}
+
+AVX2 static void halves_f16c(const float *src, int n, uint16_t *dst) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = f32_to_f16(src[i]);
 }
 
 /* 32 packed 4-bit values (16 bytes) -> 4 x 8 floats, in element order */
@@ -271,6 +296,21 @@ static int simd_allowed = 1; /* set_simd(False): the scalar loops, for tests */
 static int avx512_allowed = 1; /* set_avx512(False) (MLX_FLASH_AVX512=0): the AVX2 / VNNI loops on an AVX-512 CPU */
 static int cpu_has_avx512(void);
 static int use_avx512(void) { return simd_allowed && avx512_allowed && cpu_has_avx512(); }
+
+/* n floats as halves, and back (a float16 KV cache) */
+static void to_halves(const float *src, int n, uint16_t *dst) {
+#if HAVE_X86
+    if (simd_allowed && cpu_has_avx2()) {
+        halves_f16c(src, n, dst);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
+}
+
+static void from_halves(const uint16_t *src, Py_ssize_t n, float *dst) {
+    scales_f32((const uint8_t *)src, SCALE_F16, (int)n, dst, simd_allowed && cpu_has_avx2());
+}
 
 static int use_avx2(const Rows *r) { return simd_allowed && cpu_has_avx2() && (r->bits == 4 || r->bits == 8) && r->gs % 32 == 0; }
 
@@ -1518,11 +1558,12 @@ static void rope(float *v, int dims, const float *inv_freq, float pos, int tradi
     }
 }
 
-/* One sequence's share of a pass: rows start..start+m-1 of x, at positions pos.. of its own cache */
+/* One sequence's share of a pass: rows start..start+m-1 of x, at positions pos.. of its own cache (float32, or
+   float16 if half: each key and value rounded once as it is stored, then read back exactly) */
 typedef struct {
-    float *kc, *vc;
+    void *kc, *vc;
     Py_ssize_t pos, cap;
-    int start, m;
+    int start, m, half;
 } Segment;
 
 typedef struct {
@@ -1533,13 +1574,29 @@ typedef struct {
     const int *seg_of; /* the segment of each row */
     float eps, scale, rope_scale, qk_eps;
     Py_ssize_t keys; /* the most keys a row attends to */
-    int m, d, n_heads, n_kv, hd, rope_dims, traditional, n_seg;
+    int m, d, n_heads, n_kv, hd, rope_dims, traditional, n_seg, half; /* half: some segment's cache is float16 */
 } Block;
 
 /* scratch: attention_scratch() floats */
 static size_t attention_scratch(const Block *B, int threads) {
     const size_t m = B->m, d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv;
-    return m * (3 * d + 2 * nh * hd + 2 * nkv * hd) + (size_t)threads * B->keys;
+    return m * (3 * d + 2 * nh * hd + 2 * nkv * hd) + (size_t)threads * B->keys * (B->half ? 1 + 2 * hd : 1);
+}
+
+/* kv head h's n vectors [n, hd] of a segment's keys or values, as float32: in place, or converted into buf */
+static const float *kv_rows(const Segment *S, const void *c, int h, int hd, Py_ssize_t n, float *buf) {
+    const size_t at = (size_t)h * S->cap * hd;
+    if (!S->half) return (const float *)c + at;
+    from_halves((const uint16_t *)c + at, n * hd, buf);
+    return buf;
+}
+
+static void kv_store(const Segment *S, void *c, int h, Py_ssize_t t, int hd, const float *src) {
+    const size_t at = ((size_t)h * S->cap + t) * hd;
+    if (S->half)
+        to_halves(src, hd, (uint16_t *)c + at);
+    else
+        memcpy((float *)c + at, src, sizeof(float) * (size_t)hd);
 }
 
 static void attention_impl(const Block *B, float *scratch, int threads) {
@@ -1564,8 +1621,8 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
             float *kh = k + ((size_t)p * nkv + h) * hd;
             if (B->k_norm) rms_norm(kh, B->k_norm, B->qk_eps, hd, kh);
             rope(kh, B->rope_dims, B->inv_freq, at, B->traditional);
-            memcpy(S->kc + (h * S->cap + t) * hd, kh, sizeof(float) * (size_t)hd);
-            memcpy(S->vc + (h * S->cap + t) * hd, v + ((size_t)p * nkv + h) * hd, sizeof(float) * (size_t)hd);
+            kv_store(S, S->kc, h, t, hd, kh);
+            kv_store(S, S->vc, h, t, hd, v + ((size_t)p * nkv + h) * hd);
         }
     }
     (void)threads;
@@ -1578,9 +1635,10 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
 #endif
         const Segment *S = &B->seg[B->seg_of[p]];
         const Py_ssize_t n_keys = S->pos + (p - S->start) + 1;
-        const float *qh = q + (size_t)ph * hd, *K = S->kc + (Py_ssize_t)(h / group) * S->cap * hd,
-                    *V = S->vc + (Py_ssize_t)(h / group) * S->cap * hd;
-        float *sc = scores + (size_t)t_id * B->keys, *out = att + (size_t)ph * hd, mx = -INFINITY, sum = 0.0f;
+        float *sc = scores + (size_t)t_id * B->keys * (B->half ? 1 + 2 * hd : 1), *out = att + (size_t)ph * hd,
+              mx = -INFINITY, sum = 0.0f;
+        const float *qh = q + (size_t)ph * hd, *K = kv_rows(S, S->kc, h / group, hd, n_keys, sc + B->keys),
+                    *V = kv_rows(S, S->vc, h / group, hd, n_keys, sc + B->keys * (1 + hd));
         for (Py_ssize_t t = 0; t < n_keys; t++) {
             float dot = 0.0f;
             for (int i = 0; i < hd; i++) dot += qh[i] * K[t * hd + i];
@@ -1649,11 +1707,14 @@ static PyObject *run_attention(Block *blk, Segment *seg, Py_buffer *caches, PyOb
     int rows = 0, fits = 1;
     blk->keys = 0;
     for (int s = 0; s < blk->n_seg; s++) {
-        const Py_ssize_t cache_len = (Py_ssize_t)nkv * seg[s].cap * hd * 4;
+        seg[s].half = caches[2 * s].itemsize == 2;
+        blk->half |= seg[s].half;
+        const Py_ssize_t cache_len = (Py_ssize_t)nkv * seg[s].cap * hd * caches[2 * s].itemsize;
         seg[s].start = rows;
         rows += seg[s].m;
         fits = fits && seg[s].m >= 1 && seg[s].pos >= 0 && seg[s].pos + seg[s].m <= seg[s].cap &&
-               caches[2 * s].len >= cache_len && caches[2 * s + 1].len >= cache_len;
+               caches[2 * s].len >= cache_len && caches[2 * s + 1].len >= cache_len &&
+               caches[2 * s + 1].itemsize == caches[2 * s].itemsize;
         seg[s].kc = caches[2 * s].buf;
         seg[s].vc = caches[2 * s + 1].buf;
         if (seg[s].pos + seg[s].m > blk->keys) blk->keys = seg[s].pos + seg[s].m;
@@ -1710,8 +1771,15 @@ static int block_linears(Block *blk, PyObject **caps) {
 }
 
 static int get_cache(Py_buffer *view, PyObject *obj, const char *what) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
         PyErr_Format(PyExc_TypeError, "attention: %s must be a writable contiguous buffer", what);
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (!((strcmp(f, "f") == 0 && view->itemsize == 4) || (strcmp(f, "e") == 0 && view->itemsize == 2))) {
+        PyErr_Format(PyExc_TypeError, "attention: %s must be float32 or float16, not format '%s'", what, view->format);
+        PyBuffer_Release(view);
         return -1;
     }
     return 0;
@@ -1719,7 +1787,7 @@ static int get_cache(Py_buffer *view, PyObject *obj, const char *what) {
 
 /* attention(x, h, norm1, norm2, eps, q, k, v, o, kc, vc, pos, cap, n_heads, n_kv, head_dim, inv_freq, traditional,
              rope_scale, scale, q_norm=None, k_norm=None, qk_eps=0): x (float32 [m, d]: positions pos..pos+m-1) +=
-             the block's output, h = the FFN's input; kc, vc float32 [n_kv, cap, head_dim] get those positions.
+             the block's output, h = the FFN's input; kc, vc [n_kv, cap, head_dim] (float32, or float16) get those positions.
              inv_freq: float32 [rope_dims / 2]; RoPE at position t * rope_scale. q_norm, k_norm (float32 [head_dim]):
              each head of q and k RMS-normed before RoPE (Qwen3). */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
@@ -1827,6 +1895,24 @@ static PyObject *set_flag(int *flag, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* halves(src, dst): float32 src as float16 into dst, as a float16 KV cache stores them (tests compare numpy's) */
+static PyObject *py_halves(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &dst)) return NULL;
+    PyObject *result = NULL;
+    if (src.len % 4 || dst.len != src.len / 2)
+        PyErr_SetString(PyExc_ValueError, "halves: dst must hold one half per float of src");
+    else {
+        to_halves(src.buf, (int)(src.len / 4), dst.buf);
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     (void)self;
     return set_flag(&simd_allowed, arg);
@@ -1886,6 +1972,7 @@ static PyMethodDef methods[] = {
      "'int8': int8 activations, 'threads': n}"},
     {"set_avx512", py_set_avx512, METH_O,
      "set_avx512(on): the AVX-512 loops where the CPU has them (default) or the AVX2 / VNNI ones (same bits)"},
+    {"halves", py_halves, METH_VARARGS, "halves(src, dst): float32 src rounded to float16 into dst"},
     {"set_simd", py_set_simd, METH_O, "set_simd(on): use the AVX2 loops where the CPU has them (default) or the scalar ones"},
     {NULL, NULL, 0, NULL}};
 

@@ -62,7 +62,7 @@ from .engine.resident import stream_groups
 from .engine.sparsity import Dense, dram_bytes
 from .format.directory import FlashDir
 from .generate import generate_step, speculative_generate_step
-from .loader import cpu_cast, load, load_resident, load_tokenizer, make_sparsifier
+from .loader import cpu_cast, kv_size_of, load, load_resident, load_tokenizer, make_sparsifier
 from .speculative import PromptLookup, SpeculativeStats
 from .texts import read_text
 from .tools.bench_io import machine_info, run_fio
@@ -172,7 +172,7 @@ def engine_plan(fd, budget: int, context: int, extra: int = 0, prefetch: bool = 
         fd,
         budget,
         context,
-        4,
+        kv_size_of(fd),
         extra,
         resident=resident_bytes(fd),
         groups=stream_groups(fd, cpu_cast, context),
@@ -438,8 +438,8 @@ def run(
     context = prompt_tokens + tokens + 8
     budget = parse_size(memory_budget, fd.model_bytes)
     resident, groups = resident_bytes(fd), stream_groups(fd, cpu_cast, context)
-    floor = min_budget(fd, context, 4, resident=resident)
-    lowest = min_streaming_budget(fd, context, 4, resident=resident, groups=groups)
+    floor = min_budget(fd, context, kv_size_of(fd), resident=resident)
+    lowest = min_streaming_budget(fd, context, kv_size_of(fd), resident=resident, groups=groups)
     if budget < lowest:
         raise SystemExit(
             f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
@@ -450,7 +450,7 @@ def run(
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
     dense = Dense(fd.ffn["intermediate_size"])
     sparse_bytes = dram_bytes(sparse)
-    sparse_lowest = min_streaming_budget(fd, context, 4, sparse_bytes, resident=resident, groups=groups)
+    sparse_lowest = min_streaming_budget(fd, context, kv_size_of(fd), sparse_bytes, resident=resident, groups=groups)
     no_fit = None
     if budget < sparse_lowest:
         no_fit = (

@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
+from mlx_lm.models.cache import KVCache
 
 from .budget import (
     FFN_BOUNCE_BYTES,
@@ -365,11 +366,13 @@ def load(
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
+    half = half_kv(fd.config, dtype, kv_bits)
+    kv_size = kv_itemsize(dtype, half)
     if context is None:
         cast = cpu_cast if dtype == mx.float32 else None
         resident, groups = fd.resident_nbytes(cast), stream_groups(fd, cast, 1)
         context = longest_context(
-            fd.config, budget, lambda c: min_streaming_budget(fd, c, dtype.size if dtype else 2, 0, resident, groups)
+            fd.config, budget, lambda c: min_streaming_budget(fd, c, kv_size, 0, resident, groups)
         )
     draft, draft_bytes = _load_draft(draft_model, fd, context) if draft_model is not None else (None, 0)
     if fd.ffn.get("kind") == "moe":
@@ -395,6 +398,7 @@ def load(
             draft_bytes,
             bool(prefetch),
             sequences,
+            half,
         )
         model.draft_model = draft
         return model, tokenizer
@@ -413,7 +417,7 @@ def load(
             fd,
             budget,
             context,
-            dtype.size if dtype else 2,
+            kv_size,
             dram_bytes(sp) + draft_bytes,
             resident=fd.resident_nbytes(cast),
             groups=stream_groups(fd, cast, context),
@@ -475,7 +479,7 @@ def load(
     engine.context = context  # where generation stops: the KV cache holds no more
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(
-        make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size
+        make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size, half
     )
     model.draft_model = draft
     return model, tokenizer
@@ -525,11 +529,13 @@ def _load_moe(
     extra: int = 0,
     read_ahead: bool = False,
     sequences: int = 1,
+    half: bool = False,
 ):
     """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
     to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft;
     and the read-ahead's staging buffers)."""
     cast = cpu_cast if dtype == mx.float32 else None
+    kv_size = kv_itemsize(dtype, half)
     top_k = int(fd.experts_per_token or 0)
     read_ahead = read_ahead and top_k > 0
     if read_ahead:
@@ -538,7 +544,7 @@ def _load_moe(
         fd,
         budget,
         context,
-        dtype.size if dtype else 2,
+        kv_size,
         extra,
         resident=fd.resident_nbytes(cast),
         groups=stream_groups(fd, cast, context),
@@ -560,17 +566,50 @@ def _load_moe(
         engine.read_ahead_with(routers, top_k)
     model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
     model.make_cache = partial(
-        make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size
+        make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size, half
     )
     return model
 
 
-def make_cache(model, tokens: int = None, kv_bits: int = None, kv_group_size: int = 64):
+def half_kv(config: dict, dtype, kv_bits: int = None) -> bool:
+    """Keys and values kept in float16 rather than the CPU path's float32: half the KV memory (the batch and context
+    the budget holds double), in the default int8 mode, which is not float-exact anyway (MLX_FLASH_INT8=0, the
+    exact mode, keeps float32), and only where every cache is mlx-lm's plain KVCache, so that the plan is right."""
+    if dtype != mx.float32 or kv_bits is not None or not (cpu_gemv.available() and cpu_gemv.int8_activations()):
+        return False
+    try:
+        model_class, args_class = get_model_classes(config)
+    except ValueError:  # (an architecture mlx-lm lacks: building the model says so)
+        return False
+    if not hasattr(model_class, "make_cache"):
+        return True  # mlx-lm's KVCache per layer
+    caches = model_class(args_class.from_dict(config)).make_cache()  # (its parameters lazy: nothing computed)
+    return all(type(c) is KVCache for c in caches)
+
+
+def kv_itemsize(dtype, half: bool) -> int:
+    """Bytes of a key's element: float16 if `half_kv`, else the activations' (dtype None: the model's, 16-bit)."""
+    return 2 if half or dtype is None else dtype.size
+
+
+def kv_size_of(fd, dtype=mx.float32, kv_bits: int = None) -> int:
+    """`kv_itemsize` as `load` plans it for flash directory fd (the budget's dtype_size)."""
+    return kv_itemsize(dtype, half_kv(fd.config, dtype, kv_bits))
+
+
+class HalfKVCache(KVCache):
+    """mlx-lm's KVCache holding float16 keys and values (`half_kv`) where the native step does not run."""
+
+    def update_and_fetch(self, keys, values):
+        return super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+
+
+def make_cache(model, tokens: int = None, kv_bits: int = None, kv_group_size: int = 64, half: bool = False):
     """The model's own caches, each KVCache allocated for `tokens` (if given) at its first update (mlx-lm grows
     them in 256-token steps, which can overshoot the planned size when a stored cache resumes at
-    an offset that is not a whole step) and quantised from the start with `kv_bits` (mlx-lm's
-    generate quantises only after `quantized_kv_start` tokens)."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    an offset that is not a whole step), quantised from the start with `kv_bits` (mlx-lm's
+    generate quantises only after `quantized_kv_start` tokens), or in float16 (`half_kv`)."""
+    from mlx_lm.models.cache import QuantizedKVCache
 
     caches = type(model).make_cache(model) if hasattr(type(model), "make_cache") else [KVCache() for _ in model.layers]
     if kv_bits is not None and any(type(c) is not KVCache for c in caches):
@@ -581,7 +620,9 @@ def make_cache(model, tokens: int = None, kv_bits: int = None, kv_group_size: in
             if kv_bits is not None:
                 c = QuantizedKVCache(kv_group_size, kv_bits)
             elif host:
-                c = HostKVCache()
+                c = HostKVCache(dtype=np.float16 if half else np.float32)
+            elif half:
+                c = HalfKVCache()
             caches[i] = c
             c.step = tokens or c.step
     return caches

@@ -14,7 +14,7 @@ from mlx_flash.budget import kv_cache_bytes, min_budget
 from mlx_flash.engine.native_step import HostKVCache
 from mlx_flash.errors import BudgetError
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import load
+from mlx_flash.loader import kv_size_of, load
 from mlx_flash.server import ModelProvider, serve, setup_arg_parser
 
 import mlx.core as mx
@@ -278,7 +278,7 @@ def test_admission_and_a_full_queue(smol):
     port = httpd.server_address[1]
     try:
         fd = provider.model.flash.fd
-        assert provider.model.flash.plan.kv_cache == 2 * kv_cache_bytes(fd.config, CONTEXT, 4)
+        assert provider.model.flash.plan.kv_cache == 2 * kv_cache_bytes(fd.config, CONTEXT, kv_size_of(fd))
         first = threading.Thread(target=lambda: chat(port, 0, max_tokens=120))
         second = threading.Thread(target=lambda: chat(port, 1, max_tokens=120))
         first.start()
@@ -315,7 +315,9 @@ def test_the_budget_holds_the_batch_kv(smol):
     provider = ModelProvider(args)
     try:
         assert 1 <= args.max_batch < 8  # 8 KV caches of 1024 tokens do not fit 150% of SmolLM2
-        assert provider.model.flash.plan.kv_cache == args.max_batch * kv_cache_bytes(provider.flash.fd.config, 1024, 4)
+        assert provider.model.flash.plan.kv_cache == args.max_batch * kv_cache_bytes(
+            provider.flash.fd.config, 1024, kv_size_of(provider.flash.fd)
+        )
     finally:
         provider.close()
     with pytest.raises(BudgetError):  # twice as many do not fit

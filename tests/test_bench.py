@@ -201,12 +201,12 @@ def test_bench_below_the_resident_floor(tiny_dir, tiny_trace, tmp_path):
     groups, reports them per token, and naive reads the whole FFN on top."""
     from mlx_flash.budget import min_streaming_budget
     from mlx_flash.engine.resident import stream_groups
-    from mlx_flash.loader import cpu_cast
+    from mlx_flash.loader import cpu_cast, kv_size_of
 
     fd = FlashDir(tiny_dir)
     context = 8 + 12 + 8
     lowest = min_streaming_budget(
-        fd, context, 4, resident=bench.resident_bytes(fd), groups=stream_groups(fd, cpu_cast, context)
+        fd, context, kv_size_of(fd), resident=bench.resident_bytes(fd), groups=stream_groups(fd, cpu_cast, context)
     )
     res = bench.run(
         tiny_dir,

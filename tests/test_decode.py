@@ -153,16 +153,17 @@ def test_attention_block_equals_mlx(float_activations):
         )
 
 
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
 @pytest.mark.parametrize("int8", [False, True])
-def test_attention_of_several_positions_equals_one_at_a_time(int8):
+def test_attention_of_several_positions_equals_one_at_a_time(int8, kv):
     """A block over m positions (a verification pass) is, bit for bit, m blocks of one position in turn: causal,
-    each position's keys written where the next one reads them."""
+    each position's keys written where the next one reads them (in a float32 or a float16 cache)."""
     rng = np.random.default_rng(6)
     d, nh, nkv, hd, cap, pos, m = 128, 4, 2, 32, 24, 5, 7
     mats, n1, n2 = _block(rng, d, nh, nkv, hd)
     handles = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*mm, 32, 4), mm[0].shape[0]) for mm in mats]
-    K = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
-    V = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
+    K = rng.standard_normal((nkv, cap, hd)).astype(kv)
+    V = rng.standard_normal((nkv, cap, hd)).astype(kv)
     x = rng.standard_normal((m, d)).astype(np.float32)
     inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
     cpu_gemv.set_int8_activations(int8)
@@ -213,6 +214,42 @@ def test_attention_of_several_positions_equals_one_at_a_time(int8):
     with pytest.raises(ValueError, match="shapes disagree"):  # the last position past the cache
         cpu_gemv._native.attention(
             x, hm, n1, n2, 1e-5, *handles, K, V, cap - m + 1, cap, nh, nkv, hd, inv_freq, False, 1.0, 1.0
+        )
+
+
+def test_a_float16_cache_holds_the_rounded_keys(loops):
+    """A float16 KV cache stores each new key and value as numpy rounds it (to nearest even) and attends to what it
+    holds: the block's output stays within float16's precision of a float32 cache's. Other dtypes are refused."""
+    rng = np.random.default_rng(8)
+    d, nh, nkv, hd, cap, pos, m = 128, 4, 2, 32, 24, 5, 7
+    mats, n1, n2 = _block(rng, d, nh, nkv, hd)
+    handles = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*mm, 32, 4), mm[0].shape[0]) for mm in mats]
+    K16 = rng.standard_normal((nkv, cap, hd)).astype(np.float16)
+    V16 = rng.standard_normal((nkv, cap, hd)).astype(np.float16)
+    K32, V32 = K16.astype(np.float32), V16.astype(np.float32)  # the same earlier keys, exactly
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    out = {}
+    for name, K, V in (("f32", K32, V32), ("f16", K16, V16)):
+        xs, h = x.copy(), np.empty_like(x)
+        cpu_gemv._native.attention(
+            xs, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, 0.2
+        )
+        out[name] = xs
+    new = slice(pos, pos + m)
+    assert np.array_equal(K16[:, new].view(np.uint16), K32[:, new].astype(np.float16).view(np.uint16))
+    assert np.array_equal(V16[:, new].view(np.uint16), V32[:, new].astype(np.float16).view(np.uint16))
+    assert not np.array_equal(out["f16"], out["f32"])  # the rounded keys were read
+    assert np.abs(out["f16"] - out["f32"]).max() < 1e-2 * np.abs(out["f32"] - x).max()  # of the block's output
+    halves = np.empty(1000, np.float16)
+    src = np.concatenate([rng.standard_normal(990) * 10.0 ** rng.integers(-9, 5, 990), [6e-8, 3e-8, 65519, 65520]])
+    cpu_gemv._native.halves(src.astype(np.float32), halves[:994])
+    with np.errstate(over="ignore"):  # (65520 rounds to inf)
+        ref = src.astype(np.float32).astype(np.float16)
+    assert np.array_equal(halves[:994].view(np.uint16), ref.view(np.uint16))
+    with pytest.raises(TypeError, match="float32 or float16"):
+        cpu_gemv._native.attention(
+            x, h, n1, n2, 1e-5, *handles, K32.astype(np.float64), V32, pos, cap, nh, nkv, hd, inv_freq, False, 1, 1
         )
 
 
@@ -286,14 +323,14 @@ def test_streamed_native_steps_equal_resident(smol, float_activations):
     horizon is a float32-activation property."""
     from mlx_flash.budget import min_budget
     from mlx_flash.format.directory import FlashDir
-    from mlx_flash.loader import load
+    from mlx_flash.loader import kv_size_of, load
 
     resident, tok = load(smol)
     prompt = tok.encode("Once upon a time")
     want = _greedy(resident, prompt, 32)
     resident.flash.close()
     fd = FlashDir(smol)
-    model, _ = load(smol, memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 3, context=128)
+    model, _ = load(smol, memory_budget=min_budget(fd, 128, kv_size_of(fd)) + fd.ffn_bytes // 3, context=128)
     try:
         assert model.decoder is not None
         assert _greedy(model, prompt, 32) == want

@@ -6,7 +6,7 @@ from mlx_flash.engine.native_step import HostKVCache
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import cpu_cast, load
+from mlx_flash.loader import cpu_cast, kv_size_of, load
 
 import mlx.core as mx
 import numpy as np
@@ -116,7 +116,7 @@ def test_a_prompt_pass_holds_no_second_copy_of_the_host_cache(wikitext):
         mx.reset_peak_memory()
         before = mx.get_active_memory()
         next(generate_step(prompt, model, max_tokens=1, prefill_step_size=64))
-        kv = kv_cache_bytes(model.flash.fd.config, len(prompt), 4)
+        kv = kv_cache_bytes(model.flash.fd.config, len(prompt), kv_size_of(model.flash.fd))
         assert mx.get_peak_memory() - before < kv / 2, (mx.get_peak_memory() - before, kv)
     finally:
         model.flash.close()

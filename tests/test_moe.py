@@ -12,7 +12,7 @@ from mlx_flash.engine.reader import DEFAULT_MAX_GAP_BYTES
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
-from mlx_flash.loader import load, load_resident
+from mlx_flash.loader import kv_size_of, load, load_resident
 from mlx_flash.models.tiny import TINY_MOE_ARCHS, make_tiny_model_dir
 
 import mlx.core as mx
@@ -57,7 +57,10 @@ def greedy(model, n=12):
 def slots_budget(fd, slots, read_ahead=False):
     """A budget that leaves `slots` expert slots per layer (beside the read-ahead's staging buffers, if asked)."""
     extra = ExpertEngine.read_ahead_bytes(fd, fd.config["num_experts_per_tok"]) if read_ahead else 0
-    return min_budget(fd, 64, 4, extra=extra) + slots * sum(REGION in l for l in fd.layers) * fd.layouts[REGION].stride
+    return (
+        min_budget(fd, 64, kv_size_of(fd), extra=extra)
+        + slots * sum(REGION in l for l in fd.layers) * fd.layouts[REGION].stride
+    )
 
 
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
@@ -446,9 +449,9 @@ def test_below_the_resident_floor_attention_and_head_stream(wide_vocab_dirs, arc
     src, _ = load_source_model(src_dir, lazy=False)
     fd = FlashDir(flash_dir)
     resident = fd.resident_nbytes(cpu_cast)
-    lowest = min_streaming_budget(fd, 64, 4, resident=resident, groups=stream_groups(fd, cpu_cast, 64))
+    lowest = min_streaming_budget(fd, 64, kv_size_of(fd), resident=resident, groups=stream_groups(fd, cpu_cast, 64))
     budget = lowest + len(fd.layers) * fd.layouts[REGION].stride  # one expert slot a layer
-    assert budget < min_budget(fd, 64, 4, resident=resident)
+    assert budget < min_budget(fd, 64, kv_size_of(fd), resident=resident)
     model, _ = load(flash_dir, memory_budget=budget, context=64)
     try:
         kinds = {g.kind for g in model.flash.plan.streamed}

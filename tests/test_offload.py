@@ -10,7 +10,7 @@ from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
 from mlx_flash.convert import convert
 from mlx_flash.engine.resident import _spread, stream_groups
 from mlx_flash.format.directory import RESIDENT, FlashDir
-from mlx_flash.loader import cpu_cast, load, load_resident
+from mlx_flash.loader import cpu_cast, kv_size_of, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
@@ -44,8 +44,8 @@ def floors(path):
     return (
         fd,
         groups,
-        min_streaming_budget(fd, CONTEXT, 4, resident=resident, groups=groups),
-        min_budget(fd, CONTEXT, 4, resident=resident),
+        min_streaming_budget(fd, CONTEXT, kv_size_of(fd), resident=resident, groups=groups),
+        min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident),
     )
 
 
@@ -96,17 +96,17 @@ def test_planner_streams_cheapest_first_and_keeps_what_fits(dirs):
     assert kinds == sorted(kinds, key=["rows", "layer", "head"].index)  # rows, then layers, then the head
     layers = [g for g in groups if g.kind == "layer"]
     resident = fd.resident_nbytes(CAST)
-    plan = plan_memory(fd, resident_floor, CONTEXT, 4, resident=resident, groups=groups)
+    plan = plan_memory(fd, resident_floor, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
     assert plan.streamed == []  # everything fits: nothing streamed
-    plan = plan_memory(fd, floor, CONTEXT, 4, resident=resident, groups=groups)
+    plan = plan_memory(fd, floor, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
     assert plan.streamed == groups and sum(c["neurons"] for c in plan.capacity) == 0
-    mid = plan_memory(fd, (floor + resident_floor) // 2, CONTEXT, 4, resident=resident, groups=groups)
+    mid = plan_memory(fd, (floor + resident_floor) // 2, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
     streamed_layers = [g for g in mid.streamed if g.kind == "layer"]
     assert 0 < len(streamed_layers) < len(layers)  # some attention layers stay resident
     assert mid.resident + mid.kv_cache + mid.scratch + mid.workspace + mid.streaming <= mid.budget
     assert "attention layers" in mid.describe({"neurons": 1}, {"neurons": 1})
     with pytest.raises(BudgetError, match="too small even with attention, embeddings and LM head streamed"):
-        plan_memory(fd, floor - 1, CONTEXT, 4, resident=resident, groups=groups)
+        plan_memory(fd, floor - 1, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
 
 
 def test_a_large_input_embedding_is_streamed_by_rows_whenever_units_go_uncached(tmp_path):
@@ -121,12 +121,14 @@ def test_a_large_input_embedding_is_streamed_by_rows_whenever_units_go_uncached(
     assert len(rows) == 1 and rows[0].nbytes > 2 * rows[0].load_bytes
     resident = fd.resident_nbytes(CAST)
     budget = resident_floor + fd.ffn_bytes // 2
-    plan = plan_memory(fd, budget, CONTEXT, 4, resident=resident, groups=groups)
+    plan = plan_memory(fd, budget, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
     assert plan.streamed == rows
-    everything = plan_memory(fd, resident_floor + 2 * fd.ffn_bytes, CONTEXT, 4, resident=resident, groups=groups)
+    everything = plan_memory(
+        fd, resident_floor + 2 * fd.ffn_bytes, CONTEXT, kv_size_of(fd), resident=resident, groups=groups
+    )
     assert everything.streamed == []
     assert sum(c["neurons"] for c in plan.capacity) > sum(
-        c["neurons"] for c in plan_memory(fd, budget, CONTEXT, 4, resident=resident).capacity
+        c["neurons"] for c in plan_memory(fd, budget, CONTEXT, kv_size_of(fd), resident=resident).capacity
     )  # groups=(): resident
     ref, _ = load_resident(path)
     model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT)
@@ -145,8 +147,8 @@ def test_below_the_resident_floor_two_whole_layers_are_read_ahead_first(dirs):
     resident = fd.resident_nbytes(CAST)
     n, stride = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride
     budget = (floor + resident_floor) // 2 + 2 * n * stride
-    plain = plan_memory(fd, budget, CONTEXT, 4, resident=resident, groups=groups)
-    ahead = plan_memory(fd, budget, CONTEXT, 4, resident=resident, groups=groups, prefetch=True)
+    plain = plan_memory(fd, budget, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
+    ahead = plan_memory(fd, budget, CONTEXT, kv_size_of(fd), resident=resident, groups=groups, prefetch=True)
     layers = [len([g for g in p.streamed if g.kind == "layer"]) for p in (plain, ahead)]
     assert ahead.prefetch_rows + ahead.capacity[0]["neurons"] == n and layers[1] > layers[0]  # all uncached read ahead
     assert plain.prefetch_rows == 0
@@ -197,7 +199,7 @@ def test_corrupt_resident_header_is_a_format_error(dirs, tmp_path):
         FlashDir(path).resident_index()
 
 
-def test_prompt_logits_stay_lazy_and_equal_resident(dirs):
+def test_prompt_logits_stay_lazy_and_equal_resident(dirs, float_activations):
     """A prompt's logits (mlx-lm discards all but the last token's) cost no head reads until evaluated,
     and evaluated they equal the resident model's."""
     from mlx_lm.models.cache import make_prompt_cache

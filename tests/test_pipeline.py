@@ -18,7 +18,7 @@ from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.stage import StageDir
 from mlx_flash.errors import CapError
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import cpu_cast, load
+from mlx_flash.loader import cpu_cast, kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.pipeline import PipelineError, parse_split, split_layers
 from mlx_flash.tools.cap import run_capped
@@ -61,7 +61,7 @@ def matching_budget(whole, stage) -> int:
         c * strides[r] for layer in plan.capacity[stage.start : stage.stop] for r, c in layer.items()
     ) + 2 * plan.prefetch_rows * strides.get("neurons", 0)
     rows = [g for g in stream_groups(stage, cpu_cast, CONTEXT) if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
-    fixed = fixed_bytes(stage, CONTEXT, 4, resident=stage.resident_nbytes(cpu_cast))
+    fixed = fixed_bytes(stage, CONTEXT, kv_size_of(stage), resident=stage.resident_nbytes(cpu_cast))
     return sum(with_streamed(fixed, rows).values()) + caches
 
 
@@ -89,7 +89,7 @@ def test_stages_give_the_whole_models_bits_and_bytes(request, name, ranks, cache
     path = request.getfixturevalue(name)
     fd = FlashDir(path)
     # every resident weight resident (so the stages' plans stream none either), `cached` of the FFN units cached
-    budget = min_budget(fd, CONTEXT, 4, resident=fd.resident_nbytes(cpu_cast)) + int(cached * fd.ffn_bytes)
+    budget = min_budget(fd, CONTEXT, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast)) + int(cached * fd.ffn_bytes)
     whole, _ = load(path, memory_budget=budget, context=CONTEXT)
     bounds = split_layers(fd, ranks)[::-1]  # the first stage (the last rank) first
     assert [b[0] for b in bounds] == [0] + [b[1] for b in bounds[:-1]] and bounds[-1][1] == len(fd.layers)

@@ -6,7 +6,7 @@ from mlx_flash.compute.ffn import ACTIVATIONS, project
 from mlx_flash.convert import convert
 from mlx_flash.engine.sparsity import Oracle
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import load, load_resident
+from mlx_flash.loader import kv_size_of, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
@@ -33,7 +33,9 @@ def small_budget(path, ffn_fraction=0.1, sparsity=None):
     caches far smaller than the FFN."""
     fd = FlashDir(path)
     return (
-        min_budget(fd, CONTEXT) + int(ffn_fraction * fd.ffn_bytes) + (Oracle(fd).nbytes if sparsity == "oracle" else 0)
+        min_budget(fd, CONTEXT, kv_size_of(fd))
+        + int(ffn_fraction * fd.ffn_bytes)
+        + (Oracle(fd).nbytes if sparsity == "oracle" else 0)
     )
 
 
@@ -327,7 +329,7 @@ def deep_tiny(tmp_path_factory):
 def prefetch_budget(path):
     """Room for caches of about a third of each layer plus the two prefetch buffers."""
     fd = FlashDir(path)
-    return min_budget(fd, CONTEXT) + int(0.6 * fd.ffn_bytes)
+    return min_budget(fd, CONTEXT, kv_size_of(fd)) + int(0.6 * fd.ffn_bytes)
 
 
 def test_dense_prefetch_reads_ahead_and_keeps_the_tokens(deep_tiny):
@@ -365,7 +367,9 @@ def test_a_tight_budget_reads_the_first_units_ahead(deep_tiny):
     fd = FlashDir(path)
     n, s = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride
     ref, _ = load_resident(path)
-    model, _ = load(path, memory_budget=min_budget(fd, CONTEXT) + n * s, sparsity="dense", context=CONTEXT)
+    model, _ = load(
+        path, memory_budget=min_budget(fd, CONTEXT, kv_size_of(fd)) + n * s, sparsity="dense", context=CONTEXT
+    )
     try:
         plan = model.flash.plan
         assert plan.capacity[0]["neurons"] == 0 and 0 < plan.prefetch_rows < n

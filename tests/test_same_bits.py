@@ -14,7 +14,7 @@ from mlx_flash.engine.experts import REGION, ExpertEngine
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
-from mlx_flash.loader import cpu_cast, load
+from mlx_flash.loader import cpu_cast, kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.tools.synthetic import build
 
@@ -74,9 +74,9 @@ def test_7b_shaped_every_budget(wide_dense):
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
     ref, _ = decode(wide_dense, None, 8, prompts)
     ffn = sum(r.nbytes for r in fd.regions())
-    floor = min_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast))
+    floor = min_budget(fd, 128, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast))
     lowest = min_streaming_budget(
-        fd, 128, 4, resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 128)
+        fd, 128, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 128)
     )
     for budget, kw in (
         (floor + ffn * 3 // 4, {}),
@@ -111,10 +111,10 @@ def test_moe_every_budget(tiny_moe):
     ref, _ = decode(tiny_moe, None, 16, prompts)
     slot = sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
     for slots in (3, 2, 1):
-        got, _ = decode(tiny_moe, min_budget(fd, 128, 4) + slots * slot, 16, prompts)
+        got, _ = decode(tiny_moe, min_budget(fd, 128, kv_size_of(fd)) + slots * slot, 16, prompts)
         assert_same(ref, got, slots)
     ahead = ExpertEngine.read_ahead_bytes(fd, fd.config["num_experts_per_tok"])
-    got, _ = decode(tiny_moe, min_budget(fd, 128, 4, extra=ahead) + slot, 16, prompts, prefetch=True)
+    got, _ = decode(tiny_moe, min_budget(fd, 128, kv_size_of(fd), extra=ahead) + slot, 16, prompts, prefetch=True)
     assert_same(ref, got, "read-ahead")
 
 
@@ -152,7 +152,9 @@ def test_exact_mode_is_mlx_lm_text(tiny_moe, capsys):
     model, tokenizer = mlx_lm.load(str(q4))
     want = mlx_lm.generate(model, tokenizer, "The capital of France is", max_tokens=12)
     fd = FlashDir(flash)
-    budget = min_budget(fd, 64, 4) + sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
+    budget = (
+        min_budget(fd, 64, kv_size_of(fd)) + sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
+    )
     try:
         assert main(
             [
@@ -187,7 +189,7 @@ def test_tiny_dense_every_budget(tmp_path, monkeypatch, ops):
     prompts = [list(range(1, 40)), [7, 3, 9]]  # a long prompt (MLX ops) and a short one
     ref, _ = decode(flash, None, 12, prompts)
     ffn = sum(r.nbytes for r in fd.regions())
-    floor = min_budget(fd, 128, 4, resident=fd.resident_nbytes(cpu_cast))
+    floor = min_budget(fd, 128, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast))
     for budget, kw in (
         (floor + ffn * 2 // 3, {}),
         (floor + ffn // 3, {}),

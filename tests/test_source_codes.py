@@ -6,7 +6,7 @@ from mlx_flash.budget import min_budget
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir, dense_ffn_weights
-from mlx_flash.loader import load, load_resident
+from mlx_flash.loader import kv_size_of, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
@@ -216,10 +216,14 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
         f = FlashDir(p)
         if budget == "floor":  # attention layers and the tied embedding streamed: every one of them each token
             cap = min_streaming_budget(
-                f, CONTEXT, 4, resident=f.resident_nbytes(cpu_cast), groups=stream_groups(f, cpu_cast, CONTEXT)
+                f,
+                CONTEXT,
+                kv_size_of(f),
+                resident=f.resident_nbytes(cpu_cast),
+                groups=stream_groups(f, cpu_cast, CONTEXT),
             )
         else:
-            cap = min_budget(f, CONTEXT) + f.ffn_bytes
+            cap = min_budget(f, CONTEXT, kv_size_of(f)) + f.ffn_bytes
         model, _ = load(p, memory_budget=cap, sparsity="dense", context=CONTEXT)
         try:
             assert len(model.flash.plan.streamed) == (0 if budget == "resident" else 6)  # 4 layers, embedding, head

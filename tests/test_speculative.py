@@ -87,10 +87,10 @@ def smol(tmp_path_factory):
 
 def _streaming(path, **kw):
     """The model under a budget that caches a third of the FFN (misses every token)."""
-    from mlx_flash.loader import load
+    from mlx_flash.loader import kv_size_of, load
 
     fd = FlashDir(path)
-    return load(path, memory_budget=min_budget(fd, 256) + fd.ffn_bytes // 3, context=256, **kw)
+    return load(path, memory_budget=min_budget(fd, 256, kv_size_of(fd)) + fd.ffn_bytes // 3, context=256, **kw)
 
 
 def _prompt(tok):
@@ -176,12 +176,12 @@ def test_a_verification_pass_reads_its_units_once(smol):
 
 def test_tiny_model_gives_plain_greedy_tokens(tiny, tmp_path):
     from mlx_flash.convert import convert
-    from mlx_flash.loader import load
+    from mlx_flash.loader import kv_size_of, load
 
     _, src, _ = tiny
     path = convert(str(src), tmp_path / "flash", progress=False)
     fd = FlashDir(path)
-    model, tok = load(path, memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 3, context=128)
+    model, tok = load(path, memory_budget=min_budget(fd, 128, kv_size_of(fd)) + fd.ffn_bytes // 3, context=128)
     try:
         prompt = mx.array(tok.encode("abc abc abc abc abc"))
         want = _plain(model, prompt, 24)
@@ -197,10 +197,10 @@ def test_tiny_model_gives_plain_greedy_tokens(tiny, tmp_path):
 
 @native
 def test_draft_model_is_in_the_plan_and_gives_plain_tokens(smol):
-    from mlx_flash.loader import load
+    from mlx_flash.loader import kv_size_of, load
 
     fd = FlashDir(smol)
-    budget = min_budget(fd, 256) + fd.model_bytes + fd.ffn_bytes // 3
+    budget = min_budget(fd, 256, kv_size_of(fd)) + fd.model_bytes + fd.ffn_bytes // 3
     plain, tok = load(smol, memory_budget=budget, context=256)
     extra = plain.flash.plan.extra
     plain.flash.close()

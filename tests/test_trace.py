@@ -12,7 +12,7 @@ from mlx_flash.convert import convert
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.sparsity import dram_bytes
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import cpu_cast, make_sparsifier
+from mlx_flash.loader import cpu_cast, kv_size_of, make_sparsifier
 
 import numpy as np
 import pytest
@@ -108,15 +108,15 @@ def test_the_plan_holds_the_replayed_selector_or_refuses_the_budget(tiny, sketch
     sp, desc = bench.choose_sparsifier(fd, 0.5, (sketch_trace, "sketch.npz"))
     assert sp.nbytes > 0 and dram_bytes(sp) == sp.nbytes and "sketch 2-bit" in desc
     resident, groups = bench.resident_bytes(fd), stream_groups(fd, cpu_cast, CONTEXT)
-    budget = min_budget(fd, CONTEXT, 4, resident=resident) + fd.ffn_bytes // 2
-    without = plan_memory(fd, budget, CONTEXT, 4, 0, resident=resident, groups=groups)
-    plan = plan_memory(fd, budget, CONTEXT, 4, sp.nbytes, resident=resident, groups=groups)
+    budget = min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident) + fd.ffn_bytes // 2
+    without = plan_memory(fd, budget, CONTEXT, kv_size_of(fd), 0, resident=resident, groups=groups)
+    plan = plan_memory(fd, budget, CONTEXT, kv_size_of(fd), sp.nbytes, resident=resident, groups=groups)
     strides = {k: v.stride for k, v in fd.layouts.items()}
     assert plan.extra == sp.nbytes and plan.cache_bytes(strides) < without.cache_bytes(strides)
     # a budget that loads dense (everything streamed) but not with the selector
-    lowest = min_streaming_budget(fd, CONTEXT, 4, resident=resident, groups=groups)
+    lowest = min_streaming_budget(fd, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
     with pytest.raises(BudgetError, match="too small"):
-        plan_memory(fd, lowest + sp.nbytes // 2, CONTEXT, 4, sp.nbytes, resident=resident, groups=groups)
+        plan_memory(fd, lowest + sp.nbytes // 2, CONTEXT, kv_size_of(fd), sp.nbytes, resident=resident, groups=groups)
     # the bench says so: dense rows run, the selector's rows are skipped with the reason
     res = bench.run(
         fd.path,
@@ -140,7 +140,7 @@ def test_bench_streams_what_the_selector_pushes_out(tiny, sketch_trace):
     root, _, _ = tiny
     fd = FlashDir(root / "target")
     sp = bench.choose_sparsifier(fd, 0.5, (sketch_trace, "sketch.npz"))[0]
-    budget = min_budget(fd, CONTEXT, 4, resident=bench.resident_bytes(fd))
+    budget = min_budget(fd, CONTEXT, kv_size_of(fd), resident=bench.resident_bytes(fd))
     layers = [
         sum(g.kind == "layer" for g in bench.engine_plan(fd, budget, CONTEXT, e).streamed) for e in (0, sp.nbytes)
     ]

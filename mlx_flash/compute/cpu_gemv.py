@@ -54,6 +54,11 @@ def set_int8_activations(on: bool) -> None:
 set_int8_activations(os.environ.get("MLX_FLASH_INT8", "1") != "0")
 
 
+def int8_activations() -> bool:
+    """Whether row_dot rounds x to int8 (`set_int8_activations`)."""
+    return bool(info().get("int8"))
+
+
 def set_avx512(on: bool) -> None:
     """The AVX-512 loops where the CPU has them (AVX-512 F/BW/VL/VNNI; the default) or the AVX2 / AVX-VNNI ones
     (MLX_FLASH_AVX512=0). Both give the same bits (tests/test_cpu_gemv.py compares them); `info()["avx512"]` says which

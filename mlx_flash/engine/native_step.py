@@ -40,11 +40,12 @@ MAX_POSITIONS = (
 
 
 class HostKVCache(KVCache):
-    """mlx-lm's KVCache (offset, trim, state, masks) with its keys and values in host float32 buffers
-    [1, n_kv, capacity, head_dim], grown `step` positions at a time."""
+    """mlx-lm's KVCache (offset, trim, state, masks) with its keys and values in host buffers [1, n_kv, capacity,
+    head_dim] of `dtype` (float16: half the memory, each key rounded once as it is stored), grown `step` positions
+    at a time."""
 
-    def __init__(self, step: int = 256):
-        self.step, self.offset = step, 0
+    def __init__(self, step: int = 256, dtype=np.float32):
+        self.step, self.offset, self.dtype = step, 0, np.dtype(dtype)
         self._k = self._v = None
 
     def reserve(self, n: int, heads: int, head_dim: int, v_dim: Optional[int] = None):
@@ -52,8 +53,8 @@ class HostKVCache(KVCache):
         if self._k is not None and n <= self._k.shape[2]:
             return
         cap = -(-n // self.step) * self.step
-        k = np.zeros((1, heads, cap, head_dim), np.float32)
-        v = np.zeros((1, heads, cap, v_dim or head_dim), np.float32)
+        k = np.zeros((1, heads, cap, head_dim), self.dtype)
+        v = np.zeros((1, heads, cap, v_dim or head_dim), self.dtype)
         if self._k is not None:
             k[:, :, : self.offset], v[:, :, : self.offset] = self._k[:, :, : self.offset], self._v[:, :, : self.offset]
         self._k, self._v = k, v
@@ -87,8 +88,10 @@ class HostKVCache(KVCache):
     def state(self, v):
         keys, values, self.offset = v
         self.step = getattr(self, "step", 256)
-        self._k = None if keys is None else np.array(keys.astype(mx.float32))
-        self._v = None if values is None else np.array(values.astype(mx.float32))
+        half = keys is not None and keys.dtype == mx.float16  # (a stored float16 cache stays float16)
+        self.dtype = np.dtype(np.float16 if half else np.float32)
+        self._k = None if keys is None else np.array(keys.astype(mx.float16 if half else mx.float32))
+        self._v = None if values is None else np.array(values.astype(mx.float16 if half else mx.float32))
 
     def empty(self):
         return self._k is None
@@ -397,7 +400,7 @@ class HostBatchKVCache:
         for i in live:
             if self._lent[i]:
                 c = self.caches[i]
-                self.caches[i] = HostKVCache(c.step)
+                self.caches[i] = HostKVCache(c.step, c.dtype)
                 self.caches[i].state = c.state
                 self._lent[i] = False
 
