@@ -165,18 +165,21 @@ def _load_weights(model, weights, fd, wrap, *extra) -> nn.Module:
 
 
 def load_resident(path, dtype=None) -> Tuple[nn.Module, FlashDir]:
-    """Load a flash directory with every FFN neuron resident (no streaming): the reference model.
-    dtype=mx.float32: the CPU path's activations (see `build_model`)."""
+    """Load a flash directory with every FFN neuron resident (no streaming): the reference model, its KV cache of
+    `load`'s dtype (`half_kv`). dtype=mx.float32: the CPU path's activations (see `build_model`)."""
     fd = FlashDir(path)
     if fd.ffn.get("kind") == "moe":
-        return build_moe_model(fd, None, dtype), fd
+        model = build_moe_model(fd, None, dtype)
+    else:
 
-    def make_ffn(i, bias):
-        arrays = fd.unpack_layer(i)
-        mx.eval(arrays)
-        return ResidentFFN(fd.ffn, arrays, bias)
+        def make_ffn(i, bias):
+            arrays = fd.unpack_layer(i)
+            mx.eval(arrays)
+            return ResidentFFN(fd.ffn, arrays, bias)
 
-    return build_model(fd, make_ffn, dtype), fd
+        model = build_model(fd, make_ffn, dtype)
+    model.make_cache = partial(make_cache, model, half=half_kv(fd.config, mx.float32 if dtype is None else dtype))
+    return model, fd
 
 
 def load_tokenizer(fd: FlashDir):

@@ -84,7 +84,11 @@ def test_a_batched_pass_is_each_sequence_alone(which, request):
     path = request.getfixturevalue(which)
     fd = FlashDir(path)
     # SmolLM2: most units streamed; the MoE: two expert slots a layer
-    budget = "60%" if which == "smol" else min_budget(fd, 64, 4) + 2 * len(fd.layers) * fd.layouts["experts"].stride
+    budget = (
+        "60%"
+        if which == "smol"
+        else min_budget(fd, 64, kv_size_of(fd)) + 2 * len(fd.layers) * fd.layouts["experts"].stride
+    )
     model, _ = load(path, memory_budget=budget, context=64)
     try:
         assert model.decoder is not None, model.flash.decoder_why

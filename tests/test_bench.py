@@ -9,7 +9,7 @@ from mlx_flash import bench
 from mlx_flash.calib.trace import MappedTrace, RecordingSparsifier, Trace, TraceSparsifier, record
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import load
+from mlx_flash.loader import kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.tools import simulate, synthetic
 
@@ -38,7 +38,7 @@ def bench_result(tiny_dir, tiny_trace, tmp_path_factory):
     trace = tiny_trace.save(out / "trace.npz")
     fd = FlashDir(tiny_dir)
     # a budget whose caches hold about a third of the FFN
-    budget = bench.min_budget(fd, 8 + 12 + 8, 4, resident=bench.resident_bytes(fd)) + fd.ffn_bytes // 3
+    budget = bench.min_budget(fd, 8 + 12 + 8, kv_size_of(fd), resident=bench.resident_bytes(fd)) + fd.ffn_bytes // 3
     argv = [
         "--model",
         str(tiny_dir),
@@ -229,7 +229,7 @@ def test_rounds_alternate_and_report_the_median_round(tiny_dir, tiny_trace):
     """--rounds 3: every flash configuration runs three times; each reports its median round, the
     hybrid/all ratio is the median of the per-round ratios."""
     fd = FlashDir(tiny_dir)
-    budget = bench.min_budget(fd, 8 + 6 + 8, 4, resident=bench.resident_bytes(fd)) + fd.ffn_bytes // 3
+    budget = bench.min_budget(fd, 8 + 6 + 8, kv_size_of(fd), resident=bench.resident_bytes(fd)) + fd.ffn_bytes // 3
     res = bench.run(
         tiny_dir,
         budget,

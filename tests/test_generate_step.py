@@ -10,7 +10,7 @@ from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step, stream_generate
-from mlx_flash.loader import load
+from mlx_flash.loader import kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
@@ -31,7 +31,10 @@ def flash(tmp_path_factory):
     fd = FlashDir(path)
     # dense streaming with caches for a third of the FFN: every pass reads
     model, tokenizer = load(
-        path, memory_budget=min_budget(fd, CONTEXT) + fd.ffn_bytes // 3, sparsity="dense", context=CONTEXT
+        path,
+        memory_budget=min_budget(fd, CONTEXT, kv_size_of(fd)) + fd.ffn_bytes // 3,
+        sparsity="dense",
+        context=CONTEXT,
     )
     yield model, tokenizer
     model.flash.close()

@@ -15,7 +15,7 @@ from mlx_flash.engine.experts import REGION
 from mlx_flash.errors import UnsupportedArchitectureError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
-from mlx_flash.loader import load
+from mlx_flash.loader import kv_size_of, load
 from mlx_flash.tools.synthetic_gguf import GGUF_ARCHS, tiny_moe, write_gguf
 
 import gguf
@@ -112,7 +112,7 @@ def test_streamed_tokens_are_the_resident_models(converted):
     fd = FlashDir(flash_dir)
     stride = sum(REGION in layer for layer in fd.layers) * fd.layouts[REGION].stride
     tokens = []
-    for budget in (None, min_budget(fd, CONTEXT, 4) + stride):
+    for budget in (None, min_budget(fd, CONTEXT, kv_size_of(fd)) + stride):
         model, _ = load(flash_dir, memory_budget=budget, context=CONTEXT)
         try:
             tokens.append([int(t) for t, _ in generate_step(PROMPT, model, max_tokens=12)])

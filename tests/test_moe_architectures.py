@@ -16,7 +16,7 @@ from mlx_flash.engine.resident import stream_groups
 from mlx_flash.errors import UnsupportedArchitectureError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
-from mlx_flash.loader import cpu_cast, load
+from mlx_flash.loader import cpu_cast, kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir, make_tiny_quantized_dir
 
 import mlx.core as mx
@@ -269,8 +269,8 @@ def budgets(fd):
     rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
     base = sum(with_streamed(fixed_bytes(fd, CONTEXT, 4, resident=resident), rows).values())
     per_slot = len(fd.layers) * fd.layouts[REGION].stride  # (the plan splits what is left evenly over the layers)
-    lowest = min_streaming_budget(fd, CONTEXT, 4, resident=resident, groups=groups)
-    assert lowest < min_budget(fd, CONTEXT, 4, resident=resident)
+    lowest = min_streaming_budget(fd, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
+    assert lowest < min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident)
     ahead = ExpertEngine.read_ahead_bytes(fd, fd.ffn["experts_per_token"])
     return {
         "all": None,

@@ -10,7 +10,7 @@ from mlx_flash.convert import convert
 from mlx_flash.engine.sparsity import Oracle
 from mlx_flash.errors import FlashFormatError
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import load, load_resident
+from mlx_flash.loader import kv_size_of, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
@@ -88,7 +88,7 @@ def test_bitmap_generates_like_pruned_dense(dirs, name):
         fd = FlashDir(path)
         # same for both; the oracle's own copy of gate/up is in the budget too
         budget = (
-            min_budget(fd, CONTEXT, resident=resident_bytes(fd))
+            min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident_bytes(fd))
             + int(0.1 * FlashDir(dirs[name, "dense"]).ffn_bytes)
             + Oracle(fd).nbytes
         )
@@ -129,7 +129,7 @@ def test_bitmap_dense_sparsifier_streams_overflow(dirs):
     fd = FlashDir(path)
     model, _ = load(
         path,
-        memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd)) + int(0.05 * fd.ffn_bytes),
+        memory_budget=min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident_bytes(fd)) + int(0.05 * fd.ffn_bytes),
         sparsity="dense",
         context=CONTEXT,
     )
@@ -241,7 +241,7 @@ def test_v1_directory_still_loads(dirs, tmp_path):
     ref, fd = load_resident(path)
     model, _ = load(
         path,
-        memory_budget=min_budget(fd, CONTEXT, resident=resident_bytes(fd))
+        memory_budget=min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident_bytes(fd))
         + int(0.1 * fd.ffn_bytes)
         + Oracle(fd).nbytes,
         sparsity="oracle",

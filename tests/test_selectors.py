@@ -12,7 +12,7 @@ from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.selectors import build_sketch, save_selector, wina_norms
 from mlx_flash.engine.sparsity import WINA, Dense, Predictor, Sketch, top_k
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import cpu_cast, default_model_dir, load, load_tokenizer, make_sparsifier
+from mlx_flash.loader import cpu_cast, default_model_dir, kv_size_of, load, load_tokenizer, make_sparsifier
 from mlx_flash.texts import read_text, token_batches
 
 import mlx.core as mx
@@ -90,7 +90,7 @@ def test_predictor_top_k_and_dense_on_every_layout():
 def _tight(fd):
     """A budget with room for the sketch and a tenth of the FFN's units."""
     return (
-        min_budget(fd, 64, resident=fd.resident_nbytes(cpu_cast))
+        min_budget(fd, 64, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast))
         + fd.manifest["sparsity"]["selector"]["nbytes"]
         + (fd.ffn_bytes // 10)
     )
@@ -124,7 +124,9 @@ def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(tiny):
         assert model_.flash.why.startswith("auto: dense, since the calibrated sketch would read")
     finally:
         model_.flash.close()
-    floor = min_streaming_budget(fd, 64, resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 64))
+    floor = min_streaming_budget(
+        fd, 64, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 64)
+    )
     model_, tok = load(path, memory_budget=floor + sel["nbytes"] // 2, sparsity="auto", max_ppl_increase=10, context=64)
     try:  # room for dense, not for the sketch's DRAM: dense, and why (no BudgetError)
         assert model_.flash.sparsifier.name == "dense" and "does not fit this budget" in model_.flash.why

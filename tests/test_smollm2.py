@@ -6,7 +6,7 @@ from mlx_flash.convert.source import load_source_model
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.engine.sparsity import Oracle
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import load_resident, load_tokenizer
+from mlx_flash.loader import kv_size_of, load_resident, load_tokenizer
 from mlx_flash.models.architectures import ADAPTERS
 
 import mlx.core as mx
@@ -122,7 +122,7 @@ def test_oracle_streaming_equals_mlx_lm(source, flash_exact):
     prompt = load_tokenizer(fd).encode(PROMPT)
     model, _ = load(
         flash_exact,
-        memory_budget=min_budget(fd, 128) + fd.ffn_bytes // 10 + Oracle(fd).nbytes,
+        memory_budget=min_budget(fd, 128, kv_size_of(fd)) + fd.ffn_bytes // 10 + Oracle(fd).nbytes,
         sparsity="oracle",
         context=128,
     )

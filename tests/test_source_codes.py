@@ -82,7 +82,11 @@ def test_streamed_tokens_equal_the_resident_model(dirs, sparsity, prefetch):
 
     _, path = dirs
     ref, fd = load_resident(path)
-    budget = min_budget(fd, CONTEXT) + int(0.6 * fd.ffn_bytes) + (Oracle(fd).nbytes if sparsity == "oracle" else 0)
+    budget = (
+        min_budget(fd, CONTEXT, kv_size_of(fd))
+        + int(0.6 * fd.ffn_bytes)
+        + (Oracle(fd).nbytes if sparsity == "oracle" else 0)
+    )
     model, _ = load(path, memory_budget=budget, sparsity=sparsity, context=CONTEXT, prefetch=prefetch)
     try:
         assert greedy(model) == greedy(ref)
@@ -140,7 +144,7 @@ def test_a_symmetric_source_stores_no_biases(tmp_path):
         want = mx.dequantize(lin.weight, lin.scales.astype(dtype), lin.biases.astype(dtype), 32, 4).astype(mx.float32)
         assert mx.array_equal(weights[name], want.T if name == "down" else want), name
     ref, _ = load_resident(path)
-    budget = min_budget(fd, CONTEXT) + int(0.5 * fd.ffn_bytes)
+    budget = min_budget(fd, CONTEXT, kv_size_of(fd)) + int(0.5 * fd.ffn_bytes)
     model, _ = load(path, memory_budget=budget, sparsity="dense", context=CONTEXT)
     try:
         assert greedy(model) == greedy(ref)
