@@ -23,9 +23,9 @@ where the server holds text back: a token that decodes to no text yet, stop-sequ
 those gaps, generated tokens (the usage event's completion_tokens), the text and, where the stream carries
 logprobs with ids, the token ids. Aggregate tokens/s = every request's generated tokens / (last stream finished
 - first request sent). Concurrency 1 is always run: it is every prompt of the largest N sent alone, one after
-the other (its tokens/s: their tokens / the whole sequence's time), and each request of a concurrent run is
-compared with the same round's solo response to its prompt: `identical` (token ids where both have them, else
-the texts), and where they first differ.
+the other (its tokens/s: their tokens / the whole sequence's time; --solo-prompts K: only the first K, for models
+whose requests alone take long), and each request of a concurrent run is compared with the same round's solo
+response to its prompt: `identical` (token ids where both have them, else the texts), and where they first differ.
 
 Device bytes per generated token: the deltas of the server's GET /metrics ("bytes_read", "generated_tokens"),
 sampled before and after each run (and every --metrics-interval s during it, for the largest "batch_size" and
@@ -643,6 +643,13 @@ def setup_arg_parser():
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request.")
     p.add_argument("--concurrency", default="1,2,4,8", help="Concurrent requests per run (1 is always run).")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--solo-prompts",
+        type=int,
+        default=None,
+        help="N=1 sends only the first K prompts alone (default: every prompt of the largest N); the others are "
+        "not compared with a solo response.",
+    )
     p.add_argument("--server-args", default="", help='Extra mlx_flash.server flags, e.g. "--max-batch 8".')
     p.add_argument("--peer", default=None, choices=["mlx_lm"], help="Also run stock mlx_lm.server where it fits.")
     p.add_argument("--peer-args", default="", help="Extra mlx_lm.server flags.")
@@ -705,6 +712,7 @@ def measure(args, bar) -> dict:
         "max_tokens": args.max_tokens,
         "concurrency": ns,
         "rounds": args.rounds,
+        "solo_prompts": args.solo_prompts,
         "server_args": args.server_args,
         "peer": args.peer,
         "peer_dir": str(peer_dir) if peer_dir else None,
@@ -744,7 +752,7 @@ def measure(args, bar) -> dict:
                     if not server.alive():
                         raise RuntimeError("the server exited")
                     bar.set_postfix_str(f"{system} round {rnd + 1}: N={n}")
-                    idx = list(range(max(ns))) if n == 1 else list(range(n))
+                    idx = list(range(args.solo_prompts or max(ns))) if n == 1 else list(range(n))
                     rec = run_requests(server, prompts, idx, args.max_tokens, n > 1, args.metrics_interval)
                     rec.update(system=system, round=rnd)
                     generated += rec["generated"]
