@@ -2,11 +2,13 @@
 random GGUF (mlx_flash.tools.synthetic_gguf.tiny_moe: qwen3moe; Mixtral, llama.cpp's "llama" with experts; qwen2moe,
 with a shared expert; olmoe; gpt-oss, MXFP4 experts with biases, sinks, sliding layers, YaRN; deepseek2, MLA,
 grouped sigmoid routing, YaRN; glm4moe, half-rotary heads and an MTP block; dots1; minimax-m2; granitemoe;
-ernie4_5-moe; llama4, top-1 routing and a layer without RoPE), converted with convert's defaults, then
+ernie4_5-moe; llama4, top-1 routing and a layer without RoPE; qwen3next and qwen35moe, gated DeltaNet layers as
+llama.cpp's converter rearranges them), converted with convert's defaults, then
 benchmarks/ppl_check.py against llama-perplexity on the same tokens: perplexity, KL per token and top-1 agreement of
 mlx_flash's resident model, twice: llama-perplexity on the GGUF as written, and on its copy dequantised to F32.
 
     python benchmarks/moe_gguf_check.py [--model-types glm4_moe,llama4] [--out benchmarks/results/moe_gguf_check.json]
+        [--update]  (keeps the other model types' results already in --out)
 
 The tests check the conversion against mlx-lm on the same weights; this checks the mapping (names, RoPE
 permutations, the shared expert's gate, MXFP4's nibbles, YaRN, routing) against an independent implementation.
@@ -33,6 +35,7 @@ def setup_arg_parser():
     p = argparse.ArgumentParser(description="Tiny MoE GGUFs: mlx_flash against llama-perplexity.")
     p.add_argument("--model-types", default=",".join(MOE_TYPES))
     p.add_argument("--out", default="benchmarks/results/moe_gguf_check.json")
+    p.add_argument("--update", action="store_true", help="Keep the results of other model types already in --out.")
     return p
 
 
@@ -70,8 +73,11 @@ def main(argv=None):
         rows = [next(r for r in runs[form][t]["rows"] if "kld" in r) for form in FORMS]
         cells = " | ".join(f"{r['kld']:.1e} | {r['top1_agreement']:.3f}" for r in rows)
         print(f"| {t} | {GGUF_ARCHS[t]} | {cells} |")
-    configs = {t: tiny_moe(t) for t in runs["gguf"]}
-    Path(args.out).write_text(json.dumps({"configs": configs, "runs": runs["gguf"], "runs_f32": runs["f32"]}, indent=1))
+    results = {"configs": {t: tiny_moe(t) for t in runs["gguf"]}, "runs": runs["gguf"], "runs_f32": runs["f32"]}
+    if args.update and Path(args.out).is_file():
+        old = json.loads(Path(args.out).read_text())
+        results = {k: {**old.get(k, {}), **v} for k, v in results.items()}
+    Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
