@@ -71,6 +71,8 @@ def _reorder_v_heads(a: np.ndarray, axis: int, c: dict, dim: int) -> np.ndarray:
 def _as_llama_cpp_writes(model_type: str, kind: str, a: np.ndarray) -> np.ndarray:
     """A converted gated DeltaNet weight (mlx-lm's layout) as llama.cpp's converter writes GGUF tensor `kind`
     (convert_hf_to_gguf.py's Qwen3NextModel, _LinearAttentionVReorderBase), or `a` itself."""
+    if model_type not in ("qwen3_next", "qwen3_5_moe"):
+        return a
     c = tiny_moe(model_type)
     n_k, n_v, d_k, d_v = (
         c[f"linear_{k}"] for k in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
