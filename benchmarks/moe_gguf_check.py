@@ -3,7 +3,7 @@ random GGUF (mlx_flash.tools.synthetic_gguf.tiny_moe: qwen3moe; Mixtral, llama.c
 with a shared expert; olmoe; gpt-oss, MXFP4 experts with biases, sinks, sliding layers, YaRN; deepseek2, MLA,
 grouped sigmoid routing, YaRN; glm4moe, half-rotary heads and an MTP block; dots1; minimax-m2; granitemoe;
 ernie4_5-moe; llama4, top-1 routing and a layer without RoPE; qwen3next and qwen35moe, gated DeltaNet layers as
-llama.cpp's converter rearranges them), converted with convert's defaults, then
+llama.cpp's converter rearranges them; hunyuan-moe, top-k renormalised), converted with convert's defaults, then
 benchmarks/ppl_check.py against llama-perplexity on the same tokens: perplexity, KL per token and top-1 agreement of
 mlx_flash's resident model, twice: llama-perplexity on the GGUF as written, and on its copy dequantised to F32.
 
@@ -13,8 +13,10 @@ mlx_flash's resident model, twice: llama-perplexity on the GGUF as written, and 
 The tests check the conversion against mlx-lm on the same weights; this checks the mapping (names, RoPE
 permutations, the shared expert's gate, MXFP4's nibbles, YaRN, routing) against an independent implementation.
 On the Q4_0 file llama.cpp multiplies with its activations rounded to 8 bits, which moves a token to another expert
-where two router scores nearly tie: llama4's top-1 routing shows it (KL 2e-3), the F32 copy does not (its products
-in float32, as mlx_flash's). Random weights: mapping only, the perplexities are near the vocabulary size.
+where two router scores nearly tie: llama4's top-1 routing and the top-2 of 8 of qwen3next, qwen35moe and
+hunyuan-moe show it (KL 2e-3..3e-3; the others use all 8 experts or choose them by exp_probs_b), the F32 copy does
+not (its products in float32, as mlx_flash's). Random weights: mapping only, the perplexities are near the
+vocabulary size.
 """
 
 import argparse

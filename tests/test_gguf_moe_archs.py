@@ -39,10 +39,11 @@ ARCHS = {
     "qwen3_next": "gated DeltaNet layers (in_proj_qkvz split in two, A_log as -exp) and a full-attention one with an "
     "output gate, a shared expert behind a sigmoid gate",
     "qwen3_5_moe": "Qwen3-Next's layers with separate projections, value heads stored tiled",
+    "hunyuan_moe": "q/k norms after RoPE, an ungated shared MLP, softmax routing renormalised over the top k "
+    "(mlx_flash's hunyuan_moe), the head tied to the embedding",
 }
 # llama.cpp architecture -> (the mlx-lm model_type of the same architecture, what the one-line refusal names)
 REFUSED = {
-    "hunyuan-moe": ("hunyuan", "renormalises"),
     "deepseek32": ("deepseek_v32", "indexer"),
     "ernie4_5-moe": ("ernie4_5_moe", "exp_probs_b"),  # (with one)
 }
@@ -169,6 +170,25 @@ def test_streamed_tokens_are_the_resident_models(converted):
         finally:
             model.flash.close()
     assert tokens[0] == tokens[1]
+
+
+def test_hunyuan_routes_with_the_top_k_renormalised(tmp_path):
+    """hunyuan_moe's MoE block weights a token's experts by their softmax scores divided by their sum (as llama.cpp
+    and Hunyuan's reference do), where mlx-lm's hunyuan takes the scores as they are."""
+    from mlx_flash.convert.source import load_source_model
+
+    path = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, **tiny_moe("hunyuan_moe"))
+    model, _ = load_source_model(gguf_to_mlx_dir(path, tmp_path / "mlx"), lazy=False)
+    block = model.model.layers[0].mlp
+    x = mx.random.normal((1, 5, model.args.hidden_size), key=mx.random.key(0))
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    inds = mx.argsort(-gates, axis=-1)[..., : block.top_k]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    want = (block.switch_mlp(x, inds) * (scores / scores.sum(-1, keepdims=True))[..., None]).sum(-2)
+    want = want + block.shared_mlp(x)
+    assert block.top_k < block.num_experts and mx.allclose(block(x), want, rtol=1e-5, atol=1e-5).item()
+    unnormalised = (block.switch_mlp(x, inds) * scores[..., None]).sum(-2) + block.shared_mlp(x)
+    assert not mx.allclose(block(x), unnormalised, rtol=1e-3, atol=1e-3).item()
 
 
 def _float_copy(src, dst, floats) -> None:

@@ -20,6 +20,7 @@ from .gguf_config import (
     glm4_moe_config,
     gpt_oss_config,
     granitemoe_config,
+    hunyuan_moe_config,
     llama4_config,
     llama_config,
     minimax_m2_config,
@@ -438,10 +439,31 @@ ARCHITECTURES["qwen35moe"] = dataclasses.replace(
     rearranger=lambda meta: DeltaNetRearranger(meta, tiled=True),
 )
 
+ARCHITECTURES["hunyuan-moe"] = ArchSpec(  # (NeoX RoPE: stored unpermuted)
+    model_type="hunyuan_moe",  # (mlx_flash.models.hunyuan_moe: mlx-lm's hunyuan with the top-k renormalised)
+    hf_class="HunYuanMoEV1ForCausalLM",
+    block_names={
+        **_ATTENTION,
+        "attn_q_norm": "self_attn.query_layernorm",
+        "attn_k_norm": "self_attn.key_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate.wg",
+        **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+        **{k: v.replace("shared_experts", "shared_mlp") for k, v in _SHARED_EXPERT.items()},
+    },
+    make_config=hunyuan_moe_config,
+    head_dim_key=False,
+    experts=True,
+    rejected={
+        **_ROPE_FREQS,
+        "output": "hunyuan-moe with an output.weight of its own is not supported (mlx-lm's hunyuan ties its head "
+        "to the embedding)",
+    },
+)
+
 
 # llama.cpp architectures with an mlx-lm class of their own that mlx_flash does not convert, and why
 NOT_CONVERTED = {
-    "hunyuan-moe": "llama.cpp renormalises the top-k expert weights and mlx-lm's hunyuan does not",
     "deepseek32": "the lightning indexer (indexer.* tensors) is not mapped onto mlx-lm's deepseek_v32",
 }
 

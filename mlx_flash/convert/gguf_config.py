@@ -464,3 +464,32 @@ def qwen3next_config(meta, shapes, spec) -> dict:
         tie_word_embeddings=top["tie_word_embeddings"],
     )
     return {**top, "text_config": config}
+
+
+def hunyuan_moe_config(meta, shapes, spec) -> dict:
+    """Hunyuan-A13B (llama.cpp "hunyuan-moe") -> mlx_flash's hunyuan_moe (mlx-lm's hunyuan, the top-k weights
+    renormalised as llama.cpp and the reference route): q/k norms after RoPE, every FFN experts plus an ungated shared
+    MLP, the head tied to the embedding. llama.cpp's converter folds the NTK alpha into rope.freq_base, so the alpha
+    here is 1."""
+    config = base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    if meta.float(f"{a}.expert_weights_scale", 1.0) not in (0.0, 1.0):  # (llama.cpp reads 0 as none)
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with an expert weights scale is not supported")
+    shared = meta.int(f"{a}.expert_shared_count", 1)
+    width = meta.int(f"{a}.expert_shared_feed_forward_length", config["intermediate_size"])
+    if shared < 1 or width % shared:
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with {shared} shared experts {width} wide")
+    config.update(
+        num_experts=meta.int(f"{a}.expert_count"),
+        moe_topk=meta.int(f"{a}.expert_used_count"),
+        moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length", config["intermediate_size"]),
+        intermediate_size=width // shared,  # (mlx-lm's shared MLP is intermediate_size x num_shared_expert wide)
+        num_shared_expert=shared,
+        use_mixed_mlp_moe="blk.0.ffn_up_shexp.weight" in shapes,
+        use_qk_norm=True,
+        use_cla=False,
+        cla_share_factor=2,
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        rope_scaling={"type": "dynamic", "alpha": 1.0, "factor": 1.0},
+    )
+    return config

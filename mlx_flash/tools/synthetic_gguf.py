@@ -46,6 +46,7 @@ GGUF_ARCHS = {
     "llama4": "llama4",
     "qwen3_next": "qwen3next",
     "qwen3_5_moe": "qwen35moe",
+    "hunyuan_moe": "hunyuan-moe",
 }
 MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
 # how these architectures' blocks differ from qwen3moe's, as llama.cpp's converter writes them: q/k/v biases, q/k
@@ -60,6 +61,7 @@ BLOCKS = {
     "granitemoe": dict(),
     "ernie4_5_moe": dict(dense=True, shexp=True),  # (an ERNIE without moe_statics: no exp_probs_b)
     "llama4": dict(interleave=True, shexp=True),  # (dense layers between the MoE ones, as Maverick's)
+    "hunyuan_moe": dict(qk_norm="head", shexp=True),  # (its q/k norms after RoPE, its shared MLP ungated)
 }
 # kept float32: routers, DeepSeek's per-head MLA matrices, gated DeltaNet's conv1d kernels
 FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b", "ssm_conv1d")
@@ -122,6 +124,8 @@ def tiny_moe(model_type: str) -> dict:
         c.update(partial_rotary_factor=0.5, num_nextn_predict_layers=1)
     if model_type == "llama4":  # top-1 routing; MoE and dense layers alternating, the fourth without RoPE
         c.update(num_experts_per_tok=1, num_hidden_layers=4, interleave_moe_layer_step=2, rope_theta=500000.0)
+    if model_type in DELTANET or model_type == "hunyuan_moe":  # 2 of the 8 experts: the top-k renormalised matters
+        c.update(num_experts_per_tok=2)
     if model_type in DELTANET:  # a DeltaNet layer, then a full-attention one; 2 value heads per key head
         c.update(
             full_attention_interval=2,
@@ -136,6 +140,8 @@ def tiny_moe(model_type: str) -> dict:
             rms_norm_eps=1e-6,
             rope_theta=1e6,
         )
+    if model_type == "hunyuan_moe":  # llama.cpp's experts are feed_forward_length wide; the head is the embedding
+        c.update(intermediate_size=c["moe_intermediate_size"], tie_word_embeddings=True)
     if model_type == "minimax":  # a rotary part of each head
         c.update(rotary_dim=32)
     if model_type == "granitemoe":  # Granite's multipliers; the head is the embedding
@@ -371,6 +377,11 @@ def _blocks_meta(w, c: dict) -> None:
         w.add_logit_scale(c["logits_scaling"])
         return
     w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if t == "hunyuan_moe":  # (softmax routing renormalised: fixed in llama.cpp's; the NTK alpha in the RoPE base)
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_expert_shared_feed_forward_length(c["n_shared_experts"] * c["moe_intermediate_size"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        return
     if t == "llama4":  # (feed_forward_length is the dense layers')
         w.add_interleave_moe_layer_step(c["interleave_moe_layer_step"])
         return
@@ -494,7 +505,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     nextn = c.get("num_nextn_predict_layers", 0) if BLOCKS.get(c["model_type"], {}).get("nextn") else 0
     w.add_block_count(c["num_hidden_layers"] + nextn)
     # as llama.cpp writes them: feed_forward_length is the experts'
-    experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss", "minimax", "granitemoe")
+    experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss", "minimax", "granitemoe", "hunyuan_moe")
     w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(
