@@ -41,18 +41,21 @@ ARCHS = {
     "qwen3_5_moe": "Qwen3-Next's layers with separate projections, value heads stored tiled",
     "hunyuan_moe": "q/k norms after RoPE, an ungated shared MLP, softmax routing renormalised over the top k "
     "(mlx_flash's hunyuan_moe), the head tied to the embedding",
+    "deepseek_v32": "deepseek2's MLA and grouped sigmoid routing, the lightning indexer choosing 24 keys per query",
 }
 # llama.cpp architecture -> (the mlx-lm model_type of the same architecture, what the one-line refusal names)
 REFUSED = {
-    "deepseek32": ("deepseek_v32", "indexer"),
     "ernie4_5-moe": ("ernie4_5_moe", "exp_probs_b"),  # (with one)
 }
 
 
 def _gguf_tensor_names(arch: str) -> list:
     """gguf-py's names of the architecture's tensors, as patterns ("blk.{bid}.attn_q" -> blk.N.attn_q)."""
+    extra = []
+    if arch == "deepseek32" and arch not in gguf.MODEL_ARCH_NAMES.values():  # (gguf-py 0.19 predates it)
+        arch, extra = "deepseek2", [t for t in gguf.MODEL_TENSOR if t.name.startswith("INDEXER_")]
     (key,) = [k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch]
-    names = [gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[key]]
+    names = [gguf.TENSOR_NAMES[t] for t in [*gguf.MODEL_TENSORS[key], *extra]]
     suffix = r"(\.weight|\.bias)?"  # (ssm_a has none)
     return [re.compile(re.escape(n).replace(r"\{bid\}", r"\d+") + suffix) for n in names]
 

@@ -56,7 +56,8 @@ deepseek2 (-> deepseek_v3: MLA in llama.cpp's k_b / v_b form, dense leading laye
 MTP block, nextn, left out), dots1, minimax-m2 (-> minimax), granitemoe, ernie4_5-moe (without exp_probs_b),
 llama4, and the gated DeltaNet hybrids qwen3next (-> qwen3_next) and qwen35moe (-> qwen3_5_moe), whose DeltaNet
 tensors llama.cpp's converter rearranges (undone by gguf_deltanet.py), and hunyuan-moe (-> mlx_flash.models'
-hunyuan_moe: mlx-lm's hunyuan with the top-k weights renormalised, as llama.cpp and the reference route).
+hunyuan_moe: mlx-lm's hunyuan with the top-k weights renormalised, as llama.cpp and the reference route), and
+deepseek32 (-> deepseek_v32: deepseek2's tensors and the lightning indexer's).
 gguf_archs.NOT_CONVERTED names the architectures refused and why.
 """
 

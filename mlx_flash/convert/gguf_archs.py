@@ -13,6 +13,7 @@ from ..errors import UnsupportedArchitectureError
 from .gguf_config import (
     Meta,  # (imported from here by the tokenizer and tests)
     deepseek2_config,
+    deepseek32_config,
     dots1_config,
     ernie_moe_config,
     experts_config,
@@ -461,11 +462,24 @@ ARCHITECTURES["hunyuan-moe"] = ArchSpec(  # (NeoX RoPE: stored unpermuted)
     },
 )
 
+ARCHITECTURES["deepseek32"] = dataclasses.replace(
+    ARCHITECTURES["deepseek2"],
+    model_type="deepseek_v32",
+    hf_class="DeepseekV32ForCausalLM",
+    block_names={
+        **ARCHITECTURES["deepseek2"].block_names,
+        "indexer.k_norm": "self_attn.indexer.k_norm",
+        "indexer.proj": "self_attn.indexer.weights_proj",
+        "indexer.attn_k": "self_attn.indexer.wk",
+        "indexer.attn_q_b": "self_attn.indexer.wq_b",
+    },
+    make_config=deepseek32_config,
+    mtp_key="nextn_predict_layers",
+)
+
 
 # llama.cpp architectures with an mlx-lm class of their own that mlx_flash does not convert, and why
-NOT_CONVERTED = {
-    "deepseek32": "the lightning indexer (indexer.* tensors) is not mapped onto mlx-lm's deepseek_v32",
-}
+NOT_CONVERTED = {}
 
 
 def arch_spec(arch: Optional[str], meta: "Meta") -> ArchSpec:

@@ -493,3 +493,19 @@ def hunyuan_moe_config(meta, shapes, spec) -> dict:
         rope_scaling={"type": "dynamic", "alpha": 1.0, "factor": 1.0},
     )
     return config
+
+
+def deepseek32_config(meta, shapes, spec) -> dict:
+    """DeepSeek-V3.2 (llama.cpp "deepseek32" -> mlx-lm's deepseek_v32): deepseek2's MLA and routing, plus the
+    lightning indexer choosing attention.indexer.top_k keys per query (its RoPE NeoX-style, fixed in llama.cpp); the
+    MTP block (nextn) left out."""
+    config = deepseek2_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    config.update(
+        num_hidden_layers=config["num_hidden_layers"] - mtp_blocks(spec, meta),
+        index_n_heads=meta.int(f"{a}.attention.indexer.head_count"),
+        index_head_dim=meta.int(f"{a}.attention.indexer.key_length"),
+        index_topk=meta.int(f"{a}.attention.indexer.top_k"),
+        indexer_rope_interleave=False,
+    )
+    return config

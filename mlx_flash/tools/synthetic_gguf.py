@@ -47,7 +47,9 @@ GGUF_ARCHS = {
     "qwen3_next": "qwen3next",
     "qwen3_5_moe": "qwen35moe",
     "hunyuan_moe": "hunyuan-moe",
+    "deepseek_v32": "deepseek32",
 }
+DEEPSEEK = ("deepseek_v3", "deepseek_v32")  # MLA as llama.cpp's deepseek2 stores it (deepseek32: and the indexer)
 MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
 # how these architectures' blocks differ from qwen3moe's, as llama.cpp's converter writes them: q/k/v biases, q/k
 # norms per head or over all heads (None: none), the FFN's norm, leading dense layers, the router's correction bias
@@ -90,7 +92,9 @@ def tiny_moe(model_type: str) -> dict:
         c.update(shared_expert_intermediate_size=128)
     if model_type in ("olmoe", "dots1"):
         c.update(num_key_value_heads=4)  # llama.cpp's OLMoE and dots1: no GQA
-    if model_type == "deepseek_v3":  # MLA, a dense first layer, a shared expert, 2 groups of 4 experts, YaRN
+    if model_type == "deepseek_v32":  # DeepSeek-V3.2's lightning indexer: 24 of the keys for each query
+        c.update(index_n_heads=8, index_head_dim=64, index_topk=24)  # (llama.cpp rotates 64-wide keys)
+    if model_type in DEEPSEEK:  # MLA, a dense first layer, a shared expert, 2 groups of 4 experts, YaRN
         c.update(
             num_hidden_layers=3,
             num_key_value_heads=4,
@@ -204,7 +208,7 @@ def _tensors(c: dict):
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     moe, oss = c["model_type"] in MOE_TYPES, c["model_type"] == "gpt_oss"
-    if c["model_type"] == "deepseek_v3":
+    if c["model_type"] in DEEPSEEK:
         yield from _deepseek2_tensors(c)
         return
     if c["model_type"] in BLOCKS:
@@ -427,6 +431,11 @@ def _deepseek2_tensors(c: dict):
             (b + "attn_output.weight", (d, h * vd)),
             (b + "ffn_norm.weight", (d,)),
         )
+        if "index_topk" in c:  # the lightning indexer: a LayerNorm on its one key head, a weight per query head
+            n, m = c["index_n_heads"], c["index_head_dim"]
+            yield from ((b + "indexer.k_norm.weight", (m,)), (b + "indexer.k_norm.bias", (m,)))
+            yield from ((b + "indexer.proj.weight", (n, d)), (b + "indexer.attn_k.weight", (m, d)))
+            yield b + "indexer.attn_q_b.weight", (n * m, ql)
         if i < c["first_k_dense_replace"]:
             n = c["intermediate_size"]
             yield from ((b + "ffn_gate.weight", (n, d)), (b + "ffn_up.weight", (n, d)), (b + "ffn_down.weight", (d, n)))
@@ -464,6 +473,10 @@ def _deepseek2_meta(w, c: dict) -> None:
     w.add_expert_group_count(c["n_group"])
     w.add_expert_group_used_count(c["topk_group"])
     w.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
+    if "index_topk" in c:
+        w.add_indexer_head_count(c["index_n_heads"])
+        w.add_indexer_key_length(c["index_head_dim"])
+        w.add_indexer_top_k(c["index_topk"])
 
 
 BLOCK_OUTPUTS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight", "ffn_down.weight")
@@ -508,10 +521,8 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss", "minimax", "granitemoe", "hunyuan_moe")
     w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(
-        1 if c["model_type"] == "deepseek_v3" else c["num_key_value_heads"]
-    )  # (MLA: MQA over the latent)
-    if c["model_type"] == "deepseek_v3":
+    w.add_head_count_kv(1 if c["model_type"] in DEEPSEEK else c["num_key_value_heads"])  # (MLA: MQA over the latent)
+    if c["model_type"] in DEEPSEEK:
         _deepseek2_meta(w, c)
     else:
         w.add_key_length(hd)
