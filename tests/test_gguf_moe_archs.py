@@ -194,6 +194,21 @@ def test_hunyuan_routes_with_the_top_k_renormalised(tmp_path):
     assert not mx.allclose(block(x), unnormalised, rtol=1e-3, atol=1e-3).item()
 
 
+def test_qwen35moe_with_one_value_head_per_key_head(tmp_path):
+    """As many value heads as key heads: nothing to untile, and attn_qkv / attn_gate stay apart (in_proj_qkv, in_proj_z)
+    as they are in the GGUF."""
+    c = {**tiny_moe("qwen3_5_moe"), "linear_num_value_heads": 2}
+    path = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, **c)
+    out = gguf_to_mlx_dir(path, tmp_path / "mlx")
+    weights = mx.load(str(out / "model.safetensors"))
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for gguf_name, name in (("attn_qkv", "in_proj_qkv"), ("attn_gate", "in_proj_z"), ("ssm_out", "out_proj")):
+        t = tensors[f"blk.0.{gguf_name}.weight"]
+        got = _converted(weights, f"language_model.model.layers.0.linear_attn.{name}.weight", quant)
+        assert np.array_equal(got, gguf.quants.dequantize(t.data, t.tensor_type)), gguf_name
+
+
 def _float_copy(src, dst, floats) -> None:
     """A copy of the GGUF `src` with the tensors whose names contain one of `floats` ("": all) dequantised to F32."""
     from gguf.quants import dequantize

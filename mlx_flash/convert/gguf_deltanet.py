@@ -59,6 +59,7 @@ class DeltaNetRearranger:
         if self.n_k < 1 or self.n_v % self.n_k:
             raise SourceError(f"{meta.path}: {self.n_v} value heads cannot be grouped over {self.n_k} key heads")
         self.d_v = meta.int(f"{a}.ssm.inner_size") // self.n_v
+        self.joined = not tiled  # qwen3next's in_proj_qkvz, split in two
         self.tiled = tiled and self.n_v != self.n_k  # (one value head per key head: both orders are the same)
         self.held: Dict[str, Dict[str, Tensor]] = {}  # per block: qwen3next's attn_qkv / attn_gate, until both came
 
@@ -76,7 +77,7 @@ class DeltaNetRearranger:
             arrays = {k: v.reshape(*v.shape, 1) for k, v in arrays.items()}
         if self.tiled:
             arrays = self._grouped(kind, arrays, quant, per_k, key_dim)
-        elif kind in ("attn_qkv", "attn_gate"):
+        elif self.joined and kind in ("attn_qkv", "attn_gate"):
             self.held.setdefault(stem, {})[kind] = (base, part, arrays, quant)
             if len(self.held[stem]) < 2:
                 return []
