@@ -64,6 +64,8 @@ What a cell asserts (the test module in parentheses):
   values and streamed tokens = the cached model's (test_gguf_moe_archs); KL per token against llama-perplexity on the
   same tokens, on the file as written and on its F32 copy (benchmarks/moe_gguf_check.py).
 - *refused*: conversion stops with one line saying why.
+- hunyuan_moe is mlx_flash's model type (mlx_flash/models/hunyuan_moe.py): mlx-lm's hunyuan with the top-k weights
+  renormalised, as Hunyuan-A13B's reference and llama.cpp route them.
 """
 
 
