@@ -28,6 +28,8 @@ KL(llama || system) per scored token (as llama-perplexity --kl-divergence sums i
 llama.cpp's log-probs above -16) and the share of positions whose argmax agrees. For reference,
 mlx_flash eval is also run on benchmarks/selectors.py's windows (BOS + 256 tokens, every position
 scored), which llama-perplexity cannot score (it scores only second halves).
+--llama-f32 adds llama.cpp against itself: llama-perplexity --kl-divergence on the GGUF's F32 copy against its
+log-probs on the file as written (the same KL sum, to its 6 decimals), which isolates its 8-bit activations.
 """
 
 import sys
@@ -115,6 +117,35 @@ def run_llama(cmd, chunks, progress=True) -> dict:
         "seconds": time.perf_counter() - t0,
         "log": log.splitlines()[-40:],
     }
+
+
+_KLD = re.compile(r"Mean    KLD:\s+(-?[\d.]+)")
+_SAME_TOP = re.compile(r"Same top p:\s+([\d.]+)")
+_PPL_Q = re.compile(r"Mean PPL\(Q\)\s+:\s+([\d.]+)")
+
+
+def llama_kl(exe, gguf, base_file, ctx, threads, bos, tries=3) -> dict:
+    """llama-perplexity --kl-divergence of `gguf` against the log-probs in `base_file`, on the tokens it holds:
+    {"ppl", "kld", "top1_agreement", "seconds"}: its perplexity, mean KL per token (6 decimals) and share of
+    positions with the same argmax."""
+    cmd = [str(exe), "-m", str(gguf), "-c", str(ctx), "-b", str(ctx), "-t", str(threads)]
+    cmd += ["--override-kv", BOS_OVERRIDE] if bos else []
+    cmd += ["--kl-divergence-base", str(base_file), "--kl-divergence"]
+    # its log thread sometimes exits before the last lines when the machine is busy: asked again
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+        log = p.stdout + p.stderr
+        ppl, kld, top = (r.search(log) for r in (_PPL_Q, _KLD, _SAME_TOP))
+        if p.returncode == 0 and ppl and kld and top:
+            return {
+                "ppl": float(ppl.group(1)),
+                "kld": float(kld.group(1)),
+                "top1_agreement": float(top.group(1)) / 100,
+                "seconds": time.perf_counter() - t0,
+            }
+    tail = "\n".join(log.splitlines()[-15:])
+    raise RuntimeError(f"llama-perplexity --kl-divergence failed (exit {p.returncode}):\n{tail}")
 
 
 class LlamaLogProbs:
@@ -286,6 +317,12 @@ def setup_arg_parser():
         "--down-bits float --dtype float32 (the GGUF's exact values).",
     )
     p.add_argument(
+        "--llama-f32",
+        action="store_true",
+        help="Also llama.cpp against itself: llama-perplexity --kl-divergence on the GGUF's F32 copy against its "
+        "log-probs on the file as written (KL per token to 6 decimals, top-1 agreement).",
+    )
+    p.add_argument(
         "--systems",
         default="mlx_flash eval,mlx_flash resident",
         help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx-lm.",
@@ -308,8 +345,11 @@ def main(argv=None):
     progress = not args.quiet
     fd = FlashDir(args.model or default_model_dir())
     gguf = Path(args.gguf or default_gguf_path())
+    f32_path = cache_root() / "ppl_check" / f"{gguf.stem}.F32.gguf"
+    if args.f32_gguf and args.llama_f32:
+        raise SystemExit("--llama-f32 compares the GGUF as written with its F32 copy, not with --f32-gguf")
     if args.f32_gguf:
-        gguf = write_f32_gguf(gguf, cache_root() / "ppl_check" / f"{gguf.stem}.F32.gguf")
+        gguf = write_f32_gguf(gguf, f32_path)
     tok = load_tokenizer(fd)
     text = read_text([args.text] if args.text else None, half=args.half)
     seen = text[:-1] if text.endswith("\n") else text  # llama-perplexity drops one trailing newline of -f
@@ -362,6 +402,15 @@ def main(argv=None):
                 f"{name}: ppl {row['ppl']:.4f} ({row['rel_diff']:+.2%} vs llama.cpp {llama['ppl']:.4f}), "
                 f"KL {row.get('kld', float('nan')):.4f}, top-1 {row.get('top1_agreement', float('nan')):.3f}"
             )
+        if args.llama_f32:
+            f32 = write_f32_gguf(gguf, f32_path)
+            row = {
+                "system": "llama-perplexity, F32 copy",
+                **llama_kl(exe, f32, base_file, args.ctx, args.threads, args.bos),
+            }
+            row["rel_diff"] = row["ppl"] / llama["ppl"] - 1
+            rows.append(row)
+            tqdm.write(f"llama.cpp on the F32 copy: KL {row['kld']:.6f}, top-1 {row['top1_agreement']:.3f}")
         del base
 
     reference = None
