@@ -21,6 +21,9 @@ checked against llama.cpp's ids) through quality.perplexity(..., first=CTX // 2)
                       behind the perplexities of calibrate and benchmarks/selectors.py)
   mlx_flash resident  loader.load_resident(dtype=float32): the runtime's reference model (quantised
                       matmuls, float32 activations)
+  mlx_flash decode    loader.load (streaming, every unit cached), one token per forward pass with a KV cache: decode
+                      steps, int8 activations in the native CPU kernels (the default; "mlx_flash decode exact":
+                      float32, MLX_FLASH_INT8=0)
   mlx-lm              (--mlx-lm) mlx_lm.load of the flash directory exported by mlx_flash.convert.export
                       (as mlx-lm loads it: float16, quantised matmuls; slow on a CPU)
 Each is reported with its perplexity, the relative difference to llama-perplexity's, the mean
@@ -209,8 +212,29 @@ def write_f32_gguf(src: Path, dst: Path) -> Path:
 
 
 # -- the Python systems ----------------------------------------------------------------------------------
-def build_system(name, fd: FlashDir):
+class StepByStep:
+    """A model loaded for streaming, fed one token per forward pass with a KV cache as decoding runs (prompt passes
+    compute in float; the native CPU kernels' int8 activations apply to decode steps)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        cache, out = self.model.make_cache(), []
+        for i in range(x.shape[1]):
+            out.append(self.model(x[:, i : i + 1], cache=cache))
+            mx.eval(out[-1])
+        return mx.concatenate(out, axis=1)
+
+
+def build_system(name, fd: FlashDir, ctx: int = 4096):
     """(model, controller or None) of one Python system."""
+    if name in ("mlx_flash decode", "mlx_flash decode exact"):
+        from mlx_flash.compute import cpu_gemv
+        from mlx_flash.loader import load
+
+        cpu_gemv.set_int8_activations(name == "mlx_flash decode")
+        return StepByStep(load(fd.path, context=ctx)[0]), None
     if name == "mlx_flash eval":
         return eval_model(fd)
     if name == "mlx_flash resident":
@@ -230,7 +254,7 @@ def build_system(name, fd: FlashDir):
 def score_system(name, fd, chunks, first, base: LlamaLogProbs = None, progress=True) -> dict:
     """Perplexity of one system on `chunks` (scored from `first`), and per-token comparison with llama.cpp."""
     t0 = time.perf_counter()
-    model, ctl = build_system(name, fd)
+    model, ctl = build_system(name, fd, chunks.shape[1])
     load_s = time.perf_counter() - t0
     stats = {"kld": 0.0, "top1": 0, "nll_llama": 0.0, "abs_dnll": 0.0, "max_dnll": 0.0, "n": 0}
     bar = tqdm(total=len(chunks), desc=name, unit="chunk", disable=not progress)
@@ -325,7 +349,7 @@ def setup_arg_parser():
     p.add_argument(
         "--systems",
         default="mlx_flash eval,mlx_flash resident",
-        help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx-lm.",
+        help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx_flash decode (exact), mlx-lm.",
     )
     p.add_argument("--mlx-lm", action="store_true", help="Also run mlx-lm on the exported flash directory.")
     p.add_argument(
