@@ -127,7 +127,7 @@ _SAME_TOP = re.compile(r"Same top p:\s+([\d.]+)")
 _PPL_Q = re.compile(r"Mean PPL\(Q\)\s+:\s+([\d.]+)")
 
 
-def llama_kl(exe, gguf, base_file, ctx, threads, bos, tries=3) -> dict:
+def llama_kl(exe, gguf, base_file, ctx, threads, bos, tries=5) -> dict:
     """llama-perplexity --kl-divergence of `gguf` against the log-probs in `base_file`, on the tokens it holds:
     {"ppl", "kld", "top1_agreement", "seconds"}: its perplexity, mean KL per token (6 decimals) and share of
     positions with the same argmax."""
