@@ -21,6 +21,9 @@ checked against llama.cpp's ids) through quality.perplexity(..., first=CTX // 2)
                       behind the perplexities of calibrate and benchmarks/selectors.py)
   mlx_flash resident  loader.load_resident(dtype=float32): the runtime's reference model (quantised
                       matmuls, float32 activations)
+  mlx_flash decode    loader.load (streaming, every unit cached), one token per forward pass with a KV cache: decode
+                      steps, int8 activations in the native CPU kernels (the default; "mlx_flash decode exact":
+                      float32, MLX_FLASH_INT8=0)
   mlx-lm              (--mlx-lm) mlx_lm.load of the flash directory exported by mlx_flash.convert.export
                       (as mlx-lm loads it: float16, quantised matmuls; slow on a CPU)
 Each is reported with its perplexity, the relative difference to llama-perplexity's, the mean
@@ -28,6 +31,8 @@ KL(llama || system) per scored token (as llama-perplexity --kl-divergence sums i
 llama.cpp's log-probs above -16) and the share of positions whose argmax agrees. For reference,
 mlx_flash eval is also run on benchmarks/selectors.py's windows (BOS + 256 tokens, every position
 scored), which llama-perplexity cannot score (it scores only second halves).
+--llama-f32 adds llama.cpp against itself: llama-perplexity --kl-divergence on the GGUF's F32 copy against its
+log-probs on the file as written (the same KL sum, to its 6 decimals), which isolates its 8-bit activations.
 """
 
 import sys
@@ -117,6 +122,35 @@ def run_llama(cmd, chunks, progress=True) -> dict:
     }
 
 
+_KLD = re.compile(r"Mean    KLD:\s+(-?[\d.]+)")
+_SAME_TOP = re.compile(r"Same top p:\s+([\d.]+)")
+_PPL_Q = re.compile(r"Mean PPL\(Q\)\s+:\s+([\d.]+)")
+
+
+def llama_kl(exe, gguf, base_file, ctx, threads, bos, tries=5) -> dict:
+    """llama-perplexity --kl-divergence of `gguf` against the log-probs in `base_file`, on the tokens it holds:
+    {"ppl", "kld", "top1_agreement", "seconds"}: its perplexity, mean KL per token (6 decimals) and share of
+    positions with the same argmax."""
+    cmd = [str(exe), "-m", str(gguf), "-c", str(ctx), "-b", str(ctx), "-t", str(threads)]
+    cmd += ["--override-kv", BOS_OVERRIDE] if bos else []
+    cmd += ["--kl-divergence-base", str(base_file), "--kl-divergence"]
+    # its log thread sometimes exits before the last lines when the machine is busy: asked again
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+        log = p.stdout + p.stderr
+        ppl, kld, top = (r.search(log) for r in (_PPL_Q, _KLD, _SAME_TOP))
+        if p.returncode == 0 and ppl and kld and top:
+            return {
+                "ppl": float(ppl.group(1)),
+                "kld": float(kld.group(1)),
+                "top1_agreement": float(top.group(1)) / 100,
+                "seconds": time.perf_counter() - t0,
+            }
+    tail = "\n".join(log.splitlines()[-15:])
+    raise RuntimeError(f"llama-perplexity --kl-divergence failed (exit {p.returncode}):\n{tail}")
+
+
 class LlamaLogProbs:
     """A --kl-divergence-base file: "_logits_", n_ctx, n_vocab, n_chunk (int32), the n_chunk * n_ctx token
     ids llama-perplexity evaluated (before its BOS overwrite), then per chunk and scored position
@@ -178,8 +212,29 @@ def write_f32_gguf(src: Path, dst: Path) -> Path:
 
 
 # -- the Python systems ----------------------------------------------------------------------------------
-def build_system(name, fd: FlashDir):
+class StepByStep:
+    """A model loaded for streaming, fed one token per forward pass with a KV cache as decoding runs (prompt passes
+    compute in float; the native CPU kernels' int8 activations apply to decode steps)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        cache, out = self.model.make_cache(), []
+        for i in range(x.shape[1]):
+            out.append(self.model(x[:, i : i + 1], cache=cache))
+            mx.eval(out[-1])
+        return mx.concatenate(out, axis=1)
+
+
+def build_system(name, fd: FlashDir, ctx: int = 4096):
     """(model, controller or None) of one Python system."""
+    if name in ("mlx_flash decode", "mlx_flash decode exact"):
+        from mlx_flash.compute import cpu_gemv
+        from mlx_flash.loader import load
+
+        cpu_gemv.set_int8_activations(name == "mlx_flash decode")
+        return StepByStep(load(fd.path, context=ctx)[0]), None
     if name == "mlx_flash eval":
         return eval_model(fd)
     if name == "mlx_flash resident":
@@ -199,7 +254,7 @@ def build_system(name, fd: FlashDir):
 def score_system(name, fd, chunks, first, base: LlamaLogProbs = None, progress=True) -> dict:
     """Perplexity of one system on `chunks` (scored from `first`), and per-token comparison with llama.cpp."""
     t0 = time.perf_counter()
-    model, ctl = build_system(name, fd)
+    model, ctl = build_system(name, fd, chunks.shape[1])
     load_s = time.perf_counter() - t0
     stats = {"kld": 0.0, "top1": 0, "nll_llama": 0.0, "abs_dnll": 0.0, "max_dnll": 0.0, "n": 0}
     bar = tqdm(total=len(chunks), desc=name, unit="chunk", disable=not progress)
@@ -286,9 +341,15 @@ def setup_arg_parser():
         "--down-bits float --dtype float32 (the GGUF's exact values).",
     )
     p.add_argument(
+        "--llama-f32",
+        action="store_true",
+        help="Also llama.cpp against itself: llama-perplexity --kl-divergence on the GGUF's F32 copy against its "
+        "log-probs on the file as written (KL per token to 6 decimals, top-1 agreement).",
+    )
+    p.add_argument(
         "--systems",
         default="mlx_flash eval,mlx_flash resident",
-        help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx-lm.",
+        help="Comma-separated Python systems: mlx_flash eval, mlx_flash resident, mlx_flash decode (exact), mlx-lm.",
     )
     p.add_argument("--mlx-lm", action="store_true", help="Also run mlx-lm on the exported flash directory.")
     p.add_argument(
@@ -308,8 +369,11 @@ def main(argv=None):
     progress = not args.quiet
     fd = FlashDir(args.model or default_model_dir())
     gguf = Path(args.gguf or default_gguf_path())
+    f32_path = cache_root() / "ppl_check" / f"{gguf.stem}.F32.gguf"
+    if args.f32_gguf and args.llama_f32:
+        raise SystemExit("--llama-f32 compares the GGUF as written with its F32 copy, not with --f32-gguf")
     if args.f32_gguf:
-        gguf = write_f32_gguf(gguf, cache_root() / "ppl_check" / f"{gguf.stem}.F32.gguf")
+        gguf = write_f32_gguf(gguf, f32_path)
     tok = load_tokenizer(fd)
     text = read_text([args.text] if args.text else None, half=args.half)
     seen = text[:-1] if text.endswith("\n") else text  # llama-perplexity drops one trailing newline of -f
@@ -362,6 +426,15 @@ def main(argv=None):
                 f"{name}: ppl {row['ppl']:.4f} ({row['rel_diff']:+.2%} vs llama.cpp {llama['ppl']:.4f}), "
                 f"KL {row.get('kld', float('nan')):.4f}, top-1 {row.get('top1_agreement', float('nan')):.3f}"
             )
+        if args.llama_f32:
+            f32 = write_f32_gguf(gguf, f32_path)
+            row = {
+                "system": "llama-perplexity, F32 copy",
+                **llama_kl(exe, f32, base_file, args.ctx, args.threads, args.bos),
+            }
+            row["rel_diff"] = row["ppl"] / llama["ppl"] - 1
+            rows.append(row)
+            tqdm.write(f"llama.cpp on the F32 copy: KL {row['kld']:.6f}, top-1 {row['top1_agreement']:.3f}")
         del base
 
     reference = None

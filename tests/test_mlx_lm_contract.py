@@ -10,6 +10,9 @@ import pytest
 # (module, attribute path, the parameters mlx_flash relies on, in order)
 RELIED_ON = [
     ("mlx_lm.utils", "_get_classes", ["config"]),  # models.get_model_classes defers to it
+    # models.hunyuan_moe subclasses them (its MoE block's __call__ renormalises, on the same attributes)
+    ("mlx_lm.models.hunyuan", "MoeBlock.__init__", ["self", "args", "layer_idx"]),
+    ("mlx_lm.models.hunyuan", "Model.__init__", ["self", "args"]),
     ("mlx_lm.generate", "maybe_quantize_kv_cache", ["prompt_cache", "quantized_kv_start", "kv_group_size", "kv_bits"]),
     ("mlx_lm.generate", "generation_stream", None),  # generation.generate_step computes on it
     ("mlx_lm.server", "stream_generate", ["model", "tokenizer", "prompt", "max_tokens"]),  # swapped per request

@@ -53,8 +53,12 @@ sliding window pattern 6, local RoPE base 10000, query scale from head_dim).
 Mixture of experts (stacked ffn_*_exps, router ffn_gate_inp): qwen3moe, qwen2moe (shared expert *_shexp),
 olmoe, Mixtral (llama.cpp's "llama" with an expert_count), gpt-oss (MXFP4 experts kept as MLX mxfp4),
 deepseek2 (-> deepseek_v3: MLA in llama.cpp's k_b / v_b form, dense leading layers, shared experts), glm4moe (its
-MTP block, nextn, left out), dots1, minimax-m2 (-> minimax), granitemoe, ernie4_5-moe (without exp_probs_b) and
-llama4. gguf_archs.NOT_CONVERTED names the architectures refused and why.
+MTP block, nextn, left out), dots1, minimax-m2 (-> minimax), granitemoe, ernie4_5-moe (without exp_probs_b),
+llama4, and the gated DeltaNet hybrids qwen3next (-> qwen3_next) and qwen35moe (-> qwen3_5_moe), whose DeltaNet
+tensors llama.cpp's converter rearranges (undone by gguf_deltanet.py), and hunyuan-moe (-> mlx_flash.models'
+hunyuan_moe: mlx-lm's hunyuan with the top-k weights renormalised, as llama.cpp and the reference route), and
+deepseek32 (-> deepseek_v32: deepseek2's tensors and the lightning indexer's).
+gguf_archs.NOT_CONVERTED names the architectures refused and why.
 """
 
 from __future__ import annotations
@@ -548,6 +552,27 @@ def _clear_old_outputs(out_dir: Path) -> None:
             f.unlink()
 
 
+def _write_tensor(writer, spec, meta, base: str, part: str, arrays: dict, quant, quant_of: dict, cast, unpermute: bool):
+    """One tensor under its mlx-lm name: RoPE rows unpermuted, norms unshifted, cast; its quantisation noted."""
+    import mlx.core as mx
+
+    hf, head_key = map_name(spec, base)
+    arch = meta["general.architecture"]
+    if head_key is not None and unpermute:
+        n_head = meta.int(f"{arch}.{head_key}", meta.int(f"{arch}.attention.head_count"))
+        arrays = {k: _unpermute(v, n_head) for k, v in arrays.items()}
+    if base.rpartition(".")[2] in spec.row_vectors:
+        arrays = {k: v.reshape(1, -1) for k, v in arrays.items()}
+    if spec.norm_shift and base.endswith("norm"):
+        arrays = {k: v - spec.norm_shift for k, v in arrays.items()}
+    if cast is not None:
+        arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
+    if quant is not None:  # uint8 scales: mxfp4 (as mlx-lm infers it)
+        quant_of[hf] = (*quant, "mxfp4" if arrays["scales"].dtype == mx.uint8 else "affine")
+    for key, arr in arrays.items():
+        writer.add(hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{key}", arr)
+
+
 def gguf_to_mlx_dir(
     gguf_path,
     out_dir,
@@ -626,25 +651,15 @@ def gguf_to_mlx_dir(
         unit_divisor=1024,
         disable=not progress,
     )
-    for base, part, arrays, quant in source.tensors():
-        if is_mtp(spec, meta, base):
-            bar.update(sizes[f"{base}.{part}"])
+    rearrange = spec.rearranger(meta) if spec.rearranger is not None else None
+    for tensor in source.tensors():
+        bar.update(sizes[f"{tensor[0]}.{tensor[1]}"])
+        if is_mtp(spec, meta, tensor[0]):
             continue
-        hf, head_key = map_name(spec, base)
-        if head_key is not None and _unpermute_qk:
-            n_head = meta.int(f"{arch}.{head_key}", meta.int(f"{arch}.attention.head_count"))
-            arrays = {k: _unpermute(v, n_head) for k, v in arrays.items()}
-        if base.rpartition(".")[2] in spec.row_vectors:
-            arrays = {k: v.reshape(1, -1) for k, v in arrays.items()}
-        if spec.norm_shift and base.endswith("norm"):
-            arrays = {k: v - spec.norm_shift for k, v in arrays.items()}
-        if cast is not None:
-            arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
-        if quant is not None:  # uint8 scales: mxfp4 (as mlx-lm infers it)
-            quant_of[hf] = (*quant, "mxfp4" if arrays["scales"].dtype == mx.uint8 else "affine")
-        for key, arr in arrays.items():
-            writer.add(hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{key}", arr)
-        bar.update(sizes[f"{base}.{part}"])
+        for base, part, arrays, quant in rearrange(*tensor) if rearrange is not None else [tensor]:
+            _write_tensor(writer, spec, meta, base, part, arrays, quant, quant_of, cast, _unpermute_qk)
+    if rearrange is not None:
+        rearrange.finish()
     writer.close()
     bar.close()
 

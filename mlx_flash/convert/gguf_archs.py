@@ -4,6 +4,7 @@ supported list)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
@@ -12,6 +13,7 @@ from ..errors import UnsupportedArchitectureError
 from .gguf_config import (
     Meta,  # (imported from here by the tokenizer and tests)
     deepseek2_config,
+    deepseek32_config,
     dots1_config,
     ernie_moe_config,
     experts_config,
@@ -19,6 +21,7 @@ from .gguf_config import (
     glm4_moe_config,
     gpt_oss_config,
     granitemoe_config,
+    hunyuan_moe_config,
     llama4_config,
     llama_config,
     minimax_m2_config,
@@ -26,8 +29,10 @@ from .gguf_config import (
     phi3_config,
     qwen2_moe_config,
     qwen3_moe_config,
+    qwen3next_config,
     qwen_config,
 )
+from .gguf_deltanet import DeltaNetRearranger
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class ArchSpec:
     # own: mlx-lm's models run without them (their sanitize drops them), so their tensors are left out
     mtp_key: Optional[str] = None
     layers: str = "model.layers"  # the mlx-lm path of the blocks
+    # makes, for one file, what takes the GGUF's tensors in order and hands back those of mlx-lm's layout (tensors
+    # llama.cpp's converter split, reordered or transformed: gguf_deltanet.py), with a finish() to call at the end
+    rearranger: Optional[Callable[["Meta"], Callable]] = None
 
 
 _ATTENTION = {
@@ -380,14 +388,98 @@ ARCHITECTURES: Dict[str, ArchSpec] = {
     ),
 }
 
+# Qwen3-Next / Qwen3.5 MoE: gated DeltaNet layers (gguf_deltanet.py) and full-attention ones, experts and a shared
+# expert in every layer
+_DELTANET = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    **{k: v for k, v in _ATTENTION.items() if k != "attn_norm"},
+    **_QK_NORM,
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_inp": "mlp.gate",
+    **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    **{k: v.replace("shared_experts", "shared_expert") for k, v in _SHARED_EXPERT.items()},
+}
+ARCHITECTURES["qwen3next"] = ArchSpec(  # (NeoX RoPE: stored unpermuted)
+    model_type="qwen3_next",
+    hf_class="Qwen3NextForCausalLM",
+    block_names={
+        **_DELTANET,
+        # attn_qkv and attn_gate are joined into in_proj_qkvz, written as ssm_in (older GGUFs' name for it)
+        **dict.fromkeys(("attn_qkv", "attn_gate", "ssm_in"), "linear_attn.in_proj_qkvz"),
+        "ssm_ba": "linear_attn.in_proj_ba",
+    },
+    make_config=qwen3next_config,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    experts=True,
+    row_vectors=("ffn_gate_inp_shexp",),
+    bare=("ssm_a", "ssm_dt"),
+    partial_rotary="partial_rotary_factor",
+    mtp_key="nextn_predict_layers",
+    rearranger=lambda meta: DeltaNetRearranger(meta, tiled=False),
+)
+ARCHITECTURES["qwen35moe"] = dataclasses.replace(
+    ARCHITECTURES["qwen3next"],
+    model_type="qwen3_5_moe",
+    hf_class="Qwen3_5MoeForConditionalGeneration",
+    block_names={
+        **_DELTANET,
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_alpha": "linear_attn.in_proj_a",
+    },
+    layers="language_model.model.layers",
+    global_names={k: f"language_model.{v}" for k, v in _LLAMA.global_names.items()},
+    rearranger=lambda meta: DeltaNetRearranger(meta, tiled=True),
+)
+
+ARCHITECTURES["hunyuan-moe"] = ArchSpec(  # (NeoX RoPE: stored unpermuted)
+    model_type="hunyuan_moe",  # (mlx_flash.models.hunyuan_moe: mlx-lm's hunyuan with the top-k renormalised)
+    hf_class="HunYuanMoEV1ForCausalLM",
+    block_names={
+        **_ATTENTION,
+        "attn_q_norm": "self_attn.query_layernorm",
+        "attn_k_norm": "self_attn.key_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate.wg",
+        **{k: f"mlp.{v}" for k, v in _EXPERTS.items()},
+        **{k: v.replace("shared_experts", "shared_mlp") for k, v in _SHARED_EXPERT.items()},
+    },
+    make_config=hunyuan_moe_config,
+    head_dim_key=False,
+    experts=True,
+    rejected={
+        **_ROPE_FREQS,
+        "output": "hunyuan-moe with an output.weight of its own is not supported (mlx-lm's hunyuan ties its head "
+        "to the embedding)",
+    },
+)
+
+ARCHITECTURES["deepseek32"] = dataclasses.replace(
+    ARCHITECTURES["deepseek2"],
+    model_type="deepseek_v32",
+    hf_class="DeepseekV32ForCausalLM",
+    block_names={
+        **ARCHITECTURES["deepseek2"].block_names,
+        "indexer.k_norm": "self_attn.indexer.k_norm",
+        "indexer.proj": "self_attn.indexer.weights_proj",
+        "indexer.attn_k": "self_attn.indexer.wk",
+        "indexer.attn_q_b": "self_attn.indexer.wq_b",
+    },
+    make_config=deepseek32_config,
+    mtp_key="nextn_predict_layers",
+)
+
 
 # llama.cpp architectures with an mlx-lm class of their own that mlx_flash does not convert, and why
-NOT_CONVERTED = {
-    "qwen3next": "its gated DeltaNet layers (ssm_* tensors, as llama.cpp's converter rearranges them) are not mapped",
-    "qwen35moe": "its gated DeltaNet layers (ssm_* tensors, as llama.cpp's converter rearranges them) are not mapped",
-    "hunyuan-moe": "llama.cpp renormalises the top-k expert weights and mlx-lm's hunyuan does not",
-    "deepseek32": "the lightning indexer (indexer.* tensors) is not mapped onto mlx-lm's deepseek_v32",
-}
+NOT_CONVERTED = {}
 
 
 def arch_spec(arch: Optional[str], meta: "Meta") -> ArchSpec:

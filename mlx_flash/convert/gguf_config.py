@@ -404,3 +404,108 @@ def llama4_config(meta, shapes, spec) -> dict:
         rope_scaling=text.get("rope_scaling"),
     )
     return {**config, "text_config": text}
+
+
+def _attention_interval(meta, a: str, n_layers: int) -> int:
+    """Every how many layers one has full attention (the rest gated DeltaNet), as mlx-lm's qwen3_next / qwen3_5 take
+    it: from attention.recurrent_layers when the GGUF has it (llama.cpp's converter writes the model's layer_types),
+    else full_attention_interval (llama.cpp's default 4)."""
+    interval = meta.int(f"{a}.full_attention_interval", 4)
+    recurrent = meta.get(f"{a}.attention.recurrent_layers")
+    if isinstance(recurrent, list):
+        full = [i for i, r in enumerate(recurrent[:n_layers]) if not r]
+        interval = full[0] + 1 if full else n_layers + 1
+        if [not r for r in recurrent[:n_layers]] != [(i + 1) % interval == 0 for i in range(n_layers)]:
+            raise UnsupportedArchitectureError(
+                f"{meta.path}: {a} with full-attention layers {full} (mlx-lm's takes one every N layers)"
+            )
+    return interval
+
+
+def qwen3next_config(meta, shapes, spec) -> dict:
+    """Qwen3-Next (llama.cpp "qwen3next") and Qwen3.5 MoE's text model ("qwen35moe"): gated DeltaNet layers (the
+    ssm.* keys) with a full-attention layer every full_attention_interval (its query doubled as an output gate, a
+    rotary part of each head), every FFN experts (top-k renormalised, as llama.cpp routes them) plus a shared expert
+    behind a sigmoid gate; its MTP block (nextn) left out."""
+    config = base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    n_v = meta.int(f"{a}.ssm.time_step_rank")
+    config.update(
+        hidden_act="silu",
+        linear_num_value_heads=n_v,
+        linear_num_key_heads=meta.int(f"{a}.ssm.group_count"),
+        linear_key_head_dim=meta.int(f"{a}.ssm.state_size"),
+        linear_value_head_dim=meta.int(f"{a}.ssm.inner_size") // max(n_v, 1),
+        linear_conv_kernel_dim=meta.int(f"{a}.ssm.conv_kernel"),
+        full_attention_interval=_attention_interval(meta, a, config["num_hidden_layers"]),
+        num_experts=meta.int(f"{a}.expert_count"),
+        num_experts_per_tok=meta.int(f"{a}.expert_used_count"),
+        moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length"),
+        shared_expert_intermediate_size=meta.int(f"{a}.expert_shared_feed_forward_length", config["intermediate_size"]),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        attention_bias=False,
+    )
+    if spec.model_type == "qwen3_next":
+        return config
+    # Qwen3.5: mlx-lm's qwen3_5_moe, the text model under text_config, RoPE from rope_parameters (its multimodal
+    # sections all take the one text position: plain RoPE)
+    top = {k: config.pop(k) for k in ("architectures", "model_type", "tie_word_embeddings")}
+    sections = meta.get(f"{a}.rope.dimension_sections", [11, 11, 10, 0])[:3]
+    config.update(
+        model_type="qwen3_5_moe_text",
+        rope_parameters={
+            "type": "default",
+            "rope_theta": config.pop("rope_theta"),
+            "partial_rotary_factor": config.pop("partial_rotary_factor"),
+            "mrope_section": list(sections),
+        },
+        tie_word_embeddings=top["tie_word_embeddings"],
+    )
+    return {**top, "text_config": config}
+
+
+def hunyuan_moe_config(meta, shapes, spec) -> dict:
+    """Hunyuan-A13B (llama.cpp "hunyuan-moe") -> mlx_flash's hunyuan_moe (mlx-lm's hunyuan, the top-k weights
+    renormalised as llama.cpp and the reference route): q/k norms after RoPE, every FFN experts plus an ungated shared
+    MLP, the head tied to the embedding. llama.cpp's converter folds the NTK alpha into rope.freq_base, so the alpha
+    here is 1."""
+    config = base_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    if meta.float(f"{a}.expert_weights_scale", 1.0) not in (0.0, 1.0):  # (llama.cpp reads 0 as none)
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with an expert weights scale is not supported")
+    shared = meta.int(f"{a}.expert_shared_count", 1)
+    width = meta.int(f"{a}.expert_shared_feed_forward_length", config["intermediate_size"])
+    if shared < 1 or width % shared:
+        raise UnsupportedArchitectureError(f"{meta.path}: {a} with {shared} shared experts {width} wide")
+    config.update(
+        num_experts=meta.int(f"{a}.expert_count"),
+        moe_topk=meta.int(f"{a}.expert_used_count"),
+        moe_intermediate_size=meta.int(f"{a}.expert_feed_forward_length", config["intermediate_size"]),
+        intermediate_size=width // shared,  # (mlx-lm's shared MLP is intermediate_size x num_shared_expert wide)
+        num_shared_expert=shared,
+        use_mixed_mlp_moe="blk.0.ffn_up_shexp.weight" in shapes,
+        use_qk_norm=True,
+        use_cla=False,
+        cla_share_factor=2,
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        rope_scaling={"type": "dynamic", "alpha": 1.0, "factor": 1.0},
+    )
+    return config
+
+
+def deepseek32_config(meta, shapes, spec) -> dict:
+    """DeepSeek-V3.2 (llama.cpp "deepseek32" -> mlx-lm's deepseek_v32): deepseek2's MLA and routing, plus the
+    lightning indexer choosing attention.indexer.top_k keys per query (its RoPE NeoX-style, fixed in llama.cpp); the
+    MTP block (nextn) left out."""
+    config = deepseek2_config(meta, shapes, spec)
+    a = meta["general.architecture"]
+    config.update(
+        num_hidden_layers=config["num_hidden_layers"] - mtp_blocks(spec, meta),
+        index_n_heads=meta.int(f"{a}.attention.indexer.head_count"),
+        index_head_dim=meta.int(f"{a}.attention.indexer.key_length"),
+        index_topk=meta.int(f"{a}.attention.indexer.top_k"),
+        indexer_rope_interleave=False,
+    )
+    return config

@@ -1,8 +1,8 @@
 """Model classes mlx_flash adds to mlx-lm's.
 
 `get_model_classes(config)` is what mlx_flash passes as `get_model_classes=` to
-`mlx_lm.utils.load_model`: it knows the architectures mlx-lm lacks (OPT) and
-otherwise defers to mlx-lm.
+`mlx_lm.utils.load_model`: it knows the architectures mlx-lm lacks (OPT; hunyuan_moe, Hunyuan-A13B's routing
+as its reference has it) and otherwise defers to mlx-lm.
 """
 
 from typing import Tuple, Type
@@ -12,7 +12,7 @@ import mlx.nn as nn
 from ..errors import UnsupportedArchitectureError
 
 # model_type -> module under mlx_flash.models
-_LOCAL_MODELS = {"opt": "opt"}
+_LOCAL_MODELS = {"opt": "opt", "hunyuan_moe": "hunyuan_moe"}
 
 
 def get_model_classes(config: dict) -> Tuple[Type[nn.Module], Type]:

@@ -44,7 +44,12 @@ GGUF_ARCHS = {
     "granitemoe": "granitemoe",
     "ernie4_5_moe": "ernie4_5-moe",
     "llama4": "llama4",
+    "qwen3_next": "qwen3next",
+    "qwen3_5_moe": "qwen35moe",
+    "hunyuan_moe": "hunyuan-moe",
+    "deepseek_v32": "deepseek32",
 }
+DEEPSEEK = ("deepseek_v3", "deepseek_v32")  # MLA as llama.cpp's deepseek2 stores it (deepseek32: and the indexer)
 MOE_TYPES = tuple(t for t in GGUF_ARCHS if t != "llama")
 # how these architectures' blocks differ from qwen3moe's, as llama.cpp's converter writes them: q/k/v biases, q/k
 # norms per head or over all heads (None: none), the FFN's norm, leading dense layers, the router's correction bias
@@ -58,8 +63,13 @@ BLOCKS = {
     "granitemoe": dict(),
     "ernie4_5_moe": dict(dense=True, shexp=True),  # (an ERNIE without moe_statics: no exp_probs_b)
     "llama4": dict(interleave=True, shexp=True),  # (dense layers between the MoE ones, as Maverick's)
+    "hunyuan_moe": dict(qk_norm="head", shexp=True),  # (its q/k norms after RoPE, its shared MLP ungated)
 }
-FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b")  # kept float32 (routers; DeepSeek's per-head MLA matrices)
+# kept float32: routers, DeepSeek's per-head MLA matrices, gated DeltaNet's conv1d kernels
+FLOAT_TENSORS = ("ffn_gate_inp", "attn_k_b", "attn_v_b", "ssm_conv1d")
+# gated DeltaNet hybrids (Qwen3-Next; Qwen3.5 MoE, its value heads stored tiled): llama.cpp's tensor names for the
+# key/value heads' projections
+DELTANET = {"qwen3_next": ("ssm_ba",), "qwen3_5_moe": ("ssm_beta", "ssm_alpha")}
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # float16 scale + 16 bytes of nibbles
 
@@ -82,7 +92,9 @@ def tiny_moe(model_type: str) -> dict:
         c.update(shared_expert_intermediate_size=128)
     if model_type in ("olmoe", "dots1"):
         c.update(num_key_value_heads=4)  # llama.cpp's OLMoE and dots1: no GQA
-    if model_type == "deepseek_v3":  # MLA, a dense first layer, a shared expert, 2 groups of 4 experts, YaRN
+    if model_type == "deepseek_v32":  # DeepSeek-V3.2's lightning indexer: 24 of the keys for each query
+        c.update(index_n_heads=8, index_head_dim=64, index_topk=24)  # (llama.cpp rotates 64-wide keys)
+    if model_type in DEEPSEEK:  # MLA, a dense first layer, a shared expert, 2 groups of 4 experts, YaRN
         c.update(
             num_hidden_layers=3,
             num_key_value_heads=4,
@@ -116,6 +128,24 @@ def tiny_moe(model_type: str) -> dict:
         c.update(partial_rotary_factor=0.5, num_nextn_predict_layers=1)
     if model_type == "llama4":  # top-1 routing; MoE and dense layers alternating, the fourth without RoPE
         c.update(num_experts_per_tok=1, num_hidden_layers=4, interleave_moe_layer_step=2, rope_theta=500000.0)
+    if model_type in DELTANET or model_type == "hunyuan_moe":  # 2 of the 8 experts: the top-k renormalised matters
+        c.update(num_experts_per_tok=2)
+    if model_type in DELTANET:  # a DeltaNet layer, then a full-attention one; 2 value heads per key head
+        c.update(
+            full_attention_interval=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            shared_expert_intermediate_size=64,
+            intermediate_size=128,
+            partial_rotary_factor=0.25,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+        )
+    if model_type == "hunyuan_moe":  # llama.cpp's experts are feed_forward_length wide; the head is the embedding
+        c.update(intermediate_size=c["moe_intermediate_size"], tie_word_embeddings=True)
     if model_type == "minimax":  # a rotary part of each head
         c.update(rotary_dim=32)
     if model_type == "granitemoe":  # Granite's multipliers; the head is the embedding
@@ -178,11 +208,14 @@ def _tensors(c: dict):
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     moe, oss = c["model_type"] in MOE_TYPES, c["model_type"] == "gpt_oss"
-    if c["model_type"] == "deepseek_v3":
+    if c["model_type"] in DEEPSEEK:
         yield from _deepseek2_tensors(c)
         return
     if c["model_type"] in BLOCKS:
         yield from _blocks_tensors(c, BLOCKS[c["model_type"]])
+        return
+    if c["model_type"] in DELTANET:
+        yield from _deltanet_tensors(c)
         return
     yield "token_embd.weight", (v, d)
     for i in range(c["num_hidden_layers"]):
@@ -275,6 +308,67 @@ def _blocks_tensors(c: dict, t: dict):
         yield "output.weight", (v, d)
 
 
+def _deltanet_tensors(c: dict):
+    """Qwen3-Next's / Qwen3.5 MoE's tensors as llama.cpp's converter writes them: in the DeltaNet layers q, k, v
+    (attn_qkv) apart from the output gate z (attn_gate), -exp(A_log) (ssm_a), the squeezed conv1d kernel; in the
+    full-attention ones the query doubled by its gate; experts and a shared expert in every layer."""
+    d, v, h, hd = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["head_dim"]
+    kv, e, ff, sh = (
+        c["num_key_value_heads"] * hd,
+        c["num_experts"],
+        c["moe_intermediate_size"],
+        c["shared_expert_intermediate_size"],
+    )
+    n_k, n_v = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    key_dim, value_dim = n_k * c["linear_key_head_dim"], n_v * c["linear_value_head_dim"]
+    yield "token_embd.weight", (v, d)
+    for i in range(c["num_hidden_layers"]):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", (d,)
+        if (i + 1) % c["full_attention_interval"]:
+            yield from ((b + "attn_qkv.weight", (2 * key_dim + value_dim, d)), (b + "attn_gate.weight", (value_dim, d)))
+            ba = DELTANET[c["model_type"]]
+            yield from ((b + f"{x}.weight", (2 * n_v // len(ba), d)) for x in ba)
+            yield from ((b + "ssm_conv1d.weight", (2 * key_dim + value_dim, c["linear_conv_kernel_dim"])),)
+            yield from (
+                (b + "ssm_dt.bias", (n_v,)),
+                (b + "ssm_a", (n_v,)),
+                (b + "ssm_norm.weight", (c["linear_value_head_dim"],)),
+            )
+            yield b + "ssm_out.weight", (d, value_dim)
+        else:
+            yield from (
+                (b + "attn_q.weight", (2 * h * hd, d)),
+                (b + "attn_k.weight", (kv, d)),
+                (b + "attn_v.weight", (kv, d)),
+            )
+            yield from (
+                (b + "attn_output.weight", (d, h * hd)),
+                (b + "attn_q_norm.weight", (hd,)),
+                (b + "attn_k_norm.weight", (hd,)),
+            )
+        yield b + "post_attention_norm.weight", (d,)
+        yield from ((b + "ffn_gate_inp.weight", (e, d)), (b + "ffn_gate_exps.weight", (e, ff, d)))
+        yield from ((b + "ffn_up_exps.weight", (e, ff, d)), (b + "ffn_down_exps.weight", (e, d, ff)))
+        yield from ((b + "ffn_gate_inp_shexp.weight", (d,)), (b + "ffn_gate_shexp.weight", (sh, d)))
+        yield from ((b + "ffn_up_shexp.weight", (sh, d)), (b + "ffn_down_shexp.weight", (d, sh)))
+    yield "output_norm.weight", (d,)
+    yield "output.weight", (v, d)
+
+
+def _deltanet_meta(w, c: dict) -> None:
+    w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(c["linear_key_head_dim"])
+    w.add_ssm_group_count(c["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(c["linear_num_value_heads"])
+    w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    w.add_full_attention_interval(c["full_attention_interval"])
+    if c["model_type"] == "qwen3_5_moe":  # (its multimodal RoPE sections, which text positions leave plain)
+        rope = int(c["head_dim"] * c["partial_rotary_factor"]) // 2
+        w.add_rope_dimension_sections([rope - 2 * (rope // 3), rope // 3, rope // 3, 0])
+
+
 def _blocks_meta(w, c: dict) -> None:
     """The metadata llama.cpp's converter writes for an architecture of BLOCKS, beyond write_gguf's common keys."""
     import gguf
@@ -287,6 +381,11 @@ def _blocks_meta(w, c: dict) -> None:
         w.add_logit_scale(c["logits_scaling"])
         return
     w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if t == "hunyuan_moe":  # (softmax routing renormalised: fixed in llama.cpp's; the NTK alpha in the RoPE base)
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_expert_shared_feed_forward_length(c["n_shared_experts"] * c["moe_intermediate_size"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        return
     if t == "llama4":  # (feed_forward_length is the dense layers')
         w.add_interleave_moe_layer_step(c["interleave_moe_layer_step"])
         return
@@ -332,6 +431,11 @@ def _deepseek2_tensors(c: dict):
             (b + "attn_output.weight", (d, h * vd)),
             (b + "ffn_norm.weight", (d,)),
         )
+        if "index_topk" in c:  # the lightning indexer: a LayerNorm on its one key head, a weight per query head
+            n, m = c["index_n_heads"], c["index_head_dim"]
+            yield from ((b + "indexer.k_norm.weight", (m,)), (b + "indexer.k_norm.bias", (m,)))
+            yield from ((b + "indexer.proj.weight", (n, d)), (b + "indexer.attn_k.weight", (m, d)))
+            yield b + "indexer.attn_q_b.weight", (n * m, ql)
         if i < c["first_k_dense_replace"]:
             n = c["intermediate_size"]
             yield from ((b + "ffn_gate.weight", (n, d)), (b + "ffn_up.weight", (n, d)), (b + "ffn_down.weight", (d, n)))
@@ -369,6 +473,10 @@ def _deepseek2_meta(w, c: dict) -> None:
     w.add_expert_group_count(c["n_group"])
     w.add_expert_group_used_count(c["topk_group"])
     w.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
+    if "index_topk" in c:
+        w.add_indexer_head_count(c["index_n_heads"])
+        w.add_indexer_key_length(c["index_head_dim"])
+        w.add_indexer_top_k(c["index_topk"])
 
 
 BLOCK_OUTPUTS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight", "ffn_down.weight")
@@ -410,13 +518,11 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     nextn = c.get("num_nextn_predict_layers", 0) if BLOCKS.get(c["model_type"], {}).get("nextn") else 0
     w.add_block_count(c["num_hidden_layers"] + nextn)
     # as llama.cpp writes them: feed_forward_length is the experts'
-    experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss", "minimax", "granitemoe")
+    experts_only = c["model_type"] in ("mixtral", "olmoe", "gpt_oss", "minimax", "granitemoe", "hunyuan_moe")
     w.add_feed_forward_length(c["moe_intermediate_size"] if experts_only else c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(
-        1 if c["model_type"] == "deepseek_v3" else c["num_key_value_heads"]
-    )  # (MLA: MQA over the latent)
-    if c["model_type"] == "deepseek_v3":
+    w.add_head_count_kv(1 if c["model_type"] in DEEPSEEK else c["num_key_value_heads"])  # (MLA: MQA over the latent)
+    if c["model_type"] in DEEPSEEK:
         _deepseek2_meta(w, c)
     else:
         w.add_key_length(hd)
@@ -424,6 +530,8 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
         w.add_rope_dimension_count(c.get("rotary_dim") or int(hd * c.get("partial_rotary_factor", 1.0)))
     if c["model_type"] in BLOCKS:
         _blocks_meta(w, c)
+    if c["model_type"] in DELTANET:
+        _deltanet_meta(w, c)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_theta"])
     w.add_vocab_size(c["vocab_size"])
@@ -479,7 +587,9 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     moe_k = c.get("num_experts_per_tok", 0)
     for name, shape in tqdm(specs, desc=f"gguf {preset}", unit="tensor", disable=not progress):
         scale = quiet if name.endswith(BLOCK_OUTPUTS) else 1.0
-        if "exp_probs_b" in name and moe_k < shape[0]:
+        if name.endswith("ssm_a"):  # -exp(A_log), A_log of HF's initialisation (log of uniform 0..16)
+            data = -rng.uniform(0.5, 16.0, shape).astype(np.float32)
+        elif "exp_probs_b" in name and moe_k < shape[0]:
             # the router's correction bias 0, 1, ..., E - 1 shuffled: wider than the sigmoid scores' range, it alone
             # picks the experts, so a wrong mapping picks others, and llama.cpp's int8 activations (its CPU's
             # Q4_0 products) cannot flip a near tie
