@@ -20,7 +20,8 @@ process's, bit for bit.
 
 Failure: a rank that ends makes the others' next exchange fail (the ring backend: "connection to a peer was lost");
 one that stops answering is caught by a watchdog thread: no exchange waits longer than MLX_FLASH_PIPELINE_TIMEOUT
-seconds (default 30; a prompt chunk of m positions 1 + m/32 times that, loading LOAD_WAITS times). Each rank prints
+seconds (default 30; a prompt chunk of m positions 1 + m/32 times that; connecting, loading and the first pass
+LOAD_WAITS times). Each rank prints
 one line and exits with status 1.
 """
 
@@ -105,7 +106,7 @@ def init() -> Optional[Ranks]:
         return None
     rank = int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     watch = _Watchdog(rank)
-    with watch("connecting to the other ranks"):
+    with watch("connecting to the other ranks", LOAD_WAITS * TIMEOUT):  # (the ranks' imports take their time)
         group = mx.distributed.init()
     return Ranks(group, watch) if group.size() > 1 else None
 
@@ -325,7 +326,9 @@ class Stage:
             buf[:HEADER] = op, len(tokens), offset, prompt, status, self.passes
             buf[HEADER : HEADER + len(tokens)] = tokens
         what = "sending the next pass" if self.rank == 0 else "waiting for rank 0's next pass"
-        with self.group.watch(what, self._limit(self.positions)):  # (after the last pass's work downstream)
+        # after the last pass's work downstream; the first after rank 0's setup, which may take as long as loading
+        limit = self._limit(self.positions) if self.passes > 1 else LOAD_WAITS * TIMEOUT
+        with self.group.watch(what, limit):
             buf = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group.mx, stream=mx.cpu))
         op, m, offset, prompt, status, number = (int(v) for v in buf[:HEADER])
         # (a ring that lost a peer may fail its pending exchanges with whatever its buffers held, raising nothing)
