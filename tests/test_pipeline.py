@@ -1,6 +1,7 @@
 """Pipeline stages (mlx_flash/pipeline.py, engine/stage.py): each rank loads, plans and streams its own layers; the
 tokens are the single process's, bit for bit; bad input and a lost rank end every rank with one line."""
 
+import http.client
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from mlx_flash.loader import cpu_cast, load
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.pipeline import PipelineError, parse_split, split_layers
 from mlx_flash.tools.cap import run_capped
-from mlx_flash.tools.ranks import rank_env, run_ranks, write_hostfile
+from mlx_flash.tools.ranks import free_ports, rank_env, run_ranks, write_hostfile
 
 import mlx.core as mx
 import numpy as np
@@ -258,3 +259,84 @@ def test_under_mlx_launch(tiny_moe):
     assert r.returncode == 0 and "error" not in r.stderr, r.stderr
     text = single_text(tiny_moe, *prompt)
     assert text and text in r.stdout
+
+
+# -- the server over stages ---------------------------------------------------------------------------------------
+
+
+def start_server_ranks(path, n, tmp_path, timeout="5"):
+    """The server under a ring launch of n ranks (the watchdog's timeout short); the processes, the port and each
+    rank's stderr file, once rank 0 serves."""
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-m", "mlx_flash.server", "--model", str(path), "--port", str(port), "--max-context", "256"]
+    hostfile = write_hostfile(n)
+    env = dict(os.environ, MLX_FLASH_PIPELINE_TIMEOUT=timeout)
+    errs = [tmp_path / f"rank{r}.err" for r in range(n)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--memory-budget", "50%"],
+            env=rank_env(r, hostfile, env),
+            stdout=subprocess.DEVNULL,
+            stderr=errs[r].open("w"),
+        )
+        for r in range(n)
+    ]
+    deadline = time.monotonic() + 180
+    while "serving" not in errs[0].read_text():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            pytest.fail("the ranks did not start serving: " + " | ".join(e.read_text()[-1000:] for e in errs))
+        time.sleep(0.2)
+    return procs, port, errs
+
+
+def chat(port, content, **options):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0, **options}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    payload = r.read()
+    conn.close()
+    assert r.status == 200, payload
+    return json.loads(payload)["choices"][0]["message"]["content"]
+
+
+def test_server_over_two_ranks(smollm2, tmp_path):
+    """`python -m mlx_flash.server` as 2 ranks: rank 0 answers a chat request (temperature 0) with the single
+    process's text, plain and with prompt lookup, after idling longer than the watchdog's timeout (rank 0's pings
+    keep the other rank following); stopped (SIGTERM), it stops the other rank, and both exit with status 0."""
+    want = single_text(smollm2, "--prompt", "Name three colours.")
+    procs, port, errs = start_server_ranks(smollm2, 2, tmp_path)
+    try:
+        time.sleep(7)  # idle past the 5 s timeout
+        try:
+            assert chat(port, "Name three colours.") == want
+            assert chat(port, "Name three colours.", prompt_lookup=True) == want
+        except (AssertionError, OSError) as e:
+            raise AssertionError(f"{e}: " + " | ".join(f.read_text()[-2000:] for f in errs)) from e
+        procs[0].send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=30) for p in procs] == [0, 0], [e.read_text()[-2000:] for e in errs]
+        assert "error" not in errs[1].read_text()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_server_rank_0_killed_ends_the_others(smollm2, tmp_path):
+    """Rank 0 of a serving pipeline killed while idle: the other rank ends within the watchdog's timeout (here 5 s;
+    30 s by default) with status 1 and one line."""
+    procs, _, errs = start_server_ranks(smollm2, 2, tmp_path)
+    try:
+        procs[0].kill()
+        start = time.monotonic()
+        rc = procs[1].wait(timeout=30)
+        assert time.monotonic() - start < 30
+        err = errs[1].read_text()
+        assert rc == 1 and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith("error: pipeline rank 1:"), err
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
