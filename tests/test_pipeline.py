@@ -19,7 +19,7 @@ from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.stage import StageDir
 from mlx_flash.errors import CapError
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import cpu_cast, load
+from mlx_flash.loader import cpu_cast, load, load_tokenizer
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.pipeline import PipelineError, parse_split, split_layers
 from mlx_flash.tools.cap import run_capped
@@ -52,7 +52,7 @@ def tiny_moe(tmp_path_factory):
     return convert(str(root / "q4"), root / "flash", progress=False)
 
 
-def matching_budget(whole, stage) -> int:
+def matching_budget(whole, stage, context=CONTEXT) -> int:
     """A stage's budget that gives its layers the unit caches (and read-ahead buffers) the whole model's plan gives
     them: its own floor (its resident weights resident but an input embedding, which the planner streams by rows
     whenever a unit would not be cached: a tied one on the first stage) plus those bytes. Device bytes compare."""
@@ -61,8 +61,8 @@ def matching_budget(whole, stage) -> int:
     caches = sum(
         c * strides[r] for layer in plan.capacity[stage.start : stage.stop] for r, c in layer.items()
     ) + 2 * plan.prefetch_rows * strides.get("neurons", 0)
-    rows = [g for g in stream_groups(stage, cpu_cast, CONTEXT) if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
-    fixed = fixed_bytes(stage, CONTEXT, 4, resident=stage.resident_nbytes(cpu_cast))
+    rows = [g for g in stream_groups(stage, cpu_cast, context) if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
+    fixed = fixed_bytes(stage, context, 4, resident=stage.resident_nbytes(cpu_cast))
     return sum(with_streamed(fixed, rows).values()) + caches
 
 
@@ -165,6 +165,35 @@ def test_two_ranks_under_hard_caps(smollm2):
     )
     assert [s[:3] for s in stages] == [("0", "15", "29"), ("1", "0", "14")], results[0].stdout
     assert all(float(s[3]) > 0 for s in stages)  # each rank streams its own layers
+
+
+def test_stats_gather_every_ranks_figures(smollm2):
+    """--stats on rank 0: one line per rank (its layers, bytes read, hit rate, I/O and compute per token), and the
+    ranks' device bytes sum to the single process's (here in this process, at the same context and prompt) within
+    5%, each rank at the budget that gives its layers the whole model's unit caches; the text is the single's."""
+    from mlx_flash.generate import generate
+
+    prompt, n = "The colour of the sky is", 8
+    fd = FlashDir(smollm2)
+    tokens = load_tokenizer(fd).encode(prompt)
+    context = len(tokens) + n  # rank 0's plan for the prompt, which every rank then plans for
+    budget = min_budget(fd, context, 4, resident=fd.resident_nbytes(cpu_cast)) + int(0.5 * fd.ffn_bytes)
+    whole, tokenizer = load(smollm2, memory_budget=budget, context=context)
+    want = generate(whole, tokenizer, tokens, max_tokens=n)
+    single = whole.flash.stats.device_bytes()
+    budgets = [matching_budget(whole, StageDir(fd, *b), context) for b in split_layers(fd, 2)]
+    whole.flash.close()
+    args = ("--stats", "--prompt", prompt, "--ignore-chat-template")
+    results = run_ranks(2, [generate_cmd(smollm2, "--memory-budget", str(b), *args) for b in budgets], timeout=240)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    out = results[0].stdout
+    assert out.split("\n==========")[0] == want
+    lines = re.findall(r"rank (\d): layers .* hit rate ([\d.]+)%, io ([\d.]+) ms, compute ([\d.]+) ms", out)
+    assert [line[0] for line in lines] == ["0", "1"], out
+    rows = json.loads(re.search(r"pipeline stages \(JSON\): (.*)", out).group(1))
+    per_rank = [r["device_bytes"] for r in rows]
+    assert single > 0 and all(b > 0 for b in per_rank), (single, per_rank)
+    assert abs(sum(per_rank) - single) <= 0.05 * single, (single, per_rank)
 
 
 @pytest.mark.parametrize(
