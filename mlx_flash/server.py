@@ -225,8 +225,7 @@ class ResponseGenerator(server.ResponseGenerator):
         while True:
             try:
                 return self._generate()
-            except pipeline.PipelineError as e:  # the other ranks are gone: no pass can run
-                log.error("%s", e)
+            except pipeline.PipelineError as e:  # the other ranks are gone: no pass can run (main prints why)
                 self.lost = e
                 if self.on_lost is not None:
                     self.on_lost()
