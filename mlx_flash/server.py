@@ -527,14 +527,15 @@ def setup_arg_parser():
         "--prompt-cache-size",
         type=int,
         default=1,
-        help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off).",
+        help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off, as under a "
+        "pipeline).",
     )
     p.add_argument(
         "--max-batch",
         type=int,
         default=None,
         help=f"Requests decoded together (their KV caches are in the budget; default: up to {MAX_BATCH}, as many as "
-        "the budget holds). More wait in the queue.",
+        "the budget holds; 1 under a pipeline). More wait in the queue.",
     )
     p.add_argument(
         "--max-queue", type=int, default=64, help="Requests that may wait; one more gets a 503 with Retry-After."
@@ -621,6 +622,9 @@ def main(argv=None):
         return 1
     try:
         run(provider, args)
+    except OSError as e:  # the address is taken, say
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         provider.close()
     return 0
@@ -660,6 +664,8 @@ def serve_stage(args, group) -> int:
     serves and drives the passes, the others follow them until rank 0 stops. The exit status: 1 if a rank failed."""
     args.model = str(args.model or default_model_dir())
     args.prompt_cache_size = 0  # the other ranks hold one sequence's KV cache, not rank 0's stored ones
+    if group.rank != 0:  # Ctrl-C under mlx.launch reaches every rank: rank 0 stops the others
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     model, stage, layers, error = None, None, None, None
     try:
         try:
@@ -683,12 +689,10 @@ def serve_stage(args, group) -> int:
         args.max_context = stage.share_context()
         if group.rank == 0:
             lead(args, stage, tokenizer)
-        else:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C under mlx.launch reaches every rank: rank 0 stops
-            if stage.follow():
-                raise pipeline.PipelineError(
-                    f"pipeline rank {group.rank}: rank 0 ended with an error (see the error it printed)"
-                )
+        elif stage.follow():
+            raise pipeline.PipelineError(
+                f"pipeline rank {group.rank}: rank 0 ended with an error (see the error it printed)"
+            )
     except (FlashError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -217,8 +217,10 @@ def test_three_ranks_moe_by_hand(tiny_moe, budget, speculative):
         assert drafted and int(drafted.group(1)) > 0, results[0].stdout
 
 
-def test_bad_split_is_one_line_on_every_rank(tiny_moe):
-    results = run_ranks(2, generate_cmd(tiny_moe, "--pipeline-split", "2,3"), timeout=120)
+@pytest.mark.parametrize("command", ["generate", "server"])
+def test_bad_split_is_one_line_on_every_rank(tiny_moe, command):
+    cmd = [sys.executable, "-m", f"mlx_flash.{command}", "--model", str(tiny_moe), "--pipeline-split", "2,3"]
+    results = run_ranks(2, cmd, timeout=120)
     for r in results:
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip().splitlines() == [
