@@ -244,6 +244,11 @@ def start_ranks(path, n, env=None):
     ]
 
 
+def last_line(err: str) -> str:
+    """The last line a rank printed, MLX's ring backend's own reports aside (its threads may print them after)."""
+    return [line for line in err.strip().splitlines() if not line.startswith("[ring]")][-1]
+
+
 @pytest.mark.parametrize("how, victim", [("killed", 1), ("stopped", 1), ("killed", 0)])
 def test_a_lost_rank_ends_the_others(smollm2, how, victim):
     """A rank killed (its sockets close) or stopped (silent: the watchdog's timeout, here 5 s) mid-generation: rank 0
@@ -251,7 +256,7 @@ def test_a_lost_rank_ends_the_others(smollm2, how, victim):
     procs = start_ranks(smollm2, 2, {"MLX_FLASH_PIPELINE_TIMEOUT": "5"})
     try:
         os.set_blocking(procs[0].stdout.fileno(), False)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # (loading two ranks on a loaded machine)
         while not procs[0].stdout.read(1):  # generating
             assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].stderr.read()
             time.sleep(0.2)
@@ -261,7 +266,7 @@ def test_a_lost_rank_ends_the_others(smollm2, how, victim):
         assert time.monotonic() - start < 30
         err = procs[1 - victim].stderr.read()
         assert rc == 1 and "Traceback" not in err, err
-        line = err.strip().splitlines()[-1]
+        line = last_line(err)
         assert line.startswith(f"error: pipeline rank {1 - victim}:"), err
         # a closed socket fails the exchange at once, or (the ring's all_sum) leaves it to the watchdog
         assert "no answer within 5 s" in line or (how == "killed" and "another rank ended" in line), line
@@ -366,7 +371,7 @@ def test_server_rank_0_killed_ends_the_others(smollm2, tmp_path):
         assert time.monotonic() - start < 30
         err = errs[1].read_text()
         assert rc == 1 and "Traceback" not in err, err
-        assert err.strip().splitlines()[-1].startswith("error: pipeline rank 1:"), err
+        assert last_line(err).startswith("error: pipeline rank 1:"), err
     finally:
         for p in procs:
             p.kill()
