@@ -300,7 +300,7 @@ def test_under_mlx_launch(tiny_moe):
 # -- the server over stages ---------------------------------------------------------------------------------------
 
 
-def start_server_ranks(path, n, tmp_path, timeout="5"):
+def start_server_ranks(path, n, tmp_path, *args, timeout="5"):
     """The server under a ring launch of n ranks (the watchdog's timeout short); the processes, the port and each
     rank's stderr file, once rank 0 serves."""
     port = free_ports(1)[0]
@@ -310,7 +310,7 @@ def start_server_ranks(path, n, tmp_path, timeout="5"):
     errs = [tmp_path / f"rank{r}.err" for r in range(n)]
     procs = [
         subprocess.Popen(
-            [*cmd, "--memory-budget", "50%"],
+            [*cmd, "--memory-budget", "50%", *args],
             env=rank_env(r, hostfile, env),
             stdout=subprocess.DEVNULL,
             stderr=errs[r].open("w"),
@@ -340,20 +340,24 @@ def chat(port, content, **options):
 
 def test_server_over_two_ranks(smollm2, tmp_path):
     """`python -m mlx_flash.server` as 2 ranks: rank 0 answers a chat request (temperature 0) with the single
-    process's text, plain and with prompt lookup, after idling longer than the watchdog's timeout (rank 0's pings
-    keep the other rank following); stopped (SIGTERM), it stops the other rank, and both exit with status 0."""
-    want = single_text(smollm2, "--prompt", "Name three colours.")
-    procs, port, errs = start_server_ranks(smollm2, 2, tmp_path)
+    process's text, plain and with prompt lookup (its drafts verified over the stages: fewer decode passes), after
+    idling longer than the watchdog's timeout (rank 0's pings keep the other rank following); stopped (SIGTERM), it
+    stops the other rank, and both exit with status 0."""
+    prompt = "Repeat after me: one two three four five six seven eight nine ten"
+    want = single_text(smollm2, "--prompt", prompt)
+    procs, port, errs = start_server_ranks(smollm2, 2, tmp_path, "--log-level", "INFO")
     try:
         time.sleep(7)  # idle past the 5 s timeout
         try:
-            assert chat(port, "Name three colours.") == want
-            assert chat(port, "Name three colours.", prompt_lookup=True) == want
+            assert chat(port, prompt) == want
+            assert chat(port, prompt, prompt_lookup=True) == want
         except (AssertionError, OSError) as e:
             raise AssertionError(f"{e}: " + " | ".join(f.read_text()[-2000:] for f in errs)) from e
         procs[0].send_signal(signal.SIGTERM)
         assert [p.wait(timeout=30) for p in procs] == [0, 0], [e.read_text()[-2000:] for e in errs]
         assert "error" not in errs[1].read_text()
+        plain, lookup = (json.loads(r) for r in re.findall(r"flash reads: (.*)", errs[0].read_text()))
+        assert len(lookup["decode_passes"]) < len(plain["decode_passes"]), (plain, lookup)
     finally:
         for p in procs:
             p.kill()
