@@ -606,7 +606,8 @@ def main(argv=None):
                 raise
             error = e
         if group is not None:  # the ranks' plans need rank 0's context (0: the longest the budget holds)
-            context = pipeline.agree(group, error, context or 0) or None
+            # (rank 0 loads its tokenizer first)
+            context = pipeline.agree(group, error, context or 0, timeout=pipeline.LOAD_WAITS * pipeline.TIMEOUT) or None
         try:
             model, tokenizer = load(
                 path,

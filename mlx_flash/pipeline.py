@@ -8,7 +8,8 @@ layers per rank, rank 0 the last ones) with `load(layers=...)` (engine/stage.py)
 its share under its own --memory-budget. As in mlx-lm's PipelineMixin the last rank holds the embedding and rank 0
 the final norm and LM head: rank 0 tokenises, samples, prints, and drives every forward pass:
 
-    rank 0      broadcasts the pass (an all_sum): its tokens, the KV offset it starts at, prompt or not; or stop
+    rank 0      broadcasts the pass (an all_sum): its tokens, the KV offset it starts at, prompt or not; or stop;
+                or, a server between requests, a ping
     rank n-1    embeds the tokens, runs its layers, sends the float32 rows [m, hidden] to rank n-2
     rank r      receives the rows from rank r+1, runs its layers, sends them on to rank r-1
     rank 0      receives them, runs its layers and the head: the logits, sampled as in one process
@@ -18,9 +19,12 @@ trimmed by the next pass's offset, and the stop is rank 0's. The rows cross as f
 kernels it runs in one process (the native decode step, engine/native_step.py): greedy tokens are the single
 process's, bit for bit.
 
+The server (mlx_flash.server) runs the same way: rank 0 serves HTTP, one request at a time through these passes.
+
 Failure: a rank that ends makes the others' next exchange fail (the ring backend: "connection to a peer was lost");
 one that stops answering is caught by a watchdog thread: no exchange waits longer than MLX_FLASH_PIPELINE_TIMEOUT
-seconds (default 30; a prompt chunk of m positions 1 + m/32 times that, loading LOAD_WAITS times). Each rank prints
+seconds (default 30; a prompt chunk of m positions 1 + m/32 times that; connecting, loading and the first pass
+LOAD_WAITS times). Each rank prints
 one line and exits with status 1.
 """
 
@@ -45,7 +49,8 @@ from .format.directory import FlashDir
 TIMEOUT = float(os.environ.get("MLX_FLASH_PIPELINE_TIMEOUT", "30"))
 LOAD_WAITS = 20  # loading (hashing, reading the resident weights) may differ between ranks by far more than a pass
 HEADER = 6  # a pass's command: op, positions, KV offset, prompt, status, its number; then the tokens
-PASS, STOP = 1, 2
+PASS, STOP, PING = 1, 2, 3
+KEPT = 1024  # per-pass stats a follower keeps past a ping (a server runs for long)
 
 
 class PipelineError(FlashError):
@@ -105,7 +110,7 @@ def init() -> Optional[Ranks]:
         return None
     rank = int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     watch = _Watchdog(rank)
-    with watch("connecting to the other ranks"):
+    with watch("connecting to the other ranks", LOAD_WAITS * TIMEOUT):  # (the ranks' imports take their time)
         group = mx.distributed.init()
     return Ranks(group, watch) if group.size() > 1 else None
 
@@ -272,6 +277,8 @@ class Stage:
         self.waits, self.sends = [], []  # seconds per pass: waiting for the rows before, sending them on
         self.positions = 1  # of the last pass
         self.passes = 0  # exchanges so far, the same count on every rank: each one's number checks it arrived whole
+        self.last = time.monotonic()  # of the last exchange
+        self.error = None  # rank 0: the PipelineError a pass or ping raised (the pipeline is broken)
         fd = model.flash.fd
         self.layers = (fd.start, fd.stop) if isinstance(fd, StageDir) else (0, len(fd.layers))
 
@@ -295,8 +302,23 @@ class Stage:
         return True
 
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
-        self._command(PASS, tokens, cache[0].offset, prompt)
-        return self._pass(tokens, cache, prompt)
+        try:
+            self._command(PASS, tokens, cache[0].offset, prompt)
+            return self._pass(tokens, cache, prompt)
+        except PipelineError as e:
+            self.error = e
+            raise
+
+    def ping(self) -> None:
+        """Rank 0, idle (a server between requests): a pass of nothing, at most every quarter of the timeout, so
+        that the others' watchdogs hear from it and a rank lost while idle is found."""
+        if time.monotonic() - self.last < TIMEOUT / 4:
+            return
+        try:
+            self._command(PING)
+        except PipelineError as e:
+            self.error = e
+            raise
 
     def stop(self, status: int = 0) -> None:
         """Rank 0: end the other ranks' `follow` (status: rank 0's exit status, which they take)."""
@@ -311,6 +333,11 @@ class Stage:
             if op == STOP:
                 self.stats.end()
                 return status
+            if op == PING:
+                if len(self.stats.tokens) > KEPT:
+                    self.stats.reset()
+                    del self.waits[:-KEPT], self.sends[:-KEPT]
+                continue
             if offset > cache[0].offset:
                 raise PipelineError(f"pipeline rank {self.rank}: a pass at offset {offset} past its KV cache")
             for c in cache:  # rank 0 trimmed rejected drafts, or started over
@@ -321,15 +348,20 @@ class Stage:
     def _command(self, op=0, tokens=(), offset=0, prompt=False, status=0):
         buf = np.zeros(HEADER + MAX_POSITIONS, np.int32)
         self.passes += 1
+        self.last = time.monotonic()
         if self.rank == 0:
             buf[:HEADER] = op, len(tokens), offset, prompt, status, self.passes
             buf[HEADER : HEADER + len(tokens)] = tokens
         what = "sending the next pass" if self.rank == 0 else "waiting for rank 0's next pass"
-        with self.group.watch(what, self._limit(self.positions)):  # (after the last pass's work downstream)
+        # after the last pass's work downstream; the first after rank 0's setup, which may take as long as loading
+        limit = self._limit(self.positions) if self.passes > 1 else LOAD_WAITS * TIMEOUT
+        with self.group.watch(what, limit):
             buf = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group.mx, stream=mx.cpu))
         op, m, offset, prompt, status, number = (int(v) for v in buf[:HEADER])
+        if op == PING:
+            self.positions = 1  # no pass downstream to wait for
         # (a ring that lost a peer may fail its pending exchanges with whatever its buffers held, raising nothing)
-        if number != self.passes or op not in (PASS, STOP) or not (op == STOP or 0 < m <= MAX_POSITIONS):
+        if number != self.passes or op not in (PASS, STOP, PING) or not (op != PASS or 0 < m <= MAX_POSITIONS):
             raise PipelineError(f"pipeline rank {self.rank}: {what}: another rank ended or cannot be reached")
         return op, buf[HEADER : HEADER + m].tolist(), offset, bool(prompt), status
 

@@ -14,12 +14,20 @@ server goes on. Bad input gets a 4xx JSON error before it reaches the model: a b
 mlx-lm would fail on in its generation thread (a 404) or crash on. No error sent to a client
 names a file (the log does). Binds to 127.0.0.1 unless told otherwise. At --log-level INFO each
 request logs the device bytes of its forward passes ("flash reads: {json}", see `read_summary`).
+
+Under mlx.launch (`mlx.launch --backend ring -n 2 -- python -m mlx_flash.server ...`) each rank loads a share of
+the layers as a pipeline stage (mlx_flash.pipeline, as `python -m mlx_flash.generate` does): rank 0 serves HTTP and
+drives every forward pass, the others follow them. There it serves one request at a time (a batch of 1, the
+generation loop's passes as in generate, prompt lookup included) and keeps no prompt cache (the other ranks hold
+one sequence's KV cache: each request prefills its whole prompt). Stopping rank 0 (Ctrl-C, SIGTERM) stops the
+others; a rank lost ends the others with one line (the pipeline's watchdog).
 """
 
 import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
 import ctypes
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -32,6 +40,7 @@ import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 from mlx_lm import server
 from mlx_lm.models.cache import LRUPromptCache
 
+from . import pipeline
 from .default_model import default_model_dir
 from .engine.native_step import HostBatchKVCache
 from .errors import BudgetError, FlashError, ReadError
@@ -73,8 +82,11 @@ class ModelProvider(server.ModelProvider):
     """mlx-lm's ModelProvider for one flash directory, loaded at start (a budget that cannot hold
     fails there, not at the first request). A request naming another model gets mlx-lm's 404."""
 
-    def __init__(self, cli_args: argparse.Namespace):
+    def __init__(self, cli_args: argparse.Namespace, loaded=None):
+        """loaded: (model, tokenizer) loaded already, as pipeline rank 0's stage (`serve_stage`)."""
         cli_args.model = str(cli_args.model or default_model_dir())
+        self.loaded = loaded
+        self.stage = None  # rank 0's pipeline.Stage: its passes drive the other ranks
         super().__init__(cli_args)
         self.name = Path(cli_args.model).name
         self._model_map[self.name] = cli_args.model
@@ -85,6 +97,30 @@ class ModelProvider(server.ModelProvider):
             raise ValueError(f"model {model_path!r} not found: this server has {self.name!r}")
         if adapter_path is not None or draft_model_path is not None:
             raise ValueError("adapters and draft models are not supported with a flash model")
+        args = self.cli_args
+        if self.loaded is not None:  # pipeline rank 0: one request at a time through its stage
+            (model, tokenizer), batch = self.loaded, 1
+            self.stage = model.decoder
+        else:
+            model, tokenizer, batch = self._load_batch(model_path)
+        args.max_batch = batch
+        self.model_key = (model_path, None, None)
+        self.model, self.tokenizer, self.flash = model, tokenizer, model.flash
+        # The token ids both the tokenizer and the model's head know: mlx does not bound-check the ids with
+        # which logit_bias indexes the logits (one outside crashes the process)
+        self.n_tokens = min(len(tokenizer.vocab), getattr(getattr(model, "args", None), "vocab_size", 1 << 62))
+        self.processor = self.draft_model = None
+        # mlx-lm's BatchGenerator decodes the requests together through the native decoder's batched pass; without
+        # it (MLX on a GPU, or a model the native step does not compute) one request at a time
+        self.is_batchable = model.decoder is not None and self.stage is None
+        self.batch_model = BatchModel(model)
+        args.decode_concurrency = batch
+        args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
+        if self.stage is not None:  # every pass native: at most its positions
+            args.prefill_step_size = min(args.prefill_step_size, self.stage.max_positions)
+
+    def _load_batch(self, model_path):
+        """The model, its tokenizer and the largest batch (up to --max-batch or MAX_BATCH) the budget holds."""
         args = self.cli_args
         batch = args.max_batch or MAX_BATCH
         while True:
@@ -100,24 +136,11 @@ class ModelProvider(server.ModelProvider):
                     prompt_caches=args.prompt_cache_size,  # the stored caches are planned inside the budget
                     sequences=batch,  # and the KV caches of the sequences decoded together
                 )
-                break
+                return model, tokenizer, batch
             except BudgetError:
                 if args.max_batch or batch == 1:  # (a batch asked for is not made smaller)
                     raise
                 batch -= 1
-        args.max_batch = batch
-        self.model_key = (model_path, None, None)
-        self.model, self.tokenizer, self.flash = model, tokenizer, model.flash
-        # The token ids both the tokenizer and the model's head know: mlx does not bound-check the ids with
-        # which logit_bias indexes the logits (one outside crashes the process)
-        self.n_tokens = min(len(tokenizer.vocab), getattr(getattr(model, "args", None), "vocab_size", 1 << 62))
-        self.processor = self.draft_model = None
-        # mlx-lm's BatchGenerator decodes the requests together through the native decoder's batched pass; without
-        # it (MLX on a GPU, or a model the native step does not compute) one request at a time
-        self.is_batchable = model.decoder is not None
-        self.batch_model = BatchModel(model)
-        args.decode_concurrency = batch
-        args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         """The model for mlx-lm's BatchGenerator (its single-request path takes `self.model`)."""
@@ -182,7 +205,19 @@ class ResponseGenerator(server.ResponseGenerator):
     def __init__(self, model_provider, prompt_cache):
         self._tracked, self._lock = [], threading.Lock()
         self.generated = 0
+        self.lost = None  # the PipelineError that ended the generation thread: a pipeline rank lost
+        self.on_lost = None  # called then (make_server: the HTTP server shuts down)
         super().__init__(model_provider, prompt_cache)
+
+    @property
+    def _is_distributed(self):
+        """mlx-lm shares every request with the other ranks of a launch (tensor parallel, or its own pipeline);
+        here only rank 0 serves, and the other ranks follow its passes (pipeline.Stage)."""
+        return False
+
+    @_is_distributed.setter
+    def _is_distributed(self, value):
+        pass
 
     def _run_generate(self):
         # mlx-lm's generation thread ends at a failure in a batched pass: here the requests in flight fail with its
@@ -190,6 +225,11 @@ class ResponseGenerator(server.ResponseGenerator):
         while True:
             try:
                 return self._generate()
+            except pipeline.PipelineError as e:  # the other ranks are gone: no pass can run (main prints why)
+                self.lost = e
+                if self.on_lost is not None:
+                    self.on_lost()
+                return
             except Exception as e:
                 log.error("a batched pass failed: %s", e)
                 with self._lock:
@@ -209,6 +249,9 @@ class ResponseGenerator(server.ResponseGenerator):
                 time.sleep(timeout)
             return None
         request = super()._next_request(timeout)
+        stage = self.model_provider.stage
+        if request is None and stage is not None:
+            stage.ping()  # idle: the other ranks' watchdogs hear from rank 0
         if request is None:
             return None
         tracked = _Tracked(request[0])
@@ -277,6 +320,9 @@ class ResponseGenerator(server.ResponseGenerator):
             stats.end()
             if log.isEnabledFor(logging.INFO):
                 log.info("flash reads: %s", json.dumps(read_summary(stats)))
+        stage = self.model_provider.stage
+        if stage is not None and stage.error is not None:  # (the request failed with it: a 500)
+            raise stage.error
 
 
 def read_summary(stats) -> dict:
@@ -365,6 +411,9 @@ class APIHandler(server.APIHandler):
             if isinstance(e, ReadError):  # the disk's error, in one line: its message names the file, for the log only
                 log.error("request failed: %s", e)
                 message = "the model's data could not be read"
+            elif isinstance(e, pipeline.PipelineError):
+                log.error("request failed: %s", e)
+                message = "a pipeline rank was lost"
             else:
                 log.exception("request failed")
                 message = "the request failed on the server"
@@ -444,6 +493,7 @@ def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 80
     generator = ResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size, max_bytes))
     httpd = ThreadingHTTPServer((host, port), partial(APIHandler, generator))
     httpd.daemon_threads = True
+    generator.on_lost = lambda: threading.Thread(target=httpd.shutdown, daemon=True).start()
     return httpd, generator
 
 
@@ -455,7 +505,10 @@ def serve(provider: ModelProvider, host: str = "127.0.0.1", port: int = 8080):
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(description="OpenAI-compatible server for a flash model (mlx-lm's server).")
+    p = argparse.ArgumentParser(
+        description="OpenAI-compatible server for a flash model (mlx-lm's server). Under mlx.launch each rank runs a "
+        "pipeline stage and rank 0 serves, one request at a time."
+    )
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2-135M-Instruct).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
     p.add_argument("--port", type=int, default=8080)
@@ -474,14 +527,15 @@ def setup_arg_parser():
         "--prompt-cache-size",
         type=int,
         default=1,
-        help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off).",
+        help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off, as under a "
+        "pipeline).",
     )
     p.add_argument(
         "--max-batch",
         type=int,
         default=None,
         help=f"Requests decoded together (their KV caches are in the budget; default: up to {MAX_BATCH}, as many as "
-        "the budget holds). More wait in the queue.",
+        "the budget holds; 1 under a pipeline). More wait in the queue.",
     )
     p.add_argument(
         "--max-queue", type=int, default=64, help="Requests that may wait; one more gets a 503 with Retry-After."
@@ -506,6 +560,18 @@ def setup_arg_parser():
         default=[],
         help="CORS origins allowed (default: none; '*' for any).",
     )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="Under mlx.launch: pipeline stages, as mlx_lm.server's (here the only split, so also without it). Rank "
+        "0 serves one request at a time through the stages, with no prompt cache.",
+    )
+    p.add_argument(
+        "--pipeline-split",
+        default=None,
+        help="Under mlx.launch: the layers of each rank, e.g. 12,18 (rank 0 runs the last ones, as mlx-lm's; "
+        "default: shares as even in bytes as they can be).",
+    )
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     # the rest of what mlx-lm's server reads, at its defaults (draft models and adapters are refused)
     p.set_defaults(
@@ -517,7 +583,6 @@ def setup_arg_parser():
         use_default_chat_template=False,
         top_k=0,
         min_p=0.0,
-        pipeline=False,
         decode_concurrency=1,
         prompt_concurrency=1,  # prompts are prefilled one at a time (a chunk of one is a whole workspace)
         prompt_cache_bytes=None,  # (the prompt cache is bounded by the plan: make_server)
@@ -548,10 +613,25 @@ def main(argv=None):
         parser.error(f"--max-queue {args.max_queue}: must be at least 0")
     logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")
     try:
+        group = pipeline.init()  # under mlx.launch with 2+ ranks this process is one pipeline stage
+        if group is not None:
+            return serve_stage(args, group)
         provider = ModelProvider(args)
-    except (FlashError, ValueError) as e:
+    except (FlashError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        run(provider, args)
+    except OSError as e:  # the address is taken, say
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        provider.close()
+    return 0
+
+
+def run(provider: ModelProvider, args):
+    """Serve until interrupted (Ctrl-C, or SIGTERM on a pipeline's rank 0); the generator, stopped."""
     flash = provider.model.flash
     print(
         flash.plan.describe(
@@ -560,10 +640,12 @@ def main(argv=None):
         file=sys.stderr,
     )
     httpd, generator = make_server(provider, args.host, args.port)
+    stage = provider.stage
     print(
         f"serving {provider.name} on http://{args.host}:{httpd.server_address[1]}/v1 (context {args.max_context} "
         f"tokens, KV cache {args.kv_bits or 'float'}{'-bit' if args.kv_bits else ''}, "
-        f"{args.prompt_cache_size} stored in the prompt cache)",
+        f"{args.prompt_cache_size} stored in the prompt cache"
+        + (f"; pipeline rank 0 of {stage.size}, one request at a time)" if stage is not None else ")"),
         file=sys.stderr,
         flush=True,
     )
@@ -574,8 +656,64 @@ def main(argv=None):
     finally:
         httpd.server_close()
         generator.stop_and_join()
-        provider.close()
+    return generator
+
+
+def serve_stage(args, group) -> int:
+    """This rank's stage under mlx.launch (module doc): its share of the layers loaded as every rank agrees; rank 0
+    serves and drives the passes, the others follow them until rank 0 stops. The exit status: 1 if a rank failed."""
+    args.model = str(args.model or default_model_dir())
+    args.prompt_cache_size = 0  # the other ranks hold one sequence's KV cache, not rank 0's stored ones
+    if group.rank != 0:  # Ctrl-C under mlx.launch reaches every rank: rank 0 stops the others
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    model, stage, layers, error = None, None, None, None
+    try:
+        try:
+            layers = pipeline.stage_layers(args.model, group, args)
+        except (FlashError, ValueError) as e:
+            error = e
+        pipeline.agree(group, error, timeout=pipeline.LOAD_WAITS * pipeline.TIMEOUT)
+        try:
+            model, tokenizer = load(
+                args.model,
+                memory_budget=args.memory_budget,
+                sparsity=args.sparsity,
+                window=args.window,
+                context=args.max_context,
+                layers=layers,
+            )
+            stage = pipeline.Stage(group, model)
+        except (FlashError, ValueError) as e:
+            error = e
+        pipeline.agree(group, error, timeout=pipeline.LOAD_WAITS * pipeline.TIMEOUT)
+        args.max_context = stage.share_context()
+        if group.rank == 0:
+            lead(args, stage, tokenizer)
+        elif stage.follow():
+            raise pipeline.PipelineError(
+                f"pipeline rank {group.rank}: rank 0 ended with an error (see the error it printed)"
+            )
+    except (FlashError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if model is not None:
+            model.flash.close()
     return 0
+
+
+def lead(args, stage, tokenizer):
+    """Rank 0: serve, then stop the other ranks (their exit status rank 0's); raise what ended it with an error."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped, it stops the others too
+    status = 1
+    try:
+        generator = run(ModelProvider(args, loaded=(stage.model, tokenizer)), args)
+        if generator.lost is not None:
+            raise generator.lost
+        status = 0
+    finally:
+        if stage.error is None:  # (else no rank is left to tell)
+            stage.stop(status)
 
 
 if __name__ == "__main__":
