@@ -28,6 +28,7 @@ import ctypes
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -491,8 +492,17 @@ def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 80
     # Every stored cache is one KV cache of --max-context tokens (allocated whole, see loader.make_cache)
     max_bytes = plan.prompt_cache if plan.budget is not None else 1 << 63
     generator = ResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size, max_bytes))
-    httpd = ThreadingHTTPServer((host, port), partial(APIHandler, generator))
+    httpd = ThreadingHTTPServer((host, port), partial(APIHandler, generator), bind_and_activate=False)
     httpd.daemon_threads = True
+    # a burst of clients waits in the listen backlog while the generation thread holds the accept loop up:
+    # socketserver's backlog of 5 resets the connections beyond it before --max-queue can queue them
+    httpd.request_queue_size = max(socket.SOMAXCONN, provider.cli_args.max_queue + provider.cli_args.max_batch)
+    try:
+        httpd.server_bind()
+        httpd.server_activate()
+    except OSError:
+        httpd.server_close()
+        raise
     generator.on_lost = lambda: threading.Thread(target=httpd.shutdown, daemon=True).start()
     return httpd, generator
 
