@@ -21,6 +21,11 @@ RELIED_ON = [
     ("mlx_lm.server", "ModelProvider.load_default", ["self"]),
     ("mlx_lm.server", "ResponseGenerator._tokenize", ["self", "tokenizer", "request", "args"]),
     ("mlx_lm.server", "ResponseGenerator._serve_single", ["self", "request", "stream"]),
+    # server.ResponseGenerator: its generation loop restarted after a failed pass, its admission and batching
+    ("mlx_lm.server", "ResponseGenerator._run_generate", ["self"]),
+    ("mlx_lm.server", "ResponseGenerator._generate", ["self"]),
+    ("mlx_lm.server", "ResponseGenerator._next_request", ["self", "timeout"]),
+    ("mlx_lm.server", "ResponseGenerator._is_batchable", ["self", "args"]),
     ("mlx_lm.server", "APIHandler.handle_models_request", ["self"]),
     ("mlx_lm.server", "APIHandler.handle_text_completions", ["self"]),
     ("mlx_lm.server", "APIHandler.handle_completion", ["self", "request", "stop_words"]),
@@ -38,3 +43,14 @@ def test_mlx_lm_still_has_what_mlx_flash_relies_on(module, path, params):
         assert have[: len(params)] == params, (
             f"mlx-lm {module}.{path}{inspect.signature(obj)} changed: mlx_flash calls it as ({', '.join(params)})"
         )
+
+
+def test_mlx_lm_still_decides_distribution_by_its_flag():
+    """server.ResponseGenerator answers `_is_distributed` False (a pipeline's rank 0 serves alone): mlx-lm must still
+    set and read that attribute, or its generator would share requests with the other ranks."""
+    from mlx_lm import server
+
+    source = inspect.getsource(server.ResponseGenerator)
+    assert "self._is_distributed =" in source and "if not self._is_distributed" in source, (
+        "mlx-lm's ResponseGenerator no longer decides by self._is_distributed: mlx_flash.server overrides it"
+    )
