@@ -437,9 +437,9 @@ def run(
     fd = FlashDir(path)
     context = prompt_tokens + tokens + 8
     budget = parse_size(memory_budget, fd.model_bytes)
-    resident, groups = resident_bytes(fd), stream_groups(fd, cpu_cast, context)
-    floor = min_budget(fd, context, kv_size_of(fd), resident=resident)
-    lowest = min_streaming_budget(fd, context, kv_size_of(fd), resident=resident, groups=groups)
+    resident, groups, kv_size = resident_bytes(fd), stream_groups(fd, cpu_cast, context), kv_size_of(fd)
+    floor = min_budget(fd, context, kv_size, resident=resident)
+    lowest = min_streaming_budget(fd, context, kv_size, resident=resident, groups=groups)
     if budget < lowest:
         raise SystemExit(
             f"memory budget {fmt_bytes(budget)} is below the smallest that loads ({fmt_bytes(lowest)}, "
@@ -450,7 +450,7 @@ def run(
     sparse, sparse_desc = choose_sparsifier(fd, density, trace)
     dense = Dense(fd.ffn["intermediate_size"])
     sparse_bytes = dram_bytes(sparse)
-    sparse_lowest = min_streaming_budget(fd, context, kv_size_of(fd), sparse_bytes, resident=resident, groups=groups)
+    sparse_lowest = min_streaming_budget(fd, context, kv_size, sparse_bytes, resident=resident, groups=groups)
     no_fit = None
     if budget < sparse_lowest:
         no_fit = (
