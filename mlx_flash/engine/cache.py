@@ -351,6 +351,9 @@ class UnitCache:
         act_slots = n2s[act]
         hit = act_slots >= 0
         n_hit = int(np.count_nonzero(hit))
+        if n_hit == k == used:  # every cached unit active and found (a layer held whole): nothing to evict or read
+            none = np.zeros(0, np.int32)
+            return self._commit(act, act_slots, n_hit, none, none, none, 0, 0)
         miss = act[~hit]
         held = np.zeros(miss.size, dtype=bool)
         if bypass is not None and miss.size:
@@ -427,17 +430,19 @@ class UnitCache:
             miss_slots = np.flatnonzero(s2n < 0)[: admitted.size].astype(np.int32)
         s2n[miss_slots] = admitted
         n2s[admitted] = miss_slots
-        used += admitted.size
-        self.num_used = used
+        self.num_used = used + admitted.size
+        return self._commit(act, n2s[act], n_hit, admitted, miss_slots, overflow, n_del, moved)
 
-        # ---- history
+    def _commit(self, act, slots, n_hit, admitted, miss_slots, overflow, n_del, moved) -> Plan:
+        """The step's history and stats, and its Plan."""
+        t = self.step
         self.last_active[act] = t
         self.use_count[act] += 1
         self.step = t + 1
 
         st = self.stats
         st.steps += 1
-        st.active += k
+        st.active += act.size
         st.hits += n_hit
         st.misses += int(admitted.size)
         st.overflow += int(overflow.size)
@@ -446,7 +451,7 @@ class UnitCache:
         st.moved_bytes += moved * self.row_bytes
 
         return Plan(
-            slots=n2s[act],
+            slots=slots,
             miss_units=admitted.astype(np.int32),
             miss_slots=miss_slots,
             overflow_units=overflow.astype(np.int32),

@@ -206,9 +206,9 @@ class NeuronEngine(Engine):
         budget, cache state or read-ahead: the step's partial sums of blocks of REDUCTION_UNITS ids, added in block
         order; `zero` when there are none."""
         backend = self.backends[region]
-        parts = self.step(
-            layer, region, active, fn, backend.sync, per=self._fits(region), read_next=lambda: self._read_next(layer)
-        )
+        # gathered rows (MLX ops) are bounded to the scratch's size; host rows are read in place, all in one call
+        per = None if isinstance(zero, np.ndarray) else self._fits(region)
+        parts = self.step(layer, region, active, fn, backend.sync, per=per, read_next=lambda: self._read_next(layer))
         if not parts:
             return zero
         y = parts[0]
