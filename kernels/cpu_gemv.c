@@ -53,6 +53,10 @@ typedef struct {
     Py_ssize_t k;
     int n, bits, gs, stype;
     int sym; /* symmetric (llama.cpp's Q4_0 / Q8_0): no biases stored, bias = -2^(bits-1) scale */
+    /* paired (row_dot_pairs): row 2u is unit u's row, row 2u + 1 another matrix's row of the same unit, pair_w /
+       pair_s / pair_b bytes further on (a GLU's gate and up rows, read side by side) */
+    int paired;
+    Py_ssize_t pair_w, pair_s, pair_b;
 } Rows;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -110,15 +114,19 @@ static inline uint16_t f32_to_f16(float f) {
 }
 
 static inline Py_ssize_t row_of(const Rows *r, Py_ssize_t j) { return r->slots ? r->slots[j] : j; }
-static inline const uint8_t *w_row(const Rows *r, Py_ssize_t j) {
-    return r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + r->w_off : r->w + row_of(r, j) * r->w_stride;
+/* Row j's bytes of a matrix at offset `off` in each row (and, paired, `pair` more for odd j) */
+static inline const uint8_t *row_at(const Rows *r, Py_ssize_t j, const uint8_t *base, Py_ssize_t off,
+                                    Py_ssize_t stride, Py_ssize_t pair) {
+    Py_ssize_t extra = 0;
+    if (r->paired) {
+        extra = (j & 1) * pair;
+        j >>= 1;
+    }
+    return (r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + off : base + row_of(r, j) * stride) + extra;
 }
-static inline const uint8_t *s_row(const Rows *r, Py_ssize_t j) {
-    return r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + r->s_off : r->s + row_of(r, j) * r->s_stride;
-}
-static inline const uint8_t *b_row(const Rows *r, Py_ssize_t j) {
-    return r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] + r->b_off : r->b + row_of(r, j) * r->b_stride;
-}
+static inline const uint8_t *w_row(const Rows *r, Py_ssize_t j) { return row_at(r, j, r->w, r->w_off, r->w_stride, r->pair_w); }
+static inline const uint8_t *s_row(const Rows *r, Py_ssize_t j) { return row_at(r, j, r->s, r->s_off, r->s_stride, r->pair_s); }
+static inline const uint8_t *b_row(const Rows *r, Py_ssize_t j) { return row_at(r, j, r->b, r->b_off, r->b_stride, r->pair_b); }
 
 /* -- one group: sum_i q_i x_i (dot) and out_i += a q_i (axpy), scalar ------------------ */
 
@@ -838,6 +846,59 @@ AVX512 static void block_axpy1_avx512(float *o, const uint8_t *const *w, const f
     for (; i < len; i += 32) block_cols_avx512(o, w, a, nr, S, B, stype, sym, voff, vc, i, 1, bits);
 }
 
+/* block_q8's 128 columns from four rows' dword quads: E_t / O_t hold the even / odd elements of bytes 16 L + 4 t + d
+   (128-bit lane L, dword d), so P_t = unpacklo32(E_t, O_t) holds elements 32 L + 8 t + 0..3 and Q_t the next 4; the
+   16 elements from 16 v are lane L = v / 2 of P_2h, Q_2h, P_2h+1, Q_2h+1 (h = v % 2). */
+#define Q8_LANES(P0, P1, Q0, Q1, imm)                                                                                    \
+    _mm512_mask_blend_epi32(0xF0F0, _mm512_shuffle_i32x4(P0, P1, imm), _mm512_shuffle_i32x4(Q0, Q1, imm))
+
+/* block_q8 (4 bits) over the thread's columns [0, len): the integer sums of nr rows (a multiple of 4) four at a time,
+   each row's 4-bit codes against its int8 coefficient (vpdpbusd), then per column o += s (d dot) + b cs as
+   block_q8_scalar rounds it. */
+AVX512 static void block_q8_avx512(float *o, const uint8_t *const *w, const int8_t *qa, int nr, const uint8_t *S,
+                                   const uint8_t *B, int stype, int sym, float off, float d, float cs, int len) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512 vd = _mm512_set1_ps(d), vcs = _mm512_set1_ps(cs), voff = _mm512_set1_ps(off);
+    for (int i = 0; i < len; i += 128) {
+        const int cols = len - i < 128 ? len - i : 128;
+        const __mmask64 mask = cols == 128 ? ~0ULL : (1ULL << (cols / 2)) - 1;
+        __m512i e[4], od[4];
+        for (int t = 0; t < 4; t++) e[t] = od[t] = _mm512_setzero_si512();
+        for (int u = 0; u < nr; u += 4) {
+            __m512i r4[4];
+            for (int v = 0; v < 4; v++) {
+                _mm_prefetch((const char *)(w[u + v] + i / 2 + ROW_AHEAD), _MM_HINT_T0);
+                r4[v] = _mm512_maskz_loadu_epi8(mask, w[u + v] + i / 2);
+            }
+            int32_t quad;
+            memcpy(&quad, qa + u, 4);
+            const __m512i c = _mm512_set1_epi32(quad);
+            const __m512i ab_lo = _mm512_unpacklo_epi8(r4[0], r4[1]), ab_hi = _mm512_unpackhi_epi8(r4[0], r4[1]);
+            const __m512i cd_lo = _mm512_unpacklo_epi8(r4[2], r4[3]), cd_hi = _mm512_unpackhi_epi8(r4[2], r4[3]);
+            const __m512i q[4] = {_mm512_unpacklo_epi16(ab_lo, cd_lo), _mm512_unpackhi_epi16(ab_lo, cd_lo),
+                                  _mm512_unpacklo_epi16(ab_hi, cd_hi), _mm512_unpackhi_epi16(ab_hi, cd_hi)};
+            for (int t = 0; t < 4; t++) {
+                e[t] = _mm512_dpbusd_epi32(e[t], _mm512_and_si512(q[t], low), c);
+                od[t] = _mm512_dpbusd_epi32(od[t], _mm512_and_si512(_mm512_srli_epi16(q[t], 4), low), c);
+            }
+        }
+        __m512i P[4], Q[4];
+        for (int t = 0; t < 4; t++) {
+            P[t] = _mm512_unpacklo_epi32(e[t], od[t]);
+            Q[t] = _mm512_unpackhi_epi32(e[t], od[t]);
+        }
+        const __m512i dots[8] = {Q8_LANES(P[0], P[1], Q[0], Q[1], 0x00), Q8_LANES(P[2], P[3], Q[2], Q[3], 0x00),
+                                 Q8_LANES(P[0], P[1], Q[0], Q[1], 0x55), Q8_LANES(P[2], P[3], Q[2], Q[3], 0x55),
+                                 Q8_LANES(P[0], P[1], Q[0], Q[1], 0xAA), Q8_LANES(P[2], P[3], Q[2], Q[3], 0xAA),
+                                 Q8_LANES(P[0], P[1], Q[0], Q[1], 0xFF), Q8_LANES(P[2], P[3], Q[2], Q[3], 0xFF)};
+        for (int v = 0; v < cols / 16; v++) {
+            const __m512 sc = scales16_avx512(S, stype, i + 16 * v);
+            const __m512 b = sym ? _mm512_mul_round_ps(voff, sc, RN) : scales16_avx512(B, stype, i + 16 * v);
+            block_end16_avx512(o + i + 16 * v, _mm512_mul_round_ps(vd, _mm512_cvtepi32_ps(dots[v]), RN), sc, b, vcs);
+        }
+    }
+}
+
 
 /* row_axpy of one position, AVX-512: one row's coefficients over the thread's G groups from g0, a[g] = scale_g c and
    bias_sum[g] += c bias_g, the scalar loops' products and sums (not fused) */
@@ -1156,6 +1217,54 @@ static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const
    block_axpy(c[k], ...)  out[i] = sum_j c[j] W_{slots[j]}[i]
    sums c_j q_j over each run of rows with the same block (sorted neurons: one run per block),
    then scales the run's sum once: S and B are read once per block, not once per row. */
+/* -- block_axpy with int8 coefficients (4-bit codes): a group's rows share each column's scale, so, as llama.cpp
+   quantises a down projection's input per block of 32, each position's coefficients of a group are rounded to int8
+   (cq = round(c / d), d = max|c| / 127) and the group's sum per column is an integer one:
+
+       sum_r c_r W_r[i] ~= s_i d (sum_r cq_r q_r[i]) + b_i cs      (cs = d sum_r cq_r)
+
+   exactly the product with the rounded c, whatever the order. 0: float coefficients; 1: the scalar loop, the
+   reference; 2: AVX-512 VNNI. AVX2-only CPUs keep float coefficients (their tokens may differ from these). */
+static int q8_block_path(const Rows *r) {
+    if (!int8_allowed || r->bits != 4) return 0;
+    if (!simd_allowed) return 1;
+    return use_avx512() ? 2 : 0;
+}
+
+/* block_q8 of one position and group over columns [0, len): s, b the group's scales and biases there (float) */
+static void block_q8_scalar(float *o, const uint8_t *const *w, const int8_t *qa, int nr, const float *s,
+                            const float *b, float d, float cs, int len, int32_t *dot) {
+    memset(dot, 0, sizeof(int32_t) * (size_t)len);
+    for (int u = 0; u < nr; u++)
+        for (int i = 0; i < len; i++) dot[i] += qa[u] * ((w[u][i / 2] >> (4 * (i % 2))) & 15);
+    for (int i = 0; i < len; i++) o[i] += s[i] * (d * (float)dot[i]) + b[i] * cs;
+}
+
+/* Position p's rounded coefficients c of rows [j, j1) (one group): their rows at `span` and int8 values, zeros left
+   out, padded with zeros to a multiple of 4; returns how many, with d and the sum of the int8 values. */
+static int q8_coeffs(const Rows *r, const float *c, Py_ssize_t j, Py_ssize_t j1, Py_ssize_t span, const uint8_t **qw,
+                     int8_t *qa, float *d, int *sum) {
+    float amax = 0.0f;
+    for (Py_ssize_t t = j; t < j1; t++) amax = fabsf(c[t]) > amax ? fabsf(c[t]) : amax;
+    *d = amax / 127.0f;
+    const float inv = *d > 0.0f ? 1.0f / *d : 0.0f;
+    int nr = 0;
+    *sum = 0;
+    for (Py_ssize_t t = j; t < j1; t++) {
+        const int8_t v = (int8_t)lrintf(c[t] * inv);
+        if (!v) continue;
+        qw[nr] = w_row(r, t) + span;
+        qa[nr++] = v;
+        *sum += v;
+    }
+    if (!nr) return 0;
+    while (nr % 4) {
+        qw[nr] = qw[0];
+        qa[nr++] = 0;
+    }
+    return nr;
+}
+
 /* c [m, k] -> out [m, n]; scratch: (m + 2) * n floats (each thread's sums per position, scales and biases
    over its columns) and m more (the sums of c) per thread */
 static void block_axpy_impl(const Rows *r, const float *c, float *out, const int32_t *blk, const uint8_t *S,
@@ -1163,6 +1272,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
     const int path = axpy_path(r), avx = path > 0, nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
     const int rows_a_pass = path == 2 ? AXPY_MAX : AXPY_BLOCK;
     const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size, n = r->n;
+    const int q8 = q8_block_path(r);
     (void)nt;
     memset(out, 0, sizeof(float) * (size_t)n * m * n_out);
 #pragma omp parallel num_threads(nt)
@@ -1175,13 +1285,45 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
             float *csum = malloc(sizeof(float) * (size_t)m), *a = malloc(sizeof(float) * rows_a_pass * (size_t)m);
             /* one position on the AVX-512 path: a block's rows at once (block_axpy1_avx512) */
             const int one = path == 2 && m == 1;
-            const uint8_t **wb = one ? malloc(sizeof(*wb) * (size_t)r->k) : NULL;
+            const uint8_t **wb = one || q8 ? malloc(sizeof(*wb) * (size_t)(r->k + 3)) : NULL;
             float *ab = one ? malloc(sizeof(float) * (size_t)r->k) : NULL;
+            int8_t *qa = q8 ? malloc((size_t)r->k + 3) : NULL;
+            int32_t *dot = q8 == 1 ? malloc(sizeof(int32_t) * (size_t)len) : NULL;
             Py_ssize_t j = 0;
             while (j < r->k) {
                 const int32_t g = blk[j];
                 float *o = out + (dst ? (size_t)dst[j] * m * n : 0);
                 int any = 0;
+                if (q8) { /* the group's rows for each position, with int8 coefficients */
+                    const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8, span_bytes = (Py_ssize_t)len * r->bits / 8;
+                    const uint8_t *Sg = S + g * table_row + (Py_ssize_t)i0 * scale_size;
+                    const uint8_t *Bg = B + g * table_row + (Py_ssize_t)i0 * scale_size;
+                    Py_ssize_t j1 = j;
+                    while (j1 < r->k && blk[j1] == g) j1++;
+                    if (q8 == 1) {
+                        scales_f32(Sg, r->stype, len, s, 0);
+                        biases_f32(r, Bg, len, s, b, 0);
+                    }
+                    for (int p = 0; p < m; p++) {
+                        float d;
+                        int sum;
+                        const int nr = q8_coeffs(r, c + (size_t)p * r->k, j, j1, span, wb, qa, &d, &sum);
+                        if (!nr) continue;
+                        const float cs = d * (float)sum;
+#if HAVE_X86
+                        if (q8 == 2) {
+                            block_q8_avx512(o + p * n + i0, wb, qa, nr, Sg, Bg, r->stype, r->sym,
+                                            -(float)(1 << (r->bits - 1)), d, cs, len);
+                            continue;
+                        }
+#endif
+                        block_q8_scalar(o + p * n + i0, wb, qa, nr, s, b, d, cs, len, dot);
+                    }
+                    for (Py_ssize_t t = j1; t < r->k && blk[t] == blk[j1] && t < j1 + BLOCK_AHEAD; t++)
+                        prefetch_span(w_row(r, t) + span, span_bytes < ROW_AHEAD ? span_bytes : ROW_AHEAD);
+                    j = j1;
+                    continue;
+                }
 #if HAVE_X86
                 if (one) {
                     const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8, span_bytes = (Py_ssize_t)len * r->bits / 8;
@@ -1235,6 +1377,8 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
             free(a);
             free(wb);
             free(ab);
+            free(qa);
+            free(dot);
         }
     }
 }
@@ -1361,6 +1505,8 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     Py_ssize_t w_off, s_off, b_off;
     memset(B, 0, sizeof(*B));
     r->sym = 0;
+    const int pairs = r->paired;
+    r->paired = 0; /* (slots and buffers are checked per unit) */
     if (!PyArg_ParseTuple(args, "OOOnnOnnOnnOniiii|pOi", &vec, &out, &w, &w_off, &r->w_stride, &s, &s_off, &r->s_stride, &b,
                           &b_off, &r->b_stride, &slots, &r->k, &r->n, &r->bits, &r->gs, &r->stype, &r->sym, &dst,
                           &B->n_out))
@@ -1369,7 +1515,7 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
         get(B, 3, s, 0, "scales") || get(B, 4, b, 0, "biases"))
         return -1;
     if (check_shape(r, fn) || parse_dst(B, dst, r, fn)) return -1;
-    Py_ssize_t vec_len = vec_is_rows ? r->k : r->n, out_len = (vec_is_rows ? r->n : r->k) * (Py_ssize_t)B->n_out;
+    Py_ssize_t vec_len = vec_is_rows ? r->k : r->n, out_len = (vec_is_rows ? r->n : r->k * (1 + pairs)) * (Py_ssize_t)B->n_out;
     *m = vec_len > 0 ? (int)(B->views[0].len / (vec_len * 4)) : 1;
     if (*m < 1 || B->views[0].len != *m * vec_len * 4 || B->views[1].len != *m * out_len * 4) {
         PyErr_Format(PyExc_ValueError, "%s: vector has %zd bytes and out %zd, expected float32 [m, %zd] and [m, %zd]",
@@ -1378,8 +1524,18 @@ static int parse(PyObject *args, Buffers *B, Rows *r, const char *fn, int vec_is
     }
     Py_ssize_t max_row;
     if (parse_slots(B, r, slots, fn, &max_row)) return -1;
+    if (pairs) { /* the second rows inside their buffers too */
+        Rows second = *r;
+        const Py_ssize_t offs2[3] = {w_off + r->pair_w, s_off + r->pair_s, b_off + r->pair_b};
+        if (bind_rows(B->views + 2, offs2, max_row, &second, fn)) return -1;
+    }
     const Py_ssize_t offs[3] = {w_off, s_off, b_off};
-    return bind_rows(B->views + 2, offs, max_row, r, fn);
+    if (bind_rows(B->views + 2, offs, max_row, r, fn)) return -1;
+    if (pairs) {
+        r->paired = 1;
+        r->k *= 2;
+    }
+    return 0;
 }
 
 typedef void (*Product)(const Rows *, const float *, float *, int, const Buffers *);
@@ -1398,6 +1554,7 @@ static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Pr
     Buffers B;
     Rows r;
     int m;
+    memset(&r, 0, sizeof(r));
     if (parse(args, &B, &r, fn, vec_is_rows, &m)) {
         release(&B);
         return NULL;
@@ -1410,6 +1567,63 @@ static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Pr
 static PyObject *py_row_dot(PyObject *self, PyObject *args) {
     (void)self;
     return run_product(args, "row_dot", 0, row_dot_product);
+}
+
+/* row_dot_pairs(pair_w, pair_s, pair_b, <row_dot's arguments>): out [m, 2 k], out[p, 2 j] row j's product and
+   out[p, 2 j + 1] that of the row pair_* bytes further on in the same buffers, both read in one pass */
+static PyObject *py_row_dot_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    Buffers B;
+    Rows r;
+    int m;
+    memset(&r, 0, sizeof(r));
+    const Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n < 3) {
+        PyErr_SetString(PyExc_TypeError, "row_dot_pairs: pair_w, pair_s, pair_b, then row_dot's arguments");
+        return NULL;
+    }
+    r.pair_w = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 0));
+    r.pair_s = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
+    r.pair_b = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2));
+    if (PyErr_Occurred()) return NULL;
+    r.paired = 1;
+    PyObject *rest = PyTuple_GetSlice(args, 3, n);
+    if (rest == NULL) return NULL;
+    const int bad = parse(rest, &B, &r, "row_dot_pairs", 0, &m);
+    Py_DECREF(rest);
+    if (bad || B.dst) {
+        if (!bad) PyErr_SetString(PyExc_ValueError, "row_dot_pairs: no dst");
+        release(&B);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS row_dot_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
+    Py_END_ALLOW_THREADS release(&B);
+    Py_RETURN_NONE;
+}
+
+/* glu_pairs(gu, h): h[i] = silu(gu[2 i]) * gu[2 i + 1] (float32), silu_mul's arithmetic on row_dot_pairs' output */
+static PyObject *py_glu_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *gu, *h;
+    if (!PyArg_ParseTuple(args, "OO", &gu, &h)) return NULL;
+    Buffers Bf;
+    memset(&Bf, 0, sizeof(Bf));
+    PyObject *result = NULL;
+    if (get(&Bf, 0, gu, 0, "gate and up") || get(&Bf, 1, h, 1, "out")) goto done;
+    if (Bf.views[0].len != 2 * Bf.views[1].len || Bf.views[1].len % 4) {
+        PyErr_SetString(PyExc_ValueError, "glu_pairs: gu must be float32 [2 n] and h float32 [n]");
+        goto done;
+    }
+    const float *g = Bf.views[0].buf;
+    float *hv = Bf.views[1].buf;
+    const Py_ssize_t len = Bf.views[1].len / 4;
+#pragma omp parallel for schedule(static) if (len >= 4096)
+    for (Py_ssize_t i = 0; i < len; i++) hv[i] = g[2 * i] / (1.0f + expf(-g[2 * i])) * g[2 * i + 1];
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&Bf);
+    return result;
 }
 
 static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
@@ -1968,6 +2182,9 @@ static PyMethodDef methods[] = {
      "rope_scale, scale): attention() of several sequences in one pass, segments [(keys, values, pos, cap, m), ...] "
      "in x's row order"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(g, u): g = silu(g) * u in place (float32)"},
+    {"row_dot_pairs", py_row_dot_pairs, METH_VARARGS,
+     "row_dot_pairs(pair_w, pair_s, pair_b, *row_dot_args): two rows a unit (pair_* bytes apart) in one pass"},
+    {"glu_pairs", py_glu_pairs, METH_VARARGS, "glu_pairs(gu, h): h = silu(gu[0::2]) * gu[1::2] (float32)"},
     {"set_int8", py_set_int8, METH_O,
      "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},
     {"info", py_info, METH_NOARGS,

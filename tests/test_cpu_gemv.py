@@ -100,6 +100,49 @@ def test_slots_pick_rows_in_any_order():
     assert np.allclose(cpu_gemv.row_axpy(c, q, slots), cpu_gemv.row_axpy(dense_c, q), rtol=1e-5, atol=1e-5)
 
 
+def unit_rows(rng, rows, n, bits, group_size):
+    """Two matrices' rows side by side in one buffer, as a neuron cache holds a GLU's gate and up per unit:
+    (buffer, QuantRows of the first, of the second)."""
+    mats = [quantized(rng, rows, n, bits, group_size, mx.float16) for _ in range(2)]
+    parts = [np.array(a).view(np.uint8).reshape(rows, -1) for i in range(3) for a in (mats[0][i], mats[1][i])]
+    buf = np.ascontiguousarray(np.concatenate(parts, 1))
+    at = np.cumsum([0] + [p.shape[1] for p in parts])
+    stride = buf.shape[1]
+    return [
+        cpu_gemv.QuantRows(
+            buf, int(at[i]), stride, buf, int(at[2 + i]), stride, buf, int(at[4 + i]), stride, n, bits, group_size,
+            mx.float16,
+        )
+        for i in (0, 1)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_row_dot_pairs_is_each_matrix_alone(bits, int8):
+    """A GLU's gate and up rows of each unit in one pass (row_dot_pairs): every result the bits of its own row_dot,
+    and glu_pairs silu_mul's; rows by slots, several positions."""
+    rng = np.random.default_rng(bits)
+    gate, up = unit_rows(rng, 40, 256, bits, 32)
+    slots = rng.permutation(40)[:25].astype(np.int32)
+    cpu_gemv.set_int8_activations(int8)
+    try:
+        for m in (1, 3):
+            x = rng.standard_normal((m, 256)).astype(np.float32)
+            gu = cpu_gemv.row_dot_pairs(x, gate, up, slots)
+            g, u = cpu_gemv.row_dot(x, gate, slots), cpu_gemv.row_dot(x, up, slots)
+            assert np.array_equal(gu[..., 0], g) and np.array_equal(gu[..., 1], u)
+            cpu_gemv.silu_mul(g.reshape(-1), u.reshape(-1))
+            assert np.array_equal(cpu_gemv.glu_pairs(gu), g)
+    finally:
+        cpu_gemv.set_int8_activations(False)
+    other = cpu_gemv.QuantRows.of_matrix(*quantized(rng, 40, 256, bits, 32, mx.float16), 32, bits)
+    with pytest.raises(ValueError, match="same rows"):
+        cpu_gemv.row_dot_pairs(x, gate, other, slots)
+    with pytest.raises(IndexError, match="outside"):  # the second rows checked against the buffer too
+        cpu_gemv._native.row_dot_pairs(10**6, 0, 0, x, np.empty((m, 50), np.float32), *gate._args(slots, 25))
+
+
 def test_rows_outside_the_buffers_raise():
     rng = np.random.default_rng(2)
     wq, s, b = quantized(rng, 8, 64, 4, 32, mx.float32)

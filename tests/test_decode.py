@@ -69,6 +69,51 @@ def test_int8_row_dot_is_the_product_with_rounded_x(loops, bits, group_size, n, 
     assert np.abs(got - ref).max() > 0  # the int8 path did run
 
 
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("n", [96, 4096])
+def test_int8_block_axpy_is_the_product_with_rounded_coefficients(loops, m, n):
+    """A down projection of 4-bit source codes (block_axpy: a group's rows share each column's scale) rounds each
+    position's coefficients of a group to int8, as llama.cpp rounds a down projection's input: the result is the
+    float product with those rounded coefficients (integer sums inside), within 1% of the float product, and the
+    AVX-512 loops give the scalar loops' bits."""
+    rng = np.random.default_rng(n + m)
+    k, rows = 90, 100
+    codes = rng.integers(0, 16, (rows, n)).astype(np.uint8)
+    wq = mx.array((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8).view(np.uint32))
+    slots = rng.permutation(rows)[:k].astype(np.int32)
+    blocks = np.sort(rng.choice([0, 0, 1, 2, 2, 2, 3, 5], k)).astype(np.int32)
+    S = mx.array(rng.uniform(0.5, 1.5, (6, n)).astype(np.float32)).astype(mx.float16)
+    c = rng.standard_normal((m, k)).astype(np.float32)
+    c[:, 5] = 0.0
+
+    def product(coeffs, biases=None):
+        return cpu_gemv.block_axpy(coeffs, wq, 0, wq.shape[1] * 4, slots, blocks, S, biases, n, 4)
+
+    cq = c.copy()  # each position's coefficients of each block, rounded as the kernel rounds them
+    for p in range(m):
+        for g in np.unique(blocks):
+            sel = blocks == g
+            d = np.abs(c[p, sel]).max() / np.float32(127)
+            cq[p, sel] = np.rint(c[p, sel] * (np.float32(1) / d)) * d
+    for biases in (None, S):  # symmetric codes, then biases of their own
+        assert cpu_gemv.info()["int8"]
+        got = product(c, biases)
+        cpu_gemv.set_int8_activations(False)
+        try:
+            exact, ref = product(cq, biases), product(c, biases)
+        finally:
+            cpu_gemv.set_int8_activations(True)
+        scale = np.abs(ref).max()
+        assert np.abs(got - exact).max() < 2e-6 * scale
+        assert 0 < np.abs(got - ref).max() < 1e-2 * scale  # (the int8 path did run)
+        if loops == "simd" and cpu_gemv.info()["avx512"]:
+            cpu_gemv._native.set_simd(False)
+            try:
+                assert np.array_equal(got, product(c, biases))
+            finally:
+                cpu_gemv._native.set_simd(True)
+
+
 def test_outliers_keep_their_block_exact():
     """One huge element in a block leaves the other 31 rounded finely (the outlier stays in float)."""
     rng = np.random.default_rng(3)

@@ -212,6 +212,30 @@ def row_dot(x: np.ndarray, q: QuantRows, slots=None, k: Optional[int] = None) ->
     return out
 
 
+def row_dot_pairs(x: np.ndarray, a: QuantRows, b: QuantRows, slots=None, k: Optional[int] = None) -> np.ndarray:
+    """float32 [..., k, 2]: `row_dot` of a and of b in one pass, where b is another matrix of the same rows (the same
+    buffers and strides at other offsets, as a GLU's gate and up in a unit): each row's two are read side by side,
+    and each result is, bit for bit, its own row_dot's."""
+    if any(getattr(a, f) is not getattr(b, f) for f in ("w", "s", "b")) or (
+        (a.w_stride, a.s_stride, a.b_stride, a.n, a.bits, a.group_size, a.scale_dtype, a.symmetric)
+        != (b.w_stride, b.s_stride, b.b_stride, b.n, b.bits, b.group_size, b.scale_dtype, b.symmetric)
+    ):
+        raise ValueError("row_dot_pairs: the two matrices must lie in the same rows, quantised alike")
+    slots = _slots(slots)
+    k = len(slots) if slots is not None else k
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((*x.shape[:-1], k, 2), dtype=np.float32)
+    _native.row_dot_pairs(b.w_off - a.w_off, b.s_off - a.s_off, b.b_off - a.b_off, x, out, *a._args(slots, k))
+    return out
+
+
+def glu_pairs(gu: np.ndarray) -> np.ndarray:
+    """silu(gu[..., 0]) * gu[..., 1] (float32 [..., k, 2] from row_dot_pairs), silu_mul's arithmetic."""
+    h = np.empty(gu.shape[:-1], dtype=np.float32)
+    _native.glu_pairs(gu, h)
+    return h
+
+
 def row_axpy(c: np.ndarray, q: QuantRows, slots=None, dst=None, n_out: int = 1) -> np.ndarray:
     """float32 [..., n]: out[...] = sum_j c[..., j] W[slots[j]] (slots None: rows 0..k-1, or Addresses); c [k] or
     [m, k]. With dst: [n_out, ..., n], out[i] the sum over the rows j with dst[j] == i alone."""

@@ -123,12 +123,16 @@ class OpsBackend:
                 lambda r, s, sel: self.units(x, r, s, units[sel], resident, None if mask is None else mask[:, sel]),
             )
         if self.ffn["kind"] == "glu":
-            h = self.glu(self.row_dot(x, rows, slots, "gate"), self.row_dot(x, rows, slots, "up"))
+            h = self.gate_up(x, rows, slots)
             return self.out(self._masked(h, mask), rows, slots, units, "down", resident, dst, n_out)
         h = self.row_dot(x, rows, slots, "fc1")
         if "fc1" in resident:
             h = h + self.take(resident["fc1"], units, h)
         return self.out(self._masked(self.activation(h), mask), rows, slots, units, "fc2", resident, dst, n_out)
+
+    def gate_up(self, x, rows, slots):
+        """A GLU's hidden units of x over rows[slots]: activation(x . gate) * (x . up)."""
+        return self.glu(self.row_dot(x, rows, slots, "gate"), self.row_dot(x, rows, slots, "up"))
 
     def in_place(self, x) -> bool:
         """Whether products of input x read rows where they are (RowSet addresses) and take dst in one call."""
