@@ -436,8 +436,12 @@ class UnitCache:
     def _commit(self, act, slots, n_hit, admitted, miss_slots, overflow, n_del, moved) -> Plan:
         """The step's history and stats, and its Plan."""
         t = self.step
-        self.last_active[act] = t
-        self.use_count[act] += 1
+        if act.size == self.n_units:  # (sorted and unique: every unit)
+            self.last_active.fill(t)
+            self.use_count += 1
+        else:
+            self.last_active[act] = t
+            self.use_count[act] += 1
         self.step = t + 1
 
         st = self.stats

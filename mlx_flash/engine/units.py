@@ -212,10 +212,12 @@ class Engine:
         if not len(active):
             return []
         where, index = self._where(active, plan, staged)
-        blocks = Blocks(active, block)
-        reading = (where == 0) & np.isin(active, plan.miss_units)
-        # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
-        kind = np.maximum.reduceat(np.select([where == 2, reading, where == 1], [3, 2, 1], 0), blocks.starts)
+        blocks = self._blocks(active, block)
+        if staged is None and not len(plan.miss_units) and not len(plan.overflow_units):
+            kind = np.zeros(len(blocks), np.int64)  # every unit cached
+        else:  # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
+            reading = (where == 0) & np.isin(active, plan.miss_units)
+            kind = np.maximum.reduceat(np.select([where == 2, reading, where == 1], [3, 2, 1], 0), blocks.starts)
         parts = [None] * len(blocks)
         buffers = [cache.rows, cache.rows if staged is None else staged.rows]
 
@@ -241,6 +243,13 @@ class Engine:
             self._overflow(layer, region, active, where, index, buffers, np.flatnonzero(kind == 3), blocks, parts, fn,
                            sync)  # fmt: skip
         return parts
+
+    def _blocks(self, active: np.ndarray, block: int) -> Blocks:
+        """Blocks(active, block), kept while a selector hands the same array again (a dense layer's every unit)."""
+        last = getattr(self, "_last_blocks", None)
+        if last is None or last[0] is not active or last[1] != block:
+            self._last_blocks = last = (active, block, Blocks(active, block))
+        return last[2]
 
     def _where(self, active, plan, staged):
         """Per active unit, where its row is (0: its cache slot, 1: a staging row, 2: to stream through the
