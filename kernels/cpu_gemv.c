@@ -856,7 +856,8 @@ AVX512 static void block_axpy1_avx512(float *o, const uint8_t *const *w, const f
    each row's 4-bit codes against its int8 coefficient (vpdpbusd), then per column o += s (d dot) + b cs as
    block_q8_scalar rounds it. */
 AVX512 static void block_q8_avx512(float *o, const uint8_t *const *w, const int8_t *qa, int nr, const uint8_t *S,
-                                   const uint8_t *B, int stype, int sym, float off, float d, float cs, int len) {
+                                   const uint8_t *B, int stype, int sym, float off, float d, float cs, int len,
+                                   const uint8_t *const *pf, int npf) {
     const __m512i low = _mm512_set1_epi8(15);
     const __m512 vd = _mm512_set1_ps(d), vcs = _mm512_set1_ps(cs), voff = _mm512_set1_ps(off);
     for (int i = 0; i < len; i += 128) {
@@ -864,12 +865,12 @@ AVX512 static void block_q8_avx512(float *o, const uint8_t *const *w, const int8
         const __mmask64 mask = cols == 128 ? ~0ULL : (1ULL << (cols / 2)) - 1;
         __m512i e[4], od[4];
         for (int t = 0; t < 4; t++) e[t] = od[t] = _mm512_setzero_si512();
+        /* the next group's rows, at these columns: a group's compute ahead of their use (rows a stride apart are
+           short streams the hardware prefetcher does not follow, and further on in this row is another thread's) */
+        for (int t = 0; t < npf; t++) _mm_prefetch((const char *)(pf[t] + i / 2), _MM_HINT_T0);
         for (int u = 0; u < nr; u += 4) {
             __m512i r4[4];
-            for (int v = 0; v < 4; v++) {
-                _mm_prefetch((const char *)(w[u + v] + i / 2 + ROW_AHEAD), _MM_HINT_T0);
-                r4[v] = _mm512_maskz_loadu_epi8(mask, w[u + v] + i / 2);
-            }
+            for (int v = 0; v < 4; v++) r4[v] = _mm512_maskz_loadu_epi8(mask, w[u + v] + i / 2);
             int32_t quad;
             memcpy(&quad, qa + u, 4);
             const __m512i c = _mm512_set1_epi32(quad);
@@ -1289,6 +1290,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
             float *ab = one ? malloc(sizeof(float) * (size_t)r->k) : NULL;
             int8_t *qa = q8 ? malloc((size_t)r->k + 3) : NULL;
             int32_t *dot = q8 == 1 ? malloc(sizeof(int32_t) * (size_t)len) : NULL;
+            const uint8_t **pf = q8 ? malloc(sizeof(*pf) * BLOCK_AHEAD) : NULL;
             Py_ssize_t j = 0;
             while (j < r->k) {
                 const int32_t g = blk[j];
@@ -1298,8 +1300,10 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                     const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8, span_bytes = (Py_ssize_t)len * r->bits / 8;
                     const uint8_t *Sg = S + g * table_row + (Py_ssize_t)i0 * scale_size;
                     const uint8_t *Bg = B + g * table_row + (Py_ssize_t)i0 * scale_size;
-                    Py_ssize_t j1 = j;
+                    Py_ssize_t j1 = j, j2;
                     while (j1 < r->k && blk[j1] == g) j1++;
+                    for (j2 = j1; j2 < r->k && blk[j2] == blk[j1] && j2 - j1 < BLOCK_AHEAD; j2++)
+                        pf[j2 - j1] = w_row(r, j2) + span; /* the next group's rows */
                     if (q8 == 1) {
                         scales_f32(Sg, r->stype, len, s, 0);
                         biases_f32(r, Bg, len, s, b, 0);
@@ -1313,14 +1317,14 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
 #if HAVE_X86
                         if (q8 == 2) {
                             block_q8_avx512(o + p * n + i0, wb, qa, nr, Sg, Bg, r->stype, r->sym,
-                                            -(float)(1 << (r->bits - 1)), d, cs, len);
+                                            -(float)(1 << (r->bits - 1)), d, cs, len, pf, p ? 0 : (int)(j2 - j1));
                             continue;
                         }
 #endif
                         block_q8_scalar(o + p * n + i0, wb, qa, nr, s, b, d, cs, len, dot);
                     }
-                    for (Py_ssize_t t = j1; t < r->k && blk[t] == blk[j1] && t < j1 + BLOCK_AHEAD; t++)
-                        prefetch_span(w_row(r, t) + span, span_bytes < ROW_AHEAD ? span_bytes : ROW_AHEAD);
+                    if (q8 == 1)
+                        for (Py_ssize_t t = j1; t < j2; t++) prefetch_span(pf[t - j1], span_bytes);
                     j = j1;
                     continue;
                 }
@@ -1379,6 +1383,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
             free(ab);
             free(qa);
             free(dot);
+            free(pf);
         }
     }
 }
