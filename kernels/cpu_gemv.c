@@ -846,6 +846,24 @@ AVX512 static void block_axpy1_avx512(float *o, const uint8_t *const *w, const f
     for (; i < len; i += 32) block_cols_avx512(o, w, a, nr, S, B, stype, sym, voff, vc, i, 1, bits);
 }
 
+/* q8_outlier's loop in 512 bits: the same products and sums, none fused */
+AVX512 static void q8_outlier_avx512(float *o, const uint8_t *w, float c, const uint8_t *S, const uint8_t *B, int stype,
+                                     int sym, float off, int len) {
+    const __m512 vc = _mm512_set1_ps(c), voff = _mm512_set1_ps(off);
+    for (int i = 0; i < len; i += 32) {
+        __m512 q[2];
+        codes32_avx512(w + i / 2, 4, &q[0], &q[1]);
+        interleave_avx512(&q[0], &q[1]);
+        for (int h = 0; h < 2; h++) {
+            const __m512 s = scales16_avx512(S, stype, i + 16 * h);
+            const __m512 b = sym ? _mm512_mul_round_ps(voff, s, RN) : scales16_avx512(B, stype, i + 16 * h);
+            const __m512 wv = _mm512_add_round_ps(_mm512_mul_round_ps(s, q[h], RN), b, RN);
+            _mm512_storeu_ps(o + i + 16 * h,
+                             _mm512_add_round_ps(_mm512_loadu_ps(o + i + 16 * h), _mm512_mul_round_ps(vc, wv, RN), RN));
+        }
+    }
+}
+
 /* block_q8's 128 columns from four rows' dword quads: E_t / O_t hold the even / odd elements of bytes 16 L + 4 t + d
    (128-bit lane L, dword d), so P_t = unpacklo32(E_t, O_t) holds elements 32 L + 8 t + 0..3 and Q_t the next 4; the
    16 elements from 16 v are lane L = v / 2 of P_2h, Q_2h, P_2h+1, Q_2h+1 (h = v % 2). */
@@ -1241,18 +1259,33 @@ static void block_q8_scalar(float *o, const uint8_t *const *w, const int8_t *qa,
     for (int i = 0; i < len; i++) o[i] += s[i] * (d * (float)dot[i]) + b[i] * cs;
 }
 
-/* Position p's rounded coefficients c of rows [j, j1) (one group): their rows at `span` and int8 values, zeros left
-   out, padded with zeros to a multiple of 4; returns how many, with d and the sum of the int8 values. */
+#define Q8_OUTLIER 4.0f /* a group's largest coefficient stays in float when it is this many times the next one */
+
+/* Position p's coefficients c of rows [j, j1) (one group), rounded: their rows at `span` and int8 values, zeros left
+   out, padded with zeros to a multiple of 4; returns how many, with d, the sum of the int8 values and the row of the
+   group's outlier (-1: none), a coefficient Q8_OUTLIER times the group's next largest, which would round the others
+   to a few levels (a GLU's few huge units) and is added in float instead (q8_outlier). */
 static int q8_coeffs(const Rows *r, const float *c, Py_ssize_t j, Py_ssize_t j1, Py_ssize_t span, const uint8_t **qw,
-                     int8_t *qa, float *d, int *sum) {
-    float amax = 0.0f;
-    for (Py_ssize_t t = j; t < j1; t++) amax = fabsf(c[t]) > amax ? fabsf(c[t]) : amax;
-    *d = amax / 127.0f;
+                     int8_t *qa, float *d, int *sum, Py_ssize_t *outlier) {
+    float a1 = 0.0f, a2 = 0.0f;
+    Py_ssize_t top = -1;
+    for (Py_ssize_t t = j; t < j1; t++) {
+        const float a = fabsf(c[t]);
+        if (a > a1) {
+            a2 = a1;
+            a1 = a;
+            top = t;
+        } else if (a > a2) {
+            a2 = a;
+        }
+    }
+    *outlier = a1 > Q8_OUTLIER * a2 ? top : -1;
+    *d = (*outlier >= 0 ? a2 : a1) / 127.0f;
     const float inv = *d > 0.0f ? 1.0f / *d : 0.0f;
     int nr = 0;
     *sum = 0;
     for (Py_ssize_t t = j; t < j1; t++) {
-        const int8_t v = (int8_t)lrintf(c[t] * inv);
+        const int8_t v = t == *outlier ? 0 : (int8_t)lrintf(c[t] * inv);
         if (!v) continue;
         qw[nr] = w_row(r, t) + span;
         qa[nr++] = v;
@@ -1264,6 +1297,15 @@ static int q8_coeffs(const Rows *r, const float *c, Py_ssize_t j, Py_ssize_t j1,
         qa[nr++] = 0;
     }
     return nr;
+}
+
+/* o[i] += c (s_i q[i] + b_i) over columns [0, len): a group's outlier row in float (the reference loop) */
+static void q8_outlier(float *o, const uint8_t *w, float c, const Rows *r, const uint8_t *S, const uint8_t *B, int len) {
+    const float off = -(float)(1 << (r->bits - 1));
+    for (int i = 0; i < len; i++) {
+        const float s = load_scale(S, r->stype, i), b = r->sym ? off * s : load_scale(B, r->stype, i);
+        o[i] += c * (s * (float)((w[i / 2] >> (4 * (i % 2))) & 15) + b);
+    }
 }
 
 /* c [m, k] -> out [m, n]; scratch: (m + 2) * n floats (each thread's sums per position, scales and biases
@@ -1309,19 +1351,27 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                         biases_f32(r, Bg, len, s, b, 0);
                     }
                     for (int p = 0; p < m; p++) {
-                        float d;
+                        const float *cp = c + (size_t)p * r->k;
+                        float d, *op = o + p * n + i0;
                         int sum;
-                        const int nr = q8_coeffs(r, c + (size_t)p * r->k, j, j1, span, wb, qa, &d, &sum);
-                        if (!nr) continue;
+                        Py_ssize_t outlier;
+                        const int nr = q8_coeffs(r, cp, j, j1, span, wb, qa, &d, &sum, &outlier);
                         const float cs = d * (float)sum;
 #if HAVE_X86
+                        if (nr && q8 == 2)
+                            block_q8_avx512(op, wb, qa, nr, Sg, Bg, r->stype, r->sym, -(float)(1 << (r->bits - 1)), d,
+                                            cs, len, pf, p ? 0 : (int)(j2 - j1));
+#endif
+                        if (nr && q8 == 1) block_q8_scalar(op, wb, qa, nr, s, b, d, cs, len, dot);
+                        if (outlier < 0) continue;
+#if HAVE_X86
                         if (q8 == 2) {
-                            block_q8_avx512(o + p * n + i0, wb, qa, nr, Sg, Bg, r->stype, r->sym,
-                                            -(float)(1 << (r->bits - 1)), d, cs, len, pf, p ? 0 : (int)(j2 - j1));
+                            q8_outlier_avx512(op, w_row(r, outlier) + span, cp[outlier], Sg, Bg, r->stype, r->sym,
+                                              -(float)(1 << (r->bits - 1)), len);
                             continue;
                         }
 #endif
-                        block_q8_scalar(o + p * n + i0, wb, qa, nr, s, b, d, cs, len, dot);
+                        q8_outlier(op, w_row(r, outlier) + span, cp[outlier], r, Sg, Bg, len);
                     }
                     if (q8 == 1)
                         for (Py_ssize_t t = j1; t < j2; t++) prefetch_span(pf[t - j1], span_bytes);
