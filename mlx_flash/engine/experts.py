@@ -325,13 +325,12 @@ class ExpertEngine(Engine):
     def _expert_row(self, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
         """`_expert` of float32 rows xv [m, D] on the native kernels, straight from the cache row: the expert's
         bytes are read once for all m."""
-        g = cpu_gemv.row_dot(
-            xv, self._quant_rows(host, slot, "gate_proj"), k=self.components["gate_proj.weight"].shape[0]
-        )
-        u = cpu_gemv.row_dot(xv, self._quant_rows(host, slot, "up_proj"), k=g.shape[-1])
-        cpu_gemv.silu_mul(g, u)
+        gate, up = (self._quant_rows(host, slot, name) for name in ("gate_proj", "up_proj"))
+        gu = cpu_gemv.row_dot_pairs(xv, gate, up, k=self.components["gate_proj.weight"].shape[0])
         return cpu_gemv.row_dot(
-            g, self._quant_rows(host, slot, "down_proj"), k=self.components["down_proj.weight"].shape[0]
+            cpu_gemv.glu_pairs(gu),
+            self._quant_rows(host, slot, "down_proj"),
+            k=self.components["down_proj.weight"].shape[0],
         )
 
     def _expert(self, x: mx.array, row: mx.array, activation) -> mx.array:
