@@ -13,7 +13,6 @@ int8 activations were on, and the greedy agreement of int8 against float activat
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import mlx_flash  # (OpenBLAS before mlx.core)
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert import convert
 from mlx_flash.default_model import default_gguf_path, default_model_dir
+from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.peers_systems import llama_cpp_bin
 
 import mlx.core as mx
@@ -121,14 +121,7 @@ def main(argv=None):
         "int8_vs_float_identical_tokens": agree,
         "native_step": flash_runs[-1]["native_step"],
         "why_not": flash_runs[-1]["why_not"],
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-            "mlx": mx.__version__,
-            "mlx_flash": mlx_flash.__version__,
-            "cpu_gemv": cpu_gemv.info(),
-        },
+        "machine": dict(machine_info(flash), mlx_flash=mlx_flash.__version__),
     }
     print(
         f"median: llama.cpp {med['llama.cpp']:.2f}, mlx_flash {med['mlx_flash']:.2f} tok/s "
