@@ -47,6 +47,7 @@ def test_down_is_the_source_quantisation_exactly(dirs):
     assert comps["down.weight"] == fd.ffn["hidden_size"] // 2  # 4-bit codes, nothing else
 
 
+@pytest.mark.usefixtures("float_activations")  # (the int8 default: tests/test_decode.py)
 def test_native_block_axpy_equals_mlx_ops():
     rng = np.random.default_rng(0)
     k, n, nb = 40, 96, 6
