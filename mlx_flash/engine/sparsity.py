@@ -109,6 +109,7 @@ class Dense:
     def __init__(self, n_units: int):
         self.n = n_units
         self._all = np.arange(n_units, dtype=np.int32)
+        self._all.flags.writeable = False  # (handed out every step: the unit step keeps what it derives from it)
 
     def select(self, layer: int, x: np.ndarray, cached=None) -> np.ndarray:
         return self._all

@@ -62,6 +62,7 @@ class Engine:
     overlap = True  # compute the hits while the misses are read (False: wait first; for A/B runs)
     context = None  # the tokens the plan's KV cache holds (loader.load): generation stops there
     use_metal = None  # expand encoded units with the Metal kernel (None: where available)
+    _last_blocks = None  # (active, block size, Blocks) of the last step (_blocks)
 
     def __init__(self, fd, reader, caches: List[Dict[str, UnitCache]], scratch_bytes: int):
         self.fd, self.reader, self.caches = fd, reader, caches
@@ -245,9 +246,10 @@ class Engine:
         return parts
 
     def _blocks(self, active: np.ndarray, block: int) -> Blocks:
-        """Blocks(active, block), kept while a selector hands the same array again (a dense layer's every unit)."""
-        last = getattr(self, "_last_blocks", None)
-        if last is None or last[0] is not active or last[1] != block:
+        """Blocks(active, block), kept while a selector hands the same read-only array again (a dense layer's every
+        unit)."""
+        last = self._last_blocks
+        if last is None or last[0] is not active or last[1] != block or active.flags.writeable:
             self._last_blocks = last = (active, block, Blocks(active, block))
         return last[2]
 
