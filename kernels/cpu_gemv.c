@@ -1656,6 +1656,13 @@ static PyObject *py_row_dot_pairs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* h[i] = silu(g[i stride]) u[i stride] for i < n (h may be g); the threads split the elements: the same results at
+   any count */
+static void silu_mul_into(float *h, const float *g, const float *u, int stride, Py_ssize_t n) {
+#pragma omp parallel for schedule(static) if (n >= 4096)
+    for (Py_ssize_t i = 0; i < n; i++) h[i] = g[i * stride] / (1.0f + expf(-g[i * stride])) * u[i * stride];
+}
+
 /* glu_pairs(gu, h): h[i] = silu(gu[2 i]) * gu[2 i + 1] (float32), silu_mul's arithmetic on row_dot_pairs' output */
 static PyObject *py_glu_pairs(PyObject *self, PyObject *args) {
     (void)self;
@@ -1670,10 +1677,7 @@ static PyObject *py_glu_pairs(PyObject *self, PyObject *args) {
         goto done;
     }
     const float *g = Bf.views[0].buf;
-    float *hv = Bf.views[1].buf;
-    const Py_ssize_t len = Bf.views[1].len / 4;
-#pragma omp parallel for schedule(static) if (len >= 4096)
-    for (Py_ssize_t i = 0; i < len; i++) hv[i] = g[2 * i] / (1.0f + expf(-g[2 * i])) * g[2 * i + 1];
+    silu_mul_into(Bf.views[1].buf, g, g + 1, 2, Bf.views[1].len / 4);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -2147,12 +2151,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "silu_mul: gate and up must be float32 arrays of one length");
         goto done;
     }
-    float *gv = Bf.views[0].buf;
-    const float *uv = Bf.views[1].buf;
-    const Py_ssize_t n = Bf.views[0].len / 4;
-    /* the threads split the elements: the same results at any count */
-#pragma omp parallel for schedule(static) if (n >= 4096)
-    for (Py_ssize_t i = 0; i < n; i++) gv[i] = gv[i] / (1.0f + expf(-gv[i])) * uv[i];
+    silu_mul_into(Bf.views[0].buf, Bf.views[0].buf, Bf.views[1].buf, 1, Bf.views[0].len / 4);
     result = Py_None;
     Py_INCREF(result);
 done:
