@@ -42,6 +42,7 @@ class Blocks:
         ids = active // size
         self.starts = np.flatnonzero(np.diff(ids, prepend=-1))
         self.sizes = np.diff(self.starts, append=len(active))
+        self._everything = None
 
     def __len__(self):
         return len(self.starts)
@@ -50,6 +51,14 @@ class Blocks:
         """(positions, dst int32: their block's index in the run) of a run of consecutive blocks."""
         lo, hi = self.starts[run[0]], self.starts[run[-1]] + self.sizes[run[-1]]
         return np.arange(lo, hi), np.repeat(np.arange(len(run), dtype=np.int32), self.sizes[run[0] : run[-1] + 1])
+
+    def everything(self):
+        """select() of every block, computed once."""
+        if self._everything is None:
+            self._everything = self.select(list(range(len(self))))
+            for a in self._everything:
+                a.flags.writeable = False
+        return self._everything
 
 
 class Engine:
@@ -212,13 +221,14 @@ class Engine:
             wait()
         if not len(active):
             return []
-        where, index = self._where(active, plan, staged)
         blocks = self._blocks(active, block)
-        if staged is None and not len(plan.miss_units) and not len(plan.overflow_units):
-            kind = np.zeros(len(blocks), np.int64)  # every unit cached
-        else:  # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
-            reading = (where == 0) & np.isin(active, plan.miss_units)
-            kind = np.maximum.reduceat(np.select([where == 2, reading, where == 1], [3, 2, 1], 0), blocks.starts)
+        if staged is None and not len(plan.miss_units) and not len(plan.overflow_units) and per is None:
+            wait()  # every unit cached, all blocks in one call: what compute() below does, without its bookkeeping
+            return list(fn(cache.rows, plan.slots, *blocks.everything(), len(blocks)))
+        where, index = self._where(active, plan, staged)
+        # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
+        reading = (where == 0) & np.isin(active, plan.miss_units)
+        kind = np.maximum.reduceat(np.select([where == 2, reading, where == 1], [3, 2, 1], 0), blocks.starts)
         parts = [None] * len(blocks)
         buffers = [cache.rows, cache.rows if staged is None else staged.rows]
 
