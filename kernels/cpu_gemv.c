@@ -1300,8 +1300,8 @@ static int q8_coeffs(const Rows *r, const float *c, Py_ssize_t j, Py_ssize_t j1,
 }
 
 /* o[i] += c (s_i q[i] + b_i) over columns [0, len): a group's outlier row in float (the reference loop) */
-static void q8_outlier(float *o, const uint8_t *w, float c, const Rows *r, const uint8_t *S, const uint8_t *B, int len) {
-    const float off = -(float)(1 << (r->bits - 1));
+static void q8_outlier(float *o, const uint8_t *w, float c, const Rows *r, const uint8_t *S, const uint8_t *B,
+                       float off, int len) {
     for (int i = 0; i < len; i++) {
         const float s = load_scale(S, r->stype, i), b = r->sym ? off * s : load_scale(B, r->stype, i);
         o[i] += c * (s * (float)((w[i / 2] >> (4 * (i % 2))) & 15) + b);
@@ -1339,7 +1339,8 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                 float *o = out + (dst ? (size_t)dst[j] * m * n : 0);
                 int any = 0;
                 if (q8) { /* the group's rows for each position, with int8 coefficients */
-                    const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8, span_bytes = (Py_ssize_t)len * r->bits / 8;
+                    const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8;
+                    const float off = -(float)(1 << (r->bits - 1));
                     const uint8_t *Sg = S + g * table_row + (Py_ssize_t)i0 * scale_size;
                     const uint8_t *Bg = B + g * table_row + (Py_ssize_t)i0 * scale_size;
                     Py_ssize_t j1 = j, j2;
@@ -1359,22 +1360,20 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                         const float cs = d * (float)sum;
 #if HAVE_X86
                         if (nr && q8 == 2)
-                            block_q8_avx512(op, wb, qa, nr, Sg, Bg, r->stype, r->sym, -(float)(1 << (r->bits - 1)), d,
-                                            cs, len, pf, p ? 0 : (int)(j2 - j1));
+                            block_q8_avx512(op, wb, qa, nr, Sg, Bg, r->stype, r->sym, off, d, cs, len, pf,
+                                            p ? 0 : (int)(j2 - j1));
 #endif
                         if (nr && q8 == 1) block_q8_scalar(op, wb, qa, nr, s, b, d, cs, len, dot);
                         if (outlier < 0) continue;
 #if HAVE_X86
                         if (q8 == 2) {
-                            q8_outlier_avx512(op, w_row(r, outlier) + span, cp[outlier], Sg, Bg, r->stype, r->sym,
-                                              -(float)(1 << (r->bits - 1)), len);
+                            q8_outlier_avx512(op, w_row(r, outlier) + span, cp[outlier], Sg, Bg, r->stype, r->sym, off,
+                                              len);
                             continue;
                         }
 #endif
-                        q8_outlier(op, w_row(r, outlier) + span, cp[outlier], r, Sg, Bg, len);
+                        q8_outlier(op, w_row(r, outlier) + span, cp[outlier], r, Sg, Bg, off, len);
                     }
-                    if (q8 == 1)
-                        for (Py_ssize_t t = j1; t < j2; t++) prefetch_span(pf[t - j1], span_bytes);
                     j = j1;
                     continue;
                 }
@@ -1604,12 +1603,15 @@ static void row_axpy_product(const Rows *r, const float *c, float *out, int m, c
     row_axpy_dst(r, c, out, m, B->dst, B->n_out);
 }
 
-/* Parse, compute with the GIL released, release the buffers. */
-static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Product product) {
+/* Parse (into a copy of `init`, or zeroed Rows), compute with the GIL released, release the buffers. */
+static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Product product, const Rows *init) {
     Buffers B;
     Rows r;
     int m;
-    memset(&r, 0, sizeof(r));
+    if (init)
+        r = *init;
+    else
+        memset(&r, 0, sizeof(r));
     if (parse(args, &B, &r, fn, vec_is_rows, &m)) {
         release(&B);
         return NULL;
@@ -1621,16 +1623,14 @@ static PyObject *run_product(PyObject *args, const char *fn, int vec_is_rows, Pr
 
 static PyObject *py_row_dot(PyObject *self, PyObject *args) {
     (void)self;
-    return run_product(args, "row_dot", 0, row_dot_product);
+    return run_product(args, "row_dot", 0, row_dot_product, NULL);
 }
 
 /* row_dot_pairs(pair_w, pair_s, pair_b, <row_dot's arguments>): out [m, 2 k], out[p, 2 j] row j's product and
    out[p, 2 j + 1] that of the row pair_* bytes further on in the same buffers, both read in one pass */
 static PyObject *py_row_dot_pairs(PyObject *self, PyObject *args) {
     (void)self;
-    Buffers B;
     Rows r;
-    int m;
     memset(&r, 0, sizeof(r));
     const Py_ssize_t n = PyTuple_GET_SIZE(args);
     if (n < 3) {
@@ -1641,19 +1641,16 @@ static PyObject *py_row_dot_pairs(PyObject *self, PyObject *args) {
     r.pair_s = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
     r.pair_b = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2));
     if (PyErr_Occurred()) return NULL;
+    if (n > 3 + 18 && PyTuple_GET_ITEM(args, 3 + 18) != Py_None) { /* (row_dot's 17 arguments, symmetric, dst) */
+        PyErr_SetString(PyExc_ValueError, "row_dot_pairs: no dst");
+        return NULL;
+    }
     r.paired = 1;
     PyObject *rest = PyTuple_GetSlice(args, 3, n);
     if (rest == NULL) return NULL;
-    const int bad = parse(rest, &B, &r, "row_dot_pairs", 0, &m);
+    PyObject *result = run_product(rest, "row_dot_pairs", 0, row_dot_product, &r);
     Py_DECREF(rest);
-    if (bad || B.dst) {
-        if (!bad) PyErr_SetString(PyExc_ValueError, "row_dot_pairs: no dst");
-        release(&B);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS row_dot_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
-    Py_END_ALLOW_THREADS release(&B);
-    Py_RETURN_NONE;
+    return result;
 }
 
 /* h[i] = silu(g[i stride]) u[i stride] for i < n (h may be g); the threads split the elements: the same results at
@@ -1687,7 +1684,7 @@ done:
 
 static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
     (void)self;
-    return run_product(args, "row_axpy", 1, row_axpy_product);
+    return run_product(args, "row_axpy", 1, row_axpy_product, NULL);
 }
 
 /* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type, symmetric=False) */
