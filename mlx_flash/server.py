@@ -43,7 +43,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from . import pipeline
 from .default_model import default_model_dir
-from .engine.native_step import HostBatchKVCache
+from .engine.batching import BatchModel, FlashBatchGenerator
 from .errors import BudgetError, FlashError, ReadError
 from .generate import stream_generate
 from .loader import load
@@ -59,7 +59,6 @@ BODY_SLACK = 64 << 10
 DISCARD_BYTES = 64 << 20
 # Sequences decoded together when --max-batch is not given: as many of these as the budget holds
 MAX_BATCH = 8
-STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the device bytes)
 RETRY_AFTER_S = 1  # what a 503 (the queue full) asks the client to wait
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # A request's own options, from its handler thread to ResponseGenerator.generate (called in the same thread)
@@ -111,11 +110,14 @@ class ModelProvider(server.ModelProvider):
         # which logit_bias indexes the logits (one outside crashes the process)
         self.n_tokens = min(len(tokenizer.vocab), getattr(getattr(model, "args", None), "vocab_size", 1 << 62))
         self.processor = self.draft_model = None
-        # mlx-lm's BatchGenerator decodes the requests together through the native decoder's batched pass; without
-        # it (MLX on a GPU, or a model the native step does not compute) one request at a time
+        # mlx-lm's BatchGenerator decodes the requests together, a step in one native pass (engine.batching) with
+        # the prompts' chunks beside; without the native decoder (MLX on a GPU, or a model the native step does not
+        # compute) one request at a time
         self.is_batchable = model.decoder is not None and self.stage is None
         self.batch_model = BatchModel(model)
         args.decode_concurrency = batch
+        # prompts beside each other in a pass where rows compute alone (engine.batching), else one at a time
+        args.prompt_concurrency = batch if getattr(model.decoder, "rows_alone", False) else 1
         args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
         if self.stage is not None:  # every pass native: at most its positions
             args.prefill_step_size = min(args.prefill_step_size, self.stage.max_positions)
@@ -151,30 +153,6 @@ class ModelProvider(server.ModelProvider):
     def close(self):
         self.flash.close()  # mlx-lm's generation thread resets the provider (drops the model) when it stops
         self.reset()
-
-
-class BatchModel:
-    """The flash model as mlx-lm's BatchGenerator calls it: a batch whose caches are merged HostKVCaches goes
-    through the native decoder's batched pass (the units read once for all its sequences, each sequence's tokens
-    what it alone would get); the rest is the model itself."""
-
-    def __init__(self, model):
-        self.model = model
-        self.batch_size = self.largest_batch = 0  # sequences in the last decode pass, and the most in one
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        if cache and isinstance(cache[0], HostBatchKVCache):
-            if inputs.shape[1] == 1:
-                self.batch_size = inputs.shape[0]
-                self.largest_batch = max(self.largest_batch, self.batch_size)
-            stats = self.model.flash.stats
-            if len(stats.tokens) >= STATS_KEPT:  # a server runs for long: the device bytes are the readers' counters
-                stats.reset()
-            return self.model.decoder.batch(inputs, cache)
-        return self.model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
 
 
 class _Tracked:
@@ -491,6 +469,7 @@ def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 80
     plan = provider.model.flash.plan
     # Every stored cache is one KV cache of --max-context tokens (allocated whole, see loader.make_cache)
     max_bytes = plan.prompt_cache if plan.budget is not None else 1 << 63
+    server.BatchGenerator = FlashBatchGenerator  # what mlx-lm's generation thread makes (its steps: one pass each)
     generator = ResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size, max_bytes))
     httpd = ThreadingHTTPServer((host, port), partial(APIHandler, generator), bind_and_activate=False)
     httpd.daemon_threads = True
@@ -594,7 +573,7 @@ def setup_arg_parser():
         top_k=0,
         min_p=0.0,
         decode_concurrency=1,
-        prompt_concurrency=1,  # prompts are prefilled one at a time (a chunk of one is a whole workspace)
+        prompt_concurrency=1,
         prompt_cache_bytes=None,  # (the prompt cache is bounded by the plan: make_server)
         prefill_step_size=2048,
         quantized_kv_start=0,

@@ -11,6 +11,7 @@ import threading
 import time
 
 from mlx_flash.budget import kv_cache_bytes, min_budget
+from mlx_flash.engine.batching import BatchModel, FlashBatchGenerator
 from mlx_flash.engine.native_step import HostKVCache
 from mlx_flash.errors import BudgetError
 from mlx_flash.format.directory import FlashDir
@@ -20,6 +21,7 @@ from mlx_flash.server import ModelProvider, serve, setup_arg_parser
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.generate import BatchGenerator
 
 CONTEXT = 192
 
@@ -130,6 +132,72 @@ def test_batch_caches_join_leave_and_are_stored_apart():
     assert batch.lengths(2) == [1, 0]
     with pytest.raises(ValueError, match="left-padded"):
         batch.prepare(left_padding=[0, 1])
+
+
+def _generate_all(generator_class, model, prompts, max_tokens, step, late=()):
+    """Greedy tokens of each prompt from mlx-lm's BatchGenerator (prompts prefilled one at a time, as the server's
+    were) or the flash one over the native decoder, the prompts in `late` inserted after the others' third step, and
+    the native passes it ran (each one's tokens per sequence)."""
+    passes = []
+    decoder = model.decoder
+    run = decoder.run
+    decoder.run = lambda seqs, prompt=False: passes.append([len(t) for t, _ in seqs]) or run(seqs, prompt)
+    try:
+        gen = generator_class(
+            BatchModel(model),
+            completion_batch_size=4,
+            prefill_batch_size=4 if generator_class is FlashBatchGenerator and model.decoder.rows_alone else 1,
+            prefill_step_size=step,
+        )
+        first = [p for i, p in enumerate(prompts) if i not in late]
+        uids = dict(zip(gen.insert(first, max_tokens=[max_tokens] * len(first)), first))
+        out, steps = {}, 0
+        while True:
+            steps += 1
+            if steps == 3 and late:
+                later = [prompts[i] for i in late]
+                uids.update(zip(gen.insert(later, max_tokens=[max_tokens] * len(later)), later))
+            responses = gen.next_generated()
+            if not responses:
+                break
+            for r in responses:
+                out.setdefault(prompts.index(uids[r.uid]), []).append(r.token)
+        gen.close()
+    finally:
+        decoder.run = run
+    return [out[i] for i in range(len(prompts))], passes
+
+
+@pytest.mark.parametrize("which, step", [("smol", 16), ("smol", 48), ("moe", 16)])
+@pytest.mark.parametrize("late", [(), (2, 3)])
+def test_a_step_is_one_pass_with_the_prompts_beside(which, step, late, request):
+    """FlashBatchGenerator: each step of mlx-lm's BatchGenerator is one native pass (the generating sequences, the
+    prompts joining them and prompt chunks in the positions left), each sequence's tokens its solo greedy ones, in
+    fewer passes than mlx-lm's schedule (a pass for the decode step, one for a prompt chunk, one per joining
+    prompt); prompts inserted while others decode join the running batch. An MoE (its router in MLX) keeps mlx-lm's
+    schedule."""
+    path = request.getfixturevalue(which)
+    fd = FlashDir(path)
+    # SmolLM2: most units streamed; the MoE: two expert slots a layer beside 4 sequences' KV caches
+    budget = (
+        "60%"
+        if which == "smol"
+        else min_budget(fd, 4 * CONTEXT, kv_size_of(fd)) + 2 * len(fd.layers) * fd.layouts["experts"].stride
+    )
+    model, _ = load(path, memory_budget=budget, context=CONTEXT, sequences=4)
+    try:
+        prompts = [list(range(5, 45)), [40, 41] * 12, [7, 300, 12, 99, 5, 8, 9, 10, 11], list(range(200, 233))]
+        solo = [[int(logits.argmax()) for logits in _solo(model, p, 5)] for p in prompts]
+        stock, stock_passes = _generate_all(BatchGenerator, model, prompts, 6, step, late)
+        flash, passes = _generate_all(FlashBatchGenerator, model, prompts, 6, step, late)
+    finally:
+        model.flash.close()
+    assert flash == solo and stock == solo
+    if which == "moe":
+        assert passes == stock_passes
+        return
+    assert all(sum(lengths) <= step for lengths in passes)  # within the pass's positions
+    assert len(passes) < 0.75 * len(stock_passes), (len(passes), len(stock_passes))
 
 
 # -- the server ---------------------------------------------------------------------------------------------------

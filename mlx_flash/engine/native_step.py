@@ -20,7 +20,7 @@ models it computes (llama attention, RoPE without scaling, quantised projections
 and why not when it cannot.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -154,6 +154,10 @@ class HostDecoder:
         body = model.model
         last = not isinstance(body.norm, Absent)  # a pipeline stage before the last ends with hidden rows
         self.norm, self.eps = (_weight(body.norm), float(body.norm.eps)) if last else (None, None)
+        # Whether each row of a pass computes as a pass of it alone whatever else the pass holds: the dense layers'
+        # native kernels do; an MoE block's router and a long prompt's experts are MLX's ops, whose arithmetic
+        # depends on the number of rows
+        self.rows_alone = all(isinstance(L["mlp"], FlashFFN) for L in layers)
 
     @classmethod
     def of(cls, model, engine):
@@ -285,16 +289,22 @@ class HostDecoder:
         for c in cache:
             c.advance(tokens.shape[1])
         live = [i for i, row in enumerate(ids) if row]  # (right padding can leave a sequence none)
-        lengths = [len(ids[i]) for i in live]
         for c in cache:
             c.own(live)
-        self.model.flash.stats.touch(prefill=tokens.shape[1] > 1)
-        x = self.embed([t for i in live for t in ids[i]])
-        x = self._layers(x, lengths, [[c.caches[i] for i in live] for c in cache], tokens.shape[1] > 1)
-        last = self._head(x[np.cumsum(lengths) - 1])
+        last = self.run([(ids[i], [c.caches[i] for c in cache]) for i in live], prompt=tokens.shape[1] > 1)
         logits = np.zeros((len(ids), last.shape[-1]), np.float32)
         logits[live] = last
         return mx.array(logits)[:, None]
+
+    def run(self, seqs: List[Tuple[List[int], List[HostKVCache]]], prompt: bool = False) -> np.ndarray:
+        """Logits [len(seqs), vocab] of each sequence's last token, every sequence (its token ids, its cache in each
+        layer) at its own position in one pass: the units read once for all, each sequence's logits and keys what a
+        pass of it alone gives. The caches advance by each sequence's tokens."""
+        lengths = [len(ids) for ids, _ in seqs]
+        self.model.flash.stats.touch(prefill=prompt)
+        x = self.embed([t for ids, _ in seqs for t in ids])
+        x = self._layers(x, lengths, [list(layer) for layer in zip(*(caches for _, caches in seqs))], prompt)
+        return self._head(x[np.cumsum(lengths) - 1])
 
     def _layers(self, x: np.ndarray, lengths: List[int], caches: List[List[HostKVCache]], prompt: bool) -> np.ndarray:
         """Host rows x [m, d] (float32, updated in place: `lengths` rows of each sequence in turn) through every

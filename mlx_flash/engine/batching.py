@@ -1,0 +1,166 @@
+"""Continuous batching on the native decoder: mlx-lm's BatchGenerator, each of its steps one native pass.
+
+mlx-lm's BatchGenerator steps the sequences being generated (one pass), then prompt chunks (another pass), and a
+prompt's last token in a pass of its own when it joins the generation batch. When weights stream from flash each
+pass reads them, so here a step is one pass (`FlashBatchGenerator`): the generating sequences' next tokens, the last
+tokens of prompts that join them, and as many prompt tokens as the pass's positions leave room for (chunked
+prefill). mlx-lm's batches then run as before and find their passes done (`BatchModel`). A prompt segment's end is a
+pass's end, so the server's prompt cache stores what the segment holds, as with mlx-lm's schedule.
+"""
+
+import time
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+
+from .native_step import HostBatchKVCache
+
+STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the device bytes)
+
+
+class BatchModel:
+    """The flash model as mlx-lm's BatchGenerator calls it: a batch whose caches are merged HostKVCaches goes
+    through the native decoder's batched pass (the units read once for all its sequences, each sequence's tokens
+    what it alone would get), unless its sequences were computed already in a step's pass (`done`); the rest is the
+    model itself."""
+
+    def __init__(self, model):
+        self.model = model
+        self.batch_size = self.largest_batch = 0  # sequences in the last decode pass, and the most in one
+        self.done: Dict[int, np.ndarray] = {}  # id(first layer's cache) -> its logits (None: a prompt chunk)
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if not (cache and isinstance(cache[0], HostBatchKVCache)):
+            return self.model(inputs, cache=cache, **kwargs)
+        done = self._done(inputs, cache)
+        if done is not None:
+            return done
+        if inputs.shape[1] == 1:
+            self._count(inputs.shape[0])
+        self._keep_stats()
+        return self.model.decoder.batch(inputs, cache)
+
+    def run(self, seqs, prompt: bool) -> np.ndarray:
+        """decoder.run of a step's sequences (HostDecoder.run)."""
+        self._keep_stats()
+        return self.model.decoder.run(seqs, prompt)
+
+    def _count(self, n: int):
+        self.batch_size = n
+        self.largest_batch = max(self.largest_batch, n)
+
+    def _keep_stats(self):
+        stats = self.model.flash.stats
+        if len(stats.tokens) >= STATS_KEPT:  # a server runs for long: the device bytes are the readers' counters
+            stats.reset()
+
+    def _done(self, inputs, cache):
+        """The logits of a pass whose sequences a step computed already (the caches then only count its tokens), or
+        None."""
+        n = inputs.shape[1]
+        live = [c for c, m in zip(cache[0].caches, cache[0].lengths(n)) if m]
+        if not live or any(id(c) not in self.done for c in live):
+            return None
+        for c in cache:
+            c.advance(n)
+        rows = [self.done.pop(id(c)) for c in live]
+        if any(r is None for r in rows):
+            return mx.zeros((inputs.shape[0], 1, 1))  # a prompt chunk: nothing reads its logits
+        return mx.array(np.stack(rows))[:, None]
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+class FlashBatchGenerator(BatchGenerator):
+    """mlx-lm's BatchGenerator whose steps are one native pass each (the module's docstring). Each sequence's
+    tokens are those of its solo run: a pass computes every sequence at its own position as it alone would be. On a
+    model whose rows depend on what else a pass holds (an MoE's router in MLX: HostDecoder.rows_alone), mlx-lm's
+    schedule, whose prompt chunks are those of a request alone."""
+
+    def _next(self):
+        if not (isinstance(self.model, BatchModel) and getattr(self.model.decoder, "rows_alone", False)):
+            return super()._next()  # (its passes: a decode step's rows alone, each prompt chunk alone)
+        try:
+            return self._step()
+        finally:
+            self.model.done.clear()
+
+    def _step(self):
+        gen, prompts, processing = self._generation_batch, self._prompt_batch, self._currently_processing
+        n = min(
+            self.prefill_batch_size - len(prompts),
+            self.completion_batch_size - len(gen) - len(prompts),
+            len(self._unprocessed_sequences),
+        )
+        if n > 0:
+            prompts.extend(self._make_batch(n))
+        # A prompt's last token is a segment of its own (insert_segments): it joins the generation batch in a pass
+        # after the one that ended the segment before it
+        joining = [i for i, (segments, *_) in enumerate(processing) if len(segments) == 1 and len(segments[0]) == 1]
+        room = self.prefill_step_size - len(gen) - len(joining)
+        chunks = []
+        for i, (segments, *_) in enumerate(processing):
+            chunks.append([] if i in joining else segments[0][: max(0, room)])
+            room -= len(chunks[-1])
+        tic = time.perf_counter()
+        self._pass(joining, chunks)
+        spent = time.perf_counter() - tic  # (mlx-lm's counters: a pass with prompt tokens counts as prompt time)
+        if any(chunks):
+            self._counters.prompt_time += spent
+        else:
+            self._counters.decode_time += spent
+
+        generation_responses = []
+        if len(gen) > 0:
+            generation_responses = gen.next()
+            self._counters.generation_tokens += len(generation_responses)
+            self._counters.generation_steps += 1
+        prompt_responses = []
+        for i, seq in enumerate(processing):
+            if chunks[i]:
+                segments = seq[0]
+                segments[0] = segments[0][len(chunks[i]) :]
+                ended = not segments[0]
+                if ended:
+                    segments.pop(0)
+                seq[1] += len(chunks[i])
+                prompt_responses.append(PromptProcessingBatch.Response(prompts.uids[i], (seq[1], seq[2]), ended, False))
+        if joining:
+            last = [processing[i][0][0] for i in joining]
+            for i in joining:
+                prompt_responses.append(
+                    PromptProcessingBatch.Response(prompts.uids[i], (processing[i][2],) * 2, True, True)
+                )
+            keep = [i for i in range(len(processing)) if i not in joining]
+            self._currently_processing = [processing[i] for i in keep]
+            chunks = [chunks[i] for i in keep]
+            gen.extend(prompts.split(joining).generate(last))  # (its first pass found done)
+        if any(chunks):
+            self._counters.prompt_tokens += sum(len(c) for c in chunks)
+            prompts.prompt(chunks)  # (found done)
+        return prompt_responses, generation_responses
+
+    def _pass(self, joining: List[int], chunks: List[List[int]]):
+        """The step's one pass: the generating sequences' next tokens, the joining prompts' last tokens and the
+        prompt chunks; what mlx-lm's batches will ask of it kept in BatchModel.done."""
+        gen, prompts = self._generation_batch, self._prompt_batch
+        seqs, wanted = [], []  # (token ids, the sequence's caches), and whether its logits are read
+        for batch, tokens in (
+            (gen, [[t] for t in gen._next_tokens.tolist()] if len(gen) > 0 else []),
+            (prompts, [self._currently_processing[i][0][0] if i in joining else c for i, c in enumerate(chunks)]),
+        ):
+            for i, ids in enumerate(tokens):
+                if ids:
+                    for c in batch.prompt_cache:  # (a sequence handed out to the prompt cache is copied first)
+                        c.own([i])
+                    seqs.append((ids, [c.caches[i] for c in batch.prompt_cache]))
+                    wanted.append(batch is gen or i in joining)
+        if not seqs:
+            return
+        logits = self.model.run(seqs, prompt=not all(wanted))
+        self.model._count(sum(wanted))
+        for (_, caches), row, w in zip(seqs, logits, wanted):
+            self.model.done[id(caches[0])] = row if w else None
