@@ -9,7 +9,7 @@ pass's end, so the server's prompt cache stores what the segment holds, as with 
 """
 
 import time
-from typing import Dict, List
+from typing import Dict
 
 import mlx.core as mx
 import numpy as np
@@ -23,12 +23,13 @@ STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the dev
 class BatchModel:
     """The flash model as mlx-lm's BatchGenerator calls it: a batch whose caches are merged HostKVCaches goes
     through the native decoder's batched pass (the units read once for all its sequences, each sequence's tokens
-    what it alone would get), unless its sequences were computed already in a step's pass (`done`); the rest is the
-    model itself."""
+    what it alone would get), with the sequences `beside` it in the same pass, unless its sequences were computed
+    already (`done`); the rest is the model itself."""
 
     def __init__(self, model):
         self.model = model
         self.batch_size = self.largest_batch = 0  # sequences in the last decode pass, and the most in one
+        self.beside = []  # (token ids, caches, logits wanted) the next pass computes too (FlashBatchGenerator)
         self.done: Dict[int, np.ndarray] = {}  # id(first layer's cache) -> its logits (None: a prompt chunk)
 
     def __call__(self, inputs, cache=None, **kwargs):
@@ -37,28 +38,32 @@ class BatchModel:
         done = self._done(inputs, cache)
         if done is not None:
             return done
+        live, seqs = self.model.decoder.sequences(inputs, cache)
         if inputs.shape[1] == 1:
-            self._count(inputs.shape[0])
-        self._keep_stats()
-        return self.model.decoder.batch(inputs, cache)
+            self._count(len(seqs) + sum(wanted for *_, wanted in self.beside))
+        last = self.run(seqs, prompt=inputs.shape[1] > 1)
+        return self.model.decoder.batch_logits(inputs.shape[0], live, last)
 
-    def run(self, seqs, prompt: bool) -> np.ndarray:
-        """decoder.run of a step's sequences (HostDecoder.run)."""
-        self._keep_stats()
-        return self.model.decoder.run(seqs, prompt)
+    def run(self, seqs, prompt: bool = False) -> np.ndarray:
+        """decoder.run of `seqs` and the sequences beside them (their logits kept in `done`): seqs' logits."""
+        beside, self.beside = self.beside, []
+        stats = self.model.flash.stats
+        if len(stats.tokens) >= STATS_KEPT:  # a server runs for long: the device bytes are the readers' counters
+            stats.reset()
+        logits = self.model.decoder.run(
+            seqs + [(ids, caches) for ids, caches, _ in beside], prompt or not all(w for *_, w in beside)
+        )
+        for (_, caches, wanted), row in zip(beside, logits[len(seqs) :]):
+            self.done[id(caches[0])] = row if wanted else None
+        return logits[: len(seqs)]
 
     def _count(self, n: int):
         self.batch_size = n
         self.largest_batch = max(self.largest_batch, n)
 
-    def _keep_stats(self):
-        stats = self.model.flash.stats
-        if len(stats.tokens) >= STATS_KEPT:  # a server runs for long: the device bytes are the readers' counters
-            stats.reset()
-
     def _done(self, inputs, cache):
-        """The logits of a pass whose sequences a step computed already (the caches then only count its tokens), or
-        None."""
+        """The logits of a pass whose sequences were computed already beside another (the caches then only count
+        its tokens), or None."""
         n = inputs.shape[1]
         live = [c for c, m in zip(cache[0].caches, cache[0].lengths(n)) if m]
         if not live or any(id(c) not in self.done for c in live):
@@ -86,7 +91,7 @@ class FlashBatchGenerator(BatchGenerator):
         try:
             return self._step()
         finally:
-            self.model.done.clear()
+            self.model.beside, self.model.done = [], {}
 
     def _step(self):
         gen, prompts, processing = self._generation_batch, self._prompt_batch, self._currently_processing
@@ -105,19 +110,27 @@ class FlashBatchGenerator(BatchGenerator):
         for i, (segments, *_) in enumerate(processing):
             chunks.append([] if i in joining else segments[0][: max(0, room)])
             room -= len(chunks[-1])
+
+        # The pass: the decode step's, with the joining tokens and the chunks beside (or theirs alone)
         tic = time.perf_counter()
-        self._pass(joining, chunks)
+        for i, (segments, *_) in enumerate(processing):
+            if i in joining or chunks[i]:
+                for c in prompts.prompt_cache:  # (a sequence handed out to the prompt cache is copied first)
+                    c.own([i])
+                caches = [c.caches[i] for c in prompts.prompt_cache]
+                self.model.beside.append((segments[0] if i in joining else chunks[i], caches, i in joining))
+        generation_responses = gen.next() if len(gen) > 0 else []
+        if self.model.beside:
+            self.model.run([])
         spent = time.perf_counter() - tic  # (mlx-lm's counters: a pass with prompt tokens counts as prompt time)
         if any(chunks):
             self._counters.prompt_time += spent
         else:
             self._counters.decode_time += spent
-
-        generation_responses = []
-        if len(gen) > 0:
-            generation_responses = gen.next()
+        if generation_responses:
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
+
         prompt_responses = []
         for i, seq in enumerate(processing):
             if chunks[i]:
@@ -142,25 +155,3 @@ class FlashBatchGenerator(BatchGenerator):
             self._counters.prompt_tokens += sum(len(c) for c in chunks)
             prompts.prompt(chunks)  # (found done)
         return prompt_responses, generation_responses
-
-    def _pass(self, joining: List[int], chunks: List[List[int]]):
-        """The step's one pass: the generating sequences' next tokens, the joining prompts' last tokens and the
-        prompt chunks; what mlx-lm's batches will ask of it kept in BatchModel.done."""
-        gen, prompts = self._generation_batch, self._prompt_batch
-        seqs, wanted = [], []  # (token ids, the sequence's caches), and whether its logits are read
-        for batch, tokens in (
-            (gen, [[t] for t in gen._next_tokens.tolist()] if len(gen) > 0 else []),
-            (prompts, [self._currently_processing[i][0][0] if i in joining else c for i, c in enumerate(chunks)]),
-        ):
-            for i, ids in enumerate(tokens):
-                if ids:
-                    for c in batch.prompt_cache:  # (a sequence handed out to the prompt cache is copied first)
-                        c.own([i])
-                    seqs.append((ids, [c.caches[i] for c in batch.prompt_cache]))
-                    wanted.append(batch is gen or i in joining)
-        if not seqs:
-            return
-        logits = self.model.run(seqs, prompt=not all(wanted))
-        self.model._count(sum(wanted))
-        for (_, caches), row, w in zip(seqs, logits, wanted):
-            self.model.done[id(caches[0])] = row if w else None
