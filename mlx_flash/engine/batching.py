@@ -4,8 +4,9 @@ mlx-lm's BatchGenerator steps the sequences being generated (one pass), then pro
 prompt's last token in a pass of its own when it joins the generation batch. When weights stream from flash each
 pass reads them, so here a step is one pass (`FlashBatchGenerator`): the generating sequences' next tokens, the last
 tokens of prompts that join them, and as many prompt tokens as the pass's positions leave room for (chunked
-prefill). mlx-lm's batches then run as before and find their passes done (`BatchModel`). A prompt segment's end is a
-pass's end, so the server's prompt cache stores what the segment holds, as with mlx-lm's schedule.
+prefill). mlx-lm's batches then run as before: the decode step's model call computes the rest beside it, and the
+prompts' calls find theirs done (`BatchModel`). A prompt segment's end is a pass's end, so the server's prompt cache
+stores what the segment holds, as with mlx-lm's schedule.
 """
 
 import time
