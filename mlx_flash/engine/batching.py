@@ -39,11 +39,9 @@ class BatchModel:
         done = self._done(inputs, cache)
         if done is not None:
             return done
-        live, seqs = self.model.decoder.sequences(inputs, cache)
         if inputs.shape[1] == 1:
-            self._count(len(seqs) + sum(wanted for *_, wanted in self.beside))
-        last = self.run(seqs, prompt=inputs.shape[1] > 1)
-        return self.model.decoder.batch_logits(inputs.shape[0], live, last)
+            self._count(inputs.shape[0] + sum(wanted for *_, wanted in self.beside))
+        return self.model.decoder.batch(inputs, cache, self.run)
 
     def run(self, seqs, prompt: bool = False) -> np.ndarray:
         """decoder.run of `seqs` and the sequences beside them (their logits kept in `done`): seqs' logits."""

@@ -279,31 +279,21 @@ class HostDecoder:
         logits = self._head(x[-1:] if prompt else x)
         return mx.array(logits).reshape(1, len(logits), -1)
 
-    def batch(self, tokens: mx.array, cache: List["HostBatchKVCache"]) -> mx.array:
+    def batch(self, tokens: mx.array, cache: List["HostBatchKVCache"], run=None) -> mx.array:
         """Logits [B, 1, vocab] of the last token of each sequence of a batch (tokens [B, L], right-padded where
         the caches were prepared with lengths: see HostBatchKVCache) in one pass: every matrix's rows and every FFN
         unit read once for all, each sequence at its own position of its own caches. Each sequence's logits are,
         bit for bit, what a pass of it alone gives. A pass of one token a sequence is a decode step, longer ones a
-        prompt chunk (the stats count it as one)."""
-        live, seqs = self.sequences(tokens, cache)
-        return self.batch_logits(len(cache[0].caches), live, self.run(seqs, prompt=tokens.shape[1] > 1))
-
-    @staticmethod
-    def sequences(tokens: mx.array, cache: List["HostBatchKVCache"]):
-        """The sequences a batch's pass computes (`batch`): their indices in the batch and (token ids, caches) of
-        each, right padding dropped. The caches count the pass's tokens, and one handed out is copied first."""
+        prompt chunk (the stats count it as one). `run(seqs, prompt)` computes the pass (default: `self.run`; the
+        server's adds other sequences to it: engine.batching)."""
         ids = [row[:m] for row, m in zip(tokens.tolist(), cache[0].lengths(tokens.shape[1]))]
         for c in cache:
             c.advance(tokens.shape[1])
         live = [i for i, row in enumerate(ids) if row]  # (right padding can leave a sequence none)
         for c in cache:
             c.own(live)
-        return live, [(ids[i], [c.caches[i] for c in cache]) for i in live]
-
-    @staticmethod
-    def batch_logits(n: int, live: List[int], last: np.ndarray) -> mx.array:
-        """[n, 1, vocab]: the live sequences' logits `last` in their places, zeros elsewhere."""
-        logits = np.zeros((n, last.shape[-1]), np.float32)
+        last = (run or self.run)([(ids[i], [c.caches[i] for c in cache]) for i in live], tokens.shape[1] > 1)
+        logits = np.zeros((len(ids), last.shape[-1]), np.float32)
         logits[live] = last
         return mx.array(logits)[:, None]
 
