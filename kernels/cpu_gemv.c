@@ -2181,6 +2181,30 @@ static PyObject *py_halves(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* sum_rows(a, out): out = a[0] + a[1] + ... (float32, a [n, len(out)]), each element's sums in row order as a Python
+   loop of numpy additions rounds them: partial sums added in one call instead of one array each */
+static PyObject *py_sum_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer a, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &a, &out)) return NULL;
+    PyObject *result = NULL;
+    if (out.len == 0 || out.len % 4 || a.len % out.len || a.len == 0)
+        PyErr_SetString(PyExc_ValueError, "sum_rows: a must hold whole rows of out's float32 length");
+    else {
+        const Py_ssize_t len = out.len / 4, rows = a.len / out.len;
+        const float *src = a.buf;
+        float *dst = out.buf;
+        Py_BEGIN_ALLOW_THREADS memmove(dst, src, (size_t)out.len);
+        for (Py_ssize_t r = 1; r < rows; r++)
+            for (Py_ssize_t i = 0; i < len; i++) dst[i] += src[r * len + i];
+        Py_END_ALLOW_THREADS result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     (void)self;
     return set_flag(&simd_allowed, arg);
@@ -2243,6 +2267,7 @@ static PyMethodDef methods[] = {
      "'int8': int8 activations, 'threads': n}"},
     {"set_avx512", py_set_avx512, METH_O,
      "set_avx512(on): the AVX-512 loops where the CPU has them (default) or the AVX2 / VNNI ones (same bits)"},
+    {"sum_rows", py_sum_rows, METH_VARARGS, "sum_rows(a, out): out = a[0] + a[1] + ... in row order (float32)"},
     {"halves", py_halves, METH_VARARGS, "halves(src, dst): float32 src rounded to float16 into dst"},
     {"set_simd", py_set_simd, METH_O, "set_simd(on): use the AVX2 loops where the CPU has them (default) or the scalar ones"},
     {NULL, NULL, 0, NULL}};

@@ -143,6 +143,23 @@ def test_row_dot_pairs_is_each_matrix_alone(bits, int8):
         cpu_gemv._native.row_dot_pairs(10**6, 0, 0, x, np.empty((m, 50), np.float32), *gate._args(slots, 25))
 
 
+def test_sum_rows_adds_in_row_order():
+    """sum_rows: the bits of a Python loop of numpy additions (partial sums of very different sizes, where any
+    other order would round differently), for one row or several positions a row; shapes that do not divide fail."""
+    rng = np.random.default_rng(3)
+    for shape in ((43, 1, 4096), (5, 3, 7), (1, 9), (200, 2)):
+        a = rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 4, (shape[0],) + (1,) * (len(shape) - 1))
+        a = a.astype(np.float32)
+        want = a[0]
+        for part in a[1:]:
+            want = want + part
+        assert np.array_equal(cpu_gemv.sum_rows(a), want)
+    if shape[0] > 2:
+        assert not np.array_equal(cpu_gemv.sum_rows(a[::-1]), want)  # (the order shows in the bits)
+    with pytest.raises(ValueError, match="whole rows"):
+        cpu_gemv._native.sum_rows(np.zeros(10, np.float32), np.zeros(3, np.float32))
+
+
 def test_rows_outside_the_buffers_raise():
     rng = np.random.default_rng(2)
     wq, s, b = quantized(rng, 8, 64, 4, 32, mx.float32)

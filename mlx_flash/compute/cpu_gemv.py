@@ -236,6 +236,14 @@ def glu_pairs(gu: np.ndarray) -> np.ndarray:
     return h
 
 
+def sum_rows(a: np.ndarray) -> np.ndarray:
+    """a[0] + a[1] + ... (float32 [n, ...]) in row order: each element rounded as a loop of numpy additions."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    out = np.empty(a.shape[1:], dtype=np.float32)
+    _native.sum_rows(a, out)
+    return out
+
+
 def row_axpy(c: np.ndarray, q: QuantRows, slots=None, dst=None, n_out: int = 1) -> np.ndarray:
     """float32 [..., n]: out[...] = sum_j c[..., j] W[slots[j]] (slots None: rows 0..k-1, or Addresses); c [k] or
     [m, k]. With dst: [n_out, ..., n], out[i] the sum over the rows j with dst[j] == i alone."""

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..compute import cpu_gemv
 from ..compute.backends import backend_for
 from ..compute.ffn import glu, project
 from ..compute.rows import RowSet, per_partial
@@ -209,6 +210,8 @@ class NeuronEngine(Engine):
         # gathered rows (MLX ops) are bounded to the scratch's size; host rows are read in place, all in one call
         per = None if isinstance(zero, np.ndarray) else self._fits(region)
         parts = self.step(layer, region, active, fn, backend.sync, per=per, read_next=lambda: self._read_next(layer))
+        if isinstance(parts, np.ndarray):  # every block's partial sum in one host array (a layer held whole)
+            return cpu_gemv.sum_rows(parts)
         if not parts:
             return zero
         y = parts[0]

@@ -197,8 +197,9 @@ class Engine:
         block: int = REDUCTION_UNITS,
         per: Optional[int] = None,
         read_next: Optional[Callable[[], None]] = None,
-    ) -> list:
-        """The results of the active units (sorted ids) of a layer's region, one per block, in block order.
+    ):
+        """The results of the active units (sorted ids) of a layer's region, one per block, in block order (a list;
+        where every unit is cached and fn computes on the host, fn's one array, a block a row).
 
         fn(rows, slots, positions, dst, n) returns the n results of the blocks of `positions` (into `active`; block
         i: those with dst == i), rows[slots] their rows, or a RowSet (slots None) where they lie in several buffers.
@@ -224,7 +225,8 @@ class Engine:
         blocks = self._blocks(active, block)
         if staged is None and not len(plan.miss_units) and not len(plan.overflow_units) and per is None:
             wait()  # every unit cached, all blocks in one call: what compute() below does, without its bookkeeping
-            return list(fn(cache.rows, plan.slots, *blocks.everything(), len(blocks)))
+            out = fn(cache.rows, plan.slots, *blocks.everything(), len(blocks))
+            return out if isinstance(out, np.ndarray) else list(out)  # (host rows: one array, a block a row)
         where, index = self._where(active, plan, staged)
         # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
         reading = (where == 0) & np.isin(active, plan.miss_units)
