@@ -353,7 +353,8 @@ static int threads_for(const Rows *r, int m) {
 /* Rows in a neuron cache are a stride apart: the hardware prefetcher loses the stream at each row, so the
    loops ask for a later row's bytes themselves. */
 static inline void prefetch_span(const uint8_t *p, Py_ssize_t bytes) {
-    for (Py_ssize_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+    const uint8_t *end = p + bytes; /* every line the span touches, the last one too */
+    for (p = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63); p < end; p += 64) __builtin_prefetch(p);
 }
 
 static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path);
@@ -367,6 +368,7 @@ static const uint8_t *row_start_ahead(const Rows *r, Py_ssize_t j, float *scale,
     if (j + a < r->k) {
         if (ahead > 0) prefetch_span(w_row(r, j + a), (Py_ssize_t)r->n * r->bits / 8);
         prefetch_span(s_row(r, j + a), (Py_ssize_t)groups * scale_size);
+        if (!r->sym) prefetch_span(b_row(r, j + a), (Py_ssize_t)groups * scale_size);
     }
     scales_f32(s_row(r, j), r->stype, groups, scale, fast);
     biases_f32(r, b_row(r, j), groups, scale, bias, fast);
@@ -1020,10 +1022,20 @@ static inline float add_outliers(const Rows *r, const uint8_t *w, const float *s
     return acc;
 }
 
-/* x [m, n] -> out [m, k]: each position quantised once, then POS_TILE positions per sweep over the rows */
-static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path) {
+/* outs[i] [m, rs[i]->k] = x [m, n] against the rows of each of nmat matrices of one n, group size and bits (a
+   block's q, k and v): each position quantised once, then POS_TILE positions per sweep over all their rows, in one
+   parallel loop; each row's arithmetic that of a call on its matrix alone */
+static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, float *const *outs, int m, int path) {
+    const Rows *r = rs[0];
     const int groups = r->n / r->gs, quads = path == 4 && r->bits == 4;
     const size_t n = (size_t)r->n;
+    Py_ssize_t first[nmat + 1], work = 0; /* the matrices' first 4-row group (AVX-512) or row in the joint loop */
+    first[0] = 0;
+    for (int i = 0; i < nmat; i++) {
+        first[i + 1] = first[i] + (path == 4 ? (rs[i]->k + 3) / 4 : rs[i]->k);
+        work += rs[i]->k;
+    }
+    const Rows all = {.k = work, .n = r->n}; /* (the threads' share of the work) */
     int8_t *xq = aligned_alloc(32, m * n * (quads ? 2 : 1));
     float *f = malloc(sizeof(float) * m * (n / 32 + groups + n / 8));
     QX *q = malloc(sizeof(QX) * (size_t)m);
@@ -1037,53 +1049,64 @@ static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int pat
         const int p1 = p0 + tile < m ? p0 + tile : m;
 #if HAVE_X86
         if (path == 4) { /* four rows at a time */
-#pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
-            for (Py_ssize_t j0 = 0; j0 < r->k; j0 += 4) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(&all, p1 - p0))
+            for (Py_ssize_t u = 0; u < first[nmat]; u++) {
+                int i = 0;
+                while (u >= first[i + 1]) i++;
+                const Rows *ri = rs[i];
+                const Py_ssize_t j0 = 4 * (u - first[i]);
                 float scale[4][groups], bias[4][groups], res[4];
                 const uint8_t *w[4];
                 const float *sp[4], *bp[4];
-                const int nr = r->k - j0 < 4 ? (int)(r->k - j0) : 4;
+                const int nr = ri->k - j0 < 4 ? (int)(ri->k - j0) : 4;
                 const uint8_t *pf[4];
-                w[0] = row_start_ahead(r, j0, scale[0], bias[0], 1, -ROWS_AHEAD_512);
-                for (int t = 1; t < nr; t++) w[t] = row_start_ahead(r, j0 + t, scale[t], bias[t], 1, -ROWS_AHEAD_512);
+                for (int t = 0; t < nr; t++) w[t] = row_start_ahead(ri, j0 + t, scale[t], bias[t], 1, -ROWS_AHEAD_512);
                 for (int t = 0; t < 4; t++) { /* past the last row: row j0 again, its result unused */
-                    const int u = t < nr ? t : 0;
-                    w[t] = w[u];
-                    sp[t] = scale[u];
-                    bp[t] = bias[u];
-                    pf[t] = j0 + t + ROWS_AHEAD_512 < r->k ? w_row(r, j0 + t + ROWS_AHEAD_512) : w[t];
+                    const int v = t < nr ? t : 0;
+                    w[t] = w[v];
+                    sp[t] = scale[v];
+                    bp[t] = bias[v];
+                    pf[t] = j0 + t + ROWS_AHEAD_512 < ri->k ? w_row(ri, j0 + t + ROWS_AHEAD_512) : w[t];
                 }
                 for (int p = p0; p < p1; p++) {
-                    q8dot4_avx512(w, &q[p], sp, bp, r->n, r->gs, r->bits, pf, res);
+                    q8dot4_avx512(w, &q[p], sp, bp, ri->n, ri->gs, ri->bits, pf, res);
                     for (int t = 0; t < nr; t++)
-                        out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], scale[t], bias[t], &q[p], res[t]);
+                        outs[i][(Py_ssize_t)p * ri->k + j0 + t] = add_outliers(ri, w[t], scale[t], bias[t], &q[p], res[t]);
                 }
             }
             continue;
         }
 #endif
-#pragma omp parallel for schedule(static) num_threads(threads_for(r, p1 - p0))
-        for (Py_ssize_t j = 0; j < r->k; j++) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(&all, p1 - p0))
+        for (Py_ssize_t u = 0; u < first[nmat]; u++) {
+            int i = 0;
+            while (u >= first[i + 1]) i++;
+            const Rows *ri = rs[i];
+            const Py_ssize_t j = u - first[i];
             float scale[groups], bias[groups];
-            const uint8_t *w = row_start(r, j, scale, bias, path > 1);
+            const uint8_t *w = row_start(ri, j, scale, bias, path > 1);
             for (int p = p0; p < p1; p++) {
                 const QX *qp = &q[p];
                 float acc;
 #if HAVE_X86
                 if (path == 3)
-                    acc = q8dot_vnni(w, qp, scale, bias, r->n, r->gs, r->bits);
+                    acc = q8dot_vnni(w, qp, scale, bias, ri->n, ri->gs, ri->bits);
                 else if (path == 2)
-                    acc = q8dot_avx2(w, qp, scale, bias, r->n, r->gs, r->bits);
+                    acc = q8dot_avx2(w, qp, scale, bias, ri->n, ri->gs, ri->bits);
                 else
 #endif
-                    acc = q8dot_scalar(w, qp, scale, bias, r->n, r->gs, r->bits);
-                out[(Py_ssize_t)p * r->k + j] = add_outliers(r, w, scale, bias, qp, acc);
+                    acc = q8dot_scalar(w, qp, scale, bias, ri->n, ri->gs, ri->bits);
+                outs[i][(Py_ssize_t)p * ri->k + j] = add_outliers(ri, w, scale, bias, qp, acc);
             }
         }
     }
     free(q);
     free(f);
     free(xq);
+}
+
+static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path) {
+    row_dot_q8_multi(&r, 1, x, &out, m, path);
 }
 
 /* Rows processed together by row_axpy: each pass over `out` adds AXPY_BLOCK rows, so out is
@@ -1817,10 +1840,19 @@ static void rms_norm(const float *x, const float *w, float eps, int d, float *ou
     for (int i = 0; i < d; i++) out[i] = x[i] * inv * w[i];
 }
 
-/* MLX's RoPE of one head at position pos: pairs (i, i + dims/2), or (2i, 2i + 1) if traditional */
-static void rope(float *v, int dims, const float *inv_freq, float pos, int traditional) {
+/* The angles of RoPE at position pos: cs[i], sn[i] = cos, sin of pos inv_freq[i], i < dims / 2 (every head's) */
+static void rope_angles(int dims, const float *inv_freq, float pos, float *cs, float *sn) {
     for (int i = 0; i < dims / 2; i++) {
-        const float t = pos * inv_freq[i], c = cosf(t), s = sinf(t);
+        const float t = pos * inv_freq[i];
+        cs[i] = cosf(t);
+        sn[i] = sinf(t);
+    }
+}
+
+/* MLX's RoPE of one head by rope_angles: pairs (i, i + dims/2), or (2i, 2i + 1) if traditional */
+static void rope(float *v, int dims, const float *cs, const float *sn, int traditional) {
+    for (int i = 0; i < dims / 2; i++) {
+        const float c = cs[i], s = sn[i];
         const int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + dims / 2;
         const float x1 = v[a], x2 = v[b];
         v[a] = x1 * c - x2 * s;
@@ -1850,7 +1882,8 @@ typedef struct {
 /* scratch: attention_scratch() floats */
 static size_t attention_scratch(const Block *B, int threads) {
     const size_t m = B->m, d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv;
-    return m * (3 * d + 2 * nh * hd + 2 * nkv * hd) + (size_t)threads * B->keys * (B->half ? 1 + 2 * hd : 1);
+    return m * (3 * d + 2 * nh * hd + 2 * nkv * hd) + (size_t)threads * B->keys * (B->half ? 1 + 2 * hd : 1) +
+           (size_t)B->rope_dims;
 }
 
 /* kv head h's n vectors [n, hd] of a segment's keys or values, as float32: in place, or converted into buf */
@@ -1872,30 +1905,35 @@ static void kv_store(const Segment *S, void *c, int h, Py_ssize_t t, int hd, con
 static void attention_impl(const Block *B, float *scratch, int threads) {
     const int d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv, group = B->n_heads / B->n_kv, m = B->m;
     float *hn = scratch, *q = hn + (size_t)m * d, *k = q + (size_t)m * nh * hd, *v = k + (size_t)m * nkv * hd,
-          *att = v + (size_t)m * nkv * hd, *o = att + (size_t)m * nh * hd, *scores = o + (size_t)m * d; /* keys per thread */
+          *att = v + (size_t)m * nkv * hd, *o = att + (size_t)m * nh * hd, *scores = o + (size_t)m * d, /* keys per thread */
+        *cs = scores + (size_t)threads * B->keys * (B->half ? 1 + 2 * hd : 1), *sn = cs + B->rope_dims / 2;
     for (int p = 0; p < m; p++) rms_norm(B->x + (size_t)p * d, B->norm1, B->eps, d, hn + (size_t)p * d);
     /* every matrix's rows read once for all rows, whichever sequence they belong to */
-    row_dot_impl(B->q, hn, q, m);
-    row_dot_impl(B->k, hn, k, m);
-    row_dot_impl(B->v, hn, v, m);
+    const Rows *qkv[3] = {B->q, B->k, B->v};
+    float *qkv_out[3] = {q, k, v};
+    const int path = int8_path(B->q);
+    if (path && int8_path(B->k) == path && int8_path(B->v) == path && B->k->gs == B->q->gs && B->v->gs == B->q->gs &&
+        B->k->bits == B->q->bits && B->v->bits == B->q->bits)
+        row_dot_q8_multi(qkv, 3, hn, qkv_out, m, path); /* hn quantised once, one parallel loop */
+    else
+        for (int i = 0; i < 3; i++) row_dot_impl(qkv[i], hn, qkv_out[i], m);
     for (int p = 0; p < m; p++) {
         const Segment *S = &B->seg[B->seg_of[p]];
         const Py_ssize_t t = S->pos + (p - S->start);
-        const float at = (float)t * B->rope_scale;
+        rope_angles(B->rope_dims, B->inv_freq, (float)t * B->rope_scale, cs, sn);
         for (int h = 0; h < nh; h++) {
             float *qh = q + ((size_t)p * nh + h) * hd;
             if (B->q_norm) rms_norm(qh, B->q_norm, B->qk_eps, hd, qh);
-            rope(qh, B->rope_dims, B->inv_freq, at, B->traditional);
+            rope(qh, B->rope_dims, cs, sn, B->traditional);
         }
         for (int h = 0; h < nkv; h++) {
             float *kh = k + ((size_t)p * nkv + h) * hd;
             if (B->k_norm) rms_norm(kh, B->k_norm, B->qk_eps, hd, kh);
-            rope(kh, B->rope_dims, B->inv_freq, at, B->traditional);
+            rope(kh, B->rope_dims, cs, sn, B->traditional);
             kv_store(S, S->kc, h, t, hd, kh);
             kv_store(S, S->vc, h, t, hd, v + ((size_t)p * nkv + h) * hd);
         }
     }
-    (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int ph = 0; ph < m * nh; ph++) {
         const int p = ph / nh, h = ph % nh;

@@ -206,6 +206,33 @@ def test_attention_block_equals_mlx(float_activations):
         )
 
 
+@pytest.mark.parametrize("avx512", [False, True])
+def test_int8_attention_block_is_mlx_within_its_rounding(avx512):
+    """With int8 activations (the default) q, k and v come from one quantised input in one pass over their rows:
+    each matrix's results land in its own place, k and v of 18 rows (not a multiple of the 4 rows the loops take at
+    once) too, within the activations' rounding of MLX's block on either loop width."""
+    rng = np.random.default_rng(7)
+    d, nh, nkv, hd, cap, pos = 128, 16, 1, 18, 16, 9
+    mats, n1, n2 = _block(rng, d, nh, nkv, hd)
+    handles = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*m, 32, 4), m[0].shape[0]) for m in mats]
+    K = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
+    V = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
+    x = rng.standard_normal(d).astype(np.float32)
+    want_x, _, want_k = _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd)
+    inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    x0, h = x.copy(), np.empty_like(x)
+    cpu_gemv.set_avx512(avx512)
+    try:
+        cpu_gemv._native.attention(
+            x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, hd**-0.5
+        )
+    finally:
+        cpu_gemv.set_avx512(True)
+    change = np.abs(want_x - x0).max()
+    assert np.abs(x - want_x).max() < 0.03 * change
+    assert np.abs(K[:, pos] - want_k).max() < 0.03 * np.abs(want_k).max()
+
+
 @pytest.mark.parametrize("kv", [np.float32, np.float16])
 @pytest.mark.parametrize("int8", [False, True])
 def test_attention_of_several_positions_equals_one_at_a_time(int8, kv):
