@@ -59,6 +59,27 @@ def test_default_model_every_budget():
     assert any(g.kind == "layer" for g in plan.streamed), "25% should stream attention layers"
 
 
+def test_a_layer_held_whole_has_the_unit_steps_bits(monkeypatch):
+    """Resident, a dense layer's decode step skips the unit step (NeuronEngine._decode_whole): its tokens and
+    log-probabilities are the unit step's, bit for bit."""
+    from mlx_flash.engine.neurons import NeuronEngine
+
+    path, taken = default_model_dir(), []
+    whole = NeuronEngine._decode_whole
+
+    def spy(self, *args):
+        y = whole(self, *args)
+        taken.append(y is not None)
+        return y
+
+    monkeypatch.setattr(NeuronEngine, "_decode_whole", spy)
+    fast, _ = decode(path, None, 16, PROMPTS[:1])
+    assert taken and all(taken[-30:])  # every layer of the last steps
+    monkeypatch.setattr(NeuronEngine, "_decode_whole", lambda self, *args: None)
+    slow, _ = decode(path, None, 16, PROMPTS[:1])
+    assert_same(slow, fast, "held whole")
+
+
 @pytest.fixture(scope="module")
 def wide_dense(tmp_path_factory):
     """A LLaMA-7B-shaped layer (4096 wide, 11008 neurons: 43 reduction blocks), two of them, random Q4 weights."""

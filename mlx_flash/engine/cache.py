@@ -234,6 +234,7 @@ class UnitCache:
         self.rows = self.buffer[self.base_offset : self.base_offset + nbytes].reshape(capacity, row_bytes)
         mx.eval(self.rows)
 
+        self._every = None  # every unit's id (plan_whole)
         self.slot_to_unit = np.full(capacity, -1, dtype=np.int32)
         self.unit_to_slot = np.full(n_units, -1, dtype=np.int32)
         self.last_active = np.full(n_units, _NEVER, dtype=np.int64)
@@ -432,6 +433,16 @@ class UnitCache:
         n2s[admitted] = miss_slots
         self.num_used = used + admitted.size
         return self._commit(act, n2s[act], n_hit, admitted, miss_slots, overflow, n_del, moved)
+
+    def plan_whole(self) -> Optional[Plan]:
+        """plan(every unit) where the cache holds every unit, without plan's checks and lookups (each unit's slot is
+        unit_to_slot): None where it does not."""
+        if self.num_used != self.n_units:
+            return None
+        if self._every is None:
+            self._every = np.arange(self.n_units, dtype=np.int64)
+        none = np.zeros(0, np.int32)
+        return self._commit(self._every, self.unit_to_slot, self.n_units, none, none, none, 0, 0)
 
     def _commit(self, act, slots, n_hit, admitted, miss_slots, overflow, n_del, moved) -> Plan:
         """The step's history and stats, and its Plan."""

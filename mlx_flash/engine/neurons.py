@@ -28,7 +28,7 @@ from ..compute.ffn import glu, project
 from ..compute.rows import RowSet, per_partial
 from .cache import UnitCache
 from .read_ahead import ReadAhead
-from .sparsity import pass_units, prompt_units
+from .sparsity import Dense, pass_units, prompt_units
 from .units import REDUCTION_UNITS, Engine
 
 
@@ -195,12 +195,37 @@ class NeuronEngine(Engine):
         return self._decode(layer, rows, xb, bias)
 
     def _decode(self, layer, rows, x, bias):
+        if (
+            isinstance(x, np.ndarray)
+            and len(rows) == 1
+            and isinstance(self.sparsifier, Dense)
+            and self.read_ahead is None
+        ):
+            y = self._decode_whole(layer, x, bias)
+            if y is not None:
+                return y
         cached = self._cached_mask(layer, "neurons")
         active, mask = pass_units([self.sparsifier.select(layer, v, cached) for v in rows])
         self.stats.current.active.append(len(active))
         return self._sum(
             layer, "neurons", active, self._units_fn(x, active, bias, mask), self.backends["neurons"].zeros(x)
         )
+
+    def _decode_whole(self, layer, x, bias) -> Optional[np.ndarray]:
+        """A dense layer's decode step on host rows where its cache holds every unit: the calls `_sum` makes there
+        (every unit in place, its partial sums in block order), without the unit step's bookkeeping. None where the
+        cache does not hold the layer."""
+        cache = self.caches[layer]["neurons"]
+        plan = cache.plan_whole()
+        if plan is None:
+            return None
+        active = self.sparsifier.select(layer, x)
+        s = self.stats.current
+        s.active.append(len(active))
+        s.hits += len(active)
+        blocks = self._blocks(active, REDUCTION_UNITS)
+        parts = self._units_fn(x, active, bias)(cache.rows, plan.slots, *blocks.everything(), len(blocks))
+        return cpu_gemv.sum_rows(parts)
 
     def _sum(self, layer: int, region: str, active: np.ndarray, fn, zero):
         """The sum over the active units (sorted) of fn's terms (units.Engine.step's fn), in one order whatever the
