@@ -1022,13 +1022,53 @@ static inline float add_outliers(const Rows *r, const uint8_t *w, const float *s
     return acc;
 }
 
+/* m positions of x [m, r->n] quantised for r's loops (path: int8_path): q[p] over one allocation, *mem (free it) */
+static QX *quantize_rows(const Rows *r, const float *x, int m, int path, void **mem) {
+    const int groups = r->n / r->gs, quads = path == 4 && r->bits == 4;
+    const size_t n = (size_t)r->n, xq_bytes = (m * n * (quads ? 2 : 1) + 63) / 64 * 64;
+    int8_t *xq = aligned_alloc(64, xq_bytes + sizeof(float) * m * (n / 32 + groups + n / 8) + sizeof(QX) * m);
+    float *f = (float *)(xq + xq_bytes);
+    QX *q = (QX *)(f + m * (n / 32 + groups + n / 8));
+    for (int p = 0; p < m; p++) {
+        q[p] = (QX){.xq = xq + p * n, .dx = f + p * (n / 32), .xs = f + m * (n / 32) + (size_t)p * groups,
+                    .dxv = f + m * (n / 32 + groups) + p * (n / 8), .xq4 = quads ? xq + (m + p) * n : NULL};
+        quantize_x(x + p * n, r->n, r->gs, r->bits, &q[p]);
+        if (quads) quad_x(q[p].xq, r->n, q[p].xq4);
+    }
+    *mem = xq;
+    return q;
+}
+
+#if HAVE_X86
+/* Rows j0 .. j0 + nr - 1 (nr <= 4) of r at positions p0..p1 - 1 into out [m, r->k] (AVX-512 loops, path 4), rows
+   ROWS_AHEAD_512 later asked for meanwhile */
+static void dot4_rows(const Rows *r, Py_ssize_t j0, int nr, const QX *q, int p0, int p1, float *out) {
+    const int groups = r->n / r->gs;
+    float scale[4][groups], bias[4][groups], res[4];
+    const uint8_t *w[4], *pf[4];
+    const float *sp[4], *bp[4];
+    for (int t = 0; t < nr; t++) w[t] = row_start_ahead(r, j0 + t, scale[t], bias[t], 1, -ROWS_AHEAD_512);
+    for (int t = 0; t < 4; t++) { /* past the last row: row j0 again, its result unused */
+        const int v = t < nr ? t : 0;
+        w[t] = w[v];
+        sp[t] = scale[v];
+        bp[t] = bias[v];
+        pf[t] = j0 + t + ROWS_AHEAD_512 < r->k ? w_row(r, j0 + t + ROWS_AHEAD_512) : w[t];
+    }
+    for (int p = p0; p < p1; p++) {
+        q8dot4_avx512(w, &q[p], sp, bp, r->n, r->gs, r->bits, pf, res);
+        for (int t = 0; t < nr; t++)
+            out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], scale[t], bias[t], &q[p], res[t]);
+    }
+}
+#endif
+
 /* outs[i] [m, rs[i]->k] = x [m, n] against the rows of each of nmat matrices of one n, group size and bits (a
    block's q, k and v): each position quantised once, then POS_TILE positions per sweep over all their rows, in one
    parallel loop; each row's arithmetic that of a call on its matrix alone */
 static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, float *const *outs, int m, int path) {
     const Rows *r = rs[0];
-    const int groups = r->n / r->gs, quads = path == 4 && r->bits == 4;
-    const size_t n = (size_t)r->n;
+    const int groups = r->n / r->gs;
     Py_ssize_t first[nmat + 1], work = 0; /* the matrices' first 4-row group (AVX-512) or row in the joint loop */
     first[0] = 0;
     for (int i = 0; i < nmat; i++) {
@@ -1036,15 +1076,8 @@ static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, fl
         work += rs[i]->k;
     }
     const Rows all = {.k = work, .n = r->n}; /* (the threads' share of the work) */
-    int8_t *xq = aligned_alloc(32, m * n * (quads ? 2 : 1));
-    float *f = malloc(sizeof(float) * m * (n / 32 + groups + n / 8));
-    QX *q = malloc(sizeof(QX) * (size_t)m);
-    for (int p = 0; p < m; p++) {
-        q[p] = (QX){.xq = xq + p * n, .dx = f + p * (n / 32), .xs = f + m * (n / 32) + (size_t)p * groups,
-                    .dxv = f + m * (n / 32 + groups) + p * (n / 8), .xq4 = quads ? xq + (m + p) * n : NULL};
-        quantize_x(x + p * n, r->n, r->gs, r->bits, &q[p]);
-        if (quads) quad_x(q[p].xq, r->n, q[p].xq4);
-    }
+    void *mem;
+    const QX *q = quantize_rows(r, x, m, path, &mem);
     for (int p0 = 0, tile = pos_tile(m); p0 < m; p0 += tile) {
         const int p1 = p0 + tile < m ? p0 + tile : m;
 #if HAVE_X86
@@ -1053,26 +1086,8 @@ static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, fl
             for (Py_ssize_t u = 0; u < first[nmat]; u++) {
                 int i = 0;
                 while (u >= first[i + 1]) i++;
-                const Rows *ri = rs[i];
                 const Py_ssize_t j0 = 4 * (u - first[i]);
-                float scale[4][groups], bias[4][groups], res[4];
-                const uint8_t *w[4];
-                const float *sp[4], *bp[4];
-                const int nr = ri->k - j0 < 4 ? (int)(ri->k - j0) : 4;
-                const uint8_t *pf[4];
-                for (int t = 0; t < nr; t++) w[t] = row_start_ahead(ri, j0 + t, scale[t], bias[t], 1, -ROWS_AHEAD_512);
-                for (int t = 0; t < 4; t++) { /* past the last row: row j0 again, its result unused */
-                    const int v = t < nr ? t : 0;
-                    w[t] = w[v];
-                    sp[t] = scale[v];
-                    bp[t] = bias[v];
-                    pf[t] = j0 + t + ROWS_AHEAD_512 < ri->k ? w_row(ri, j0 + t + ROWS_AHEAD_512) : w[t];
-                }
-                for (int p = p0; p < p1; p++) {
-                    q8dot4_avx512(w, &q[p], sp, bp, ri->n, ri->gs, ri->bits, pf, res);
-                    for (int t = 0; t < nr; t++)
-                        outs[i][(Py_ssize_t)p * ri->k + j0 + t] = add_outliers(ri, w[t], scale[t], bias[t], &q[p], res[t]);
-                }
+                dot4_rows(rs[i], j0, rs[i]->k - j0 < 4 ? (int)(rs[i]->k - j0) : 4, q, p0, p1, outs[i]);
             }
             continue;
         }
@@ -1100,9 +1115,7 @@ static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, fl
             }
         }
     }
-    free(q);
-    free(f);
-    free(xq);
+    free(mem);
 }
 
 static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path) {
@@ -1331,6 +1344,52 @@ static void q8_outlier(float *o, const uint8_t *w, float c, const Rows *r, const
     }
 }
 
+/* block_axpy_impl's group of rows from j (those of block blk[j]) over columns [i0, i0 + len) with int8 coefficients
+   (q8: 1 scalar, 2 AVX-512), each position into its output; s, b: len floats of scratch, wb, qa, dot, pf: a
+   thread's (block_axpy_impl's) buffers. Returns the group's end. */
+static Py_ssize_t q8_group(const Rows *r, const float *c, float *out, const int32_t *dst, const int32_t *blk,
+                           const uint8_t *S, const uint8_t *B, float *s, float *b, int m, Py_ssize_t j, int i0, int len,
+                           const uint8_t **wb, int8_t *qa, int32_t *dot, const uint8_t **pf, int q8) {
+    const int32_t g = blk[j];
+    const int scale_size = r->stype == SCALE_F32 ? 4 : 2;
+    const Py_ssize_t table_row = (Py_ssize_t)r->n * scale_size, n = r->n;
+    float *o = out + (dst ? (size_t)dst[j] * m * n : 0);
+    const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8;
+    const float off = -(float)(1 << (r->bits - 1));
+    const uint8_t *Sg = S + g * table_row + (Py_ssize_t)i0 * scale_size;
+    const uint8_t *Bg = B + g * table_row + (Py_ssize_t)i0 * scale_size;
+    Py_ssize_t j1 = j, j2;
+    while (j1 < r->k && blk[j1] == g) j1++;
+    for (j2 = j1; j2 < r->k && blk[j2] == blk[j1] && j2 - j1 < BLOCK_AHEAD; j2++)
+        pf[j2 - j1] = w_row(r, j2) + span; /* the next group's rows */
+    if (q8 == 1) {
+        scales_f32(Sg, r->stype, len, s, 0);
+        biases_f32(r, Bg, len, s, b, 0);
+    }
+    for (int p = 0; p < m; p++) {
+        const float *cp = c + (size_t)p * r->k;
+        float d, *op = o + p * n + i0;
+        int sum;
+        Py_ssize_t outlier;
+        const int nr = q8_coeffs(r, cp, j, j1, span, wb, qa, &d, &sum, &outlier);
+        const float cs = d * (float)sum;
+#if HAVE_X86
+        if (nr && q8 == 2)
+            block_q8_avx512(op, wb, qa, nr, Sg, Bg, r->stype, r->sym, off, d, cs, len, pf, p ? 0 : (int)(j2 - j1));
+#endif
+        if (nr && q8 == 1) block_q8_scalar(op, wb, qa, nr, s, b, d, cs, len, dot);
+        if (outlier < 0) continue;
+#if HAVE_X86
+        if (q8 == 2) {
+            q8_outlier_avx512(op, w_row(r, outlier) + span, cp[outlier], Sg, Bg, r->stype, r->sym, off, len);
+            continue;
+        }
+#endif
+        q8_outlier(op, w_row(r, outlier) + span, cp[outlier], r, Sg, Bg, off, len);
+    }
+    return j1;
+}
+
 /* c [m, k] -> out [m, n]; scratch: (m + 2) * n floats (each thread's sums per position, scales and biases
    over its columns) and m more (the sums of c) per thread */
 static void block_axpy_impl(const Rows *r, const float *c, float *out, const int32_t *blk, const uint8_t *S,
@@ -1362,42 +1421,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                 float *o = out + (dst ? (size_t)dst[j] * m * n : 0);
                 int any = 0;
                 if (q8) { /* the group's rows for each position, with int8 coefficients */
-                    const Py_ssize_t span = (Py_ssize_t)i0 * r->bits / 8;
-                    const float off = -(float)(1 << (r->bits - 1));
-                    const uint8_t *Sg = S + g * table_row + (Py_ssize_t)i0 * scale_size;
-                    const uint8_t *Bg = B + g * table_row + (Py_ssize_t)i0 * scale_size;
-                    Py_ssize_t j1 = j, j2;
-                    while (j1 < r->k && blk[j1] == g) j1++;
-                    for (j2 = j1; j2 < r->k && blk[j2] == blk[j1] && j2 - j1 < BLOCK_AHEAD; j2++)
-                        pf[j2 - j1] = w_row(r, j2) + span; /* the next group's rows */
-                    if (q8 == 1) {
-                        scales_f32(Sg, r->stype, len, s, 0);
-                        biases_f32(r, Bg, len, s, b, 0);
-                    }
-                    for (int p = 0; p < m; p++) {
-                        const float *cp = c + (size_t)p * r->k;
-                        float d, *op = o + p * n + i0;
-                        int sum;
-                        Py_ssize_t outlier;
-                        const int nr = q8_coeffs(r, cp, j, j1, span, wb, qa, &d, &sum, &outlier);
-                        const float cs = d * (float)sum;
-#if HAVE_X86
-                        if (nr && q8 == 2)
-                            block_q8_avx512(op, wb, qa, nr, Sg, Bg, r->stype, r->sym, off, d, cs, len, pf,
-                                            p ? 0 : (int)(j2 - j1));
-#endif
-                        if (nr && q8 == 1) block_q8_scalar(op, wb, qa, nr, s, b, d, cs, len, dot);
-                        if (outlier < 0) continue;
-#if HAVE_X86
-                        if (q8 == 2) {
-                            q8_outlier_avx512(op, w_row(r, outlier) + span, cp[outlier], Sg, Bg, r->stype, r->sym, off,
-                                              len);
-                            continue;
-                        }
-#endif
-                        q8_outlier(op, w_row(r, outlier) + span, cp[outlier], r, Sg, Bg, off, len);
-                    }
-                    j = j1;
+                    j = q8_group(r, c, out, dst, blk, S, B, s, b, m, j, i0, len, wb, qa, dot, pf, q8);
                     continue;
                 }
 #if HAVE_X86
@@ -1651,36 +1675,52 @@ static PyObject *py_row_dot(PyObject *self, PyObject *args) {
 
 /* row_dot_pairs(pair_w, pair_s, pair_b, <row_dot's arguments>): out [m, 2 k], out[p, 2 j] row j's product and
    out[p, 2 j + 1] that of the row pair_* bytes further on in the same buffers, both read in one pass */
-static PyObject *py_row_dot_pairs(PyObject *self, PyObject *args) {
-    (void)self;
-    Rows r;
-    memset(&r, 0, sizeof(r));
+/* row_dot_pairs' arguments (pair_w, pair_s, pair_b, then row_dot's) into B and r (paired) */
+static int parse_pairs(PyObject *args, Buffers *B, Rows *r, int *m) {
+    memset(B, 0, sizeof(*B));
+    memset(r, 0, sizeof(*r));
     const Py_ssize_t n = PyTuple_GET_SIZE(args);
     if (n < 3) {
         PyErr_SetString(PyExc_TypeError, "row_dot_pairs: pair_w, pair_s, pair_b, then row_dot's arguments");
-        return NULL;
+        return -1;
     }
-    r.pair_w = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 0));
-    r.pair_s = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
-    r.pair_b = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2));
-    if (PyErr_Occurred()) return NULL;
+    r->pair_w = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 0));
+    r->pair_s = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
+    r->pair_b = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 2));
+    if (PyErr_Occurred()) return -1;
     if (n > 3 + 18 && PyTuple_GET_ITEM(args, 3 + 18) != Py_None) { /* (row_dot's 17 arguments, symmetric, dst) */
         PyErr_SetString(PyExc_ValueError, "row_dot_pairs: no dst");
+        return -1;
+    }
+    r->paired = 1;
+    PyObject *rest = PyTuple_GetSlice(args, 3, n);
+    if (rest == NULL) return -1;
+    const int failed = parse(rest, B, r, "row_dot_pairs", 0, m);
+    Py_DECREF(rest);
+    return failed;
+}
+
+static PyObject *py_row_dot_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    Buffers B;
+    Rows r;
+    int m;
+    if (parse_pairs(args, &B, &r, &m)) {
+        release(&B);
         return NULL;
     }
-    r.paired = 1;
-    PyObject *rest = PyTuple_GetSlice(args, 3, n);
-    if (rest == NULL) return NULL;
-    PyObject *result = run_product(rest, "row_dot_pairs", 0, row_dot_product, &r);
-    Py_DECREF(rest);
-    return result;
+    Py_BEGIN_ALLOW_THREADS row_dot_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
+    Py_END_ALLOW_THREADS release(&B);
+    Py_RETURN_NONE;
 }
 
 /* h[i] = silu(g[i stride]) u[i stride] for i < n (h may be g); the threads split the elements: the same results at
    any count */
+static inline float silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 static void silu_mul_into(float *h, const float *g, const float *u, int stride, Py_ssize_t n) {
 #pragma omp parallel for schedule(static) if (n >= 4096)
-    for (Py_ssize_t i = 0; i < n; i++) h[i] = g[i * stride] / (1.0f + expf(-g[i * stride])) * u[i * stride];
+    for (Py_ssize_t i = 0; i < n; i++) h[i] = silu_mul1(g[i * stride], u[i * stride]);
 }
 
 /* glu_pairs(gu, h): h[i] = silu(gu[2 i]) * gu[2 i + 1] (float32), silu_mul's arithmetic on row_dot_pairs' output */
@@ -1710,78 +1750,183 @@ static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
     return run_product(args, "row_axpy", 1, row_axpy_product, NULL);
 }
 
-/* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type, symmetric=False) */
-static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt, *dst = NULL;
-    Py_ssize_t w_off, n_blocks;
+/* block_axpy's arguments, parsed and checked (buffers held until release_block) */
+typedef struct {
     Buffers B;
     Rows r;
     Py_buffer blk;
-    int have_blk = 0;
-    memset(&B, 0, sizeof(B));
-    memset(&r, 0, sizeof(r));
-    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni|pOi", &vec, &out, &w, &w_off, &r.w_stride, &slots, &r.k, &r.n, &r.bits,
-                          &blocks, &S, &Bt, &n_blocks, &r.stype, &r.sym, &dst, &B.n_out))
-        return NULL;
-    r.gs = 32;
+    int have_blk, m;
+    const uint8_t *S, *Bt;
+} BlockArgs;
+
+static void release_block(BlockArgs *a) {
+    if (a->have_blk) PyBuffer_Release(&a->blk);
+    release(&a->B);
+}
+
+/* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type, symmetric=False) */
+static int parse_block(PyObject *args, BlockArgs *a) {
+    PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt, *dst = NULL;
+    Py_ssize_t w_off, n_blocks;
+    Buffers *B = &a->B;
+    Rows *r = &a->r;
+    memset(a, 0, sizeof(*a));
+    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni|pOi", &vec, &out, &w, &w_off, &r->w_stride, &slots, &r->k, &r->n,
+                          &r->bits, &blocks, &S, &Bt, &n_blocks, &r->stype, &r->sym, &dst, &B->n_out))
+        return -1;
+    r->gs = 32;
     const char *err = NULL;
-    int m = 1;
-    if (get(&B, 0, vec, 0, "vector") || get(&B, 1, out, 1, "out") || get(&B, 2, w, 0, "weights") ||
-        get(&B, 3, S, 0, "scales") || get(&B, 4, Bt, 0, "biases") || parse_dst(&B, dst, &r, "block_axpy"))
-        goto fail;
-    if ((r.bits != 2 && r.bits != 4 && r.bits != 8) || r.n <= 0 || r.n % 32 || r.k < 0 || r.stype < 0 || r.stype > 2 ||
-        n_blocks <= 0)
+    a->m = 1;
+    if (get(B, 0, vec, 0, "vector") || get(B, 1, out, 1, "out") || get(B, 2, w, 0, "weights") ||
+        get(B, 3, S, 0, "scales") || get(B, 4, Bt, 0, "biases") || parse_dst(B, dst, r, "block_axpy"))
+        return -1;
+    if ((r->bits != 2 && r->bits != 4 && r->bits != 8) || r->n <= 0 || r->n % 32 || r->k < 0 || r->stype < 0 ||
+        r->stype > 2 || n_blocks <= 0)
         err = "block_axpy: bits must be 2, 4 or 8 and n a positive multiple of 32";
-    else if ((m = r.k > 0 ? (int)(B.views[0].len / (r.k * 4)) : 1) < 1 || B.views[0].len != m * r.k * 4 ||
-             B.views[1].len != (Py_ssize_t)m * r.n * 4 * B.n_out)
+    else if ((a->m = r->k > 0 ? (int)(B->views[0].len / (r->k * 4)) : 1) < 1 || B->views[0].len != a->m * r->k * 4 ||
+             B->views[1].len != (Py_ssize_t)a->m * r->n * 4 * B->n_out)
         err = "block_axpy: vector must be float32 [m, k] and out float32 [n_out, m, n]";
-    else if (B.views[3].len < n_blocks * r.n * (r.stype == SCALE_F32 ? 4 : 2) || B.views[4].len != B.views[3].len)
+    else if (B->views[3].len < n_blocks * r->n * (r->stype == SCALE_F32 ? 4 : 2) || B->views[4].len != B->views[3].len)
         err = "block_axpy: scales and biases must be [n_blocks, n] of the scale type";
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
-        goto fail;
+        return -1;
     }
-    if (PyObject_GetBuffer(blocks, &blk, PyBUF_C_CONTIGUOUS) != 0) goto fail;
-    have_blk = 1;
-    if (blk.len != r.k * 4) {
+    if (PyObject_GetBuffer(blocks, &a->blk, PyBUF_C_CONTIGUOUS) != 0) return -1;
+    a->have_blk = 1;
+    if (a->blk.len != r->k * 4) {
         PyErr_SetString(PyExc_ValueError, "block_axpy: blocks must be int32 [k]");
-        goto fail;
+        return -1;
     }
-    const int32_t *bl = (const int32_t *)blk.buf;
+    const int32_t *bl = (const int32_t *)a->blk.buf;
     Py_ssize_t max_row;
-    if (parse_slots(&B, &r, slots, "block_axpy", &max_row)) goto fail;
-    for (Py_ssize_t j = 0; j < r.k; j++)
+    if (parse_slots(B, r, slots, "block_axpy", &max_row)) return -1;
+    for (Py_ssize_t j = 0; j < r->k; j++)
         if (bl[j] < 0 || bl[j] >= n_blocks) {
             PyErr_Format(PyExc_IndexError, "block_axpy: block %d outside [0, %zd)", bl[j], n_blocks);
-            goto fail;
-        } else if (B.dst && j && bl[j] == bl[j - 1] && B.dst[j] != B.dst[j - 1]) {
+            return -1;
+        } else if (B->dst && j && bl[j] == bl[j - 1] && B->dst[j] != B->dst[j - 1]) {
             PyErr_SetString(PyExc_ValueError, "block_axpy: the rows of a block must share their dst");
-            goto fail;
+            return -1;
         }
-    if (w_off < 0 || r.w_stride < 0 || (max_row >= 0 && w_off + max_row * r.w_stride + (Py_ssize_t)r.n * r.bits / 8 > B.views[2].len)) {
+    if (w_off < 0 || r->w_stride < 0 ||
+        (max_row >= 0 && w_off + max_row * r->w_stride + (Py_ssize_t)r->n * r->bits / 8 > B->views[2].len)) {
         PyErr_Format(PyExc_IndexError, "block_axpy: row %zd of the weights is outside their %zd-byte buffer", max_row,
-                     B.views[2].len);
-        goto fail;
+                     B->views[2].len);
+        return -1;
     }
-    r.w = (const uint8_t *)B.views[2].buf + w_off;
-    r.w_off = w_off;
-    float *scratch = PyMem_RawMalloc((size_t)(m + 2) * sizeof(float) * (size_t)r.n);
+    r->w = (const uint8_t *)B->views[2].buf + w_off;
+    r->w_off = w_off;
+    a->S = B->views[3].buf;
+    a->Bt = B->views[4].buf;
+    return 0;
+}
+
+/* block_axpy of parsed arguments (the GIL released) */
+static int run_block(BlockArgs *a) {
+    const Rows *r = &a->r;
+    float *scratch = PyMem_RawMalloc((size_t)(a->m + 2) * sizeof(float) * (size_t)r->n);
     if (scratch == NULL) {
         PyErr_NoMemory();
-        goto fail;
+        return -1;
     }
-    Py_BEGIN_ALLOW_THREADS block_axpy_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, bl,
-                                           (const uint8_t *)B.views[3].buf, (const uint8_t *)B.views[4].buf, scratch, m,
-                                           B.dst, B.n_out);
+    Py_BEGIN_ALLOW_THREADS block_axpy_impl(r, (const float *)a->B.views[0].buf, (float *)a->B.views[1].buf,
+                                           (const int32_t *)a->blk.buf, a->S, a->Bt, scratch, a->m, a->B.dst,
+                                           a->B.n_out);
     Py_END_ALLOW_THREADS PyMem_RawFree(scratch);
-    PyBuffer_Release(&blk);
-    release(&B);
+    return 0;
+}
+
+static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
+    (void)self;
+    BlockArgs a;
+    const int failed = parse_block(args, &a) || run_block(&a);
+    release_block(&a);
+    if (failed) return NULL;
     Py_RETURN_NONE;
-fail:
-    if (have_blk) PyBuffer_Release(&blk);
+}
+
+/* -- a GLU's units in one pass ----------------------------------------------------------------
+   ffn_glu(pairs, block): block_axpy(h, ...) of h = glu_pairs(row_dot_pairs(x, ...)), the arguments of each (block's
+   vector receives h). For one row on the AVX-512 int8 loops with partial sums (dst), each thread takes whole partial
+   sums' units and goes through them a block of rows at a time: gate and up, then h, then down, while the units'
+   bytes are in the cache. A unit's rows lie side by side: read whole and in order (asked for UNITS_AHEAD units
+   ahead), memory streams them about twice as fast as one matrix's part of every unit after another's. Every
+   result is, bit for bit, the three calls': the same loops per row and per column, each partial sum's blocks in
+   order. Elsewhere it makes the three calls. */
+#define UNITS_AHEAD 2
+
+#if HAVE_X86
+static void ffn_glu_fused(const Rows *rp, const float *x, float *gu, BlockArgs *a) {
+    const Rows *rb = &a->r;
+    const Py_ssize_t K = rb->k, n = rb->n;
+    const int32_t *blk = (const int32_t *)a->blk.buf, *dst = a->B.dst;
+    float *h = (float *)a->B.views[0].buf, *out = (float *)a->B.views[1].buf;
+    void *mem;
+    const QX *q = quantize_rows(rp, x, 1, 4, &mem);
+    memset(out, 0, sizeof(float) * (size_t)n * a->B.n_out);
+#pragma omp parallel num_threads(threads_for(rb, 1))
+    {
+        /* this thread's units: whole partial sums, about an equal share */
+        Py_ssize_t lo, hi;
+        thread_share(K, &lo, &hi);
+        while (lo > 0 && lo < K && dst[lo] == dst[lo - 1]) lo++;
+        while (hi > 0 && hi < K && dst[hi] == dst[hi - 1]) hi++;
+        const uint8_t **wb = malloc(sizeof(*wb) * (size_t)(K + 3)), **pf = malloc(sizeof(*pf) * BLOCK_AHEAD);
+        int8_t *qa = malloc((size_t)K + 3);
+        for (Py_ssize_t j = lo; j < hi;) {
+            Py_ssize_t j1 = j;
+            while (j1 < K && blk[j1] == blk[j]) j1++;
+            for (Py_ssize_t u = j; u < j1; u += 2) { /* gate and up: rows 2u .. 2u + 3 */
+                for (Py_ssize_t v = u + UNITS_AHEAD; v < u + UNITS_AHEAD + 2 && v < hi; v++)
+                    prefetch_span(w_row(rp, 2 * v), rp->w_stride);
+                dot4_rows(rp, 2 * u, 2 * (j1 - u) < 4 ? (int)(2 * (j1 - u)) : 4, q, 0, 1, gu);
+            }
+            for (Py_ssize_t u = j; u < j1; u++) h[u] = silu_mul1(gu[2 * u], gu[2 * u + 1]);
+            j = q8_group(rb, h, out, dst, blk, a->S, a->Bt, NULL, NULL, 1, j, 0, (int)n, wb, qa, NULL, pf, 2);
+        }
+        free(wb);
+        free(pf);
+        free(qa);
+    }
+    free(mem);
+}
+#endif
+
+static PyObject *py_ffn_glu(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *pairs, *block;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &pairs, &PyTuple_Type, &block)) return NULL;
+    Buffers B;
+    Rows rp;
+    BlockArgs a;
+    memset(&a, 0, sizeof(a));
+    int m, failed = parse_pairs(pairs, &B, &rp, &m) || parse_block(block, &a);
+    const Rows *rb = &a.r;
+    if (!failed && (rb->k * 2 != rp.k || a.m != m || a.B.views[0].readonly)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "ffn_glu: the down rows must be the pairs' units, at as many positions, into a writable vector");
+        failed = 1;
+    }
+    const float *x = failed ? NULL : B.views[0].buf;
+    float *gu = failed ? NULL : B.views[1].buf, *h = failed ? NULL : a.B.views[0].buf;
+    const int same_slots = !failed && (rp.slots == NULL) == (rb->slots == NULL) && rp.ptrs == NULL && rb->ptrs == NULL &&
+                           (rp.slots == NULL || !memcmp(rp.slots, rb->slots, sizeof(int32_t) * (size_t)rb->k));
+#if HAVE_X86
+    if (!failed && m == 1 && rb->k > 0 && a.B.dst && same_slots && int8_path(&rp) == 4 && q8_block_path(rb) == 2) {
+        Py_BEGIN_ALLOW_THREADS ffn_glu_fused(&rp, x, gu, &a);
+        Py_END_ALLOW_THREADS
+    } else
+#endif
+        if (!failed) {
+        Py_BEGIN_ALLOW_THREADS row_dot_impl(&rp, x, gu, m);
+        silu_mul_into(h, gu, gu + 1, 2, (Py_ssize_t)m * rb->k);
+        Py_END_ALLOW_THREADS failed = run_block(&a);
+    }
     release(&B);
-    return NULL;
+    release_block(&a);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* -- one attention block of a decode step, natively ---------------------------------------
@@ -2295,6 +2440,9 @@ static PyMethodDef methods[] = {
      "rope_scale, scale): attention() of several sequences in one pass, segments [(keys, values, pos, cap, m), ...] "
      "in x's row order"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(g, u): g = silu(g) * u in place (float32)"},
+    {"ffn_glu", py_ffn_glu, METH_VARARGS,
+     "ffn_glu(pairs, block): block_axpy(*block) of h = glu_pairs(row_dot_pairs(*pairs)) (block's vector gets h), a "
+     "row's units in one pass where the loops allow it"},
     {"row_dot_pairs", py_row_dot_pairs, METH_VARARGS,
      "row_dot_pairs(pair_w, pair_s, pair_b, *row_dot_args): two rows a unit (pair_* bytes apart) in one pass"},
     {"glu_pairs", py_glu_pairs, METH_VARARGS, "glu_pairs(gu, h): h = silu(gu[0::2]) * gu[1::2] (float32)"},

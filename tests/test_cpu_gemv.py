@@ -365,3 +365,55 @@ def test_avx512_switch(loops):
     code = "from mlx_flash.compute import cpu_gemv; print(cpu_gemv.info()['avx512'])"
     env = {**os.environ, "MLX_FLASH_AVX512": "0"}
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "0"
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("m", [1, 3])
+def test_ffn_glu_is_its_three_products(loops, symmetric, m):
+    """ffn_glu (a row's units in one pass: gate and up, the GLU, then down, a block of rows at a time) gives, bit for
+    bit, row_dot_pairs -> glu_pairs -> block_axpy: units by slots in any order, blocks cut short, several partial
+    sums, an outlier in x and one in h; the AVX-512 loops and the others alike, one position or several."""
+    rng = np.random.default_rng(300 + m + 2 * symmetric)
+    units, n, n_down = 400, 256, 512  # (two threads' worth of down rows)
+    gate, up = unit_rows(rng, units, n, 4, 32)
+    down = np.array(quantized(rng, units, n_down, 4, 32, mx.float16)[0]).view(np.uint8)
+    buf = np.ascontiguousarray(np.concatenate([np.asarray(gate.w), down], 1))  # each unit: gate, up, then down
+    gate, up = (
+        cpu_gemv.QuantRows(buf, q.w_off, buf.shape[1], buf, q.s_off, buf.shape[1], buf, q.b_off, buf.shape[1], n, 4, 32,
+                           mx.float16, symmetric)
+        for q in (gate, up)
+    )  # fmt: skip
+    ids = np.sort(rng.choice(units, 340, replace=False)).astype(np.int32)  # the active units
+    slots = rng.permutation(units)[: len(ids)].astype(np.int32)
+    blocks = ids // 32
+    S = mx.array(rng.uniform(0.005, 0.02, (13, n_down)).astype(np.float32)).astype(mx.float16)
+    B = None if symmetric else mx.array(rng.uniform(-0.1, 0.1, (13, n_down)).astype(np.float32)).astype(mx.float16)
+    dst = (ids // 64).astype(np.int32)
+    x = rng.standard_normal((m, n)).astype(np.float32)
+    x[0, 7] = 40.0  # kept in float
+    args = (buf, buf.shape[1] - down.shape[1], buf.shape[1], slots, blocks, S, B, n_down, 4)
+
+    def three():
+        h = cpu_gemv.glu_pairs(cpu_gemv.row_dot_pairs(x, gate, up, slots))
+        return cpu_gemv.block_axpy(h, *args, dst, 7)
+
+    was = cpu_gemv.int8_activations()
+    try:
+        for int8, avx512 in ((True, True), (True, False), (False, True)):
+            cpu_gemv.set_int8_activations(int8)
+            cpu_gemv.set_avx512(avx512)
+            want = three()
+            assert np.abs(want).max() > 0
+            assert_same(cpu_gemv.ffn_glu(x, gate, up, slots, args, dst, 7), want, f"int8={int8} avx512={avx512}")
+    finally:
+        cpu_gemv.set_avx512(True)
+        cpu_gemv.set_int8_activations(was)
+    pairs, gu = cpu_gemv._pairs_args(x, gate, up, slots, None)
+    h = np.empty(gu.shape[:-1], np.float32)
+    for c, what in ((h[..., :-1], "pairs' units"), (h[:, None].repeat(2, 1).reshape(2 * m, -1), "positions")):
+        block, _ = cpu_gemv._block_args(c, *args[:3], slots[: c.shape[-1]], blocks[: c.shape[-1]], *args[5:], None, 1)
+        with pytest.raises(ValueError, match=what):
+            cpu_gemv._native.ffn_glu(pairs, block)
+    h.setflags(write=False)
+    with pytest.raises(ValueError, match="writable"):
+        cpu_gemv._native.ffn_glu(pairs, cpu_gemv._block_args(h, *args, None, 1)[0])

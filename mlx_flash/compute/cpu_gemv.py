@@ -216,6 +216,13 @@ def row_dot_pairs(x: np.ndarray, a: QuantRows, b: QuantRows, slots=None, k: Opti
     """float32 [..., k, 2]: `row_dot` of a and of b in one pass, where b is another matrix of the same rows (the same
     buffers and strides at other offsets, as a GLU's gate and up in a unit): each row's two are read side by side,
     and each result is, bit for bit, its own row_dot's."""
+    args, out = _pairs_args(x, a, b, slots, k)
+    _native.row_dot_pairs(*args)
+    return out
+
+
+def _pairs_args(x, a: QuantRows, b: QuantRows, slots, k) -> tuple:
+    """(the native row_dot_pairs' arguments, their output)."""
     if any(getattr(a, f) is not getattr(b, f) for f in ("w", "s", "b")) or (
         (a.w_stride, a.s_stride, a.b_stride, a.n, a.bits, a.group_size, a.scale_dtype, a.symmetric)
         != (b.w_stride, b.s_stride, b.b_stride, b.n, b.bits, b.group_size, b.scale_dtype, b.symmetric)
@@ -225,7 +232,17 @@ def row_dot_pairs(x: np.ndarray, a: QuantRows, b: QuantRows, slots=None, k: Opti
     k = len(slots) if slots is not None else k
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((*x.shape[:-1], k, 2), dtype=np.float32)
-    _native.row_dot_pairs(b.w_off - a.w_off, b.s_off - a.s_off, b.b_off - a.b_off, x, out, *a._args(slots, k))
+    return (b.w_off - a.w_off, b.s_off - a.s_off, b.b_off - a.b_off, x, out, *a._args(slots, k)), out
+
+
+def ffn_glu(x: np.ndarray, gate: QuantRows, up: QuantRows, slots, down: tuple, dst=None, n_out: int = 1) -> np.ndarray:
+    """block_axpy(glu_pairs(row_dot_pairs(x, gate, up, slots)), *down, dst, n_out), down = block_axpy's arguments
+    after c (their slots those of gate and up), bit for bit: a row's units in one pass, each unit's rows read whole
+    and in order, where the loops allow it (kernels/cpu_gemv.c, ffn_glu)."""
+    pairs, gu = _pairs_args(x, gate, up, slots, None)
+    h = np.empty(gu.shape[:-1], dtype=np.float32)
+    block, out = _block_args(h, *down, dst, n_out)
+    _native.ffn_glu(pairs, block)
     return out
 
 
@@ -372,31 +389,21 @@ def block_axpy(
     """float32 [..., n]: out[...] = sum_j c[..., j] W_j, W_j = scales[blocks[j]] * q_j + biases[blocks[j]], q_j the
     codes of row slots[j] (at codes[w_off + slots[j] * w_stride], packed like MLX's; or Addresses) and scales/biases
     [n_blocks, n] (biases None: symmetric); c [k] or [m, k]. dst, n_out: as `row_axpy` (a block's rows share theirs)."""
+    args, out = _block_args(c, codes, w_off, w_stride, slots, blocks, scales, biases, n, bits, dst, n_out)
+    _native.block_axpy(*args)
+    return out
+
+
+def _block_args(c, codes, w_off, w_stride, slots, blocks, scales, biases, n, bits, dst, n_out) -> tuple:
+    """(the native block_axpy's arguments, their output)."""
     symmetric = biases is None
     biases = scales if symmetric else biases
     c = np.ascontiguousarray(c, dtype=np.float32)
     blocks = np.ascontiguousarray(blocks, dtype=np.int32).reshape(-1)
     extra, shape = _dst(dst, n_out, (*c.shape[:-1], n))
     out = np.empty(shape, dtype=np.float32)
-    _native.block_axpy(
-        c,
-        out,
-        codes,
-        w_off,
-        w_stride,
-        _slots(slots),
-        c.shape[-1],
-        n,
-        bits,
-        blocks,
-        scales,
-        biases,
-        scales.shape[0],
-        SCALE_TYPES[scales.dtype],
-        symmetric,
-        *extra,
-    )
-    return out
+    args = (c, out, codes, w_off, w_stride, _slots(slots), c.shape[-1], n, bits, blocks, scales, biases)
+    return (*args, scales.shape[0], SCALE_TYPES[scales.dtype], symmetric, *extra), out
 
 
 def block_applies(c: mx.array, n: int, bits: int, scales: mx.array) -> bool:
