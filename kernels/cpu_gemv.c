@@ -1851,7 +1851,7 @@ static PyObject *py_block_axpy(PyObject *self, PyObject *args) {
    vector receives h). For one row on the AVX-512 int8 loops with partial sums (dst), each thread takes whole partial
    sums' units and goes through them a block of rows at a time: gate and up, then h, then down, while the units'
    bytes are in the cache. A unit's rows lie side by side: read whole and in order (asked for UNITS_AHEAD units
-   ahead), memory streams them about twice as fast as one matrix's part of every unit after another's. Every
+   ahead), memory streams them much faster than one matrix's part of every unit, then another's. Every
    result is, bit for bit, the three calls': the same loops per row and per column, each partial sum's blocks in
    order. Elsewhere it makes the three calls. */
 #define UNITS_AHEAD 2

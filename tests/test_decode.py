@@ -177,20 +177,27 @@ def _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd, base=10000.0):
     return np.array(xo), np.array(mx.fast.rms_norm(xo, mx.array(n2), 1e-5)), np.array(k).reshape(nkv, hd)
 
 
-def test_attention_block_equals_mlx(float_activations):
-    rng = np.random.default_rng(5)
-    d, nh, nkv, hd, cap, pos = 128, 4, 2, 32, 16, 9
+def _attention_case(seed, nh, nkv, hd, d=128, cap=16, pos=9):
+    """A random block's handles, cache and input, their native attention's arguments after x and h, and the block in
+    MLX ops (x, h, k)."""
+    rng = np.random.default_rng(seed)
     mats, n1, n2 = _block(rng, d, nh, nkv, hd)
     handles = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*m, 32, 4), m[0].shape[0]) for m in mats]
     K = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
     V = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
     x = rng.standard_normal(d).astype(np.float32)
-    want_x, want_h, want_k = _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd)
+    want = _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd)
     inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    args = (n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, hd**-0.5)
+    return x, args, want
+
+
+def test_attention_block_equals_mlx(float_activations):
+    x, args, (want_x, want_h, want_k) = _attention_case(5, 4, 2, 32)
     h = np.empty_like(x)
-    cpu_gemv._native.attention(
-        x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, hd**-0.5
-    )
+    cpu_gemv._native.attention(x, h, *args)
+    n1, n2, eps, *handles = args[:7]
+    K, V, pos, cap, nh, nkv, hd, inv_freq = args[7:15]
     assert np.allclose(x, want_x, rtol=1e-4, atol=1e-4)
     assert np.allclose(h, want_h, rtol=1e-4, atol=1e-4)
     assert np.allclose(K[:, pos], want_k, rtol=1e-4, atol=1e-4)
@@ -211,25 +218,15 @@ def test_int8_attention_block_is_mlx_within_its_rounding(avx512):
     """With int8 activations (the default) q, k and v come from one quantised input in one pass over their rows:
     each matrix's results land in its own place, k and v of 18 rows (not a multiple of the 4 rows the loops take at
     once) too, within the activations' rounding of MLX's block on either loop width."""
-    rng = np.random.default_rng(7)
-    d, nh, nkv, hd, cap, pos = 128, 16, 1, 18, 16, 9
-    mats, n1, n2 = _block(rng, d, nh, nkv, hd)
-    handles = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*m, 32, 4), m[0].shape[0]) for m in mats]
-    K = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
-    V = rng.standard_normal((nkv, cap, hd)).astype(np.float32)
-    x = rng.standard_normal(d).astype(np.float32)
-    want_x, _, want_k = _mlx_block(x, mats, n1, n2, K, V, pos, nh, nkv, hd)
-    inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    x, args, (want_x, _, want_k) = _attention_case(7, 16, 1, 18)
     x0, h = x.copy(), np.empty_like(x)
     cpu_gemv.set_avx512(avx512)
     try:
-        cpu_gemv._native.attention(
-            x, h, n1, n2, 1e-5, *handles, K, V, pos, cap, nh, nkv, hd, inv_freq, False, 1.0, hd**-0.5
-        )
+        cpu_gemv._native.attention(x, h, *args)
     finally:
         cpu_gemv.set_avx512(True)
-    change = np.abs(want_x - x0).max()
-    assert np.abs(x - want_x).max() < 0.03 * change
+    K, pos = args[7], args[9]
+    assert np.abs(x - want_x).max() < 0.03 * np.abs(want_x - x0).max()
     assert np.abs(K[:, pos] - want_k).max() < 0.03 * np.abs(want_k).max()
 
 
