@@ -267,6 +267,9 @@ class HostDecoder:
     def embed(self, tokens) -> np.ndarray:
         """The float32 host rows [m, d] of `tokens`."""
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if vocab and ids.size and not 0 <= ids.min() <= ids.max() < vocab:  # (the lookup would read past the table)
+            raise ValueError(f"token ids must lie in [0, {vocab}): got {ids.min()}..{ids.max()}")
         return np.array(self.model.model.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
 
     def run_layers(self, x: np.ndarray, cache, prompt: bool = False) -> np.ndarray:
