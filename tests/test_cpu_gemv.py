@@ -372,7 +372,7 @@ def test_avx512_switch(loops):
 def test_ffn_glu_is_its_three_products(loops, symmetric, m):
     """ffn_glu (a row's units in one pass: gate and up, the GLU, then down, a block of rows at a time) gives, bit for
     bit, row_dot_pairs -> glu_pairs -> block_axpy: units by slots in any order, blocks cut short, several partial
-    sums, an outlier in x and one in h; the AVX-512 loops and the others alike, one position or several."""
+    sums, an outlier in x; the AVX-512 loops and the others alike, one position or several."""
     rng = np.random.default_rng(300 + m + 2 * symmetric)
     units, n, n_down = 400, 256, 512  # (two threads' worth of down rows)
     gate, up = unit_rows(rng, units, n, 4, 32)
