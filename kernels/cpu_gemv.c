@@ -1673,8 +1673,6 @@ static PyObject *py_row_dot(PyObject *self, PyObject *args) {
     return run_product(args, "row_dot", 0, row_dot_product, NULL);
 }
 
-/* row_dot_pairs(pair_w, pair_s, pair_b, <row_dot's arguments>): out [m, 2 k], out[p, 2 j] row j's product and
-   out[p, 2 j + 1] that of the row pair_* bytes further on in the same buffers, both read in one pass */
 /* row_dot_pairs' arguments (pair_w, pair_s, pair_b, then row_dot's) into B and r (paired) */
 static int parse_pairs(PyObject *args, Buffers *B, Rows *r, int *m) {
     memset(B, 0, sizeof(*B));
@@ -1700,6 +1698,8 @@ static int parse_pairs(PyObject *args, Buffers *B, Rows *r, int *m) {
     return failed;
 }
 
+/* row_dot_pairs(pair_w, pair_s, pair_b, <row_dot's arguments>): out [m, 2 k], out[p, 2 j] row j's product and
+   out[p, 2 j + 1] that of the row pair_* bytes further on in the same buffers, both read in one pass */
 static PyObject *py_row_dot_pairs(PyObject *self, PyObject *args) {
     (void)self;
     Buffers B;
@@ -1908,20 +1908,22 @@ static PyObject *py_ffn_glu(PyObject *self, PyObject *args) {
                         "ffn_glu: the down rows must be the pairs' units, at as many positions, into a writable vector");
         failed = 1;
     }
-    const float *x = failed ? NULL : B.views[0].buf;
-    float *gu = failed ? NULL : B.views[1].buf, *h = failed ? NULL : a.B.views[0].buf;
-    const int same_slots = !failed && (rp.slots == NULL) == (rb->slots == NULL) && rp.ptrs == NULL && rb->ptrs == NULL &&
-                           (rp.slots == NULL || !memcmp(rp.slots, rb->slots, sizeof(int32_t) * (size_t)rb->k));
+    if (!failed) {
+        const float *x = B.views[0].buf;
+        float *gu = B.views[1].buf, *h = a.B.views[0].buf;
+        const int same_slots = (rp.slots == NULL) == (rb->slots == NULL) && rp.ptrs == NULL && rb->ptrs == NULL &&
+                               (rp.slots == NULL || !memcmp(rp.slots, rb->slots, sizeof(int32_t) * (size_t)rb->k));
 #if HAVE_X86
-    if (!failed && m == 1 && rb->k > 0 && a.B.dst && same_slots && int8_path(&rp) == 4 && q8_block_path(rb) == 2) {
-        Py_BEGIN_ALLOW_THREADS ffn_glu_fused(&rp, x, gu, &a);
-        Py_END_ALLOW_THREADS
-    } else
+        if (m == 1 && rb->k > 0 && a.B.dst && same_slots && int8_path(&rp) == 4 && q8_block_path(rb) == 2) {
+            Py_BEGIN_ALLOW_THREADS ffn_glu_fused(&rp, x, gu, &a);
+            Py_END_ALLOW_THREADS
+        } else
 #endif
-        if (!failed) {
-        Py_BEGIN_ALLOW_THREADS row_dot_impl(&rp, x, gu, m);
-        silu_mul_into(h, gu, gu + 1, 2, (Py_ssize_t)m * rb->k);
-        Py_END_ALLOW_THREADS failed = run_block(&a);
+        { /* the three calls */
+            Py_BEGIN_ALLOW_THREADS row_dot_impl(&rp, x, gu, m);
+            silu_mul_into(h, gu, gu + 1, 2, (Py_ssize_t)m * rb->k);
+            Py_END_ALLOW_THREADS failed = run_block(&a);
+        }
     }
     release(&B);
     release_block(&a);
