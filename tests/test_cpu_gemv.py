@@ -367,13 +367,9 @@ def test_avx512_switch(loops):
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "0"
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize("m", [1, 3])
-def test_ffn_glu_is_its_three_products(loops, symmetric, m):
-    """ffn_glu (a row's units in one pass: gate and up, the GLU, then down, a block of rows at a time) gives, bit for
-    bit, row_dot_pairs -> glu_pairs -> block_axpy: units by slots in any order, blocks cut short, several partial
-    sums, an outlier in x; the AVX-512 loops and the others alike, one position or several."""
-    rng = np.random.default_rng(300 + m + 2 * symmetric)
+def _glu_case(rng, m: int, symmetric: bool):
+    """(x [m, n], gate, up, slots, down's block_axpy arguments, dst) of 340 of 400 units, each unit's gate, up and
+    down rows side by side in one buffer, in permuted slots; 7 partial sums, an outlier in x."""
     units, n, n_down = 400, 256, 512  # (two threads' worth of down rows)
     gate, up = unit_rows(rng, units, n, 4, 32)
     down = np.array(quantized(rng, units, n_down, 4, 32, mx.float16)[0]).view(np.uint8)
@@ -385,13 +381,22 @@ def test_ffn_glu_is_its_three_products(loops, symmetric, m):
     )  # fmt: skip
     ids = np.sort(rng.choice(units, 340, replace=False)).astype(np.int32)  # the active units
     slots = rng.permutation(units)[: len(ids)].astype(np.int32)
-    blocks = ids // 32
     S = mx.array(rng.uniform(0.005, 0.02, (13, n_down)).astype(np.float32)).astype(mx.float16)
     B = None if symmetric else mx.array(rng.uniform(-0.1, 0.1, (13, n_down)).astype(np.float32)).astype(mx.float16)
-    dst = (ids // 64).astype(np.int32)
     x = rng.standard_normal((m, n)).astype(np.float32)
     x[0, 7] = 40.0  # kept in float
-    args = (buf, buf.shape[1] - down.shape[1], buf.shape[1], slots, blocks, S, B, n_down, 4)
+    args = (buf, buf.shape[1] - down.shape[1], buf.shape[1], slots, ids // 32, S, B, n_down, 4)
+    return x, gate, up, slots, args, (ids // 64).astype(np.int32)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("m", [1, 3])
+def test_ffn_glu_is_its_three_products(loops, symmetric, m):
+    """ffn_glu (a row's units in one pass: gate and up, the GLU, then down, a block of rows at a time) gives, bit for
+    bit, row_dot_pairs -> glu_pairs -> block_axpy: units by slots in any order, blocks cut short, several partial
+    sums, an outlier in x; the AVX-512 loops and the others alike, one position or several."""
+    x, gate, up, slots, args, dst = _glu_case(np.random.default_rng(300 + m + 2 * symmetric), m, symmetric)
+    blocks = args[4]
 
     def three():
         h = cpu_gemv.glu_pairs(cpu_gemv.row_dot_pairs(x, gate, up, slots))
@@ -417,3 +422,20 @@ def test_ffn_glu_is_its_three_products(loops, symmetric, m):
     h.setflags(write=False)
     with pytest.raises(ValueError, match="writable"):
         cpu_gemv._native.ffn_glu(pairs, cpu_gemv._block_args(h, *args, None, 1)[0])
+
+
+def test_a_bound_ffn_glu_reads_its_slots_as_they_are():
+    """FfnGlu (ffn_glu bound to its rows, for a layer held whole) gives ffn_glu's bits for any x, and after the
+    units move to other slots in place (a cache refilled in another order) it reads them where they now are."""
+    rng = np.random.default_rng(310)
+    x, gate, up, slots, args, dst = _glu_case(rng, 1, False)
+    bound = cpu_gemv.FfnGlu(gate, up, slots, args, dst, 7)
+    want = cpu_gemv.ffn_glu(x, gate, up, slots, args, dst, 7)
+    assert_same(bound(x), want, "bound")
+    assert_same(bound(x[0]), want[:, 0], "one row")
+    buf, perm = args[0], rng.permutation(len(args[0]))
+    buf[perm] = buf.copy()  # row r to row perm[r]
+    slots[:] = perm[slots]
+    assert_same(bound(x), want, "moved")
+    x2 = rng.standard_normal((2, x.shape[1])).astype(np.float32)
+    assert_same(bound(x2), cpu_gemv.ffn_glu(x2, gate, up, slots, args, dst, 7), "two positions")

@@ -146,18 +146,21 @@ class CpuBackend(OpsBackend):
         return buf, codes.offset, buf.shape[1], at, blocks, scales, biases, codes.shape[0] * 32 // bits, bits
 
     def units(self, x, rows, slots, units, resident, mask=None, dst=None, n_out: int = 1):
+        if isinstance(x, np.ndarray) and mask is None and self._fused():
+            return self.bind_units(rows, slots, units, resident, dst, n_out)(x)
+        return super().units(x, rows, slots, units, resident, mask, dst, n_out)
+
+    def _fused(self) -> bool:
+        """Whether host rows' units are one cpu_gemv.ffn_glu call: a SiLU GLU whose down codes have resident
+        scales."""
         q = self.quant.get("down")
-        if not (
-            isinstance(x, np.ndarray)
-            and mask is None
-            and self.ffn["kind"] == "glu"
-            and self.ffn["activation"] == "silu"
-            and q is not None
-            and q.get("resident_scales")
-        ):
-            return super().units(x, rows, slots, units, resident, mask, dst, n_out)
-        # gate, up, the GLU and down in one call: a row's units read once, whole (cpu_gemv.ffn_glu)
+        return self.ffn["kind"] == "glu" and self.ffn["activation"] == "silu" and bool(q and q.get("resident_scales"))
+
+    def bind_units(self, rows, slots, units, resident, dst=None, n_out: int = 1):
+        if not self._fused():
+            return super().bind_units(rows, slots, units, resident, dst, n_out)
+        # gate, up, the GLU and down in one call: a row's units read once, whole
         buf, at = _native(rows, slots)
         gate, up = (_quant_rows(buf, self.matrix(name)) for name in ("gate", "up"))
         down = self._block_args(rows, slots, "down", units, resident["down.scales"], resident.get("down.biases"))
-        return cpu_gemv.ffn_glu(x, gate, up, at, down, dst, n_out)
+        return cpu_gemv.FfnGlu(gate, up, at, down, dst, n_out)

@@ -239,11 +239,27 @@ def ffn_glu(x: np.ndarray, gate: QuantRows, up: QuantRows, slots, down: tuple, d
     """block_axpy(glu_pairs(row_dot_pairs(x, gate, up, slots)), *down, dst, n_out), down = block_axpy's arguments
     after c (their slots those of gate and up), bit for bit: a row's units in one pass, each unit's rows read whole
     and in order, where the loops allow it (kernels/cpu_gemv.c, ffn_glu)."""
-    pairs, gu = _pairs_args(x, gate, up, slots, None)
-    h = np.empty(gu.shape[:-1], dtype=np.float32)
-    block, out = _block_args(h, *down, dst, n_out)
-    _native.ffn_glu(pairs, block)
-    return out
+    return FfnGlu(gate, up, slots, down, dst, n_out)(x)
+
+
+class FfnGlu:
+    """`ffn_glu` with everything but x bound: its arguments checked and laid out once, for a layer that calls it
+    with the same rows every step. The slots array is read at each call, as it is then."""
+
+    def __init__(self, gate: QuantRows, up: QuantRows, slots, down: tuple, dst=None, n_out: int = 1):
+        pairs, gu = _pairs_args(np.zeros(gate.n, np.float32), gate, up, slots, None)
+        self._offsets, self._rows, self.k = pairs[:3], pairs[5:], gu.shape[0]  # (x and gu between)
+        block, out = _block_args(np.zeros(self.k, np.float32), *down, dst, n_out)
+        self._down, self._shape = block[2:], out.shape  # (h and out before)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        lead = x.shape[:-1]
+        gu = np.empty((*lead, self.k, 2), dtype=np.float32)
+        h = np.empty((*lead, self.k), dtype=np.float32)
+        out = np.empty((*self._shape[:-1], *lead, self._shape[-1]), dtype=np.float32)
+        _native.ffn_glu((*self._offsets, x, gu, *self._rows), (h, out, *self._down))
+        return out
 
 
 def glu_pairs(gu: np.ndarray) -> np.ndarray:

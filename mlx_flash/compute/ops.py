@@ -130,6 +130,11 @@ class OpsBackend:
             h = h + self.take(resident["fc1"], units, h)
         return self.out(self._masked(self.activation(h), mask), rows, slots, units, "fc2", resident, dst, n_out)
 
+    def bind_units(self, rows, slots, units, resident: Dict[str, mx.array], dst=None, n_out: int = 1):
+        """x -> units(x, rows, slots, units, resident, None, dst, n_out), for a caller that computes the same units
+        of the same rows each step (the slots array read at each call, as it is then)."""
+        return lambda x: self.units(x, rows, slots, units, resident, None, dst, n_out)
+
     def gate_up(self, x, rows, slots):
         """A GLU's hidden units of x over rows[slots]: activation(x . gate) * (x . up)."""
         return self.glu(self.row_dot(x, rows, slots, "gate"), self.row_dot(x, rows, slots, "up"))

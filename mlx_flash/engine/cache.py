@@ -235,6 +235,7 @@ class UnitCache:
         mx.eval(self.rows)
 
         self._every = None  # every unit's id (plan_whole)
+        self.whole_call = None  # what a caller bound to the rows of plan_whole's units (NeuronEngine._decode_whole)
         self.slot_to_unit = np.full(capacity, -1, dtype=np.int32)
         self.unit_to_slot = np.full(n_units, -1, dtype=np.int32)
         self.last_active = np.full(n_units, _NEVER, dtype=np.int64)

@@ -223,9 +223,13 @@ class NeuronEngine(Engine):
         s = self.stats.current
         s.active.append(len(active))
         s.hits += len(active)
-        blocks = self._blocks(active, REDUCTION_UNITS)
-        parts = self._units_fn(x, active, bias)(cache.rows, plan.slots, *blocks.everything(), len(blocks))
-        return cpu_gemv.sum_rows(parts)
+        bound = cache.whole_call  # (bound to the cache's rows: freed with them)
+        if bound is None or bound[0] is not active or bound[1] is not bias:
+            blocks = self._blocks(active, REDUCTION_UNITS)
+            pos, dst = blocks.everything()
+            call = self.backends["neurons"].bind_units(cache.rows, plan.slots, active[pos], bias, dst, len(blocks))
+            cache.whole_call = bound = (active, bias, call)
+        return cpu_gemv.sum_rows(bound[2](x))
 
     def _sum(self, layer: int, region: str, active: np.ndarray, fn, zero):
         """The sum over the active units (sorted) of fn's terms (units.Engine.step's fn), in one order whatever the
