@@ -592,6 +592,9 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
 AVX2 __attribute__((noinline)) static float q8_finish(__m256 acc, const float *bias, const float *xs, int g, int groups) {
     float r = hsum(acc);
     for (; g < groups; g++) r += bias[g] * xs[g];
+    /* GCC leaves vzeroupper out where acc arrives in a ymm register: the legacy SSE code run next (quantize_x, libm,
+       the interpreter) then pays for the dirty upper halves, about twice as slow */
+    _mm256_zeroupper();
     return r;
 }
 
