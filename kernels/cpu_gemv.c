@@ -57,6 +57,10 @@ typedef struct {
        pair_s / pair_b bytes further on (a GLU's gate and up rows, read side by side) */
     int paired;
     Py_ssize_t pair_w, pair_s, pair_b;
+    /* interleaved (a `linear` handle's, 4-bit, k % 4 == 0, rows of whole 64-byte chunks): the codes of rows 4g..4g+3
+       lie together, chunk c of row 4g + t at w_row(4g) + 256 c + 64 t, so the AVX-512 loops read a group as one
+       stream (the other loops read a copy in rows: plain_rows) */
+    int ilv;
 } Rows;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -388,9 +392,34 @@ static int pos_tile(int m) {
     return (m + tiles - 1) / tiles;
 }
 
+/* Interleaved rows (Rows.ilv) as *plain: a copy of their codes in rows (*mem: free it), for the loops that read a
+   row's bytes in order; other rows as they are (*mem NULL). */
+static const Rows *plain_rows(const Rows *r, Rows *plain, uint8_t **mem) {
+    *mem = NULL;
+    if (!r->ilv) return r;
+    const Py_ssize_t row = (Py_ssize_t)r->n * r->bits / 8;
+    uint8_t *c = malloc((size_t)(r->k * row));
+    for (Py_ssize_t j = 0; j < r->k; j++)
+        for (Py_ssize_t at = 0; at < row; at += 64) memcpy(c + j * row + at, w_row(r, j - j % 4) + 4 * at + 64 * (j % 4), 64);
+    *plain = *r;
+    plain->w = c;
+    plain->w_off = 0;
+    plain->w_stride = row;
+    plain->ilv = 0;
+    *mem = c;
+    return plain;
+}
+
 /* x [m, n] -> out [m, k] */
 static void row_dot_impl(const Rows *r, const float *x, float *out, int m) {
     const int path = int8_path(r);
+    if (r->ilv && path != 4) {
+        Rows plain;
+        uint8_t *mem;
+        row_dot_impl(plain_rows(r, &plain, &mem), x, out, m);
+        free(mem);
+        return;
+    }
     if (path) {
         row_dot_q8(r, x, out, m, path);
         return;
@@ -648,7 +677,8 @@ AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_ext
    meanwhile (spread over the loop: a row's lines asked for at once stall the loop, and memory idles while it
    computes). */
 AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const float *const *scale,
-                                 const float *const *bias, int n, int gs, int bits, const uint8_t *const *pf, float *out) {
+                                 const float *const *bias, int n, int gs, int bits, const uint8_t *const *pf, int chunk,
+                                 float *out) {
     const int blocks = n / 32, per_group = gs / 32;
     __m256 acc[4];
     for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps();
@@ -660,8 +690,9 @@ AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const flo
             const __m512i xe = _mm512_loadu_si512(q->xq4 + 32 * b), xo = _mm512_loadu_si512(q->xq4 + 32 * b + 64);
             const __m512 d = _mm512_loadu_ps(q->dxv + 4 * b);
             for (int t = 0; t < 4; t++) {
-                _mm_prefetch((const char *)(pf[t] + 16 * b), _MM_HINT_T0);
-                const __m512i v = _mm512_loadu_si512(w[t] + 16 * b);
+                const Py_ssize_t at = (Py_ssize_t)(b / 4) * chunk; /* (rows: 16 b) */
+                _mm_prefetch((const char *)(pf[t] + at), _MM_HINT_T0);
+                const __m512i v = _mm512_loadu_si512(w[t] + at);
                 const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                 const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
                 const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(p), d); /* lanes 0-7: pair b, 8-15: pair b + 2 */
@@ -1014,12 +1045,13 @@ static void quad_x(const int8_t *xq, int n, int8_t *xq4) {
     memcpy(xq4 + 32 * b, xq + 32 * b, (size_t)(n - 32 * b));
 }
 
-/* acc plus the outliers of position q, in float */
+/* acc plus the outliers of position q, in float (w: the row's codes, its 64-byte chunks `chunk` bytes apart) */
 static inline float add_outliers(const Rows *r, const uint8_t *w, const float *scale, const float *bias, const QX *q,
-                                 float acc) {
+                                 float acc, int chunk) {
     for (int t = 0; t < q->n_out; t++) {
-        const int i = q->out_idx[t], g = i / r->gs;
-        const int code = r->bits == 8 ? w[i] : (w[i / 2] >> (4 * (i % 2))) & 15;
+        const int i = q->out_idx[t], g = i / r->gs, byte = i * r->bits / 8;
+        const uint8_t c = w[byte / 64 * chunk + byte % 64];
+        const int code = r->bits == 8 ? c : (c >> (4 * (i % 2))) & 15;
         acc += (scale[g] * (float)code + bias[g]) * q->out_val[t];
     }
     return acc;
@@ -1057,11 +1089,16 @@ static void dot4_rows(const Rows *r, Py_ssize_t j0, int nr, const QX *q, int p0,
         sp[t] = scale[v];
         bp[t] = bias[v];
         pf[t] = j0 + t + ROWS_AHEAD_512 < r->k ? w_row(r, j0 + t + ROWS_AHEAD_512) : w[t];
+        if (r->ilv) { /* (whole groups) */
+            w[t] = w_row(r, j0) + 64 * t;
+            pf[t] = j0 + 4 + ROWS_AHEAD_512 <= r->k ? w_row(r, j0 + ROWS_AHEAD_512) + 64 * t : w[t];
+        }
     }
+    const int chunk = r->ilv ? 256 : 64;
     for (int p = p0; p < p1; p++) {
-        q8dot4_avx512(w, &q[p], sp, bp, r->n, r->gs, r->bits, pf, res);
+        q8dot4_avx512(w, &q[p], sp, bp, r->n, r->gs, r->bits, pf, chunk, res);
         for (int t = 0; t < nr; t++)
-            out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], scale[t], bias[t], &q[p], res[t]);
+            out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], scale[t], bias[t], &q[p], res[t], chunk);
     }
 }
 #endif
@@ -1070,6 +1107,11 @@ static void dot4_rows(const Rows *r, Py_ssize_t j0, int nr, const QX *q, int p0,
    block's q, k and v): each position quantised once, then POS_TILE positions per sweep over all their rows, in one
    parallel loop; each row's arithmetic that of a call on its matrix alone */
 static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, float *const *outs, int m, int path) {
+    for (int i = 0; i < nmat && path != 4; i++)
+        if (rs[i]->ilv) { /* each matrix alone (the same arithmetic), interleaved ones from a copy in rows */
+            for (int j = 0; j < nmat; j++) row_dot_impl(rs[j], x, outs[j], m);
+            return;
+        }
     const Rows *r = rs[0];
     const int groups = r->n / r->gs;
     Py_ssize_t first[nmat + 1], work = 0; /* the matrices' first 4-row group (AVX-512) or row in the joint loop */
@@ -1114,7 +1156,7 @@ static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, fl
                 else
 #endif
                     acc = q8dot_scalar(w, qp, scale, bias, ri->n, ri->gs, ri->bits);
-                outs[i][(Py_ssize_t)p * ri->k + j] = add_outliers(ri, w, scale, bias, qp, acc);
+                outs[i][(Py_ssize_t)p * ri->k + j] = add_outliers(ri, w, scale, bias, qp, acc, 64);
             }
         }
     }
@@ -1968,10 +2010,14 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     if (L == NULL) return PyErr_NoMemory();
     Rows *r = &L->r;
     int got = 0;
-    if (!PyArg_ParseTuple(args, "OnnOnnOnnniiii|p", &obj[0], &offs[0], &r->w_stride, &obj[1], &offs[1], &r->s_stride,
-                          &obj[2], &offs[2], &r->b_stride, &r->k, &r->n, &r->bits, &r->gs, &r->stype, &r->sym) ||
+    if (!PyArg_ParseTuple(args, "OnnOnnOnnniiii|pp", &obj[0], &offs[0], &r->w_stride, &obj[1], &offs[1], &r->s_stride,
+                          &obj[2], &offs[2], &r->b_stride, &r->k, &r->n, &r->bits, &r->gs, &r->stype, &r->sym, &r->ilv) ||
         check_shape(r, "linear"))
         goto fail;
+    if (r->ilv && (r->bits != 4 || r->n % 128 || r->k % 4 || r->w_stride != r->n / 2)) {
+        PyErr_SetString(PyExc_ValueError, "linear: interleaved rows must be 4-bit, contiguous, n % 128 == 0, k % 4 == 0");
+        goto fail;
+    }
     for (; got < 3; got++)
         if (PyObject_GetBuffer(obj[got], &L->views[got], PyBUF_C_CONTIGUOUS) != 0) goto fail;
     if (bind_rows(L->views, offs, r->k - 1, r, "linear")) goto fail;
@@ -2435,7 +2481,8 @@ static PyMethodDef methods[] = {
      "out[i] = sum_j vec[j] (S[blocks[j]][i] q_{slots[j]}[i] + B[blocks[j]][i]); rows hold codes only"},
     {"linear", py_linear, METH_VARARGS,
      "linear(w, w_off, w_stride, s, s_off, s_stride, b, b_off, b_stride, k, n, bits, group_size, scale_type, "
-     "symmetric=False) -> a handle on k quantised rows (buffers held), for attention()"},
+     "symmetric=False, interleaved=False) -> a handle on k quantised rows (buffers held), for attention(); interleaved: "
+     "codes in 4-row groups, 64 bytes of each row in turn (cpu_gemv.interleave)"},
     {"attention", py_attention, METH_VARARGS,
      "attention(x, h, norm1, norm2, eps, q, k, v, o, keys, values, pos, cap, n_heads, n_kv, head_dim, inv_freq, "
      "traditional, rope_scale, scale): one llama attention block of m positions pos.. in place (x [m, d] += "

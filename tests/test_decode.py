@@ -230,6 +230,60 @@ def test_int8_attention_block_is_mlx_within_its_rounding(avx512):
     assert np.abs(K[:, pos] - want_k).max() < 0.03 * np.abs(want_k).max()
 
 
+@pytest.mark.parametrize("int8, avx512", [(True, True), (True, False), (False, True)])
+def test_interleaved_projections_have_the_rows_bits(int8, avx512):
+    """An attention block whose projections are held interleaved (cpu_gemv.interleave, for the AVX-512 loops)
+    gives, bit for bit, what their rows give: on those loops, on the others (which read a copy in rows) and with float
+    activations; several positions, an outlier in the input."""
+    rng = np.random.default_rng(8)
+    d, nh, nkv, hd, cap, pos, m = 256, 4, 2, 64, 16, 3, 5  # (rows of whole 64-byte chunks)
+    mats, n1, n2 = _block(rng, d, nh, nkv, hd)
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    x[1, 200] = 80.0  # an outlier after the norm (its codes read one by one), past the first chunk
+    K, V = rng.standard_normal((2, nkv, cap, hd)).astype(np.float32)
+    inv_freq = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    rows = [cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*mt, 32, 4), mt[0].shape[0]) for mt in mats]
+    mixed = [cpu_gemv.interleave(mt[0]) for mt in mats]
+    assert all(
+        not mx.array_equal(a, mt[0]) and mx.array_equal(cpu_gemv.deinterleave(a), mt[0]) for a, mt in zip(mixed, mats)
+    )
+    ilv = [
+        cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(a, *mt[1:], 32, 4), a.shape[0], True) for a, mt in zip(mixed, mats)
+    ]
+
+    def block(handles):
+        xs, h, Ks, Vs = x.copy(), np.empty_like(x), K.copy(), V.copy()
+        cpu_gemv._native.attention(xs, h, n1, n2, 1e-5, *handles, Ks, Vs, pos, cap, nh, nkv, hd, inv_freq, False, 1.0,
+                                   hd**-0.5)  # fmt: skip
+        return xs, h, Ks, Vs
+
+    was = cpu_gemv.int8_activations()
+    cpu_gemv.set_int8_activations(int8)
+    cpu_gemv.set_avx512(avx512)
+    try:
+        want, got = block(rows), block(ilv)
+    finally:
+        cpu_gemv.set_avx512(True)
+        cpu_gemv.set_int8_activations(was)
+    for a, b, what in zip(want, got, ("x", "h", "keys", "values")):
+        assert np.array_equal(a, b), what
+    assert not np.array_equal(want[0], x)
+    with pytest.raises(ValueError, match="interleaved"):  # rows of part of a chunk
+        cpu_gemv.linear(cpu_gemv.QuantRows.of_matrix(*quantized(rng, 8, 96, 4, 32, mx.float16), 32, 4), 8, True)
+
+
+def test_an_interleaved_linear_computes_with_its_rows():
+    """A layer held interleaved (cpu_gemv.interleave_layer) computes through MLX's ops (prompts in mlx-lm's forward)
+    as before, bit for bit, one row or several, in the same memory."""
+    layer = cpu_gemv.patch(nn.Sequential(nn.QuantizedLinear(256, 64, bias=False, group_size=32, bits=4))).layers[0]
+    x = mx.random.normal((3, 256), key=mx.random.key(4))
+    want, want1, w = layer(x), layer(x[:1]), layer.weight
+    cpu_gemv.interleave_layer(layer)
+    assert type(layer) is cpu_gemv.InterleavedLinear and layer.weight.nbytes == w.nbytes
+    assert mx.array_equal(cpu_gemv.deinterleave(layer.weight), w) and not mx.array_equal(layer.weight, w)
+    assert mx.array_equal(layer(x), want) and mx.array_equal(layer(x[:1]), want1)
+
+
 @pytest.mark.parametrize("kv", [np.float32, np.float16])
 @pytest.mark.parametrize("int8", [False, True])
 def test_attention_of_several_positions_equals_one_at_a_time(int8, kv):

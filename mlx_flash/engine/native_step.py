@@ -124,7 +124,16 @@ def _handle(layer) -> Optional[tuple]:
     if not (cpu_gemv.supports(layer.bits, layer.group_size, n, s.dtype) and cpu_gemv.contiguous(w, s, b)):
         return None
     q = cpu_gemv.QuantRows.of_matrix(w, s, b, layer.group_size, layer.bits)
-    return cpu_gemv.linear(q, w.shape[0]), q
+    return cpu_gemv.linear(q, w.shape[0], isinstance(layer, cpu_gemv.InterleavedLinear)), q
+
+
+def _interleaved(attention) -> list:
+    """The handles of a resident attention's projections, each held as the native loops read it fastest
+    (cpu_gemv.interleave, in place: the same bits, the same memory) where that applies."""
+    for p in PROJECTIONS:
+        if cpu_gemv.interleaves(getattr(attention, p)):
+            cpu_gemv.interleave_layer(getattr(attention, p))
+    return [_handle(getattr(attention, p))[0] for p in PROJECTIONS]
 
 
 def _weight(norm) -> np.ndarray:
@@ -152,6 +161,9 @@ class HostDecoder:
     def __init__(self, model, layers, head, head_streamed=None):
         self.model, self.layers, self.head, self.head_streamed = model, layers, head, head_streamed
         body = model.model
+        for L, layer in zip(layers, body.layers):  # the resident attentions' handles (streamed ones: when loaded)
+            if L["streamed"] is None:
+                L["linears"] = _interleaved(layer.self_attn)
         last = not isinstance(body.norm, Absent)  # a pipeline stage before the last ends with hidden rows
         self.norm, self.eps = (_weight(body.norm), float(body.norm.eps)) if last else (None, None)
         # Whether each row of a pass computes as a pass of it alone whatever else the pass holds: the dense layers'
@@ -174,14 +186,11 @@ class HostDecoder:
                 return None, f"layer {i}: {why}"
             streamed = layer.self_attn if isinstance(layer.self_attn, StreamedLayer) else None
             a = streamed.inner if streamed is not None else layer.self_attn
-            if streamed is not None:  # bound when loaded; checked by kind now
-                handles = None
-                if not all(_quantised(getattr(a, p)) for p in PROJECTIONS):
-                    return None, f"layer {i}: attention projections the native kernels cannot read"
-            else:
-                handles = [_handle(getattr(a, p)) for p in PROJECTIONS]
-                if any(h is None for h in handles):
-                    return None, f"layer {i}: attention projections the native kernels cannot read"
+            # a streamed layer's are bound when loaded, checked by kind now; a resident one's bound below
+            if streamed is not None and not all(_quantised(getattr(a, p)) for p in PROJECTIONS):
+                return None, f"layer {i}: attention projections the native kernels cannot read"
+            if streamed is None and any(_handle(getattr(a, p)) is None for p in PROJECTIONS):
+                return None, f"layer {i}: attention projections the native kernels cannot read"
             rope = a.rope
             args = model.args  # (a streamed layer's weights are placeholders until loaded)
             head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
@@ -191,7 +200,7 @@ class HostDecoder:
                     norm1=_weight(layer.input_layernorm),
                     norm2=_weight(layer.post_attention_layernorm),
                     eps=float(layer.input_layernorm.eps),
-                    linears=handles and [h[0] for h in handles],
+                    linears=None,
                     streamed=streamed,
                     qk_norms=([None, None] if streamed is not None else [_weight(a.q_norm), _weight(a.k_norm)])
                     + [float(a.q_norm.eps)]
