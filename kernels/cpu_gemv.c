@@ -2415,6 +2415,69 @@ static PyObject *py_halves(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* A product rounded to float32 on its own (a compiler may not fuse it with the sum it feeds) */
+static float product(float a, float b) {
+    volatile float p = a * b;
+    return p;
+}
+
+/* embed(ids, out, w, s, b, n, bits, group_size, scale_type): out [m, n] float32 = rows ids of a quantised table (w codes
+   [vocab, n * bits / 8] bytes, s float16 or float32 scales [vocab, n / group_size], b biases alike or None: -2^(bits-1)
+   s) as MLX's dequantize rounds them: s q, then + b, each in the scales' type */
+static PyObject *py_embed(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer ids, out, w, s, b;
+    PyObject *bo;
+    int n, bits, gs, stype;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*Oiiii", &ids, &out, &w, &s, &bo, &n, &bits, &gs, &stype)) return NULL;
+    int has_b = bo != Py_None, failed = has_b && PyObject_GetBuffer(bo, &b, PyBUF_SIMPLE) != 0;
+    PyObject *result = NULL;
+    const Py_ssize_t m = ids.len / 4, row = (Py_ssize_t)n * bits / 8, groups = gs > 0 ? n / gs : 0;
+    const int size = stype == SCALE_F32 ? 4 : 2;
+    const Py_ssize_t vocab = groups > 0 ? s.len / size / groups : 0;
+    if (failed)
+        ;
+    else if ((bits != 2 && bits != 4 && bits != 8) || (stype != SCALE_F16 && stype != SCALE_F32) || gs <= 0 || n % gs ||
+             n % 8 || ids.len % 4 || out.len != m * n * 4 || w.len != vocab * row || s.len != vocab * groups * size ||
+             (has_b && b.len != s.len))
+        PyErr_SetString(PyExc_ValueError, "embed: the table's codes, scales and biases disagree, or out is not [ids, n]");
+    else {
+        const int32_t *id = ids.buf;
+        Py_ssize_t bad = -1;
+        for (Py_ssize_t t = 0; t < m && bad < 0; t++)
+            if (id[t] < 0 || id[t] >= vocab) bad = t;
+        if (bad >= 0)
+            PyErr_Format(PyExc_ValueError, "embed: token id %d outside the table's %zd rows", id[bad], vocab);
+        else {
+            float *o = out.buf;
+            const uint8_t *codes = w.buf;
+            for (Py_ssize_t t = 0; t < m; t++)
+                for (int i = 0; i < n; i++) {
+                    const Py_ssize_t g = (Py_ssize_t)id[t] * groups + i / gs;
+                    const int bit = i * bits, q = (codes[id[t] * row + bit / 8] >> (bit % 8)) & ((1 << bits) - 1);
+                    const float off = (float)-(1 << (bits - 1));
+                    if (stype == SCALE_F32) {
+                        const float sf = ((const float *)s.buf)[g];
+                        const float bf = has_b ? ((const float *)b.buf)[g] : product(sf, off);
+                        o[t * n + i] = product(sf, (float)q) + bf;
+                    } else {
+                        const float sf = f16_to_f32(((const uint16_t *)s.buf)[g]);
+                        const float bf = has_b ? f16_to_f32(((const uint16_t *)b.buf)[g]) : f16_to_f32(f32_to_f16(sf * off));
+                        o[t * n + i] = f16_to_f32(f32_to_f16(f16_to_f32(f32_to_f16(sf * (float)q)) + bf));
+                    }
+                }
+            result = Py_None;
+            Py_INCREF(result);
+        }
+    }
+    if (has_b && !failed) PyBuffer_Release(&b);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&s);
+    return result;
+}
+
 /* sum_rows(a, out): out = a[0] + a[1] + ... (float32, a [n, len(out)]), each element's sums in row order as a Python
    loop of numpy additions rounds them: partial sums added in one call instead of one array each */
 static PyObject *py_sum_rows(PyObject *self, PyObject *args) {
@@ -2505,6 +2568,8 @@ static PyMethodDef methods[] = {
      "'int8': int8 activations, 'threads': n}"},
     {"set_avx512", py_set_avx512, METH_O,
      "set_avx512(on): the AVX-512 loops where the CPU has them (default) or the AVX2 / VNNI ones (same bits)"},
+    {"embed", py_embed, METH_VARARGS,
+     "embed(ids, out, w, s, b, n, bits, group_size, scale_type): rows of a quantised table, as MLX's dequantize"},
     {"sum_rows", py_sum_rows, METH_VARARGS, "sum_rows(a, out): out = a[0] + a[1] + ... in row order (float32)"},
     {"halves", py_halves, METH_VARARGS, "halves(src, dst): float32 src rounded to float16 into dst"},
     {"set_simd", py_set_simd, METH_O, "set_simd(on): use the AVX2 loops where the CPU has them (default) or the scalar ones"},

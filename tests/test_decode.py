@@ -138,6 +138,31 @@ def test_outliers_keep_their_block_exact():
     assert np.abs(got - ref).max() < 2e-3 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_native_embedding_rows_are_mlxs(bits, dtype, symmetric):
+    """cpu_gemv.embed gives, bit for bit, the rows MLX's quantised embedding gives: float16 or float32 scales, stored or
+    derived (symmetric) biases, scales from zero to where s q nears float16's overflow; ids outside the table are
+    refused."""
+    rng = np.random.default_rng(bits)
+    layer = cpu_gemv.patch(nn.Sequential(nn.QuantizedEmbedding(300, 128, group_size=32, bits=bits))).layers[0]
+    s = rng.uniform(-1, 1, layer.scales.shape) * np.exp(rng.uniform(-12, 5.5, layer.scales.shape))
+    s[0] = 0.0
+    layer.scales = mx.array(s.astype(np.float32)).astype(dtype)
+    if symmetric:
+        del layer["biases"]
+    else:
+        layer.biases = mx.array(rng.standard_normal(layer.scales.shape).astype(np.float32) * 100).astype(dtype)
+    assert cpu_gemv.embeds(layer)
+    ids = rng.integers(0, 300, 64)
+    want = np.array(layer(mx.array(ids)).astype(mx.float32))
+    assert np.isfinite(want).all() and np.abs(want).max() > 100
+    assert np.array_equal(cpu_gemv.embed(ids, layer).view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="outside"):
+        cpu_gemv.embed([3, 300], layer)
+
+
 def test_silu_mul():
     rng = np.random.default_rng(0)
     g, u = rng.standard_normal((2, 1000)).astype(np.float32) * 4

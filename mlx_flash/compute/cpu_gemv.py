@@ -583,6 +583,32 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return _mlx_matmul(self, x) if y is None else y
 
 
+def embeds(layer: nn.Module) -> bool:
+    """Whether `embed` computes a quantised embedding's rows: affine 2, 4 or 8-bit codes, float16 or float32 scales
+    (and biases alike)."""
+    return (
+        isinstance(layer, nn.QuantizedEmbedding)
+        and getattr(layer, "mode", "affine") == "affine"
+        and layer.bits in (2, 4, 8)
+        and layer["scales"].dtype in (mx.float16, mx.float32)
+        and layer.get("biases", layer["scales"]).dtype == layer["scales"].dtype
+        and contiguous(layer["weight"], layer["scales"], layer.get("biases"))
+    )
+
+
+def embed(ids, layer: nn.Module) -> np.ndarray:
+    """float32 [len(ids), n]: the rows `ids` of a quantised embedding (`embeds`), bit for bit MLX's dequantize of them
+    (in one native call instead of MLX's ops and their evaluation)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+    n = layer["weight"].shape[-1] * 32 // layer.bits
+    out = np.empty((len(ids), n), dtype=np.float32)
+    s = layer["scales"]
+    _native.embed(
+        ids, out, layer["weight"], s, layer.get("biases"), n, layer.bits, layer.group_size, SCALE_TYPES[s.dtype]
+    )
+    return out
+
+
 def with_biases(model: nn.Module) -> nn.Module:
     """Give the layers that derive their biases (symmetric, stored without) the arrays, as mlx-lm's modules hold
     them (for code that reads them, such as mlx_lm.utils.dequantize_model). Returns the model."""

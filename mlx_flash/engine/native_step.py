@@ -279,7 +279,10 @@ class HostDecoder:
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         if vocab and ids.size and not 0 <= ids.min() <= ids.max() < vocab:  # (the lookup would read past the table)
             raise ValueError(f"token ids must lie in [0, {vocab}): got {ids.min()}..{ids.max()}")
-        return np.array(self.model.model.embed_tokens(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
+        table = self.model.model.embed_tokens
+        if cpu_gemv.embeds(table):
+            return cpu_gemv.embed(ids, table)
+        return np.array(table(mx.array(ids)).astype(mx.float32)).reshape(ids.shape[1], -1)
 
     def run_layers(self, x: np.ndarray, cache, prompt: bool = False) -> np.ndarray:
         """The hidden rows x [m, d] (float32, updated in place) through every layer, the caches advanced by m (a
