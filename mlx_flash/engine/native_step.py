@@ -164,6 +164,7 @@ class HostDecoder:
         for L, layer in zip(layers, body.layers):  # the resident attentions' handles (streamed ones: when loaded)
             if L["streamed"] is None:
                 L["linears"] = _interleaved(layer.self_attn)
+        mx.clear_cache()  # (the rows' arrays the interleaved ones replaced)
         last = not isinstance(body.norm, Absent)  # a pipeline stage before the last ends with hidden rows
         self.norm, self.eps = (_weight(body.norm), float(body.norm.eps)) if last else (None, None)
         # Whether each row of a pass computes as a pass of it alone whatever else the pass holds: the dense layers'
