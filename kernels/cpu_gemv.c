@@ -504,14 +504,22 @@ static inline void block_slots(int b, int blocks, int bits, int *even, int *odd)
 /* The (at most MAX_OUTLIERS) largest |x_i| above OUTLIER_RMS rms(x): a normed layer input has a few channels
    tens of times the others (SmolLM2's last layers: max / mean 30-50), and one in a block of 32 would round
    the other 31 to a handful of levels. */
+static int outlier_candidates_avx512(const float *x, int n, int *idx);
+
 static void find_outliers(const float *x, int n, QX *q) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    const float limit = OUTLIER_RMS * sqrtf(ss / (float)n);
+    int idx[n / 32 + 2]; /* (at most n / OUTLIER_RMS^2 elements are above it) */
+    int count = use_avx512() ? outlier_candidates_avx512(x, n, idx) : -1;
+    float limit = 0.0f;
+    if (count < 0) { /* the float sum itself, in order */
+        float ss = 0.0f;
+        for (int i = 0; i < n; i++) ss += x[i] * x[i];
+        limit = OUTLIER_RMS * sqrtf(ss / (float)n);
+    }
     q->n_out = 0;
-    for (int i = 0; i < n; i++) {
+    for (int c = 0; c < (count < 0 ? n : count); c++) {
+        const int i = count < 0 ? c : idx[c];
         const float a = fabsf(x[i]);
-        if (!(a > limit)) continue;
+        if (count < 0 && !(a > limit)) continue;
         int t = q->n_out < MAX_OUTLIERS ? q->n_out++ : -1;
         if (t < 0) { /* full: replace the smallest if this one is larger */
             t = 0;
@@ -524,32 +532,42 @@ static void find_outliers(const float *x, int n, QX *q) {
     }
 }
 
+static void quantize_blocks_avx512(const float *x, int blocks, int bits, const uint32_t *keep, QX *q, int *sums);
+
+/* x's blocks of 32 rounded to int8 (each block's step dx, the largest |x_i| / 127), the outliers as 0 */
 static void quantize_x(const float *x, int n, int gs, int bits, QX *q) {
     const int blocks = n / 32;
+    uint32_t keep[blocks]; /* each block's elements other than outliers */
+    int sums[blocks];
     for (int g = 0; g < n / gs; g++) q->xs[g] = 0.0f;
+    for (int b = 0; b < blocks; b++) keep[b] = ~0u;
     find_outliers(x, n, q);
-    for (int b = 0; b < blocks; b++) {
-        float xb[32];
-        memcpy(xb, x + 32 * b, sizeof(xb));
-        for (int t = 0; t < q->n_out; t++)
-            if (q->out_idx[t] / 32 == b) xb[q->out_idx[t] % 32] = 0.0f;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-        q->dx[b] = d;
-        for (int t = 0; t < 4; t++) q->dxv[4 * b + t] = d;
-        int even, odd;
-        block_slots(b, blocks, bits, &even, &odd);
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            const int8_t v = (int8_t)lrintf(xb[i] * inv);
-            sum += v;
-            if (bits == 8)
-                q->xq[even + i] = v;
-            else
-                q->xq[(i % 2 ? odd : even) + i / 2] = v;
+    for (int t = 0; t < q->n_out; t++) keep[q->out_idx[t] / 32] &= ~(1u << (q->out_idx[t] % 32));
+    if (use_avx512()) {
+        quantize_blocks_avx512(x, blocks, bits, keep, q, sums);
+    } else {
+        for (int b = 0; b < blocks; b++) {
+            float xb[32], amax = 0.0f;
+            for (int i = 0; i < 32; i++) xb[i] = keep[b] >> i & 1 ? x[32 * b + i] : 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int even, odd;
+            block_slots(b, blocks, bits, &even, &odd);
+            q->dx[b] = d;
+            sums[b] = 0;
+            for (int i = 0; i < 32; i++) {
+                const int8_t v = (int8_t)lrintf(xb[i] * inv);
+                sums[b] += v;
+                if (bits == 8)
+                    q->xq[even + i] = v;
+                else
+                    q->xq[(i % 2 ? odd : even) + i / 2] = v;
+            }
         }
-        q->xs[32 * b / gs] += d * (float)sum;
+    }
+    for (int b = 0; b < blocks; b++) {
+        for (int t = 0; t < 4; t++) q->dxv[4 * b + t] = q->dx[b];
+        q->xs[32 * b / gs] += q->dx[b] * (float)sums[b];
     }
 }
 
@@ -669,6 +687,64 @@ static int cpu_has_avx512(void) {
                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
     return cached;
+}
+
+/* find_outliers' elements above its limit, in order, into idx (how many; -1: undecided). The limit's float sum of
+   squares in order is within (n + 2) 2^-24 of the sum (relative: the terms are positive), which a double sum gives
+   to far better: where no |x_i| lies within that of the limit, the elements above it are those above the band. */
+AVX512 static int outlier_candidates_avx512(const float *x, int n, int *idx) {
+    __m512d acc = _mm512_setzero_pd();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+        acc = _mm512_fmadd_pd(v, v, acc);
+    }
+    double ss = _mm512_reduce_add_pd(acc);
+    for (; i < n; i++) ss += (double)x[i] * x[i];
+    if (!(ss > 1e-20 && ss < 1e30)) return -1; /* (no overflow, underflow or NaN in either sum) */
+    const double limit = OUTLIER_RMS * sqrt(ss / n), band = (n + 16) * 0x1p-24;
+    const __m512 lo = _mm512_set1_ps(nextafterf((float)(limit * (1 - band)), 0.0f));
+    const __m512 hi = _mm512_set1_ps(nextafterf((float)(limit * (1 + band)), INFINITY));
+    int count = 0;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(in, x + i));
+        const __mmask16 above = _mm512_cmp_ps_mask(a, hi, _CMP_GT_OQ);
+        if (_mm512_cmp_ps_mask(a, lo, _CMP_GT_OQ) & ~above) return -1;
+        for (unsigned m = above; m; m &= m - 1) {
+            if (count > n / 32) return -1;
+            idx[count++] = i + __builtin_ctz(m);
+        }
+    }
+    return count;
+}
+
+/* quantize_x's loop over the blocks: the same steps, roundings and bytes (a NaN's value 0, as lrintf's, cast) */
+AVX512 static void quantize_blocks_avx512(const float *x, int blocks, int bits, const uint32_t *keep, QX *q, int *sums) {
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int b = 0; b < blocks; b++) {
+        const __m512 xa = _mm512_maskz_loadu_ps((__mmask16)keep[b], x + 32 * b);
+        const __m512 xb = _mm512_maskz_loadu_ps((__mmask16)(keep[b] >> 16), x + 32 * b + 16);
+        const __m512 fa = _mm512_abs_ps(xa), fb = _mm512_abs_ps(xb); /* NaNs left out of the largest, as by > */
+        const __m512 m = _mm512_max_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(fa, fa, _CMP_ORD_Q), fa),
+                                       _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(fb, fb, _CMP_ORD_Q), fb));
+        const float d = _mm512_reduce_max_ps(m) / 127.0f;
+        const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        const __m128i va = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(xa, inv)));
+        const __m128i vb = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(xb, inv)));
+        q->dx[b] = d;
+        sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_cvtepi8_epi32(va), _mm512_cvtepi8_epi32(vb)));
+        int even, odd;
+        block_slots(b, blocks, bits, &even, &odd);
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i *)(q->xq + even), va);
+            _mm_storeu_si128((__m128i *)(q->xq + even + 16), vb);
+        } else {
+            const __m128i sa = _mm_shuffle_epi8(va, split), sb = _mm_shuffle_epi8(vb, split);
+            _mm_storeu_si128((__m128i *)(q->xq + even), _mm_unpacklo_epi64(sa, sb));
+            _mm_storeu_si128((__m128i *)(q->xq + odd), _mm_unpackhi_epi64(sa, sb));
+        }
+    }
 }
 
 AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
@@ -1015,6 +1091,13 @@ AVX512 static void row_axpy1_avx512(float *o, const uint8_t *const *w, const flo
 #else
 static int cpu_has_vnni(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
+static int outlier_candidates_avx512(const float *x, int n, int *idx) {
+    (void)x, (void)n, (void)idx;
+    return -1;
+}
+static void quantize_blocks_avx512(const float *x, int blocks, int bits, const uint32_t *keep, QX *q, int *sums) {
+    (void)x, (void)blocks, (void)bits, (void)keep, (void)q, (void)sums;
+}
 #endif
 
 static int int8_allowed = 1; /* set_int8(False): float activations, for references */

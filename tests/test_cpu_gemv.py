@@ -304,6 +304,53 @@ def test_avx512_row_dot_has_the_vnni_bits(both_paths, bits, group_size, m):
         assert_same(fast, ref, f"row_dot n={n} {scale_dtype} symmetric={symmetric}")
 
 
+def _at_the_limit(x, j, above):
+    """x with x[j] at find_outliers' limit (6 rms, from the float sum of squares in order, x[j]'s own among them), or
+    the least float above it"""
+    x = x.copy()
+
+    def limit(v):
+        x[j] = v
+        return np.float32(6) * np.sqrt(np.cumsum(x * x, dtype=np.float32)[-1] / np.float32(x.size))
+
+    rest = np.sum(np.delete(x, j).astype(np.float64) ** 2)
+    v = np.float32(np.sqrt(36 * rest / (x.size - 36)))  # the fixed point, then the floats about it
+    for v in np.nextafter(v, np.float32(np.inf)) + np.arange(-64, 64, dtype=np.float32) * np.spacing(v):
+        if (v > limit(v)) if above else (v == limit(v)):
+            x[j] = v
+            return x
+    raise AssertionError("no float at the limit")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx512_activations_are_rounded_as_the_loop_rounds_them(both_paths, bits):
+    """int8 activations quantised in 512 bits (each block's step, values and sum; the outliers above the limit picked
+    from a double sum of squares, or from the float one in order where an element lies near the limit) have the
+    AVX2 loops' bits: elements at the limit or a float step above it, more outliers than are kept, zero and tiny
+    blocks."""
+    if bits == 8 and not cpu_gemv.info().get("vnni"):
+        pytest.skip("without AVX-VNNI, 8-bit rows take float activations off AVX-512")
+    rng = np.random.default_rng(bits)
+    n = 1024
+    wq, s, b = quantized(rng, 8, n, bits, 32, mx.float16)
+    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, 32, bits)
+    xs = []
+    for _ in range(16):
+        x = rng.standard_normal(n).astype(np.float32)
+        xs += [_at_the_limit(x, rng.integers(n), above) for above in (False, True)]
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.choice(n, 12, replace=False)] = rng.uniform(30, 100, 12) * rng.choice([-1, 1], 12)
+    x[64:96], x[96:128], x[130] = 0.0, 1e-30, 1e-38
+    xs.append(x)
+    cpu_gemv.set_int8_activations(True)
+    try:
+        for i, x in enumerate(xs):
+            fast, ref = both_paths(lambda: cpu_gemv.row_dot(x, q, k=8))
+            assert_same(fast, ref, f"x {i}")
+    finally:
+        cpu_gemv.set_int8_activations(False)
+
+
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("bits", [4, 8])
