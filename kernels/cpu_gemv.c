@@ -364,23 +364,18 @@ static inline void prefetch_span(const uint8_t *p, Py_ssize_t bytes) {
 static void row_dot_q8(const Rows *r, const float *x, float *out, int m, int path);
 static int int8_path(const Rows *r);
 
-/* Row j of a dot product: its codes, with its scales and biases as float32 in scale / bias; the row `ahead` later
-   is asked for meanwhile (ahead < 0: only the scales of row j - ahead, its codes asked for elsewhere). */
-static const uint8_t *row_start_ahead(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast, int ahead) {
+/* Row j of a dot product: its codes, with its scales and biases as float32 in scale / bias; the row PREFETCH_AHEAD
+   later is asked for meanwhile. */
+static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast) {
     const int groups = r->n / r->gs, scale_size = r->stype == SCALE_F32 ? 4 : 2;
-    const Py_ssize_t a = ahead < 0 ? -ahead : ahead;
-    if (j + a < r->k) {
-        if (ahead > 0) prefetch_span(w_row(r, j + a), (Py_ssize_t)r->n * r->bits / 8);
-        prefetch_span(s_row(r, j + a), (Py_ssize_t)groups * scale_size);
-        if (!r->sym) prefetch_span(b_row(r, j + a), (Py_ssize_t)groups * scale_size);
+    if (j + PREFETCH_AHEAD < r->k) {
+        prefetch_span(w_row(r, j + PREFETCH_AHEAD), (Py_ssize_t)r->n * r->bits / 8);
+        prefetch_span(s_row(r, j + PREFETCH_AHEAD), (Py_ssize_t)groups * scale_size);
+        if (!r->sym) prefetch_span(b_row(r, j + PREFETCH_AHEAD), (Py_ssize_t)groups * scale_size);
     }
     scales_f32(s_row(r, j), r->stype, groups, scale, fast);
     biases_f32(r, b_row(r, j), groups, scale, bias, fast);
     return w_row(r, j);
-}
-
-static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float *bias, int fast) {
-    return row_start_ahead(r, j, scale, bias, fast, PREFETCH_AHEAD);
 }
 
 /* Positions computed per sweep over the rows (at most): their activations stay in L1/L2 while a row is hot.
@@ -749,13 +744,36 @@ AVX512 static void quantize_blocks_avx512(const float *x, int blocks, int bits, 
 
 AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
-/* Q8DOT_BODY (VNNI) of 4 rows at once: out[t] = row t's result. pf: 4 later rows' codes, asked for a line at a time
-   meanwhile (spread over the loop: a row's lines asked for at once stall the loop, and memory idles while it
-   computes). */
-AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const float *const *scale,
-                                 const float *const *bias, int n, int gs, int bits, const uint8_t *const *pf, int chunk,
-                                 float *out) {
+/* stored scales from group g as float32 (the conversions scales_f32 makes): 4, 1 or 8 of them */
+AVX512 static inline __m128 scales4_avx512(const uint8_t *p, int stype, int g) {
+    if (stype == SCALE_F32) return _mm_loadu_ps((const float *)p + g);
+    const __m128i h = _mm_loadl_epi64((const __m128i *)(p + 2 * g));
+    if (stype == SCALE_F16) return _mm_cvtph_ps(h);
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+AVX512 static inline float scale1_avx512(const uint8_t *p, int stype, int g) {
+    if (stype != SCALE_F16) return load_scale(p, stype, g);
+    uint16_t h;
+    memcpy(&h, p + 2 * g, 2);
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
+
+AVX512 static inline __m256 scales8_avx512(const uint8_t *p, int stype, int g) {
+    if (stype == SCALE_F32) return _mm256_loadu_ps((const float *)p + g);
+    const __m128i h = _mm_loadu_si128((const __m128i *)(p + 2 * g));
+    if (stype == SCALE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Q8DOT_BODY (VNNI) of 4 rows at once: out[t] = row t's result, its scales and biases read as stored (s[t], b[t]; sym:
+   none stored, as biases_f32 derives them). pf: 4 later rows' codes, asked for a line at a time meanwhile (spread over
+   the loop: a row's lines asked for at once stall the loop, and memory idles while it computes). */
+AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const uint8_t *const *s,
+                                 const uint8_t *const *bs, int stype, int sym, int n, int gs, int bits,
+                                 const uint8_t *const *pf, int chunk, float *out) {
     const int blocks = n / 32, per_group = gs / 32;
+    const float off = -(float)(1 << (bits - 1));
     __m256 acc[4];
     for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps();
     int b = 0;
@@ -774,12 +792,12 @@ AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const flo
                 const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(p), d); /* lanes 0-7: pair b, 8-15: pair b + 2 */
                 __m256 s0, s1;
                 if (per_group == 1) {
-                    const __m256 s4 = _mm256_castps128_ps256(_mm_loadu_ps(scale[t] + b));
+                    const __m256 s4 = _mm256_castps128_ps256(scales4_avx512(s[t], stype, b));
                     s0 = _mm256_permutevar8x32_ps(s4, pair_lo);
                     s1 = _mm256_permutevar8x32_ps(s4, pair_hi);
                 } else {
-                    s0 = _mm256_set1_ps(scale[t][b / per_group]);
-                    s1 = _mm256_set1_ps(scale[t][(b + 2) / per_group]);
+                    s0 = _mm256_set1_ps(scale1_avx512(s[t], stype, b / per_group));
+                    s1 = _mm256_set1_ps(scale1_avx512(s[t], stype, (b + 2) / per_group));
                 }
                 acc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), s0, acc[t]);
                 acc[t] = _mm256_fmadd_ps(hi256(f), s1, acc[t]);
@@ -794,11 +812,10 @@ AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const flo
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(w[t] + 16 * b));
                 const __m256i lo = _mm256_and_si256(v, nib8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib8);
                 const __m256i p = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
-                const __m256 s = per_group == 1 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(
-                                                                               _mm_loadl_epi64((const __m128i *)(scale[t] + b)))),
-                                                                           pair_lo)
-                                                : _mm256_set1_ps(scale[t][b / per_group]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), d), s, acc[t]);
+                const float s_b = scale1_avx512(s[t], stype, b / per_group);
+                const __m256 sv = per_group == 1 ? _mm256_set_m128(_mm_set1_ps(scale1_avx512(s[t], stype, b + 1)), _mm_set1_ps(s_b))
+                                                 : _mm256_set1_ps(s_b);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), d), sv, acc[t]);
             }
             b += 2;
         }
@@ -808,7 +825,8 @@ AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const flo
                 const __m128i v = _mm_loadu_si128((const __m128i *)(w[t] + 16 * b));
                 const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib8);
                 const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, x);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[t][b / per_group] * q->dx[b]), acc[t]);
+                const float sd = scale1_avx512(s[t], stype, b / per_group) * q->dx[b];
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd), acc[t]);
             }
         }
     } else {
@@ -818,24 +836,32 @@ AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const flo
                 _mm_prefetch((const char *)(pf[t] + 32 * b), _MM_HINT_T0);
                 const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w[t] + 32 * b), x);
                 const __m512 f = _mm512_cvtepi32_ps(p);
-                acc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm256_set1_ps(scale[t][b / per_group] * q->dx[b]), acc[t]);
-                acc[t] = _mm256_fmadd_ps(hi256(f), _mm256_set1_ps(scale[t][(b + 1) / per_group] * q->dx[b + 1]), acc[t]);
+                const float s0 = scale1_avx512(s[t], stype, b / per_group) * q->dx[b];
+                const float s1 = scale1_avx512(s[t], stype, (b + 1) / per_group) * q->dx[b + 1];
+                acc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm256_set1_ps(s0), acc[t]);
+                acc[t] = _mm256_fmadd_ps(hi256(f), _mm256_set1_ps(s1), acc[t]);
             }
         }
         if (b < blocks) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(q->xq + 32 * b));
             for (int t = 0; t < 4; t++) {
                 const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w[t] + 32 * b)), x);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[t][b / per_group] * q->dx[b]), acc[t]);
+                const float sd = scale1_avx512(s[t], stype, b / per_group) * q->dx[b];
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd), acc[t]);
             }
         }
     }
-    const int groups = n / gs;
+    const int groups = n / gs, whole = groups / 8 * 8;
+    float rest[8]; /* the groups past the last 8's biases, for q8_finish */
     for (int t = 0; t < 4; t++) { /* the biases, as Q8DOT_BODY */
-        int g = 0;
-        for (; g + 8 <= groups; g += 8)
-            acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(bias[t] + g), _mm256_loadu_ps(q->xs + g), acc[t]);
-        out[t] = q8_finish(acc[t], bias[t], q->xs, g, groups);
+        for (int g = 0; g < whole; g += 8) {
+            const __m256 bias = sym ? _mm256_mul_ps(_mm256_set1_ps(off), scales8_avx512(s[t], stype, g))
+                                    : scales8_avx512(bs[t], stype, g);
+            acc[t] = _mm256_fmadd_ps(bias, _mm256_loadu_ps(q->xs + g), acc[t]);
+        }
+        for (int g = whole; g < groups; g++)
+            rest[g - whole] = sym ? off * scale1_avx512(s[t], stype, g) : scale1_avx512(bs[t], stype, g);
+        out[t] = q8_finish(acc[t], rest, q->xs + whole, 0, groups - whole);
     }
 }
 
@@ -1128,14 +1154,17 @@ static void quad_x(const int8_t *xq, int n, int8_t *xq4) {
     memcpy(xq4 + 32 * b, xq + 32 * b, (size_t)(n - 32 * b));
 }
 
-/* acc plus the outliers of position q, in float (w: the row's codes, its 64-byte chunks `chunk` bytes apart) */
-static inline float add_outliers(const Rows *r, const uint8_t *w, const float *scale, const float *bias, const QX *q,
+/* acc plus the outliers of position q, in float (w: the row's codes, its 64-byte chunks `chunk` bytes apart; s, b:
+   its scales and biases as stored) */
+static inline float add_outliers(const Rows *r, const uint8_t *w, const uint8_t *s, const uint8_t *b, const QX *q,
                                  float acc, int chunk) {
     for (int t = 0; t < q->n_out; t++) {
         const int i = q->out_idx[t], g = i / r->gs, byte = i * r->bits / 8;
         const uint8_t c = w[byte / 64 * chunk + byte % 64];
         const int code = r->bits == 8 ? c : (c >> (4 * (i % 2))) & 15;
-        acc += (scale[g] * (float)code + bias[g]) * q->out_val[t];
+        const float scale = load_scale(s, r->stype, g);
+        const float bias = r->sym ? -(float)(1 << (r->bits - 1)) * scale : load_scale(b, r->stype, g);
+        acc += (scale * (float)code + bias) * q->out_val[t];
     }
     return acc;
 }
@@ -1161,27 +1190,29 @@ static QX *quantize_rows(const Rows *r, const float *x, int m, int path, void **
 /* Rows j0 .. j0 + nr - 1 (nr <= 4) of r at positions p0..p1 - 1 into out [m, r->k] (AVX-512 loops, path 4), rows
    ROWS_AHEAD_512 later asked for meanwhile */
 static void dot4_rows(const Rows *r, Py_ssize_t j0, int nr, const QX *q, int p0, int p1, float *out) {
-    const int groups = r->n / r->gs;
-    float scale[4][groups], bias[4][groups], res[4];
-    const uint8_t *w[4], *pf[4];
-    const float *sp[4], *bp[4];
-    for (int t = 0; t < nr; t++) w[t] = row_start_ahead(r, j0 + t, scale[t], bias[t], 1, -ROWS_AHEAD_512);
+    const int scale_bytes = r->n / r->gs * (r->stype == SCALE_F32 ? 4 : 2);
+    float res[4];
+    const uint8_t *w[4], *pf[4], *s[4], *b[4];
     for (int t = 0; t < 4; t++) { /* past the last row: row j0 again, its result unused */
-        const int v = t < nr ? t : 0;
-        w[t] = w[v];
-        sp[t] = scale[v];
-        bp[t] = bias[v];
+        const Py_ssize_t j = j0 + (t < nr ? t : 0);
+        w[t] = w_row(r, j);
+        s[t] = s_row(r, j);
+        b[t] = b_row(r, j);
         pf[t] = j0 + t + ROWS_AHEAD_512 < r->k ? w_row(r, j0 + t + ROWS_AHEAD_512) : w[t];
         if (r->ilv) { /* (whole groups) */
             w[t] = w_row(r, j0) + 64 * t;
             pf[t] = j0 + 4 + ROWS_AHEAD_512 <= r->k ? w_row(r, j0 + ROWS_AHEAD_512) + 64 * t : w[t];
         }
+        if (t < nr && j0 + t + ROWS_AHEAD_512 < r->k) { /* (their codes: pf, in the loop) */
+            prefetch_span(s_row(r, j0 + t + ROWS_AHEAD_512), scale_bytes);
+            if (!r->sym) prefetch_span(b_row(r, j0 + t + ROWS_AHEAD_512), scale_bytes);
+        }
     }
     const int chunk = r->ilv ? 256 : 64;
     for (int p = p0; p < p1; p++) {
-        q8dot4_avx512(w, &q[p], sp, bp, r->n, r->gs, r->bits, pf, chunk, res);
+        q8dot4_avx512(w, &q[p], s, b, r->stype, r->sym, r->n, r->gs, r->bits, pf, chunk, res);
         for (int t = 0; t < nr; t++)
-            out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], scale[t], bias[t], &q[p], res[t], chunk);
+            out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], s[t], b[t], &q[p], res[t], chunk);
     }
 }
 #endif
@@ -1239,7 +1270,7 @@ static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, fl
                 else
 #endif
                     acc = q8dot_scalar(w, qp, scale, bias, ri->n, ri->gs, ri->bits);
-                outs[i][(Py_ssize_t)p * ri->k + j] = add_outliers(ri, w, scale, bias, qp, acc, 64);
+                outs[i][(Py_ssize_t)p * ri->k + j] = add_outliers(ri, w, s_row(ri, j), b_row(ri, j), qp, acc, 64);
             }
         }
     }
