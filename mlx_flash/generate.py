@@ -457,13 +457,13 @@ def setup_arg_parser():
     ahead.add_argument(
         "--no-prefetch",
         action="store_true",
-        help="Dense: read each layer's uncached units when it runs, not while the previous one computes.",
+        help="Read each layer's units when it runs, not while the previous one computes.",
     )
     ahead.add_argument(
         "--prefetch",
         action="store_true",
-        help="MoE: read the experts the next layer's router predicts while a layer computes "
-        "(off by default: it did not pay on the bench).",
+        help="Read ahead while a layer computes (the default): dense, the next layer's uncached units; MoE, the "
+        "experts the next layer's router predicts.",
     )
     p.add_argument(
         "--cached-io", action="store_true", help="Read through the OS page cache instead of O_DIRECT / F_NOCACHE."

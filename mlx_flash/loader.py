@@ -344,10 +344,9 @@ def load(
     sparsifier: an object with the sparsity.py interface (e.g. a `Predictor` trained in memory); it
     replaces `sparsity`/`density`/`gamma`. max_ppl_increase: what "auto" accepts (make_sparsifier).
     `model.flash.attach` swaps engines later.
-    prefetch: dense decoding reads the next layer's uncached units while a layer computes (two buffers
-    in the budget; see engine/read_ahead.py); None (the default) and True do. An MoE model with True reads
-    the experts the next layer's router predicts (engine/read_ahead.py, two buffers of top-k experts in the
-    budget); None leaves it off, since on the bench it read 3x the bytes and was slower (BENCHMARKS.md).
+    prefetch: reads ahead while a layer computes (engine/read_ahead.py); None (the default) and True do, False
+    does not. Dense decoding reads the next layer's uncached units (two buffers in the budget); an MoE model reads
+    the experts the next layer's router predicts into that layer's cache slots, while such guesses prove right.
     kv_bits: 4 or 8 quantises the KV cache (mlx-lm's QuantizedKVCache, `kv_group_size` elements per
     scale) from the first token; the plan holds it at that size. `model.make_cache()` builds it.
     prompt_caches: room in the budget for this many KV caches of `context` tokens stored between
@@ -399,7 +398,7 @@ def load(
             kv_group_size,
             prompt_caches,
             draft_bytes,
-            bool(prefetch),
+            prefetch is not False,
             sequences,
             half,
         )
@@ -535,14 +534,12 @@ def _load_moe(
     half: bool = False,
 ):
     """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
-    to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft;
-    and the read-ahead's staging buffers)."""
+    to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft). The
+    read-ahead reads into those slots."""
     cast = cpu_cast if dtype == mx.float32 else None
     kv_size = kv_itemsize(dtype, half)
     top_k = int(fd.experts_per_token or 0)
     read_ahead = read_ahead and top_k > 0
-    if read_ahead:
-        extra += ExpertEngine.read_ahead_bytes(fd, top_k)
     plan = plan_memory(
         fd,
         budget,

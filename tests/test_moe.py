@@ -7,7 +7,8 @@ from mlx_flash.budget import min_budget
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
-from mlx_flash.engine.experts import REGION, ExpertEngine, expert_arrays, switch_paths
+from mlx_flash.engine import experts
+from mlx_flash.engine.experts import REGION, expert_arrays, switch_paths
 from mlx_flash.engine.reader import DEFAULT_MAX_GAP_BYTES
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
@@ -54,13 +55,9 @@ def greedy(model, n=12):
     return [int(t) for t, _ in generate_step(PROMPT, model, max_tokens=n)]
 
 
-def slots_budget(fd, slots, read_ahead=False):
-    """A budget that leaves `slots` expert slots per layer (beside the read-ahead's staging buffers, if asked)."""
-    extra = ExpertEngine.read_ahead_bytes(fd, fd.config["num_experts_per_tok"]) if read_ahead else 0
-    return (
-        min_budget(fd, 64, kv_size_of(fd), extra=extra)
-        + slots * sum(REGION in l for l in fd.layers) * fd.layouts[REGION].stride
-    )
+def slots_budget(fd, slots):
+    """A budget that leaves `slots` expert slots per layer (the read-ahead reads into them)."""
+    return min_budget(fd, 64, kv_size_of(fd)) + slots * sum(REGION in l for l in fd.layers) * fd.layouts[REGION].stride
 
 
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
@@ -85,21 +82,21 @@ def test_experts_are_the_source_codes(moe_dirs, arch):
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHS)
 def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
     """Under budgets that hold every expert, one slot per layer (fewer than top-k: the rest streamed
-    uncached; with the read-ahead too) and three, greedy tokens equal stock mlx-lm's on the same weights; logits to
-    float rounding."""
+    uncached) and three without the read-ahead, and two (top-k) with it, greedy tokens equal stock mlx-lm's on the
+    same weights; logits to float rounding."""
     src_dir, flash_dir, _ = moe_dirs[arch]
     src, _ = load_source_model(src_dir, lazy=False)
     ref_tokens, ref_logits = greedy(src), src(PROMPT[None])
     fd = FlashDir(flash_dir)
     for budget, ahead in (
         (None, None),
-        (slots_budget(fd, 1), None),
-        (slots_budget(fd, 3), None),
-        (slots_budget(fd, 1, read_ahead=True), True),
+        (slots_budget(fd, 1), False),
+        (slots_budget(fd, 3), False),
+        (slots_budget(fd, 2), None),
     ):
         model, _ = load(flash_dir, memory_budget=budget, context=64, prefetch=ahead)
         try:
-            assert (model.flash.read_ahead is not None) == bool(ahead)  # off by default
+            assert (model.flash.read_ahead is not None) == (ahead is None)  # on by default
             assert (model.decoder is not None) == (arch == "qwen3_moe"), model.flash.decoder_why  # the native passes
             assert greedy(model) == ref_tokens, budget
             assert mx.abs(model(PROMPT[None]) - ref_logits).max().item() < 1e-4
@@ -111,12 +108,12 @@ def test_streamed_experts_equal_stock_mlx_lm(moe_dirs, arch, float_activations):
 
 def test_mlx_ops_path_reads_ahead_and_evicts_in_place(moe_dirs, mlx_ops, float_activations):
     """Through MLX's ops (the Metal path's arithmetic): three expert slots per layer with the read-ahead, so experts
-    are evicted in place every step and staged ones computed from their staging rows; greedy tokens equal stock
-    mlx-lm's, no row was ever moved."""
+    are evicted in place every step and others read ahead into their slots; greedy tokens equal stock mlx-lm's, no
+    row was ever moved."""
     src_dir, flash_dir, _ = moe_dirs["qwen3_moe"]
     src, _ = load_source_model(src_dir, lazy=False)
     fd = FlashDir(flash_dir)
-    model, _ = load(flash_dir, memory_budget=slots_budget(fd, 3, read_ahead=True), context=64, prefetch=True)
+    model, _ = load(flash_dir, memory_budget=slots_budget(fd, 3), context=64, prefetch=True)
     try:
         assert model.decoder is None  # (the native step is off with the kernels)
         assert greedy(model) == greedy(src)
@@ -236,7 +233,7 @@ def test_bytes_read_are_the_missed_experts(moe_dirs, read_ahead):
     _, flash_dir, _ = moe_dirs["mixtral"]
     fd = FlashDir(flash_dir)
     stride = fd.layouts[REGION].stride
-    for budget in (slots_budget(fd, 1, read_ahead), None):
+    for budget in (slots_budget(fd, 2), None):
         model, _ = load(flash_dir, memory_budget=budget, context=64, direct=False, prefetch=read_ahead)
         try:
             assert (model.flash.read_ahead is not None) == read_ahead
@@ -276,6 +273,31 @@ def test_the_read_ahead_asks_the_next_router_with_its_own_norm(moe_dirs):
         model.flash.close()
 
 
+def test_the_read_ahead_stops_while_its_guesses_are_wrong(moe_dirs):
+    """A routing the next router cannot guess (a replayed one that ignores the router) turns the read-ahead off after
+    a few tokens; the guesses go on every PROBE-th forward pass (scored, not read), so it can turn on again."""
+    _, flash_dir, _ = moe_dirs["qwen3_moe"]
+    fd = FlashDir(flash_dir)
+    model, _ = load(flash_dir, memory_budget=slots_budget(fd, 3), context=64, prefetch=True)
+    engine, rng = model.flash, np.random.default_rng(0)
+    n_experts = fd.layers[0][REGION].n_units
+    engine.route = lambda layer, chosen: rng.choice(n_experts, len(chosen), replace=False).astype(chosen.dtype)
+    try:
+        cache = model.make_cache()
+        guessed = []
+        for t in range(24):
+            mx.eval(model(mx.array([[t + 1]]), cache=cache))
+            guessed.append(engine.precision.guessed)
+        engine.stats.end()
+        ahead = [t.ahead_bytes for t in engine.stats.tokens]
+        assert ahead[0] > 0 and not any(ahead[8:]), ahead
+        assert not engine.precision.good()
+        probes = np.flatnonzero(np.diff(guessed) > 0) + 1  # the passes whose guesses were scored
+        assert all(t % experts.PROBE == 0 for t in probes[probes >= 8]) and len(probes[probes >= 8]) == 2
+    finally:
+        engine.close()
+
+
 def test_experts_stay_cached_while_they_fit(moe_dirs):
     """Experts default to LRU, not the neurons' window: with room for every expert, one unused for more tokens
     than the window (5) is still cached when its turn comes again, so each expert is read once."""
@@ -287,7 +309,7 @@ def test_experts_stay_cached_while_they_fit(moe_dirs):
         step[0] += layer == 0
         return np.array(schedule[step[0]], dtype=chosen.dtype)
 
-    model, _ = load(flash_dir, context=64)
+    model, _ = load(flash_dir, context=64, prefetch=False)  # (experts read ahead would be read for nothing)
     model.flash.route = route
     try:
         cache = model.make_cache()
@@ -390,7 +412,7 @@ def test_a_failed_read_leaves_no_unread_expert_cached(moe_dirs):
 
     _, flash_dir, _ = moe_dirs["qwen3_moe"]
     fd = FlashDir(flash_dir)
-    model, _ = load(flash_dir, memory_budget=slots_budget(fd, 3, read_ahead=True), context=64, prefetch=True)
+    model, _ = load(flash_dir, memory_budget=slots_budget(fd, 3), context=64, prefetch=True)
     engine = model.flash
     try:
         want = greedy(model)

@@ -11,7 +11,7 @@ from mlx_flash.budget import fixed_bytes, min_budget, min_streaming_budget, with
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import load_source_model
-from mlx_flash.engine.experts import REGION, ExpertEngine, experts_per_token, instantiate, switch_paths
+from mlx_flash.engine.experts import REGION, experts_per_token, instantiate, switch_paths
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.errors import UnsupportedArchitectureError
 from mlx_flash.format.directory import FlashDir
@@ -262,7 +262,7 @@ def greedy(model, generate=generate_step, n=8):
 def budgets(fd):
     """name -> memory budget: every expert cached; 2 and 4 of the 8 experts cached per layer (with the input
     embedding streamed by rows, as the planner does whenever some expert goes uncached), the first also with the
-    read-ahead of the next layer's experts beside; below the resident floor (every streamable group streamed, no
+    read-ahead of the next layer's experts into them; below the resident floor (every streamable group streamed, no
     expert cached)."""
     resident = fd.resident_nbytes(cpu_cast)
     groups = stream_groups(fd, cpu_cast, CONTEXT)
@@ -271,11 +271,10 @@ def budgets(fd):
     per_slot = len(fd.layers) * fd.layouts[REGION].stride  # (the plan splits what is left evenly over the layers)
     lowest = min_streaming_budget(fd, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
     assert lowest < min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident)
-    ahead = ExpertEngine.read_ahead_bytes(fd, fd.ffn["experts_per_token"])
     return {
         "all": None,
         "25%": base + 2 * per_slot,
-        "25% read ahead": base + ahead + 2 * per_slot,
+        "25% read ahead": base + 2 * per_slot,
         "50%": base + 4 * per_slot,
         "below floor": lowest,
     }

@@ -583,3 +583,25 @@ def test_bypassed_misses_overflow_without_admission_or_eviction():
     assert plan.slots[1] == -1 and not cache.contains(5)
     plan = cache.plan(np.array([5]), bypass=np.array([5]))
     assert plan.overflow_units.tolist() == [5] and plan.evicted == 0 and cache.num_used == 3
+
+
+@pytest.mark.parametrize("pol", ["lru", "lfu", "window"])
+def test_units_admitted_ahead_take_slots_in_place_and_go_first(pol):
+    """admit() (a read ahead into the cache) takes free slots, then the policy's victims but never one of `keep`;
+    an admitted unit the next step does not use is the first to go, one it uses is a hit."""
+    cache = UnitCache(10, 4, RB, policy=pol, compact=False)
+    write_misses(cache, cache.plan(np.array([0, 1, 2])))
+    write_misses(cache, cache.plan(np.array([0, 1])))  # 2 is now the least recent, 0 and 1 the most
+    units, slots = cache.admit(np.array([6, 5, 8]), keep=np.array([0, 2]))  # the most wanted first
+    assert units.tolist() == [6, 5] and cached_set(cache) == {0, 2, 5, 6}  # a free slot, then 1's: 8 has none
+    assert np.array_equal(cache.slots_of(units), slots) and cache.stats.evicted == 1
+    units, slots = cache.admit(np.array([9]), keep=np.array([0, 2, 5, 6]))
+    assert len(units) == len(slots) == 0 and cache.num_used == 4  # nothing may go
+    plan = cache.plan(np.array([0, 2, 6]))
+    assert plan.miss_units.size == 0 and plan.hits == 3  # 6, admitted ahead: a hit
+    plan = cache.plan(np.array([3]))  # 5 was admitted and never used: it goes first
+    assert plan.miss_units.tolist() == [3] and cached_set(cache) == {0, 2, 3, 6}
+    used = np.flatnonzero(cache.slot_to_unit >= 0)
+    assert used.size == cache.num_used and np.array_equal(cache.unit_to_slot[cache.slot_to_unit[used]], used)
+    with pytest.raises(ValueError, match="in place"):
+        UnitCache(10, 4, RB).admit(np.array([1]))

@@ -60,6 +60,8 @@ from typing import Optional, Union
 import mlx.core as mx
 import numpy as np
 
+from .memory import use_huge_pages
+
 __all__ = [
     "UnitCache",
     "Plan",
@@ -231,6 +233,7 @@ class UnitCache:
         addr = whole.__array_interface__["data"][0]
         self.base_offset = int((-addr) % alignment)
         self.host = whole[self.base_offset : self.base_offset + nbytes].reshape(capacity, row_bytes)
+        use_huge_pages(whole)
         self.rows = self.buffer[self.base_offset : self.base_offset + nbytes].reshape(capacity, row_bytes)
         mx.eval(self.rows)
 
@@ -434,6 +437,34 @@ class UnitCache:
         n2s[admitted] = miss_slots
         self.num_used = used + admitted.size
         return self._commit(act, n2s[act], n_hit, admitted, miss_slots, overflow, n_del, moved)
+
+    def admit(self, units: np.ndarray, keep: Optional[np.ndarray] = None):
+        """Slots for `units` (none cached; the most wanted first) ahead of a step that may need them (a read ahead,
+        in place only): free slots first, then the policy's victims, never one of `keep` (cached units that step is
+        expected to use too). They count as never active, so a step that does not use them lets them go first
+        (window: at once). Returns (the units admitted: as many as there are slots for, their slots); the caller reads
+        them into the slots before the next plan or compute touches those rows."""
+        if self.compact:
+            raise ValueError("admit() fills slots in place; a compact cache keeps its rows contiguous")
+        units = np.asarray(units, dtype=np.int64)
+        s2n, n2s = self.slot_to_unit, self.unit_to_slot
+        free = np.flatnonzero(s2n < 0)
+        if len(units) > len(free):
+            cached = s2n[s2n >= 0].astype(np.int64)
+            if keep is not None:
+                cached = cached[~np.isin(cached, keep)]
+            units = units[: len(free) + len(cached)]
+            victims = self._victims(cached, len(units) - len(free))
+            s2n[n2s[victims]] = -1
+            n2s[victims] = -1
+            self.stats.evicted += len(victims)
+            self.num_used -= len(victims)
+            free = np.flatnonzero(s2n < 0)
+        slots = free[: len(units)].astype(np.int32)
+        s2n[slots], n2s[units] = units, slots
+        self.last_active[units] = -1  # never active (not _NEVER: _victims' keys multiply it)
+        self.num_used += len(units)
+        return units.astype(np.int32), slots
 
     def plan_whole(self) -> Optional[Plan]:
         """plan(every unit) where the cache holds every unit, without plan's checks and lookups (each unit's slot is

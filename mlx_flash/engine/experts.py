@@ -8,7 +8,8 @@ mlx-lm's: the selection is the model's own top-k, exact. Per layer and forward p
     indices --host (the layer's one synchronisation)--> the union of the experts the tokens chose
       --the unit step (units.py), one block per expert--> each expert's gate / up / down computed from its row
       in place (cache, staging or scratch), for the tokens that chose it
-      the next MoE layer's router applied to this layer's input: its predicted experts read ahead (read_ahead.py)
+      the next MoE layer's router applied to this layer's input: its predicted experts read ahead into that
+      layer's cache (read_ahead.py)
 
 On flash each expert is one unit: its gate, up and down matrices (fc1 and fc2) (codes, scales, and biases where the
 source has them: symmetric codes such as Q4_0 keep none) back to back, aligned so it is read straight
@@ -27,7 +28,7 @@ from ..compute import cpu_gemv
 from ..errors import UnsupportedArchitectureError
 from ..models import get_model_classes
 from .cache import UnitCache
-from .read_ahead import ReadAhead
+from .read_ahead import IntoCache
 from .units import Engine
 
 REGION = "experts"
@@ -197,6 +198,30 @@ def next_routers(model: nn.Module, paths: Dict[int, str]):
     return out
 
 
+# Read ahead while at least this share of the uncached experts guessed for a layer was routed to: a wrong guess
+# costs a read and evicts an expert that may be routed to (sticky routing: most experts a token routes to are cached,
+# so what the guess lacks is mostly wrong; uniform routing: it is mostly right). Below it, guess only every PROBE-th
+# forward pass, to notice when guessing pays again.
+PRECISION = 0.75
+PROBE = 8
+
+
+class Precision:
+    """Right and all guesses, each layer's count weighing in with a decay: recent tokens' say."""
+
+    DECAY = 0.98  # a layer's guesses (about a token of a 48-layer model) halve in weight after 34 layers
+
+    def __init__(self):
+        self.right = self.guessed = 0.0
+
+    def add(self, right: int, guessed: int):
+        self.right = self.right * self.DECAY + right
+        self.guessed = self.guessed * self.DECAY + guessed
+
+    def good(self) -> bool:
+        return self.right >= PRECISION * self.guessed
+
+
 class ExpertEngine(Engine):
     """Owns the reader, the per-layer expert caches, the scratch buffer and the stats of an MoE model."""
 
@@ -218,6 +243,7 @@ class ExpertEngine(Engine):
         self.why = None
         self.route = None  # benchmarks: (layer, chosen experts) -> the experts to read instead (a replayed trace)
         self.routers, self.top_k = {}, 0  # the next layer's router per layer (read_ahead_with)
+        self.guesses, self.precision = {}, Precision()  # layer -> the experts guessed for it, lacking; how right
         caches = [
             {
                 REGION: UnitCache(
@@ -238,15 +264,10 @@ class ExpertEngine(Engine):
         self.row_layouts = {n: self._row_layout(n) for n, q in self.quant.items() if q is not None}
 
     def read_ahead_with(self, routers: dict, top_k: int):
-        """Read ahead the experts the next layer's router (next_routers) picks for each layer's input: two staging
-        buffers of top_k experts (`read_ahead_bytes`)."""
+        """Read ahead the experts the next layer's router (next_routers) picks for each layer's input, up to top_k
+        (a decode step's routing of one layer) into that layer's cache slots: no DRAM beside the caches."""
         self.routers, self.top_k = routers, top_k
-        self.read_ahead = ReadAhead(self, REGION, top_k)
-
-    @staticmethod
-    def read_ahead_bytes(fd, top_k: int) -> int:
-        """DRAM of the read-ahead's staging buffers: two of top_k experts (a decode step's routing of one layer)."""
-        return ReadAhead.nbytes(fd.layouts[REGION].stride, top_k)
+        self.read_ahead = IntoCache(self, REGION, top_k)
 
     @classmethod
     def from_plan(cls, fd, plan, reader, policy: str = "lru", window: int = 5, compute_dtype=mx.float32):
@@ -349,6 +370,8 @@ class ExpertEngine(Engine):
         """The next layer's top-k experts for each token of this layer's expert input x [..., D] (lazy), or None."""
         if self.read_ahead is None or layer not in self.routers:
             return None
+        if not self.precision.good() and len(self.stats.tokens) % PROBE:  # guessing wrong: only now and then
+            return None
         _, scale, gate = self.routers[layer]
         logits = gate((x * scale).astype(x.dtype))
         if isinstance(logits, tuple):  # a router that picks itself (DeepSeek's grouped top-k): (indices, scores)
@@ -356,13 +379,22 @@ class ExpertEngine(Engine):
         return mx.argpartition(-logits, self.top_k - 1, axis=-1)[..., : self.top_k]
 
     def _read_next(self, layer: int, predicted: np.ndarray):
-        """Read the predicted experts of the next MoE layer that its cache lacks (most-voted first, as many as a
-        staging buffer holds)."""
+        """Read the predicted experts of the next MoE layer that its cache lacks (most-voted first, top_k of them)
+        into its cache, while such guesses have been right (`precision`) and the cache holds a token's experts."""
         target = self.routers[layer][0]
         ids, votes = np.unique(predicted, return_counts=True)
         lacking = ~self.caches[target][REGION].contains(ids)
         missing = ids[lacking][np.argsort(-votes[lacking], kind="stable")][: self.read_ahead.rows]
-        self.read_ahead.start(target, np.sort(missing), predicted=ids)
+        self.guesses[target] = missing
+        # (a cache that holds fewer than a token's experts streams the rest, and their reads would queue behind)
+        if self.precision.good() and self.caches[target][REGION].capacity >= self.top_k:
+            self.read_ahead.start(target, missing, predicted=ids)
+
+    def _score(self, layer: int, units: np.ndarray):
+        """Count how many of the experts guessed for this layer (read ahead or not) it routed to."""
+        guess = self.guesses.pop(layer, None)
+        if guess is not None and len(guess):
+            self.precision.add(int(np.isin(guess, units).sum()), len(guess))
 
     def _experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
         shape, k = indices.shape, indices.shape[-1]
@@ -374,6 +406,7 @@ class ExpertEngine(Engine):
             chosen = self.route(layer, chosen)
         units, inverse = np.unique(chosen, return_inverse=True)
         self.stats.current.active.append(len(units))
+        self._score(layer, units)
         by_unit = np.argsort(inverse, kind="stable")  # (token, choice) pairs, grouped by the expert they chose
         pairs = np.split(by_unit, np.cumsum(np.bincount(inverse, minlength=len(units)))[:-1])
         native = self._native(xf, activation)

@@ -1,10 +1,16 @@
-"""Units read ahead of need: while layer l computes, units layer l+1 is expected to need are read into staging
-buffers of their own (two, in the budget), which never evict a cache's working set.
+"""Units read ahead of need: while layer l computes, units layer l+1 is expected to need are read, two ways.
 
 What is expected is the kind's business (neurons.py: a full dense cache's overflow, the same every token; experts.py:
-the experts the next layer's router picks for this layer's input). When that layer's step runs (units.py), the
-staged units it needs are used: a staged miss is copied into its cache row, a staged overflow unit is computed from
-its staging row in place, and only the shortfall is read. Staged units it does not need count as wasted bytes.
+the experts the next layer's router picks for this layer's input). When that layer's step runs (units.py), the units
+read ahead that it needs are used where they are, and only the shortfall is read. Units it does not need count as
+wasted bytes.
+
+* `ReadAhead` (neurons): into two staging buffers of their own, in the budget, which never evict a cache's working
+  set; a full dense cache's overflow is the same every token, so caching it would only evict what the next token
+  needs again.
+* `IntoCache` (experts): into the next layer's cache slots, taken at once (`UnitCache.admit`): the experts a token
+  reads ahead stay cached for the tokens after it, as its misses do, and no staging buffer takes budget from the
+  cache. The layer's step waits for them before it computes them or reuses a slot of one it did not need.
 """
 
 from dataclasses import dataclass
@@ -27,6 +33,7 @@ class Staged:
     host: np.ndarray
     wait: Callable[[], None]
     predicted: Optional[np.ndarray] = None  # what the prediction chose (units: those the cache lacked)
+    slots: Optional[np.ndarray] = None  # IntoCache: the units' cache slots (rows and host: None)
 
 
 class ReadAhead:
@@ -80,6 +87,47 @@ class ReadAhead:
             try:
                 staged.wait()
             except ReadError as e:  # wait for the others first: their buffers must not be reused while in flight
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+class IntoCache:
+    """Units read ahead into their layer's cache slots (`Staged.slots`), one batch per layer in flight."""
+
+    def __init__(self, engine, region: str, rows: int):
+        self.engine, self.region, self.rows = engine, region, rows
+        self.stride = engine.fd.layouts[region].stride
+        self.pending: Dict[int, Staged] = {}
+
+    def start(self, layer: int, units: np.ndarray, predicted: Optional[np.ndarray] = None):
+        """Admit `units` (uncached, the most wanted first; at most `rows` taken) into `layer`'s cache, never
+        evicting another of `predicted`, and start reading them into their slots."""
+        self.drain()  # what no step took: its slots may be taken again now
+        cache = self.engine.caches[layer][self.region]
+        units, slots = cache.admit(units[: self.rows], keep=predicted)
+        if not len(units):
+            return
+        order = np.argsort(units)  # (neighbours on flash coalesce)
+        units, slots = units[order], slots[order]
+        wait = self.engine._read_misses(layer, self.region, units, slots)
+        self.engine.stats.current.ahead_bytes += len(units) * self.stride
+        self.pending[layer] = Staged(None, units, None, None, _once(wait), predicted, slots)
+
+    def take(self, layer: int) -> Optional[Staged]:
+        return self.pending.pop(layer, None)
+
+    def drain(self):
+        """Wait for the reads no step took (their units stay cached; bytes wasted until a step uses them). A layer
+        whose read failed forgets its cache (rows never filled), then the ReadError is raised."""
+        pending, self.pending = self.pending, {}
+        errors = []
+        for layer, staged in pending.items():
+            self.engine.stats.current.ahead_wasted_bytes += len(staged.units) * self.stride
+            try:
+                staged.wait()
+            except ReadError as e:
+                self.engine.caches[layer][self.region].reset(stats=False)
                 errors.append(e)
         if errors:
             raise errors[0]

@@ -4,10 +4,11 @@ Per layer and forward pass a kind says which units it needs (sorted ids) and how
 step does the rest:
 
     active --UnitCache.plan--> hits, misses (admitted into cache slots), overflow (more than the cache holds);
-      units read ahead for this layer (read_ahead.py) are used in their staging rows, not admitted (no copy, no
-      eviction for them);  the misses --reader (pread pool)--> their cache rows
-      the blocks of hits and staged rows computed while the misses are read, then the blocks with misses, then
-      those with overflow, read through the scratch buffer a chunk at a time
+      units read ahead for this layer (read_ahead.py) are used where they are: in their staging rows, not admitted
+      (no copy, no eviction for them), or in the cache slots they were read into;
+      the misses --reader (pread pool)--> their cache rows
+      the blocks of hits computed while the misses are read, then those with units read ahead, then the blocks with
+      misses, then those with overflow, read through the scratch buffer a chunk at a time
       every read unit checked against its checksum the first time it is read (checks.py)
 
 Results come back per block, in block order. A block is `block` consecutive ids: REDUCTION_UNITS for neurons, whose
@@ -209,18 +210,25 @@ class Engine:
         cache = self.caches[layer][region]
         ahead = self.read_ahead
         staged = ahead.take(layer) if ahead is not None and ahead.region == region else None
+        in_cache = staged is not None and staged.slots is not None
         t = time.perf_counter()
-        plan = cache.plan(active, bypass=None if staged is None else staged.units)  # staged: used where they are
+        plan = cache.plan(active, bypass=None if staged is None or in_cache else staged.units)  # used where they are
         s = self.stats.current
         s.mm_s += time.perf_counter() - t
-        s.misses += len(plan.miss_units) + len(plan.overflow_units)
-        s.hits += len(active) - len(plan.miss_units) - len(plan.overflow_units)
+        late = np.isin(active, staged.units) if in_cache else None  # cached, their reads maybe still in flight
+        read = len(plan.miss_units) + len(plan.overflow_units) + (int(late.sum()) if in_cache else 0)
+        s.misses += read
+        s.hits += len(active) - read
+        if in_cache and np.isin(plan.miss_slots, staged.slots).any():
+            staged.wait()  # a slot read ahead for nothing, now a miss's: its read lands first
         wait = self._read_misses(layer, region, plan.miss_units, plan.miss_slots)
         if read_next is not None:
             read_next()
         if not self.overlap or not len(active):
             wait()
         if not len(active):
+            if in_cache:
+                staged.wait()
             return []
         blocks = self._blocks(active, block)
         if staged is None and not len(plan.miss_units) and not len(plan.overflow_units) and per is None:
@@ -230,7 +238,8 @@ class Engine:
         where, index = self._where(active, plan, staged)
         # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
         reading = (where == 0) & np.isin(active, plan.miss_units)
-        kind = np.maximum.reduceat(np.select([where == 2, reading, where == 1], [3, 2, 1], 0), blocks.starts)
+        ahead_rows = (where == 1) if late is None else late
+        kind = np.maximum.reduceat(np.select([where == 2, reading, ahead_rows], [3, 2, 1], 0), blocks.starts)
         parts = [None] * len(blocks)
         buffers = [cache.rows, cache.rows if staged is None else staged.rows]
 
@@ -247,7 +256,7 @@ class Engine:
                 parts[group[0] : group[-1] + 1] = out
 
         compute(np.flatnonzero(kind == 0))  # the hits, while the misses (and the tail of the reads ahead) arrive
-        if (where == 1).any():
+        if ahead_rows.any() or in_cache:  # (in the cache: slots not needed now are reused next token)
             staged.wait()
         compute(np.flatnonzero(kind == 1))  # rows read ahead, in place
         wait()  # before anything reads the misses' rows

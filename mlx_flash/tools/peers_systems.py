@@ -299,7 +299,7 @@ SYSTEMS = {
     "mlx_flash dense": (_flash_cmd("flash", "dense"), "flash"),
     "mlx_flash dip": (_flash_cmd("flash_dip", "dip"), "flash_dip"),
     "mlx_flash prompt-lookup": (_flash_cmd("flash", "dense", "--prompt-lookup"), "flash"),
-    "mlx_flash prefetch": (_flash_cmd("flash", "dense", "--prefetch"), "flash"),  # MoE: the next layer's experts ahead
+    "mlx_flash no-prefetch": (_flash_cmd("flash", "dense", "--no-prefetch"), "flash"),  # nothing read ahead
     "nunspark": (_nunspark_cmd, "nunspark"),
 }
 RESIDENT = ("llama.cpp", "llama.cpp mmap", "mlx-lm")  # also run with no cap, the model in the page cache (--resident)
