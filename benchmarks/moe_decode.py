@@ -15,7 +15,7 @@ prompt), hit rate of the expert caches overall, at cold start (until the misses 
 steady state (after), device bytes and I/O wait per token, experts used per layer over the run, the routing
 regime (a synthetic directory's --routing, tools/synthetic.py) and its measured consecutive-token reuse and
 per-expert frequency (entropy), and what the missed bytes would take at fio's rate of the same run;
-with `--read-ahead on,off`, the next layer's experts read ahead (experts.ReadAhead) against none: bytes
+with `--read-ahead on,off`, the next layer's experts read ahead (read_ahead.IntoCache) against none: bytes
 read ahead, of them unused, and how many of the routed experts the next layer's router predicted (a skewed
 trace replaces the router's choice, so there the prediction has nothing to predict: labelled).
 """
@@ -67,7 +67,8 @@ times = []
 for i, t in enumerate(ids):
     step[0] = i
     tic = time.perf_counter()
-    mx.eval(model(mx.array([[int(t)]]), cache=cache))
+    # the native decode step where the model has one, as generate runs it
+    mx.eval(model.decoder([int(t)], cache) if model.decoder is not None else model(mx.array([[int(t)]]), cache=cache))
     times.append(time.perf_counter() - tic)
 e.stats.end()
 toks = e.stats.tokens[1:]
@@ -126,7 +127,7 @@ def setup_arg_parser():
         "--burst", type=float, default=0.5, help="skewed: chance each of the previous token's experts is kept."
     )
     p.add_argument(
-        "--read-ahead", default="off", help="Comma-separated: off (load's default for MoE), on (experts.ReadAhead)."
+        "--read-ahead", default="on", help="Comma-separated: on (load's default: read_ahead.IntoCache), off."
     )
     p.add_argument("--json", default=None)
     return p

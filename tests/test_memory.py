@@ -1,8 +1,6 @@
 """The budget is the whole process: peak RSS above the baseline `load` records stays under it, the
 selector's DRAM is planned, and the stats say so."""
 
-from pathlib import Path
-
 import mlx_flash
 from mlx_flash.budget import parse_size
 from mlx_flash.default_model import default_model_dir
@@ -11,9 +9,6 @@ from mlx_flash.errors import BudgetError
 from mlx_flash.format.directory import FlashDir
 
 import pytest
-
-_THP_MODES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-_THP = _THP_MODES.read_text() if _THP_MODES.exists() else ""
 
 PROMPT = "The history of the city begins. " * 8  # ~60 tokens: prefill activations count too
 
@@ -67,33 +62,3 @@ def test_the_oracles_copy_is_in_the_plan():
         assert 0 < model.flash.stats.summary()["peak_rss_bytes"] <= model.flash.plan.budget
     finally:
         model.flash.close()
-
-
-def _huge_bytes_at(address: int) -> int:
-    """AnonHugePages of the mapping holding `address` (/proc/self/smaps)."""
-    inside, lines = False, open("/proc/self/smaps").read().splitlines()
-    for line in lines:
-        first = line.split()[0]
-        if "-" in first and not first.endswith(":"):
-            lo, hi = (int(v, 16) for v in first.split("-"))
-            inside = lo <= address < hi
-        elif inside and first == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-@pytest.mark.skipif(
-    "[always]" not in _THP and "[madvise]" not in _THP, reason="no transparent huge pages on this kernel"
-)
-def test_cache_rows_are_huge_pages_of_zeros():
-    """A unit cache's rows are backed by huge pages where first written (O_DIRECT reads go out as larger
-    requests), and read as zeros before: the pages were dropped, not their contents kept."""
-    from mlx_flash.engine.cache import UnitCache
-
-    import numpy as np
-
-    cache = UnitCache(16, 16, 1 << 20, compact=False)  # 16 MiB of rows
-    assert not cache.host.any()
-    cache.host[:] = 1
-    assert _huge_bytes_at(cache.row_address(8)) >= 8 << 20
-    assert np.asarray(memoryview(cache.rows)).all()

@@ -60,8 +60,6 @@ from typing import Optional, Union
 import mlx.core as mx
 import numpy as np
 
-from .memory import use_huge_pages
-
 __all__ = [
     "UnitCache",
     "Plan",
@@ -233,7 +231,6 @@ class UnitCache:
         addr = whole.__array_interface__["data"][0]
         self.base_offset = int((-addr) % alignment)
         self.host = whole[self.base_offset : self.base_offset + nbytes].reshape(capacity, row_bytes)
-        use_huge_pages(whole)
         self.rows = self.buffer[self.base_offset : self.base_offset + nbytes].reshape(capacity, row_bytes)
         mx.eval(self.rows)
 

@@ -7,7 +7,7 @@ mlx-lm's: the selection is the model's own top-k, exact. Per layer and forward p
 
     indices --host (the layer's one synchronisation)--> the union of the experts the tokens chose
       --the unit step (units.py), one block per expert--> each expert's gate / up / down computed from its row
-      in place (cache, staging or scratch), for the tokens that chose it
+      in place (cache or scratch), for the tokens that chose it
       the next MoE layer's router applied to this layer's input: its predicted experts read ahead into that
       layer's cache (read_ahead.py)
 

@@ -6,17 +6,11 @@ records that baseline and resets the peak, so `peak_above_baseline()` is the run
 Linux reads /proc/self/status; elsewhere the peak comes from getrusage (not resettable) and RSS is 0.
 """
 
-import ctypes
-import os
 import resource
 import sys
 from pathlib import Path
 
-import numpy as np
-
 _STATUS = Path("/proc/self/status")
-HUGE_PAGE = 2 << 20
-HUGE_PAGES = os.environ.get("MLX_FLASH_HUGE_PAGES", "1") != "0" and sys.platform.startswith("linux")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
@@ -71,21 +65,3 @@ def reset_peak() -> bool:
         return True
     except OSError:
         return False
-
-
-def use_huge_pages(host: np.ndarray) -> int:
-    """Back the 2 MiB-aligned interior of `host`, fresh memory whose bytes are all zeros, with transparent huge
-    pages, faulted in where first written: an O_DIRECT read into physically contiguous memory goes to the device
-    as fewer, larger requests (BENCHMARKS.md), and the compute reading it misses the TLB less. The bytes stay
-    zeros (the kernel drops the pages and zero-fills new ones). Linux only; returns the bytes advised (0 where not:
-    elsewhere, MLX_FLASH_HUGE_PAGES=0 or too small)."""
-    addr = host.__array_interface__["data"][0]
-    start = -(-addr // HUGE_PAGE) * HUGE_PAGE
-    n = (addr + host.nbytes - start) // HUGE_PAGE * HUGE_PAGE
-    if not HUGE_PAGES or n <= 0:
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    at, length = ctypes.c_void_p(start), ctypes.c_size_t(n)
-    if libc.madvise(at, length, 4) or libc.madvise(at, length, 14):  # MADV_DONTNEED, MADV_HUGEPAGE
-        return 0  # (a kernel without THP: the 4 KiB pages, zeros either way)
-    return n

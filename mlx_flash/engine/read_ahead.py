@@ -25,7 +25,8 @@ from .reader import AlignedBuffer
 
 @dataclass
 class Staged:
-    """Units of one layer in a staging buffer: row i of `rows` / `host` is units[i] once `wait()` returned."""
+    """Units of one layer read ahead, usable once `wait()` returned: in a staging buffer (row i of `rows` / `host`
+    is units[i]) or in the layer's cache slots `slots`."""
 
     buffer: int
     units: np.ndarray
