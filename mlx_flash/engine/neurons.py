@@ -128,9 +128,9 @@ class NeuronEngine(Engine):
         return engine
 
     # -- I/O -------------------------------------------------------------------
-    def _read_misses(self, layer, region, units, slots):
+    def read_into_slots(self, layer, region, units, slots):
         if not self.fd.layouts[region].encoded:  # straight into the cache rows, waited for later
-            return super()._read_misses(layer, region, units, slots)
+            return super().read_into_slots(layer, region, units, slots)
         cache = self.caches[layer][region]
         for pos, rows in self._chunks(layer, region, units):  # encoded: read and expanded now
             t = time.perf_counter()

@@ -111,7 +111,7 @@ class IntoCache:
             return
         order = np.argsort(units)  # (neighbours on flash coalesce)
         units, slots = units[order], slots[order]
-        wait = self.engine._read_misses(layer, self.region, units, slots)
+        wait = self.engine.read_into_slots(layer, self.region, units, slots)
         self.engine.stats.current.ahead_bytes += len(units) * self.stride
         self.pending[layer] = Staged(None, units, None, None, _once(wait), predicted, slots)
 

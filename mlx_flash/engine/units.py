@@ -137,8 +137,9 @@ class Engine:
 
         return checked
 
-    def _read_misses(self, layer: int, region: str, units: np.ndarray, slots: np.ndarray) -> Callable[[], None]:
-        """Start reading misses into their cache rows; returns the function that waits for them."""
+    def read_into_slots(self, layer: int, region: str, units: np.ndarray, slots: np.ndarray) -> Callable[[], None]:
+        """Start reading units into their cache slots (misses, or units read ahead); returns the function that waits
+        for them."""
         cache = self.caches[layer][region]
         return self.submit(
             layer, region, units, cache.buffer, cache.base_offset + slots.astype(np.int64) * cache.row_bytes
@@ -221,7 +222,7 @@ class Engine:
         s.hits += len(active) - read
         if in_cache and np.isin(plan.miss_slots, staged.slots).any():
             staged.wait()  # a slot read ahead for nothing, now a miss's: its read lands first
-        wait = self._read_misses(layer, region, plan.miss_units, plan.miss_slots)
+        wait = self.read_into_slots(layer, region, plan.miss_units, plan.miss_slots)
         if read_next is not None:
             read_next()
         if not self.overlap or not len(active):
