@@ -49,11 +49,6 @@ class ReadAhead:
         self.pending: Dict[int, Staged] = {}
         self.in_use = None  # the buffer `take` gave out last: its layer may still compute from it
 
-    @staticmethod
-    def nbytes(stride: int, rows: int) -> int:
-        """DRAM of the staging buffers (alignment slack aside)."""
-        return 2 * rows * stride
-
     def start(self, layer: int, units: np.ndarray, predicted: Optional[np.ndarray] = None):
         """Start reading `units` (sorted, at most `rows`) of `layer` into a free buffer (none free: not read)."""
         self.drain()  # what no step took (its layer did not run): its buffer is reused
