@@ -29,6 +29,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -1138,6 +1140,13 @@ static int int8_path(const Rows *r) {
     return r->bits == 4 && cpu_has_avx2() ? 2 : 0;
 }
 
+/* Whether 4-bit rows take int8 activations on this CPU (info()'s "int8"): the loops above are x86's (AVX2, VNNI,
+   AVX-512; the scalar ones run only under set_simd(False)); elsewhere (ARM) activations stay float. */
+static int int8_runs(void) {
+    const Rows r = {.bits = 4, .gs = 32};
+    return int8_path(&r) != 0;
+}
+
 /* xq (4 bits) for 512-bit loads: each two block pairs' halves regrouped, [even 32 of pair 0, even 32 of pair 1, odd
    32 of pair 0, odd 32 of pair 1]; a last pair or block as it was. */
 static void quad_x(const int8_t *xq, int n, int8_t *xq4) {
@@ -1169,11 +1178,23 @@ static inline float add_outliers(const Rows *r, const uint8_t *w, const uint8_t 
     return acc;
 }
 
+/* n bytes at a 64-byte boundary (free() releases them). posix_memalign takes any size, where C11's aligned_alloc
+   wants a multiple of the alignment (macOS returns NULL otherwise); the loops cannot hand an error back, so a
+   failed allocation ends the process with a message rather than writing through NULL. */
+static void *alloc64(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64) != 0 || p == NULL) {
+        fprintf(stderr, "cpu_gemv: out of memory (%zu bytes)\n", n);
+        abort();
+    }
+    return p;
+}
+
 /* m positions of x [m, r->n] quantised for r's loops (path: int8_path): q[p] over one allocation, *mem (free it) */
 static QX *quantize_rows(const Rows *r, const float *x, int m, int path, void **mem) {
     const int groups = r->n / r->gs, quads = path == 4 && r->bits == 4;
     const size_t n = (size_t)r->n, xq_bytes = (m * n * (quads ? 2 : 1) + 63) / 64 * 64;
-    int8_t *xq = aligned_alloc(64, xq_bytes + sizeof(float) * m * (n / 32 + groups + n / 8) + sizeof(QX) * m);
+    int8_t *xq = alloc64(xq_bytes + sizeof(float) * m * (n / 32 + groups + n / 8) + sizeof(QX) * m);
     float *f = (float *)(xq + xq_bytes);
     QX *q = (QX *)(f + m * (n / 32 + groups + n / 8));
     for (int p = 0; p < m; p++) {
@@ -2640,7 +2661,7 @@ static PyObject *py_info(PyObject *self, PyObject *noargs) {
 #endif
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "avx2", cpu_has_avx2(), "vnni", cpu_has_vnni(), "avx512_cpu",
                          cpu_has_avx512(), "simd", simd_allowed && cpu_has_avx2(), "avx512", use_avx512(), "int8",
-                         int8_allowed, "threads", threads);
+                         int8_runs(), "threads", threads);
 }
 
 #define ARGS_DOC                                                                                              \

@@ -486,3 +486,40 @@ def test_a_bound_ffn_glu_reads_its_slots_as_they_are():
     assert_same(bound(x), want, "moved")
     x2 = rng.standard_normal((2, x.shape[1])).astype(np.float32)
     assert_same(bound(x2), cpu_gemv.ffn_glu(x2, gate, up, slots, args, dst, 7), "two positions")
+
+
+@pytest.fixture(scope="module")
+def portable_build(tmp_path_factory):
+    """The extension as a CPU without x86's SIMD gets it (ARM: CPU_GEMV_NO_SIMD compiles the same loops out), loaded
+    under another name beside the package's."""
+    import importlib.util
+    import shutil
+    import sysconfig
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("portable") / ("_cpu_gemv" + sysconfig.get_config_var("EXT_SUFFIX"))
+    src = os.path.join(os.path.dirname(__file__), "..", "kernels", "cpu_gemv.c")
+    include = sysconfig.get_paths()["include"]
+    subprocess.run(
+        [cc, "-O1", "-shared", "-fPIC", "-DCPU_GEMV_NO_SIMD", f"-I{include}", src, "-o", str(out)], check=True
+    )
+    spec = importlib.util.spec_from_file_location("_cpu_gemv", out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_cpu_without_int8_loops_says_so(portable_build, loops):
+    """Where no int8 loop exists (no x86 SIMD), info() reports float activations, and row_dot computes with them."""
+    if loops == "scalar":
+        pytest.skip("one build, one check")
+    assert portable_build.info()["int8"] == 0
+    rng = np.random.default_rng(3)
+    wq, s, b = quantized(rng, 64, 256, 4, 32, mx.float32)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    out = np.empty((1, 64), np.float32)
+    portable_build.row_dot(x, out, wq, 0, wq.shape[1] * 4, s, 0, s.shape[1] * 4, b, 0, b.shape[1] * 4, None, 64, 256, 4,
+                           32, 2)  # fmt: skip
+    assert np.allclose(out, reference(mx.array(x), wq, s, b, 32, 4, True), rtol=1e-5, atol=1e-4)
