@@ -26,10 +26,10 @@ from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 from mlx_flash.budget import fixed_bytes, parse_size, plan_memory, with_streamed
-from mlx_flash.engine import memory
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.stage import StageDir
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 from mlx_flash.loader import cpu_cast, load, load_tokenizer
 from mlx_flash.pipeline import PassClock, split_layers
 from mlx_flash.tools.bench_io import machine_info

@@ -55,13 +55,13 @@ import numpy as np
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .calib.trace import Trace, TraceSparsifier, default_trace, describe_selector, gate_up_weights
 from .default_model import default_model_dir
-from .engine import memory
 from .engine.neurons import NeuronEngine
-from .engine.reader import aligned_buffer, open_reader
 from .engine.resident import stream_groups
 from .engine.sparsity import Dense, dram_bytes
 from .format.directory import FlashDir
 from .generate import generate_step, speculative_generate_step
+from .io import memory
+from .io.reader import aligned_buffer, open_reader
 from .loader import cpu_cast, kv_size_of, load, load_resident, load_tokenizer, make_sparsifier
 from .speculative import PromptLookup, SpeculativeStats
 from .texts import read_text

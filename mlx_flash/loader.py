@@ -13,7 +13,6 @@ from .budget import (
     FFN_BOUNCE_BYTES,
     ffn_reader_threads,
     fmt_bytes,
-    head_dim,
     kv_tokens,
     longest_context,
     min_streaming_budget,
@@ -23,17 +22,18 @@ from .budget import (
 from .compute import cpu_gemv
 from .compute.ffn import ResidentFFN
 from .default_model import default_model_dir
-from .engine import memory
 from .engine.experts import SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
 from .engine.native_step import HostDecoder, HostKVCache
 from .engine.neurons import FlashFFN, NeuronEngine
-from .engine.reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
 from .engine.selectors import load_selector_arrays, wina_norms
 from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
 from .engine.stage import StageDir, absent_modules
 from .errors import BudgetError, FlashError, FlashFormatError
+from .format.config import head_dim
 from .format.directory import MANIFEST, RESIDENT, FlashDir, dense_ffn_weights
+from .io import memory
+from .io.reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .models import get_model_classes
 from .models.architectures import adapter_for
 

@@ -9,10 +9,10 @@ from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.engine import experts
 from mlx_flash.engine.experts import REGION, expert_arrays, switch_paths
-from mlx_flash.engine.reader import DEFAULT_MAX_GAP_BYTES
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
+from mlx_flash.io.reader import DEFAULT_MAX_GAP_BYTES
 from mlx_flash.loader import kv_size_of, load, load_resident
 from mlx_flash.models.tiny import TINY_MOE_ARCHS, make_tiny_model_dir
 

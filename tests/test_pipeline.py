@@ -14,11 +14,11 @@ from mlx_flash.budget import fixed_bytes, min_budget, with_streamed
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.default_model import default_model_dir
-from mlx_flash.engine import memory
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.stage import StageDir
 from mlx_flash.errors import CapError
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 from mlx_flash.loader import cpu_cast, kv_size_of, load, load_tokenizer
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.pipeline import PipelineError, parse_split, split_layers

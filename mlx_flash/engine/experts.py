@@ -26,6 +26,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from ..compute import cpu_gemv
 from ..errors import UnsupportedArchitectureError
+from ..format.quant import symmetric_biases
 from ..models import get_model_classes
 from .cache import UnitCache
 from .read_ahead import IntoCache
@@ -288,7 +289,7 @@ class ExpertEngine(Engine):
             )
         q = self.quant[name]
         if q is not None and q.get("symmetric"):
-            parts["biases"] = cpu_gemv.symmetric_biases(parts["scales"], q["bits"])
+            parts["biases"] = symmetric_biases(parts["scales"], q["bits"])
         return parts
 
     def _project(self, x: mx.array, row: mx.array, name: str) -> mx.array:

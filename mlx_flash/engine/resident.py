@@ -34,8 +34,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from ..io.reader import aligned_buffer, aligned_span
 from .experts import SWITCHES, instantiate
-from .reader import aligned_buffer, aligned_span
 
 HEAD_CHUNK_BYTES = 2 << 20  # LM head rows per streamed chunk: large reads, little memory
 STREAM_THREADS = 8  # a few large reads per load

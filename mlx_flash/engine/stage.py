@@ -15,8 +15,8 @@ from typing import Callable, Dict
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..budget import LAYERS
 from ..errors import FlashError, UnsupportedArchitectureError
+from ..format.config import LAYERS
 from ..format.directory import FlashDir
 from .experts import instantiate
 from .resident import EMBEDDINGS, LINEARS
