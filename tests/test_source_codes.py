@@ -195,6 +195,7 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
     from mlx_flash.format import directory as flash_format
     from mlx_flash.generate import generate_step as flash_generate_step
     from mlx_flash.loader import cpu_cast
+    from mlx_flash.models.inspect import instantiate
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
     from mlx.utils import tree_flatten
@@ -226,7 +227,7 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
                 CONTEXT,
                 kv_size_of(f),
                 resident=f.resident_nbytes(cpu_cast),
-                groups=stream_groups(f, cpu_cast, CONTEXT),
+                groups=stream_groups(f, instantiate(f.config), cpu_cast, CONTEXT),
             )
         else:
             cap = min_budget(f, CONTEXT, kv_size_of(f)) + f.ffn_bytes
