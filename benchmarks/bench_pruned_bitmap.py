@@ -102,7 +102,7 @@ def run(path: Path, budget: int, prompt, tokens: int, density: float) -> dict:
 
 
 def io_replay(path: Path, per_layer: int, tokens: int, seed: int = 0) -> dict:
-    from mlx_flash.engine.reader import aligned_buffer, open_reader
+    from mlx_flash.io.reader import aligned_buffer, open_reader
 
     fd = FlashDir(path)
     stride = fd.layouts["neurons"].disk_stride

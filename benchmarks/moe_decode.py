@@ -27,8 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_flash.engine.reader import DEFAULT_THREADS
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io.reader import DEFAULT_THREADS
 from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import drop_page_cache

@@ -26,11 +26,12 @@ from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 from mlx_flash.budget import fixed_bytes, parse_size, plan_memory, with_streamed
-from mlx_flash.engine import memory
 from mlx_flash.engine.resident import stream_groups
-from mlx_flash.engine.stage import StageDir
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 from mlx_flash.loader import cpu_cast, load, load_tokenizer
+from mlx_flash.models.inspect import instantiate
+from mlx_flash.models.stage import StageDir
 from mlx_flash.pipeline import PassClock, split_layers
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped
@@ -64,7 +65,7 @@ def whole_plan(fd, budget: int, context: int):
         context,
         4,
         resident=fd.resident_nbytes(cast),
-        groups=stream_groups(fd, cast, context),
+        groups=stream_groups(fd, instantiate(fd.config), cast, context),
         prefetch=dense,
     )
 
@@ -77,7 +78,11 @@ def matched_budget(plan, fd, stage: StageDir, context: int) -> int:
     strides = {k: v.stride for k, v in fd.layouts.items()}
     caches = sum(c * strides[r] for layer in plan.capacity[stage.start : stage.stop] for r, c in layer.items())
     caches += 2 * plan.prefetch_rows * strides.get("neurons", 0)
-    rows = [g for g in stream_groups(stage, cpu_cast, context) if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
+    rows = [
+        g
+        for g in stream_groups(stage, instantiate(stage.config), cpu_cast, context)
+        if g.kind == "rows" and g.nbytes > 2 * g.load_bytes
+    ]
     return (
         sum(with_streamed(fixed_bytes(stage, context, 4, resident=stage.resident_nbytes(cpu_cast)), rows).values())
         + caches

@@ -21,8 +21,8 @@ import sys
 
 from mlx_flash.budget import parse_size
 from mlx_flash.default_model import default_model_dir
-from mlx_flash.engine import memory
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 from mlx_flash.texts import wikitext
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import drop_page_cache, run_capped

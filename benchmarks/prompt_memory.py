@@ -14,8 +14,8 @@ from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 from mlx_flash.budget import parse_size
-from mlx_flash.engine import memory
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 from mlx_flash.loader import load_tokenizer
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped

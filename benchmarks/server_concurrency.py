@@ -666,8 +666,8 @@ def setup_arg_parser():
 def measure(args, bar) -> dict:
     from mlx_flash.budget import fmt_bytes, parse_size
     from mlx_flash.default_model import default_model_dir
-    from mlx_flash.engine.reader import DEFAULT_THREADS
     from mlx_flash.format.directory import FlashDir
+    from mlx_flash.io.reader import DEFAULT_THREADS
     from mlx_flash.loader import load_tokenizer
     from mlx_flash.peers import fio_reference
     from mlx_flash.tools.bench_io import machine_info

@@ -18,8 +18,8 @@ import statistics
 import sys
 
 from mlx_flash.budget import parse_size
-from mlx_flash.engine import memory
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped

@@ -4,7 +4,7 @@ off (MLX_FLASH_CHECK_UNITS=0), alternating, the page cache of the model dropped 
     python benchmarks/unit_checks.py --model DIR --memory-budget 50% [--model DIR2 --memory-budget 2300MiB] \
         --rounds 3 --max-tokens 32 --json benchmarks/results/unit_checks.json
 
-A unit is checked the first time the process reads it (engine/checks.py), so the cost falls on the prompt and the
+A unit is checked the first time the process reads it (io/checks.py), so the cost falls on the prompt and the
 first tokens: reported are the prompt's time, the mean of every decode token (the first included) and the median
 (steady state), each the median over rounds.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 from mlx_flash.budget import parse_size
-from mlx_flash.engine import memory
-from mlx_flash.engine.reader import DEFAULT_THREADS
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
+from mlx_flash.io.reader import DEFAULT_THREADS
 from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped

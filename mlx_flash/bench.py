@@ -55,14 +55,15 @@ import numpy as np
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
 from .calib.trace import Trace, TraceSparsifier, default_trace, describe_selector, gate_up_weights
 from .default_model import default_model_dir
-from .engine import memory
 from .engine.neurons import NeuronEngine
-from .engine.reader import aligned_buffer, open_reader
 from .engine.resident import stream_groups
 from .engine.sparsity import Dense, dram_bytes
 from .format.directory import FlashDir
 from .generate import generate_step, speculative_generate_step
+from .io import memory
+from .io.reader import aligned_buffer, open_reader
 from .loader import cpu_cast, kv_size_of, load, load_resident, load_tokenizer, make_sparsifier
+from .models.inspect import instantiate
 from .speculative import PromptLookup, SpeculativeStats
 from .texts import read_text
 from .tools.bench_io import machine_info, run_fio
@@ -175,7 +176,7 @@ def engine_plan(fd, budget: int, context: int, extra: int = 0, prefetch: bool = 
         kv_size_of(fd),
         extra,
         resident=resident_bytes(fd),
-        groups=stream_groups(fd, cpu_cast, context),
+        groups=stream_groups(fd, instantiate(fd.config), cpu_cast, context),
         prefetch=prefetch,
     )
 
@@ -437,7 +438,8 @@ def run(
     fd = FlashDir(path)
     context = prompt_tokens + tokens + 8
     budget = parse_size(memory_budget, fd.model_bytes)
-    resident, groups, kv_size = resident_bytes(fd), stream_groups(fd, cpu_cast, context), kv_size_of(fd)
+    resident, kv_size = resident_bytes(fd), kv_size_of(fd)
+    groups = stream_groups(fd, instantiate(fd.config), cpu_cast, context)
     floor = min_budget(fd, context, kv_size, resident=resident)
     lowest = min_streaming_budget(fd, context, kv_size, resident=resident, groups=groups)
     if budget < lowest:

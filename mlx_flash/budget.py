@@ -18,8 +18,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
-from .engine.reader import DEFAULT_THREADS
 from .errors import BudgetError
+from .format.config import attention_shape, first_of, head_dim
+from .io.reader import DEFAULT_THREADS
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
 # an MoE model's least workspace, a dense model's usual one (2 x the 16 MiB scratch), or an eighth of a smaller
@@ -173,32 +174,6 @@ def longest_context(config: dict, budget: Optional[int], minimum: Callable[[int]
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if minimum(mid) - floor <= room else (lo, mid - 1)
     return lo
-
-
-# the names configs give the attention's sizes (Hugging Face's; mlx-lm's model args, e.g. phixtral's; GPT-2 style)
-LAYERS = ("num_hidden_layers", "num_layers", "n_layer")
-HIDDEN = ("hidden_size", "model_dim", "n_embd")
-HEADS = ("num_attention_heads", "num_heads", "n_head")
-
-
-def first_of(config: dict, keys: tuple):
-    """The first of `keys` a config has, a multimodal wrapper's language model's (text_config) if it has one;
-    None if it has none of them."""
-    config = config.get("text_config", config)
-    return next((config[k] for k in keys if config.get(k)), None)
-
-
-def attention_shape(config: dict) -> tuple:
-    """(layers, hidden size, attention heads) of a config; KeyError naming what it lacks."""
-    shape = tuple(first_of(config, keys) for keys in (LAYERS, HIDDEN, HEADS))
-    if None in shape:
-        raise KeyError(f"the config gives none of {', '.join((LAYERS, HIDDEN, HEADS)[shape.index(None)])}")
-    return shape
-
-
-def head_dim(config: dict) -> int:
-    _, hidden, heads = attention_shape(config)
-    return first_of(config, ("head_dim",)) or hidden // heads
 
 
 def kv_cache_bytes(config: dict, context: int, dtype_size: int = 2, bits: int = None, group_size: int = 64) -> int:

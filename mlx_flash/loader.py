@@ -13,7 +13,6 @@ from .budget import (
     FFN_BOUNCE_BYTES,
     ffn_reader_threads,
     fmt_bytes,
-    head_dim,
     kv_tokens,
     longest_context,
     min_streaming_budget,
@@ -23,19 +22,21 @@ from .budget import (
 from .compute import cpu_gemv
 from .compute.ffn import ResidentFFN
 from .default_model import default_model_dir
-from .engine import memory
 from .engine.experts import SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
 from .engine.native_step import HostDecoder, HostKVCache
 from .engine.neurons import FlashFFN, NeuronEngine
-from .engine.reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
 from .engine.selectors import load_selector_arrays, wina_norms
 from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
-from .engine.stage import StageDir, absent_modules
 from .errors import BudgetError, FlashError, FlashFormatError
+from .format.config import head_dim
 from .format.directory import MANIFEST, RESIDENT, FlashDir, dense_ffn_weights
+from .io import memory
+from .io.reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .models import get_model_classes
 from .models.architectures import adapter_for
+from .models.inspect import instantiate
+from .models.stage import StageDir, absent_modules
 
 
 def cpu_float32(name: str) -> bool:
@@ -354,7 +355,7 @@ def load(
     sequences: KV caches of `context` tokens for this many sequences decoded together (the server's batch).
     draft_model: a flash directory with the same tokenizer, loaded resident as `model.draft_model` for
     speculative decoding (generate.stream_generate's draft_model); its memory comes out of the budget.
-    layers: (start, stop) loads, plans and streams only those layers (a pipeline stage: engine/stage.py), with the
+    layers: (start, stop) loads, plans and streams only those layers (a pipeline stage: models/stage.py), with the
     embedding if start is 0 and the final norm and LM head if stop is the last; a "50%" budget is then of its share.
     """
 
@@ -372,7 +373,7 @@ def load(
     kv_size = kv_itemsize(dtype, half)
     if context is None:
         cast = cpu_cast if dtype == mx.float32 else None
-        resident, groups = fd.resident_nbytes(cast), stream_groups(fd, cast, 1)
+        resident, groups = fd.resident_nbytes(cast), stream_groups(fd, instantiate(fd.config), cast, 1)
         context = longest_context(
             fd.config, budget, lambda c: min_streaming_budget(fd, c, kv_size, 0, resident, groups)
         )
@@ -422,7 +423,7 @@ def load(
             kv_size,
             dram_bytes(sp) + draft_bytes,
             resident=fd.resident_nbytes(cast),
-            groups=stream_groups(fd, cast, context),
+            groups=stream_groups(fd, instantiate(fd.config), cast, context),
             prefetch=prefetch is not False and isinstance(sp, Dense),
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
@@ -547,7 +548,7 @@ def _load_moe(
         kv_size,
         extra,
         resident=fd.resident_nbytes(cast),
-        groups=stream_groups(fd, cast, context),
+        groups=stream_groups(fd, instantiate(fd.config), cast, context),
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         prompt_caches=prompt_caches,

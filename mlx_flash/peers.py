@@ -68,8 +68,8 @@ from typing import Optional
 from tqdm import tqdm
 
 from .budget import fmt_bytes, parse_size
-from .engine.reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .format.directory import FlashDir
+from .io.reader import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_THREADS
 from .models.architectures import adapter_for
 from .tools.bench_io import machine_info, run_fio
 from .tools.cap import exit_on_sigterm

@@ -4,7 +4,7 @@
 
 Under mlx.launch (ring over TCP, JACCL over Thunderbolt 5) every rank runs the same command. Each loads a contiguous
 share of the layers (`split_layers`: balanced by bytes, or --pipeline-split, as mlx-lm's `pipeline(group, split)`:
-layers per rank, rank 0 the last ones) with `load(layers=...)` (engine/stage.py), so it plans, reads and holds only
+layers per rank, rank 0 the last ones) with `load(layers=...)` (models/stage.py), so it plans, reads and holds only
 its share under its own --memory-budget. As in mlx-lm's PipelineMixin the last rank holds the embedding and rank 0
 the final norm and LM head: rank 0 tokenises, samples, prints, and drives every forward pass:
 
@@ -40,11 +40,11 @@ import mlx.core as mx
 import numpy as np
 
 from .budget import fmt_bytes
-from .engine.experts import instantiate
 from .engine.native_step import MAX_POSITIONS
-from .engine.stage import StageDir, layer_paths
 from .errors import FlashError
 from .format.directory import FlashDir
+from .models.inspect import instantiate
+from .models.stage import StageDir, layer_paths
 
 TIMEOUT = float(os.environ.get("MLX_FLASH_PIPELINE_TIMEOUT", "30"))
 LOAD_WAITS = 20  # loading (hashing, reading the resident weights) may differ between ranks by far more than a pass

@@ -39,9 +39,9 @@ def generate_capped():
     import sys
 
     from mlx_flash.budget import parse_size
-    from mlx_flash.engine import memory
     from mlx_flash.errors import CapError
     from mlx_flash.format.directory import FlashDir
+    from mlx_flash.io import memory
     from mlx_flash.tools.cap import run_capped
 
     def run(model_dir, budget, *args):

@@ -169,7 +169,7 @@ def test_unlimited_tokens_under_a_hard_cap(smol, generate_capped, wikitext):
 
 CRC_CHECK = """
 import zlib, numpy as np
-from mlx_flash.engine import checks
+from mlx_flash.io import checks
 buf = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
 for length in (0, 1, 7, 1008, 4099):
     offsets = np.arange(3, len(buf) - length, 1531)
@@ -188,7 +188,7 @@ def test_unit_checksums_are_zlibs_crc32(monkeypatch, native):
     """What convert writes and the engine checks is zlib's CRC-32, native or not, at any offset and length."""
     import zlib
 
-    from mlx_flash.engine import checks
+    from mlx_flash.io import checks
 
     import numpy as np
 

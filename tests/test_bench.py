@@ -202,11 +202,16 @@ def test_bench_below_the_resident_floor(tiny_dir, tiny_trace, tmp_path):
     from mlx_flash.budget import min_streaming_budget
     from mlx_flash.engine.resident import stream_groups
     from mlx_flash.loader import cpu_cast, kv_size_of
+    from mlx_flash.models.inspect import instantiate
 
     fd = FlashDir(tiny_dir)
     context = 8 + 12 + 8
     lowest = min_streaming_budget(
-        fd, context, kv_size_of(fd), resident=bench.resident_bytes(fd), groups=stream_groups(fd, cpu_cast, context)
+        fd,
+        context,
+        kv_size_of(fd),
+        resident=bench.resident_bytes(fd),
+        groups=stream_groups(fd, instantiate(fd.config), cpu_cast, context),
     )
     res = bench.run(
         tiny_dir,

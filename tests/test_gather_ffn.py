@@ -16,7 +16,7 @@ import textwrap
 from mlx_flash.compute import backends as gf
 from mlx_flash.compute import metal as gm
 from mlx_flash.compute.ffn import ACTIVATIONS, ffn_forward, project
-from mlx_flash.format.layout import BundleLayout
+from mlx_flash.format.layout import BundleLayout, row_matrix
 
 import mlx.core as mx
 import numpy as np
@@ -176,7 +176,7 @@ def test_computes_in_the_dtype_of_x(xdtype, kind):
 def test_leading_dims_unaligned_offsets_and_slot_types():
     rng = np.random.default_rng(3)
     c = Cache(rng, {"gate": ("float16", 64), "up": ("q8", 64), "down": ("float32", 32)}, n_units=9, pad=True)
-    assert any(not gm.supports(gf.row_matrix(c.layout, n)) for n in ("gate", "down"))  # misaligned after the pad
+    assert any(not gm.supports(row_matrix(c.layout, n)) for n in ("gate", "down"))  # misaligned after the pad
     units = np.array([8, 0, 0, 5])
     x = rng.standard_normal((2, 1, 64)).astype(np.float32)  # [B, L, d] as the model calls it
     for slots in (
@@ -498,7 +498,7 @@ def test_kernel_bodies_emulated_on_cpu(tmp_path):
     pieces, cases = [gm.KERNEL_SOURCES["header"]], []
     for c, xdt in zip(caches, xdtypes):
         for which, name in (("row_dot", "gate"), ("row_axpy", "down")):
-            m = gf.row_matrix(
+            m = row_matrix(
                 c.layout, name, *(() if c.quant[name] is None else (c.quant[name]["bits"], c.quant[name]["group_size"]))
             )
             pieces.append(_cxx_kernel(which, m, xdt))

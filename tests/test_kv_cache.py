@@ -7,6 +7,7 @@ from mlx_flash.engine.resident import stream_groups
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import cpu_cast, kv_size_of, load
+from mlx_flash.models.inspect import instantiate
 
 import mlx.core as mx
 import numpy as np
@@ -80,7 +81,7 @@ def test_quantised_kv_leaves_room_and_allows_longer_contexts():
             768,
             4,
             resident=fd.resident_nbytes(cpu_cast),
-            groups=stream_groups(fd, cpu_cast, 768),
+            groups=stream_groups(fd, instantiate(fd.config), cpu_cast, 768),
             kv_bits=kv_bits,
             prompt_caches=prompt_caches,
         )

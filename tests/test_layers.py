@@ -1,15 +1,22 @@
-"""The package's layers, as the import graph shows them (grimp reads the source; nothing is imported).
+"""The package's layers, as the import graph shows them (grimp reads the source; nothing is imported). Bottom to top:
 
-    commands   mlx_flash.<command> modules run with `python -m` (nothing imports them)
-    tools      mlx_flash.tools: developer tools (the hard cap, synthetic models, I/O benchmarks, plots)
-    calib      mlx_flash.calib: calibration's parts, sparse evaluation, traces
+    base       mlx_flash.errors, blas, texts: what every layer may use (of the package they import only errors)
+    io         mlx_flash.io: what the process asks of the OS (the pread pool, checksums, kernel files, its memory)
+    format     mlx_flash.format: the flash directory on disk, its layouts, and the config and quantisation formats
+    compute    mlx_flash.compute: products over units' rows, one backend per layout
+    engine     mlx_flash.engine: per step and layer, the units a token needs, read and computed
+    core       mlx_flash.models and the root's other modules: the loader, the budget, the generation loop, pipeline
+               stages, speculative decoding
     convert    mlx_flash.convert: source models into flash directories and back
-    core       every other module: format, compute, engine, budget, loader, the generation loop
+    calib      mlx_flash.calib: calibration's parts, sparse evaluation, traces
+    tools      mlx_flash.tools: developer tools (the hard cap, synthetic models, I/O benchmarks, plots)
+    commands   mlx_flash.<command> modules run with `python -m` (nothing imports them)
 
 `mlx_flash.generate` is the generation loop users import (`mlx_flash.generate`, `stream_generate`) and its
 command, as in mlx-lm: it sits in the core.
 
-A layer imports only from the layers below it, and no two modules import each other, directly or not.
+A module imports only from its own layer and the layers below it, and no two modules import each other, directly or
+not.
 """
 
 import ast
@@ -22,7 +29,18 @@ import grimp
 import pytest
 
 ROOT = "mlx_flash"
-LAYERS = ["tools", "calib", "convert"]  # top to bottom; the core is below them all
+LAYERS = ["base", "io", "format", "compute", "engine", "core", "convert", "calib", "tools", "commands"]  # bottom up
+BASE = {"errors", "blas", "texts"}  # root modules in the base layer; of the package they import only errors
+PACKAGES = {  # each sub-package's layer
+    "io": "io",
+    "format": "format",
+    "compute": "compute",
+    "engine": "engine",
+    "models": "core",
+    "convert": "convert",
+    "calib": "calib",
+    "tools": "tools",
+}
 # `python -m mlx_flash.X` modules: commands are run, never imported (importing one used to replace
 # the package's function of the same name, see test_package.py)
 COMMANDS = {"bench", "calibrate", "peers", "server", "verify"}
@@ -42,14 +60,45 @@ def imports(graph, module):
     return {m for m in graph.find_modules_directly_imported_by(module) if m != ROOT}
 
 
+def edges_of(graph) -> dict:
+    """module -> the package's modules it imports (the root aside)."""
+    return {m: imports(graph, m) for m in sorted(graph.modules) if m != ROOT}
+
+
 def layer_of(module: str) -> int:
-    """0 for the core, higher for the layers above it; commands on top."""
+    """The module's place in LAYERS (0: the base)."""
     parts = module.split(".")
+    if len(parts) == 2 and parts[1] in BASE:
+        return LAYERS.index("base")
     if len(parts) == 2 and parts[1] in COMMANDS:
-        return len(LAYERS) + 1
-    if len(parts) > 1 and parts[1] in LAYERS:
-        return len(LAYERS) - LAYERS.index(parts[1])
-    return 0
+        return LAYERS.index("commands")
+    if parts[1] in PACKAGES:
+        return LAYERS.index(PACKAGES[parts[1]])
+    return LAYERS.index("core")  # the root's other modules
+
+
+def upward(edges: dict) -> list:
+    """(importer, imported) pairs where a module imports one of a layer above its own."""
+    return sorted((m, i) for m, imported in edges.items() for i in imported if layer_of(i) > layer_of(m))
+
+
+def cycles(edges: dict) -> list:
+    """Import cycles, each as the list of its modules (the first again at the end)."""
+    state, found = {}, []
+
+    def visit(m, path):  # depth-first: a module met again on the current path closes a cycle
+        state[m] = "open"
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == "open":
+                found.append(path[path.index(n) :] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    return found
 
 
 def test_every_command_is_listed():
@@ -67,41 +116,56 @@ def test_root_shows_the_house():
     assert not long, long
 
 
+def test_every_package_has_a_layer():
+    """Every sub-package is placed in a layer (a new one is not in the core by default)."""
+    top = Path(mlx_flash.__path__[0])
+    assert {p.parent.name for p in top.glob("*/__init__.py")} == set(PACKAGES)
+    assert set(PACKAGES.values()) | {"base", "commands"} == set(LAYERS)
+
+
 def test_layers_import_only_downwards(graph):
-    wrong = [(m, i) for m in graph.modules if m != ROOT for i in imports(graph, m) if layer_of(i) > layer_of(m)]
-    assert not wrong, "imports from a higher layer: " + ", ".join(f"{m} -> {i}" for m, i in sorted(wrong))
+    wrong = upward(edges_of(graph))
+    assert not wrong, "imports from a higher layer: " + ", ".join(f"{m} -> {i}" for m, i in wrong)
+
+
+def test_base_imports_only_errors(graph):
+    wrong = [(m, i) for m in sorted(f"{ROOT}.{b}" for b in BASE) for i in imports(graph, m) if i != f"{ROOT}.errors"]
+    assert not wrong, ", ".join(f"{m} -> {i}" for m, i in wrong)
 
 
 def test_nothing_imports_a_command(graph):
-    wrong = [(m, i) for m in graph.modules if m != ROOT for i in imports(graph, m) if layer_of(i) == len(LAYERS) + 1]
+    top = LAYERS.index("commands")
+    wrong = [(m, i) for m, imported in edges_of(graph).items() for i in imported if layer_of(i) == top]
     assert not wrong, ", ".join(f"{m} -> {i}" for m, i in sorted(wrong))
 
 
 def test_no_import_cycles(graph):
-    modules = sorted(m for m in graph.modules if m != ROOT)
-    edges = {m: imports(graph, m) for m in modules}
-    state, cycles = {}, []
-
-    def visit(m, path):  # depth-first: a module met again on the current path closes a cycle
-        state[m] = "open"
-        for n in sorted(edges[m]):
-            if state.get(n) == "open":
-                cycles.append(path[path.index(n) :] + [n])
-            elif n not in state:
-                visit(n, path + [n])
-        state[m] = "done"
-
-    for m in modules:
-        if m not in state:
-            visit(m, [m])
-    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+    found = cycles(edges_of(graph))
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
 
 
 def test_the_checks_can_fail(graph):
-    """The rules above see a violation when there is one: the core's loader really is imported by a tool."""
-    assert "mlx_flash.loader" in imports(graph, "mlx_flash.bench")
-    assert layer_of("mlx_flash.bench") > layer_of("mlx_flash.loader")
-    assert layer_of("mlx_flash.server") > layer_of("mlx_flash.bench") - 1 and layer_of("mlx_flash.tools.cap") == 3
+    """The rules above see a violation when there is one: a command does import the core, and the imports this
+    layering removed (the format reading the budget's config keys, the engine asking the models for a model, a
+    module of the engine importing one that imports it) are found when put back."""
+    edges = edges_of(graph)
+    assert "mlx_flash.loader" in edges["mlx_flash.bench"]
+    assert layer_of("mlx_flash.bench") > layer_of("mlx_flash.loader") > layer_of("mlx_flash.engine.units")
+    below = ("errors", "io.reader", "format.directory", "compute.ops")
+    assert [layer_of(f"mlx_flash.{m}") for m in below] == [LAYERS.index(x) for x in ("base", "io", "format", "compute")]
+    assert layer_of("mlx_flash.models.stage") == layer_of("mlx_flash.budget") == LAYERS.index("core")
+    assert layer_of("mlx_flash.server") > layer_of("mlx_flash.tools.cap") > layer_of("mlx_flash.calib.trace")
+    assert "mlx_flash.engine.units" in edges["mlx_flash.engine.experts"]
+    back = {
+        "mlx_flash.format.directory": {"mlx_flash.budget"},
+        "mlx_flash.engine.experts": {"mlx_flash.models"},
+        "mlx_flash.engine.units": {"mlx_flash.engine.experts"},
+    }
+    put_back = {m: edges[m] | back.get(m, set()) for m in edges}
+    wrong = upward(put_back)
+    assert ("mlx_flash.format.directory", "mlx_flash.budget") in wrong
+    assert ("mlx_flash.engine.experts", "mlx_flash.models") in wrong
+    assert any({"mlx_flash.engine.experts", "mlx_flash.engine.units"} <= set(c) for c in cycles(put_back))
 
 
 def test_internal_imports_at_module_level():

@@ -4,9 +4,9 @@ selector's DRAM is planned, and the stats say so."""
 import mlx_flash
 from mlx_flash.budget import parse_size
 from mlx_flash.default_model import default_model_dir
-from mlx_flash.engine import memory
 from mlx_flash.errors import BudgetError
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 
 import pytest
 

@@ -9,10 +9,10 @@ from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.engine import experts
 from mlx_flash.engine.experts import REGION, expert_arrays, switch_paths
-from mlx_flash.engine.reader import DEFAULT_MAX_GAP_BYTES
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
+from mlx_flash.io.reader import DEFAULT_MAX_GAP_BYTES
 from mlx_flash.loader import kv_size_of, load, load_resident
 from mlx_flash.models.tiny import TINY_MOE_ARCHS, make_tiny_model_dir
 
@@ -466,12 +466,15 @@ def test_below_the_resident_floor_attention_and_head_stream(wide_vocab_dirs, arc
     from mlx_flash.budget import min_streaming_budget
     from mlx_flash.engine.resident import stream_groups
     from mlx_flash.loader import cpu_cast
+    from mlx_flash.models.inspect import instantiate
 
     src_dir, flash_dir = wide_vocab_dirs[arch]
     src, _ = load_source_model(src_dir, lazy=False)
     fd = FlashDir(flash_dir)
     resident = fd.resident_nbytes(cpu_cast)
-    lowest = min_streaming_budget(fd, 64, kv_size_of(fd), resident=resident, groups=stream_groups(fd, cpu_cast, 64))
+    lowest = min_streaming_budget(
+        fd, 64, kv_size_of(fd), resident=resident, groups=stream_groups(fd, instantiate(fd.config), cpu_cast, 64)
+    )
     budget = lowest + len(fd.layers) * fd.layouts[REGION].stride  # one expert slot a layer
     assert budget < min_budget(fd, 64, kv_size_of(fd), resident=resident)
     model, _ = load(flash_dir, memory_budget=budget, context=64)

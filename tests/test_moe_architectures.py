@@ -11,12 +11,13 @@ from mlx_flash.budget import fixed_bytes, min_budget, min_streaming_budget, with
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import load_source_model
-from mlx_flash.engine.experts import REGION, experts_per_token, instantiate, switch_paths
+from mlx_flash.engine.experts import REGION, experts_per_token, switch_paths
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.errors import UnsupportedArchitectureError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import cpu_cast, kv_size_of, load
+from mlx_flash.models.inspect import instantiate
 from mlx_flash.models.tiny import make_tiny_model_dir, make_tiny_quantized_dir
 
 import mlx.core as mx
@@ -265,7 +266,7 @@ def budgets(fd):
     read-ahead of the next layer's experts into them; below the resident floor (every streamable group streamed, no
     expert cached)."""
     resident = fd.resident_nbytes(cpu_cast)
-    groups = stream_groups(fd, cpu_cast, CONTEXT)
+    groups = stream_groups(fd, instantiate(fd.config), cpu_cast, CONTEXT)
     rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
     base = sum(with_streamed(fixed_bytes(fd, CONTEXT, 4, resident=resident), rows).values())
     per_slot = len(fd.layers) * fd.layouts[REGION].stride  # (the plan splits what is left evenly over the layers)

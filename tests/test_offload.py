@@ -11,6 +11,7 @@ from mlx_flash.convert import convert
 from mlx_flash.engine.resident import _spread, stream_groups
 from mlx_flash.format.directory import RESIDENT, FlashDir
 from mlx_flash.loader import cpu_cast, kv_size_of, load, load_resident
+from mlx_flash.models.inspect import instantiate
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
@@ -39,7 +40,7 @@ def dirs(tmp_path_factory):
 
 def floors(path):
     fd = FlashDir(path)
-    groups = stream_groups(fd, CAST, CONTEXT)
+    groups = stream_groups(fd, instantiate(fd.config), CAST, CONTEXT)
     resident = fd.resident_nbytes(CAST)
     return (
         fd,

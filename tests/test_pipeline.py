@@ -1,4 +1,4 @@
-"""Pipeline stages (mlx_flash/pipeline.py, engine/stage.py): each rank loads, plans and streams its own layers; the
+"""Pipeline stages (mlx_flash/pipeline.py, models/stage.py): each rank loads, plans and streams its own layers; the
 tokens are the single process's, bit for bit; bad input and a lost rank end every rank with one line."""
 
 import http.client
@@ -14,12 +14,13 @@ from mlx_flash.budget import fixed_bytes, min_budget, with_streamed
 from mlx_flash.convert.build import convert
 from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.default_model import default_model_dir
-from mlx_flash.engine import memory
 from mlx_flash.engine.resident import stream_groups
-from mlx_flash.engine.stage import StageDir
 from mlx_flash.errors import CapError
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.io import memory
 from mlx_flash.loader import cpu_cast, kv_size_of, load, load_tokenizer
+from mlx_flash.models.inspect import instantiate
+from mlx_flash.models.stage import StageDir
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.pipeline import PipelineError, parse_split, split_layers
 from mlx_flash.tools.cap import run_capped
@@ -61,7 +62,11 @@ def matching_budget(whole, stage, context=CONTEXT) -> int:
     caches = sum(
         c * strides[r] for layer in plan.capacity[stage.start : stage.stop] for r, c in layer.items()
     ) + 2 * plan.prefetch_rows * strides.get("neurons", 0)
-    rows = [g for g in stream_groups(stage, cpu_cast, context) if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
+    rows = [
+        g
+        for g in stream_groups(stage, instantiate(stage.config), cpu_cast, context)
+        if g.kind == "rows" and g.nbytes > 2 * g.load_bytes
+    ]
     fixed = fixed_bytes(stage, context, kv_size_of(stage), resident=stage.resident_nbytes(cpu_cast))
     return sum(with_streamed(fixed, rows).values()) + caches
 

@@ -1,4 +1,4 @@
-"""The I/O engine (mlx_flash.engine.reader + kernels/pread_pool.c): bytes land exactly where asked,
+"""The I/O engine (mlx_flash.io.reader + kernels/pread_pool.c): bytes land exactly where asked,
 in numpy and MLX memory, for any offset/length/destination; coalescing and gap filling do
 not change the bytes; every failure is a ReadError naming path, offset and length; the
 Python fallback is byte-for-byte the native pool."""
@@ -8,7 +8,8 @@ import gc
 import os
 import threading
 
-from mlx_flash.engine.reader import (
+from mlx_flash.errors import FlashError, ReadError
+from mlx_flash.io.reader import (
     NativeReader,
     PythonReader,
     address_of,
@@ -19,7 +20,6 @@ from mlx_flash.engine.reader import (
     max_gap_from_measurements,
     open_reader,
 )
-from mlx_flash.errors import FlashError, ReadError
 
 import mlx.core as mx
 import numpy as np
@@ -663,7 +663,7 @@ def test_busy_time_counts_time_with_reads_in_flight(tmp_path, native):
     pool's throughput, compared with fio's); reset_stats zeroes it."""
     import time as _time
 
-    from mlx_flash.engine.reader import aligned_buffer, have_native, open_reader
+    from mlx_flash.io.reader import aligned_buffer, have_native, open_reader
 
     if native and not have_native():
         pytest.skip("native pool not built")

@@ -17,6 +17,7 @@ from mlx_flash.engine.resident import stream_groups
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import cpu_cast, kv_size_of, load
+from mlx_flash.models.inspect import instantiate
 from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.tools.synthetic import build
 
@@ -99,7 +100,11 @@ def test_7b_shaped_every_budget(wide_dense):
     ffn = sum(r.nbytes for r in fd.regions())
     floor = min_budget(fd, 128, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast))
     lowest = min_streaming_budget(
-        fd, 128, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 128)
+        fd,
+        128,
+        kv_size_of(fd),
+        resident=fd.resident_nbytes(cpu_cast),
+        groups=stream_groups(fd, instantiate(fd.config), cpu_cast, 128),
     )
     for budget, kw in (
         (floor + ffn * 3 // 4, {}),

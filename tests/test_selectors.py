@@ -13,6 +13,7 @@ from mlx_flash.engine.selectors import build_sketch, save_selector, wina_norms
 from mlx_flash.engine.sparsity import WINA, Dense, Predictor, Sketch, top_k
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import cpu_cast, default_model_dir, kv_size_of, load, load_tokenizer, make_sparsifier
+from mlx_flash.models.inspect import instantiate
 from mlx_flash.texts import read_text, token_batches
 
 import mlx.core as mx
@@ -125,7 +126,11 @@ def test_calibrated_sketch_is_used_by_auto_with_its_dram_in_the_plan(tiny):
     finally:
         model_.flash.close()
     floor = min_streaming_budget(
-        fd, 64, kv_size_of(fd), resident=fd.resident_nbytes(cpu_cast), groups=stream_groups(fd, cpu_cast, 64)
+        fd,
+        64,
+        kv_size_of(fd),
+        resident=fd.resident_nbytes(cpu_cast),
+        groups=stream_groups(fd, instantiate(fd.config), cpu_cast, 64),
     )
     model_, tok = load(path, memory_budget=floor + sel["nbytes"] // 2, sparsity="auto", max_ppl_increase=10, context=64)
     try:  # room for dense, not for the sketch's DRAM: dense, and why (no BudgetError)

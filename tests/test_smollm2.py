@@ -83,7 +83,7 @@ def test_default_directory_holds_the_gguf_bytes(tmp_path):
     """convert of the GGUF itself with no flag: the Q8_0 embedding's biases (-128 x its scales) are not stored
     (format v4) yet load back exactly, so the weights on disk are the GGUF's tensor bytes within 1% (they were
     1.8% over with the biases stored), and the directory as a whole is no larger than the GGUF."""
-    from mlx_flash.compute.cpu_gemv import symmetric_biases
+    from mlx_flash.format.quant import symmetric_biases
 
     import gguf
 

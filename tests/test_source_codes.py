@@ -6,6 +6,7 @@ from mlx_flash.budget import min_budget
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.convert import convert
 from mlx_flash.format.directory import FlashDir, dense_ffn_weights
+from mlx_flash.format.quant import symmetric_biases
 from mlx_flash.loader import kv_size_of, load, load_resident
 from mlx_flash.models.tiny import make_tiny_model_dir
 
@@ -161,7 +162,7 @@ def test_native_symmetric_rows_equal_stored_biases(bits):
     k, n = 24, 128
     w = mx.array(rng.integers(0, 2**32, (k, n * bits // 32), dtype=np.uint64).astype(np.uint32))
     s = mx.array(rng.standard_normal((k, n // 32)).astype(np.float16))
-    b = cpu_gemv.symmetric_biases(s, bits)
+    b = symmetric_biases(s, bits)
     stored = cpu_gemv.QuantRows.of_matrix(w, s, b, 32, bits)
     sym = cpu_gemv.QuantRows.of_matrix(w, s, None, 32, bits)
     assert sym.symmetric and not stored.symmetric
@@ -173,7 +174,7 @@ def test_native_symmetric_rows_equal_stored_biases(bits):
     args = (c, w, 0, n * bits // 8, None, blocks)
     assert np.allclose(
         cpu_gemv.block_axpy(*args, tables, None, n, bits),
-        cpu_gemv.block_axpy(*args, tables, cpu_gemv.symmetric_biases(tables, bits), n, bits),
+        cpu_gemv.block_axpy(*args, tables, symmetric_biases(tables, bits), n, bits),
         rtol=1e-5,
         atol=1e-4,
     )
@@ -194,6 +195,7 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
     from mlx_flash.format import directory as flash_format
     from mlx_flash.generate import generate_step as flash_generate_step
     from mlx_flash.loader import cpu_cast
+    from mlx_flash.models.inspect import instantiate
     from mlx_flash.tools.synthetic_gguf import write_gguf
 
     from mlx.utils import tree_flatten
@@ -225,7 +227,7 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
                 CONTEXT,
                 kv_size_of(f),
                 resident=f.resident_nbytes(cpu_cast),
-                groups=stream_groups(f, cpu_cast, CONTEXT),
+                groups=stream_groups(f, instantiate(f.config), cpu_cast, CONTEXT),
             )
         else:
             cap = min_budget(f, CONTEXT, kv_size_of(f)) + f.ffn_bytes

@@ -13,6 +13,7 @@ from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.sparsity import dram_bytes
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import cpu_cast, kv_size_of, make_sparsifier
+from mlx_flash.models.inspect import instantiate
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ def test_the_plan_holds_the_replayed_selector_or_refuses_the_budget(tiny, sketch
     fd = FlashDir(convert(str(src), root / "target", alignment=512, progress=False))
     sp, desc = bench.choose_sparsifier(fd, 0.5, (sketch_trace, "sketch.npz"))
     assert sp.nbytes > 0 and dram_bytes(sp) == sp.nbytes and "sketch 2-bit" in desc
-    resident, groups = bench.resident_bytes(fd), stream_groups(fd, cpu_cast, CONTEXT)
+    resident, groups = bench.resident_bytes(fd), stream_groups(fd, instantiate(fd.config), cpu_cast, CONTEXT)
     budget = min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident) + fd.ffn_bytes // 2
     without = plan_memory(fd, budget, CONTEXT, kv_size_of(fd), 0, resident=resident, groups=groups)
     plan = plan_memory(fd, budget, CONTEXT, kv_size_of(fd), sp.nbytes, resident=resident, groups=groups)

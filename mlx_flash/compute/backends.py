@@ -20,12 +20,12 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..format.layout import BundleLayout
+from ..format.layout import BundleLayout, matrix
 from . import cpu, cpu_gemv, metal
 from .cpu import CpuBackend
 from .metal import MetalBackend
 from .ops import OpsBackend
-from .rows import check_float, check_rows, matrix, row_matrix, slots_array  # noqa: F401  (row_matrix: tests)
+from .rows import check_float, check_rows, slots_array
 
 __all__ = ["backend_for", "OpsBackend", "CpuBackend", "MetalBackend", "row_dot", "row_axpy", "block_row_axpy"]
 

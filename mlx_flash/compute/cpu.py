@@ -11,10 +11,11 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..format.layout import RowMatrix
 from . import cpu_gemv
 from .ffn import ACTIVATIONS, glu
 from .ops import OpsBackend
-from .rows import RowMatrix, RowSet, slots_array
+from .rows import RowSet, slots_array
 
 
 def supports(m: RowMatrix) -> bool:

@@ -27,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..format.quant import block_dequantize, symmetric_biases
+
 # Before libgomp starts: idle OpenMP threads spin ~0.1 s, then sleep (libomp's KMP_BLOCKTIME is 0.2 s).
 # A decode step runs several parallel loops per layer with Python and waits for reads of a few ms between
 # them, and waking a sleeping thread costs more than a matvec: threads keep spinning across those gaps
@@ -161,17 +163,6 @@ class QuantRows:
             SCALE_TYPES[self.scale_dtype],
             self.symmetric,
         )
-
-
-def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
-    """The biases a symmetric quantisation implies (llama.cpp's Q4_0 / Q8_0 in MLX's affine form)."""
-    return scales * -(1 << (bits - 1))
-
-
-def is_symmetric(biases: mx.array, scales: mx.array, bits: int) -> bool:
-    """Whether stored biases are exactly those `symmetric_biases` derives, so they need not be stored (finite: an
-    overflowed float16 bias would not be what a float32 derivation gives)."""
-    return bool(mx.array_equal(biases, symmetric_biases(scales, bits)) and mx.all(mx.isfinite(biases)).item())
 
 
 def _slots(slots) -> Optional[np.ndarray]:
@@ -436,16 +427,6 @@ def block_applies(c: mx.array, n: int, bits: int, scales: mx.array) -> bool:
         and scales.dtype in SCALE_TYPES
         and contiguous(scales)
     )
-
-
-def block_dequantize(
-    codes: mx.array, blocks: mx.array, scales: mx.array, biases: Optional[mx.array], bits: int, dtype=mx.float32
-) -> mx.array:
-    """W [k, n]: W_j = scales[blocks[j]] * q_j + biases[blocks[j]] (biases None: symmetric) in `dtype`."""
-    biases = symmetric_biases(scales, bits) if biases is None else biases
-    ones = mx.ones((codes.shape[0], codes.shape[-1] * 32 // bits // 32), dtype=dtype)  # the codes, as floats
-    q = mx.dequantize(codes, ones, mx.zeros_like(ones), 32, bits)
-    return scales[blocks].astype(dtype) * q + biases[blocks].astype(dtype)
 
 
 def block_matmul(

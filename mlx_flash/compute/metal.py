@@ -7,11 +7,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..format.layout import DTYPES
-from . import kernel_source
-from .kernel_source import split_sections
+from ..format.layout import DTYPES, RowMatrix
+from ..io import kernel_source
+from ..io.kernel_source import split_sections
 from .ops import OpsBackend
-from .rows import RowMatrix
 
 KERNEL_FILE = "gather_ffn.metal"
 

@@ -16,10 +16,11 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..format.layout import DTYPES, BundleLayout, Component
+from ..format.layout import DTYPES, BundleLayout, Component, RowMatrix, matrix
+from ..format.quant import symmetric_biases
 from . import cpu_gemv
 from .ffn import ACTIVATIONS, glu
-from .rows import RowMatrix, RowSet, matrix, per_partial
+from .rows import RowSet, per_partial
 
 _WORDS = (mx.uint32, mx.uint16, mx.uint8)
 
@@ -44,7 +45,7 @@ def gather(rows: mx.array, slots: mx.array, c: Component) -> mx.array:
 
 def _scales_biases(rows, slots, m: RowMatrix, dtype):
     s = gather(rows, slots, m.scales).astype(dtype)
-    b = cpu_gemv.symmetric_biases(s, m.bits) if m.symmetric else gather(rows, slots, m.biases).astype(dtype)
+    b = symmetric_biases(s, m.bits) if m.symmetric else gather(rows, slots, m.biases).astype(dtype)
     return s, b
 
 

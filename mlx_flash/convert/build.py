@@ -43,12 +43,12 @@ from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
 from .. import __version__
-from ..engine.experts import is_moe
 from ..errors import FlashError
 from ..format.bitmap import capacity_for_sparsity
 from ..format.directory import DEFAULT_ALIGNMENT, FlashDir, FlashWriter
 from ..format.layout import PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, dtype_name
 from ..models.architectures import adapter_for, symmetric
+from ..models.inspect import is_moe
 from ..texts import wikitext
 from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms

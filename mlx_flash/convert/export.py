@@ -31,9 +31,9 @@ import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 import mlx.core as mx
 from tqdm import tqdm
 
-from ..compute.cpu_gemv import symmetric_biases
 from ..errors import FlashError
 from ..format.directory import FlashDir
+from ..format.quant import symmetric_biases
 from ..models.architectures import adapter_for, transpose_codes
 from .gguf import ShardWriter
 from .source import TOKENIZER_FILES

@@ -16,10 +16,10 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
-from ..compute.cpu_gemv import is_symmetric
 from ..engine.experts import REGION, expert_arrays, expert_quantization, experts_per_token, switch_paths
 from ..format.directory import DEFAULT_ALIGNMENT, FlashWriter
 from ..format.layout import dtype_name
+from ..format.quant import is_symmetric
 from .source import copy_tokenizer, release
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from ..engine.experts import is_moe
 from ..errors import SourceError, UnsupportedArchitectureError
 from ..models import get_model_classes
 from ..models.architectures import adapter_for
+from ..models.inspect import is_moe
 from .gguf import gguf_to_mlx_dir
 
 TOKENIZER_FILES = (

@@ -26,7 +26,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from ..compute import cpu_gemv
 from ..errors import UnsupportedArchitectureError
-from ..models import get_model_classes
+from ..format.quant import symmetric_biases
 from .cache import UnitCache
 from .read_ahead import IntoCache
 from .units import Engine
@@ -38,25 +38,6 @@ SWITCHES = (SwitchGLU, SwitchMLP)
 
 # where mlx-lm's MoE blocks and routers keep the number of experts a token is routed to
 TOP_K_NAMES = ("num_experts_per_tok", "top_k", "num_experts_per_token", "top_k_experts", "moe_topk", "moe_top_k", "k")
-
-
-def instantiate(config: dict) -> nn.Module:
-    """mlx-lm's model of `config` with lazy random weights (nothing allocated or read): what a model is made of is
-    asked of it, as its config keys differ between architectures."""
-    model_class, args_class = get_model_classes(config)
-    try:
-        return model_class(args_class.from_dict(config))
-    except Exception as e:
-        why = (str(e).splitlines() or [""])[0]
-        raise UnsupportedArchitectureError(
-            f"architecture {config['model_type']!r} is not supported: mlx-lm cannot build it from this config "
-            f"({type(e).__name__}: {why})"
-        ) from e
-
-
-def is_moe(config: dict) -> bool:
-    """Whether mlx-lm's model of `config` routes tokens to experts (has SwitchGLU / SwitchMLP blocks)."""
-    return any(isinstance(m, SWITCHES) for _, m in instantiate(config).named_modules())
 
 
 def projections(switch: nn.Module) -> tuple:
@@ -288,7 +269,7 @@ class ExpertEngine(Engine):
             )
         q = self.quant[name]
         if q is not None and q.get("symmetric"):
-            parts["biases"] = cpu_gemv.symmetric_biases(parts["scales"], q["bits"])
+            parts["biases"] = symmetric_biases(parts["scales"], q["bits"])
         return parts
 
     def _project(self, x: mx.array, row: mx.array, name: str) -> mx.array:

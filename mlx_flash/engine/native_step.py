@@ -30,8 +30,7 @@ from mlx_lm.models.cache import KVCache
 from ..compute import cpu_gemv
 from .experts import FlashSwitchGLU
 from .neurons import FlashFFN
-from .resident import StreamedLayer, StreamedRows
-from .stage import Absent
+from .resident import Absent, StreamedLayer, StreamedRows
 
 ATTENTION = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen3": True, "mlx_lm.models.qwen3_moe": True}  # -> q/k norms
 MAX_POSITIONS = (
@@ -217,7 +216,7 @@ class HostDecoder:
                     mlp=layer.mlp,
                 )
             )
-        if isinstance(body.norm, Absent):  # a pipeline stage before the last (stage.py): no norm, no head
+        if isinstance(body.norm, Absent):  # a pipeline stage before the last (models/stage.py): no norm, no head
             return cls(model, layers, None), None
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
         head_module = body.embed_tokens if tied else getattr(model, "lm_head", None)

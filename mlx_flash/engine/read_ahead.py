@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ReadError
-from .reader import AlignedBuffer
+from ..io.reader import AlignedBuffer
 
 
 @dataclass

@@ -21,7 +21,8 @@ at most two loads are in memory at once. Reads are aligned supersets of each ten
 resident weights would be (loader.cpu_float32).
 
 Wrappers take the streamed modules' places in the model, holding the original module (its
-class does the maths) with placeholder weights between calls.
+class does the maths) with placeholder weights between calls; `Absent` takes the place of a module
+a pipeline stage does not hold (models/stage.py).
 """
 
 import time
@@ -34,8 +35,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .experts import SWITCHES, instantiate
-from .reader import aligned_buffer, aligned_span
+from ..io.reader import aligned_buffer, aligned_span
+from .experts import SWITCHES
 
 HEAD_CHUNK_BYTES = 2 << 20  # LM head rows per streamed chunk: large reads, little memory
 STREAM_THREADS = 8  # a few large reads per load
@@ -78,9 +79,10 @@ def _group(path: str, kind: str, tensors, cast, alignment: int, rows: Optional[i
     return StreamGroup(path, kind, [t.name for t in tensors], sum(t.nbytes_as(cast) for t in tensors), load, chunk)
 
 
-def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
+def stream_groups(fd, model: nn.Module, cast=None, context: int = 2048) -> List[StreamGroup]:
     """The modules that may be streamed, in the order the planner streams them (module doc). What a module is
-    comes from its type in mlx-lm's model of the directory's config (lazy weights: nothing is read), not its name:
+    comes from its type in `model`, mlx-lm's model of the directory's config (lazy weights: nothing is read;
+    models.inspect.instantiate), not its name:
 
     an embedding (nn.Embedding, quantised or not) is read by rows; the head, in chunks, if no linear layer outside
     the layers maps to a vocabulary (tied: then the token embedding, the first one defined);
@@ -92,7 +94,6 @@ def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
     by_module: Dict[str, list] = {}
     for name, t in index.items():
         by_module.setdefault(name.rsplit(".", 1)[0], []).append(t)
-    model = instantiate(fd.config)
     names = {id(m): p for p, m in model.named_modules()}
     layers = [names[id(layer)] for layer in model.layers]
     outside = [
@@ -104,7 +105,7 @@ def stream_groups(fd, cast=None, context: int = 2048) -> List[StreamGroup]:
     untied = any(by_module[p][0].shape[0] in vocabularies for p in linears)  # a linear head, as many rows as one
     order = {p: i for i, (p, _) in enumerate(tree_flatten(model.parameters()))}
     tied = [] if untied or not embeddings else [min(embeddings, key=lambda p: order[p + ".weight"])]  # tokens': first
-    tied = tied if getattr(fd, "last", True) else []  # a pipeline stage before the last holds no head (stage.py)
+    tied = tied if getattr(fd, "last", True) else []  # a pipeline stage before the last holds no head (models/stage.py)
 
     rows, heads = [], []
     for path in tied + linears:
@@ -356,6 +357,17 @@ class StreamedRows(_Streamed):
             return out
         parts = [self._run(self._streamer.load(self._path, rows), fn) for rows in self._streamer.chunks(self._path)]
         return mx.concatenate(parts, axis=-1)
+
+
+class Absent(nn.Module):
+    """A module another pipeline stage holds (no weights): calling it is a bug, said plainly."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._path = path
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._path} is held by another pipeline stage")
 
 
 def wrapper_for(group: StreamGroup) -> Callable[[nn.Module, ResidentStreamer], nn.Module]:

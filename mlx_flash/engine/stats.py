@@ -6,7 +6,7 @@ from typing import List
 
 import numpy as np
 
-from .memory import peak_rss
+from ..io.memory import peak_rss
 
 
 @dataclass

@@ -9,7 +9,7 @@ step does the rest:
       the misses --reader (pread pool)--> their cache rows
       the blocks of hits computed while the misses are read, then those with units read ahead, then the blocks with
       misses, then those with overflow, read through the scratch buffer a chunk at a time
-      every read unit checked against its checksum the first time it is read (checks.py)
+      every read unit checked against its checksum the first time it is read (io/checks.py)
 
 Results come back per block, in block order. A block is `block` consecutive ids: REDUCTION_UNITS for neurons, whose
 partial sums are added in block order, so the sum is the same whatever the budget, cache state or read-ahead; one
@@ -25,9 +25,9 @@ import numpy as np
 
 from ..compute.rows import RowSet
 from ..errors import ReadError
+from ..io.checks import CHECK_UNITS, UnitChecks
+from ..io.reader import AlignedBuffer, aligned_span
 from .cache import UnitCache
-from .checks import CHECK_UNITS, UnitChecks
-from .reader import AlignedBuffer, aligned_span
 from .stats import Stats
 
 # Units summed together in one call before partial sums are added, in this order (a multiple of every group size):
@@ -125,7 +125,7 @@ class Engine:
         return wait
 
     def _checked(self, wait, r, units: np.ndarray, buffer, dest: np.ndarray) -> Callable[[], None]:
-        """`wait`, then the units' checksums where not checked before (checks.py), counted as I/O."""
+        """`wait`, then the units' checksums where not checked before (io/checks.py), counted as I/O."""
         if not self.checks:
             return wait
 

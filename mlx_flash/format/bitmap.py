@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..compute import kernel_source
+from ..io import kernel_source
 
 KERNEL_FILE = "bitmap_expand.metal"
 

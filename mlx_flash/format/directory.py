@@ -41,13 +41,13 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from ..budget import LAYERS, first_of
-from ..compute.cpu_gemv import block_dequantize, is_symmetric, symmetric_biases
-from ..engine.checks import crc32_at
-from ..engine.reader import open_reader
 from ..errors import FlashFormatError, ReadError
+from ..io.checks import crc32_at
+from ..io.reader import open_reader
 from . import manifest
+from .config import LAYERS, first_of
 from .layout import DTYPES, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, Region, is_count, round_up
+from .quant import block_dequantize, is_symmetric, symmetric_biases
 from .safetensors_io import TensorSpool
 
 FORMAT_NAME = "mlx_flash"

@@ -1,6 +1,7 @@
 """How units lie in a flash directory's FFN file and in DRAM: components (a matrix's rows in a unit), encodings
-(ENDOR bitmap rows on flash, expanded on reading), a region's layout (`BundleLayout`: offsets, strides, packing) and
-one layer's region (`Region`: where its units start in the file).
+(ENDOR bitmap rows on flash, expanded on reading), a region's layout (`BundleLayout`: offsets, strides, packing),
+one layer's region (`Region`: where its units start in the file) and where a matrix lives in a cache row
+(`RowMatrix`).
 
 A bundle holds one unit's weights contiguously, as rows of "components" (e.g. gate.weight, up.weight, down.weight for
 SwiGLU; quantised matrices add .scales/.biases); the manifest (directory.py) lists them with their dtype, per-unit
@@ -9,6 +10,7 @@ without copying.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -307,6 +309,73 @@ class BundleLayout:
 def _sibling(name: str, part: str) -> str:
     """'gate.weight' -> 'gate.scales'."""
     return name.rsplit(".", 1)[0] + "." + part
+
+
+# -- a matrix in a cache row (uint8 rows [capacity, stride]): in slot s, component `<name>.weight` (float, or packed
+# uint32 when quantised, with `<name>.scales` / `<name>.biases`) at its byte offset in rows[s]
+
+
+@dataclass(frozen=True)
+class RowMatrix:
+    """Where matrix `name` lives in a cache row, and what it holds."""
+
+    name: str
+    weight: Component
+    scales: Optional[Component]
+    biases: Optional[Component]
+    n: int  # logical row length (dequantised)
+    bits: int  # 0: float rows
+    group_size: int
+    symmetric: bool = False  # no biases component: bias = -2^(bits-1) * scale
+
+    @property
+    def float_dtype(self) -> mx.Dtype:
+        """The stored float type: the weights, or the scales/biases when quantised."""
+        return DTYPES[(self.scales or self.weight).dtype]
+
+
+@lru_cache(maxsize=256)
+def row_matrix(
+    layout: BundleLayout,
+    name: str,
+    bits: Optional[int] = None,
+    group_size: Optional[int] = None,
+    symmetric: bool = False,
+) -> RowMatrix:
+    """Resolve matrix `name` ("gate", "fc1", ...) of `layout` for quantisation (bits, group_size[, symmetric: no
+    biases stored]) or float (None)."""
+    comps = {c.name: c for c in layout.components}
+    weight = comps.get(f"{name}.weight")
+    if weight is None:
+        have = sorted({c.name.rsplit(".", 1)[0] for c in layout.components})
+        raise ValueError(f"the layout has no matrix {name!r} (it has {', '.join(have)})")
+    if len(weight.shape) != 1:
+        raise ValueError(f"{name}.weight: expected one row per unit, got per-unit shape {weight.shape}")
+    if bits is None:
+        if weight.dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"{name}.weight is {weight.dtype}: quantised rows need quant={{'bits', 'group_size'}}")
+        return RowMatrix(name, weight, None, None, weight.shape[0], 0, 1)
+    scales, biases = comps.get(f"{name}.scales"), comps.get(f"{name}.biases")
+    if symmetric:
+        biases = scales
+    if weight.dtype != "uint32" or scales is None or biases is None:
+        raise ValueError(f"{name}: quant={{'bits': {bits}, ...}} but the layout does not hold quantised rows of it")
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"{name}: unsupported bits {bits}")
+    n = weight.shape[0] * 32 // bits
+    if scales.shape != biases.shape or scales.shape[0] * group_size != n or scales.dtype != biases.dtype:
+        raise ValueError(
+            f"{name}: {n} values need {n // group_size} groups of {group_size}, "
+            f"scales/biases have {scales.shape}/{biases.shape}"
+        )
+    return RowMatrix(name, weight, scales, None if symmetric else biases, n, bits, group_size, symmetric)
+
+
+def matrix(layout: BundleLayout, name: str, quant: Optional[dict]) -> RowMatrix:
+    """`row_matrix` for the manifest's quantisation entry of the matrix (None: float rows)."""
+    if quant is None:
+        return row_matrix(layout, name)
+    return row_matrix(layout, name, int(quant["bits"]), int(quant["group_size"]), bool(quant.get("symmetric")))
 
 
 def is_count(x) -> bool:

@@ -5,8 +5,7 @@ ValueError (FlashDir turns them into one FlashFormatError naming the file)."""
 from pathlib import Path
 from typing import Dict, List
 
-from ..compute.rows import matrix
-from .layout import BundleLayout, Region, is_count
+from .layout import BundleLayout, Region, is_count, matrix
 
 # The manifest's fields and their JSON types, checked at load so that what reads them later can rely on them
 # (optional ones: a tuple of the type and None)
@@ -72,7 +71,7 @@ def _regions_of(ffn: dict, layer: int) -> set:
 
 def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
     """A dense FFN's matrices are each in a region whose layout holds rows of them as its quantisation says (what
-    the backends compute with: compute/rows.py raises ValueError); an expert's matrices are each as their
+    the backends compute with: layout.row_matrix raises ValueError); an expert's matrices are each as their
     quantisation says."""
     if ffn["kind"] == "moe":
         if not all(type(v) is str for v in ffn["switch_paths"].values()):

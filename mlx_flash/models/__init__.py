@@ -3,6 +3,9 @@
 `get_model_classes(config)` is what mlx_flash passes as `get_model_classes=` to
 `mlx_lm.utils.load_model`: it knows the architectures mlx-lm lacks (OPT; hunyuan_moe, Hunyuan-A13B's routing
 as its reference has it) and otherwise defers to mlx-lm.
+
+Beside them: what a config's model is made of (inspect.py), the architectures' FFN adapters (architectures.py) and
+a pipeline stage's layers as a flash directory of their own (stage.py). With the loader, above the engine.
 """
 
 from typing import Tuple, Type

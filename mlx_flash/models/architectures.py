@@ -21,8 +21,8 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..compute.cpu_gemv import is_symmetric
 from ..errors import UnsupportedArchitectureError
+from ..format.quant import is_symmetric
 from . import get_model_classes
 
 

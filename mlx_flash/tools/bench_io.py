@@ -8,7 +8,7 @@
    is repeated and the medians are reported, with native/fio (median of per-repeat ratios).
 2. The best thread count per size and the recommended default.
 3. The gap policy: `max_gap_bytes` derived from the measured cost-per-request curve
-   (mlx_flash.engine.reader.max_gap_from_measurements).
+   (mlx_flash.io.reader.max_gap_from_measurements).
 4. The coalescing gain: groups of N adjacent bundles read as separate requests vs
    coalesced, and groups with one-bundle holes read separately vs gap-filled.
 """
@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import blas
 from ..compute import cpu_gemv
-from ..engine.reader import DEFAULT_THREADS, aligned_buffer, have_native, max_gap_from_measurements, open_reader
+from ..io.reader import DEFAULT_THREADS, aligned_buffer, have_native, max_gap_from_measurements, open_reader
 
 try:
     from tqdm import tqdm

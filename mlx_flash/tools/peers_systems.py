@@ -28,8 +28,8 @@ from .. import __version__
 from ..convert.build import convert
 from ..convert.export import export
 from ..default_model import CONVERSION, cache_root, default_gguf_path
-from ..engine.memory import baseline_command
 from ..format.directory import FlashDir
+from ..io.memory import baseline_command
 from ..loader import default_model_dir, load_tokenizer
 from .cap import run_capped
 from .synthetic import PRESETS, ROUTINGS

@@ -50,10 +50,11 @@ from mlx.utils import tree_flatten
 
 from .. import __version__
 from ..default_model import cache_root
-from ..engine.experts import PROJECTIONS, REGION, is_moe
+from ..engine.experts import PROJECTIONS, REGION
 from ..format.directory import DEFAULT_ALIGNMENT, FlashDir, FlashWriter
 from ..format.layout import PACKED_UNIT_ALIGNMENT
 from ..models import get_model_classes
+from ..models.inspect import is_moe
 from ..models.tiny import save_tiny_tokenizer
 
 PRESETS = {

@@ -1,9 +1,5 @@
-"""Metal kernel source files: where they are, split into named sections (shared by gather_ffn
-and bitmap).
-
-A module of its own so that bitmap (imported by format.directory) needs nothing that imports
-format.directory.
-"""
+"""Metal kernel source files: where they are, split into named sections (shared by compute.metal's gather_ffn
+and format.bitmap)."""
 
 import re
 from pathlib import Path

@@ -6,7 +6,8 @@ count, the regions and FFN paths numbered from 0, the resident tensors of its la
 bytes of the same files: offsets stay the directory's), and of the tensors outside the layers only those the stage
 uses: the embedding on the first stage, the final norm and the LM head on the last (a tied head: the embedding
 too). Planning, streaming, the unit caches and the native decode step then see a smaller model, and count, read
-and hold only the stage's bytes. The modules a stage does not hold become `Absent` in its model (`absent_modules`).
+and hold only the stage's bytes. The modules a stage does not hold become `Absent` (engine/resident.py) in its model
+(`absent_modules`).
 """
 
 from dataclasses import replace
@@ -15,22 +16,11 @@ from typing import Callable, Dict
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..budget import LAYERS
+from ..engine.resident import EMBEDDINGS, LINEARS, Absent
 from ..errors import FlashError, UnsupportedArchitectureError
+from ..format.config import LAYERS
 from ..format.directory import FlashDir
-from .experts import instantiate
-from .resident import EMBEDDINGS, LINEARS
-
-
-class Absent(nn.Module):
-    """A module another pipeline stage holds (no weights): calling it is a bug, said plainly."""
-
-    def __init__(self, path: str):
-        super().__init__()
-        self._path = path
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._path} is held by another pipeline stage")
+from .inspect import instantiate
 
 
 def layer_paths(model: nn.Module) -> list:

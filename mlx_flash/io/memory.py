@@ -42,7 +42,7 @@ def baseline_command(model_dir) -> list:
         "-c",
         "import sys, mlx_flash, mlx_lm; from mlx_flash.format.directory import FlashDir; "
         "from mlx_flash.loader import load_tokenizer; load_tokenizer(FlashDir(sys.argv[1])); "
-        "from mlx_flash.engine.memory import print_own_peak; print_own_peak()",
+        "from mlx_flash.io.memory import print_own_peak; print_own_peak()",
         str(model_dir),
     ]
 

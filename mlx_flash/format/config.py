@@ -1,0 +1,26 @@
+"""A model's shape as its config gives it (layers, hidden size, attention heads), under whichever names it uses."""
+
+# the names configs give the attention's sizes (Hugging Face's; mlx-lm's model args, e.g. phixtral's; GPT-2 style)
+LAYERS = ("num_hidden_layers", "num_layers", "n_layer")
+HIDDEN = ("hidden_size", "model_dim", "n_embd")
+HEADS = ("num_attention_heads", "num_heads", "n_head")
+
+
+def first_of(config: dict, keys: tuple):
+    """The first of `keys` a config has, a multimodal wrapper's language model's (text_config) if it has one;
+    None if it has none of them."""
+    config = config.get("text_config", config)
+    return next((config[k] for k in keys if config.get(k)), None)
+
+
+def attention_shape(config: dict) -> tuple:
+    """(layers, hidden size, attention heads) of a config; KeyError naming what it lacks."""
+    shape = tuple(first_of(config, keys) for keys in (LAYERS, HIDDEN, HEADS))
+    if None in shape:
+        raise KeyError(f"the config gives none of {', '.join((LAYERS, HIDDEN, HEADS)[shape.index(None)])}")
+    return shape
+
+
+def head_dim(config: dict) -> int:
+    _, hidden, heads = attention_shape(config)
+    return first_of(config, ("head_dim",)) or hidden // heads
