@@ -25,6 +25,17 @@ def test_memory_readings_move():
     assert memory.reset_peak() and memory.peak_rss() < before + (48 << 20)
 
 
+def test_macos_footprint_struct_is_rusage_info_v4():
+    """The ctypes layout macOS's proc_pid_rusage fills (<sys/resource.h>): a 16-byte UUID, then 35 64-bit counters;
+    the footprint is the 8th, its peak since the last reset the 34th."""
+    import ctypes
+
+    info = memory.RusageInfoV4
+    assert ctypes.sizeof(info) == 16 + 35 * 8
+    assert info.phys_footprint.offset == 16 + 7 * 8 and info.interval_max_phys_footprint.offset == 16 + 33 * 8
+    assert memory.measured()  # (Linux: /proc)
+
+
 def _generate(generate_capped, budget: str):
     return generate_capped(
         default_model_dir(), budget, "--prompt", PROMPT, "--max-tokens", "8", "--ignore-chat-template"

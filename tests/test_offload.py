@@ -176,15 +176,20 @@ def test_budget_below_the_streaming_floor(dirs):
         load(path, memory_budget=floor - 1, context=CONTEXT)
 
 
+def open_files() -> int:
+    """This process's open file descriptors (/proc on Linux, /dev/fd on macOS)."""
+    return len(os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"))
+
+
 def test_close_releases_the_stream_reader(dirs):
     path = dirs["qwen3"]
     _, _, floor, _ = floors(path)
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = open_files()
     model, _ = load(path, memory_budget=floor, sparsity="dense", context=CONTEXT)
     greedy(model, 2)
     assert model.flash.streamer is not None
     model.flash.close()
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert open_files() == fds
 
 
 def test_corrupt_resident_header_is_a_format_error(dirs, tmp_path):

@@ -1,17 +1,68 @@
-"""The process's own memory, as a user's machine sees it: resident set size now and at its peak.
+"""The process's own memory, as the operating system counts it: now, at its peak, and the baseline a budget is above.
 
-The budget covers what the runtime allocates above the baseline (the interpreter with mlx and mlx-lm
-imported and the model's tokenizer loaded, which every mlx-lm based runtime holds alike); `load`
-records that baseline and resets the peak, so `peak_above_baseline()` is the runtime's own peak.
-Linux reads /proc/self/status; elsewhere the peak comes from getrusage (not resettable) and RSS is 0.
+The budget covers what the runtime allocates above the baseline (the interpreter with mlx and mlx-lm imported and the
+model's tokenizer loaded, which every mlx-lm based runtime holds alike); `load` records that baseline and resets the
+peak, so `peak_rss() - baseline` is the runtime's own peak.
+
+    Linux   the resident set: /proc/self/status's VmRSS and VmHWM, the peak reset through /proc/self/clear_refs
+    macOS   the physical footprint, what macOS counts against a process (Activity Monitor's "Memory", the limits
+            that end it): resident and compressed pages, Metal's buffers included. proc_pid_rusage gives it now and
+            at its peak since proc_reset_footprint_interval.
+    other   getrusage's lifetime peak, and 0 now (`measured()` says so)
+
+MLX's own counters (`mx.get_active_memory`, `mx.get_peak_memory`) count its buffers, on a GPU too: `mlx_bytes()`.
 """
 
+import ctypes
+import os
 import resource
 import sys
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+RUSAGE_INFO_V4 = 4
+
+
+class RusageInfoV4(ctypes.Structure):
+    """struct rusage_info_v4 (<sys/resource.h>): a UUID, then 35 counters, in this order."""
+
+    _fields_ = [("ri_uuid", ctypes.c_uint8 * 16)] + [
+        (name, ctypes.c_uint64)
+        for name in (
+            "user_time system_time pkg_idle_wkups interrupt_wkups pageins wired_size resident_size phys_footprint "
+            "proc_start_abstime proc_exit_abstime child_user_time child_system_time child_pkg_idle_wkups "
+            "child_interrupt_wkups child_pageins child_elapsed_abstime diskio_bytesread diskio_byteswritten "
+            "cpu_time_qos_default cpu_time_qos_maintenance cpu_time_qos_background cpu_time_qos_utility "
+            "cpu_time_qos_legacy cpu_time_qos_user_initiated cpu_time_qos_user_interactive billed_system_time "
+            "serviced_system_time logical_writes lifetime_max_phys_footprint instructions cycles billed_energy "
+            "serviced_energy interval_max_phys_footprint runnable_time"
+        ).split()
+    ]
+
+
+def _libproc():
+    """libSystem's proc_pid_rusage and proc_reset_footprint_interval (macOS), or None."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        lib = ctypes.CDLL("/usr/lib/libSystem.B.dylib", use_errno=True)
+        lib.proc_pid_rusage.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(RusageInfoV4)]
+        lib.proc_reset_footprint_interval.argtypes = [ctypes.c_int]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBPROC = _libproc()
+
+
+def _footprint():
+    """This process's rusage_info_v4 (macOS), or None."""
+    info = RusageInfoV4()
+    if _LIBPROC is None or _LIBPROC.proc_pid_rusage(os.getpid(), RUSAGE_INFO_V4, ctypes.byref(info)) != 0:
+        return None
+    return info
 
 
 def _status_kib(key: str) -> int:
@@ -21,22 +72,52 @@ def _status_kib(key: str) -> int:
     return 0
 
 
+def measured() -> bool:
+    """Whether this system tells the process's memory now (Linux's /proc, macOS's footprint)."""
+    return _STATUS.exists() or _footprint() is not None
+
+
 def rss() -> int:
-    """Resident set size now, in bytes (0 where /proc is missing)."""
-    return _status_kib("VmRSS") if _STATUS.exists() else 0
+    """The process's memory now, in bytes (Linux: resident set; macOS: physical footprint; 0 where unknown)."""
+    if _STATUS.exists():
+        return _status_kib("VmRSS")
+    info = _footprint()
+    return 0 if info is None else int(info.phys_footprint)
 
 
 def peak_rss() -> int:
-    """Peak resident set size (VmHWM; since the last `reset_peak`), in bytes."""
+    """The process's peak memory since the last `reset_peak`, in bytes (elsewhere: its lifetime peak)."""
     if _STATUS.exists():
         return _status_kib("VmHWM")
+    info = _footprint()
+    if info is not None:
+        return int(info.interval_max_phys_footprint or info.lifetime_max_phys_footprint)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
+def reset_peak() -> bool:
+    """Restart the peak from the memory now (Linux: writing 5 to /proc/self/clear_refs; macOS:
+    proc_reset_footprint_interval); False if unsupported."""
+    if _LIBPROC is not None:
+        return _LIBPROC.proc_reset_footprint_interval(os.getpid()) == 0
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def mlx_bytes() -> dict:
+    """MLX's own counters: its buffers in use now and at their peak, and its cache of freed buffers."""
+    import mlx.core as mx
+
+    return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
+
+
 def baseline_command(model_dir) -> list:
     """A child process that only builds the baseline for `model_dir` (mlx, mlx-lm, the model's tokenizer):
-    its peak RSS is the baseline a hard cap adds to a budget."""
+    its peak memory is the baseline a hard cap adds to a budget."""
     return [
         sys.executable,
         "-c",
@@ -48,20 +129,8 @@ def baseline_command(model_dir) -> list:
 
 
 def print_own_peak() -> None:
-    """Print "VmHWM <kB>", this process's own peak RSS, where /proc has it. (A child's wait4 ru_maxrss can be
-    its parent's RSS at fork: Linux keeps the larger across exec, so a parent that had just loaded a model
+    """Print "VmHWM <kB>", this process's own peak memory, where the system tells it. (A child's wait4 ru_maxrss can
+    be its parent's RSS at fork: Linux keeps the larger across exec, so a parent that had just loaded a model
     reports its own size.)"""
-    try:
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM"))
-        print("VmHWM", line.split()[1])
-    except (OSError, StopIteration):
-        pass
-
-
-def reset_peak() -> bool:
-    """Restart the peak from the current RSS (Linux: writing 5 to /proc/self/clear_refs); False if unsupported."""
-    try:
-        _CLEAR_REFS.write_text("5")
-        return True
-    except OSError:
-        return False
+    if measured():
+        print("VmHWM", peak_rss() // 1024)
