@@ -539,7 +539,7 @@ def _load_moe(
     read-ahead reads into those slots."""
     cast = cpu_cast if dtype == mx.float32 else None
     kv_size = kv_itemsize(dtype, half)
-    top_k = int(fd.experts_per_token or 0)
+    top_k = min(int(fd.experts_per_token or 0), fd.ffn["n_experts"])  # (a config may ask for more than exist)
     read_ahead = read_ahead and top_k > 0
     plan = plan_memory(
         fd,

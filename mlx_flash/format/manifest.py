@@ -76,6 +76,11 @@ def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
     if ffn["kind"] == "moe":
         if not all(type(v) is str for v in ffn["switch_paths"].values()):
             raise TypeError("ffn.switch_paths must map layers to module paths")
+        k = ffn.get("experts_per_token")
+        if k is not None and not 0 < k <= ffn["n_experts"]:
+            raise ValueError(
+                f"ffn.experts_per_token {k}: a token routes to 1 to n_experts ({ffn['n_experts']}) experts"
+            )
         layout = layouts.get("experts")
         quant = ffn["quantization"]  # every matrix's, None where it is float
         names = {c.name.rsplit(".", 1)[0] for c in layout.components} if layout else set()
