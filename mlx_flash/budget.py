@@ -212,9 +212,29 @@ def fixed_bytes(
         "kv_cache": sequences * kv,
         "prompt_cache": prompt_caches * kv,  # each stored cache is one KV cache of `context` tokens
         "scratch": scratch + fd.alignment * n_buffers + bounce_bytes(fd),
-        "workspace": max(2 * scratch, min(MIN_MOE_WORKSPACE_BYTES, fd.model_bytes // 8) if per_pass else 0),
+        # (MLX's ops gather a decode step's experts' rows: twice that, half for MLX's cache of freed buffers)
+        "workspace": max(
+            2 * scratch,
+            min(MIN_MOE_WORKSPACE_BYTES, fd.model_bytes // 8) if per_pass else 0,
+            2 * per_pass * max(fd.layouts[r.name].stride for r in fd.regions()) if per_pass else 0,
+        ),
         "extra": extra,
     }
+
+
+def scale_copy_bytes(fd) -> int:
+    """The largest float32 copy of a resident matrix's 16-bit scales and biases: MLX's quantised matmul takes them
+    in the activations' dtype, so a call with float32 activations copies both (an embedding used as the head: a few
+    MiB)."""
+    index = fd.resident_index()
+    return max(
+        (
+            2 * 4 * t.nbytes // t.dtype.size
+            for name, t in index.items()
+            if name.endswith(".scales") and t.dtype.size == 2
+        ),
+        default=0,
+    )
 
 
 def ffn_reader_threads(fd) -> int:

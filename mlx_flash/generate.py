@@ -11,12 +11,12 @@ with two forward passes fewer before the first token (`generate_step`); `mlx_fla
 import argparse
 import sys
 import time
-from contextlib import contextmanager
 
 from . import blas, pipeline
 from .budget import fmt_bytes
 from .compute import cpu_gemv
 from .default_model import default_model_dir
+from .engine.forward import BACKENDS, head_on
 from .engine.native_step import HostKVCache
 from .engine.sparsity import SPARSITIES
 from .engine.stats import Stats
@@ -29,9 +29,8 @@ DEFAULT_DRAFT_TOKENS = 8  # the deepest draft; speculative.AdaptiveDepth goes sh
 
 
 class _Passes:
-    """Forward passes of `model` into `cache`, as mlx-lm's loop runs them: a flash model's native decoder when
-    it applies (decode steps, verification passes, short prompts), else mlx-lm's forward; logits processors see
-    the tokens fed so far."""
+    """Forward passes of `model` into `cache`, as mlx-lm's loop runs them: a flash model's pass (`model.forward`,
+    engine/forward.py), a stock model's own call; logits processors see the tokens fed so far."""
 
     def __init__(self, model, cache, sampler, logits_processors, stream, kv):
         self.model, self.cache, self.sampler = model, cache, sampler
@@ -47,15 +46,13 @@ class _Passes:
         if self.processors:
             self.history = tokens if self.history is None else mx.concat([self.history, tokens])
         prompt = logits != "all"
-        with (
-            mx.stream(self.stream or generation_stream),
-            _head_on_last_position(self.model, len(tokens) > 1 and logits == "last"),
-        ):
-            decoder = getattr(self.model, "decoder", None)  # a flash model's native CPU passes
-            if decoder is not None and decoder.applies(tokens, self.cache):
-                out = decoder(tokens.tolist(), self.cache, prompt=prompt and len(tokens) > 1)
+        with mx.stream(self.stream or generation_stream):
+            forward = getattr(self.model, "forward", None)
+            if forward is not None:  # (a prompt's pass: its last position's logits only)
+                out = forward(tokens.tolist(), self.cache, prompt=prompt and len(tokens) > 1)
             else:
-                out = self.model(tokens[None], cache=self.cache)
+                with head_on(self.model, [-1] if len(tokens) > 1 and logits == "last" else None):
+                    out = self.model(tokens[None], cache=self.cache)
             maybe_quantize_kv_cache(self.cache, *self.kv)
             if logits == "none":  # the head's output is never evaluated
                 # (a HostKVCache is written as the pass runs: its state would be a copy of the cache for nothing)
@@ -222,35 +219,6 @@ def speculative_generate_step(
             passes.trim(excess)
             if unfed is not None:
                 passes(mx.array([unfed], dtype=mx.uint32), "none")
-
-
-@contextmanager
-def _head_on_last_position(model, on: bool):
-    """mlx-lm's models apply their head to `model.model`'s output: give it the last position only.
-    The prompt's other logits are unused, and [positions, vocab] floats need not fit a budget."""
-    owner = model.get("language_model", model) if on else None  # (a multimodal wrapper's `model` is a property)
-    inner = owner.get("model") if owner is not None else None
-    if inner is None:
-        yield
-        return
-    owner.model = _LastPosition(inner)
-    try:
-        yield
-    finally:
-        owner.model = inner
-
-
-class _LastPosition:
-    """`inner` (the model's body) returning its last position; its attributes (a tied head) as they are."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __call__(self, *args, **kwargs):
-        return self.inner(*args, **kwargs)[:, -1:]
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def stream_generate(
@@ -489,8 +457,16 @@ def setup_arg_parser():
     p.add_argument(
         "--exact",
         action="store_true",
-        help="float32 activations in the CPU kernels, mlx-lm's float arithmetic (also MLX_FLASH_INT8=0); "
-        "the default rounds them to int8 per block of 32. Either way the output is the same at every budget.",
+        help="float results: float32 activations in the CPU kernels (also MLX_FLASH_INT8=0; the default rounds them to "
+        "int8 per block of 32) and float32 keys and values on the CPU. Either way the output is the same at every "
+        "budget.",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=BACKENDS,
+        help="The forward pass: auto (the default, or MLX_FLASH_BACKEND): MLX's, with the native CPU step beneath it "
+        "where it applies; mlx: MLX's own ops alone (what a Mac runs); native: as auto, an error where it cannot run.",
     )
     p.add_argument(
         "--stats", action="store_true", help="Print the per-token I/O / memory / compute breakdown and a summary."
@@ -539,7 +515,9 @@ def print_stats(engine, out=sys.stdout):
                 f"{s['prediction_accuracy']:.1%} of the experts routed"
                 if s["prediction_accuracy"] is not None
                 else ""
-            ),
+            )
+            + f"; {s['syncs_per_token']:.0f} host synchronisations a token "
+            f"({s['syncs_per_token'] / len(engine.fd.layers):.2f} a layer)",
             file=out,
         )
     spec = getattr(engine, "speculative", None)
@@ -559,6 +537,10 @@ def print_stats(engine, out=sys.stdout):
             f"(interpreter, mlx, mlx-lm, tokenizer); MLX peak {fmt_bytes(mx.get_peak_memory())}",
             file=out,
         )
+    forward = getattr(engine, "forward", None)
+    if forward is not None:
+        why = f" (the native CPU step does not run: {forward.why})" if forward.why else ""
+        print(f"forward: {forward.name}{why}", file=out)
     if mx.default_device() == mx.cpu:
         print(
             f"CPU: quantised decode matvecs {'native (kernels/cpu_gemv.c)' if cpu_gemv.available() else 'MLX ops'}, "
@@ -626,6 +608,8 @@ def main(argv=None):
                 max_ppl_increase=args.max_ppl_increase,
                 draft_model=args.draft_model if lead else None,
                 layers=layers,
+                backend=args.backend,
+                exact=args.exact,
             )
             stage = pipeline.Stage(group, model) if group is not None else None
         except (FlashError, ValueError) as e:
@@ -673,8 +657,8 @@ def _generate(args, model, tokenizer, prompt):
     response = None
     context = model.flash.context
     step = model.flash.plan.prefill_step(model.flash.fd.config, context)  # within the budget
-    if isinstance(model.decoder, pipeline.Stage):  # every pass native: at most its positions
-        step = min(step, model.decoder.max_positions)
+    if isinstance(model.forward, pipeline.Stage):  # every pass native: at most its positions
+        step = min(step, model.forward.max_positions)
     for response in stream_generate(
         model,
         tokenizer,

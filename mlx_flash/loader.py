@@ -6,7 +6,7 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 
 from .budget import (
@@ -18,11 +18,13 @@ from .budget import (
     min_streaming_budget,
     parse_size,
     plan_memory,
+    scale_copy_bytes,
 )
 from .compute import cpu_gemv
 from .compute.ffn import ResidentFFN
 from .default_model import default_model_dir
 from .engine.experts import SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
+from .engine.forward import Auto, FloatKVCache, HalfKVCache, MLXForward, QuantizedKVCache, backend_name
 from .engine.native_step import HostDecoder, HostKVCache
 from .engine.neurons import FlashFFN, NeuronEngine
 from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
@@ -179,7 +181,8 @@ def load_resident(path, dtype=None) -> Tuple[nn.Module, FlashDir]:
             return ResidentFFN(fd.ffn, arrays, bias)
 
         model = build_model(fd, make_ffn, dtype)
-    model.make_cache = partial(make_cache, model, half=half_kv(fd.config, mx.float32 if dtype is None else dtype))
+    half = half_kv(fd.config, mx.float32 if dtype is None else dtype, None, exact_by_default())  # (as `load`'s)
+    model.make_cache = partial(make_cache, model, half=half)
     return model, fd
 
 
@@ -330,6 +333,8 @@ def load(
     max_ppl_increase: float = MAX_PPL_INCREASE,
     draft_model=None,
     layers: Optional[Tuple[int, int]] = None,
+    backend: Optional[str] = None,
+    exact: bool = False,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -357,6 +362,12 @@ def load(
     speculative decoding (generate.stream_generate's draft_model); its memory comes out of the budget.
     layers: (start, stop) loads, plans and streams only those layers (a pipeline stage: models/stage.py), with the
     embedding if start is 0 and the final norm and LM head if stop is the last; a "50%" budget is then of its share.
+    backend: "auto" (the default, or MLX_FLASH_BACKEND): `model.forward`, the pass every feature runs
+    (engine/forward.py), is MLX's forward with the native CPU step beneath it where that applies; "mlx": MLX's own
+    ops alone, the arithmetic a Mac runs (this turns the native kernels off for the process); "native": as auto,
+    and an error where the native step cannot run.
+    exact: float results (float32 keys and values on the CPU path; the native step's float activations are
+    cpu_gemv.set_int8_activations(False)).
     """
 
     fd = FlashDir(path if path is not None else default_model_dir())
@@ -367,9 +378,12 @@ def load(
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
     budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
+    backend = backend_name(backend)
+    if backend == "mlx":
+        cpu_gemv.enabled = False  # as on a Mac, where they never run
     if dtype is None and not mx.metal.is_available():
         dtype = mx.float32
-    half = half_kv(fd.config, dtype, kv_bits)
+    half = half_kv(fd.config, dtype, kv_bits, exact or exact_by_default())
     kv_size = kv_itemsize(dtype, half)
     if context is None:
         cast = cpu_cast if dtype == mx.float32 else None
@@ -402,6 +416,7 @@ def load(
             prefetch is not False,
             sequences,
             half,
+            backend,
         )
         model.draft_model = draft
         return model, tokenizer
@@ -469,8 +484,8 @@ def load(
     )
     engine.why = why
     engine.stats.baseline_rss = baseline
-    if budget is not None:  # MLX keeps freed buffers for reuse: bound them by the workspace the plan holds
-        mx.set_cache_limit(plan.workspace)
+    if budget is not None:  # MLX keeps freed buffers for reuse: a quarter of the plan's workspace (half: the rows
+        mx.set_cache_limit(plan.workspace // 4)  # a call gathers, engine.units; a quarter: what MLX does not count)
 
     def make_ffn(i, bias):
         if "fc1" in bias and hasattr(sparsifier, "bias"):  # the ReLU oracle needs fc1's bias
@@ -480,12 +495,27 @@ def load(
     model = build_model(fd, make_ffn, dtype, {**_streaming(fd, plan, engine, direct, cast), **absent_modules(fd)})
     model.flash = engine
     engine.context = context  # where generation stops: the KV cache holds no more
-    model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
+    model.forward = make_forward(model, engine, kv_bits, backend, dtype)
     model.make_cache = partial(
         make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size, half
     )
     model.draft_model = draft
     return model, tokenizer
+
+
+def make_forward(model, engine, kv_bits, backend: str, dtype):
+    """The model's pass (engine/forward.py): MLX's forward, with the native CPU step beneath it where that applies
+    (backend "auto" or "native"; "native" raises FlashError where it cannot run)."""
+    native, why = None, "--backend mlx"
+    if backend != "mlx":
+        native, why = HostDecoder.of(model, engine) if kv_bits is None else (None, "a quantised KV cache (--kv-bits)")
+        if native is None and backend == "native":
+            raise FlashError(f"--backend native: the native CPU step does not run: {why}")
+    if dtype is None:  # the stored float type
+        dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    mlx = MLXForward(model, dtype, why)
+    engine.forward = mlx if native is None else Auto(native, mlx)
+    return engine.forward
 
 
 def _streaming(fd, plan, engine, direct: bool, cast) -> Dict[str, Callable[[nn.Module], nn.Module]]:
@@ -512,7 +542,8 @@ def _load_draft(path, fd: FlashDir, context: int):
         )
     model, _ = load(path, context=context)
     engine = model.flash
-    return model, engine.plan.nbytes({k: v.stride for k, v in engine.fd.layouts.items()})
+    # (and its head's: a resident model's workspace is a layer's rows)
+    return model, engine.plan.nbytes({k: v.stride for k, v in engine.fd.layouts.items()}) + scale_copy_bytes(draft_fd)
 
 
 def _load_moe(
@@ -533,6 +564,7 @@ def _load_moe(
     read_ahead: bool = False,
     sequences: int = 1,
     half: bool = False,
+    backend: str = "auto",
 ):
     """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
     to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft). The
@@ -557,26 +589,27 @@ def _load_moe(
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
     engine.stats.baseline_rss = baseline
-    if budget is not None:
-        mx.set_cache_limit(plan.workspace)
+    if budget is not None:  # (as the dense `load`'s)
+        mx.set_cache_limit(plan.workspace // 4)
     model = build_moe_model(fd, engine, dtype, {**_streaming(fd, plan, engine, direct, cast), **absent_modules(fd)})
     model.flash = engine
     engine.context = context  # where generation stops: the KV cache holds no more
     routers = next_routers(model, {int(i): p for i, p in fd.ffn["switch_paths"].items()}) if read_ahead else {}
     if routers:
         engine.read_ahead_with(routers, top_k)
-    model.decoder, engine.decoder_why = HostDecoder.of(model, engine) if kv_bits is None else (None, "kv_bits")
+    model.forward = make_forward(model, engine, kv_bits, backend, dtype)
     model.make_cache = partial(
         make_cache, model, kv_tokens(context) if budget is not None else None, kv_bits, kv_group_size, half
     )
     return model
 
 
-def half_kv(config: dict, dtype, kv_bits: int = None) -> bool:
+def half_kv(config: dict, dtype, kv_bits: int = None, exact: bool = False) -> bool:
     """Keys and values kept in float16 rather than the CPU path's float32: half the KV memory (the batch and context
-    the budget holds double), in the default int8 mode, which is not float-exact anyway (MLX_FLASH_INT8=0, the
-    exact mode, keeps float32), and only where every cache is mlx-lm's plain KVCache, so that the plan is right."""
-    if dtype != mx.float32 or kv_bits is not None or not (cpu_gemv.available() and cpu_gemv.int8_activations()):
+    the budget holds double), unless `exact` (float results: the native step's float activations, mlx-lm's
+    arithmetic) or quantised (kv_bits), and only where every cache is mlx-lm's plain KVCache, so that the plan is
+    right."""
+    if dtype != mx.float32 or kv_bits is not None or exact:
         return False
     try:
         model_class, args_class = get_model_classes(config)
@@ -593,37 +626,36 @@ def kv_itemsize(dtype, half: bool) -> int:
     return 2 if half or dtype is None else dtype.size
 
 
-def kv_size_of(fd, dtype=mx.float32, kv_bits: int = None) -> int:
+def exact_by_default() -> bool:
+    """Whether `load` keeps float32 keys and values without being asked (`exact`): the native step's activations are
+    float (cpu_gemv.set_int8_activations(False), MLX_FLASH_INT8=0)."""
+    return cpu_gemv.available() and not cpu_gemv.int8_activations()
+
+
+def kv_size_of(fd, dtype=mx.float32, kv_bits: int = None, exact: bool = False) -> int:
     """`kv_itemsize` as `load` plans it for flash directory fd (the budget's dtype_size)."""
-    return kv_itemsize(dtype, half_kv(fd.config, dtype, kv_bits))
-
-
-class HalfKVCache(KVCache):
-    """mlx-lm's KVCache holding float16 keys and values (`half_kv`) where the native step does not run."""
-
-    def update_and_fetch(self, keys, values):
-        return super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+    return kv_itemsize(dtype, half_kv(fd.config, dtype, kv_bits, exact or exact_by_default()))
 
 
 def make_cache(model, tokens: int = None, kv_bits: int = None, kv_group_size: int = 64, half: bool = False):
     """The model's own caches, each KVCache allocated for `tokens` (if given) at its first update (mlx-lm grows
     them in 256-token steps, which can overshoot the planned size when a stored cache resumes at
     an offset that is not a whole step), quantised from the start with `kv_bits` (mlx-lm's
-    generate quantises only after `quantized_kv_start` tokens), or in float16 (`half_kv`)."""
-    from mlx_lm.models.cache import QuantizedKVCache
-
+    generate quantises only after `quantized_kv_start` tokens), or in float16 (`half_kv`); batches of them are
+    per-sequence (forward.Batchable)."""
     caches = type(model).make_cache(model) if hasattr(type(model), "make_cache") else [KVCache() for _ in model.layers]
     if kv_bits is not None and any(type(c) is not KVCache for c in caches):
         raise FlashError(f"kv_bits: {type(model).__module__} uses {type(caches[0]).__name__}, not only plain KV caches")
-    host = getattr(model, "decoder", None) is not None  # its native decode step writes host buffers
+    # its native passes write host buffers (the loader's forward: a pipeline's rank 0 puts its stage in front)
+    host = isinstance(getattr(getattr(model, "flash", None), "forward", None), Auto)
     for i, c in enumerate(caches):
         if type(c) is KVCache:
             if kv_bits is not None:
                 c = QuantizedKVCache(kv_group_size, kv_bits)
             elif host:
                 c = HostKVCache(dtype=np.float16 if half else np.float32)
-            elif half:
-                c = HalfKVCache()
+            else:
+                c = HalfKVCache() if half else FloatKVCache()
             caches[i] = c
             c.step = tokens or c.step
     return caches

@@ -14,10 +14,13 @@ the final norm and LM head: rank 0 tokenises, samples, prints, and drives every 
     rank r      receives the rows from rank r+1, runs its layers, sends them on to rank r-1
     rank 0      receives them, runs its layers and the head: the logits, sampled as in one process
 
-Every rank so sees the same tokens (prompt chunks, prompt-lookup drafts, verification passes); a rejected draft is
-trimmed by the next pass's offset, and the stop is rank 0's. The rows cross as float32 and each layer runs the
-kernels it runs in one process (the native decode step, engine/native_step.py): greedy tokens are the single
-process's, bit for bit.
+Every rank so sees the same tokens (prompt chunks of any length, prompt-lookup drafts, verification passes); a
+rejected draft is trimmed by the next pass's offset, and the stop is rank 0's. Each rank's share is its model's
+`forward.stage` (engine/forward.py): MLX's forward, or the native CPU step beneath it where that applies, with any KV
+cache kind. The rows cross as float32 (lossless from float16 or bfloat16 activations) and each layer runs what it
+runs in one process: greedy tokens are the single process's, bit for bit, where every rank runs the implementation
+the single process would (ranks of different implementations each compute their own arithmetic: the native step's
+int8 activations, say, against MLX's float ones).
 
 The server (mlx_flash.server) runs the same way: rank 0 serves HTTP, one request at a time through these passes.
 
@@ -40,7 +43,6 @@ import mlx.core as mx
 import numpy as np
 
 from .budget import fmt_bytes
-from .engine.native_step import MAX_POSITIONS
 from .errors import FlashError
 from .format.directory import FlashDir
 from .models.inspect import instantiate
@@ -49,6 +51,8 @@ from .models.stage import StageDir, layer_paths
 TIMEOUT = float(os.environ.get("MLX_FLASH_PIPELINE_TIMEOUT", "30"))
 LOAD_WAITS = 20  # loading (hashing, reading the resident weights) may differ between ranks by far more than a pass
 HEADER = 6  # a pass's command: op, positions, KV offset, prompt, status, its number; then the tokens
+INLINE = 256  # tokens sent with the header (a longer pass sends the rest in a second exchange)
+MAX_PASS = 1 << 20  # positions a pass may hold (a command claiming more is a broken exchange)
 PASS, STOP, PING = 1, 2, 3
 KEPT = 1024  # per-pass stats a follower keeps past a ping (a server runs for long)
 
@@ -190,8 +194,6 @@ def _balanced(weights: Sequence[int], parts: int) -> List[int]:
 def stage_layers(path, group, args) -> Tuple[int, int]:
     """This rank's (start, stop) for a command's arguments (--pipeline-split, and the options stages support)."""
     fd = FlashDir(path)
-    if args.kv_bits is not None:
-        raise PipelineError("pipeline stages keep float KV caches (the native decode step's): drop --kv-bits")
     calibrated = ((fd.manifest.get("sparsity") or {}).get("selector") or {}).get("name")
     if args.sparsity not in ("auto", "dense") or (args.sparsity == "auto" and calibrated):
         raise PipelineError(
@@ -258,20 +260,22 @@ class PassClock:
 
 
 class Stage:
-    """This rank's layers in the pipeline (module doc): on rank 0 the model's decoder (`_Passes` calls it as it
-    calls HostDecoder), on the others `follow()` runs the passes rank 0 broadcasts."""
+    """This rank's layers in the pipeline (module doc): on rank 0 the model's pass (`_Passes` calls it as it calls
+    `model.forward`), on the others `follow()` runs the passes rank 0 broadcasts. Each rank's share of a pass is
+    its model's `forward.stage`, whichever implementation it has (native or MLX's)."""
 
     def __init__(self, group, model):
-        decoder = model.decoder
-        if decoder is None:
-            raise PipelineError(f"pipeline stages need the native decode step, which {model.flash.decoder_why}")
-        self.group, self.model, self.decoder = group, model, decoder
+        self.group, self.model, self.forward = group, model, model.forward
+        try:
+            getattr(self.forward, "mlx", self.forward).check_stage()
+        except ValueError as e:
+            raise PipelineError(f"pipeline stages: {model.flash.fd.architecture} cannot run as one: {e}") from None
         self.rank, self.size = group.rank, group.size
         self.first = self.rank == self.size - 1  # embeds the tokens
         self.hidden = model.args.hidden_size
-        self.max_positions = 1 if getattr(model.flash, "dip_layout", False) else MAX_POSITIONS
+        self.max_positions = 1 if getattr(model.flash, "dip_layout", False) else MAX_PASS
         if self.rank == 0:  # the generation loop's passes come here (generate._Passes)
-            model.decoder = self
+            model.forward = self
         self.stats = model.flash.stats
         self.clock = PassClock(self.stats)
         self.waits, self.sends = [], []  # seconds per pass: waiting for the rows before, sending them on
@@ -281,6 +285,9 @@ class Stage:
         self.error = None  # rank 0: the PipelineError a pass or ping raised (the pipeline is broken)
         fd = model.flash.fd
         self.layers = (fd.start, fd.stop) if isinstance(fd, StageDir) else (0, len(fd.layers))
+        self.name, self.why = f"{self.forward.name}, pipeline stages", self.forward.why
+        self.native = self.forward.native
+        self.rows_alone = self.sequences_alone = False  # (one sequence at a time through the stages)
 
     def share_context(self) -> int:
         """Every rank's planned context (`-m -1`: the longest each budget holds) cut to the least, where rank 0's
@@ -293,14 +300,6 @@ class Stage:
         return self.model.flash.context
 
     # -- rank 0: the generation loop's passes --------------------------------------------------------------------
-    def applies(self, tokens, cache) -> bool:
-        if not self.decoder.applies(tokens, cache):
-            raise PipelineError(
-                f"pipeline stages run every pass natively: {tokens.size} positions at once (at most {MAX_POSITIONS}) "
-                "or a KV cache of another kind (--kv-bits, --max-kv-size) are not supported"
-            )
-        return True
-
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
         try:
             self._command(PASS, tokens, cache[0].offset, prompt)
@@ -346,12 +345,15 @@ class Stage:
 
     # -- both ----------------------------------------------------------------------------------------------------
     def _command(self, op=0, tokens=(), offset=0, prompt=False, status=0):
-        buf = np.zeros(HEADER + MAX_POSITIONS, np.int32)
+        """Rank 0's next command, on every rank: the header and up to INLINE tokens in one exchange, a longer pass's
+        other tokens in a second."""
+        sent = list(tokens)
+        buf = np.zeros(HEADER + INLINE, np.int32)
         self.passes += 1
         self.last = time.monotonic()
         if self.rank == 0:
-            buf[:HEADER] = op, len(tokens), offset, prompt, status, self.passes
-            buf[HEADER : HEADER + len(tokens)] = tokens
+            buf[:HEADER] = op, len(sent), offset, prompt, status, self.passes
+            buf[HEADER : HEADER + min(len(sent), INLINE)] = sent[:INLINE]
         what = "sending the next pass" if self.rank == 0 else "waiting for rank 0's next pass"
         # after the last pass's work downstream; the first after rank 0's setup, which may take as long as loading
         limit = self._limit(self.positions) if self.passes > 1 else LOAD_WAITS * TIMEOUT
@@ -361,9 +363,14 @@ class Stage:
         if op == PING:
             self.positions = 1  # no pass downstream to wait for
         # (a ring that lost a peer may fail its pending exchanges with whatever its buffers held, raising nothing)
-        if number != self.passes or op not in (PASS, STOP, PING) or not (op != PASS or 0 < m <= MAX_POSITIONS):
+        if number != self.passes or op not in (PASS, STOP, PING) or not (op != PASS or 0 < m <= MAX_PASS):
             raise PipelineError(f"pipeline rank {self.rank}: {what}: another rank ended or cannot be reached")
-        return op, buf[HEADER : HEADER + m].tolist(), offset, bool(prompt), status
+        got = buf[HEADER : HEADER + min(m, INLINE)].tolist()
+        if m > INLINE:
+            rest = np.array(sent[INLINE:] if self.rank == 0 else np.zeros(m - INLINE), np.int32)
+            with self.group.watch(what, limit):
+                got += np.array(mx.distributed.all_sum(mx.array(rest), group=self.group.mx, stream=mx.cpu)).tolist()
+        return op, got, offset, bool(prompt), status
 
     def _pass(self, tokens, cache, prompt: bool):
         """This rank's share of a forward pass; rank 0 returns the logits. The stats' token is this rank's own work
@@ -371,7 +378,7 @@ class Stage:
         self.positions = len(tokens)
         if self.first:
             self.clock.begin(prompt)
-            x = self.decoder.embed(tokens)
+            x = list(tokens)
         else:
             start = time.perf_counter()
             what = f"waiting for rank {self.rank + 1}'s hidden rows"
@@ -383,13 +390,11 @@ class Stage:
             x = np.ascontiguousarray(x[:-1])
             self.waits.append(time.perf_counter() - start)
             self.clock.begin(prompt)
-        x = self.decoder.run_layers(x, cache, prompt)
-        if self.rank == 0:
-            logits = self.decoder.logits(x, prompt)
-            mx.eval(logits)
-            self.clock.done()
-            return logits
+        out = self.forward.stage(x, cache, prompt)
         self.clock.done()
+        if self.rank == 0:
+            return out  # (the logits, evaluated)
+        x = out
         start = time.perf_counter()
         with self.group.watch(f"sending the hidden rows to rank {self.rank - 1}"):
             rows = np.concatenate([x, np.full((1, x.shape[1]), self.passes, np.float32)])

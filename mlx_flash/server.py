@@ -44,6 +44,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from . import pipeline
 from .default_model import default_model_dir
 from .engine.batching import BatchModel, FlashBatchGenerator
+from .engine.forward import BACKENDS, Batchable
 from .errors import BudgetError, FlashError, ReadError
 from .generate import stream_generate
 from .loader import load
@@ -100,7 +101,7 @@ class ModelProvider(server.ModelProvider):
         args = self.cli_args
         if self.loaded is not None:  # pipeline rank 0: one request at a time through its stage
             (model, tokenizer), batch = self.loaded, 1
-            self.stage = model.decoder
+            self.stage = model.forward
         else:
             model, tokenizer, batch = self._load_batch(model_path)
         args.max_batch = batch
@@ -110,14 +111,14 @@ class ModelProvider(server.ModelProvider):
         # which logit_bias indexes the logits (one outside crashes the process)
         self.n_tokens = min(len(tokenizer.vocab), getattr(getattr(model, "args", None), "vocab_size", 1 << 62))
         self.processor = self.draft_model = None
-        # mlx-lm's BatchGenerator decodes the requests together, a step in one native pass (engine.batching) with
-        # the prompts' chunks beside; without the native decoder (MLX on a GPU, or a model the native step does not
-        # compute) one request at a time
-        self.is_batchable = model.decoder is not None and self.stage is None
+        # mlx-lm's BatchGenerator decodes the requests together, a step in one pass (engine.batching) with the
+        # prompts' chunks beside, where every layer's cache batches per sequence (forward.Batchable: not a sliding
+        # window's or an SSM's); else one request at a time
+        self.is_batchable = all(isinstance(c, Batchable) for c in model.make_cache()) and self.stage is None
         self.batch_model = BatchModel(model)
         args.decode_concurrency = batch
         # prompts beside each other in a pass where rows compute alone (engine.batching), else one at a time
-        args.prompt_concurrency = batch if getattr(model.decoder, "rows_alone", False) else 1
+        args.prompt_concurrency = batch if model.forward.sequences_alone else 1
         args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
         if self.stage is not None:  # every pass native: at most its positions
             args.prefill_step_size = min(args.prefill_step_size, self.stage.max_positions)
@@ -138,6 +139,7 @@ class ModelProvider(server.ModelProvider):
                     kv_group_size=args.kv_group_size,
                     prompt_caches=args.prompt_cache_size,  # the stored caches are planned inside the budget
                     sequences=batch,  # and the KV caches of the sequences decoded together
+                    backend=args.backend,
                 )
                 return model, tokenizer, batch
             except BudgetError:
@@ -239,7 +241,8 @@ class ResponseGenerator(server.ResponseGenerator):
         return (tracked, *request[1:])
 
     def _is_batchable(self, args):
-        return super()._is_batchable(args) and not args.prompt_lookup
+        # (--max-batch 1: each request alone, through the generation loop, its reads logged per pass)
+        return super()._is_batchable(args) and not args.prompt_lookup and self.cli_args.max_batch > 1
 
     def metrics(self) -> dict:
         flash = self.model_provider.model.flash
@@ -251,6 +254,7 @@ class ResponseGenerator(server.ResponseGenerator):
             "queue": self.requests.qsize(),
             "max_batch": self.cli_args.max_batch,
             "max_queue": self.cli_args.max_queue,
+            "backend": self.model_provider.model.forward.name,
             "generated_tokens": self.generated,
             "bytes_read": flash.stats.device_bytes(),
             "baseline_rss": flash.stats.baseline_rss,  # what the budget is above
@@ -561,6 +565,12 @@ def setup_arg_parser():
         help="Under mlx.launch: the layers of each rank, e.g. 12,18 (rank 0 runs the last ones, as mlx-lm's; "
         "default: shares as even in bytes as they can be).",
     )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=BACKENDS,
+        help="The forward pass (as mlx_flash.generate's): auto, mlx (MLX's own ops alone) or native.",
+    )
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     # the rest of what mlx-lm's server reads, at its defaults (draft models and adapters are refused)
     p.set_defaults(
@@ -670,6 +680,7 @@ def serve_stage(args, group) -> int:
                 window=args.window,
                 context=args.max_context,
                 layers=layers,
+                backend=args.backend,
             )
             stage = pipeline.Stage(group, model)
         except (FlashError, ValueError) as e:

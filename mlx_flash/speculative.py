@@ -85,14 +85,13 @@ class ModelDrafter:
         self._fed: List[int] = []  # the tokens in the draft cache
 
     def _feed(self, tokens: List[int]) -> mx.array:
-        """Run `tokens` through the draft model (a flash model's native decoder where it applies); the last
-        position's logits."""
-        ids = mx.array(tokens, dtype=mx.uint32)
-        decoder = getattr(self.model, "decoder", None)
-        if decoder is not None and decoder.applies(ids, self.cache):
-            logits = decoder(tokens, self.cache, prompt=True)[:, -1, :]
+        """Run `tokens` through the draft model (a flash model's pass, engine/forward.py; a stock model's call); the
+        last position's logits."""
+        forward = getattr(self.model, "forward", None)
+        if forward is not None:
+            logits = forward(tokens, self.cache, prompt=True)[:, -1, :]
         else:
-            logits = self.model(ids[None], cache=self.cache)[:, -1, :]
+            logits = self.model(mx.array(tokens, dtype=mx.uint32)[None], cache=self.cache)[:, -1, :]
         self._fed += tokens
         return logits
 

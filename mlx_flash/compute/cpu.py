@@ -64,10 +64,6 @@ class CpuBackend(OpsBackend):
     def host(self, x) -> np.ndarray:
         return x.reshape(-1, x.shape[-1]) if isinstance(x, np.ndarray) else super().host(x)
 
-    def sync(self, y) -> None:
-        if not isinstance(y, np.ndarray):  # (numpy: computed already)
-            super().sync(y)
-
     def finish(self, y, like: mx.array) -> mx.array:
         if not isinstance(y, np.ndarray):
             return super().finish(y, like)

@@ -42,7 +42,8 @@ except ImportError:  # not built: MLX's ops everywhere
 
 SCALE_TYPES = {mx.float16: 0, mx.bfloat16: 1, mx.float32: 2}
 
-enabled = os.environ.get("MLX_FLASH_CPU_KERNELS", "1") != "0"
+# MLX_FLASH_BACKEND=mlx: MLX's own ops everywhere, the arithmetic a Mac runs (engine/forward.py)
+enabled = os.environ.get("MLX_FLASH_CPU_KERNELS", "1") != "0" and os.environ.get("MLX_FLASH_BACKEND") != "mlx"
 
 
 def set_int8_activations(on: bool) -> None:

@@ -4,6 +4,10 @@ A per-layer cache is a uint8 mx.array `rows` [capacity, stride]; where a matrix 
 format.layout.RowMatrix.
 """
 
+import contextvars
+from contextlib import contextmanager
+from typing import List, Optional
+
 import mlx.core as mx
 import numpy as np
 
@@ -82,3 +86,45 @@ class RowSet:
         return mx.concatenate(
             [self.parts[self.which[a]][mx.array(self.slots[a:b].astype(np.int32)), :width] for a, b in runs], axis=0
         )
+
+
+# -- rows of several sequences in one pass ----------------------------------------------------------------------
+
+_SEGMENTS = contextvars.ContextVar("segments", default=None)
+SPLIT_ALWAYS = False  # tests: products per sequence as on a GPU, on the CPU (each sequence's bits must not move)
+
+
+@contextmanager
+def segmented(lengths: Optional[List[int]]):
+    """A pass whose rows are several sequences', `lengths` rows each in turn (engine.forward); None: one sequence's
+    rows (inside a mixer run per sequence)."""
+    token = _SEGMENTS.set(None if lengths is None else list(lengths))
+    try:
+        yield
+    finally:
+        _SEGMENTS.reset(token)
+
+
+def segments() -> Optional[List[int]]:
+    """The rows of each sequence of the pass in progress, None outside a pass of several."""
+    return _SEGMENTS.get()
+
+
+def independent(quantized: bool) -> bool:
+    """Whether a product's rows compute as each would alone, whatever other rows it holds: MLX's quantised matmuls
+    on the CPU do (tests/test_forward.py holds them to it); a float matmul on the CPU (BLAS picks its kernel by the
+    rows) and any matmul on a GPU (a matrix-vector kernel for one row, tiles for more) need not."""
+    return quantized and not SPLIT_ALWAYS and mx.default_device() == mx.cpu
+
+
+def per_segment(x: mx.array, lengths: List[int], f) -> mx.array:
+    """f of each sequence's rows of x [..., d] (the rows of its leading axes, in order) alone, laid end to end. Rows
+    one a sequence (the head on each one's last position) are taken so."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] != sum(lengths):
+        if flat.shape[0] != len(lengths):
+            raise ValueError(f"{flat.shape[0]} rows for sequences of {lengths} rows")
+        lengths = [1] * len(lengths)
+    cuts = np.cumsum(lengths)[:-1].tolist()
+    outs = [f(part) for part in mx.split(flat, cuts, axis=0)]
+    return mx.concatenate(outs, axis=0).reshape(*x.shape[:-1], outs[0].shape[-1])

@@ -1,4 +1,4 @@
-"""Continuous batching on the native decoder: mlx-lm's BatchGenerator, each of its steps one native pass.
+"""Continuous batching: mlx-lm's BatchGenerator, each of its steps one pass of the model's forward (forward.py).
 
 mlx-lm's BatchGenerator steps the sequences being generated (one pass), then prompt chunks (another pass), and a
 prompt's last token in a pass of its own when it joins the generation batch. When weights stream from flash each
@@ -16,14 +16,14 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
-from .native_step import HostBatchKVCache
+from .forward import SequenceBatch
 
 STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the device bytes)
 
 
 class BatchModel:
-    """The flash model as mlx-lm's BatchGenerator calls it: a batch whose caches are merged HostKVCaches goes
-    through the native decoder's batched pass (the units read once for all its sequences, each sequence's tokens
+    """The flash model as mlx-lm's BatchGenerator calls it: a batch of per-sequence caches (SequenceBatch) goes
+    through the forward's batched pass (the units read once for all its sequences, each sequence's tokens
     what it alone would get), with the sequences `beside` it in the same pass, unless its sequences were computed
     already (`done`); the rest is the model itself."""
 
@@ -34,22 +34,22 @@ class BatchModel:
         self.done: Dict[int, np.ndarray] = {}  # id(first layer's cache) -> its logits (None: a prompt chunk)
 
     def __call__(self, inputs, cache=None, **kwargs):
-        if not (cache and isinstance(cache[0], HostBatchKVCache)):
+        if not (cache and isinstance(cache[0], SequenceBatch)):
             return self.model(inputs, cache=cache, **kwargs)
         done = self._done(inputs, cache)
         if done is not None:
             return done
         if inputs.shape[1] == 1:
             self._count(inputs.shape[0] + sum(wanted for *_, wanted in self.beside))
-        return self.model.decoder.batch(inputs, cache, self.run)
+        return self.model.forward.batch(inputs, cache, self.run)
 
     def run(self, seqs, prompt: bool = False) -> np.ndarray:
-        """decoder.run of `seqs` and the sequences beside them (their logits kept in `done`): seqs' logits."""
+        """forward.run of `seqs` and the sequences beside them (their logits kept in `done`): seqs' logits."""
         beside, self.beside = self.beside, []
         stats = self.model.flash.stats
         if len(stats.tokens) >= STATS_KEPT:  # a server runs for long: the device bytes are the readers' counters
             stats.reset()
-        logits = self.model.decoder.run(
+        logits = self.model.forward.run(
             seqs + [(ids, caches) for ids, caches, _ in beside], prompt or not all(w for *_, w in beside)
         )
         for (_, caches, wanted), row in zip(beside, logits[len(seqs) :]):
@@ -79,13 +79,14 @@ class BatchModel:
 
 
 class FlashBatchGenerator(BatchGenerator):
-    """mlx-lm's BatchGenerator whose steps are one native pass each (the module's docstring). Each sequence's
-    tokens are those of its solo run: a pass computes every sequence at its own position as it alone would be. On a
-    model whose rows depend on what else a pass holds (an MoE's router in MLX: HostDecoder.rows_alone), mlx-lm's
-    schedule, whose prompt chunks are those of a request alone."""
+    """mlx-lm's BatchGenerator whose steps are one pass each (the module's docstring). Each sequence's tokens are
+    those of its solo run: a pass computes every sequence at its own position as it alone would be
+    (Forward.sequences_alone), its prompt in the chunks of a request alone where a chunk's rows compute together
+    (not Forward.rows_alone: MLX's attention over a chunk). Where a sequence's rows would depend on what else a pass
+    holds (the native step's MoE router), mlx-lm's schedule, whose prompt chunks are those of a request alone."""
 
     def _next(self):
-        if not (isinstance(self.model, BatchModel) and getattr(self.model.decoder, "rows_alone", False)):
+        if not (isinstance(self.model, BatchModel) and self.model.forward.sequences_alone):
             return super()._next()  # (its passes: a decode step's rows alone, each prompt chunk alone)
         try:
             return self._step()
@@ -105,9 +106,13 @@ class FlashBatchGenerator(BatchGenerator):
         # after the one that ended the segment before it
         joining = [i for i, (segments, *_) in enumerate(processing) if len(segments) == 1 and len(segments[0]) == 1]
         room = self.prefill_step_size - len(gen) - len(joining)
+        whole = not self.model.forward.rows_alone  # each chunk as a request alone cuts it
         chunks = []
         for i, (segments, *_) in enumerate(processing):
-            chunks.append([] if i in joining else segments[0][: max(0, room)])
+            take = 0 if i in joining else min(len(segments[0]), self.prefill_step_size) if whole else max(0, room)
+            if whole and take > room and any(chunks):  # (a whole chunk waits for a pass with room, but the first)
+                take = 0
+            chunks.append(segments[0][:take])
             room -= len(chunks[-1])
 
         # The pass: the decode step's, with the joining tokens and the chunks beside (or theirs alone)

@@ -25,6 +25,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from ..compute import cpu_gemv
+from ..compute import rows as row_rules
+from ..compute.ops import gather
 from ..errors import UnsupportedArchitectureError
 from ..format.quant import symmetric_biases
 from .cache import UnitCache
@@ -185,6 +187,7 @@ def next_routers(model: nn.Module, paths: Dict[int, str]):
 # forward pass, to notice when guessing pays again.
 PRECISION = 0.75
 PROBE = 8
+SORTED_PAIRS = 64  # mlx-lm's SwitchGLU sorts its (token, expert) pairs by expert from this many on
 
 
 class Precision:
@@ -257,40 +260,6 @@ class ExpertEngine(Engine):
         return engine
 
     # -- compute -----------------------------------------------------------------
-    def _matrices(self, row: mx.array, name: str):
-        """(weight, scales, biases, bias) of projection `name` of the expert in `row` (views, no copy)."""
-        parts = {}
-        for part in ("weight", "scales", "biases", "bias"):
-            c = self.components.get(f"{name}.{part}")
-            parts[part] = (
-                None
-                if c is None
-                else mx.view(row[c.offset : c.offset + c.nbytes], getattr(mx, c.dtype)).reshape(c.shape)
-            )
-        q = self.quant[name]
-        if q is not None and q.get("symmetric"):
-            parts["biases"] = symmetric_biases(parts["scales"], q["bits"])
-        return parts
-
-    def _project(self, x: mx.array, row: mx.array, name: str) -> mx.array:
-        p, q = self._matrices(row, name), self.quant[name]
-        if q is None:
-            y = x @ p["weight"].astype(x.dtype).T
-        elif "mode" in q:  # mxfp4 & co: MLX's own kernel on the codes and scales as stored
-            y = mx.quantized_matmul(
-                x,
-                p["weight"],
-                p["scales"],
-                None,
-                transpose=True,
-                group_size=q["group_size"],
-                bits=q["bits"],
-                mode=q["mode"],
-            )
-        else:
-            y = cpu_gemv.quantized_matmul(x, p["weight"], p["scales"], p["biases"], q["group_size"], q["bits"])
-        return y if p["bias"] is None else y + p["bias"].astype(y.dtype)
-
     def _row_layout(self, name: str) -> tuple:
         """QuantRows' fields of projection `name` within an expert's row: (offset, stride) of weight, scales and
         biases (symmetric: none stored, none read; the scales stand in), then n, bits, group size, dtype, symmetric."""
@@ -335,13 +304,6 @@ class ExpertEngine(Engine):
             k=self.components["down_proj.weight"].shape[0],
         )
 
-    def _expert(self, x: mx.array, row: mx.array, activation) -> mx.array:
-        """One expert's output for the tokens x [n, D] that chose it (mlx-lm's SwitchGLU / SwitchMLP formula)."""
-        if "fc1" in self.quant:
-            return self._project(activation(self._project(x, row, "fc1")), row, "fc2")
-        h = activation(self._project(x, row, "up_proj"), self._project(x, row, "gate_proj"))
-        return self._project(h, row, "down_proj")
-
     def experts(self, layer: int, x: mx.array, indices: mx.array, activation) -> mx.array:
         """SwitchGLU(x, indices) (or SwitchMLP's): [..., k, D], each token's output of each expert it chose."""
         prefill = indices.size > indices.shape[-1]
@@ -382,6 +344,7 @@ class ExpertEngine(Engine):
         xf = x.reshape(-1, x.shape[-1]).astype(self.compute_dtype)
         ahead = self._predict(layer, x.astype(self.compute_dtype))  # in the shape its block gives a router
         mx.eval(indices, *([] if ahead is None else [ahead]))  # the layer's one synchronisation
+        self.stats.current.syncs += 1
         chosen = np.array(indices).reshape(-1)  # the router's choice
         if self.route is not None:
             chosen = self.route(layer, chosen)
@@ -398,21 +361,61 @@ class ExpertEngine(Engine):
             outs = []
             for j, i in enumerate(positions):
                 part, slot = (rows.parts[rows.which[j]], int(rows.slots[j])) if slots is None else (rows, int(slots[j]))
-                tokens = pairs[i] // k
-                if native:
-                    host = hosts.get(id(part))
-                    if host is None:
-                        host = hosts[id(part)] = np.asarray(memoryview(part))
-                    outs.append(self._expert_row(xv[tokens], host, slot))
-                else:
-                    whole = len(tokens) == xf.shape[0] and np.array_equal(tokens, np.arange(len(tokens)))
-                    outs.append(self._expert(xf if whole else xf[mx.array(tokens)], part[slot], activation))
+                host = hosts.get(id(part))
+                if host is None:
+                    host = hosts[id(part)] = np.asarray(memoryview(part))
+                outs.append(self._expert_row(xv[pairs[i] // k], host, slot))
             return outs
+
+        def switch(rows, slots, positions, dst, n):  # MLX's ops: the call's experts in one product a matrix
+            if slots is None:
+                rows, slots = rows.gather(), np.arange(len(rows))
+            chosen = [pairs[i] for i in positions]
+            which = np.repeat(np.arange(len(chosen), dtype=np.uint32), [len(c) for c in chosen])
+            tokens, sl = np.concatenate(chosen) // k, mx.array(np.asarray(slots, np.int32))
+            lengths = row_rules.segments()
+            if lengths is None or row_rules.independent(True):
+                return self._switch(xf[mx.array(tokens)], rows, sl, which, activation)
+            # (each sequence's pairs as a pass of it alone computes them: a GPU's products depend on their rows)
+            seq = np.searchsorted(np.cumsum(lengths), tokens, side="right")
+            picks = [np.flatnonzero(seq == s) for s in np.unique(seq)]
+            ys = [self._switch(xf[mx.array(tokens[p])], rows, sl, which[p], activation) for p in picks]
+            return mx.concatenate(ys)[mx.array(np.argsort(np.concatenate(picks)))]
 
         read_next = None if ahead is None else (lambda: self._read_next(layer, np.array(ahead)))
         outs = self.step(
-            layer, REGION, units, fn, (lambda out: None) if native else mx.eval, block=1, read_next=read_next
-        )
+            layer, REGION, units, fn if native else switch, (lambda out: None) if native else mx.eval, block=1,
+            per=None if native else self.gathered_units(REGION), read_next=read_next,
+        )  # fmt: skip
         back = np.argsort(by_unit)  # to (token, choice) order
         y = mx.array(np.concatenate(outs)[back]) if native else mx.concatenate(outs, axis=0)[mx.array(back)]
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
+
+    def _switch(self, x: mx.array, rows, slots: mx.array, which: np.ndarray, activation) -> mx.array:
+        """mlx-lm's SwitchGLU / SwitchMLP on x [P, D], pair p through expert rows[slots[which[p]]]: each matrix's
+        rows gathered once for the call, each pair a row of MLX's gathered products (as SwitchGLU computes them:
+        a pair's output does not depend on the others, pairs sorted by expert as larger calls sort them)."""
+        idx = mx.array(which)
+        ordered = len(which) >= SORTED_PAIRS  # (grouped by expert already)
+
+        def project(h, name):
+            q, p = self.quant[name], {}
+            for part in ("weight", "scales", "biases", "bias"):
+                c = self.components.get(f"{name}.{part}")
+                p[part] = None if c is None else gather(rows, slots, c)
+            if q is None:
+                y = mx.gather_mm(h, p["weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=ordered)
+            else:
+                if q.get("symmetric"):
+                    p["biases"] = symmetric_biases(p["scales"], q["bits"])
+                extra = {"mode": q["mode"]} if "mode" in q else {}
+                y = mx.gather_qmm(
+                    h, p["weight"], p["scales"], p["biases"], rhs_indices=idx, transpose=True,
+                    group_size=q["group_size"], bits=q["bits"], sorted_indices=ordered, **extra,
+                )  # fmt: skip
+            return y if p["bias"] is None else y + p["bias"][idx][:, None].astype(y.dtype)
+
+        h = x[:, None]
+        if "fc1" in self.quant:
+            return project(activation(project(h, "fc1")), "fc2")[:, 0]
+        return project(activation(project(h, "up_proj"), project(h, "gate_proj")), "down_proj")[:, 0]

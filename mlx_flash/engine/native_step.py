@@ -29,6 +29,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..compute import cpu_gemv
 from .experts import FlashSwitchGLU
+from .forward import Batchable, Forward
 from .neurons import FlashFFN
 from .resident import Absent, StreamedLayer, StreamedRows
 
@@ -38,7 +39,7 @@ MAX_POSITIONS = (
 )
 
 
-class HostKVCache(KVCache):
+class HostKVCache(Batchable, KVCache):
     """mlx-lm's KVCache (offset, trim, state, masks) with its keys and values in host buffers [1, n_kv, capacity,
     head_dim] of `dtype` (float16: half the memory, each key rounded once as it is stored), grown `step` positions
     at a time."""
@@ -99,10 +100,6 @@ class HostKVCache(KVCache):
     def nbytes(self):
         return 0 if self._k is None else self._k.nbytes + self._v.nbytes
 
-    @classmethod
-    def merge(cls, caches: List["HostKVCache"]) -> "HostBatchKVCache":
-        return HostBatchKVCache(caches)
-
 
 def _quantised(layer) -> bool:
     """A quantised linear layer / embedding of a kind the kernels read (a streamed one: before its weights load)."""
@@ -154,8 +151,11 @@ def _streamed_handles(module, names, rows=None, norms=()):
     return handles + weights
 
 
-class HostDecoder:
-    """The native decode step of one loaded flash model (see the module's doc)."""
+class HostDecoder(Forward):
+    """The native decode step of one loaded flash model (see the module's doc): the pass interface of forward.py."""
+
+    name = "native"
+    native = True
 
     def __init__(self, model, layers, head, head_streamed=None):
         self.model, self.layers, self.head, self.head_streamed = model, layers, head, head_streamed
@@ -169,7 +169,7 @@ class HostDecoder:
         # Whether each row of a pass computes as a pass of it alone whatever else the pass holds: the dense layers'
         # native kernels do; an MoE block's router and a long prompt's experts are MLX's ops, whose arithmetic
         # depends on the number of rows
-        self.rows_alone = all(isinstance(L["mlp"], FlashFFN) for L in layers)
+        self.rows_alone = self.sequences_alone = all(isinstance(L["mlp"], FlashFFN) for L in layers)
 
     @classmethod
     def of(cls, model, engine):
@@ -257,12 +257,12 @@ class HostDecoder:
         got = _streamed_handles(L["streamed"], PROJECTIONS, norms=names)
         return [h[0] for h in got[:4]] + got[4:] + L["qk_norms"][2:]
 
-    def applies(self, tokens: mx.array, cache) -> bool:
+    def applies(self, tokens, cache) -> bool:
         """Up to MAX_POSITIONS positions (one on the dip layout, whose selector takes one) and every layer's cache a
         HostKVCache (the FFN's engine is each layer's current one: the bench swaps engines)."""
         one = getattr(self.model.flash, "dip_layout", False)
         return (
-            0 < tokens.size <= (1 if one else MAX_POSITIONS)
+            0 < len(tokens) <= (1 if one else MAX_POSITIONS)
             and cache is not None
             and all(type(c) is HostKVCache for c in cache)
         )
@@ -294,23 +294,13 @@ class HostDecoder:
         logits = self._head(x[-1:] if prompt else x)
         return mx.array(logits).reshape(1, len(logits), -1)
 
-    def batch(self, tokens: mx.array, cache: List["HostBatchKVCache"], run=None) -> mx.array:
-        """Logits [B, 1, vocab] of the last token of each sequence of a batch (tokens [B, L], right-padded where
-        the caches were prepared with lengths: see HostBatchKVCache) in one pass: every matrix's rows and every FFN
-        unit read once for all, each sequence at its own position of its own caches. Each sequence's logits are,
-        bit for bit, what a pass of it alone gives. A pass of one token a sequence is a decode step, longer ones a
-        prompt chunk (the stats count it as one). `run(seqs, prompt)` computes the pass (default: `self.run`; the
-        server's adds other sequences to it: engine.batching)."""
-        ids = [row[:m] for row, m in zip(tokens.tolist(), cache[0].lengths(tokens.shape[1]))]
-        for c in cache:
-            c.advance(tokens.shape[1])
-        live = [i for i, row in enumerate(ids) if row]  # (right padding can leave a sequence none)
-        for c in cache:
-            c.own(live)
-        last = (run or self.run)([(ids[i], [c.caches[i] for c in cache]) for i in live], tokens.shape[1] > 1)
-        logits = np.zeros((len(ids), last.shape[-1]), np.float32)
-        logits[live] = last
-        return mx.array(logits)[:, None]
+    def stage(self, x, cache, prompt: bool = False):
+        """forward.Forward.stage: token ids or rows through this stage's layers, to rows or (the last) logits."""
+        if isinstance(x, list):
+            self.model.flash.stats.touch(prefill=prompt)
+            x = self.embed(x)
+        x = self.run_layers(np.ascontiguousarray(x, dtype=np.float32), cache, prompt)
+        return x if self.norm is None else self.logits(x, prompt)
 
     def run(self, seqs: List[Tuple[List[int], List[HostKVCache]]], prompt: bool = False) -> np.ndarray:
         """Logits [len(seqs), vocab] of each sequence's last token, every sequence (its token ids, its cache in each
@@ -371,72 +361,3 @@ class HostDecoder:
             [cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0]) for rows in m.chunks()],
             axis=-1,
         )
-
-
-class HostBatchKVCache:
-    """One layer's caches of a batch of sequences, as mlx-lm's BatchGenerator merges them (`HostKVCache.merge`):
-    each sequence keeps its own HostKVCache, which `HostDecoder.batch` writes at that sequence's own position, so a
-    sequence joins, leaves or is stored without moving the others' keys. A prompt chunk of right-padded prompts
-    (`prepare(lengths=...)`) computes each sequence's own tokens only."""
-
-    def __init__(self, caches: List[HostKVCache]):
-        self.caches = list(caches)
-        self._lent = [False] * len(self.caches)  # handed out by extract: copied before the batch writes there again
-        self._left = None  # tokens of each sequence still to come in the padded passes, when prepared
-
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
-        if left_padding is not None and any(left_padding):
-            raise ValueError("HostBatchKVCache: sequences are not left-padded")
-        self._left = None if lengths is None else list(lengths)
-
-    def finalize(self):
-        self._left = None
-
-    def lengths(self, n: int) -> List[int]:
-        """Each sequence's own tokens among the next pass's n."""
-        return [n] * len(self.caches) if self._left is None else [min(n, left) for left in self._left]
-
-    def advance(self, n: int):
-        if self._left is not None:
-            self._left = [max(0, left - n) for left in self._left]
-
-    def filter(self, keep: List[int]):
-        self.caches = [self.caches[i] for i in keep]
-        self._lent = [self._lent[i] for i in keep]
-
-    def extend(self, other: "HostBatchKVCache"):
-        self.caches += other.caches
-        self._lent += other._lent
-
-    def __deepcopy__(self, memo):
-        """A batch that shares its sequences' caches: mlx-lm copies a batch only to split it (PromptProcessingBatch's
-        split, each sequence then kept on one side), and a deep copy would double every sequence's keys and values."""
-        out = HostBatchKVCache(self.caches)
-        out._lent, out._left = list(self._lent), None if self._left is None else list(self._left)
-        return out
-
-    def extract(self, idx: int) -> HostKVCache:
-        """Sequence idx's cache, handed out (to the server's prompt cache): the batch copies it before it writes there
-        again, so a sequence that finishes leaves without a copy of its keys and values."""
-        self._lent[idx] = True
-        return self.caches[idx]
-
-    def own(self, live: List[int]):
-        """Copies of the caches of sequences `live` that were handed out, before a pass writes them."""
-        for i in live:
-            if self._lent[i]:
-                c = self.caches[i]
-                self.caches[i] = HostKVCache(c.step, c.dtype)
-                self.caches[i].state = c.state
-                self._lent[i] = False
-
-    @property
-    def state(self):
-        return ()  # host buffers, written in place: nothing for MLX to evaluate
-
-    def empty(self) -> bool:
-        return all(c.empty() for c in self.caches)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)

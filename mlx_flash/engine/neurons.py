@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..compute import cpu_gemv
+from ..compute import rows as row_rules
 from ..compute.backends import backend_for
 from ..compute.ffn import glu, project
 from ..compute.rows import RowSet, per_partial
@@ -164,7 +165,8 @@ class NeuronEngine(Engine):
         B, L, _ = x.shape
         xc = x.astype(self.compute_dtype)
         backend = self.backends["neurons"]
-        if B * L > 1:
+        lengths = row_rules.segments()
+        if B * L > 1 and not (lengths is not None and max(lengths) == 1):  # (several sequences' decode steps: decode)
             y = self.guarded(layer, True, lambda: self._prefill(layer, xc, bias))
         else:  # on the CPU, prepare gives the host row (evaluating everything before this FFN)
             y = self.guarded(layer, False, lambda: backend.finish(self._step(layer, self._input(xc), bias), xc))
@@ -187,7 +189,9 @@ class NeuronEngine(Engine):
         positions of a verification pass, on the host) read the union of their units once; each row is computed
         over its own units only, as a decode step of it alone would be."""
         backend = self.backends["inputs" if self.dip_layout else "neurons"]
-        rows = backend.host(xb)  # what the selector reads
+        # what the selector reads (MLX's lazy rows evaluated: the layer's one synchronisation); dense reads nothing
+        rows = None if isinstance(self.sparsifier, Dense) and not self.dip_layout else backend.host(xb)
+        self.stats.current.syncs += rows is not None and not isinstance(xb, np.ndarray)
         if self.dip_layout:
             if len(rows) > 1:
                 raise ValueError("the dip layout decodes one position at a time")
@@ -197,7 +201,7 @@ class NeuronEngine(Engine):
     def _decode(self, layer, rows, x, bias):
         if (
             isinstance(x, np.ndarray)
-            and len(rows) == 1
+            and x.size == x.shape[-1]
             and isinstance(self.sparsifier, Dense)
             and self.read_ahead is None
         ):
@@ -205,7 +209,10 @@ class NeuronEngine(Engine):
             if y is not None:
                 return y
         cached = self._cached_mask(layer, "neurons")
-        active, mask = pass_units([self.sparsifier.select(layer, v, cached) for v in rows])
+        if rows is None:  # dense: every unit, for every row
+            active, mask = self.sparsifier.select(layer, None), None
+        else:
+            active, mask = pass_units([self.sparsifier.select(layer, v, cached) for v in rows])
         self.stats.current.active.append(len(active))
         return self._sum(
             layer, "neurons", active, self._units_fn(x, active, bias, mask), self.backends["neurons"].zeros(x)
@@ -236,17 +243,14 @@ class NeuronEngine(Engine):
         budget, cache state or read-ahead: the step's partial sums of blocks of REDUCTION_UNITS ids, added in block
         order; `zero` when there are none."""
         backend = self.backends[region]
-        # gathered rows (MLX ops) are bounded to the scratch's size; host rows are read in place, all in one call
-        per = None if isinstance(zero, np.ndarray) else self._fits(region)
+        # gathered rows (MLX ops) are bounded by the workspace; host rows are read in place, all in one call
+        per = None if isinstance(zero, np.ndarray) else self.gathered_units(region)
         parts = self.step(layer, region, active, fn, backend.sync, per=per, read_next=lambda: self._read_next(layer))
-        if isinstance(parts, np.ndarray):  # every block's partial sum in one host array (a layer held whole)
-            return cpu_gemv.sum_rows(parts)
-        if not parts:
+        if not len(parts):
             return zero
-        y = parts[0]
-        for part in parts[1:]:
-            y = y + part
-        return y
+        if isinstance(parts[0], np.ndarray):  # the partial sums in block order, added in that order
+            return cpu_gemv.sum_rows(np.concatenate(parts))
+        return (mx.concatenate(parts) if len(parts) > 1 else parts[0]).sum(axis=0)  # (one op, whatever the calls)
 
     def _read_next(self, layer: int):
         """The next layer's (after the last: the next token's first) uncached units, read ahead: once a cache is full

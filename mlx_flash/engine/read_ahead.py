@@ -35,6 +35,7 @@ class Staged:
     wait: Callable[[], None]
     predicted: Optional[np.ndarray] = None  # what the prediction chose (units: those the cache lacked)
     slots: Optional[np.ndarray] = None  # IntoCache: the units' cache slots (rows and host: None)
+    span: Optional[slice] = None  # ReadAhead: the rows' bytes in their buffer (`rows` is made where they are taken)
 
 
 class ReadAhead:
@@ -59,17 +60,17 @@ class ReadAhead:
         buf = self.buffers[b]
         wait, at = engine.submit_rows(layer, self.region, units, buf)
         span = slice(at, at + len(units) * self.stride)
-        rows = buf.buffer[span].reshape(len(units), self.stride)
-        mx.eval(rows)  # a view now: a lazy one would need this thread's stream where it is used (a server thread)
         host = buf.host_bytes()[span].reshape(len(units), self.stride)
         engine.stats.current.ahead_bytes += len(units) * self.stride
-        self.pending[layer] = Staged(b, units, rows, host, _once(wait), predicted)
+        self.pending[layer] = Staged(b, units, None, host, _once(wait), predicted, span=span)
 
     def take(self, layer: int) -> Optional[Staged]:
-        """The units staged for `layer` (not waited for yet), or None."""
+        """The units staged for `layer` (not waited for yet), or None. Their rows are a view made here, lazily, in the
+        thread that computes from them (MLX's streams are per thread: a server generates in its own)."""
         staged = self.pending.pop(layer, None)
         if staged is not None:
             self.in_use = staged.buffer
+            staged.rows = self.buffers[staged.buffer].buffer[staged.span].reshape(len(staged.units), self.stride)
         return staged
 
     def drain(self):

@@ -27,6 +27,7 @@ a pipeline stage does not hold (models/stage.py).
 
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -141,7 +142,8 @@ Ranges = List[Tuple[int, int]]  # (file offset, length) per tensor
 class _Load:
     """One submitted read: the aligned buffer, where each tensor landed, and the pool handle."""
 
-    def __init__(self, key, reader, tensors, ranges: Sequence[Ranges], shapes, cast, file_size: int):
+    def __init__(self, key, reader, tensors, ranges: Sequence[Ranges], shapes, cast, file_size: int, buffers):
+        """buffers(nbytes) -> (an evaluated uint8 mx.array, the offset of its first aligned byte) to read into."""
         a = reader.alignment
         offsets, lengths, dests, self.parts = [], [], [], []
         pos = 0
@@ -155,7 +157,7 @@ class _Load:
                 pos += -(-(hi - lo) // a) * a
             self.parts.append((t, spans, shape))
         self.key, self.cast, self.nbytes = key, cast, sum(n for rs in ranges for _, n in rs)
-        self.buffer, base = aligned_buffer(max(pos, 1), a)
+        self.buffer, base = buffers(max(pos, 1))
         dests = np.asarray(dests, np.int64) + base
         self.base = base
         self.handle = reader.submit(self.buffer, np.asarray(offsets, np.int64), np.asarray(lengths, np.int64), dests)
@@ -185,9 +187,26 @@ class ResidentStreamer:
         self.schedule += [(g.path, rows) for g in groups if g.kind == "head" for rows in self.chunks(g.path)]
         self._next = {k: self.schedule[(i + 1) % len(self.schedule)] for i, k in enumerate(self.schedule)}
         self.pending: Optional[_Load] = None
+        # the loads' buffers, kept (the plan's streaming buffers, made now): the one in use and the next one's, then
+        # a lookup's rows (grown as one needs)
+        largest = max((g.load_bytes for g in groups if g.kind != "rows"), default=0)
+        self._buffers = [aligned_buffer(largest, reader.alignment) if largest else None for _ in range(2)] + [None]
+        self._turn = 0
+
+    def _buffer(self, which: int):
+        """buffers() for a load into buffer `which` (0 and 1 in turn for the schedule's loads, 2 for lookups)."""
+
+        def get(nbytes: int):
+            held = self._buffers[which]
+            if held is None or held[0].size - held[1] < nbytes:
+                held = self._buffers[which] = aligned_buffer(nbytes, self.reader.alignment)
+            return held
+
+        return get
 
     def _submit(self, key) -> _Load:
-        """Start reading a whole group (rows None) or rows [r0, r1) of each of its tensors."""
+        """Start reading a whole group (rows None) or rows [r0, r1) of each of its tensors, into the buffer the last
+        load did not take."""
         path, rows = key
         tensors = [self.index[n] for n in self.groups[path].tensors]
         ranges, shapes = [], []
@@ -196,7 +215,8 @@ class ResidentStreamer:
             row = t.nbytes // t.shape[0]
             ranges.append([(t.offset + r0 * row, (r1 - r0) * row)])
             shapes.append((r1 - r0, *t.shape[1:]))
-        return _Load(key, self.reader, tensors, ranges, shapes, self.cast, self.file_size)
+        self._turn ^= 1
+        return _Load(key, self.reader, tensors, ranges, shapes, self.cast, self.file_size, self._buffer(self._turn))
 
     def _take(self, load: _Load) -> Dict[str, mx.array]:
         t = time.perf_counter()
@@ -230,7 +250,8 @@ class ResidentStreamer:
             row = t.nbytes // t.shape[0]
             ranges.append([(t.offset + int(i) * row, row) for i in ids])
             shapes.append((len(ids), *t.shape[1:]))
-        return self._take(_Load((path, "rows"), self.reader, tensors, ranges, shapes, self.cast, self.file_size))
+        load = _Load((path, "rows"), self.reader, tensors, ranges, shapes, self.cast, self.file_size, self._buffer(2))
+        return self._take(load)
 
     def touch(self, x: mx.array):
         """A streamed embedding or attention layer may be where a token's forward pass starts."""
@@ -269,7 +290,7 @@ def _layer_number(path: str) -> int:
 # -- modules -----------------------------------------------------------------------------
 
 
-class _Streamed(nn.Module):
+class Streamed(nn.Module):
     """Holds the original module (hidden from parameters(): its weights are not resident)."""
 
     @property
@@ -317,13 +338,15 @@ class _Streamed(nn.Module):
         self._use(arrays)
         try:
             out = fn()
-            mx.eval(out)
+            mx.eval(out)  # (before the buffer it reads takes the load after next)
+            if self._streamer.stats is not None:
+                self._streamer.stats.current.syncs += 1
             return out
         finally:
             self._release()
 
 
-class StreamedLayer(_Streamed):
+class StreamedLayer(Streamed):
     """A whole module (a layer's attention) read for each call."""
 
     def __call__(self, x, *args, **kwargs):
@@ -331,7 +354,12 @@ class StreamedLayer(_Streamed):
         return self._run(self._streamer.load(self._path), lambda: self._inner(x, *args, **kwargs))
 
 
-class StreamedRows(_Streamed):
+# Set where a pass's logits of several positions are all used (a speculative verification): the head then streams
+# in its chunks, as for one position, rather than read whole
+EVERY_ROW = ContextVar("every_row", default=False)
+
+
+class StreamedRows(Streamed):
     """An embedding (or LM head): lookups read only the rows asked for; as a linear layer
     (an LM head, or a tied embedding's `as_linear`) it is read in chunks of rows."""
 
@@ -347,7 +375,7 @@ class StreamedRows(_Streamed):
         return self._chunked(x, lambda: self._inner.as_linear(x))
 
     def _chunked(self, x: mx.array, fn: Callable[[], mx.array]) -> mx.array:
-        if x.size > x.shape[-1]:
+        if x.size > x.shape[-1] and not EVERY_ROW.get():
             # Several positions: a prompt, whose logits mlx-lm never evaluates (only the last
             # token's, in a call of its own). Left lazy they cost nothing; if evaluated (e.g. a
             # perplexity run), the head is read whole, outside the streaming buffers.
@@ -360,14 +388,21 @@ class StreamedRows(_Streamed):
 
 
 class Absent(nn.Module):
-    """A module another pipeline stage holds (no weights): calling it is a bug, said plainly."""
+    """A module another pipeline stage holds (no weights). In this stage's pass a norm or head it lacks passes the
+    rows on as they are (the stage before the last sends the rows of its last layer); a lookup in an embedding it
+    lacks is a bug, said plainly (the stage's pass gives its layers the rows the stage before sent)."""
 
     def __init__(self, path: str):
         super().__init__()
         self._path = path
 
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._path} is held by another pipeline stage")
+    def __call__(self, x, *args, **kwargs):
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise RuntimeError(f"{self._path} is held by another pipeline stage")
+        return x
+
+    def as_linear(self, x):
+        return x
 
 
 def wrapper_for(group: StreamGroup) -> Callable[[nn.Module, ResidentStreamer], nn.Module]:

@@ -26,6 +26,7 @@ class TokenStats:
     ahead_wasted_bytes: int = 0  # of which units the layer did not need (or no layer took)
     routed: int = 0  # experts routed in layers that had a prediction
     predicted: int = 0  # of which the prediction had
+    syncs: int = 0  # times the pass waited for MLX's lazy graph (a host synchronisation: on a GPU, a stall)
     prefill: bool = False
 
     @property
@@ -148,6 +149,7 @@ class Stats:
             ),
             "ahead_bytes_per_token": float(np.mean([t.ahead_bytes for t in toks])),
             "ahead_wasted_bytes_per_token": float(np.mean([t.ahead_wasted_bytes for t in toks])),
+            "syncs_per_token": float(np.median([t.syncs for t in toks])),
         }
 
     @staticmethod

@@ -62,6 +62,12 @@ class Blocks:
         return self._everything
 
 
+def place(parts: list, group: list, out) -> None:
+    """A call's results of blocks `group` into `parts` (one entry a block): a list of one a block as they are, an
+    array of all of them [len(group), ...] in each of its blocks' entries (Engine.step hands it on whole)."""
+    parts[group[0] : group[-1] + 1] = out if isinstance(out, list) else [out] * len(group)
+
+
 class Engine:
     """What every engine of units has: a reader and its stats (reads submitted, the time waited for them counted as
     I/O), per-layer caches ({region: UnitCache}, empty for a layer without units), a scratch buffer, the unit step,
@@ -172,9 +178,19 @@ class Engine:
         if layout.encoded:
             t = time.perf_counter()
             out = layout.expand(out, self.use_metal)
+            mx.eval(out)
             self.stats.current.expand_s += time.perf_counter() - t
-        mx.eval(out)  # (a view now: native kernels read it by address)
-        return out
+        return out  # (a view of the scratch rows: the caller's sync computes what reads it)
+
+    def gathered_units(self, region: str) -> int:
+        """Units whose rows MLX's ops take in one call: each matrix's rows are gathered (copies, all alive while the
+        call's graph computes), so as many as half the plan's workspace holds (the rest: MLX's cache of freed buffers,
+        loader.load, and what MLX does not count), a decode step's experts at least; no budget: every unit."""
+        plan = getattr(self, "plan", None)
+        if plan is not None and plan.budget is None:
+            return max(r.n_units for r in self.fd.regions())
+        room = plan.workspace // 2 if plan is not None else self.scratch.nbytes
+        return max(self._fits(region), room // self.fd.layouts[region].stride, self.fd.experts_per_token or 1)
 
     def _fits(self, region: str) -> int:
         """Units `_read_chunk` takes at a time."""
@@ -200,15 +216,17 @@ class Engine:
         per: Optional[int] = None,
         read_next: Optional[Callable[[], None]] = None,
     ):
-        """The results of the active units (sorted ids) of a layer's region, one per block, in block order (a list;
-        where every unit is cached and fn computes on the host, fn's one array, a block a row).
+        """The results of the active units (sorted ids) of a layer's region in block order: a list of fn's outputs,
+        each a list of one result per block, or an array of its blocks' results [blocks, ...] (kept whole).
 
         fn(rows, slots, positions, dst, n) returns the n results of the blocks of `positions` (into `active`; block
         i: those with dst == i), rows[slots] their rows, or a RowSet (slots None) where they lie in several buffers.
-        sync(out) finishes what reads rows before their buffer is reused. Blocks of hits go `per` units a call at
-        most (None: any number), synchronised between calls; read_next() starts the next layer's reads ahead once
-        this layer's misses are on their way."""
+        sync(out) finishes what reads rows before their buffer is reused (rows read ahead into staging rows, a
+        chunk streamed through the scratch buffer). Blocks of hits go `per` units a call at most (None: any number),
+        synchronised between calls; read_next() starts the next layer's reads ahead once this layer's misses are on
+        their way."""
         cache = self.caches[layer][region]
+        sync = self.counted(sync)
         ahead = self.read_ahead
         staged = ahead.take(layer) if ahead is not None and ahead.region == region else None
         in_cache = staged is not None and staged.slots is not None
@@ -235,7 +253,7 @@ class Engine:
         if staged is None and not len(plan.miss_units) and not len(plan.overflow_units) and per is None:
             wait()  # every unit cached, all blocks in one call: what compute() below does, without its bookkeeping
             out = fn(cache.rows, plan.slots, *blocks.everything(), len(blocks))
-            return out if isinstance(out, np.ndarray) else list(out)  # (host rows: one array, a block a row)
+            return list(out) if isinstance(out, list) else [out]
         where, index = self._where(active, plan, staged)
         # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
         reading = (where == 0) & np.isin(active, plan.miss_units)
@@ -244,17 +262,20 @@ class Engine:
         parts = [None] * len(blocks)
         buffers = [cache.rows, cache.rows if staged is None else staged.rows]
 
+        alive = []  # calls since the last sync, and their units: MLX ops' gathered rows, at most `per` at a time
+
         def compute(todo):
-            groups = self._groups(todo, blocks.sizes, per or len(active))
-            for group in groups:
+            for group in self._groups(todo, blocks.sizes, per or len(active)):
                 pos, dst = blocks.select(group)
+                if per and alive and sum(n for _, n in alive) + len(pos) > per:
+                    sync([out for out, _ in alive])
+                    alive.clear()
                 if (where[pos] == 0).all():
                     out = fn(cache.rows, plan.slots[pos], pos, dst, len(group))
                 else:  # rows read ahead among them, in place
                     out = fn(*RowSet(buffers, where[pos], index[pos]).single(), pos, dst, len(group))
-                if per and len(groups) > 1:
-                    sync(out)  # one group's gathered rows (MLX ops) alive at a time
-                parts[group[0] : group[-1] + 1] = out
+                alive.append((out, len(pos)))
+                place(parts, group, out)
 
         compute(np.flatnonzero(kind == 0))  # the hits, while the misses (and the tail of the reads ahead) arrive
         if ahead_rows.any() or in_cache:  # (in the cache: slots not needed now are reused next token)
@@ -265,7 +286,20 @@ class Engine:
         if (kind == 3).any():
             self._overflow(layer, region, active, where, index, buffers, np.flatnonzero(kind == 3), blocks, parts, fn,
                            sync)  # fmt: skip
-        return parts
+        outs = [p for i, p in enumerate(parts) if i == 0 or p is not parts[i - 1]]
+        if (kind == 1).any() and not in_cache:
+            sync(outs)  # before the staging rows they read take the layer after next's
+        return outs
+
+    def counted(self, sync):
+        """`sync`, counting the times it waits for MLX's graph (stats' syncs)."""
+
+        def counted(out):
+            if any(isinstance(a, mx.array) for a in (out if isinstance(out, list) else [out])):
+                self.stats.current.syncs += 1
+            sync(out)
+
+        return counted
 
     def _blocks(self, active: np.ndarray, block: int) -> Blocks:
         """Blocks(active, block), kept while a selector hands the same read-only array again (a dense layer's every
@@ -307,7 +341,7 @@ class Engine:
             rows = RowSet([*buffers, scratch], where[pos], index[pos])
             out = fn(*rows.single(), pos, dst, len(group))
             sync(out)  # before the next chunk overwrites the scratch rows
-            parts[group[0] : group[-1] + 1] = out
+            place(parts, group, out)
 
     @staticmethod
     def _groups(todo, weight, per):
