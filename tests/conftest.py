@@ -1,7 +1,25 @@
 import mlx_flash  # noqa: F401  first, so OpenBLAS is loaded before mlx.core (see mlx_flash/blas.py)
+from mlx_flash.compute import cpu_gemv
 from mlx_flash.texts import read_text
 
 import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "native: needs the native CPU kernels (kernels/cpu_gemv.c); skipped where they do not run (MLX on a GPU, "
+        "MLX_FLASH_BACKEND=mlx, MLX_FLASH_CPU_KERNELS=0, not built)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if cpu_gemv.available():
+        return
+    skip = pytest.mark.skip(reason="the native CPU kernels do not run here")
+    for item in items:
+        if "native" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Continuous batching: the native decoder's batched pass gives each sequence what a pass of it alone gives, bit for
-bit; the server decodes concurrent requests together (mlx-lm's BatchGenerator), each response its solo response,
+"""Continuous batching: the forward's batched pass (native or MLX's) gives each sequence what a pass of it alone gives,
+bit for bit; the server decodes concurrent requests together (mlx-lm's BatchGenerator), each response its solo response,
 with admission (--max-batch, --max-queue), disconnects, long prompts joining, stop sequences, logprobs and prompt
 lookup per request."""
 
@@ -12,6 +12,7 @@ import time
 
 from mlx_flash.budget import kv_cache_bytes, min_budget
 from mlx_flash.engine.batching import BatchModel, FlashBatchGenerator
+from mlx_flash.engine.forward import FloatKVCache, HalfKVCache, SequenceBatch
 from mlx_flash.engine.native_step import HostKVCache
 from mlx_flash.errors import BudgetError
 from mlx_flash.format.directory import FlashDir
@@ -56,25 +57,25 @@ def moe(tmp_path_factory):
 def _solo(model, prompt, steps):
     """Logits of a prompt's last token, then of `steps` greedy decode steps, the sequence alone."""
     cache = model.make_cache()
-    out = [np.array(model.decoder(prompt, cache, prompt=True))[0, -1]]
+    out = [np.array(model.forward(prompt, cache, prompt=True))[0, -1]]
     for _ in range(steps):
-        out.append(np.array(model.decoder([int(out[-1].argmax())], cache))[0, -1])
+        out.append(np.array(model.forward([int(out[-1].argmax())], cache))[0, -1])
     return out
 
 
 def _batched(model, prompts, steps):
     """The same, the prompts prefilled together right-padded (as mlx-lm's BatchGenerator does) and decoded together."""
-    cache = [HostKVCache.merge(list(layer)) for layer in zip(*[model.make_cache() for _ in prompts])]
+    cache = [type(layer[0]).merge(list(layer)) for layer in zip(*[model.make_cache() for _ in prompts])]
     n = max(len(p) for p in prompts)
     for c in cache:
         c.prepare(lengths=[len(p) for p in prompts], right_padding=[n - len(p) for p in prompts])
     padded = mx.array([p + [0] * (n - len(p)) for p in prompts])
-    out = [[row] for row in np.array(model.decoder.batch(padded, cache))[:, 0]]
+    out = [[row] for row in np.array(model.forward.batch(padded, cache))[:, 0]]
     for c in cache:
         c.finalize()
     for _ in range(steps):
         tokens = mx.array([[int(o[-1].argmax())] for o in out])
-        for o, row in zip(out, np.array(model.decoder.batch(tokens, cache))[:, 0]):
+        for o, row in zip(out, np.array(model.forward.batch(tokens, cache))[:, 0]):
             o.append(row)
     return out
 
@@ -93,7 +94,7 @@ def test_a_batched_pass_is_each_sequence_alone(which, request):
     )
     model, _ = load(path, memory_budget=budget, context=64)
     try:
-        assert model.decoder is not None, model.flash.decoder_why
+        assert all(isinstance(c, SequenceBatch) for c in _batch_caches(model, 2)), model.forward.name
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41], [7, 250, 12, 99, 5], [255, 3, 80, 17, 23, 9, 11]]
         stats = model.flash.stats
         before = stats.device_bytes()
@@ -110,6 +111,10 @@ def test_a_batched_pass_is_each_sequence_alone(which, request):
     assert batched < (0.6 if which == "smol" else 0.95) * alone
 
 
+def _batch_caches(model, n):
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*[model.make_cache() for _ in range(n)])]
+
+
 def test_batch_caches_join_leave_and_are_stored_apart():
     a, b, c = HostKVCache(16), HostKVCache(16), HostKVCache(16)
     for i, x in enumerate((a, b, c)):
@@ -117,6 +122,7 @@ def test_batch_caches_join_leave_and_are_stored_apart():
         x._k[:] = i
         x.offset = 4
     batch = HostKVCache.merge([a, b])
+    assert isinstance(batch, SequenceBatch)
     batch.extend(HostKVCache.merge([c]))
     batch.filter([0, 2])
     assert batch.caches == [a, c] and batch.nbytes == a.nbytes + c.nbytes
@@ -134,19 +140,33 @@ def test_batch_caches_join_leave_and_are_stored_apart():
         batch.prepare(left_padding=[0, 1])
 
 
+@pytest.mark.parametrize("kind", [FloatKVCache, HalfKVCache])
+def test_mlx_caches_handed_out_are_copied_before_the_batch_writes(kind):
+    """MLX's caches in a batch: a sequence's cache handed to the prompt cache keeps what it held when the batch
+    writes that sequence again (MLX arrays are written in place by slice assignment)."""
+    a, b = kind(), kind()
+    for i, c in enumerate((a, b)):
+        c.update_and_fetch(*(mx.full((1, 2, 3, 8), float(i)),) * 2)
+    batch = kind.merge([a, b])
+    stored = batch.extract(0)
+    batch.own([0])
+    batch.caches[0].update_and_fetch(mx.full((1, 2, 1, 8), 9.0), mx.full((1, 2, 1, 8), 9.0))
+    assert stored.offset == 3 and float(stored.keys[..., :3, :].max()) == 0.0 and batch.caches[0].offset == 4
+
+
 def _generate_all(generator_class, model, prompts, max_tokens, step, late=()):
     """Greedy tokens of each prompt from mlx-lm's BatchGenerator (prompts prefilled one at a time, as the server's
-    were) or the flash one over the native decoder, the prompts in `late` inserted after the others' third step, and
-    the native passes it ran (each one's tokens per sequence)."""
+    were) or the flash one, both over the model's forward, the prompts in `late` inserted after the others' third
+    step, and the passes it ran (each one's tokens per sequence)."""
     passes = []
-    decoder = model.decoder
-    run = decoder.run
-    decoder.run = lambda seqs, prompt=False: passes.append([len(t) for t, _ in seqs]) or run(seqs, prompt)
+    forward = model.forward
+    run = forward.run
+    forward.run = lambda seqs, prompt=False: passes.append([len(t) for t, _ in seqs]) or run(seqs, prompt)
     try:
         gen = generator_class(
             BatchModel(model),
             completion_batch_size=4,
-            prefill_batch_size=4 if generator_class is FlashBatchGenerator and model.decoder.rows_alone else 1,
+            prefill_batch_size=4 if generator_class is FlashBatchGenerator and model.forward.sequences_alone else 1,
             prefill_step_size=step,
         )
         first = [p for i, p in enumerate(prompts) if i not in late]
@@ -164,18 +184,18 @@ def _generate_all(generator_class, model, prompts, max_tokens, step, late=()):
                 out.setdefault(prompts.index(uids[r.uid]), []).append(r.token)
         gen.close()
     finally:
-        decoder.run = run
+        forward.run = run
     return [out[i] for i in range(len(prompts))], passes
 
 
 @pytest.mark.parametrize("which, step", [("smol", 16), ("smol", 48), ("moe", 16)])
 @pytest.mark.parametrize("late", [(), (2, 3)])
 def test_a_step_is_one_pass_with_the_prompts_beside(which, step, late, request):
-    """FlashBatchGenerator: each step of mlx-lm's BatchGenerator is one native pass (the generating sequences, the
-    prompts joining them and prompt chunks in the positions left), each sequence's tokens its solo greedy ones, in
-    fewer passes than mlx-lm's schedule (a pass for the decode step, one for a prompt chunk, one per joining
-    prompt); prompts inserted while others decode join the running batch. An MoE (its router in MLX) keeps mlx-lm's
-    schedule."""
+    """FlashBatchGenerator: each step of mlx-lm's BatchGenerator is one pass (the generating sequences, the prompts
+    joining them and prompt chunks in the positions left), each sequence's tokens its solo greedy ones, in fewer
+    passes than mlx-lm's schedule (a pass for the decode step, one for a prompt chunk, one per joining prompt);
+    prompts inserted while others decode join the running batch. Where a pass's rows are not each computed alone
+    (the native step's MoE router), mlx-lm's schedule."""
     path = request.getfixturevalue(which)
     fd = FlashDir(path)
     # SmolLM2: most units streamed; the MoE: two expert slots a layer beside 4 sequences' KV caches
@@ -193,12 +213,11 @@ def test_a_step_is_one_pass_with_the_prompts_beside(which, step, late, request):
     finally:
         model.flash.close()
     assert flash == solo and stock == solo
-    if which == "moe":  # (a tiny model's vocabulary is 256 ids: one past it is refused, not read past the table)
-        with pytest.raises(ValueError, match=r"\[0, 256\)"):
-            model.decoder.embed([7, 256])
+    if not model.forward.sequences_alone:
         assert passes == stock_passes
         return
-    assert all(sum(lengths) <= step for lengths in passes)  # within the pass's positions
+    # within the pass's positions (a chunk cut as a request alone cuts it may come beside the 4 decoding sequences)
+    assert all(sum(lengths) <= step + (0 if model.forward.rows_alone else 4) for lengths in passes)
     assert len(passes) < 0.75 * len(stock_passes), (len(passes), len(stock_passes))
 
 

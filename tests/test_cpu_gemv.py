@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 pytestmark = [
-    pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU"),
+    pytest.mark.native,
     pytest.mark.usefixtures("float_activations"),
 ]  # int8 activations: tests/test_decode.py
 

@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
+pytestmark = pytest.mark.native
 
 
 @pytest.fixture(params=["simd", "scalar"])
@@ -453,21 +453,21 @@ def test_native_step_gives_mlx_lm_forward_tokens(smol, float_activations):
     from mlx_flash.loader import load
 
     model, tok = load(smol)
-    assert model.decoder is not None, model.flash.decoder_why
+    assert model.forward.native, model.forward.why
     prompt = tok.encode("The history of the city begins")
     native = _greedy(model, prompt)
     a, b = model.make_cache(), model.make_cache()
     assert all(type(c) is HostKVCache for c in a)
-    decoder, model.decoder = model.decoder, None
+    decoder, model.forward = model.forward, None
     try:
         assert _greedy(model, prompt) == native
         # one step each way from the same prompt cache: same logits and keys
         model(mx.array([prompt]), cache=a), model(mx.array([prompt]), cache=b)
-        la, lb = np.array(model(mx.array([[native[0]]]), cache=a)), np.array(decoder(native[0], b))
+        la, lb = np.array(model(mx.array([[native[0]]]), cache=a)), np.array(decoder([native[0]], b))
         assert np.abs(la - lb).max() < 1e-3 * np.abs(la).max()
         assert np.allclose(a[5]._k[:, :, : a[5].offset], b[5]._k[:, :, : b[5].offset], atol=1e-4)
     finally:
-        model.decoder = decoder
+        model.forward = decoder
         model.flash.close()
 
 
@@ -488,7 +488,7 @@ def test_streamed_native_steps_equal_resident(smol, float_activations):
     fd = FlashDir(smol)
     model, _ = load(smol, memory_budget=min_budget(fd, 128, kv_size_of(fd)) + fd.ffn_bytes // 3, context=128)
     try:
-        assert model.decoder is not None
+        assert model.forward.native
         assert _greedy(model, prompt, 32) == want
         model.flash.stats.end()
         assert sum(t.misses for t in model.flash.stats.decode_tokens()) > 0

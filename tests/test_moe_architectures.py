@@ -260,7 +260,7 @@ def greedy(model, generate=generate_step, n=8):
     return [int(t) for t, _ in generate(PROMPT, model, max_tokens=n)]
 
 
-def budgets(fd):
+def budgets(fd, exact=False):
     """name -> memory budget: every expert cached; 2 and 4 of the 8 experts cached per layer (with the input
     embedding streamed by rows, as the planner does whenever some expert goes uncached), the first also with the
     read-ahead of the next layer's experts into them; below the resident floor (every streamable group streamed, no
@@ -268,10 +268,10 @@ def budgets(fd):
     resident = fd.resident_nbytes(cpu_cast)
     groups = stream_groups(fd, instantiate(fd.config), cpu_cast, CONTEXT)
     rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
-    base = sum(with_streamed(fixed_bytes(fd, CONTEXT, 4, resident=resident), rows).values())
+    base = sum(with_streamed(fixed_bytes(fd, CONTEXT, kv_size_of(fd, exact=exact), resident=resident), rows).values())
     per_slot = len(fd.layers) * fd.layouts[REGION].stride  # (the plan splits what is left evenly over the layers)
-    lowest = min_streaming_budget(fd, CONTEXT, kv_size_of(fd), resident=resident, groups=groups)
-    assert lowest < min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident)
+    lowest = min_streaming_budget(fd, CONTEXT, kv_size_of(fd, exact=exact), resident=resident, groups=groups)
+    assert lowest < min_budget(fd, CONTEXT, kv_size_of(fd, exact=exact), resident=resident)
     return {
         "all": None,
         "25%": base + 2 * per_slot,
@@ -288,8 +288,8 @@ def test_streams_as_mlx_lm(converted, float_activations, monkeypatch):
     ref, _ = load_source_model(src_dir, lazy=False)  # mlx-lm's model of the same directory
     want_tokens, want_logits = greedy(ref, mlx_lm_generate_step), ref(PROMPT[None])
     fd = FlashDir(flash_dir)
-    for name, budget in budgets(fd).items():
-        model, _ = load(flash_dir, memory_budget=budget, context=CONTEXT, prefetch="read ahead" in name)
+    for name, budget in budgets(fd, exact=True).items():  # (mlx-lm's float results: float32 keys and values)
+        model, _ = load(flash_dir, memory_budget=budget, context=CONTEXT, prefetch="read ahead" in name, exact=True)
         engine = model.flash
         routed = set()  # experts per token as the model's router hands them to the engine
         experts = engine.experts

@@ -78,10 +78,10 @@ def decode_chained(stages, n):
     tokens, out, logits = list(PROMPT), [], []
     for _ in range(n):
         prompt = len(tokens) > 1
-        x = stages[0].decoder.embed(tokens)
+        x = tokens
         for model, cache in zip(stages, caches):
-            x = model.decoder.run_layers(np.array(x), cache, prompt)
-        step = stages[-1].decoder.logits(x, prompt)
+            x = model.forward.stage(x, cache, prompt)
+        step = x
         logits.append(np.array(step))
         tokens = [int(mx.argmax(step[0, -1]).item())]
         out.append(tokens[0])
@@ -105,7 +105,6 @@ def test_stages_give_the_whole_models_bits_and_bytes(request, name, ranks, cache
     for start, stop in bounds:
         budget_s = matching_budget(whole, StageDir(fd, start, stop))
         model, _ = load(path, memory_budget=budget_s, context=CONTEXT, layers=(start, stop), **ahead)
-        assert model.decoder is not None, model.flash.decoder_why
         assert len(model.layers) == stop - start
         assert model.flash.plan.resident < whole.flash.plan.resident
         stages.append(model)
@@ -113,7 +112,7 @@ def test_stages_give_the_whole_models_bits_and_bytes(request, name, ranks, cache
     want, want_logits = [], []
     cache, tokens = whole.make_cache(), list(PROMPT)
     for _ in range(n):
-        step = whole.decoder(tokens, cache, prompt=len(tokens) > 1)
+        step = whole.forward(tokens, cache, prompt=len(tokens) > 1)
         want_logits.append(np.array(step))
         tokens = [int(mx.argmax(step[0, -1]).item())]
         want.append(tokens[0])
@@ -276,8 +275,10 @@ def test_a_lost_rank_ends_the_others(smollm2, how, victim):
         assert rc == 1 and "Traceback" not in err, err
         line = last_line(err)
         assert line.startswith(f"error: pipeline rank {1 - victim}:"), err
-        # a closed socket fails the exchange at once, or (the ring's all_sum) leaves it to the watchdog
-        assert "no answer within 10 s" in line or (how == "killed" and "another rank ended" in line), line
+        # a closed socket fails the exchange at once, or (the ring's all_sum) leaves it to the watchdog: 10 s a
+        # decode step's, 20 s where the victim stopped right after the prompt's pass (its rows take longer)
+        timed_out = re.search(r"no answer within (10|20) s", line)
+        assert timed_out or (how == "killed" and "another rank ended" in line), line
     finally:
         for p in procs:
             p.kill()

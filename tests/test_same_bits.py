@@ -62,6 +62,7 @@ def test_default_model_every_budget():
     assert any(g.kind == "layer" for g in plan.streamed), "25% should stream attention layers"
 
 
+@pytest.mark.native
 def test_a_layer_held_whole_has_the_unit_steps_bits(monkeypatch):
     """Resident, a dense layer's decode step skips the unit step (NeuronEngine._decode_whole): its tokens and
     log-probabilities are the unit step's, bit for bit."""

@@ -26,8 +26,9 @@ def server(tmp_path_factory):
     # vocab 257: id 256 is <|endoftext|>, so the tiny tokenizer has an EOS
     path = convert(str(make_tiny_model_dir("llama", root / "src", vocab_size=257)), root / "tiny", progress=False)
     args = setup_arg_parser().parse_args(
-        ["--model", str(path), "--max-context", str(CONTEXT), "--memory-budget", "300%", "--sparsity", "dense"]
-    )
+        ["--model", str(path), "--max-context", str(CONTEXT), "--memory-budget", "300%", "--sparsity", "dense",
+         "--max-batch", "1"]  # one request at a time: its stats and reads are its own (batching: test_batching)
+    )  # fmt: skip
     provider = ModelProvider(args)
     httpd, generator = serve(provider, port=0)
     yield provider, generator, httpd.server_address[1]

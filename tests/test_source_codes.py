@@ -180,7 +180,7 @@ def test_native_symmetric_rows_equal_stored_biases(bits):
     )
 
 
-@pytest.mark.parametrize("kernels", ["native", "mlx"])
+@pytest.mark.parametrize("kernels", [pytest.param("native", marks=pytest.mark.native), "mlx"])
 @pytest.mark.parametrize("budget", ["floor", "resident"])
 def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, request, budget, kernels):
     """A Q4_0 GGUF's attention projections and embedding keep their codes and scales only (format v4): no
@@ -235,7 +235,7 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
         try:
             assert len(model.flash.plan.streamed) == (0 if budget == "resident" else 6)  # 4 layers, embedding, head
             params = [k for k, _ in tree_flatten(model.parameters()) if k.endswith(".biases")]
-            assert (model.decoder is not None) == (kernels == "native"), model.flash.decoder_why
+            assert model.forward.native == (kernels == "native"), model.forward.why
             # the native decode step (mlx_flash's loop) and the model's layers (mlx-lm's loop)
             tokens = [
                 [int(t) for t, _ in steps(mx.array(PROMPT), model, max_tokens=24)]

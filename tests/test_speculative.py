@@ -3,7 +3,6 @@ lookup, a draft model, on SmolLM2 and a tiny random model, under budgets that st
 plain decoding leaves them, a pass reads its units once, and the draft model's memory is in the plan."""
 
 from mlx_flash.budget import min_budget
-from mlx_flash.compute import cpu_gemv
 from mlx_flash.engine.native_step import MAX_POSITIONS
 from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
@@ -14,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-native = pytest.mark.skipif(not cpu_gemv.available(), reason="native CPU kernels not built or MLX not on the CPU")
+native = pytest.mark.native
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. The committee met on Tuesday to discuss the budget for the "
@@ -101,16 +100,16 @@ def _plain(model, prompt, n):
     return [t for t, _ in generate_step(prompt, model, max_tokens=n)]
 
 
-@native
 @pytest.mark.parametrize("long_prompt", [False, True])
 def test_prompt_lookup_gives_plain_greedy_tokens_on_smollm2(smol, long_prompt):
-    """Tokens and log-probabilities bit for bit those of plain decoding: a short prompt (a native pass) and one
-    longer than decode.MAX_POSITIONS (mlx-lm's forward), after which the first step reads as every later one."""
+    """Tokens and log-probabilities bit for bit those of plain decoding: a short prompt (a native pass where the
+    native step runs) and one longer than native_step.MAX_POSITIONS (MLX's forward), after which the first step
+    reads as every later one."""
     from mlx_flash.loader import load
 
     model, tok = load(smol, memory_budget="50%", context=400)  # the user's budget: the LM head streams too
     try:
-        assert model.decoder is not None and model.flash.plan.streamed
+        assert model.flash.plan.streamed
         prompt = _prompt(tok)
         if long_prompt:
             prompt = mx.array(tok.encode("Copy this text: " + TEXT * 7 + "\nCopy: " + TEXT[:40]))
@@ -129,7 +128,12 @@ def test_prompt_lookup_gives_plain_greedy_tokens_on_smollm2(smol, long_prompt):
         model.flash.close()
 
 
-@native
+def _kv(cache):
+    """A layer cache's keys and values as numpy arrays, up to its offset (any cache kind)."""
+    keys, values = cache.state[:2]
+    return np.array(keys[..., : cache.offset, :]), np.array(values[..., : cache.offset, :])
+
+
 def test_rejected_drafts_leave_the_cache_of_plain_decoding(smol):
     """A caller's prompt cache after speculative decoding with wrong drafts holds exactly what plain decoding's
     holds (every yielded token, rejected positions trimmed), bit for bit in dense mode."""
@@ -148,25 +152,23 @@ def test_rejected_drafts_leave_the_cache_of_plain_decoding(smol):
         assert got == want
         for a, b in zip(plain_cache, spec_cache):
             assert a.offset == b.offset == len(prompt) + 12
-            assert np.array_equal(a._k[:, :, : a.offset], b._k[:, :, : b.offset])
-            assert np.array_equal(a._v[:, :, : a.offset], b._v[:, :, : b.offset])
+            assert all(np.array_equal(x, y) for x, y in zip(_kv(a), _kv(b)))
     finally:
         model.flash.close()
 
 
-@native
 def test_a_verification_pass_reads_its_units_once(smol):
     """Dense at a third cached: a pass of 9 positions reads the bytes of a single-token pass (the same uncached
     units, once), counted at the device."""
     model, tok = _streaming(smol, sparsity="dense")
     try:
         cache = model.make_cache()
-        model.decoder(_prompt(tok).tolist(), cache, prompt=True)
+        model.forward(_prompt(tok).tolist(), cache, prompt=True)
         one, nine = [], []
         for widths, out in (([1] * 3, one), ([9] * 3, nine)):
             for w in widths:
                 before = model.flash.stats.device_bytes()
-                logits = model.decoder(list(range(100, 100 + w)), cache)
+                logits = model.forward(list(range(100, 100 + w)), cache)
                 assert logits.shape == (1, w, model.args.vocab_size)
                 out.append(model.flash.stats.device_bytes() - before)
         assert min(one) > 0 and max(nine) <= 1.05 * max(one), (one, nine)
@@ -195,7 +197,6 @@ def test_tiny_model_gives_plain_greedy_tokens(tiny, tmp_path):
 # -- draft models ----------------------------------------------------------------------------------------
 
 
-@native
 def test_draft_model_is_in_the_plan_and_gives_plain_tokens(smol):
     from mlx_flash.loader import kv_size_of, load
 
