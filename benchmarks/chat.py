@@ -102,6 +102,8 @@ class Server:
             str(max_context),
             "--log-level",
             "INFO",
+            "--max-batch",
+            "1",  # one request at a time: its reads logged pass by pass
             *flags,
         ]
         if budget is not None:

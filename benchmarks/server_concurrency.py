@@ -2,7 +2,7 @@
 
     python benchmarks/server_concurrency.py [--model DIR] [--memory-budget 50% | --cap 2.5GiB] \\
         [--concurrency 1,2,4,8] [--rounds 3] [--prompt-tokens 150] [--max-tokens 128] [--max-context 384] \\
-        [--server-args "--max-batch 8"] [--peer mlx_lm] [--out JSON] [--plot PNG]
+        [--server-args "--max-batch 8"] [--backends auto,mlx] [--peer mlx_lm] [--out JSON] [--plot PNG]
     python benchmarks/server_concurrency.py --from-json JSON [--plot PNG]
 
 The server runs as `python -m mlx_flash.tools.cap --limit CAP --drop DIR --json -- python -m mlx_flash.server
@@ -69,7 +69,6 @@ from tqdm import tqdm
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 INSTRUCTION = "Continue the following text for several paragraphs, in the same style.\n\n"
-SYSTEMS = ("mlx_flash", "mlx_lm")
 MiB = 2**20
 
 
@@ -455,7 +454,8 @@ def prepare_peer(flash: Path, cap: int, baseline: int, model_bytes: int, bar):
 
 
 def server_cmd(system, args, model, budget, port, peer_dir):
-    if system == "mlx_flash":
+    if system.startswith("mlx_flash"):  # "mlx_flash" (the default backend) or "mlx_flash --backend B"
+        backend = system.split()[2:]
         return [
             sys.executable,
             "-m",
@@ -470,6 +470,7 @@ def server_cmd(system, args, model, budget, port, peer_dir):
             port,
             "--prompt-cache-size",
             0,  # --server-args may override it (the last wins)
+            *(["--backend", *backend] if backend else []),
             *shlex.split(args.server_args),
         ]
     return [
@@ -592,7 +593,8 @@ def plot(res, path) -> None:
 
     plt = pyplot()
     fig, (ax, tx, gx) = plt.subplots(1, 3, figsize=(14, 4.6))
-    colors = {"mlx_flash": "tab:blue", "mlx_lm": "tab:gray"}
+    colors = {"mlx_flash": "tab:blue", "mlx_flash --backend auto": "tab:blue", "mlx_flash --backend mlx": "tab:orange",
+              "mlx_lm": "tab:gray"}  # fmt: skip
     ns = sorted({int(n) for by in res["summary"].values() for n in by})
     for system, by in res["summary"].items():
         xs = [int(n) for n in by]
@@ -651,6 +653,12 @@ def setup_arg_parser():
         "not compared with a solo response.",
     )
     p.add_argument("--server-args", default="", help='Extra mlx_flash.server flags, e.g. "--max-batch 8".')
+    p.add_argument(
+        "--backends",
+        default="default",
+        help="mlx_flash's forward to run, each a system of its own: default (the server's), auto, mlx, native; "
+        "e.g. auto,mlx runs the native step and MLX's own ops in the same rounds.",
+    )
     p.add_argument("--peer", default=None, choices=["mlx_lm"], help="Also run stock mlx_lm.server where it fits.")
     p.add_argument("--peer-args", default="", help="Extra mlx_lm.server flags.")
     p.add_argument("--warmup-tokens", type=int, default=8, help="A warm-up request after start (0: none).")
@@ -691,7 +699,8 @@ def measure(args, bar) -> dict:
     bar.set_postfix_str("building the prompts")
     tok = load_tokenizer(fd)
     prompts = make_prompts(tok, max(ns) + 1, args.prompt_tokens)  # the last one: the warm-up's
-    systems, peer_dir, skipped = ["mlx_flash"], None, None
+    systems = ["mlx_flash" if b == "default" else f"mlx_flash --backend {b}" for b in args.backends.split(",")]
+    peer_dir, skipped = None, None
     if args.peer:
         peer_dir, skipped = prepare_peer(model, cap, baseline, fd.model_bytes, bar)
         if peer_dir is not None:
