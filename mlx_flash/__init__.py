@@ -14,6 +14,7 @@ use_openblas()
 
 from .errors import (  # noqa: E402
     BudgetError,
+    DiskSpaceError,
     FlashError,
     FlashFormatError,
     ReadError,
@@ -37,4 +38,5 @@ __all__ = [
     "SourceError",
     "UnsupportedArchitectureError",
     "ReadError",
+    "DiskSpaceError",
 ]

@@ -31,3 +31,7 @@ class ChecksumError(ReadError, FlashFormatError):
 
 class CapError(FlashError):
     """No memory cgroup can be created here, so a command cannot run under a hard memory cap."""
+
+
+class DiskSpaceError(FlashError):
+    """The disk a conversion writes to has not enough free space for it, or filled up while it wrote."""

@@ -1,16 +1,20 @@
 """Bad input to `python -m mlx_flash.convert` never crashes: a damaged GGUF, a signal mid-way and a mistyped path
 each end in one line naming what is wrong (no traceback, no core dump), and leave no temporary directory behind."""
 
+import gc
 import os
+import re
+import shutil
 import signal
 import struct
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from mlx_flash.convert.gguf import read_header
 from mlx_flash.convert.source import resolve_source
-from mlx_flash.errors import SourceError
+from mlx_flash.errors import DiskSpaceError, SourceError
 
 import gguf
 import numpy as np
@@ -394,3 +398,110 @@ def test_what_goes_to_the_hub(tmp_path, monkeypatch, src, hub):
     assert fetched == ([src] if hub else [])
     if not hub:
         assert str(e.value) == f"no such file or directory: {src}"
+
+
+# -- a full disk ----------------------------------------------------------------------------------------------------
+@contextmanager
+def tmpfs(path, size):
+    """A tmpfs of `size` bytes mounted at `path` (root only: the test is skipped elsewhere)."""
+    path.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command")
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        gc.collect()  # (files a failed conversion left open keep the mount busy)
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_disk_too_small_is_refused_before_anything_is_written(tmp_path):
+    """The default model's GGUF (94 MiB; about 240 MiB on disk at the conversion's peak) into 40 MiB: refused by the
+    check, naming the sizes, not by ENOSPC mid-way; the filesystem is left empty."""
+    from mlx_flash.default_model import default_gguf_path
+
+    gguf_path = default_gguf_path()
+    with tmpfs(tmp_path / "disk", 40 << 20) as disk:
+        r = convert_cli("--model", gguf_path, "--out", disk / "out")
+        assert_refused(r, "not enough disk space: needs about ", f" MiB free on {disk} for {disk / 'out'}, has 40 MiB")
+        needs = int(re.search(r"needs about (\d+) MiB", r.stderr).group(1))
+        assert needs > 2 * gguf_path.stat().st_size >> 20, r.stderr  # (at least its mlx-lm directory and the output)
+        assert os.listdir(disk) == [] and shutil.disk_usage(disk).used == 0
+
+
+def test_the_estimate_is_an_upper_bound_of_the_peak(tmp_path, monkeypatch):
+    """The default model's GGUF converts on a filesystem of the estimate's size, and not on one 1.3 times smaller
+    (check off): the estimate bounds the peak within 1.3x. There, ENOSPC mid-way is DiskSpaceError and nothing is
+    left."""
+    from mlx_flash.convert import build
+    from mlx_flash.default_model import default_gguf_path
+
+    gguf_path = default_gguf_path()
+    needed = build._disk_needed(gguf_path, None, "auto", 64, False, None, "neurons", None)
+    with tmpfs(tmp_path / "disk", needed) as disk:
+        build.convert(str(gguf_path), disk / "out", bits="auto", progress=False)
+        assert os.listdir(disk) == ["out"]
+    monkeypatch.setattr(build, "check_free_space", lambda out, needed: None)
+    with tmpfs(tmp_path / "small", int(needed / 1.3)) as disk:
+        with pytest.raises(DiskSpaceError, match=f"No space left on device .*converting into {disk / 'out'}"):
+            build.convert(str(gguf_path), disk / "out", bits="auto", progress=False)
+        assert os.listdir(disk) == []
+
+
+# Every file the conversion opens for writing in a folder is on a disk that is full once `budget` bytes are written.
+FILLING_CONVERT = """
+import builtins, errno, os, sys
+budget, folder = int(sys.argv[1]), os.path.realpath(sys.argv[2])
+real_open, written = builtins.open, [0]
+
+class Filling:
+    def __init__(self, f):
+        self.f = f
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+    def write(self, data):
+        n = len(data.encode()) if isinstance(data, str) else memoryview(data).nbytes
+        if written[0] + n > budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written[0] += n
+        return self.f.write(data)
+
+def filling_open(file, mode="r", *args, **kwargs):
+    f = real_open(file, mode, *args, **kwargs)
+    inside = isinstance(file, (str, os.PathLike)) and os.path.realpath(file).startswith(folder + os.sep)
+    return Filling(f) if inside and any(c in mode for c in "wax+") else f
+
+builtins.open = filling_open
+from mlx_flash.convert.build import main
+sys.argv = ["convert", *sys.argv[3:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("budget_mib", [10, 210, 300], ids=["gguf-mlx-lm-directory", "ffn.bin", "resident.safetensors"])
+def test_a_disk_filling_up_mid_way_ends_in_one_line(tmp_path, budget_mib):
+    """ENOSPC while the default model's GGUF is converted (its mlx-lm directory, ffn.bin, the resident weights):
+    exit status 1, one line, no traceback; neither the output nor the temporary directory remains."""
+    from mlx_flash.default_model import default_gguf_path
+
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-c", FILLING_CONVERT, str(budget_mib << 20), str(tmp_path), "--model", default_gguf_path()]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
+    (last,) = [line for line in r.stderr.splitlines() if "error" in line]  # (besides the progress bars)
+    assert last.startswith("error: ") and last == r.stderr.rstrip().splitlines()[-1], r.stderr
+    assert f"No space left on device (the disk filled up while converting into {out})" in last
+    assert leftovers(tmp_path) == []

@@ -5,9 +5,10 @@ import math
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-from mlx_flash.convert.gguf import gguf_to_mlx_dir
+from mlx_flash.convert.gguf import converted_size, gguf_to_mlx_dir, read_header
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.errors import SourceError, UnsupportedArchitectureError
+from mlx_flash.format.safetensors_io import read_header as safetensors_header
 from mlx_flash.models.tiny import bytes_to_unicode
 from mlx_flash.texts import read_text
 
@@ -420,6 +421,11 @@ def test_dequantise_fallback(tmp_path):
     model, _ = load_model(out)
     logits = model(mx.array([[1, 100, 200, 2]]))
     assert logits.shape == (1, 4, cfg["vocab_size"]) and bool(mx.isfinite(logits).all())
+
+    # what convert's disk estimate counts from the header alone: the bytes written
+    header = safetensors_header(out / "model.safetensors")
+    data = sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+    assert sum(converted_size(t)[0] for t in read_header(src).tensors) == data
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"])

@@ -10,10 +10,11 @@ nor --bits, a float source (F32/F16/BF16 GGUF, float HF directory) is quantised 
 and a quantised one keeps its quantisation. --dtype alone keeps floats, cast to that dtype.
 
 Memory does not grow with the model: a GGUF is read a tensor at a time from its memory map into an
-mlx-lm directory (in the output's temporary directory, so the disk needs about twice the model),
-every directory is loaded lazily, each layer's FFN is evaluated, written and freed in turn, and the
-resident weights are written one array at a time (format.directory.FlashWriter.finish). A 7B is converted
-under a 1 GiB cap. --prune is the exception: calibration runs the whole model, in float32.
+mlx-lm directory (in the output's temporary directory: at its peak the disk holds about 2.6 times the GGUF,
+which convert checks is free before it writes: disk.py), every directory is loaded lazily, each layer's FFN
+is evaluated, written and freed in turn, and the resident weights are written one array at a time
+(format.directory.FlashWriter.finish). A 7B is converted under a 1 GiB cap. --prune is the exception:
+calibration runs the whole model, in float32.
 
 --prune wanda prunes every FFN matrix with Wanda (prune.py; input norms from the first half
 of WikiText-2 test or --prune-text): gate/up (fc1) per output row, down (fc2) per neuron, so
@@ -47,12 +48,14 @@ from ..errors import FlashError
 from ..format.bitmap import capacity_for_sparsity
 from ..format.directory import DEFAULT_ALIGNMENT, FlashDir, FlashWriter
 from ..format.layout import PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, dtype_name
+from ..format.safetensors_io import TensorSpool
 from ..models.architectures import adapter_for, symmetric
 from ..models.inspect import is_moe
 from ..texts import wikitext
+from .disk import SourceWeights, check_free_space, disk_full_error
 from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms
-from .source import copy_tokenizer, load_source_model, mlp_paths, release, resolve_source
+from .source import copy_tokenizer, load_source_model, local_source, mlp_paths, release, resolve_source
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # What the CLI makes of a float source given neither --dtype nor --bits: float32 runs about 2x slower than
@@ -99,7 +102,8 @@ def convert(
     """Convert `model` into the flash directory `out`; returns its path.
 
     The output is written under a temporary name and renamed at the end, so an
-    interrupted conversion never leaves a directory that loads.
+    interrupted conversion never leaves a directory that loads. DiskSpaceError before anything is written if the
+    output's filesystem has not the space it needs at its peak (disk.py), or if it fills up mid-way.
     prune: None or "wanda" (see the module docstring), calibrated on prune_seqs x prune_seq_len
     tokens of the first half of prune_text (default WikiText-2 test).
     bits: None keeps the source's quantisation (or floats), 4/8 quantise, "auto" (the CLI's default)
@@ -114,9 +118,11 @@ def convert(
     if prune is not None:
         _check_prune(prune, prune_sparsity, prune_format, layout)
 
-    with _work_dir(out) as work:
+    with disk_full_error(out), _work_dir(out) as work:  # (the work directory is removed first)
         work = Path(work)
-        src_dir = resolve_source(model, work, progress)
+        source = local_source(model)
+        check_free_space(out, _disk_needed(source, dtype, bits, group_size, dequantize, down_bits, layout, prune))
+        src_dir = resolve_source(source, work, progress)
         model_obj, config = load_source_model(src_dir)
         if is_moe(config):
             asked = {
@@ -136,46 +142,36 @@ def convert(
             return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress)
         adapter = adapter_for(config)
         norms = None
-        if (
-            prune is not None
-            and prune_format == "bitmap"
-            and _ffn_bits(bits, dequantize, _model_quantization(model_obj)) == 4
-        ):
-            raise FlashError(BITMAP_4BIT)  # before calibrating, not minutes later
+        if prune is not None and prune_format == "bitmap":
+            stored = _stored_quantization(bits, group_size, dequantize, _model_quantization(model_obj))
+            if stored is not None and stored["bits"] == 4:
+                raise FlashError(BITMAP_4BIT)  # before calibrating, not minutes later
         if prune is not None:  # on the source weights, before any cast or re-quantisation
             norms, calibration = _calibrate(model_obj, src_dir, config, prune_text, prune_seqs, prune_seq_len, progress)
 
         if dtype is not None:
             model_obj.set_dtype(DTYPES[dtype])  # float parameters only
         source_quant = _model_quantization(model_obj)
-        if bits == "auto":  # the CLI's default: quantised sources as they are, float ones to 8-bit
-            bits = None if source_quant is not None else DEFAULT_FLOAT_BITS
-            if bits is not None:
-                print(
-                    f"float source ({dtype_name(_float_dtype(model_obj))}): quantising to {bits}-bit, group size "
-                    f"{group_size} (the default; pass --dtype to keep floats)"
-                )
-        if source_quant is not None and (
-            dequantize
-            or (bits is not None and (bits, group_size) != (source_quant["bits"], source_quant["group_size"]))
-        ):
+        quant = _stored_quantization(bits, group_size, dequantize, source_quant)
+        if bits == "auto" and source_quant is None and quant is not None:
+            print(
+                f"float source ({dtype_name(_float_dtype(model_obj))}): quantising to {quant['bits']}-bit, group "
+                f"size {group_size} (the default; pass --dtype to keep floats)"
+            )
+        if source_quant is not None and quant != source_quant:
             from mlx_lm.utils import dequantize_model
 
             model_obj = dequantize_model(model_obj)
             config.pop("quantization", None)
             config.pop("quantization_config", None)
-        if bits is not None and _model_quantization(model_obj) is None:
-            _quantize_resident(model_obj, bits, group_size)
-            config["quantization"] = {"group_size": group_size, "bits": bits}
-            quant = {"bits": bits, "group_size": group_size}
-        else:
-            quant = _model_quantization(model_obj)
-        ffn_quant = {m: quant for m in adapter.matrices}
+        if quant is not None and _model_quantization(model_obj) is None:
+            _quantize_resident(model_obj, quant["bits"], group_size)
+            config["quantization"] = {"group_size": group_size, "bits": quant["bits"]}
         if down_bits is None:
             down_bits = _default_down_bits(quant, layout, prune)
-        if down_bits == "float":
-            ffn_quant[adapter.col_matrix] = None
-        elif down_bits == "source":
+        ffn_quant = {m: quant for m in adapter.matrices}
+        ffn_quant[adapter.col_matrix] = _down_quantization(quant, down_bits)
+        if down_bits == "source":
             if quant is None or quant["bits"] not in (2, 4, 8) or layout != "neurons" or prune is not None:
                 raise FlashError(
                     "--down-bits source keeps a 2/4/8-bit quantised model's down codes per neuron (groups' "
@@ -187,8 +183,6 @@ def convert(
             if all(symmetric(first[m]) for m in adapter.matrices):  # Q4_0 / Q8_0: the biases follow from the scales
                 ffn_quant = {m: {**q, "symmetric": True} for m, q in ffn_quant.items()}
             del first
-        elif down_bits is not None and quant is not None:
-            ffn_quant[adapter.col_matrix] = {"bits": int(down_bits), "group_size": quant["group_size"]}
 
         writer, encodings = None, None
         paths = mlp_paths(model_obj)
@@ -275,36 +269,60 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _disk_needed(source: Path, dtype, bits, group_size, dequantize, down_bits, layout, prune) -> int:
+    """What converting `source` writes at its peak (disk.py), the model stored as `convert` will store it."""
+    weights = SourceWeights(source)
+    if weights.moe:  # the experts are stored as the source stores them (moe.py)
+        return weights.peak_bytes(weights.quant, weights.quant, False, None)
+    quant = _stored_quantization(bits, group_size, dequantize, weights.quant)
+    down_bits = down_bits or _default_down_bits(quant, layout, prune, say=lambda _: None)
+    float_size = DTYPES[dtype].size if dtype is not None else None
+    return weights.peak_bytes(quant, _down_quantization(quant, down_bits), down_bits == "source", float_size)
+
+
 def _spooled(arrays: dict, path: Path, prefix: str) -> dict:
     """`arrays` saved to `path` and loaded back lazily (read when written out, not held until then), as
     {prefix.name: array} in their order."""
     if not arrays:
         return {}
-    mx.save_safetensors(str(path), arrays)
+    # (not mx.save_safetensors: its write errors carry no errno, so a full disk would not read as one)
+    spool = TensorSpool(path.with_name(path.name + ".spool"))
+    for k, v in arrays.items():
+        spool.add(k, v)
+    spool.save(path)
     loaded = mx.load(str(path))
     return {f"{prefix}.{k}": loaded[k] for k in arrays}
 
 
-def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str]):
-    """How down/fc2 rows are stored when --down-bits is not given, said on stdout: a 2/4/8-bit source keeps its own
-    codes per neuron (the weights are the source's, and no unit is larger than the source's bytes); where that layout
-    does not apply (dip layout, pruning), 8 bits for a 4-bit model (re-quantised to 4 bits along d_model, SmolLM2 lost
-    4.9% perplexity; 8 bits nothing measurable), else the model's bits."""
+def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str], say=print):
+    """How down/fc2 rows are stored when --down-bits is not given, said on stdout (`say`): a 2/4/8-bit source keeps
+    its own codes per neuron (the weights are the source's, and no unit is larger than the source's bytes); where that
+    layout does not apply (dip layout, pruning), 8 bits for a 4-bit model (re-quantised to 4 bits along d_model,
+    SmolLM2 lost 4.9% perplexity; 8 bits nothing measurable), else the model's bits."""
     if quant is None:
         return None
     if quant["bits"] in (2, 4, 8) and layout == "neurons" and prune is None:
-        print(
+        say(
             f"down rows: the model's {quant['bits']}-bit codes per neuron, their group scales resident (the model's "
             "weights and bytes; --down-bits 8 re-quantises them along d_model instead)"
         )
         return "source"
     if quant["bits"] == 4:
-        print(
+        say(
             "down rows: re-quantised to 8 bits along d_model (the source's codes need the neurons layout without "
             "pruning; 4 bits would cost 4.9% perplexity on SmolLM2)"
         )
         return 8
     return None
+
+
+def _down_quantization(quant: Optional[dict], down_bits) -> Optional[dict]:
+    """How down/fc2 rows are quantised (None: floats) in a model quantised as `quant`, given --down-bits."""
+    if down_bits == "float":
+        return None
+    if down_bits in (None, "source") or quant is None:
+        return quant
+    return {"bits": int(down_bits), "group_size": quant["group_size"]}
 
 
 def auto_alignment(regions, encodings=None) -> int:
@@ -367,13 +385,19 @@ BITMAP_4BIT = (
 )
 
 
-def _ffn_bits(bits, dequantize: bool, source_quant) -> "int | None":
-    """The bits `convert` stores gate/up (fc1) rows with (None: float), as its quantisation steps decide."""
-    if bits == "auto":  # the CLI's default: quantised sources as they are, float ones to DEFAULT_FLOAT_BITS
-        return DEFAULT_FLOAT_BITS if source_quant is None else source_quant["bits"]
-    if bits is not None:
-        return bits
-    return None if source_quant is None or dequantize else source_quant["bits"]
+def _stored_quantization(bits, group_size: int, dequantize: bool, source_quant: Optional[dict]) -> Optional[dict]:
+    """The quantisation `convert` stores a model with ({"bits", "group_size"}; None: floats): the source's own
+    (`source_quant`, None if float) unless --dequantize or other --bits / --group-size re-quantise it. bits "auto"
+    (the CLI's default): a quantised source's own, DEFAULT_FLOAT_BITS for a float one."""
+    if bits == "auto":
+        bits = None if source_quant is not None else DEFAULT_FLOAT_BITS
+    if (
+        source_quant is not None
+        and not dequantize
+        and (bits is None or (bits, group_size) == (source_quant["bits"], source_quant["group_size"]))
+    ):
+        return source_quant
+    return None if bits is None else {"bits": bits, "group_size": group_size}
 
 
 def bitmap_encodings(arrays, matrices, quant, sparsity, strict: bool = True) -> dict:

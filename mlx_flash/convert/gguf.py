@@ -369,6 +369,26 @@ def _read_tensor(t, T, repack, path: Path) -> Tensor:
     return base, part, {part: arr}, None
 
 
+def converted_size(t) -> Tuple[int, Optional[Tuple[int, int]]]:
+    """(bytes, (group_size, bits) or None) of header entry `t` as `_read_tensor` converts it, from the header alone
+    (convert's estimate of the disk it needs)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    _, part = _split_name(t.name)
+    n = math.prod(int(x) for x in t.shape)
+    groups = n // GGUF_GROUP_SIZE
+    if t.tensor_type in (T.Q8_0, T.Q4_0, T.Q4_1, T.MXFP4) and len(t.shape) in (2, 3) and part == "weight":
+        bits = 8 if t.tensor_type == T.Q8_0 else 4
+        tables = groups if t.tensor_type == T.MXFP4 else 4 * groups  # uint8 scales; float16 scales and biases
+        return n * bits // 8 + tables, (GGUF_GROUP_SIZE, bits)
+    if t.tensor_type in (T.F32, T.F16, T.BF16):
+        return int(t.n_bytes), None
+    if len(t.shape) == 2 and part == "weight" and int(t.shape[0]) % GGUF_GROUP_SIZE == 0:  # (GGUF order: rows last)
+        return n * REQUANT[1] // 8 + 4 * (n // REQUANT[0]), REQUANT
+    return 2 * n, None  # float16
+
+
 def _by_rows(repack, raw: np.ndarray, chunk_bytes: int = 1 << 24):
     """`repack` over a few rows of blocks at a time (its temporaries are several times its input), joined."""
     rows = max(1, chunk_bytes // raw.shape[1])
@@ -686,6 +706,7 @@ def gguf_to_mlx_dir(
         json.dump(gen, f, indent=2)
     tokenizer.save_pretrained(str(out_dir))
     # without indentation: the GGUF keeps its vocabulary compactly, and pretty-printed it took 2.3x the bytes
-    tokenizer.backend_tokenizer.save(str(out_dir / "tokenizer.json"), pretty=False)
+    # (written here, not by `tokenizers`, whose errors lose the OSError: a full disk is ENOSPC, as for every file)
+    (out_dir / "tokenizer.json").write_text(tokenizer.backend_tokenizer.to_str(pretty=False), encoding="utf-8")
     portable_tokenizer_config(out_dir, tokenizer)
     return out_dir

@@ -44,14 +44,20 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def resolve_source(src: str, workdir: Path, progress: bool = False) -> Path:
+def resolve_source(src, workdir: Path, progress: bool = False) -> Path:
     """Return a local mlx-lm model directory for `src` (GGUF files are unpacked into `workdir`)."""
+    path = local_source(str(src))
+    return gguf_to_mlx_dir(path, workdir / "gguf-source", progress=progress) if path.is_file() else path
+
+
+def local_source(src: str) -> Path:
+    """`src` as a local GGUF file or model directory (a hub id is downloaded, into the Hub's cache); SourceError if
+    it is neither."""
     path = Path(src).expanduser()
     if path.is_file():
         if not _is_gguf(path):
             raise SourceError(f"{path}: not a GGUF file (expected a model directory, a hub id or a .gguf file)")
-
-        return gguf_to_mlx_dir(path, workdir / "gguf-source", progress=progress)
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceError(f"{path}: no config.json (not a Hugging Face / mlx-lm model directory)")
@@ -104,11 +110,13 @@ def load_source_model(model_dir: Path, lazy: bool = True):
         raise SourceError(f"{model_dir}: cannot load the model ({type(e).__name__}: {e})") from e
 
 
+def tokenizer_files(src: Path) -> list:
+    return [f for pattern in TOKENIZER_FILES for f in src.glob(pattern) if f.is_file()]
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
-    for pattern in TOKENIZER_FILES:
-        for f in src.glob(pattern):
-            if f.is_file():
-                shutil.copy2(f, dst / f.name)
+    for f in tokenizer_files(src):
+        shutil.copy2(f, dst / f.name)
 
 
 def mlp_paths(model: nn.Module):

@@ -53,6 +53,8 @@ CHUNK = 1 << 24
 def read_header(path) -> dict:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
+        if n > os.fstat(f.fileno()).st_size - 8:  # (a damaged file's length would be read as it says)
+            raise ValueError(f"header length {n} exceeds the file")
         return json.loads(f.read(n))
 
 
