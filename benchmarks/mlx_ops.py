@@ -5,7 +5,8 @@ on the same weights (what a Mac runs; this CPU's time says nothing of Metal's, t
 
 Models: SmolLM2-135M (the default model) and the LLaMA-7B and Qwen3-30B-A3B shapes cut to --layers layers (synthetic
 weights, uniform routing), each exported to a stock mlx-lm directory (mlx_flash.convert.export) for the reference.
-A step is one decode token after a 16-token prompt, in MLX_FLASH_BACKEND=mlx's forward (MLXForward), at each budget.
+A step is one decode token after a 16-token prompt, in MLX_FLASH_BACKEND=mlx's forward (MLXForward), at each budget;
+beside it, one batched decode pass (forward.run, the server's) of 1 and of 8 sequences: what a sequence adds.
 
 Operations: the primitives of every graph the step evaluates (mx.export_to_dot of what each evaluation computes:
 mx.eval, mx.async_eval, and the host copies np.array / np.asarray make, intercepted), so fused kernels count once
@@ -31,6 +32,7 @@ import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PROMPT = list(range(1, 17))
+BATCHES = (1, 8)  # sequences in a counted batched pass
 WARM = 48  # decode steps before the counted one (uniform routing: every expert a resident model holds, cached)
 
 
@@ -89,6 +91,16 @@ def step_counts(model, forward, warm: int) -> dict:
     return {"ops": counter.ops, "syncs": counter.syncs, "ops_by_kind": dict(sorted(counter.kinds.items()))}
 
 
+def batch_counts(model, forward, n: int) -> dict:
+    """One decode pass of n sequences at once (forward.run, as the server's batches): its counts, per sequence."""
+    caches = [model.make_cache() for _ in range(n)]
+    for i, cache in enumerate(caches):
+        mx.eval(forward([t + i for t in PROMPT], cache, True))
+    with Counter() as counter:
+        forward.run([([5 + i], cache) for i, cache in enumerate(caches)])
+    return {"sequences": n, "ops": counter.ops, "syncs": counter.syncs}
+
+
 def stock(path) -> dict:
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
@@ -109,6 +121,7 @@ def flash(path, budget) -> dict:
     model, _ = load(path, memory_budget=budget, context=128, backend="mlx")
     try:
         out = step_counts(model, model.forward, WARM)
+        out["batched"] = [batch_counts(model, model.forward, n) for n in BATCHES]
         s = model.flash.stats
         s.end()
         out["engine_syncs"] = s.tokens[-1].syncs if s.tokens else None
@@ -158,6 +171,8 @@ def main(argv=None):
                     f"stock {ref['syncs']})",
                     flush=True,
                 )
+                one, many = got["batched"][0], got["batched"][-1]
+                print(f"  a batched pass: {one['ops']} ops for 1 sequence, {many['ops']} for {many['sequences']}")
     report = {"mlx": mx.__version__, "device": str(mx.default_device()), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
