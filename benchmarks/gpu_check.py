@@ -90,17 +90,9 @@ def same_tokens(path, n: int) -> dict:
 
 def tiny_moe(root: Path) -> Path:
     from mlx_flash.convert.build import convert
-    from mlx_flash.convert.source import copy_tokenizer, load_source_model
-    from mlx_flash.models.tiny import make_tiny_model_dir
+    from mlx_flash.tools.synthetic import tiny_quantized
 
-    from mlx_lm.utils import quantize_model, save_model
-
-    src = make_tiny_model_dir("qwen3_moe", root / "float", num_hidden_layers=4)
-    model, config = quantize_model(*load_source_model(src, lazy=False), group_size=32, bits=4)
-    save_model(root / "q4", model)
-    (root / "q4" / "config.json").write_text(json.dumps(config))
-    copy_tokenizer(src, root / "q4")
-    return convert(str(root / "q4"), root / "flash", progress=False)
+    return convert(str(tiny_quantized("qwen3_moe", root, num_hidden_layers=4)), root / "flash", progress=False)
 
 
 class Timed:

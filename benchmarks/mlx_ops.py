@@ -1,7 +1,8 @@
 """The MLX path's cost per decode step, counted: MLX operations and host synchronisations against stock mlx-lm's forward
 on the same weights (what a Mac runs; this CPU's time says nothing of Metal's, the counts do).
 
-    python benchmarks/mlx_ops.py [--out benchmarks/results/mlx_ops.json] [--budgets none,50%]
+    python benchmarks/mlx_ops.py [--out benchmarks/results/mlx_ops.json] [--budgets none,50%] \\
+        [--models smollm2,llama-7b,qwen3-30b-a3b] [--layers 4]
 
 Models: SmolLM2-135M (the default model) and the LLaMA-7B and Qwen3-30B-A3B shapes cut to --layers layers (synthetic
 weights, uniform routing), each exported to a stock mlx-lm directory (mlx_flash.convert.export) for the reference.
@@ -135,18 +136,20 @@ def flash(path, budget) -> dict:
         model.flash.close()
 
 
-def models(root: Path, layers: int) -> dict:
+def models(root: Path, layers: int, which) -> dict:
     from mlx_flash.convert.export import main as export
     from mlx_flash.default_model import default_model_dir
     from mlx_flash.tools.synthetic import build
 
-    out = {"SmolLM2-135M": Path(default_model_dir())}
-    out[f"LLaMA-7B shape, {layers} layers"] = build(
-        "llama-7b", root / "l7", progress=False, num_hidden_layers=layers, vocab_size=4096
-    )
-    out[f"Qwen3-30B-A3B shape, {layers} layers, uniform routing"] = build(
-        "qwen3-30b-a3b", root / "q30", progress=False, routing="uniform", num_hidden_layers=layers, vocab_size=4096
-    )
+    out = {"SmolLM2-135M": Path(default_model_dir())} if "smollm2" in which else {}
+    if "llama-7b" in which:
+        out[f"LLaMA-7B shape, {layers} layers"] = build(
+            "llama-7b", root / "l7", progress=False, num_hidden_layers=layers, vocab_size=4096
+        )
+    if "qwen3-30b-a3b" in which:
+        out[f"Qwen3-30B-A3B shape, {layers} layers, uniform routing"] = build(
+            "qwen3-30b-a3b", root / "q30", progress=False, routing="uniform", num_hidden_layers=layers, vocab_size=4096
+        )
     for name, path in out.items():
         export([str(path), "--out", str(root / (Path(path).name + "-mlx"))])
     return out
@@ -157,10 +160,11 @@ def main(argv=None):
     p.add_argument("--out", default=str(HERE / "results" / "mlx_ops.json"))
     p.add_argument("--budgets", default="none,50%")
     p.add_argument("--layers", type=int, default=4, help="Layers of the 7B and 30B shapes (above 2: dense read-ahead)")
+    p.add_argument("--models", default="smollm2,llama-7b,qwen3-30b-a3b")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(dir=HERE) as tmp:
-        for name, path in models(Path(tmp), args.layers).items():
+        for name, path in models(Path(tmp), args.layers, args.models.split(",")).items():
             ref = stock(Path(tmp) / (Path(path).name + "-mlx"))
             for budget in args.budgets.split(","):
                 got = flash(path, None if budget == "none" else budget)
@@ -173,8 +177,8 @@ def main(argv=None):
                 )
                 one, many = got["batched"][0], got["batched"][-1]
                 print(f"  a batched pass: {one['ops']} ops for 1 sequence, {many['ops']} for {many['sequences']}")
-    report = {"mlx": mx.__version__, "device": str(mx.default_device()), "rows": rows}
-    Path(args.out).write_text(json.dumps(report, indent=1))
+                report = {"mlx": mx.__version__, "device": str(mx.default_device()), "rows": rows}
+                Path(args.out).write_text(json.dumps(report, indent=1))  # (after every row)
     return 0
 
 

@@ -39,19 +39,10 @@ def smol(tmp_path_factory):
 def moe(tmp_path_factory):
     """A tiny 4-bit qwen3_moe (the MoE architecture the native step computes), converted."""
     from mlx_flash.convert.build import convert
-    from mlx_flash.convert.source import copy_tokenizer, load_source_model
-    from mlx_flash.models.tiny import make_tiny_model_dir
-
-    from mlx_lm.utils import quantize_model, save_model
+    from mlx_flash.tools.synthetic import tiny_quantized
 
     root = tmp_path_factory.mktemp("moe")
-    src = make_tiny_model_dir("qwen3_moe", root / "float")
-    model, config = load_source_model(src, lazy=False)
-    model, config = quantize_model(model, config, group_size=32, bits=4)
-    save_model(root / "q4", model)
-    (root / "q4" / "config.json").write_text(json.dumps(config))
-    copy_tokenizer(src, root / "q4")
-    return convert(str(root / "q4"), root / "flash", progress=False)
+    return convert(str(tiny_quantized("qwen3_moe", root)), root / "flash", progress=False)
 
 
 def _solo(model, prompt, steps):

@@ -15,6 +15,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir
+from mlx_flash.tools.synthetic import tiny_quantized
 
 import mlx.core as mx
 import numpy as np
@@ -40,19 +41,8 @@ def smol(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """A tiny 4-bit qwen3_moe, converted."""
-    import json
-
-    from mlx_flash.convert.source import copy_tokenizer, load_source_model
-
-    from mlx_lm.utils import quantize_model, save_model
-
     root = tmp_path_factory.mktemp("moe")
-    src = make_tiny_model_dir("qwen3_moe", root / "float")
-    model, config = quantize_model(*load_source_model(src, lazy=False), group_size=32, bits=4)
-    save_model(root / "q4", model)
-    (root / "q4" / "config.json").write_text(json.dumps(config))
-    copy_tokenizer(src, root / "q4")
-    return convert(str(root / "q4"), root / "flash", progress=False)
+    return convert(str(tiny_quantized("qwen3_moe", root)), root / "flash", progress=False)
 
 
 @pytest.fixture(scope="module")

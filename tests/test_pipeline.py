@@ -12,7 +12,6 @@ import time
 
 from mlx_flash.budget import fixed_bytes, min_budget, with_streamed
 from mlx_flash.convert.build import convert
-from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.errors import CapError
@@ -21,10 +20,10 @@ from mlx_flash.io import memory
 from mlx_flash.loader import cpu_cast, kv_size_of, load, load_tokenizer
 from mlx_flash.models.inspect import instantiate
 from mlx_flash.models.stage import StageDir
-from mlx_flash.models.tiny import make_tiny_model_dir
 from mlx_flash.pipeline import PipelineError, parse_split, split_layers
 from mlx_flash.tools.cap import run_capped
 from mlx_flash.tools.ranks import free_ports, rank_env, run_ranks, write_hostfile
+from mlx_flash.tools.synthetic import tiny_quantized
 
 import mlx.core as mx
 import numpy as np
@@ -42,15 +41,8 @@ def smollm2():
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     """A 4-layer qwen3_moe, 4-bit, converted (three stages need three layers at least)."""
-    from mlx_lm.utils import quantize_model, save_model
-
     root = tmp_path_factory.mktemp("pipeline-moe")
-    src = make_tiny_model_dir("qwen3_moe", root / "float", num_hidden_layers=4)
-    model, config = quantize_model(*load_source_model(src, lazy=False), group_size=32, bits=4)
-    save_model(root / "q4", model)
-    (root / "q4" / "config.json").write_text(json.dumps(config))
-    copy_tokenizer(src, root / "q4")
-    return convert(str(root / "q4"), root / "flash", progress=False)
+    return convert(str(tiny_quantized("qwen3_moe", root, num_hidden_layers=4)), root / "flash", progress=False)
 
 
 def matching_budget(whole, stage, context=CONTEXT) -> int:

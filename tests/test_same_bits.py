@@ -2,13 +2,10 @@
 log-probabilities are bit-identical whatever the memory budget, the caches' state or the read-ahead, because every
 sum over units runs in one order (runtime.REDUCTION_UNITS)."""
 
-import json
-
 from mlx_flash.budget import min_budget, min_streaming_budget
 from mlx_flash.compute import cpu_gemv
 from mlx_flash.compute.rows import RowSet
 from mlx_flash.convert.build import convert
-from mlx_flash.convert.source import copy_tokenizer, load_source_model
 from mlx_flash.default_model import default_model_dir
 from mlx_flash.engine import experts
 from mlx_flash.engine.experts import REGION
@@ -19,7 +16,7 @@ from mlx_flash.generate import generate_step
 from mlx_flash.loader import cpu_cast, kv_size_of, load
 from mlx_flash.models.inspect import instantiate
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.tools.synthetic import build
+from mlx_flash.tools.synthetic import build, tiny_quantized
 
 import mlx.core as mx
 import numpy as np
@@ -121,15 +118,9 @@ def test_7b_shaped_every_budget(wide_dense):
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
-    from mlx_lm.utils import quantize_model, save_model
-
     root = tmp_path_factory.mktemp("moe")
-    src = make_tiny_model_dir("qwen3_moe", root / "float")
-    model, config = quantize_model(*load_source_model(src, lazy=False), group_size=32, bits=4)
-    save_model(root / "q4", model)
-    (root / "q4" / "config.json").write_text(json.dumps(config))
-    copy_tokenizer(src, root / "q4")
-    return convert(str(root / "q4"), root / "flash", progress=False), root / "q4"
+    q4 = tiny_quantized("qwen3_moe", root)
+    return convert(str(q4), root / "flash", progress=False), q4
 
 
 def test_moe_every_budget(tiny_moe, monkeypatch):

@@ -35,6 +35,7 @@ Routing (MoE presets, `--routing`; the GGUF writer synthetic_gguf has the same c
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -156,6 +157,23 @@ ROUTINGS = ("own", "uniform", "skewed")
 QUIET = 1 / 16  # uniform, skewed: scale of every block's output projection
 SKEW = 0.5  # skewed: router logit offset -SKEW * ln(popularity rank)
 SHARED = 0.5  # skewed: the shared direction's part of a token embedding (of the random part's norm)
+
+
+def tiny_quantized(arch: str, root: Path, bits: int = 4, group_size: int = 32, **overrides) -> Path:
+    """A tiny random `arch` model (models.tiny: root/"float", Hugging Face names) quantised by mlx-lm into root/"q4"
+    with its tokenizer: an mlx-community-style source. overrides: config entries."""
+    from mlx_lm.utils import quantize_model, save_model
+
+    from ..convert.source import copy_tokenizer, load_source_model
+    from ..models.tiny import make_tiny_model_dir
+
+    src = make_tiny_model_dir(arch, Path(root) / "float", **overrides)
+    model, config = quantize_model(*load_source_model(src, lazy=False), group_size=group_size, bits=bits)
+    out = Path(root) / "q4"
+    save_model(out, model)
+    (out / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(src, out)
+    return out
 
 
 def output_scale(routing: str) -> float:
