@@ -120,7 +120,7 @@ class ModelProvider(server.ModelProvider):
         # prompts beside each other in a pass where rows compute alone (engine.batching), else one at a time
         args.prompt_concurrency = batch if model.forward.sequences_alone else 1
         args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
-        if self.stage is not None:  # every pass native: at most its positions
+        if self.stage is not None:  # at most the positions a stage's pass takes
             args.prefill_step_size = min(args.prefill_step_size, self.stage.max_positions)
 
     def _load_batch(self, model_path):

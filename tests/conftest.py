@@ -101,6 +101,25 @@ def mlx_ops(monkeypatch):
     monkeypatch.setattr(cpu_gemv, "enabled", False)
 
 
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory):
+    """SmolLM2-135M-Instruct's GGUF converted with convert's defaults (read only)."""
+    from mlx_flash.convert import convert
+    from mlx_flash.default_model import default_gguf_path
+
+    return convert(str(default_gguf_path()), tmp_path_factory.mktemp("smol") / "flash", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    """A tiny 4-bit qwen3_moe (the MoE architecture the native step computes), converted (read only)."""
+    from mlx_flash.convert import convert
+    from mlx_flash.tools.synthetic import tiny_quantized
+
+    root = tmp_path_factory.mktemp("moe")
+    return convert(str(tiny_quantized("qwen3_moe", root)), root / "flash", progress=False)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random llama model directory and a short text file to calibrate on: (root, src, text path)."""

@@ -27,24 +27,6 @@ from mlx_lm.generate import BatchGenerator
 CONTEXT = 192
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    from mlx_flash.convert import convert
-    from mlx_flash.default_model import default_gguf_path
-
-    return convert(str(default_gguf_path()), tmp_path_factory.mktemp("smol") / "flash", progress=False)
-
-
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """A tiny 4-bit qwen3_moe (the MoE architecture the native step computes), converted."""
-    from mlx_flash.convert.build import convert
-    from mlx_flash.tools.synthetic import tiny_quantized
-
-    root = tmp_path_factory.mktemp("moe")
-    return convert(str(tiny_quantized("qwen3_moe", root)), root / "flash", progress=False)
-
-
 def _solo(model, prompt, steps):
     """Logits of a prompt's last token, then of `steps` greedy decode steps, the sequence alone."""
     cache = model.make_cache()
@@ -71,7 +53,7 @@ def _batched(model, prompts, steps):
     return out
 
 
-@pytest.mark.parametrize("which", ["smol", "moe"])
+@pytest.mark.parametrize("which", ["smol", "tiny_qwen3_moe"])
 def test_a_batched_pass_is_each_sequence_alone(which, request):
     """Prompts of different lengths, prefilled and decoded together: each sequence's logits are its solo logits, bit
     for bit, and the batch reads its units once (fewer bytes than the sequences alone)."""
@@ -179,7 +161,7 @@ def _generate_all(generator_class, model, prompts, max_tokens, step, late=()):
     return [out[i] for i in range(len(prompts))], passes
 
 
-@pytest.mark.parametrize("which, step", [("smol", 16), ("smol", 48), ("moe", 16)])
+@pytest.mark.parametrize("which, step", [("smol", 16), ("smol", 48), ("tiny_qwen3_moe", 16)])
 @pytest.mark.parametrize("late", [(), (2, 3)])
 def test_a_step_is_one_pass_with_the_prompts_beside(which, step, late, request):
     """FlashBatchGenerator: each step of mlx-lm's BatchGenerator is one pass (the generating sequences, the prompts

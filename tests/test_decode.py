@@ -439,14 +439,6 @@ def _greedy(model, prompt, n=24):
     return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    from mlx_flash.convert import convert
-    from mlx_flash.default_model import default_gguf_path
-
-    return convert(str(default_gguf_path()), tmp_path_factory.mktemp("smol") / "flash", progress=False)
-
-
 def test_native_step_gives_mlx_lm_forward_tokens(smol, float_activations):
     """SmolLM2 (convert's defaults, everything resident): the native decode step's greedy tokens are those of
     mlx-lm's forward over the same engine, and its caches hold the same keys."""

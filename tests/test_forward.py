@@ -15,7 +15,6 @@ from mlx_flash.errors import FlashError
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.tools.synthetic import tiny_quantized
 
 import mlx.core as mx
 import numpy as np
@@ -29,20 +28,6 @@ def mlx_backend(monkeypatch):
     """`load(backend="mlx")` turns the native kernels off for the process: back on after the test."""
     monkeypatch.setattr(cpu_gemv, "enabled", cpu_gemv.enabled)
     return "mlx"
-
-
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    from mlx_flash.default_model import default_gguf_path
-
-    return convert(str(default_gguf_path()), tmp_path_factory.mktemp("smol") / "flash", progress=False)
-
-
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """A tiny 4-bit qwen3_moe, converted."""
-    root = tmp_path_factory.mktemp("moe")
-    return convert(str(tiny_quantized("qwen3_moe", root)), root / "flash", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +82,7 @@ def solo_and_batched(model, prompts, steps):
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("which", ["smol", "moe"])
+@pytest.mark.parametrize("which", ["smol", "tiny_qwen3_moe"])
 def test_a_batched_mlx_pass_is_each_sequence_alone(which, request, mlx_backend, monkeypatch, split):
     """SmolLM2 at 50% (units, its embedding and head streamed) and a tiny MoE with two expert slots a layer, through
     MLX's forward: three sequences in one pass give each its solo logits bit for bit and read the units once; also

@@ -76,14 +76,6 @@ class Fixed:
 # -- against plain decoding ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    from mlx_flash.convert import convert
-    from mlx_flash.default_model import default_gguf_path
-
-    return convert(str(default_gguf_path()), tmp_path_factory.mktemp("smol") / "flash", progress=False)
-
-
 def _streaming(path, **kw):
     """The model under a budget that caches a third of the FFN (misses every token)."""
     from mlx_flash.loader import kv_size_of, load

@@ -61,9 +61,6 @@ class Forward:
     # ... and each row as in a pass of its own (a prompt's rows then compute alike however its chunks are cut)
     rows_alone = False
 
-    def applies(self, tokens, cache) -> bool:
-        return True
-
     def batch(self, tokens: mx.array, cache: list, run=None) -> mx.array:
         """Logits [B, 1, vocab] of the last token of each sequence of a batch (tokens [B, L], right-padded where the
         caches were prepared with lengths: SequenceBatch) in one pass: every unit read once for all, each
@@ -246,15 +243,20 @@ def _takes_cache(module) -> bool:
         return False
 
 
+def _layer_children(model):
+    """Each layer's direct children (the members of a list among them one by one)."""
+    for layer in model.layers:
+        for child in layer.children().values():
+            yield from child if isinstance(child, list) else [child]
+
+
 def segment_mixers(model) -> None:
     """Each layer's mixers (the modules it hands its cache: attention of any kind, SSM, convolution; inside a
     streamed wrapper, the module it holds) run per sequence in a pass of several (in place: the same parameters)."""
-    for layer in model.layers:
-        for child in layer.children().values():
-            for m in child if isinstance(child, list) else [child]:
-                m = m.inner if isinstance(m, Streamed) else m
-                if isinstance(m, nn.Module) and _takes_cache(m) and type(m) not in _SEGMENTED.values():
-                    m.__class__ = _segmented_class(type(m))
+    for m in _layer_children(model):
+        m = m.inner if isinstance(m, Streamed) else m
+        if isinstance(m, nn.Module) and _takes_cache(m) and type(m) not in _SEGMENTED.values():
+            m.__class__ = _segmented_class(type(m))
 
 
 _PER_SEQUENCE = {}
@@ -280,11 +282,9 @@ def per_sequence(model) -> None:
     """The linear layers outside the mixers (routers, shared experts, the head) compute per sequence where their
     rows depend on each other (in place)."""
     mixers = set()
-    for layer in model.layers:
-        for child in layer.children().values():
-            for m in child if isinstance(child, list) else [child]:
-                if isinstance(m, nn.Module) and (_takes_cache(m) or isinstance(m, Streamed)):
-                    mixers.update(id(sub) for _, sub in m.named_modules())
+    for m in _layer_children(model):
+        if isinstance(m, nn.Module) and (_takes_cache(m) or isinstance(m, Streamed)):
+            mixers.update(id(sub) for _, sub in m.named_modules())
     for _, m in model.named_modules():
         if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and id(m) not in mixers:
             if type(m) not in _PER_SEQUENCE.values():
@@ -482,9 +482,6 @@ class Auto(Forward):
         self.host, self.mlx = host, mlx
         self.name = "native, with MLX's for the passes it does not take"
         self.rows_alone = self.sequences_alone = host.rows_alone
-
-    def applies(self, tokens, cache) -> bool:
-        return True
 
     def __call__(self, tokens, cache, prompt: bool = False) -> mx.array:
         impl = self.host if self.host.applies(tokens, cache) else self.mlx

@@ -50,13 +50,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import __version__
+from ..convert.source import copy_tokenizer, load_source_model
 from ..default_model import cache_root
 from ..engine.experts import PROJECTIONS, REGION
 from ..format.directory import DEFAULT_ALIGNMENT, FlashDir, FlashWriter
 from ..format.layout import PACKED_UNIT_ALIGNMENT
 from ..models import get_model_classes
 from ..models.inspect import is_moe
-from ..models.tiny import save_tiny_tokenizer
+from ..models.tiny import make_tiny_model_dir, save_tiny_tokenizer
 
 PRESETS = {
     # LLaMA-1/2 7B
@@ -163,9 +164,6 @@ def tiny_quantized(arch: str, root: Path, bits: int = 4, group_size: int = 32, *
     """A tiny random `arch` model (models.tiny: root/"float", Hugging Face names) quantised by mlx-lm into root/"q4"
     with its tokenizer: an mlx-community-style source. overrides: config entries."""
     from mlx_lm.utils import quantize_model, save_model
-
-    from ..convert.source import copy_tokenizer, load_source_model
-    from ..models.tiny import make_tiny_model_dir
 
     src = make_tiny_model_dir(arch, Path(root) / "float", **overrides)
     model, config = quantize_model(*load_source_model(src, lazy=False), group_size=group_size, bits=bits)
