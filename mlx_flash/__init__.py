@@ -1,6 +1,6 @@
 """mlx_flash: run LLMs larger than memory, streaming the FFN units each token needs from flash.
 
-model, tokenizer = mlx_flash.load("path/to/flash_dir", memory_budget="50%")
+model, tokenizer = mlx_flash.load("path/to/flash_dir", memory_budget="auto")  # the default: what the machine can give
 text = mlx_flash.generate(model, tokenizer, "Once upon a time", max_tokens=100)
 """
 
@@ -14,6 +14,7 @@ use_openblas()
 
 from .errors import (  # noqa: E402
     BudgetError,
+    BudgetWarning,
     DiskSpaceError,
     FlashError,
     FlashFormatError,
@@ -35,6 +36,7 @@ __all__ = [
     "FlashError",
     "FlashFormatError",
     "BudgetError",
+    "BudgetWarning",
     "SourceError",
     "UnsupportedArchitectureError",
     "ReadError",

@@ -52,7 +52,7 @@ import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, parse_size, plan_memory
+from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, plan_memory
 from .calib.trace import Trace, TraceSparsifier, default_trace, describe_selector, gate_up_weights
 from .default_model import default_model_dir
 from .engine.neurons import NeuronEngine
@@ -62,7 +62,7 @@ from .format.directory import FlashDir
 from .generate import generate_step, speculative_generate_step
 from .io import memory
 from .io.reader import aligned_buffer, open_reader
-from .loader import cpu_cast, kv_size_of, load, load_resident, load_tokenizer, make_sparsifier
+from .loader import budget_bytes, cpu_cast, kv_size_of, load, load_resident, load_tokenizer, make_sparsifier
 from .models.inspect import instantiate
 from .speculative import PromptLookup, SpeculativeStats
 from .texts import read_text
@@ -416,7 +416,7 @@ def choose_sparsifier(fd, density, trace=None):
 
 def run(
     path,
-    memory_budget="50%",
+    memory_budget="auto",
     tokens=128,
     prompt_tokens=256,
     configs=CONFIGS,
@@ -437,7 +437,7 @@ def run(
 
     fd = FlashDir(path)
     context = prompt_tokens + tokens + 8
-    budget = parse_size(memory_budget, fd.model_bytes)
+    budget = budget_bytes(memory_budget, fd)
     resident, kv_size = resident_bytes(fd), kv_size_of(fd)
     groups = stream_groups(fd, instantiate(fd.config), cpu_cast, context)
     floor = min_budget(fd, context, kv_size, resident=resident)
@@ -694,7 +694,7 @@ def setup_arg_parser():
     )
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2, converted once).")
     p.add_argument("--synthetic", default=None, help="Build/use a synthetic model: llama-7b, opt-6.7b, llama-1b, tiny.")
-    p.add_argument("--memory-budget", default="50%", help='Budget for weights + caches + KV: bytes, "2GB" or "50%%".')
+    p.add_argument("--memory-budget", default="auto", help='Weights + caches + KV: bytes, "2GB", "50%%" or auto.')
     p.add_argument(
         "--tokens", type=int, default=None, help="Decoded tokens per configuration (default 128; --quick 32)."
     )

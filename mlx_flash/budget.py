@@ -55,6 +55,23 @@ def parse_size(size: Union[int, float, str, None], total: int = None) -> int:
     return int(value)
 
 
+# --memory-budget auto: of what the machine can give now (io/available.py), a tenth is left for the system and the
+# other programs' growth, and AUTO_RESERVE for what the process allocates beyond the plan's parts (the allocator's
+# retention, C-level buffers of MLX and the reader, a prompt's activations)
+AUTO = "auto"
+AUTO_HEADROOM = 0.10
+AUTO_RESERVE = 256 << 20
+
+
+def auto_budget(available: int) -> int:
+    """The budget --memory-budget auto takes when the machine can give `available` bytes."""
+    return max(0, int(available * (1 - AUTO_HEADROOM)) - AUTO_RESERVE)
+
+
+def is_auto(size) -> bool:
+    return isinstance(size, str) and size.strip().lower() == AUTO
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

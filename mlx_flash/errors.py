@@ -17,6 +17,10 @@ class BudgetError(FlashError):
     """The memory budget cannot hold what must stay resident."""
 
 
+class BudgetWarning(UserWarning):
+    """A memory budget above what the machine can give now."""
+
+
 class SourceError(FlashError):
     """A conversion source (directory, hub id or GGUF file) cannot be read."""
 

@@ -379,8 +379,9 @@ def setup_arg_parser():
     p.add_argument("--seed", type=int, default=None, help="PRNG seed.")
     p.add_argument(
         "--memory-budget",
-        default=None,
-        help="Memory for weights, caches and KV cache: bytes, 2GB, 512MiB or 50%% of the model (default: all).",
+        default="auto",
+        help="Memory for weights, caches and KV cache: bytes, 2GB, 512MiB, 50%% of the model, or auto (the default: "
+        "all of it where the model fits in what this machine can give now, else that less a headroom).",
     )
     p.add_argument(
         "--sparsity",
@@ -550,8 +551,9 @@ def print_stats(engine, out=sys.stdout):
     sp = engine.sparsifier
     detail = f" {sp.bits}-bit gate/up" if getattr(sp, "bits", None) else ""
     print(f"selector: {sp.name}{detail}, resident {fmt_bytes(getattr(sp, 'nbytes', 0))} (the plan's extra)", file=out)
-    if engine.why:
-        print(engine.why, file=out)
+    for note in (engine.why, engine.budget_note):
+        if note:
+            print(note, file=out)
     print(
         engine.plan.describe(
             {k: v.stride for k, v in engine.fd.layouts.items()},

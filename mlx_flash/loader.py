@@ -1,5 +1,6 @@
 """Build a model from a flash directory: resident weights into the architecture, FFNs replaced."""
 
+import warnings
 from functools import partial
 from typing import Callable, Dict, Optional, Tuple
 
@@ -10,9 +11,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 
 from .budget import (
+    AUTO_HEADROOM,
+    AUTO_RESERVE,
     FFN_BOUNCE_BYTES,
+    auto_budget,
     ffn_reader_threads,
+    fixed_bytes,
     fmt_bytes,
+    is_auto,
     kv_tokens,
     longest_context,
     min_streaming_budget,
@@ -30,10 +36,11 @@ from .engine.neurons import FlashFFN, NeuronEngine
 from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
 from .engine.selectors import load_selector_arrays, wina_norms
 from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
-from .errors import BudgetError, FlashError, FlashFormatError
+from .errors import BudgetError, BudgetWarning, FlashError, FlashFormatError
 from .format.config import head_dim
 from .format.directory import MANIFEST, RESIDENT, FlashDir, dense_ffn_weights
 from .io import memory
+from .io.available import available
 from .io.reader import DEFAULT_MAX_GAP_BYTES, open_reader
 from .models import get_model_classes
 from .models.architectures import adapter_for
@@ -313,7 +320,7 @@ def read_bytes_per_token(
 
 def load(
     path=None,
-    memory_budget=None,
+    memory_budget="auto",
     sparsity: str = "auto",
     window: int = 5,
     policy: str = None,
@@ -341,7 +348,9 @@ def load(
     context: the tokens (prompt and generated) the KV cache is planned for; generation (stream_generate) stops
     there. None: the longest the budget holds beside the units (budget.longest_context).
     memory_budget: bytes, "2GB" or "50%" (of the model's size) for weights + caches + KV cache;
-    None caches every unit. If the resident weights do not fit, attention layers, embeddings and
+    "auto" (the default): every unit cached where the model fits in what the machine can give now (io/available.py),
+    else that less a headroom (budget.auto_budget); `model.flash.budget_note` says what it found and chose. None
+    caches every unit. If the resident weights do not fit, attention layers, embeddings and
     the LM head are streamed from flash too (engine/resident.py; `model.flash.plan` says what); if even
     that does not fit, raises BudgetError before reading weights. `model.flash` is the engine:
     its `.stats`, and `model.flash.close()`.
@@ -377,7 +386,6 @@ def load(
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
-    budget = parse_size(memory_budget, fd.model_bytes) if memory_budget is not None else None
     backend = backend_name(backend)
     if backend == "mlx":
         cpu_gemv.enabled = False  # as on a Mac, where they never run
@@ -385,6 +393,16 @@ def load(
         dtype = mx.float32
     half = half_kv(fd.config, dtype, kv_bits, exact or exact_by_default())
     kv_size = kv_itemsize(dtype, half)
+
+    def everything(context):  # what every unit cached takes (a draft: its directory's size)
+        cast = cpu_cast if dtype == mx.float32 else None
+        extra = FlashDir(draft_model).model_bytes if draft_model is not None else 0
+        fixed = fixed_bytes(
+            fd, context, kv_size, extra, fd.resident_nbytes(cast), kv_bits, kv_group_size, prompt_caches, sequences
+        )
+        return sum(fixed.values()) + fd.ffn_bytes
+
+    budget, budget_note = resolve_budget(memory_budget, fd, everything, context)
     if context is None:
         cast = cpu_cast if dtype == mx.float32 else None
         resident, groups = fd.resident_nbytes(cast), stream_groups(fd, instantiate(fd.config), cast, 1)
@@ -419,6 +437,7 @@ def load(
             backend,
         )
         model.draft_model = draft
+        model.flash.budget_note = budget_note
         return model, tokenizer
     auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
@@ -482,7 +501,7 @@ def load(
     engine = NeuronEngine.from_plan(
         fd, plan, reader, sparsifier, policy or "window", window, use_metal, dtype or mx.float32
     )
-    engine.why = why
+    engine.why, engine.budget_note = why, budget_note
     engine.stats.baseline_rss = baseline
     if budget is not None:  # MLX keeps freed buffers for reuse: a quarter of the plan's workspace (half: the rows
         mx.set_cache_limit(plan.workspace // 4)  # a call gathers, engine.units; a quarter: what MLX does not count)
@@ -501,6 +520,45 @@ def load(
     )
     model.draft_model = draft
     return model, tokenizer
+
+
+def resolve_budget(memory_budget, fd, everything: Callable[[int], int], context: Optional[int]):
+    """(the budget in bytes or None, a line for --stats or None) for `load`'s memory_budget. "auto": None (every unit
+    cached) where `everything(context)` fits in budget.auto_budget of what the machine can give now, else that; an
+    explicit budget above what the machine gives is kept, with a BudgetWarning."""
+    if memory_budget is None:
+        return None, None
+    machine = available()
+    if not is_auto(memory_budget):
+        budget = parse_size(memory_budget, fd.model_bytes)
+        if machine.bytes is not None and budget > machine.bytes:
+            warnings.warn(
+                f"mlx_flash: a memory budget of {fmt_bytes(budget)} is more than this machine can give now "
+                f"({machine.describe()}): the system will swap or end the process (--memory-budget auto plans "
+                "within what it gives)",
+                BudgetWarning,
+                stacklevel=3,
+            )
+        return budget, None
+    if machine.bytes is None:
+        return None, f"memory: auto: {machine.describe()}; every unit cached, as with no budget"
+    room = auto_budget(machine.bytes)
+    need = everything(context or longest_context(fd.config, None, None))
+    found = f"memory: auto: this machine can give {fmt_bytes(machine.bytes)} now ({machine.describe()})"
+    if need <= room:
+        return None, f"{found}; the model with every unit cached needs {fmt_bytes(need)}: all resident"
+    return room, (
+        f"{found}; the model with every unit cached would need {fmt_bytes(need)}: budget {fmt_bytes(room)} (less "
+        f"{AUTO_HEADROOM:.0%} and {fmt_bytes(AUTO_RESERVE)} kept for the system and what the plan does not count)"
+    )
+
+
+def budget_bytes(memory_budget, fd) -> int:
+    """A budget in bytes: "auto" is budget.auto_budget of what this machine can give now (the model's size where no
+    probe answers)."""
+    if is_auto(memory_budget):
+        return auto_budget(available().bytes or fd.model_bytes)
+    return parse_size(memory_budget, fd.model_bytes)
 
 
 def make_forward(model, engine, kv_bits, backend: str, dtype):
@@ -540,7 +598,7 @@ def _load_draft(path, fd: FlashDir, context: int):
             f"draft model {path}: vocabulary of {draft_fd.config.get('vocab_size')} tokens, the model's "
             f"is {fd.config.get('vocab_size')} (a draft needs the same tokenizer)"
         )
-    model, _ = load(path, context=context)
+    model, _ = load(path, memory_budget=None, context=context)
     engine = model.flash
     # (and its head's: a resident model's workspace is a layer's rows)
     return model, engine.plan.nbytes({k: v.stride for k, v in engine.fd.layouts.items()}) + scale_copy_bytes(draft_fd)

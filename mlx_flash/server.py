@@ -505,7 +505,11 @@ def setup_arg_parser():
     p.add_argument("--model", default=None, help="Flash directory (default: SmolLM2-135M-Instruct).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--memory-budget", default=None, help="Bytes, 2GB, 512MiB or 50%% of the model.")
+    p.add_argument(
+        "--memory-budget",
+        default="auto",
+        help="Bytes, 2GB, 512MiB, 50%% of the model, or auto (the default: what this machine can give now).",
+    )
     p.add_argument("--sparsity", default="auto", choices=["auto", *SPARSITIES])
     p.add_argument("--window", type=int, default=5)
     p.add_argument(
@@ -632,6 +636,8 @@ def main(argv=None):
 def run(provider: ModelProvider, args):
     """Serve until interrupted (Ctrl-C, or SIGTERM on a pipeline's rank 0); the generator, stopped."""
     flash = provider.model.flash
+    if flash.budget_note:
+        print(flash.budget_note, file=sys.stderr)
     print(
         flash.plan.describe(
             {k: v.stride for k, v in flash.fd.layouts.items()}, {k: r.n_units for k, r in flash.fd.layers[0].items()}

@@ -225,6 +225,7 @@ class ExpertEngine(Engine):
         self.compute_dtype = compute_dtype
         self.sparsifier = Router()
         self.why = None
+        self.budget_note = None  # what load's --memory-budget auto found and chose
         self.route = None  # benchmarks: (layer, chosen experts) -> the experts to read instead (a replayed trace)
         self.routers, self.top_k = {}, 0  # the next layer's router per layer (read_ahead_with)
         self.guesses, self.precision = {}, Precision()  # layer -> the experts guessed for it, lacking; how right

@@ -79,6 +79,7 @@ class NeuronEngine(Engine):
         self.compute_dtype = compute_dtype
         self.use_metal = use_metal
         self.why = None  # why load's --sparsity auto chose this sparsifier
+        self.budget_note = None  # what load's --memory-budget auto found and chose
         caches = [
             {
                 name: UnitCache(

@@ -413,7 +413,8 @@ def main():
     fd = FlashDir(path)
     print(
         f"{path}: resident {fd.resident_bytes / 2**30:.2f} GiB, ffn.bin {fd.ffn_bytes / 2**30:.2f} GiB, "
-        f"{len(fd.layers)} layers x {fd.layers[0]['neurons'].n_units} neurons x {fd.layers[0]['neurons'].stride} B"
+        f"{len(fd.layers)} layers x "
+        + " + ".join(f"{r.n_units} {name} x {r.stride} B" for name, r in fd.layers[-1].items())
     )
 
 

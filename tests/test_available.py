@@ -1,0 +1,129 @@
+"""--memory-budget auto: what the machine can give (io/available.py's probes, on fake system files) and what load
+plans with it (a fake probe): every unit cached where the model fits, the same tokens streamed where it does not."""
+
+import ctypes
+import subprocess
+import sys
+
+from mlx_flash import BudgetWarning, loader
+from mlx_flash.budget import AUTO_HEADROOM, AUTO_RESERVE, auto_budget
+from mlx_flash.io import available as av
+from mlx_flash.io.available import Available, Limit
+
+import mlx.core as mx
+import pytest
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_meminfo(tmp_path):
+    _write(tmp_path / "meminfo", "MemTotal:  100 kB\nMemFree:  10 kB\nMemAvailable:   2048 kB\n")
+    assert av.meminfo(tmp_path / "meminfo") == Limit("MemAvailable", 2048 * 1024)
+    assert av.meminfo(tmp_path / "absent") is None
+
+
+def test_cgroup_v1_every_limited_ancestor_with_its_droppable_cache(tmp_path):
+    """v1: each limited cgroup from the process's own up gives limit - usage + total_inactive_file; unlimited ones
+    (2^63 rounded to a page) give nothing."""
+    root = tmp_path / "sys"
+    _write(tmp_path / "cgroup", "5:devices:/\n4:memory:/outer/inner\n0::/\n")
+    inner, outer = root / "memory" / "outer" / "inner", root / "memory" / "outer"
+    for d, limit, usage, inactive in ((inner, 1 << 30, 600 << 20, 100 << 20), (outer, 9223372036854771712, 5, 0)):
+        _write(d / "memory.limit_in_bytes", f"{limit}\n")
+        _write(d / "memory.usage_in_bytes", f"{usage}\n")
+        _write(d / "memory.stat", f"inactive_file 7\ntotal_inactive_file {inactive}\n")
+    _write(root / "memory" / "memory.limit_in_bytes", "2097152\n")  # the root: 2 MiB, all used
+    _write(root / "memory" / "memory.usage_in_bytes", "2097152\n")
+    got = av.cgroup_limits(tmp_path / "cgroup", root)
+    assert [g.bytes for g in got] == [(1 << 30) - (600 << 20) + (100 << 20), 0]
+    assert "v1 limit 1024 MiB" in got[0].what
+    assert Available(got).bytes == 0
+
+
+def test_cgroup_v2_and_a_namespace_view(tmp_path):
+    """v2: memory.max - memory.current + inactive_file, "max" is no limit; a path the mount does not show (a cgroup
+    namespace) reads the mount's root, the process's own cgroup."""
+    root = tmp_path / "sys"
+    _write(tmp_path / "cgroup", "0::/not/visible\n")
+    _write(root / "cgroup.controllers", "memory\n")
+    _write(root / "memory.max", f"{3 << 30}\n")
+    _write(root / "memory.current", f"{1 << 30}\n")
+    _write(root / "memory.stat", f"anon 5\ninactive_file {1 << 20}\n")
+    assert [g.bytes for g in av.cgroup_limits(tmp_path / "cgroup", root)] == [(2 << 30) + (1 << 20)]
+    _write(root / "memory.max", "max\n")
+    assert av.cgroup_limits(tmp_path / "cgroup", root) == []
+
+
+def test_macos_vm_statistics_layout():
+    """struct vm_statistics64 is HOST_VM_INFO64_COUNT (38) integers long, and reclaimable counts free, inactive,
+    purgeable and speculative pages (not active, wired or compressed ones)."""
+    assert ctypes.sizeof(av.VMStatistics64) == 38 * 4
+    s = av.VMStatistics64(free_count=1, active_count=100, inactive_count=2, wire_count=100)
+    s.purgeable_count, s.speculative_count, s.compressor_page_count = 3, 4, 100
+    assert av.reclaimable(s, 16384) == 10 * 16384
+
+
+def test_available_here():
+    """On this machine at least MemAvailable answers, and the least of the probes is what it says."""
+    a = av.available()
+    assert a.limits and a.bytes == min(lim.bytes for lim in a.limits) and a.bytes > 0
+    assert "MemAvailable" in a.describe()
+
+
+def _fake_machine(monkeypatch, nbytes):
+    monkeypatch.setattr(loader, "available", lambda: Available([Limit("fake probe", nbytes)]))
+
+
+def _greedy(model, prompt, n=12):
+    from mlx_flash.generate import generate_step
+
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def test_auto_is_resident_where_the_model_fits_and_streams_the_same_tokens_where_not(smol, monkeypatch):
+    _fake_machine(monkeypatch, 64 << 30)
+    model, tok = loader.load(smol)  # (the default: auto)
+    assert model.flash.plan.budget is None and "all resident" in model.flash.budget_note
+    prompt = tok.encode("The history of the city begins")
+    resident = _greedy(model, prompt)
+    model.flash.close()
+
+    small = int((AUTO_RESERVE + (60 << 20)) / (1 - AUTO_HEADROOM))  # a budget of 60 MiB: SmolLM2 needs ~100
+    _fake_machine(monkeypatch, small)
+    model, _ = loader.load(smol, memory_budget="auto", context=64)
+    plan = model.flash.plan
+    assert plan.budget == auto_budget(small) < 61 << 20
+    assert sum(c for layer in plan.capacity for c in layer.values()) < sum(
+        r.n_units for layer in model.flash.fd.layers for r in layer.values()
+    )
+    assert "fake probe" in model.flash.budget_note and "budget" in model.flash.budget_note
+    assert _greedy(model, prompt) == resident
+    model.flash.close()
+
+
+def test_a_budget_above_what_the_machine_gives_warns(smol, monkeypatch):
+    _fake_machine(monkeypatch, 50 << 20)
+    with pytest.warns(BudgetWarning, match="more than this machine can give now"):
+        model, _ = loader.load(smol, memory_budget="90%")
+    model.flash.close()
+
+
+def test_no_probe_caches_everything(smol, monkeypatch):
+    monkeypatch.setattr(loader, "available", lambda: Available([]))
+    model, _ = loader.load(smol)
+    assert model.flash.plan.budget is None and "no probe" in model.flash.budget_note
+    model.flash.close()
+
+
+def test_generate_says_what_auto_chose(smol):
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_flash.generate", "--model", str(smol), "--prompt", "hi", "-m", "2", "--stats"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "memory: auto: this machine can give" in r.stdout and "MemAvailable" in r.stdout
