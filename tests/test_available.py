@@ -66,6 +66,17 @@ def test_macos_vm_statistics_layout():
     assert av.reclaimable(s, 16384) == 10 * 16384
 
 
+def test_ranks_of_a_launch_share_their_machine(tmp_path):
+    """mlx.launch's ring hostfile: ranks at the same addresses share a machine (and its memory)."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[["127.0.0.1:5000"], ["127.0.0.1:5001"], ["10.0.0.2:5002"]]')
+    env = {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "1"}
+    assert av.ranks_here(env) == 2 and av.ranks_here({**env, "MLX_RANK": "2"}) == 1
+    assert av.ranks_here({}) == 1 and av.ranks_here({"MLX_HOSTFILE": str(tmp_path / "absent")}) == 1
+    shared = Available([Limit("probe", 3000)], ranks=2)
+    assert shared.bytes == 1500 and "2 ranks" in shared.describe()
+
+
 def test_available_here():
     """On this machine at least MemAvailable answers, and the least of the probes is what it says."""
     a = av.available()

@@ -7,10 +7,13 @@
     macOS   the reclaimable memory (host_statistics64: free, inactive, purgeable and speculative pages) and, where
             MLX computes on Metal, the GPU's recommended working set less what MLX holds.
 
-Each probe that answers is a `Limit`; the least of them is what the process can take.
+Each probe that answers is a `Limit`; the least of them is what the process can take, shared with the other ranks
+of an mlx.launch on the same machine (its ring hostfile names each rank's addresses).
 """
 
 import ctypes
+import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,16 +34,29 @@ class Limit:
 @dataclass
 class Available:
     limits: List[Limit] = field(default_factory=list)
+    ranks: int = 1  # processes of one launch on this machine, sharing it
 
     @property
     def bytes(self) -> Optional[int]:
-        """The least the probes allow; None where no probe answered."""
-        return min((lim.bytes for lim in self.limits), default=None)
+        """This process's share of the least the probes allow; None where no probe answered."""
+        least = min((lim.bytes for lim in self.limits), default=None)
+        return None if least is None else least // self.ranks
 
     def describe(self) -> str:
         if not self.limits:
             return "no probe of this system's free memory answered"
-        return ", ".join(f"{lim.what} {lim.bytes / (1 << 20):.0f} MiB" for lim in self.limits)
+        found = ", ".join(f"{lim.what} {lim.bytes / (1 << 20):.0f} MiB" for lim in self.limits)
+        return found + (f"; shared by the {self.ranks} ranks of a launch on this machine" if self.ranks > 1 else "")
+
+
+def ranks_here(environ=os.environ) -> int:
+    """The ranks of an mlx.launch (ring backend) on this rank's machine: those whose addresses' hosts are its own."""
+    try:
+        nodes = json.loads(Path(environ["MLX_HOSTFILE"]).read_text())
+        hosts = [{address.rsplit(":", 1)[0] for address in node} for node in nodes]
+        return max(1, sum(h == hosts[int(environ.get("MLX_RANK", 0))] for h in hosts))
+    except (KeyError, OSError, ValueError, IndexError, TypeError, AttributeError):
+        return 1
 
 
 def _read_int(path: Path) -> Optional[int]:
@@ -171,4 +187,4 @@ def metal_limit() -> Optional[Limit]:
 def available() -> Available:
     """What every probe of this system says the process can take now (`Available.bytes`: the least)."""
     probes = [meminfo(), *cgroup_limits(), macos_limit(), metal_limit()]
-    return Available([p for p in probes if p is not None])
+    return Available([p for p in probes if p is not None], ranks_here())
