@@ -342,6 +342,7 @@ def load(
     layers: Optional[Tuple[int, int]] = None,
     backend: Optional[str] = None,
     exact: bool = False,
+    plan_only: bool = False,
 ):
     """Load a flash directory for streaming: (model, tokenizer), usable with mlx-lm's generate.
 
@@ -377,6 +378,8 @@ def load(
     and an error where the native step cannot run.
     exact: float results (float32 keys and values on the CPU path; the native step's float activations are
     cpu_gemv.set_int8_activations(False)).
+    plan_only: return (the budget.Plan, the lines saying why: auto's budget, the sparsity chosen) before any weight is
+    read (mlx_flash.doctor).
     """
 
     fd = FlashDir(path if path is not None else default_model_dir())
@@ -393,9 +396,9 @@ def load(
         dtype = mx.float32
     half = half_kv(fd.config, dtype, kv_bits, exact or exact_by_default())
     kv_size = kv_itemsize(dtype, half)
+    cast = cpu_cast if dtype == mx.float32 else None
 
     def everything(context):  # what every unit cached takes (a draft: its directory's size)
-        cast = cpu_cast if dtype == mx.float32 else None
         extra = FlashDir(draft_model).model_bytes if draft_model is not None else 0
         fixed = fixed_bytes(
             fd, context, kv_size, extra, fd.resident_nbytes(cast), kv_bits, kv_group_size, prompt_caches, sequences
@@ -404,7 +407,6 @@ def load(
 
     budget, budget_note = resolve_budget(memory_budget, fd, everything, context)
     if context is None:
-        cast = cpu_cast if dtype == mx.float32 else None
         resident, groups = fd.resident_nbytes(cast), stream_groups(fd, instantiate(fd.config), cast, 1)
         context = longest_context(
             fd.config, budget, lambda c: min_streaming_budget(fd, c, kv_size, 0, resident, groups)
@@ -416,11 +418,26 @@ def load(
                 f"sparsity {sparsity!r}: a mixture-of-experts model reads the experts its router picks "
                 "(exact); neuron sparsity applies to dense models"
             )
+        plan = plan_memory(
+            fd,
+            budget,
+            context,
+            kv_size,
+            draft_bytes,
+            resident=fd.resident_nbytes(cast),
+            groups=stream_groups(fd, instantiate(fd.config), cast, context),
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            prompt_caches=prompt_caches,
+            sequences=sequences,
+        )
+        if plan_only:
+            return plan, [budget_note]
         model = _load_moe(
             fd,
             tokenizer,
             baseline,
-            budget,
+            plan,
             context,
             dtype,
             policy or "lru",
@@ -429,10 +446,7 @@ def load(
             direct,
             kv_bits,
             kv_group_size,
-            prompt_caches,
-            draft_bytes,
             prefetch is not False,
-            sequences,
             half,
             backend,
         )
@@ -442,7 +456,6 @@ def load(
     auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
         sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
-    cast = cpu_cast if dtype == mx.float32 else None
     if kv_bits is not None and (kv_bits not in (2, 3, 4, 6, 8) or head_dim(fd.config) % kv_group_size):
         raise FlashError(
             f"kv_bits={kv_bits}, kv_group_size={kv_group_size}: needs bits in 2, 3, 4, 6, 8 and a "
@@ -494,6 +507,8 @@ def load(
             why = (
                 f"auto: {sparsifier.name}, {fmt_bytes(mine)} a token at this budget against dense's {fmt_bytes(theirs)}"
             )
+    if plan_only:
+        return plan, [budget_note, why]
     # (threads other than the plan's: its bounce buffers are threads x FFN_BOUNCE_BYTES of a packed directory)
     reader = open_reader(
         fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES
@@ -608,7 +623,7 @@ def _load_moe(
     fd,
     tokenizer,
     baseline,
-    budget,
+    plan,
     context,
     dtype,
     policy,
@@ -617,33 +632,17 @@ def _load_moe(
     direct,
     kv_bits,
     kv_group_size,
-    prompt_caches,
-    extra: int = 0,
     read_ahead: bool = False,
-    sequences: int = 1,
     half: bool = False,
     backend: str = "auto",
 ):
-    """`load` of a mixture-of-experts directory: the router picks the experts (exact), so there is no sparsity
-    to choose; the plan gives each layer the same number of expert slots (extra: bytes held beside, a draft). The
-    read-ahead reads into those slots."""
+    """`load` of a mixture-of-experts directory with its plan: the router picks the experts (exact), so there is no
+    sparsity to choose; the plan gives each layer the same number of expert slots. The read-ahead reads into those
+    slots."""
     cast = cpu_cast if dtype == mx.float32 else None
-    kv_size = kv_itemsize(dtype, half)
+    budget = plan.budget
     top_k = min(int(fd.experts_per_token or 0), fd.ffn["n_experts"])  # (a config may ask for more than exist)
     read_ahead = read_ahead and top_k > 0
-    plan = plan_memory(
-        fd,
-        budget,
-        context,
-        kv_size,
-        extra,
-        resident=fd.resident_nbytes(cast),
-        groups=stream_groups(fd, instantiate(fd.config), cast, context),
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        prompt_caches=prompt_caches,
-        sequences=sequences,
-    )
     reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
     engine.stats.baseline_rss = baseline
