@@ -15,7 +15,7 @@ If even that does not fit, loading fails before any weight is read.
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Union
 
 from .errors import BudgetError
@@ -119,6 +119,22 @@ class Plan:
             + self.streaming
             + prefetch
         )
+
+    def floor(self, strides: Dict[str, int]) -> int:
+        """Everything the plan holds but its unit caches: the least a resized plan (`resized`) can take."""
+        return self.nbytes(strides) - self.cache_bytes(strides)
+
+    def resized(self, fd, budget: int) -> "Plan":
+        """This plan at another budget, for a running model: only its unit caches change (what is resident or
+        streamed, the KV caches and the buffers stay). BudgetError below its floor."""
+        strides = {k: v.stride for k, v in fd.layouts.items()}
+        floor = self.floor(strides)
+        if budget < floor:
+            raise BudgetError(
+                f"{fmt_bytes(budget)} is below what the running model holds besides its unit caches "
+                f"({fmt_bytes(floor)}: resident weights, KV caches, buffers)"
+            )
+        return replace(self, budget=budget, capacity=split_caches(fd, (budget - floor) // len(fd.layers)))
 
     def describe(self, strides: Dict[str, int], units: Dict[str, int]) -> str:
         caps = next((c for c in self.capacity if c), {})  # (an MoE model's first layers may be dense)
@@ -320,6 +336,21 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
     return streamed, with_streamed(fixed, streamed)
 
 
+def split_caches(fd, per_layer: int) -> List[Dict[str, int]]:
+    """Units each layer's caches hold in `per_layer` bytes, split between its regions by their sizes."""
+    capacity = []
+    for regions in fd.layers:
+        rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)
+        total = sum(r.n_units * rows[name] for name, r in regions.items())
+        capacity.append(
+            {
+                name: min(r.n_units, int(max(0, per_layer) * r.n_units * rows[name] / total) // rows[name])
+                for name, r in regions.items()
+            }
+        )
+    return capacity
+
+
 def plan_memory(
     fd,
     budget: Optional[int],
@@ -376,16 +407,7 @@ def plan_memory(
             per_layer, prefetch_rows = c * s, n - c
         elif c < 0 and left >= 2 * s:  # a row held ahead costs 2 rows of memory, a cached one L: all to the buffers
             per_layer, prefetch_rows = 0, left // (2 * s)
-    capacity = []
-    for regions in fd.layers:
-        rows = {name: fd.layouts[name].stride for name in regions}  # cache rows are dense (encoded units expanded)
-        total = sum(r.n_units * rows[name] for name, r in regions.items())
-        capacity.append(
-            {
-                name: min(r.n_units, int(per_layer * r.n_units * rows[name] / total) // rows[name])
-                for name, r in regions.items()
-            }
-        )
+    capacity = split_caches(fd, per_layer)
     max_context = None
     if budget is not None:  # the KV cache could take everything but the floor (all streamable streamed, no unit cached)
         floor = with_streamed(fixed, groups)

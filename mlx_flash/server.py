@@ -43,7 +43,9 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from . import pipeline
 from .default_model import default_model_dir
+from .budget import auto_budget, is_auto
 from .engine.batching import BatchModel, FlashBatchGenerator
+from .engine.elastic import CHECK_SECONDS, ElasticBudget
 from .engine.forward import BACKENDS, Batchable
 from .errors import BudgetError, FlashError, ReadError
 from .generate import stream_generate
@@ -185,7 +187,10 @@ class ResponseGenerator(server.ResponseGenerator):
 
     def __init__(self, model_provider, prompt_cache):
         self._tracked, self._lock = [], threading.Lock()
-        self.generated = 0
+        self.generated = self.refused_for_memory = 0
+        args = model_provider.cli_args
+        elastic = is_auto(args.memory_budget) and args.memory_check > 0 and model_provider.stage is None
+        self.elastic = ElasticBudget(model_provider.flash, auto_budget, every=args.memory_check) if elastic else None
         self.lost = None  # the PipelineError that ended the generation thread: a pipeline rank lost
         self.on_lost = None  # called then (make_server: the HTTP server shuts down)
         super().__init__(model_provider, prompt_cache)
@@ -225,6 +230,8 @@ class ResponseGenerator(server.ResponseGenerator):
             return len(self._tracked)
 
     def _next_request(self, timeout=None):
+        if self.elastic is not None:  # (between passes: the caches may change size)
+            self.elastic.check()
         if self.in_flight() >= self.cli_args.max_batch:
             if timeout:  # (mlx-lm's loop waits here when it has nothing to step)
                 time.sleep(timeout)
@@ -259,6 +266,8 @@ class ResponseGenerator(server.ResponseGenerator):
             "bytes_read": flash.stats.device_bytes(),
             "baseline_rss": flash.stats.baseline_rss,  # what the budget is above
             "peak_rss_above_baseline": flash.stats.peak_rss(),
+            "refused_for_memory": self.refused_for_memory,
+            **(self.elastic.metrics() if self.elastic is not None else {"memory_budget": flash.plan.budget}),
         }
 
     def _count(self, responses):
@@ -279,6 +288,10 @@ class ResponseGenerator(server.ResponseGenerator):
         return (prompt, *rest)
 
     def generate(self, request, generation_args, progress_callback=None):
+        short = self.elastic.short if self.elastic is not None else None
+        if short:
+            self.refused_for_memory += 1
+            raise Refused(503, f"not enough memory for a request: {short}")
         if self.requests.qsize() >= self.cli_args.max_queue and self.in_flight() >= self.cli_args.max_batch:
             raise Refused(503, f"the server is busy: {self.cli_args.max_queue} requests are waiting (--max-queue)")
         lookup = getattr(_request_options, "prompt_lookup", None)
@@ -509,6 +522,13 @@ def setup_arg_parser():
         "--memory-budget",
         default="auto",
         help="Bytes, 2GB, 512MiB, 50%% of the model, or auto (the default: what this machine can give now).",
+    )
+    p.add_argument(
+        "--memory-check",
+        type=float,
+        default=CHECK_SECONDS,
+        help="With --memory-budget auto: seconds between asking the machine what it can give (unit caches resized "
+        "to it between passes; 0: never).",
     )
     p.add_argument("--sparsity", default="auto", choices=["auto", *SPARSITIES])
     p.add_argument("--window", type=int, default=5)

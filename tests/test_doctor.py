@@ -4,11 +4,11 @@ import io
 import subprocess
 import sys
 
-import mlx.core as mx
-
 from mlx_flash import doctor
 from mlx_flash.generate import generate_step
 from mlx_flash.loader import load
+
+import mlx.core as mx
 
 
 def test_expected_reads_are_what_a_dense_token_reads(smol):

@@ -388,6 +388,19 @@ class Engine:
                 c.reset()
         self.stats.reset()
 
+    def resize(self, capacity: List[Dict[str, int]]):
+        """Each layer's caches to hold capacity[layer][region] units (budget.Plan.resized), between passes: a cache
+        whose size changes starts empty (its memory given back, or taken). Outputs do not change: a unit computes
+        alike wherever it was read from."""
+        if self.read_ahead is not None:
+            self.read_ahead.drain()  # (its reads write into the caches' rows)
+        for regions, caps in zip(self.caches, capacity):
+            for name, c in regions.items():
+                if min(caps[name], c.n_units) != c.capacity:
+                    regions[name] = UnitCache(
+                        c.n_units, caps[name], c.row_bytes, c.policy, c.window, c.alignment, c.compact
+                    )
+
     def close(self):
         """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
         try:
