@@ -302,6 +302,18 @@ def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, 
     return sum(with_streamed(fixed_bytes(fd, context, dtype_size, extra, resident), list(groups)).values())
 
 
+def _context_held(f: dict, budget: int, context: int) -> str:
+    """What a BudgetError adds when a shorter context fits: the longest (its KV caches scale with it)."""
+    kv = f["kv_cache"] + f["prompt_cache"]
+    per_token = kv / kv_tokens(context)
+    if per_token == 0:
+        return ""
+    held = int((budget - (sum(f.values()) - kv)) // per_token) // KV_ALIGN * KV_ALIGN - 1
+    if held < 1:
+        return ""
+    return f"; it holds a context of at most {held} tokens (a shorter prompt or --max-tokens, or --kv-bits 8)"
+
+
 def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
     """The groups to stream (`always`, then the shortest prefix of the other `groups`, cheapest first, that
     fits; then any of those that fit back are kept resident) and the fixed parts with them. BudgetError if
@@ -328,6 +340,7 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
             f"{fmt_bytes(f['scratch'] + f['workspace'] + f['streaming'])}"
             + (f" + extra {fmt_bytes(f['extra'])}" if f["extra"] else "")
             + f" need {fmt_bytes(sum(f.values()))} before any FFN unit is cached"
+            + _context_held(f, budget, context)
         )
     for g in reversed(streamed[len(always) : -1]):  # the last one made it fit
         kept = [s for s in streamed if s is not g]

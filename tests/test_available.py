@@ -138,3 +138,18 @@ def test_generate_says_what_auto_chose(smol):
     )
     assert r.returncode == 0, r.stderr
     assert "memory: auto: this machine can give" in r.stdout and "MemAvailable" in r.stdout
+
+
+def test_a_context_too_long_for_the_budget_says_the_longest_it_holds(smol):
+    import re
+
+    from mlx_flash.errors import BudgetError
+
+    with pytest.raises(BudgetError, match="it holds a context of at most") as e:
+        loader.load(smol, memory_budget="50%", context=4000)
+    held = int(re.search(r"at most (\d+) tokens", str(e.value)).group(1))
+    assert 100 < held < 4000
+    model, _ = loader.load(smol, memory_budget="50%", context=held)
+    model.flash.close()
+    with pytest.raises(BudgetError):
+        loader.load(smol, memory_budget="50%", context=held + 64)
