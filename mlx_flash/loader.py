@@ -387,6 +387,7 @@ def load(
         fd = StageDir(fd, *layers)
     fd.check_resident()
     tokenizer = load_tokenizer(fd)  # first: its transient peak then comes before the weights, not on top
+    memory.mmap_large_blocks()
     baseline = memory.rss()  # what the budget is above (see memory.py)
     memory.reset_peak()
     backend = backend_name(backend)

@@ -24,7 +24,6 @@ others; a rank lost ends the others with one line (the pipeline's watchdog).
 """
 
 import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
-import ctypes
 import json
 import logging
 import signal
@@ -63,7 +62,6 @@ DISCARD_BYTES = 64 << 20
 # Sequences decoded together when --max-batch is not given: as many of these as the budget holds
 MAX_BATCH = 8
 RETRY_AFTER_S = 1  # what a 503 (the queue full) asks the client to wait
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # A request's own options, from its handler thread to ResponseGenerator.generate (called in the same thread)
 _request_options = threading.local()
 
@@ -121,7 +119,7 @@ class ModelProvider(server.ModelProvider):
         args.decode_concurrency = batch
         # prompts beside each other in a pass where rows compute alone (engine.batching), else one at a time
         args.prompt_concurrency = batch if model.forward.sequences_alone else 1
-        args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd.config, args.max_context)
+        args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd, args.max_context)
         if self.stage is not None:  # at most the positions a stage's pass takes
             args.prefill_step_size = min(args.prefill_step_size, self.stage.max_positions)
 
@@ -615,19 +613,7 @@ def setup_arg_parser():
     return p
 
 
-def _mmap_large_blocks():
-    """Blocks of 1 MiB and more from mmap, given back to the system when freed. glibc otherwise serves blocks of up
-    to 32 MiB from its heap once one such block was freed, and keeps them: a server's host KV caches (several MiB a
-    layer) come and go with its requests, and the heap they leave is outside the budget."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
-        except (OSError, AttributeError):  # not glibc
-            pass
-
-
 def main(argv=None):
-    _mmap_large_blocks()
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     if args.max_batch is not None and args.max_batch < 1:

@@ -153,3 +153,41 @@ def test_a_context_too_long_for_the_budget_says_the_longest_it_holds(smol):
     model.flash.close()
     with pytest.raises(BudgetError):
         loader.load(smol, memory_budget="50%", context=held + 64)
+
+
+CHUNK = """
+import json, sys
+import mlx_flash
+import mlx.core as mx
+from mlx_flash.budget import kv_cache_bytes, position_bytes
+from mlx_flash.io import memory
+from mlx_flash.loader import kv_size_of, load
+
+path, m = sys.argv[1], int(sys.argv[2])
+model, _ = load(path, memory_budget=None, context=m + 8)
+mx.eval(model.forward(list(range(1, 9)), model.make_cache(), True))  # (kernels built, buffers made)
+cache = model.make_cache()
+before = memory.rss()
+memory.reset_peak()
+mx.eval(model.forward(list(range(1, m + 1)), cache, True))
+fd = model.flash.fd
+kv = kv_cache_bytes(fd.config, m, kv_size_of(fd)) * m // ((m + 1 + 31) // 32 * 32)  # the keys written
+print(json.dumps({"transient": memory.peak_rss() - before - kv, "formula": position_bytes(fd, m + 8) * m}))
+"""
+
+
+@pytest.mark.parametrize("backend", ["auto", "mlx"])
+def test_a_prompt_chunk_takes_at_most_what_the_plan_counts_a_position(smol, backend):
+    """The peak of a 256-position prompt pass above the memory before it (less the keys and values it writes) is at
+    most budget.position_bytes a position, on both forwards: the prompt's chunks (Plan.prefill_step) hold the
+    workspace."""
+    import json
+    import os
+
+    env = {**os.environ, "MLX_FLASH_BACKEND": backend}
+    r = subprocess.run(
+        [sys.executable, "-c", CHUNK, str(smol), "256"], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert 0.1 * got["formula"] < got["transient"] <= got["formula"], got

@@ -250,7 +250,11 @@ class NeuronEngine(Engine):
         if not len(parts):
             return zero
         if isinstance(parts[0], np.ndarray):  # the partial sums in block order, added in that order
-            return cpu_gemv.sum_rows(np.concatenate(parts))
+            total = cpu_gemv.sum_rows(parts[0])
+            for part in parts[1:]:  # (in place: a prompt chunk's partial sums are [blocks, positions, d] already)
+                for row in part:
+                    total += row  # (sum_rows' own arithmetic)
+            return total
         return (mx.concatenate(parts) if len(parts) > 1 else parts[0]).sum(axis=0)  # (one op, whatever the calls)
 
     def _read_next(self, layer: int):

@@ -108,6 +108,20 @@ def reset_peak() -> bool:
         return False
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def mmap_large_blocks() -> None:
+    """Blocks of 1 MiB and more from mmap, given back to the system when freed. glibc otherwise serves blocks of up
+    to 32 MiB from its heaps once one such block was freed, and keeps them: the native kernels' per-call buffers of a
+    prompt's chunk (a few MiB a thread) and a server's host KV caches would stay outside the budget."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 def mlx_bytes() -> dict:
     """MLX's own counters: its buffers in use now and at their peak, and its cache of freed buffers."""
     import mlx.core as mx
