@@ -17,7 +17,8 @@ from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
 from mlx_flash.budget import parse_size
-from mlx_flash.tools.bench_io import machine_info
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.tools.bench_io import machine_info, run_fio
 from mlx_flash.tools.cap import run_capped
 from mlx_flash.tools.peers_systems import versions
 
@@ -25,9 +26,9 @@ PROMPT = "The lighthouse keeper found a message in a bottle and read it by the l
 
 
 def text_of(stdout: str) -> str:
-    """The generated text: what mlx-lm's verbose output prints between its separators."""
-    m = re.search(r"==========\n(.*?)\n==========", stdout, re.S)
-    return m.group(1) if m else None
+    """The generated text: what mlx-lm's verbose output prints before its statistics."""
+    text, sep, _ = stdout.partition("\n==========\nPrompt:")
+    return text if sep else None
 
 
 def run(model: str, cap, backend: str, max_tokens: int) -> dict:
@@ -59,27 +60,31 @@ def main():
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    rows = []
+    ffn = FlashDir(args.model).ffn_path
+    out = {
+        "command": " ".join(["python", *sys.argv]),
+        "model": args.model,
+        "machine": machine_info(args.model),
+        "fio_randread_1MiB_GiB_s": run_fio(str(ffn), ffn.stat().st_size, 1 << 20, 16, 5)[0],
+        "versions": versions(),
+        "rows": [],
+    }
+
+    def add(row):  # (written after each run: a long run's rows survive its end)
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(out, indent=1))
+
     for backend in args.backends.split(","):
         free = run(args.model, None, backend, args.max_tokens)
-        rows.append(free)
-        print(json.dumps(free), flush=True)
+        add(free)
         for cap in args.caps.split(","):
             row = run(args.model, parse_size(cap), backend, args.max_tokens)
             row["cap"] = cap
             row["same_text_as_uncapped"] = row["text"] is not None and row["text"] == free["text"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    out = {
-        "command": " ".join(["python", *sys.argv]),
-        "model": args.model,
-        "machine": machine_info(),
-        "versions": versions(),
-        "rows": rows,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+            add(row)
 
 
 if __name__ == "__main__":
