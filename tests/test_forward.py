@@ -36,7 +36,7 @@ def tiny_opt(tmp_path_factory):
     return convert(str(make_tiny_model_dir("opt", root / "src")), root / "flash", progress=False)
 
 
-def test_mlx_quantised_products_are_row_independent():
+def test_mlx_quantised_products_are_row_independent(mlx_ops):
     """What a batched pass's bits rely on (compute.rows.independent): on the CPU, a row of MLX's quantised products
     is what it is alone, whatever other rows or weight rows a call holds (transposed, not, gathered); a float matmul's
     need not be, and runs per sequence."""
@@ -101,6 +101,23 @@ def test_a_batched_mlx_pass_is_each_sequence_alone(which, request, mlx_backend, 
     for s, t in zip(solo, together):
         assert all(np.array_equal(a, b) for a, b in zip(s, t))
     assert batched < (0.6 if which == "smol" else 0.95) * alone
+
+
+@pytest.mark.native
+def test_beside_the_native_kernels_a_prompt_pass_computes_each_sequence_alone(smol):
+    """MLX's forward where the native kernels compute its quantised products (a quantised KV cache, which the native
+    step does not take): they compute more rows than cpu_gemv.NATIVE_ROWS as float matmuls, whose rows round by the
+    rows, so a pass of several prompts computes each one's products alone, its logits its solo ones bit for bit."""
+    assert not row_rules.independent(True)
+    model, _ = load(smol, memory_budget=None, context=64, kv_bits=8)
+    try:
+        assert isinstance(model.forward, MLXForward)
+        prompts = [list(range(1, 21)), list(range(30, 40)), list(range(50, 58))]
+        assert sum(map(len, prompts)) > cpu_gemv.NATIVE_ROWS
+        solo, together, _, _ = solo_and_batched(model, prompts, 0)
+    finally:
+        model.flash.close()
+    assert all(np.array_equal(s[0], t[0]) for s, t in zip(solo, together))
 
 
 def test_a_verification_pass_computes_each_position_as_a_decode_step(smol, mlx_backend):
