@@ -17,8 +17,10 @@ from mlx_flash.loader import kv_size_of, load
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.rope_utils import initialize_rope
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41], [7, 250, 12, 99, 5]]
 
@@ -36,7 +38,7 @@ def tiny_opt(tmp_path_factory):
     return convert(str(make_tiny_model_dir("opt", root / "src")), root / "flash", progress=False)
 
 
-def test_mlx_quantised_products_are_row_independent():
+def test_mlx_quantised_products_are_row_independent(mlx_ops):
     """What a batched pass's bits rely on (compute.rows.independent): on the CPU, a row of MLX's quantised products
     is what it is alone, whatever other rows or weight rows a call holds (transposed, not, gathered); a float matmul's
     need not be, and runs per sequence."""
@@ -101,6 +103,114 @@ def test_a_batched_mlx_pass_is_each_sequence_alone(which, request, mlx_backend, 
     for s, t in zip(solo, together):
         assert all(np.array_equal(a, b) for a, b in zip(s, t))
     assert batched < (0.6 if which == "smol" else 0.95) * alone
+
+
+def test_rope_at_a_vector_of_offsets_is_each_row_at_its_own(mlx_ops):
+    """What a stacked mixer's bits rely on (engine.forward._stacks): on the CPU, mx.fast.rope of a batch at a vector
+    of offsets, one a batch row (as mlx-lm's RoPE modules take its batched caches' offsets), gives each row what it
+    gives at its own offset alone."""
+    assert row_rules.independent(True)
+    rng = np.random.default_rng(0)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}  # fmt: skip
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    ropes = [nn.RoPE(64), nn.RoPE(64, traditional=True), nn.RoPE(32, base=500000.0, scale=0.5)]
+    ropes += [initialize_rope(64, 500000.0, False, llama3, 131072), initialize_rope(64, 10000.0, False, yarn, 16384)]
+    offsets = rng.integers(0, 5000, 8).tolist()
+    for rope in ropes:
+        for dtype in (mx.float32, mx.bfloat16):
+            for m in (1, 3):
+                x = mx.array(rng.standard_normal((8, 9, m, 64)).astype(np.float32)).astype(dtype)
+                alone = mx.concatenate([rope(x[i : i + 1], offset=o) for i, o in enumerate(offsets)])
+                assert mx.array_equal(rope(x, offset=mx.array(offsets)), alone), (type(rope).__name__, dtype, m)
+
+
+def count_calls(module, calls: list):
+    """Counts `module`'s calls into calls[0] (its class replaced by a subclass that does)."""
+    cls = type(module)
+
+    def __call__(self, *args, **kwargs):
+        calls[0] += 1
+        return cls.__call__(self, *args, **kwargs)
+
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__})
+
+
+@pytest.mark.parametrize("which", ["smol", "tiny_qwen3_moe"])
+def test_a_batched_mlx_pass_stacks_the_attention_of_sequences_of_a_length(which, request, mlx_backend, monkeypatch):
+    """Through MLX's forward on the CPU, each layer's attention runs once over the sequences of a pass of one length
+    (its projections and RoPE once for all of them, each one's keys and attention its own), checked at each length
+    against their calls alone: prompts of 5, 2, 2 and 3 tokens, then decode steps, each sequence's logits its solo
+    ones bit for bit. A projection then computes once a pass, and per sequence where products are split (a GPU)."""
+    model, _ = load(request.getfixturevalue(which), memory_budget=None, context=64, backend=mlx_backend)
+    try:
+        attention = [layer.self_attn for layer in model.layers]
+        solo, together, _, _ = solo_and_batched(model, [[1, 2, 3, 4, 5], [40, 41], [7, 250], [9, 8, 7]], 4)
+        assert all(vars(a).get("_stacked") == {1: True, 2: True} for a in attention)
+        calls = [0]
+        count_calls(attention[0].q_proj, calls)
+        caches = [model.make_cache() for _ in range(4)]
+        model.forward.run([([5 + i], c) for i, c in enumerate(caches)])
+        assert calls == [1]
+        monkeypatch.setattr(row_rules, "SPLIT_ALWAYS", True)
+        model.forward.run([([9 + i], c) for i, c in enumerate(caches)])
+        assert calls == [1 + 4]
+    finally:
+        model.flash.close()
+    for s, t in zip(solo, together):
+        assert all(np.array_equal(a, b) for a, b in zip(s, t))
+
+
+class FirstOffsetRoPE(nn.RoPE):
+    """RoPE that, given a vector of offsets, rotates every row by the first: a mixer that does not batch as mlx-lm's
+    do (alone, at one offset, it is nn.RoPE)."""
+
+    def __call__(self, x, offset=0):
+        return super().__call__(x, offset=offset if isinstance(offset, int) else offset[0])
+
+
+class OneOffsetRoPE(nn.RoPE):
+    """RoPE that takes one offset only (int() of a vector raises)."""
+
+    def __call__(self, x, offset=0):
+        return super().__call__(x, offset=int(offset))
+
+
+BAD_ROPES = [(FirstOffsetRoPE, {1: False, 2: True}), (OneOffsetRoPE, {1: False, 2: False})]
+
+
+@pytest.mark.parametrize("rope, stacks", BAD_ROPES)
+def test_a_mixer_that_does_not_stack_runs_per_sequence(smol, mlx_backend, rope, stacks):
+    """A mixer whose call over several sequences at once would differ from their calls alone (here its RoPE, at
+    their different offsets) or fails runs per sequence, found at its first such call: each sequence's logits its
+    solo ones bit for bit. (Two prompts of 2 tokens start at offset 0: the first RoPE's call over them is right.)"""
+    model, _ = load(smol, memory_budget=None, context=64, backend=mlx_backend)
+    try:
+        for layer in model.layers:
+            layer.self_attn.rope = rope(64, base=layer.self_attn.rope.base)
+        solo, together, _, _ = solo_and_batched(model, [[40, 41], [7, 250], [1, 2, 3, 4, 5]], 3)
+        assert all(vars(layer.self_attn)["_stacked"] == stacks for layer in model.layers)
+    finally:
+        model.flash.close()
+    for s, t in zip(solo, together):
+        assert all(np.array_equal(a, b) for a, b in zip(s, t))
+
+
+@pytest.mark.native
+def test_beside_the_native_kernels_a_prompt_pass_computes_each_sequence_alone(smol):
+    """MLX's forward where the native kernels compute its quantised products (a quantised KV cache, which the native
+    step does not take): they compute more rows than cpu_gemv.NATIVE_ROWS as float matmuls, whose rows round by the
+    rows, so a pass of several prompts computes each one's products alone, its logits its solo ones bit for bit."""
+    assert not row_rules.independent(True)
+    model, _ = load(smol, memory_budget=None, context=64, kv_bits=8)
+    try:
+        assert isinstance(model.forward, MLXForward)
+        prompts = [list(range(1, 21)), list(range(30, 40)), list(range(50, 58))]
+        assert sum(map(len, prompts)) > cpu_gemv.NATIVE_ROWS
+        solo, together, _, _ = solo_and_batched(model, prompts, 0)
+    finally:
+        model.flash.close()
+    assert all(np.array_equal(s[0], t[0]) for s, t in zip(solo, together))
 
 
 def test_a_verification_pass_computes_each_position_as_a_decode_step(smol, mlx_backend):

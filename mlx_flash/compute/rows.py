@@ -11,6 +11,8 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
+from . import cpu_gemv
+
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -113,8 +115,9 @@ def segments() -> Optional[List[int]]:
 def independent(quantized: bool) -> bool:
     """Whether a product's rows compute as each would alone, whatever other rows it holds: MLX's quantised matmuls
     on the CPU do (tests/test_forward.py holds them to it); a float matmul on the CPU (BLAS picks its kernel by the
-    rows) and any matmul on a GPU (a matrix-vector kernel for one row, tiles for more) need not."""
-    return quantized and not SPLIT_ALWAYS and mx.default_device() == mx.cpu
+    rows), any matmul on a GPU (a matrix-vector kernel for one row, tiles for more) and the native kernels' quantised
+    products (cpu_gemv.quantized_matmul: many rows as float matmuls of dequantised weights) need not."""
+    return quantized and not SPLIT_ALWAYS and mx.default_device() == mx.cpu and not cpu_gemv.available()
 
 
 def per_segment(x: mx.array, lengths: List[int], f) -> mx.array:

@@ -18,10 +18,12 @@ Two implementations compute them:
                   `Auto` runs it beneath the same calls where it applies, MLXForward elsewhere
 
 Several sequences in one MLX pass: their rows are laid end to end, each layer's mixers (its attention, or any module
-it hands its cache) run once per sequence with that sequence's cache and mask (`Segments`), and everything else
-computes all rows at once, so a unit read from flash serves every sequence. A sequence's rows compute as in a pass
-of their own wherever a product's rows do not depend on each other (compute.rows.independent); where they do (a
-float matmul on the CPU, any matmul on a GPU) the product runs per sequence (`per_sequence`, and the engines).
+it hands its cache) run with each sequence's own cache and mask (`Segments`), and everything else computes all rows
+at once, so a unit read from flash serves every sequence. A sequence's rows compute as in a pass of their own
+wherever a product's rows do not depend on each other (compute.rows.independent); where they do (a float matmul on
+the CPU, any matmul on a GPU) the product runs per sequence (`per_sequence`, and the engines). A mixer runs once
+over the sequences of a length, stacked, where that computes each as alone (`_call_stacked`: its projections and RoPE
+once, each sequence's keys and attention its own), else once per sequence.
 """
 
 import copy
@@ -33,6 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache
 
@@ -202,35 +205,155 @@ _SEGMENTED = {}
 
 
 def _segmented_class(cls):
-    """A subclass of mixer class `cls` whose call, given Segments as its cache, runs once per sequence on that
-    sequence's rows with its own cache and mask, the outputs laid end to end as the rows came."""
+    """A subclass of mixer class `cls` whose call, given Segments as its cache, runs for each sequence with that
+    sequence's cache and mask: once over the sequences of each length where it stacks (`_call_stacked`), else once per
+    sequence on its rows; the outputs laid end to end as the rows came."""
     if cls in _SEGMENTED:
         return _SEGMENTED[cls]
     signature = inspect.signature(cls.__call__)
+    attends = _hook_attention(cls)
 
     def __call__(self, *args, **kwargs):
         if not any(isinstance(a, Segments) for a in args) and not isinstance(kwargs.get("cache"), Segments):
             return cls.__call__(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        names = list(bound.arguments)
-        x_name, segments = names[1], bound.arguments["cache"]
-        x, mask = bound.arguments[x_name], bound.arguments.get("mask")
+        x_name = list(bound.arguments)[1]
+        segments, x, mask = bound.arguments["cache"], bound.arguments[x_name], bound.arguments.get("mask")
         kw = mask.kwargs if isinstance(mask, _SegmentMask) else None
         if mask is not None and kw is None:
             raise NotSegmentable("the model made one mask for a pass of several sequences")
-        outs, at = [], 0
+
+        def call(rows, cache, mask):
+            bound.arguments[x_name], bound.arguments["cache"] = rows, cache
+            if "mask" in bound.arguments:
+                bound.arguments["mask"] = mask
+            return cls.__call__(*bound.args, **bound.kwargs)
+
+        def mask_of(c, m):
+            return c.make_mask(m, **kw) if kw is not None and c is not None and "mask" in bound.arguments else None
+
+        lengths, caches = segments.lengths, segments.caches
+        starts = np.cumsum([0] + lengths[:-1]).tolist()
+        outs = [None] * len(lengths)
+        for m in sorted(set(lengths)) if attends and _may_stack(self, caches) else []:
+            seqs = [i for i, n in enumerate(lengths) if n == m]
+            if len(seqs) == len(lengths):  # (every sequence: their rows stacked as they come)
+                y = _call_stacked(self, call, x.reshape(len(seqs), m, -1), [mask_of(c, m) for c in caches], caches)
+                if y is not None:
+                    return y.reshape(1, -1, y.shape[-1])
+            elif len(seqs) > 1:
+                rows = mx.concatenate([x[:, starts[i] : starts[i] + m] for i in seqs])
+                y = _call_stacked(self, call, rows, [mask_of(caches[i], m) for i in seqs], [caches[i] for i in seqs])
+                for j, i in enumerate(seqs if y is not None else []):
+                    outs[i] = y[j : j + 1]
         with row_rules.segmented(None):  # (inside, one sequence's rows)
-            for c, m in zip(segments.caches, segments.lengths):
-                bound.arguments[x_name] = x[:, at : at + m]
-                bound.arguments["cache"] = c
-                if "mask" in bound.arguments:
-                    bound.arguments["mask"] = c.make_mask(m, **kw) if kw is not None and c is not None else None
-                outs.append(cls.__call__(*bound.args, **bound.kwargs))
-                at += m
+            for i, (c, m) in enumerate(zip(caches, lengths)):
+                if outs[i] is None:
+                    outs[i] = call(x[:, starts[i] : starts[i] + m], c, mask_of(c, m))
         return mx.concatenate(outs, axis=1)
 
     _SEGMENTED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
     return _SEGMENTED[cls]
+
+
+# -- a mixer's call over several sequences at once --------------------------------------------------------------
+
+_SDPA, _mlx_lm_attention = "scaled_dot_product_attention", mlx_lm_base.scaled_dot_product_attention
+
+
+def _attention(queries, keys, values, cache, *args, **kwargs):
+    """mlx-lm's scaled_dot_product_attention, as the mixers of a segmented class call it: a stacked call's is each
+    sequence's own (`_StackedCaches.attention`)."""
+    if isinstance(cache, _StackedCaches):
+        return cache.attention(queries, keys, values, *args, **kwargs)
+    return _mlx_lm_attention(queries, keys, values, cache, *args, **kwargs)
+
+
+def _hook_attention(cls) -> bool:
+    """Whether mixer class `cls` attends through mlx-lm's scaled_dot_product_attention, which its module then calls
+    as `_attention` (mlx-lm's for every call but a stacked one)."""
+    names = getattr(cls.__call__, "__globals__", {})
+    if names.get(_SDPA) is _mlx_lm_attention:
+        names[_SDPA] = _attention
+    return names.get(_SDPA) is _attention
+
+
+class _NotStacked(Exception):
+    """A mixer asked a stacked call's caches for what each sequence has its own of."""
+
+
+class _StackedCaches:
+    """The caches of sequences whose mixer runs once over their rows stacked [k, m, d]. Their offsets are one vector
+    (mx.fast.rope takes one a batch row, as for mlx-lm's batched caches); the keys and values the mixer stores go,
+    when it attends to them, into each sequence's cache and attention alone. A mixer that asks its cache for anything
+    else, or attends to other keys, raises _NotStacked before a cache is written."""
+
+    def __init__(self, caches: list, mask):
+        self.caches, self.mask = caches, mask
+        self.offset = mx.array([c.offset for c in caches])
+        self.new = None  # (keys, values) the mixer stored
+        self.written = False
+
+    def update_and_fetch(self, keys, values):
+        if self.new is not None:
+            raise _NotStacked("the mixer stores twice")
+        self.new = (keys, values)
+        return keys, values
+
+    def attention(self, queries, keys, values, scale, mask, **kwargs):
+        same_mask = mask is self.mask or (isinstance(mask, str) and mask == self.mask)
+        if self.written or self.new is None or keys is not self.new[0] or values is not self.new[1] or not same_mask:
+            raise _NotStacked("the mixer attends to other keys than it stored")
+        self.written = True
+        outs = []
+        for i, c in enumerate(self.caches):
+            k, v = c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            outs.append(_mlx_lm_attention(queries[i : i + 1], k, v, c, scale, mask, **kwargs))
+        return mx.concatenate(outs, axis=0)
+
+    def __getattr__(self, name):
+        raise _NotStacked(f"the mixer asks its cache for {name!r}")
+
+
+def _may_stack(mixer, caches) -> bool:
+    """Whether a mixer may run once over several sequences: each its own cache, and the mixer's products quantised
+    linear layers, whose rows compute as each alone where compute.rows.independent says so (there, on the CPU, so do
+    RoPE's at a vector of offsets: tests/test_forward.py)."""
+    if not row_rules.independent(True) or any(c is None for c in caches) or len(set(map(id, caches))) < len(caches):
+        return False  # (one cache several times: a verification pass's positions, in turn)
+    return all(
+        isinstance(m, nn.QuantizedLinear) or all(v.ndim < 2 for v in m.values() if isinstance(v, mx.array))
+        for _, m in mixer.named_modules()
+    )
+
+
+def _call_stacked(mixer, call, rows, masks: list, caches: list) -> Optional[mx.array]:
+    """`call` (the mixer's) of sequences' rows stacked [k, m, d], their masks and caches, in one: [k, m, d], each
+    sequence's rows what its call alone gives; None where it does not stack (the caches untouched). The first at each
+    m runs on copies of the caches and is checked against the sequences' calls alone, which it returns."""
+    m = rows.shape[1]
+    same = all(a is None for a in masks) or all(isinstance(a, str) and a == masks[0] for a in masks)
+    verdicts = vars(mixer).setdefault("_stacked", {})  # m -> whether its calls at m stack (absent: not checked yet)
+    if not same or verdicts.get(m, True) is False:
+        return None
+    first, stacked = m not in verdicts, None
+    try:
+        stacked = _StackedCaches([copy.deepcopy(c) for c in caches] if first else caches, masks[0])
+        with row_rules.segmented([m] * len(caches)):
+            y = call(rows, stacked, masks[0])
+        if not stacked.written:
+            raise _NotStacked("the mixer did not attend through mlx-lm's attention")
+    except Exception:
+        if stacked is not None and stacked.written and not first:
+            raise  # (the caches hold the keys: no call again)
+        verdicts[m] = False
+        return None
+    if first:
+        with row_rules.segmented(None):
+            alone = mx.concatenate([call(rows[j : j + 1], c, a) for j, (c, a) in enumerate(zip(caches, masks))])
+        verdicts[m] = bool(mx.array_equal(y, alone))
+        return alone
+    return y
 
 
 def _takes_cache(module) -> bool:
