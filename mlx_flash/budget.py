@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Union
 
+from .engine.native_step import MAX_POSITIONS
 from .engine.units import REDUCTION_UNITS
 from .errors import BudgetError
 from .format.config import attention_shape, first_of, head_dim
@@ -96,9 +97,11 @@ class Plan:
     kv_bits: Optional[int] = None  # None: float KV cache
     max_context: Optional[int] = None  # the longest context the budget could hold (at its floor: see plan_memory)
 
-    def prefill_step(self, fd, context: int) -> int:
-        """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size)."""
-        return max(16, min(2048, self.workspace // position_bytes(fd, context)))
+    def prefill_step(self, fd, context: int, native: bool = False) -> int:
+        """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size); native:
+        the passes are the native step's (`position_bytes`)."""
+        most = MAX_POSITIONS if native else 2048  # (longer passes go through MLX's forward)
+        return max(16, min(most, self.workspace // position_bytes(fd, context, native)))
 
     def cache_bytes(self, strides: Dict[str, int]) -> int:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
@@ -167,12 +170,13 @@ class Plan:
         )
 
 
-def position_bytes(fd, context: int) -> int:
+def position_bytes(fd, context: int, native: bool = False) -> int:
     """What a prompt position takes in a pass at most, float32: the residual stream, its norms and q/k/v/o (8 rows of
     the hidden size), the FFN's gate, up and their product (an MoE token's experts'), attention's scores and their
     softmax over `context` keys (MLX's CPU attention composes them from separate ops), and the FFN's partial sums
     (same bits at every budget: a dense layer's sum of each REDUCTION_UNITS ids, an MoE layer's of each expert, held
-    until they are added in order; MLX's concatenation of them a second copy). Checked against the peak of a chunk
+    until they are added in order; MLX's concatenation of them a second copy, which the native step does not make).
+    Checked against the peak of a chunk
     on both forwards (tests/test_available.py)."""
     config = fd.config
     _, hidden, heads = attention_shape(config)
@@ -182,7 +186,7 @@ def position_bytes(fd, context: int) -> int:
     else:
         ffn = first_of(config, ("intermediate_size", "ffn_dim")) or 4 * hidden
         partials = -(-max(r.n_units for r in fd.regions()) // REDUCTION_UNITS)
-    return 4 * (8 * hidden + 4 * ffn + 4 * heads * context + 2 * partials * hidden)
+    return 4 * (8 * hidden + 4 * ffn + 4 * heads * context + (1 if native else 2) * partials * hidden)
 
 
 def describe_streamed(groups) -> str:

@@ -658,7 +658,7 @@ def _generate(args, model, tokenizer, prompt):
 
     response = None
     context = model.flash.context
-    step = model.flash.plan.prefill_step(model.flash.fd, context)  # within the budget
+    step = model.flash.plan.prefill_step(model.flash.fd, context, model.forward.native)  # within the budget
     if isinstance(model.forward, pipeline.Stage):  # at most the positions a stage's pass takes
         step = min(step, model.forward.max_positions)
     for response in stream_generate(

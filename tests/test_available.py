@@ -172,7 +172,8 @@ memory.reset_peak()
 mx.eval(model.forward(list(range(1, m + 1)), cache, True))
 fd = model.flash.fd
 kv = kv_cache_bytes(fd.config, m, kv_size_of(fd)) * m // ((m + 1 + 31) // 32 * 32)  # the keys written
-print(json.dumps({"transient": memory.peak_rss() - before - kv, "formula": position_bytes(fd, m + 8) * m}))
+formula = position_bytes(fd, m + 8, model.forward.native) * m
+print(json.dumps({"transient": memory.peak_rss() - before - kv, "formula": formula}))
 """
 
 
