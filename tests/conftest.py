@@ -130,3 +130,25 @@ def tiny(tmp_path_factory):
     data = root / "text.txt"
     data.write_text(CALIBRATION_TEXT)
     return root, src, data
+
+
+@pytest.fixture(scope="module")
+def start_server():
+    """start(argv): `python -m mlx_flash.server ARGV` in this process on a free port: (provider, generator, port);
+    each server it started stops with the module."""
+    from mlx_flash.server import ModelProvider, serve, setup_arg_parser
+
+    started = []
+
+    def start(argv):
+        provider = ModelProvider(setup_arg_parser().parse_args([str(a) for a in argv]))
+        httpd, generator = serve(provider, port=0)
+        started.append((httpd, generator, provider))
+        return provider, generator, httpd.server_address[1]
+
+    yield start
+    for httpd, generator, provider in started:
+        httpd.shutdown()
+        httpd.server_close()
+        generator.stop_and_join()
+        provider.close()

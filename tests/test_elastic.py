@@ -8,25 +8,17 @@ import time
 
 from mlx_flash.budget import AUTO_HEADROOM, AUTO_RESERVE
 from mlx_flash.io.available import Available, Limit
-from mlx_flash.server import ModelProvider, serve, setup_arg_parser
 
 import mlx.core as mx
 import pytest
 
 
 @pytest.fixture
-def served(smol):
-    args = setup_arg_parser().parse_args(
-        ["--model", str(smol), "--max-context", "256", "--sparsity", "dense", "--max-batch", "2",
+def served(smol, start_server):
+    return start_server(
+        ["--model", smol, "--max-context", "256", "--sparsity", "dense", "--max-batch", "2",
          "--prompt-cache-size", "2"]  # (the default --memory-budget: auto)
     )  # fmt: skip
-    provider = ModelProvider(args)
-    httpd, generator = serve(provider, port=0)
-    yield provider, generator, httpd.server_address[1]
-    httpd.shutdown()
-    httpd.server_close()
-    generator.stop_and_join()
-    provider.close()
 
 
 def post(port, messages):

@@ -12,7 +12,6 @@ import time
 from mlx_flash.convert import convert
 from mlx_flash.errors import ReadError
 from mlx_flash.models.tiny import make_tiny_model_dir
-from mlx_flash.server import ModelProvider, serve, setup_arg_parser
 
 import mlx.core as mx
 import pytest
@@ -21,21 +20,14 @@ CONTEXT = 128
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, start_server):
     root = tmp_path_factory.mktemp("srv")
     # vocab 257: id 256 is <|endoftext|>, so the tiny tokenizer has an EOS
     path = convert(str(make_tiny_model_dir("llama", root / "src", vocab_size=257)), root / "tiny", progress=False)
-    args = setup_arg_parser().parse_args(
-        ["--model", str(path), "--max-context", str(CONTEXT), "--memory-budget", "300%", "--sparsity", "dense",
+    return start_server(
+        ["--model", path, "--max-context", CONTEXT, "--memory-budget", "300%", "--sparsity", "dense",
          "--max-batch", "1"]  # one request at a time: its stats and reads are its own (batching: test_batching)
     )  # fmt: skip
-    provider = ModelProvider(args)
-    httpd, generator = serve(provider, port=0)
-    yield provider, generator, httpd.server_address[1]
-    httpd.shutdown()
-    httpd.server_close()
-    generator.stop_and_join()
-    provider.close()
 
 
 def request(port, method, path, body=None, raw=None):
