@@ -53,12 +53,12 @@ def conversation(port, between=lambda turn: None):
 
 
 def machine_giving(generator, budget):
-    """Make the probe say the machine can give what makes budget.auto_budget `budget`, given what the plan holds,
-    and wait for the generation thread to resize to it."""
+    """Make the probe a machine that gives what makes budget.auto_budget `budget` in all, what the plan holds
+    included (its free memory grows as the caches give back), and wait for the generation thread to resize to it."""
     elastic = generator.elastic
-    nbytes = int((budget + AUTO_RESERVE) / (1 - AUTO_HEADROOM)) - elastic.held()
+    total = int((budget + AUTO_RESERVE) / (1 - AUTO_HEADROOM)) + 1
     before = elastic.resizes
-    elastic.probe = lambda: Available([Limit("fake probe", max(0, nbytes))])
+    elastic.probe = lambda: Available([Limit("fake probe", max(0, total - elastic.held()))])
     elastic.every = 0
     deadline = time.monotonic() + 30
     while elastic.resizes == before and time.monotonic() < deadline:
