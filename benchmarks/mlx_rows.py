@@ -7,7 +7,7 @@ A batch shares the weights' reads and each row's dispatch; where a product's tim
 arithmetic bound), batching gains little however few operations it builds.
 """
 
-import argparse
+import argparse  # noqa: I001  (mlx_flash before mlx.core)
 import json
 import time
 from pathlib import Path
