@@ -176,8 +176,7 @@ def position_bytes(fd, context: int, native: bool = False) -> int:
     softmax over `context` keys (MLX's CPU attention composes them from separate ops), and the FFN's partial sums
     (same bits at every budget: a dense layer's sum of each REDUCTION_UNITS ids, an MoE layer's of each expert, held
     until they are added in order; MLX's concatenation of them a second copy, which the native step does not make).
-    Checked against the peak of a chunk
-    on both forwards (tests/test_available.py)."""
+    Checked against the peak of a chunk on both forwards (tests/test_available.py)."""
     config = fd.config
     _, hidden, heads = attention_shape(config)
     top_k, expert = fd.experts_per_token, first_of(config, ("moe_intermediate_size",))

@@ -11,7 +11,6 @@ bytes: compute and what is not overlapped come on top.
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
@@ -20,8 +19,9 @@ from .default_model import default_model_dir
 from .errors import FlashError
 from .format.directory import FlashDir
 from .io.available import available
-from .io.reader import aligned_buffer, open_reader
+from .io.reader import open_reader
 from .loader import load
+from .tools.bench_io import run_native
 
 READ_BLOCK = 1 << 20  # the disk is measured at random reads of this size (an expert's or a run of neurons' scale)
 
@@ -39,19 +39,12 @@ def reads_per_token(fd: FlashDir, plan) -> float:
 def disk_rate(path, seconds: float, threads: int = 16) -> float:
     """Bytes/s of random READ_BLOCK reads of `path` (uncached: O_DIRECT / F_NOCACHE) for about `seconds`."""
     size = path.stat().st_size
-    block = min(READ_BLOCK, size)
     reader = open_reader(path, threads=threads)
     try:
+        block = min(READ_BLOCK, size)
         block -= block % reader.alignment
-        batch = 4 * threads
-        buf, off = aligned_buffer(batch * block, reader.alignment)
-        rng = np.random.default_rng(0)
-        lengths, dest = np.full(batch, block, np.int64), off + np.arange(batch, dtype=np.int64) * block
-        done, t0 = 0, time.perf_counter()
-        while done == 0 or time.perf_counter() - t0 < seconds:
-            reader.read(buf, rng.integers(0, size // block, batch) * block, lengths, dest, coalesce=False)
-            done += batch * block
-        return done / (time.perf_counter() - t0)
+        gib_s, _ = run_native(reader, size, block, seconds, np.random.default_rng(0))
+        return gib_s * 2**30
     finally:
         reader.close()
 

@@ -55,7 +55,8 @@ class ElasticBudget:
         if machine.bytes is None:
             return False
         plan = self.engine.plan
-        budget, floor, held = self.budget_of(machine.bytes + self.held()), plan.floor(self._strides()), self.held()
+        held, floor = self.held(), plan.floor(self._strides())
+        budget = self.budget_of(machine.bytes + held)
         self.short = None
         if budget < floor:
             self.short = (
