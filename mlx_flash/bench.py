@@ -54,7 +54,7 @@ import numpy as np
 
 from .budget import describe_streamed, fmt_bytes, min_budget, min_streaming_budget, plan_memory
 from .calib.trace import Trace, TraceSparsifier, default_trace, describe_selector, gate_up_weights
-from .default_model import default_model_dir
+from .default_model import model_dir
 from .engine.neurons import NeuronEngine
 from .engine.resident import stream_groups
 from .engine.sparsity import Dense, dram_bytes
@@ -341,9 +341,11 @@ def summarize(
             requests_per_token=req / g,
         )
     if mean_req:
-        disk = disk_throughput(fd.ffn_path, int(mean_req), threads, per_batch, disk_seconds)
+        disk = disk_throughput(fd.largest_unit_path, int(mean_req), threads, per_batch, disk_seconds)
         out["disk_gbps"] = disk
-        out["fio_gbps"] = fio_throughput(fd.ffn_path, int(mean_req), threads, disk_seconds) if use_fio else None
+        out["fio_gbps"] = (
+            fio_throughput(fd.largest_unit_path, int(mean_req), threads, disk_seconds) if use_fio else None
+        )
         # the disk's figure: fio at this request size and thread count when installed, else the native pool
         ref = out["fio_gbps"] or disk
         out["io_ms_at_disk_speed"] = float(bytes_tok.mean() / (ref * 1e9) * 1e3)
@@ -734,7 +736,7 @@ def main(argv=None):
         trace = (Trace.load(a.trace), a.trace) if a.trace else default_trace(a.density)
         kind = "synthetic"
     else:
-        path = a.model or default_model_dir()
+        path = model_dir(a.model)
         if a.trace:
             trace = (Trace.load(a.trace), a.trace)
         tok = load_tokenizer(FlashDir(path))  # a real prompt: WikiText-2 test, away from the trace's text

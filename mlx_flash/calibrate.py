@@ -55,7 +55,7 @@ from .calib.quality import (
 )
 from .calib.reorder import neuron_order, reorder, reorder_group
 from .calib.selector import SKETCH_BITS, calibrate_selector
-from .default_model import default_model_dir
+from .default_model import model_dir
 from .format.directory import FlashDir
 from .loader import load_tokenizer
 from .texts import read_text, token_batches
@@ -148,7 +148,7 @@ def density_sweep(
 
     Returns {"model", "dip": {density: split and search}, "quality": quality_report(...)}."""
 
-    fd = FlashDir(path if path is not None else default_model_dir())
+    fd = FlashDir(model_dir(path))
     tok = load_tokenizer(fd)
     model, ctl = eval_model(fd)
     chars = 16 * (seq_len + 1) * max(calib_seqs, eval_seqs)  # tokenize only what is used (~4 chars a token)
@@ -302,7 +302,7 @@ def setup_arg_parser():
 def run(args) -> dict:
 
     progress = not args.quiet
-    fd = FlashDir(args.model if args.model else default_model_dir())
+    fd = FlashDir(model_dir(args.model))
     glu, layout = fd.ffn["kind"] == "glu", fd.ffn.get("layout", "neurons")
     tok = load_tokenizer(fd)
     calib = token_batches(tok, read_text(args.data, args.data_half), args.seq_len, args.num_seqs)

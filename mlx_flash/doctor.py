@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .budget import fmt_bytes
-from .default_model import default_model_dir
+from .default_model import model_dir
 from .errors import FlashError
 from .format.directory import FlashDir
 from .io.available import available
@@ -59,7 +59,8 @@ def report(path, memory_budget="auto", context: int = 2048, kv_bits: int = None,
     print(f"machine: can give {fmt_bytes(machine.bytes or 0)} now ({machine.describe()})", file=out)
     print(
         f"model: {fd.path}: {fmt_bytes(fd.model_bytes)} ({kind}), of which resident weights "
-        f"{fmt_bytes(fd.resident_bytes)} and FFN units {fmt_bytes(fd.ffn_bytes)} in {len(fd.layers)} layers",
+        f"{fmt_bytes(fd.resident_bytes)} and FFN units {fmt_bytes(fd.ffn_bytes)} in {len(fd.layers)} layers"
+        + ("" if fd.sources is None else f", read in place from {fd.units_where}"),
         file=out,
     )
     for note in notes:
@@ -67,8 +68,9 @@ def report(path, memory_budget="auto", context: int = 2048, kv_bits: int = None,
             print(note, file=out)
     print(f"plan ({context} tokens of context): {plan.describe(strides, units)}", file=out)
     read = reads_per_token(fd, plan)
-    rate = disk_rate(fd.ffn_path, seconds)
-    print(f"disk: {fmt_bytes(rate)}/s at random {fmt_bytes(READ_BLOCK)} reads of {fd.ffn_path}", file=out)
+    path = fd.largest_unit_path
+    rate = disk_rate(path, seconds)
+    print(f"disk: {fmt_bytes(rate)}/s at random {fmt_bytes(READ_BLOCK)} reads of {path}", file=out)
     if read == 0:
         print("reads: none a token (every unit cached): the speed is the compute's", file=out)
         return plan, read, rate
@@ -96,7 +98,7 @@ def setup_arg_parser():
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     try:
-        report(args.model or default_model_dir(), args.memory_budget, args.max_context, args.kv_bits, args.seconds)
+        report(model_dir(args.model), args.memory_budget, args.max_context, args.kv_bits, args.seconds)
     except (FlashError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

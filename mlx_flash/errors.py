@@ -9,6 +9,10 @@ class FlashFormatError(FlashError):
     """A flash directory is missing, truncated, corrupted or of an unknown version."""
 
 
+class SourceFileError(FlashFormatError):
+    """A source file a flash directory reads its units from in place was moved, deleted, cut or changed."""
+
+
 class UnsupportedArchitectureError(FlashError):
     """The model's architecture has no FFN adapter in mlx_flash."""
 

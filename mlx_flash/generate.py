@@ -15,7 +15,7 @@ import time
 from . import blas, pipeline
 from .budget import fmt_bytes
 from .compute import cpu_gemv
-from .default_model import default_model_dir
+from .default_model import model_dir
 from .engine.forward import BACKENDS, head_on
 from .engine.native_step import HostKVCache
 from .engine.sparsity import SPARSITIES
@@ -579,7 +579,7 @@ def main(argv=None):
         lead = group is None or group.rank == 0
         model, prompt, error = None, None, None
         try:
-            path = args.model or default_model_dir()
+            path = model_dir(args.model)
             if lead:
                 prompt = _prompt(args, load_tokenizer(FlashDir(path)))
             # the KV cache it will need; -1: the longest the budget holds, where generation stops

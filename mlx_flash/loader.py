@@ -28,7 +28,7 @@ from .budget import (
 )
 from .compute import cpu_gemv
 from .compute.ffn import ResidentFFN
-from .default_model import default_model_dir
+from .default_model import model_dir
 from .engine.experts import SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
 from .engine.forward import Auto, FloatKVCache, HalfKVCache, MLXForward, QuantizedKVCache, backend_name
 from .engine.native_step import HostDecoder, HostKVCache
@@ -382,7 +382,7 @@ def load(
     read (mlx_flash.doctor).
     """
 
-    fd = FlashDir(path if path is not None else default_model_dir())
+    fd = FlashDir(model_dir(path))
     if layers is not None:
         fd = StageDir(fd, *layers)
     fd.check_resident()
@@ -511,9 +511,7 @@ def load(
     if plan_only:
         return plan, [budget_note, why]
     # (threads other than the plan's: its bounce buffers are threads x FFN_BOUNCE_BYTES of a packed directory)
-    reader = open_reader(
-        fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES
-    )
+    reader = fd.open_units(direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES)
     engine = NeuronEngine.from_plan(
         fd, plan, reader, sparsifier, policy or "window", window, use_metal, dtype or mx.float32
     )
@@ -644,7 +642,7 @@ def _load_moe(
     budget = plan.budget
     top_k = min(int(fd.experts_per_token or 0), fd.ffn["n_experts"])  # (a config may ask for more than exist)
     read_ahead = read_ahead and top_k > 0
-    reader = open_reader(fd.ffn_path, direct=direct, threads=threads or ffn_reader_threads(fd))
+    reader = fd.open_units(direct=direct, threads=threads or ffn_reader_threads(fd))
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
     engine.stats.baseline_rss = baseline
     if budget is not None:  # (as the dense `load`'s)

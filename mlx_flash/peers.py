@@ -142,7 +142,7 @@ def run(
     regime = routing_of(model, routing) if paths["moe"] else None
     stats = measure_routing(paths["flash"], paths["flash"].parent, routing_tokens) if paths["moe"] else None
 
-    fio = fio_reference(fd.ffn_path, DEFAULT_THREADS)
+    fio = fio_reference(fd.largest_unit_path, DEFAULT_THREADS)
     res = {
         "model": model,
         "paths": {k: str(v) for k, v in paths.items() if k not in ("prompt", "prompt_id", "moe")},
@@ -205,7 +205,7 @@ def run(
         if out:
             Path(out).write_text(json.dumps(dict(res, summary=summarize(res["runs"])), indent=2))
     # the disk's rate moves within minutes: its rate at the end too brackets what the run saw
-    res["fio_end"] = fio_reference(fd.ffn_path, DEFAULT_THREADS) if fio else None
+    res["fio_end"] = fio_reference(fd.largest_unit_path, DEFAULT_THREADS) if fio else None
     res["summary"] = summarize(res["runs"])
     res["resident"] = resident_baselines(res["summary"])
     return res

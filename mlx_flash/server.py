@@ -41,7 +41,7 @@ from mlx_lm import server
 from mlx_lm.models.cache import LRUPromptCache
 
 from . import pipeline
-from .default_model import default_model_dir
+from .default_model import model_dir
 from .budget import auto_budget, is_auto
 from .engine.batching import BatchModel, FlashBatchGenerator
 from .engine.elastic import CHECK_SECONDS, ElasticBudget
@@ -85,7 +85,7 @@ class ModelProvider(server.ModelProvider):
 
     def __init__(self, cli_args: argparse.Namespace, loaded=None):
         """loaded: (model, tokenizer) loaded already, as pipeline rank 0's stage (`serve_stage`)."""
-        cli_args.model = str(cli_args.model or default_model_dir())
+        cli_args.model = str(model_dir(cli_args.model))
         self.loaded = loaded
         self.stage = None  # rank 0's pipeline.Stage: its passes drive the other ranks
         super().__init__(cli_args)
@@ -673,7 +673,7 @@ def run(provider: ModelProvider, args):
 def serve_stage(args, group) -> int:
     """This rank's stage under mlx.launch (module doc): its share of the layers loaded as every rank agrees; rank 0
     serves and drives the passes, the others follow them until rank 0 stops. The exit status: 1 if a rank failed."""
-    args.model = str(args.model or default_model_dir())
+    args.model = str(model_dir(args.model))
     args.prompt_cache_size = 0  # the other ranks hold one sequence's KV cache, not rank 0's stored ones
     if group.rank != 0:  # Ctrl-C under mlx.launch reaches every rank: rank 0 stops the others
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -12,6 +12,7 @@ from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError, FlashFormatError
 from mlx_flash.format.directory import MANIFEST, FlashDir
 from mlx_flash.models.tiny import make_tiny_model_dir
+from mlx_flash.tools.synthetic import tiny_quantized
 
 import mlx.core as mx
 import pytest
@@ -19,12 +20,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "qwen3_moe in place"])
 def flash_dir(request, tmp_path_factory):
-    """A dense and a mixture-of-experts directory."""
+    """A dense and a mixture-of-experts directory, and one whose experts are read in place from its 4-bit source
+    (format v5: sources and extents)."""
     root = tmp_path_factory.mktemp("fuzz")
-    src = make_tiny_model_dir(request.param, root / "src")
-    return convert(str(src), root / "flash", alignment=512, progress=False)
+    arch, *in_place = request.param.split(" ", 1)
+    src = tiny_quantized(arch, root / "src") if in_place else make_tiny_model_dir(arch, root / "src")
+    out = convert(str(src), root / "flash", alignment=512, progress=False)
+    assert (FlashDir(out).sources is not None) == bool(in_place)
+    return out
 
 
 def paths(obj, at=()):

@@ -682,3 +682,28 @@ def test_busy_time_counts_time_with_reads_in_flight(tmp_path, native):
         assert r.stats()["busy_ns"] == 0
     finally:
         r.close()
+
+
+def test_source_reader_reads_several_files_in_one_batch(data_file, tmp_path, native, direct):
+    """SourceReader (units in place): one batch naming bytes of two files lands as each file holds them, each file's
+    stats summed; a request past one file's end raises ReadError naming it after the other file's reads finished."""
+    from mlx_flash.io.sources import FILE_SHIFT, SourceReader
+
+    path, data = data_file
+    other = np.random.default_rng(1).integers(0, 256, 3 * A + 77, dtype=np.uint8)
+    second = os.path.join(os.path.dirname(path), "other.bin")
+    other.tofile(second)
+    reqs = [(1, 5, 1000), (0, A + 3, 2 * A), (1, 2 * A, A + 77), (0, 17, 100)]  # (file, offset, length)
+    dest = np.zeros(sum(n for _, _, n in reqs), dtype=np.uint8)
+    at = np.cumsum([0] + [n for _, _, n in reqs])[:-1]
+    with SourceReader([path, second], threads=2, direct=direct, native=native) as r:
+        offsets = [(f << FILE_SHIFT) + o for f, o, _ in reqs]
+        assert r.read(dest, offsets, [n for _, _, n in reqs], at) == dest.nbytes
+        for (f, o, n), a in zip(reqs, at):
+            assert np.array_equal(dest[a : a + n], (data, other)[f][o : o + n])
+        assert r.stats()["bytes_requested"] == dest.nbytes
+        with pytest.raises(ReadError, match="other.bin"):
+            r.read(dest, [5, (1 << FILE_SHIFT) + other.nbytes], [10, 10], [0, 10])
+        assert r.read(dest, [(1 << FILE_SHIFT)], [10], [0]) == 10  # still usable
+        with pytest.raises(ReadError, match="no source file 2"):
+            r.read(dest, [2 << FILE_SHIFT], [10], [0])

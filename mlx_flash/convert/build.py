@@ -98,6 +98,7 @@ def convert(
     prune_format: str = "auto",
     prune_seqs: int = 16,
     prune_seq_len: int = 256,
+    copy: bool = False,
 ) -> Path:
     """Convert `model` into the flash directory `out`; returns its path.
 
@@ -108,6 +109,8 @@ def convert(
     tokens of the first half of prune_text (default WikiText-2 test).
     bits: None keeps the source's quantisation (or floats), 4/8 quantise, "auto" (the CLI's default)
     quantises a float source to DEFAULT_FLOAT_BITS and keeps a quantised one, saying which.
+    copy: a mixture-of-experts model's experts are written into the output even where they could be read in place
+    from the source directory's files (moe.py).
     """
     out = Path(out).expanduser().resolve()
     if out.exists():
@@ -121,7 +124,8 @@ def convert(
     with disk_full_error(out), _work_dir(out) as work:  # (the work directory is removed first)
         work = Path(work)
         source = local_source(model)
-        check_free_space(out, _disk_needed(source, dtype, bits, group_size, dequantize, down_bits, layout, prune))
+        needed = _disk_needed(source, dtype, bits, group_size, dequantize, down_bits, layout, prune, not copy)
+        check_free_space(out, needed)
         src_dir = resolve_source(source, work, progress)
         model_obj, config = load_source_model(src_dir)
         if is_moe(config):
@@ -139,7 +143,8 @@ def convert(
                     f"{' '.join(asked)}: a mixture-of-experts model converts its experts as the source "
                     "stores them; these options apply to dense models only"
                 )
-            return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress)
+            in_place = not copy and not Path(src_dir).resolve().is_relative_to(work.resolve())  # (not a GGUF's)
+            return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress, in_place)
         adapter = adapter_for(config)
         norms = None
         if prune is not None and prune_format == "bitmap":
@@ -269,11 +274,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _disk_needed(source: Path, dtype, bits, group_size, dequantize, down_bits, layout, prune) -> int:
+def _disk_needed(source: Path, dtype, bits, group_size, dequantize, down_bits, layout, prune, in_place=True) -> int:
     """What converting `source` writes at its peak (disk.py), the model stored as `convert` will store it."""
     weights = SourceWeights(source)
-    if weights.moe:  # the experts are stored as the source stores them (moe.py)
-        return weights.peak_bytes(weights.quant, weights.quant, False, None)
+    if weights.moe:  # the experts are stored as the source stores them, or read in place (moe.py)
+        return weights.peak_bytes(weights.quant, weights.quant, False, None, in_place and weights.stacked)
     quant = _stored_quantization(bits, group_size, dequantize, weights.quant)
     down_bits = down_bits or _default_down_bits(quant, layout, prune, say=lambda _: None)
     float_size = DTYPES[dtype].size if dtype is not None else None
@@ -485,6 +490,12 @@ def setup_arg_parser():
         "--prune-text", default=None, help="Calibration text; its first half is used (default: WikiText-2 test)."
     )
     parser.add_argument("--prune-seqs", type=int, default=16, help="Calibration sequences (default 16).")
+    parser.add_argument(
+        "--copy",
+        action="store_true",
+        help="Mixture-of-experts models: write the experts into the output (a self-contained directory) instead of "
+        "reading them in place from the source directory's safetensors (the default where they are stacked there).",
+    )
     parser.add_argument("--prune-seq-len", type=int, default=256, help="Tokens per calibration sequence (default 256).")
     parser.add_argument(
         "--prune-format",
@@ -539,6 +550,7 @@ def main():
             prune_format=args.prune_format,
             prune_seqs=args.prune_seqs,
             prune_seq_len=args.prune_seq_len,
+            copy=args.copy,
         )
     except FlashError as e:
         raise SystemExit(f"error: {e}")
@@ -553,10 +565,8 @@ def main():
         + ")"
         for name, r in streamed[0].items()
     )
-    print(
-        f"wrote {out}: resident {fd.resident_bytes / 2**20:.1f} MiB, ffn.bin {fd.ffn_bytes / 2**20:.1f} MiB "
-        f"({len(streamed)} layers of {units})"
-    )
+    where = f"ffn.bin {fd.ffn_bytes / 2**20:.1f} MiB" if fd.sources is None else f"units in place in {fd.units_where}"
+    print(f"wrote {out}: resident {fd.resident_bytes / 2**20:.1f} MiB, {where} ({len(streamed)} layers of {units})")
 
 
 if __name__ == "__main__":

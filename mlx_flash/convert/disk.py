@@ -66,19 +66,20 @@ class SourceWeights:
         ffn = [w for w in self.weights if FFN.search(w.name)]
         self.quant = ffn[0].quant if ffn else None  # convert's: the first layer's FFN's (build._model_quantization)
         self.moe = any(EXPERTS.search(w.name) for w in ffn)
+        self.stacked = not source.is_file() and any(".switch_mlp." in w.name for w in ffn)  # experts read in place
 
-    def peak_bytes(self, quant, down, resident_scales: bool, float_size: Optional[int]) -> int:
+    def peak_bytes(self, quant, down, resident_scales: bool, float_size: Optional[int], in_place=False) -> int:
         """What converting writes at its peak, an upper bound: the model stored quantised as `quant` ({"bits",
         "group_size"}, the source's own, or None: floats of `float_size` bytes, None: the source's), the FFN's
         down rows as `down`, their scales resident if `resident_scales`. The larger of a GGUF's mlx-lm directory
         being written (twice its weights) and that directory with the flash directory being finished (the output,
-        the resident set again, the FFN's resident scales twice again)."""
+        the resident set again, the FFN's resident scales twice again). `in_place`: the FFN is not written."""
         output = resident = scales = 0
         for w in self.weights:
             streamed = FFN.search(w.name)
             q = down if streamed and DOWN.search(w.name) else quant
             n = _stored(w, q, self.quant, float_size)
-            output += n
+            output += 0 if streamed and in_place else n
             if not streamed:
                 resident += n
             elif resident_scales and q is not None and DOWN.search(w.name):

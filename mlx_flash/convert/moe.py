@@ -5,21 +5,34 @@ The source is whatever mlx-lm loads (a Hugging Face directory with per-expert te
 and biases are written as the source stores them (no re-quantisation, so the weights equal the source's;
 symmetric codes such as a GGUF's Q4_0 keep no biases, as the source keeps none);
 routers, norms, attention, embeddings and shared experts stay resident.
+
+In place (the default for a directory whose safetensors hold the experts stacked, as mlx-community's do): nothing
+of the experts is written; the manifest records where each expert's components lie in the source's files (format
+v5, directory.py) and the units' checksums, computed from those bytes in one sequential pass. `copy=True`, a GGUF
+(its codes are not MLX's layout) or a directory with a tensor per expert (mlx-lm stacks them as it loads) write
+the experts into ffn.bin as before.
 """
 
 import os
+import zlib
 from pathlib import Path
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
 from ..engine.experts import REGION, expert_arrays, expert_quantization, experts_per_token, switch_paths
-from ..format.directory import DEFAULT_ALIGNMENT, FlashWriter
-from ..format.layout import dtype_name
+from ..errors import FlashError
+from ..format.directory import DEFAULT_ALIGNMENT, PACK_BYTES, FlashWriter
+from ..format.layout import BundleLayout, Extent, dtype_name
 from ..format.quant import is_symmetric
+from ..format.safetensors_io import DTYPES as SAFETENSORS_DTYPES
+from ..format.safetensors_io import read_header
+from ..io.checks import crc32_at
 from .source import copy_tokenizer, release
 
 
@@ -32,13 +45,20 @@ def convert_moe(
     source: str,
     alignment: int = None,
     progress: bool = True,
+    in_place: bool = True,
 ) -> Path:
-    """Write `model`'s experts and resident weights as a flash directory at `out` (built in `work`)."""
+    """Write `model`'s experts and resident weights as a flash directory at `out` (built in `work`); the experts
+    referenced in `src_dir`'s files where `in_place` and they are stored there as the model has them."""
     paths = switch_paths(model)
     top_k = experts_per_token(model, paths)
     modules = dict(model.named_modules())
     alignment = alignment or DEFAULT_ALIGNMENT
-    writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment)  # an expert read straight into its row
+    tensors = source_tensors(src_dir, model, paths) if in_place else None
+    if in_place and tensors is None:
+        print("experts copied into ffn.bin: the source's files do not hold them stacked as the model has them")
+    sources = None if tensors is None else {"root": str(Path(src_dir).resolve()), "files": tensors.pop(None)}
+    # (an expert read straight into its row)
+    writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment, sources=sources)
     quant, n_experts, hidden = None, None, None
     try:
         sizes = [
@@ -54,13 +74,12 @@ def convert_moe(
             switch = modules[paths[i]]
             q = expert_quantization(switch)
             arrays = expert_arrays(switch)
-            mx.eval(arrays)
-            for (
-                name,
-                pq,
-            ) in q.items():  # Q4_0 / Q8_0: the biases follow from the scales, so (as on the source) not stored
-                if (
-                    pq is not None
+            if sources is None:  # (in place, nothing of them is read but their checksums)
+                mx.eval(arrays)
+            for name, pq in q.items():  # Q4_0 / Q8_0: the biases follow from the scales, so (as on the source) not
+                if (  # stored (in place, they are read as the source stores them)
+                    sources is None
+                    and pq is not None
                     and f"{name}.biases" in arrays
                     and is_symmetric(arrays[f"{name}.biases"], arrays[f"{name}.scales"], pq["bits"])
                 ):
@@ -71,7 +90,20 @@ def convert_moe(
             quant = q
             n_experts = next(iter(arrays.values())).shape[0]
             hidden = arrays[f"{list(q)[-1]}.weight"].shape[1]  # the last projection's outputs
-            writer.add_layer({REGION: arrays})
+            if sources is None:
+                writer.add_layer({REGION: arrays})
+            else:
+                layout = BundleLayout.from_arrays(arrays, alignment)
+                extents = [Extent(*tensors[f"{paths[i]}.{c.name}"], c.nbytes, c.offset) for c in layout.components]
+                crcs, crc = unit_checksums(sources, extents, layout.stride, n_experts)
+                if i == min(paths):  # what mlx-lm loads is what is read: its first expert, byte for byte
+                    first = layout.pack({k: v[:1] for k, v in arrays.items()})
+                    if zlib.crc32(first[0, : layout.nbytes]) != crcs[0]:
+                        raise FlashError(
+                            f"layer {i}: the source's expert bytes differ from what mlx-lm loads of them (its "
+                            "sanitize changes them): convert with --copy"
+                        )
+                writer.add_layer_in_place({REGION: (layout, extents, crcs, crc)})
             parent, name = paths[i].rsplit(".", 1)
             setattr(modules[parent], name, nn.Module())  # the resident set below excludes the experts
             release(switch)  # (`modules` still refers to its modules) its arrays are on flash: freed now
@@ -102,3 +134,57 @@ def convert_moe(
     copy_tokenizer(src_dir, writer.path)
     os.replace(writer.path, out)
     return out
+
+
+def source_tensors(src_dir: Path, model: nn.Module, paths: Dict[int, str]) -> Optional[dict]:
+    """{"<switch path>.<component>": (file index, byte offset of expert 0, bytes between experts)} for every expert
+    component of the model, where `src_dir`'s safetensors hold each as the model has it (same name, dtype and
+    shape), with None -> the files' manifest entries ({"name", "bytes", "mtime_ns"}); None where any is not."""
+    modules = dict(model.named_modules())
+    want = {f"{paths[i]}.{k}": v for i in paths for k, v in expert_arrays(modules[paths[i]]).items()}  # (lazy)
+    found, files = {}, []
+    for f in sorted(Path(src_dir).glob("*.safetensors")):
+        try:
+            header = read_header(f)
+        except (OSError, ValueError):
+            return None
+        with open(f, "rb") as fh:
+            start = 8 + int.from_bytes(fh.read(8), "little")  # the data follow the header
+        for k, t in header.items():
+            a = want.get(k)
+            if a is None or SAFETENSORS_DTYPES.get(a.dtype) != t["dtype"] or list(a.shape) != t["shape"]:
+                continue
+            if k not in found:
+                if not files or files[-1]["name"] != f.name:
+                    st = f.stat()
+                    files.append({"name": f.name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+                lo, hi = t["data_offsets"]
+                found[k] = (len(files) - 1, start + lo, (hi - lo) // a.shape[0])
+    if set(found) != set(want):
+        return None
+    return {**found, None: files}
+
+
+def unit_checksums(sources: dict, extents, stride: int, n_units: int, chunk_bytes: int = PACK_BYTES):
+    """(each unit's CRC-32 over its components' bytes, the CRC-32 of the units' rows [n_units, stride] zero padded)
+    from the source files, read a chunk of units at a time."""
+    root = Path(sources["root"])
+    handles = {e.file: open(root / sources["files"][e.file]["name"], "rb") for e in extents}
+    nbytes = sum(e.nbytes for e in extents)
+    units, crc = np.empty(n_units, dtype=np.uint32), 0
+    step = max(1, chunk_bytes // stride)
+    try:
+        for lo in range(0, n_units, step):
+            hi = min(n_units, lo + step)
+            rows = np.zeros((hi - lo, stride), dtype=np.uint8)
+            for e in extents:
+                f = handles[e.file]
+                raw = os.pread(f.fileno(), (hi - lo - 1) * e.stride + e.nbytes, e.offset + lo * e.stride)
+                block = np.frombuffer(raw + bytes(e.stride - e.nbytes), dtype=np.uint8).reshape(hi - lo, e.stride)
+                rows[:, e.row_offset : e.row_offset + e.nbytes] = block[:, : e.nbytes]
+            units[lo:hi] = crc32_at(rows, np.arange(hi - lo) * stride, nbytes)
+            crc = zlib.crc32(rows, crc)
+    finally:
+        for f in handles.values():
+            f.close()
+    return units, crc

@@ -38,6 +38,11 @@ class Staged:
     span: Optional[slice] = None  # ReadAhead: the rows' bytes in their buffer (`rows` is made where they are taken)
 
 
+def unit_bytes(fd, region: str) -> int:
+    """A unit's bytes as read (Region.unit_bytes: the same in every layer)."""
+    return next(layer[region] for layer in fd.layers if region in layer).unit_bytes
+
+
 class ReadAhead:
     """Two staging buffers of `rows` units of `region`. A layer's step takes what was staged for it (`take`), then
     starts the next layer's reads (`start`) into the other buffer: the one it took stays intact while it computes."""
@@ -45,6 +50,7 @@ class ReadAhead:
     def __init__(self, engine, region: str, rows: int):
         self.engine, self.region, self.rows = engine, region, rows
         self.stride = engine.fd.layouts[region].stride
+        self.unit_bytes = unit_bytes(engine.fd, region)
         slack = 2 * max(1, engine.reader.alignment)  # room for a run's aligned superset
         self.buffers = [AlignedBuffer(rows * self.stride + slack, engine.fd.alignment) for _ in range(2)]
         self.pending: Dict[int, Staged] = {}
@@ -61,7 +67,7 @@ class ReadAhead:
         wait, at = engine.submit_rows(layer, self.region, units, buf)
         span = slice(at, at + len(units) * self.stride)
         host = buf.host_bytes()[span].reshape(len(units), self.stride)
-        engine.stats.current.ahead_bytes += len(units) * self.stride
+        engine.stats.current.ahead_bytes += len(units) * self.unit_bytes
         self.pending[layer] = Staged(b, units, None, host, _once(wait), predicted, span=span)
 
     def take(self, layer: int) -> Optional[Staged]:
@@ -80,7 +86,7 @@ class ReadAhead:
         pending, self.pending = list(self.pending.values()), {}
         errors = []
         for staged in pending:
-            self.engine.stats.current.ahead_wasted_bytes += len(staged.units) * self.stride
+            self.engine.stats.current.ahead_wasted_bytes += len(staged.units) * self.unit_bytes
             try:
                 staged.wait()
             except ReadError as e:  # wait for the others first: their buffers must not be reused while in flight
@@ -95,6 +101,7 @@ class IntoCache:
     def __init__(self, engine, region: str, rows: int):
         self.engine, self.region, self.rows = engine, region, rows
         self.stride = engine.fd.layouts[region].stride
+        self.unit_bytes = unit_bytes(engine.fd, region)
         self.pending: Dict[int, Staged] = {}
 
     def start(self, layer: int, units: np.ndarray, predicted: Optional[np.ndarray] = None):
@@ -108,7 +115,7 @@ class IntoCache:
         order = np.argsort(units)  # (neighbours on flash coalesce)
         units, slots = units[order], slots[order]
         wait = self.engine.read_into_slots(layer, self.region, units, slots)
-        self.engine.stats.current.ahead_bytes += len(units) * self.stride
+        self.engine.stats.current.ahead_bytes += len(units) * self.unit_bytes
         self.pending[layer] = Staged(None, units, None, None, _once(wait), predicted, slots)
 
     def take(self, layer: int) -> Optional[Staged]:
@@ -120,7 +127,7 @@ class IntoCache:
         pending, self.pending = self.pending, {}
         errors = []
         for layer, staged in pending.items():
-            self.engine.stats.current.ahead_wasted_bytes += len(staged.units) * self.stride
+            self.engine.stats.current.ahead_wasted_bytes += len(staged.units) * self.unit_bytes
             try:
                 staged.wait()
             except ReadError as e:

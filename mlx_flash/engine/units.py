@@ -99,7 +99,7 @@ class Engine:
         if len(units) == 0:
             return lambda: None
         r = self.fd.layers[layer][region]
-        wait = self._submit_ranges(buffer, r.unit_offsets(units), np.full(len(units), r.stride, dtype=np.int64), dest)
+        wait = self._submit_ranges(buffer, *r.requests(units, dest))
         return self._checked(wait, r, units, buffer, dest)
 
     def submit_run(self, layer: int, region: str, first: int, n: int, buffer, base: int):
@@ -138,7 +138,7 @@ class Engine:
         def checked():
             wait()
             t = time.perf_counter()
-            self.checks.check(r.layer, r.name, units, buffer, dest, r.stride)
+            self.checks.check(r.layer, r.name, units, buffer, dest, r.unit_bytes)
             self.stats.current.io_s += time.perf_counter() - t
 
         return checked
@@ -157,7 +157,8 @@ class Engine:
         buf.buffer)."""
         stride = self.fd.layouts[region].disk_stride
         if (
-            units[-1] - units[0] == len(units) - 1
+            not self.fd.sources  # (in place, a unit's components are apart)
+            and units[-1] - units[0] == len(units) - 1
             and len(units) * stride + 2 * max(1, self.reader.alignment) <= buf.nbytes
         ):
             return self.submit_run(layer, region, int(units[0]), len(units), buf.buffer, buf.base_offset)
@@ -318,7 +319,7 @@ class Engine:
         if staged is None:
             return where, index
         s = self.stats.current
-        s.ahead_wasted_bytes += int((~np.isin(staged.units, active)).sum()) * self.read_ahead.stride
+        s.ahead_wasted_bytes += int((~np.isin(staged.units, active)).sum()) * self.read_ahead.unit_bytes
         if staged.predicted is not None:
             s.routed += len(active)
             s.predicted += int(np.isin(active, staged.predicted).sum())

@@ -13,6 +13,25 @@ def first_of(config: dict, keys: tuple):
     return next((config[k] for k in keys if config.get(k)), None)
 
 
+def layer_count(config: dict):
+    """The layers mlx-lm builds for a config: its model arguments' count where mlx-lm has the model (a config may
+    give several: LongCat-Flash's num_hidden_layers counts sublayers, mlx-lm builds num_layers), else the first of
+    LAYERS the config gives (None: none)."""
+    import importlib
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    model_type = config.get("model_type")
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+        args = module.ModelArgs.from_dict(config)
+    except Exception:  # (not an mlx-lm model, e.g. opt, or a config its arguments refuse)
+        return first_of(config, LAYERS)
+    return next((getattr(args, k) for k in LAYERS if isinstance(getattr(args, k, None), int)), None) or first_of(
+        config, LAYERS
+    )
+
+
 def attention_shape(config: dict) -> tuple:
     """(layers, hidden size, attention heads) of a config; KeyError naming what it lacks."""
     shape = tuple(first_of(config, keys) for keys in (LAYERS, HIDDEN, HEADS))

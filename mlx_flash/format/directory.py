@@ -1,4 +1,4 @@
-"""The flash directory, format v1-v4: the one module that reads and writes it.
+"""The flash directory, format v1-v5: the one module that reads and writes it.
 
     <dir>/config.json           model config (mlx-lm / Hugging Face style)
     <dir>/tokenizer*            tokenizer files
@@ -28,6 +28,12 @@ Format v4 leaves out of resident.safetensors the biases of quantised modules who
 (llama.cpp's Q4_0 / Q8_0: bias = -2^(bits-1) x scale, as the source stores none): the manifest's
 resident.symmetric lists them ({module path: bits}); the model's layers derive them as they compute,
 so they take neither disk, device reads nor DRAM.
+
+Format v5 reads units in place from the model's source files instead of ffn.bin (which it has not): the manifest's
+"sources" names them ({"root": the source directory, "files": [{"name" relative to it, "bytes", "mtime_ns"}]}), and
+each region an "extents" entry per component of its layout ({"component", "file": index, "offset": of unit 0,
+"stride": between units}); a unit is read into a cache row laid out as ffn.bin's bundle (its components back to
+back), so nothing past the reader knows. A source file moved, cut or changed since convert is refused at open.
 """
 
 import json
@@ -41,18 +47,19 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import FlashFormatError, ReadError
+from ..errors import FlashFormatError, ReadError, SourceFileError
 from ..io.checks import crc32_at
 from ..io.reader import open_reader
+from ..io.sources import SourceReader
 from . import manifest
-from .config import LAYERS, first_of
+from .config import layer_count
 from .layout import DTYPES, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, Region, is_count, round_up
 from .quant import block_dequantize, is_symmetric, symmetric_biases
 from .safetensors_io import TensorSpool
 
 FORMAT_NAME = "mlx_flash"
 FORMAT_VERSION = 4  # v4: symmetric resident biases left out; v3: packed units; v2: encoded components; v1 (none)
-VERSIONS = (1, 2, 3, 4)
+VERSIONS = (1, 2, 3, 4, 5)  # v5: units in place in the source's files
 MANIFEST = "flash.json"
 RESIDENT = "resident.safetensors"
 FFN = "ffn.bin"
@@ -161,7 +168,7 @@ class FlashDir:
 
     def _check_layer_count(self):
         """As many layers as the model has: a manifest cut short would leave layers without weights."""
-        want = first_of(self.config, LAYERS)
+        want = layer_count(self.config)
         paths = self.ffn.get("mlp_paths")
         for n, what in ((want, "the config's"), (len(paths) if paths else None, "the FFN paths'")):
             if n is not None and n != len(self.layers):
@@ -170,18 +177,28 @@ class FlashDir:
                 )
 
     def _check_files(self):
-        for name in (RESIDENT, FFN):
-            if not (self.path / name).is_file():
-                raise FlashFormatError(f"{self.path / name}: missing file")
+        if not (self.path / RESIDENT).is_file():
+            raise FlashFormatError(f"{self.path / RESIDENT}: missing file")
         expected = self.manifest["resident"]["bytes"]
         size = (self.path / RESIDENT).stat().st_size
         if size != expected:
             raise FlashFormatError(
                 f"{self.path / RESIDENT}: {size} bytes, manifest says {expected} (truncated or replaced)"
             )
+        if self.sources is not None:
+            if self.version < 5 or not all(r.extents for r in self.regions()):
+                raise FlashFormatError(
+                    f"{self.path / MANIFEST}: sources need format version 5 and every region's extents"
+                )
+            self._check_sources()
+            return
+        if not (self.path / FFN).is_file():
+            raise FlashFormatError(f"{self.path / FFN}: missing file")
         size = (self.path / FFN).stat().st_size
         end = 0
         for r in sorted(self.regions(), key=lambda r: r.offset):
+            if r.extents:
+                raise FlashFormatError(f"{self.path / MANIFEST}: layer {r.layer} {r.name} has extents but no sources")
             if r.offset < end:
                 raise FlashFormatError(f"{self.path / MANIFEST}: layer {r.layer} {r.name} overlaps another region")
             end = r.offset + r.nbytes
@@ -196,6 +213,23 @@ class FlashDir:
                     f"{self.path / FFN}: truncated: layer {r.layer} ends at byte {r.offset + r.nbytes}, file has {size}"
                 )
 
+    def _check_sources(self):
+        """Every source file where convert found it, as it was: its size and modification time recorded then."""
+        for f, path in zip(self.sources["files"], self.unit_paths):
+            try:
+                st = path.stat()
+            except OSError:
+                raise SourceFileError(
+                    f"{path}: missing. {self.path.name} reads its experts in place from this file: put it back, or "
+                    "convert the model again from where it is now"
+                ) from None
+            if st.st_size != f["bytes"] or st.st_mtime_ns != f["mtime_ns"]:
+                what = f"{st.st_size} bytes, {f['bytes']} at convert" if st.st_size != f["bytes"] else "modified"
+                raise SourceFileError(
+                    f"{path}: changed since {self.path.name} was converted ({what}); its experts are read in place "
+                    "from this file: convert the model again"
+                )
+
     # -- properties ----------------------------------------------------------
     def regions(self) -> Iterable[Region]:
         """Every region of every layer, in file order."""
@@ -204,6 +238,27 @@ class FlashDir:
     @property
     def ffn_path(self) -> Path:
         return self.path / FFN
+
+    @property
+    def sources(self) -> Optional[dict]:
+        """The source files units are read from in place (format v5), or None: ffn.bin."""
+        return self.manifest.get("sources")
+
+    @property
+    def unit_paths(self) -> List[Path]:
+        """The files units are read from: the source's (in place) or ffn.bin."""
+        if self.sources is None:
+            return [self.ffn_path]
+        return [Path(self.sources["root"]) / f["name"] for f in self.sources["files"]]
+
+    @property
+    def largest_unit_path(self) -> Path:
+        """The largest file units are read from: where the disk's rate is measured."""
+        return max(self.unit_paths, key=lambda p: p.stat().st_size)
+
+    def open_units(self, **kw):
+        """A reader of the units (io/reader.py's `open_reader` arguments): ffn.bin's, or the source files'."""
+        return open_reader(self.ffn_path, **kw) if self.sources is None else SourceReader(self.unit_paths, **kw)
 
     @property
     def architecture(self) -> str:
@@ -355,17 +410,23 @@ class FlashDir:
         self.update_manifest(sparsity=sparsity)
 
     def read_region(self, layer: int, name: str = "neurons") -> np.ndarray:
-        """All units of one layer's region as [n_units, stride] uint8 (one sequential read)."""
+        """All units of one layer's region as [n_units, stride] uint8 (one batch of reads)."""
         r = self.layers[layer][name]
-        buf = np.empty((r.n_units, r.stride), dtype=np.uint8)
+        buf = np.zeros((r.n_units, r.stride), dtype=np.uint8)
+        units = np.arange(r.n_units)
         try:  # through the reader, as every read (cached: a whole region, read once at load)
-            with open_reader(self.ffn_path, threads=1, direct=False) as reader:
-                reader.read(buf, [r.offset], [r.nbytes], [0])
+            with self.open_units(threads=1, direct=False) as reader:
+                reader.read(buf, *r.requests(units, units * r.stride))
         except ReadError as e:
-            raise FlashFormatError(f"{self.ffn_path}: cannot read layer {layer} ({e})") from e
+            raise FlashFormatError(f"{self.units_where}: cannot read layer {layer} ({e})") from e
         if zlib.crc32(buf) != r.crc32:
-            raise FlashFormatError(f"{self.ffn_path}: checksum mismatch in layer {layer} ({name}; corrupted)")
+            raise FlashFormatError(f"{self.units_where}: checksum mismatch in layer {layer} ({name}; corrupted)")
         return buf
+
+    @property
+    def units_where(self) -> str:
+        """Where the units are, for messages."""
+        return str(self.ffn_path) if self.sources is None else f"the source files in {self.sources['root']}"
 
     def unpack_layer(self, layer: int) -> Dict[str, mx.array]:
         """Every component array of one layer, read from disk (e.g. for an all-resident model), expanded."""
@@ -395,11 +456,11 @@ class FlashDir:
             rows = self.read_region(r.layer, r.name)  # (checks the region's checksum)
             if units is not None:
                 bad = np.flatnonzero(
-                    crc32_at(rows, np.arange(r.n_units) * r.stride, r.stride) != units[r.layer, r.name]
+                    crc32_at(rows, np.arange(r.n_units) * r.stride, r.unit_bytes) != units[r.layer, r.name]
                 )
                 if len(bad):
                     raise FlashFormatError(
-                        f"{self.ffn_path}: checksum mismatch in layer {r.layer} ({r.name} unit {bad[0]}; corrupted)"
+                        f"{self.units_where}: checksum mismatch in layer {r.layer} ({r.name} unit {bad[0]}; corrupted)"
                     )
 
 
@@ -431,10 +492,12 @@ class FlashWriter:
         alignment: int = DEFAULT_ALIGNMENT,
         encodings: Optional[Dict[str, Encoding]] = None,
         unit_alignment: Optional[int] = None,
+        sources: Optional[dict] = None,
     ):
         """`encodings` (component name -> Encoding): store those components encoded (format v2). Regions start at
         multiples of `alignment`; units are `unit_alignment` apart (None: the alignment, every unit padded to it;
-        PACKED_UNIT_ALIGNMENT: packed, format v3)."""
+        PACKED_UNIT_ALIGNMENT: packed, format v3). `sources` (the manifest's entry, format v5): units are read in
+        place from those files (add_layer_in_place), no ffn.bin is written."""
         if alignment < 512 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 512, got {alignment}")
         unit_alignment = alignment if unit_alignment is None else unit_alignment
@@ -452,7 +515,8 @@ class FlashWriter:
         self.encodings = dict(encodings or {})
         self.layouts: Dict[str, BundleLayout] = {}
         self.layers: List[Dict[str, Region]] = []
-        self._ffn = open(self.path / FFN, "wb")
+        self.sources = sources
+        self._ffn = open(self.path / FFN, "wb") if sources is None else None
         self._unit_crcs = open(self.path / UNIT_CHECKSUMS, "wb")
         self._unit_crcs_crc = 0
 
@@ -487,14 +551,26 @@ class FlashWriter:
             layer[name] = Region(len(self.layers), name, offset, n, layout.disk_stride, crc)
         self.layers.append(layer)
 
+    def add_layer_in_place(self, regions: Dict[str, tuple]) -> None:
+        """Append one layer whose units stay in the source files: region name -> (layout, extents (layout.Extent, one
+        per component in row order), each unit's CRC-32 (uint32 [n_units]), the CRC-32 of its rows as read)."""
+        layer = {}
+        for name, (layout, extents, crcs, crc) in regions.items():
+            if self.layouts.setdefault(name, layout) != layout:
+                raise ValueError(f"every layer must have the same {name!r} layout")
+            units = np.ascontiguousarray(crcs, dtype="<u4")
+            self._unit_crcs.write(units.data)
+            self._unit_crcs_crc = zlib.crc32(units, self._unit_crcs_crc)
+            layer[name] = Region(len(self.layers), name, 0, len(units), layout.disk_stride, crc, tuple(extents))
+        self.layers.append(layer)
+
     def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict, progress: bool = False) -> None:
         """Write resident weights (without the biases symmetric codes imply), config and the manifest
         (`manifest` adds architecture fields).
 
         `resident` is emptied as it is written: each array is evaluated, spooled to a scratch file and dropped in
         turn, so memory holds one of them at a time when `resident` holds the only references to them."""
-        self._ffn.close()
-        self._unit_crcs.close()
+        self.abort()
         names = list(resident)
         total = sum(v.nbytes for v in resident.values())
         spool = TensorSpool(self.path / f".{RESIDENT}.spool")
@@ -521,7 +597,9 @@ class FlashWriter:
             json.dump(config, f, indent=2)
         full = {
             "format": FORMAT_NAME,
-            "format_version": 4
+            "format_version": 5
+            if self.sources
+            else 4
             if symmetric
             else 3
             if self.unit_alignment != self.alignment
@@ -533,10 +611,7 @@ class FlashWriter:
             "layers": [
                 {
                     "index": i,
-                    "regions": {
-                        k: {"offset": r.offset, "n_units": r.n_units, "stride": r.stride, "crc32": r.crc32}
-                        for k, r in regions.items()
-                    },
+                    "regions": {k: _region_json(r, self.layouts[k]) for k, r in regions.items()},
                 }
                 for i, regions in enumerate(self.layers)
             ],
@@ -546,14 +621,29 @@ class FlashWriter:
                 "sha256": sha256,
                 "symmetric": symmetric,
             },
-            "ffn_file": {"file": FFN, "bytes": (self.path / FFN).stat().st_size},
+            **(
+                {"sources": self.sources}
+                if self.sources
+                else {"ffn_file": {"file": FFN, "bytes": (self.path / FFN).stat().st_size}}
+            ),
             "unit_checksums": {"file": UNIT_CHECKSUMS, "crc32": self._unit_crcs_crc},
         }
         _write_json_atomic(self.path / MANIFEST, full)  # last: a directory without it never opens
 
     def abort(self):
-        self._ffn.close()
+        if self._ffn is not None:
+            self._ffn.close()
         self._unit_crcs.close()
+
+
+def _region_json(r: Region, layout: BundleLayout) -> dict:
+    d = {"offset": r.offset, "n_units": r.n_units, "stride": r.stride, "crc32": r.crc32}
+    if r.extents:
+        d["extents"] = [
+            {"component": c.name, "file": e.file, "offset": e.offset, "stride": e.stride}
+            for c, e in zip(layout.components, r.extents)
+        ]
+    return d
 
 
 def _affine_quant(config: dict, path: str) -> Optional[dict]:

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FlashFormatError
+from ..io.sources import FILE_SHIFT
 from . import bitmap
 
 PACKED_UNIT_ALIGNMENT = 16  # packed units: room for any component's element alignment (Metal reads words in place)
@@ -384,8 +385,20 @@ def is_count(x) -> bool:
 
 
 @dataclass(frozen=True)
+class Extent:
+    """One component of every unit of a region read in place: unit u's bytes [offset + u * stride, + nbytes) of
+    source file `file`, read to byte `row_offset` of its cache row."""
+
+    file: int
+    offset: int
+    stride: int
+    nbytes: int
+    row_offset: int
+
+
+@dataclass(frozen=True)
 class Region:
-    """One layer's run of units (bundles) of one layout in ffn.bin."""
+    """One layer's run of units (bundles) of one layout: in ffn.bin, or in place in the source's files (`extents`)."""
 
     layer: int
     name: str  # "neurons" (one unit per FFN neuron) or "inputs" (one per input dim, the dip layout)
@@ -393,14 +406,30 @@ class Region:
     n_units: int
     stride: int
     crc32: int
+    extents: tuple = ()  # in place: an Extent per component, in row order (they tile the row's first unit_bytes)
 
     @property
     def nbytes(self) -> int:
         return self.n_units * self.stride
 
+    @property
+    def unit_bytes(self) -> int:
+        """A unit's bytes as read (and checksummed): its stride in ffn.bin, its components' bytes in place."""
+        return sum(e.nbytes for e in self.extents) if self.extents else self.stride
+
     def unit_offset(self, unit: int) -> int:
         return self.offset + unit * self.stride
 
     def unit_offsets(self, units) -> np.ndarray:
-        """int64 file offsets of `units` in ffn.bin, each `stride` bytes long: the one place units become bytes."""
+        """int64 file offsets of `units` in ffn.bin, each `stride` bytes long."""
         return self.offset + np.asarray(units, dtype=np.int64) * self.stride
+
+    def requests(self, units, dest):
+        """(file offsets, lengths, destination offsets) int64 that read `units` to byte offsets `dest`: the one place
+        units become bytes. In place, a request per component and unit, at offsets naming their file (FILE_SHIFT)."""
+        units, dest = np.asarray(units, dtype=np.int64), np.asarray(dest, dtype=np.int64)
+        if not self.extents:
+            return self.unit_offsets(units), np.full(len(units), self.stride, dtype=np.int64), dest
+        offsets = np.concatenate([(e.file << FILE_SHIFT) + e.offset + units * e.stride for e in self.extents])
+        lengths = np.repeat(np.array([e.nbytes for e in self.extents], dtype=np.int64), len(units))
+        return offsets, lengths, np.concatenate([dest + e.row_offset for e in self.extents])

@@ -5,7 +5,7 @@ ValueError (FlashDir turns them into one FlashFormatError naming the file)."""
 from pathlib import Path
 from typing import Dict, List
 
-from .layout import BundleLayout, Region, is_count, matrix
+from .layout import BundleLayout, Extent, Region, is_count, matrix
 
 # The manifest's fields and their JSON types, checked at load so that what reads them later can rely on them
 # (optional ones: a tuple of the type and None)
@@ -19,7 +19,10 @@ MANIFEST_TYPES = {
     "resident": {"bytes": int, "sha256": str, "symmetric": (dict, None)},
     "unit_checksums": ({"file": str, "crc32": int}, None),
     "sparsity": (dict, None),
+    "sources": ({"root": str, "files": [dict]}, None),  # v5: units read in place from these files
 }
+SOURCE_FILE_TYPES = {"name": str, "bytes": int, "mtime_ns": int}
+EXTENT_TYPES = {"component": str, "file": int, "offset": int, "stride": int}
 FFN_TYPES = {  # dense, mixture of experts
     False: {
         "kind": str,
@@ -123,16 +126,40 @@ def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
             raise ValueError(f"ffn matrix {name!r} has rows of {n} values, not {want}")
 
 
-def _region(layer: int, name: str, r: dict, layouts: Dict[str, BundleLayout]) -> Region:
-    """A manifest's region, its fields checked: counts where counts belong, the stride its layout's."""
+def _region(layer: int, name: str, r: dict, layouts: Dict[str, BundleLayout], sources: List[dict]) -> Region:
+    """A manifest's region, its fields checked: counts where counts belong, the stride its layout's; in place, an
+    extent per component of its (dense) layout, every unit's inside its source file."""
     if name not in layouts:
         raise ValueError(f"layer {layer}: region {name!r} has no layout")
     for field in ("offset", "n_units", "stride", "crc32"):
         if not is_count(r[field]) or (field == "n_units" and r[field] == 0):
             raise ValueError(f"layer {layer} region {name}: {field} {r[field]!r} is not a valid count")
-    if r["stride"] != layouts[name].disk_stride:
+    layout = layouts[name]
+    if r["stride"] != layout.disk_stride:
         raise ValueError(f"layer {layer} region {name}: stride differs from its layout")
-    return Region(layer, name, r["offset"], r["n_units"], r["stride"], r["crc32"])
+    extents = ()
+    if "extents" in r:
+        if not sources or layout.encoded:
+            raise ValueError(f"layer {layer} region {name}: extents need sources and a dense layout")
+        _check({"extents": r["extents"]}, {"extents": [dict]}, f"layer {layer} region {name}.")
+        comps = {c.name: c for c in layout.components}
+        extents = []
+        for e in r["extents"]:
+            _check(e, EXTENT_TYPES, f"layer {layer} region {name} extent.")
+            c = comps.get(e["component"])
+            if c is None or not (is_count(e["offset"]) and is_count(e["stride"]) and 0 <= e["file"] < len(sources)):
+                raise ValueError(f"layer {layer} region {name}: bad extent {e}")
+            if (
+                e["stride"] < c.nbytes
+                or e["offset"] + (r["n_units"] - 1) * e["stride"] + c.nbytes > sources[e["file"]]["bytes"]
+            ):
+                raise ValueError(f"layer {layer} region {name}: extent {e} overlaps itself or ends past its file")
+            extents.append(Extent(e["file"], e["offset"], e["stride"], c.nbytes, c.offset))
+        if [e["component"] for e in r["extents"]] != [c.name for c in layout.components]:
+            raise ValueError(f"layer {layer} region {name}: extents for {[e['component'] for e in r['extents']]}")
+        if [e.row_offset for e in extents] != [sum(x.nbytes for x in extents[:i]) for i in range(len(extents))]:
+            raise ValueError(f"layer {layer} region {name}: in place, components must tile the row from byte 0")
+    return Region(layer, name, r["offset"], r["n_units"], r["stride"], r["crc32"], tuple(extents))
 
 
 def _named_files(manifest: dict) -> List[str]:
@@ -148,12 +175,18 @@ def check_types(m: dict) -> None:
     for name in _named_files(m):
         if Path(name).name != name or name in ("", ".", ".."):
             raise ValueError(f"{name!r} names a file outside the model directory")
+    for f in (m.get("sources") or {}).get("files", []):
+        _check(f, SOURCE_FILE_TYPES, "sources.files.")
+        if Path(f["name"]).is_absolute() or ".." in Path(f["name"]).parts or f["name"] in ("", "."):
+            raise ValueError(f"source file {f['name']!r} is not a name inside the source's root")
 
 
 def read_layers(m: dict, layouts: Dict[str, BundleLayout]) -> List[Dict[str, Region]]:
     """The layers' regions, numbered in order, each layer with the regions its kind of FFN has."""
+    sources = (m.get("sources") or {}).get("files", [])
     layers = [
-        {name: _region(i, name, r, layouts) for name, r in l["regions"].items()} for i, l in enumerate(m["layers"])
+        {name: _region(i, name, r, layouts, sources) for name, r in l["regions"].items()}
+        for i, l in enumerate(m["layers"])
     ]
     if [l["index"] for l in m["layers"]] != list(range(len(layers))):
         raise ValueError("layers are not numbered 0, 1, 2, ... in order")

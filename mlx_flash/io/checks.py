@@ -44,17 +44,18 @@ class UnitChecks:
     def __bool__(self):
         return self.expected is not None
 
-    def check(self, layer: int, region: str, units: np.ndarray, buffer, dest: np.ndarray, stride: int) -> None:
-        """Check `units` of a region, just read to byte offsets `dest` of `buffer`, unless checked before."""
+    def check(self, layer: int, region: str, units: np.ndarray, buffer, dest: np.ndarray, nbytes: int) -> None:
+        """Check `units` of a region (`nbytes` each), just read to byte offsets `dest` of `buffer`, unless checked
+        before."""
         checked = self.checked[layer, region]
         todo = np.flatnonzero(~checked[units])
         if not len(todo):
             return
-        got = crc32_at(buffer, dest[todo], stride)
+        got = crc32_at(buffer, dest[todo], nbytes)
         bad = np.flatnonzero(got != self.expected[layer, region][units[todo]])
         if len(bad):
             raise ChecksumError(
-                f"{self.fd.ffn_path}: checksum mismatch in layer {layer} ({region} unit {units[todo[bad[0]]]}): the "
-                "file is corrupted; re-convert the model"
+                f"{self.fd.units_where}: checksum mismatch in layer {layer} ({region} unit {units[todo[bad[0]]]}): "
+                "the file is corrupted or was replaced; convert the model again"
             )
         checked[units[todo]] = True

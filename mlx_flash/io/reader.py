@@ -244,7 +244,7 @@ def _read_error(path, err: int, offset: int, length: int, what: str) -> ReadErro
     return e
 
 
-def _as_i64(x) -> np.ndarray:
+def as_i64(x) -> np.ndarray:
     if isinstance(x, np.ndarray) and x.dtype == np.int64 and x.flags.c_contiguous:
         return x
     return np.ascontiguousarray(x, dtype=np.int64).reshape(-1)
@@ -279,12 +279,12 @@ class NativeReader:
 
     def read(self, dest, file_offsets, lengths, dest_offsets, *, coalesce: bool = True) -> int:
         """Read every request into `dest`; returns the bytes requested. Raises ReadError."""
-        return self._pool.read(dest, _as_i64(file_offsets), _as_i64(lengths), _as_i64(dest_offsets), coalesce=coalesce)
+        return self._pool.read(dest, as_i64(file_offsets), as_i64(lengths), as_i64(dest_offsets), coalesce=coalesce)
 
     def submit(self, dest, file_offsets, lengths, dest_offsets, *, coalesce: bool = True):
         """Start a batch; returns a handle for `wait` (it keeps `dest` alive)."""
         return self._pool.submit(
-            dest, _as_i64(file_offsets), _as_i64(lengths), _as_i64(dest_offsets), coalesce=coalesce
+            dest, as_i64(file_offsets), as_i64(lengths), as_i64(dest_offsets), coalesce=coalesce
         )
 
     def wait(self, handle) -> int:
@@ -459,7 +459,7 @@ class PythonReader:
             raise BufferError("dest must be a contiguous buffer")
         if mv.ndim != 1 or mv.format != "B":
             mv = mv.cast("B")
-        F, L, D = _as_i64(file_offsets), _as_i64(lengths), _as_i64(dest_offsets)
+        F, L, D = as_i64(file_offsets), as_i64(lengths), as_i64(dest_offsets)
         n = len(F)
         if len(L) != n or len(D) != n:
             raise _read_error(

@@ -1,0 +1,174 @@
+"""Experts read in place from the source's safetensors (format v5): nothing of them written, the same bits as a
+copied directory at every budget, and a source moved, cut or changed refused with a typed error naming it."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from mlx_flash.convert import convert
+from mlx_flash.engine.experts import REGION
+from mlx_flash.errors import ChecksumError, FlashFormatError, SourceFileError
+from mlx_flash.format.directory import FFN, RESIDENT, FlashDir
+from mlx_flash.generate import generate_step
+from mlx_flash.loader import load
+from mlx_flash.tools.synthetic import tiny_quantized
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_moe import slots_budget
+
+PROMPT = mx.array([1, 5, 9, 33, 70, 2, 11])
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(a 4-bit mlx-community-style qwen3_moe source, its flash directory in place, the same converted with copy)."""
+    root = tmp_path_factory.mktemp("in_place")
+    src = tiny_quantized("qwen3_moe", root / "src")
+    return (
+        src,
+        convert(str(src), root / "in_place", progress=False),
+        convert(str(src), root / "copied", progress=False, copy=True),
+    )
+
+
+def decode(flash_dir, budget_slots, n=10):
+    """Greedy tokens and their log-probabilities under a budget of `budget_slots` expert slots a layer (None: all)."""
+    fd = FlashDir(flash_dir)
+    budget = None if budget_slots is None else slots_budget(fd, budget_slots)
+    model, _ = load(flash_dir, memory_budget=budget, context=64)
+    try:
+        out = [(int(t), np.array(lp)) for t, lp in generate_step(PROMPT, model, max_tokens=n)]
+        return [t for t, _ in out], np.stack([lp for _, lp in out])
+    finally:
+        model.flash.close()
+
+
+def test_nothing_of_the_experts_is_written(pair):
+    """The in-place directory holds the resident weights and small files only; its rows are the copy's, byte for
+    byte (so the engines see the same units)."""
+    src, in_place, copied = pair
+    fd, ref = FlashDir(in_place), FlashDir(copied)
+    assert fd.version == 5 and fd.sources is not None and not (in_place / FFN).exists()
+    assert ref.sources is None and ref.ffn_bytes > 0
+    others = sum(f.stat().st_size for f in in_place.iterdir() if f.name != RESIDENT)
+    assert others < 64 << 10  # manifest, config, tokenizer, unit checksums
+    assert fd.resident_bytes == ref.resident_bytes
+    for i, layer in enumerate(fd.layers):
+        if layer:
+            assert np.array_equal(fd.read_region(i, REGION), ref.read_region(i, REGION)), i
+    fd.verify()
+
+
+@pytest.mark.parametrize("slots", [None, 1, 3])
+def test_same_tokens_and_log_probabilities_as_the_copy(pair, slots):
+    """Greedy tokens and every log-probability equal the copied directory's at every budget (exactly: the rows are
+    the same bytes)."""
+    _, in_place, copied = pair
+    tokens, logprobs = decode(in_place, slots)
+    ref_tokens, ref_logprobs = decode(copied, slots)
+    assert tokens == ref_tokens
+    assert np.array_equal(logprobs, ref_logprobs)
+
+
+def _moved(src, in_place, tmp_path):
+    """A copy of the in-place directory and its source, for tests that break the source."""
+    s, d = tmp_path / "src", tmp_path / "flash"
+    shutil.copytree(src, s, copy_function=shutil.copy2)  # (mtimes kept)
+    shutil.copytree(in_place, d)
+    manifest = (d / "flash.json").read_text().replace(str(src.resolve()), str(s.resolve()))
+    (d / "flash.json").write_text(manifest)
+    FlashDir(d)  # opens as it is
+    shard = next(s.glob("*.safetensors"))
+    return s, d, shard
+
+
+def test_a_moved_or_cut_source_is_refused_naming_it(pair, tmp_path):
+    src, in_place, _ = pair
+    s, d, shard = _moved(src, in_place, tmp_path)
+    shard.rename(shard.with_suffix(".moved"))
+    with pytest.raises(SourceFileError, match=f"{shard}: missing"):
+        FlashDir(d)
+    shard.with_suffix(".moved").rename(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    with pytest.raises(SourceFileError, match=f"{shard}: changed since .* bytes"):
+        FlashDir(d)
+
+
+def test_a_source_replaced_by_another_of_the_same_size_is_refused(pair, tmp_path):
+    """Modified (a new mtime): refused at open; the same size and mtime but other bytes (a copy that kept the time):
+    verify and an expert's first read fail its checksum, naming the source."""
+    src, in_place, _ = pair
+    s, d, shard = _moved(src, in_place, tmp_path)
+    fd = FlashDir(d)
+    layer = next(i for i, layer in enumerate(fd.layers) if layer)
+    e = fd.layers[layer][REGION].extents[0]  # expert 0's first component
+    path = fd.unit_paths[e.file]
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[e.offset : e.offset + 16] = bytes(x ^ 0xFF for x in data[e.offset : e.offset + 16])
+    path.write_bytes(bytes(data))
+    with pytest.raises(SourceFileError, match="modified"):
+        FlashDir(d)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fd = FlashDir(d)
+    with pytest.raises(FlashFormatError, match=f"source files in {s.resolve()}: checksum mismatch in layer {layer}"):
+        fd.verify()
+    model, _ = load(d, memory_budget=slots_budget(fd, 1), context=64)
+    try:
+        with pytest.raises(ChecksumError, match=f"source files in {s.resolve()}: checksum mismatch in layer {layer}"):
+            model.flash.read_into_slots(layer, REGION, np.array([0]), np.array([0]))()
+    finally:
+        model.flash.close()
+
+
+def test_commands_say_one_line_for_a_moved_source(pair, tmp_path):
+    src, in_place, _ = pair
+    s, d, shard = _moved(src, in_place, tmp_path)
+    ok = subprocess.run(
+        [sys.executable, "-m", "mlx_flash.generate", "--model", str(d), "--prompt", "hi", "--max-tokens", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    shutil.rmtree(s)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_flash.generate", "--model", str(d), "--prompt", "hi", "--max-tokens", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{shard}: missing" in r.stderr and "convert the model again" in r.stderr
+
+
+def _generate(model, env):
+    cmd = [sys.executable, "-m", "mlx_flash.generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "4"]
+    cmd += ["--temp", "0", "--ignore-chat-template"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
+def test_generate_takes_the_source_itself(pair, tmp_path):
+    """`generate --model` given an mlx-lm directory or a GGUF converts it once into the cache directory (the MoE's
+    experts in place) and generates what the converted directory does; the second run converts nothing."""
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    src, in_place, _ = pair
+    gguf = write_gguf("moe-small", tmp_path / "tiny-moe.gguf", progress=False, num_hidden_layers=2, vocab_size=512,
+                      num_experts=8, hidden_size=64, moe_intermediate_size=32, num_attention_heads=2, head_dim=32,
+                      num_key_value_heads=1)  # fmt: skip
+    env = dict(os.environ, MLX_FLASH_CACHE=str(tmp_path / "cache"))
+    for model, ref in ((src, in_place), (gguf, None)):
+        first = _generate(model, env)
+        assert first.returncode == 0 and "converting" in first.stderr, first.stderr[-2000:]
+        again = _generate(model, env)
+        assert again.returncode == 0 and "converting" not in again.stderr
+        assert again.stdout.split("==========")[0] == first.stdout.split("==========")[0]
+        if ref is not None:
+            assert _generate(ref, env).stdout.split("==========")[0] == first.stdout.split("==========")[0]
+    converted = {
+        d.name.split("-")[0]: FlashDir(d).sources is not None for d in (tmp_path / "cache" / "converted").iterdir()
+    }
+    assert converted == {src.name: True, "tiny": False}  # (the GGUF's experts copied)
