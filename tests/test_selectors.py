@@ -8,11 +8,12 @@ from mlx_flash.budget import min_budget, min_streaming_budget
 from mlx_flash.calib.quality import dense_ffn_weights, eval_model, perplexity
 from mlx_flash.calibrate import main as calibrate_main
 from mlx_flash.convert import convert
+from mlx_flash.default_model import default_model_dir
 from mlx_flash.engine.resident import stream_groups
 from mlx_flash.engine.selectors import build_sketch, save_selector, wina_norms
 from mlx_flash.engine.sparsity import WINA, Dense, Predictor, Sketch, top_k
 from mlx_flash.format.directory import FlashDir
-from mlx_flash.loader import cpu_cast, default_model_dir, kv_size_of, load, load_tokenizer, make_sparsifier
+from mlx_flash.loader import cpu_cast, kv_size_of, load, load_tokenizer, make_sparsifier
 from mlx_flash.models.inspect import instantiate
 from mlx_flash.texts import read_text, token_batches
 

@@ -283,9 +283,7 @@ class NativeReader:
 
     def submit(self, dest, file_offsets, lengths, dest_offsets, *, coalesce: bool = True):
         """Start a batch; returns a handle for `wait` (it keeps `dest` alive)."""
-        return self._pool.submit(
-            dest, as_i64(file_offsets), as_i64(lengths), as_i64(dest_offsets), coalesce=coalesce
-        )
+        return self._pool.submit(dest, as_i64(file_offsets), as_i64(lengths), as_i64(dest_offsets), coalesce=coalesce)
 
     def wait(self, handle) -> int:
         """Block until the batch is done; returns its bytes requested. Raises ReadError."""

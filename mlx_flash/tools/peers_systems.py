@@ -27,10 +27,10 @@ from typing import Optional
 from .. import __version__
 from ..convert.build import convert
 from ..convert.export import export
-from ..default_model import CONVERSION, cache_root, default_gguf_path
+from ..default_model import CONVERSION, cache_root, default_gguf_path, default_model_dir
 from ..format.directory import FlashDir
 from ..io.memory import baseline_command
-from ..loader import default_model_dir, load_tokenizer
+from ..loader import load_tokenizer
 from .cap import run_capped
 from .synthetic import PRESETS, ROUTINGS
 from .synthetic_gguf import GGUF_ARCHS, MOE_TYPES, write_gguf
