@@ -68,7 +68,7 @@ for i, t in enumerate(ids):
     step[0] = i
     tic = time.perf_counter()
     # the native decode step where the model has one, as generate runs it
-    mx.eval(model.decoder([int(t)], cache) if model.decoder is not None else model(mx.array([[int(t)]]), cache=cache))
+    mx.eval(model.forward([int(t)], cache))
     times.append(time.perf_counter() - tic)
 e.stats.end()
 toks = e.stats.tokens[1:]

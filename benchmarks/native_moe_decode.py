@@ -1,12 +1,12 @@
 """An MoE decode token with the native decoder (decode.HostDecoder: attention in C, router in MLX ops, experts
-from the engine) against mlx-lm's forward with the same engine, alternated (issue #23).
+from the engine) against MLX's forward (`--backend mlx`) with the same engine, alternated (issue #23).
 
     python benchmarks/native_moe_decode.py --model ~/.cache/mlx_flash/peers/qwen3-30b-a3b/flash --memory-budget 25% \
         --rounds 4 --tokens 20 [--json out.json]
 
-One process; each round resets the expert caches and samples near-uniform tokens (temperature 10000, seed = the
-round: the same tokens both ways), as peers does for random-weight MoE models. The figure is `--stats`' median
-ms a token; beside it the expert caches' hit rate, cold start (until they first fill) and steady state apart, and
+Each round loads the model afresh (backend "native" or "mlx") and samples near-uniform tokens (temperature
+10000, seed = the round: the same tokens both ways), as peers does for random-weight MoE models. The figure is
+`--stats`' median ms a token; beside it the expert caches' hit rate, cold start (until they first fill) and steady state apart, and
 the directory's routing regime (tools/synthetic.py's --routing, "measured" when not recorded).
 """
 
@@ -36,25 +36,23 @@ def setup_arg_parser():
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    model, tok = load(args.model, memory_budget=args.memory_budget, context=args.tokens + 32)
-    native = model.decoder
-    if native is None:
-        raise SystemExit(f"no native decoder for this model: {model.flash.decoder_why}")
-    prompt = mx.array(tok.encode("Once upon a time"))
     res = {"native": [], "mlx-lm forward": []}
     hits = {k: [] for k in res}
     for r in range(args.rounds):
         for name in list(res) if r % 2 == 0 else list(res)[::-1]:
-            model.decoder = native if name == "native" else None
-            model.flash.reset()
+            backend = "native" if name == "native" else "mlx"
+            model, tok = load(args.model, memory_budget=args.memory_budget, context=args.tokens + 32, backend=backend)
+            if name == "native" and not model.forward.native:
+                raise SystemExit(f"no native decode step for this model: {model.forward.why}")
             mx.random.seed(r)
+            prompt = mx.array(tok.encode("Once upon a time"))
             for _ in generate_step(prompt, model, max_tokens=args.tokens, sampler=make_sampler(10000.0)):
                 pass
             model.flash.stats.end()
             res[name].append(model.flash.stats.summary()["total_ms"])
             hits[name].append(engine_hit_rates(model.flash))
+            model.flash.close()
     regime = regime_of(model.flash.fd)
-    model.flash.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     print(
         f"{args.model} ({regime} routing) at {args.memory_budget}, {args.tokens} tokens, {args.rounds} rounds: ms a "

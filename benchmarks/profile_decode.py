@@ -72,10 +72,10 @@ def main():
     model, tok = load(args.model, memory_budget=args.memory_budget)
     prompt = mx.array(tok.encode("Once upon a time, in a land far away, there lived"))
     tokens_per_s(model, prompt, 8)  # warm up
-    why = model.flash.decoder_why
+    why = model.forward.why
     print(
         f"{tokens_per_s(model, prompt, args.tokens):.2f} tokens/s (native step: "
-        f"{'yes' if model.decoder is not None else f'no, {why}'})"
+        f"{'yes' if model.forward.native else f'no, {why}'})"
     )
     if args.kernels:
         print("ms per token:", ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(model, prompt, args.tokens).items()))

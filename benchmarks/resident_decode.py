@@ -6,7 +6,7 @@ Alternates, each round: `llama-bench -m GGUF -p 0 -n N -t 2` (its tg avg_ts, aft
 mlx_flash's decode from the directory convert made of the same GGUF with its defaults, loaded with no budget
 (everything resident), in a fresh process each round: one prompt token (PROMPT's first, as llama-bench warms up
 with one), then N decode steps over `generation.generate_step`, tokens/s = steps / their time as llama-bench's,
-the per-step median beside it. Also records the native step's use (`model.decoder`), whether
+the per-step median beside it. Also records the native step's use (`model.forward.native`), whether
 int8 activations were on, and the greedy agreement of int8 against float activations over the tokens.
 """
 
@@ -46,8 +46,8 @@ def flash_tokens_per_s(flash_dir: str, tokens: int) -> dict:
     return {
         "tokens_per_s": len(steps) / sum(steps),
         "step_ms_median": 1e3 * statistics.median(steps),
-        "native_step": model.decoder is not None,
-        "why_not": model.flash.decoder_why,
+        "native_step": model.forward.native,
+        "why_not": model.forward.why,
         "int8": bool(cpu_gemv.info().get("int8")),
         "tokens": out,
     }

@@ -22,16 +22,37 @@ from test_moe import slots_budget
 PROMPT = mx.array([1, 5, 9, 33, 70, 2, 11])
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """(a 4-bit mlx-community-style qwen3_moe source, its flash directory in place, the same converted with copy)."""
+@pytest.fixture(scope="module", params=["windows", "exact"])
+def pair(request, tmp_path_factory):
+    """(a 4-bit mlx-community-style qwen3_moe source, its flash directory in place, the same converted with copy).
+    "windows": experts whose components' strides are multiples of the alignment, each read as the aligned window
+    around it straight into its row (the components at odd bytes, as the file has them); "exact": strides that are
+    not, each component read as it is (bounced)."""
     root = tmp_path_factory.mktemp("in_place")
-    src = tiny_quantized("qwen3_moe", root / "src")
-    return (
-        src,
-        convert(str(src), root / "in_place", progress=False),
-        convert(str(src), root / "copied", progress=False, copy=True),
-    )
+    windows = request.param == "windows"
+    shape = dict(hidden_size=128, moe_intermediate_size=64) if windows else {}
+    src = tiny_quantized("qwen3_moe", root / "src", **shape)
+    if windows:  # tensors at odd bytes, as mx.save_safetensors leaves them (its header is not padded)
+        (f,) = src.glob("*.safetensors")
+        arrays = mx.load(str(f))
+        for pad in range(8):
+            mx.save_safetensors(str(f), arrays, metadata={"format": "mlx", "pad": "x" * pad})
+            if read_header_bytes(f) % 4 == 1:
+                break
+        assert read_header_bytes(f) % 4 == 1
+    alignment = 512 if windows else None
+    in_place = convert(str(src), root / "in_place", progress=False, alignment=alignment)
+    fd = FlashDir(in_place)
+    extents = [e for layer in fd.layers for r in layer.values() for e in r.extents]
+    assert extents and all((e.offset % 512 == 0 and e.nbytes % 512 == 0) == windows for e in extents)
+    assert any(e.at % 2 for e in extents) == windows  # (components at odd bytes of their rows)
+    return src, in_place, convert(str(src), root / "copied", progress=False, copy=True, alignment=alignment)
+
+
+def read_header_bytes(path) -> int:
+    """Where a safetensors file's data start."""
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
 
 
 def decode(flash_dir, budget_slots, n=10):
@@ -47,8 +68,8 @@ def decode(flash_dir, budget_slots, n=10):
 
 
 def test_nothing_of_the_experts_is_written(pair):
-    """The in-place directory holds the resident weights and small files only; its rows are the copy's, byte for
-    byte (so the engines see the same units)."""
+    """The in-place directory holds the resident weights and small files only; its units' components are the copy's,
+    byte for byte (so the engines see the same units)."""
     src, in_place, copied = pair
     fd, ref = FlashDir(in_place), FlashDir(copied)
     assert fd.version == 5 and fd.sources is not None and not (in_place / FFN).exists()
@@ -58,7 +79,12 @@ def test_nothing_of_the_experts_is_written(pair):
     assert fd.resident_bytes == ref.resident_bytes
     for i, layer in enumerate(fd.layers):
         if layer:
-            assert np.array_equal(fd.read_region(i, REGION), ref.read_region(i, REGION)), i
+            rows, ref_rows = fd.read_region(i, REGION), ref.read_region(i, REGION)
+            for c, r in zip(fd.layout_of(i, REGION).components, ref.layouts[REGION].components):
+                assert c.name == r.name and c.nbytes == r.nbytes
+                assert np.array_equal(
+                    rows[:, c.offset : c.offset + c.nbytes], ref_rows[:, r.offset : r.offset + r.nbytes]
+                )
     fd.verify()
 
 
@@ -109,7 +135,8 @@ def test_a_source_replaced_by_another_of_the_same_size_is_refused(pair, tmp_path
     path = fd.unit_paths[e.file]
     st = path.stat()
     data = bytearray(path.read_bytes())
-    data[e.offset : e.offset + 16] = bytes(x ^ 0xFF for x in data[e.offset : e.offset + 16])
+    at = e.offset + e.at  # (the component, not the window's bytes around it)
+    data[at : at + 16] = bytes(x ^ 0xFF for x in data[at : at + 16])
     path.write_bytes(bytes(data))
     with pytest.raises(SourceFileError, match="modified"):
         FlashDir(d)

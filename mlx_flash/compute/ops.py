@@ -53,6 +53,8 @@ def gather(rows: mx.array, slots: Optional[mx.array], c: Component) -> mx.array:
     words are ~3x faster than bytes; the result is viewed as the component's dtype.
     """
     stride = rows.shape[1]
+    if slots is None and c.offset % DTYPES[c.dtype].size:  # (in place, as its file has it: copied out aligned)
+        slots = mx.arange(rows.shape[0])
     word = next(w for w in _WORDS if c.offset % w.size == 0 and c.nbytes % w.size == 0 and stride % w.size == 0)
     table = rows if word == mx.uint8 else mx.view(rows, word)
     lo = c.offset // word.size

@@ -15,6 +15,7 @@ the experts into ffn.bin as before.
 
 import os
 import zlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -28,11 +29,11 @@ from .. import __version__
 from ..engine.experts import REGION, expert_arrays, expert_quantization, experts_per_token, switch_paths
 from ..errors import FlashError
 from ..format.directory import DEFAULT_ALIGNMENT, PACK_BYTES, FlashWriter
-from ..format.layout import BundleLayout, Extent, dtype_name
+from ..format.layout import BundleLayout, Extent, Region, dtype_name, round_up
 from ..format.quant import is_symmetric
 from ..format.safetensors_io import DTYPES as SAFETENSORS_DTYPES
 from ..format.safetensors_io import read_header
-from ..io.checks import crc32_at
+from ..io.sources import FILE_SHIFT
 from .source import copy_tokenizer, release
 
 
@@ -57,6 +58,11 @@ def convert_moe(
     if in_place and tensors is None:
         print("experts copied into ffn.bin: the source's files do not hold them stacked as the model has them")
     sources = None if tensors is None else {"root": str(Path(src_dir).resolve()), "files": tensors.pop(None)}
+    windows = None
+    if sources is not None:
+        first = BundleLayout.from_arrays(expert_arrays(modules[paths[min(paths)]]), alignment)  # (lazy: shapes)
+        places = {(i, c.name): tensors[f"{paths[i]}.{c.name}"] for i in paths for c in first.components}
+        windows = in_place_windows(first, places, alignment)
     # (an expert read straight into its row)
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment, sources=sources)
     quant, n_experts, hidden = None, None, None
@@ -93,12 +99,19 @@ def convert_moe(
             if sources is None:
                 writer.add_layer({REGION: arrays})
             else:
+                places = {c: tensors[f"{paths[i]}.{c}"] for c in arrays}
                 layout = BundleLayout.from_arrays(arrays, alignment)
-                extents = [Extent(*tensors[f"{paths[i]}.{c.name}"], c.nbytes, c.offset) for c in layout.components]
-                crcs, crc = unit_checksums(sources, extents, layout.stride, n_experts)
+                layout, extents = in_place_layout(layout, places, sources["files"], windows, alignment)
+                crcs, crc, row = unit_checksums(sources, extents, layout.stride, n_experts)
                 if i == min(paths):  # what mlx-lm loads is what is read: its first expert, byte for byte
-                    first = layout.pack({k: v[:1] for k, v in arrays.items()})
-                    if zlib.crc32(first[0, : layout.nbytes]) != crcs[0]:
+                    first = layout.pack({k: v[:1] for k, v in arrays.items()})[0]
+                    if any(
+                        (
+                            row[e.row_offset + e.at : e.row_offset + e.at + c.nbytes]
+                            != first[c.offset : c.offset + c.nbytes]
+                        ).any()
+                        for c, e in zip(layout.components, extents)
+                    ):
                         raise FlashError(
                             f"layer {i}: the source's expert bytes differ from what mlx-lm loads of them (its "
                             "sanitize changes them): convert with --copy"
@@ -165,26 +178,64 @@ def source_tensors(src_dir: Path, model: nn.Module, paths: Dict[int, str]) -> Op
     return {**found, None: files}
 
 
+def in_place_windows(layout: BundleLayout, places: dict, alignment: int):
+    """{component: window bytes} when every component of every layer (`places`: {(layer, component): (file,
+    offset of expert 0, stride)}) can be read as an aligned window around it straight into its row: strides that are
+    multiples of `alignment` (a component then lies at any byte of its window, as its file has it: mlx's safetensors
+    are not padded to whole elements; compute/ops.gather copies such a component out). One size a component, the
+    largest its layers need, so rows are alike (a layer's component lies at its own offset in its window:
+    Region.layout_over). None where they cannot (each component is then read as it is, through the reader's bounce
+    buffers)."""
+    windows = {}
+    for (_, name), (_, offset, stride) in places.items():
+        c, phase = layout.component(name), offset % alignment
+        if stride % alignment:
+            return None
+        windows[name] = max(windows.get(name, 0), round_up(phase + c.nbytes, alignment))
+    return windows
+
+
+def in_place_layout(layout: BundleLayout, places: dict, files: list, windows: Optional[dict], alignment: int):
+    """(the region's layout, one layer's extents) for experts read in place: `layout`'s components back to back, each
+    read as it is; or (`windows`) each in the aligned window of its size, the windows tiling the row."""
+    if windows is None:
+        return layout, [
+            Extent(f, o, s, c.nbytes, c.offset, 0, c.nbytes, files[f]["bytes"])
+            for c in layout.components
+            for f, o, s in [places[c.name]]
+        ]
+    components, extents, at = [], [], 0
+    for c in layout.components:
+        file, offset, stride = places[c.name]
+        phase = offset % alignment
+        components.append(replace(c, offset=at))
+        extents.append(Extent(file, offset - phase, stride, windows[c.name], at, phase, c.nbytes, files[file]["bytes"]))
+        at += windows[c.name]
+    return BundleLayout(tuple(components), at), extents
+
+
 def unit_checksums(sources: dict, extents, stride: int, n_units: int, chunk_bytes: int = PACK_BYTES):
-    """(each unit's CRC-32 over its components' bytes, the CRC-32 of the units' rows [n_units, stride] zero padded)
-    from the source files, read a chunk of units at a time."""
+    """(each unit's checksum as the runtime checks it (Region.unit_checksums), the CRC-32 of the units' rows
+    [n_units, stride] as read, zero where nothing is read, the first unit's row) from the source files, read a chunk
+    of units at a time."""
     root = Path(sources["root"])
     handles = {e.file: open(root / sources["files"][e.file]["name"], "rb") for e in extents}
-    nbytes = sum(e.nbytes for e in extents)
-    units, crc = np.empty(n_units, dtype=np.uint32), 0
+    region = Region(0, REGION, 0, n_units, stride, 0, tuple(extents))
+    units, crc, first = np.empty(n_units, dtype=np.uint32), 0, None
     step = max(1, chunk_bytes // stride)
     try:
         for lo in range(0, n_units, step):
             hi = min(n_units, lo + step)
             rows = np.zeros((hi - lo, stride), dtype=np.uint8)
-            for e in extents:
-                f = handles[e.file]
-                raw = os.pread(f.fileno(), (hi - lo - 1) * e.stride + e.nbytes, e.offset + lo * e.stride)
-                block = np.frombuffer(raw + bytes(e.stride - e.nbytes), dtype=np.uint8).reshape(hi - lo, e.stride)
-                rows[:, e.row_offset : e.row_offset + e.nbytes] = block[:, : e.nbytes]
-            units[lo:hi] = crc32_at(rows, np.arange(hi - lo) * stride, nbytes)
+            offsets, lengths, dest = region.requests(np.arange(lo, hi), np.arange(hi - lo) * stride)
+            flat = rows.reshape(-1)
+            for o, n, d in zip(offsets.tolist(), lengths.tolist(), dest.tolist()):
+                data = os.pread(handles[o >> FILE_SHIFT].fileno(), n, o & ((1 << FILE_SHIFT) - 1))
+                flat[d : d + len(data)] = np.frombuffer(data, np.uint8)
+            units[lo:hi] = region.unit_checksums(rows, np.arange(hi - lo) * stride)
             crc = zlib.crc32(rows, crc)
+            first = rows[0].copy() if first is None else first
     finally:
         for f in handles.values():
             f.close()
-    return units, crc
+    return units, crc, first

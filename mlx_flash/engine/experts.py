@@ -246,7 +246,15 @@ class ExpertEngine(Engine):
             for i, regions in enumerate(fd.layers)
         ]
         super().__init__(fd, reader, caches, max(scratch_bytes, self.layout.stride))
-        self.row_layouts = {n: self._row_layout(n) for n, q in self.quant.items() if q is not None}
+        # each layer's components where its rows hold them (experts read in place: the source's offsets, per layer)
+        self.layer_components = [
+            {c.name: c for c in fd.layout_of(i, REGION).components} if REGION in regions else None
+            for i, regions in enumerate(fd.layers)
+        ]
+        self.row_layouts = [
+            None if c is None else {n: self._row_layout(c, n) for n, q in self.quant.items() if q is not None}
+            for c in self.layer_components
+        ]
 
     def read_ahead_with(self, routers: dict, top_k: int):
         """Read ahead the experts the next layer's router (next_routers) picks for each layer's input, up to top_k
@@ -261,11 +269,12 @@ class ExpertEngine(Engine):
         return engine
 
     # -- compute -----------------------------------------------------------------
-    def _row_layout(self, name: str) -> tuple:
-        """QuantRows' fields of projection `name` within an expert's row: (offset, stride) of weight, scales and
-        biases (symmetric: none stored, none read; the scales stand in), then n, bits, group size, dtype, symmetric."""
-        q, c = self.quant[name], {p: self.components[f"{name}.{p}"] for p in ("weight", "scales")}
-        c["biases"] = self.components.get(f"{name}.biases", c["scales"])
+    def _row_layout(self, components: dict, name: str) -> tuple:
+        """QuantRows' fields of projection `name` within an expert's row (`components`: a layer's): (offset, stride)
+        of weight, scales and biases (symmetric: none stored, none read; the scales stand in), then n, bits, group
+        size, dtype, symmetric."""
+        q, c = self.quant[name], {p: components[f"{name}.{p}"] for p in ("weight", "scales")}
+        c["biases"] = components.get(f"{name}.biases", c["scales"])
         at = [v for p in ("weight", "scales", "biases") for v in (c[p].offset, c[p].nbytes // c[p].shape[0])]
         return (
             *at,
@@ -276,9 +285,10 @@ class ExpertEngine(Engine):
             bool(q.get("symmetric")),
         )
 
-    def _quant_rows(self, host: np.ndarray, slot: int, name: str) -> "cpu_gemv.QuantRows":
-        """Projection `name` of the expert in row `slot` of `host` as the native kernels' rows (no copy, no view)."""
-        w, ws, s, ss, b, bs, *rest = self.row_layouts[name]  # computed once: this runs 3 times per expert
+    def _quant_rows(self, layer: int, host: np.ndarray, slot: int, name: str) -> "cpu_gemv.QuantRows":
+        """Projection `name` of layer `layer`'s expert in row `slot` of `host` as the native kernels' rows (no copy,
+        no view)."""
+        w, ws, s, ss, b, bs, *rest = self.row_layouts[layer][name]  # computed once: this runs 3 times per expert
         base = slot * host.shape[1]
         return cpu_gemv.QuantRows(host, base + w, ws, host, base + s, ss, host, base + b, bs, *rest)
 
@@ -294,14 +304,14 @@ class ExpertEngine(Engine):
             and "gate_proj.bias" not in self.components
         )
 
-    def _expert_row(self, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
+    def _expert_row(self, layer: int, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
         """`_expert` of float32 rows xv [m, D] on the native kernels, straight from the cache row: the expert's
         bytes are read once for all m."""
-        gate, up = (self._quant_rows(host, slot, name) for name in ("gate_proj", "up_proj"))
+        gate, up = (self._quant_rows(layer, host, slot, name) for name in ("gate_proj", "up_proj"))
         gu = cpu_gemv.row_dot_pairs(xv, gate, up, k=self.components["gate_proj.weight"].shape[0])
         return cpu_gemv.row_dot(
             cpu_gemv.glu_pairs(gu),
-            self._quant_rows(host, slot, "down_proj"),
+            self._quant_rows(layer, host, slot, "down_proj"),
             k=self.components["down_proj.weight"].shape[0],
         )
 
@@ -365,7 +375,7 @@ class ExpertEngine(Engine):
                 host = hosts.get(id(part))
                 if host is None:
                     host = hosts[id(part)] = np.asarray(memoryview(part))
-                outs.append(self._expert_row(xv[pairs[i] // k], host, slot))
+                outs.append(self._expert_row(layer, xv[pairs[i] // k], host, slot))
             return outs
 
         def switch(rows, slots, positions, dst, n):  # MLX's ops: the call's experts in one product a matrix
@@ -376,11 +386,11 @@ class ExpertEngine(Engine):
             tokens, sl = np.concatenate(chosen) // k, mx.array(np.asarray(slots, np.int32))
             lengths = row_rules.segments()
             if lengths is None or row_rules.independent(True):
-                return self._switch(xf[mx.array(tokens)], rows, sl, which, activation)
+                return self._switch(layer, xf[mx.array(tokens)], rows, sl, which, activation)
             # (each sequence's pairs as a pass of it alone computes them: a GPU's products depend on their rows)
             seq = np.searchsorted(np.cumsum(lengths), tokens, side="right")
             picks = [np.flatnonzero(seq == s) for s in np.unique(seq)]
-            ys = [self._switch(xf[mx.array(tokens[p])], rows, sl, which[p], activation) for p in picks]
+            ys = [self._switch(layer, xf[mx.array(tokens[p])], rows, sl, which[p], activation) for p in picks]
             return mx.concatenate(ys)[mx.array(np.argsort(np.concatenate(picks)))]
 
         read_next = None if ahead is None else (lambda: self._read_next(layer, np.array(ahead)))
@@ -392,7 +402,7 @@ class ExpertEngine(Engine):
         y = mx.array(np.concatenate(outs)[back]) if native else mx.concatenate(outs, axis=0)[mx.array(back)]
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
 
-    def _switch(self, x: mx.array, rows, slots: mx.array, which: np.ndarray, activation) -> mx.array:
+    def _switch(self, layer: int, x: mx.array, rows, slots: mx.array, which: np.ndarray, activation) -> mx.array:
         """mlx-lm's SwitchGLU / SwitchMLP on x [P, D], pair p through expert rows[slots[which[p]]]: each matrix's
         rows gathered once for the call, each pair a row of MLX's gathered products (as SwitchGLU computes them:
         a pair's output does not depend on the others, pairs sorted by expert as larger calls sort them)."""
@@ -402,7 +412,7 @@ class ExpertEngine(Engine):
         def project(h, name):
             q, p = self.quant[name], {}
             for part in ("weight", "scales", "biases", "bias"):
-                c = self.components.get(f"{name}.{part}")
+                c = self.layer_components[layer].get(f"{name}.{part}")
                 p[part] = None if c is None else gather(rows, slots, c)
             if q is None:
                 y = mx.gather_mm(h, p["weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=ordered)

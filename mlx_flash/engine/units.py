@@ -138,7 +138,7 @@ class Engine:
         def checked():
             wait()
             t = time.perf_counter()
-            self.checks.check(r.layer, r.name, units, buffer, dest, r.unit_bytes)
+            self.checks.check(r, units, buffer, dest)
             self.stats.current.io_s += time.perf_counter() - t
 
         return checked

@@ -31,9 +31,12 @@ so they take neither disk, device reads nor DRAM.
 
 Format v5 reads units in place from the model's source files instead of ffn.bin (which it has not): the manifest's
 "sources" names them ({"root": the source directory, "files": [{"name" relative to it, "bytes", "mtime_ns"}]}), and
-each region an "extents" entry per component of its layout ({"component", "file": index, "offset": of unit 0,
-"stride": between units}); a unit is read into a cache row laid out as ffn.bin's bundle (its components back to
-back), so nothing past the reader knows. A source file moved, cut or changed since convert is refused at open.
+each region an "extents" entry per component of its layout ({"component", "file": index, "offset" of unit 0's
+window, "stride" between units, "bytes" of a window, "at": the component's offset in it}): the windows tile a
+unit's cache row in order, each an aligned window around its component where the source's strides allow (read
+straight into the row; the component "at" bytes into it, this layer's own offset: `layout_of`), else exactly its
+bytes (at 0: the region's layout). A source file moved,
+cut or changed since convert is refused at open.
 """
 
 import json
@@ -251,6 +254,11 @@ class FlashDir:
             return [self.ffn_path]
         return [Path(self.sources["root"]) / f["name"] for f in self.sources["files"]]
 
+    def layout_of(self, layer: int, name: str) -> BundleLayout:
+        """How a layer's units of region `name` lie in their rows: the region's layout, its components where this
+        layer's are in place (Region.layout_over)."""
+        return self.layers[layer][name].layout_over(self.layouts[name])
+
     @property
     def largest_unit_path(self) -> Path:
         """The largest file units are read from: where the disk's rate is measured."""
@@ -431,7 +439,8 @@ class FlashDir:
     def unpack_layer(self, layer: int) -> Dict[str, mx.array]:
         """Every component array of one layer, read from disk (e.g. for an all-resident model), expanded."""
         arrays = {}
-        for name, layout in self.layouts.items():
+        for name in self.layouts:
+            layout = self.layout_of(layer, name)
             arrays.update(layout.unpack(layout.expand(mx.array(self.read_region(layer, name)))))
         quant = self.ffn.get("quantization") or {n: m["quantization"] for n, m in self.ffn.get("matrices", {}).items()}
         for name, q in quant.items():  # symmetric rows store no biases: the consumers get them
@@ -455,9 +464,7 @@ class FlashDir:
         for r in regions:
             rows = self.read_region(r.layer, r.name)  # (checks the region's checksum)
             if units is not None:
-                bad = np.flatnonzero(
-                    crc32_at(rows, np.arange(r.n_units) * r.stride, r.unit_bytes) != units[r.layer, r.name]
-                )
+                bad = np.flatnonzero(r.unit_checksums(rows, np.arange(r.n_units) * r.stride) != units[r.layer, r.name])
                 if len(bad):
                     raise FlashFormatError(
                         f"{self.units_where}: checksum mismatch in layer {r.layer} ({r.name} unit {bad[0]}; corrupted)"
@@ -640,7 +647,7 @@ def _region_json(r: Region, layout: BundleLayout) -> dict:
     d = {"offset": r.offset, "n_units": r.n_units, "stride": r.stride, "crc32": r.crc32}
     if r.extents:
         d["extents"] = [
-            {"component": c.name, "file": e.file, "offset": e.offset, "stride": e.stride}
+            {"component": c.name, "file": e.file, "offset": e.offset, "stride": e.stride, "bytes": e.nbytes, "at": e.at}
             for c, e in zip(layout.components, r.extents)
         ]
     return d

@@ -9,7 +9,7 @@ shape and byte offset inside the bundle, so a reader can view any bundle (or a c
 without copying.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Dict, Optional
 
@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FlashFormatError
+from ..io.checks import crc32_at
 from ..io.sources import FILE_SHIFT
 from . import bitmap
 
@@ -386,14 +387,18 @@ def is_count(x) -> bool:
 
 @dataclass(frozen=True)
 class Extent:
-    """One component of every unit of a region read in place: unit u's bytes [offset + u * stride, + nbytes) of
-    source file `file`, read to byte `row_offset` of its cache row."""
+    """One component of every unit of a region read in place: unit u's window [offset + u * stride, + nbytes) of
+    source file `file` (cut at its end, byte `limit`), read to byte `row_offset` of its cache row; the component's
+    `length` bytes lie `at` bytes into it."""
 
     file: int
     offset: int
     stride: int
     nbytes: int
     row_offset: int
+    at: int = 0
+    length: int = 0  # (0: nbytes)
+    limit: int = 0  # (0: no end)
 
 
 @dataclass(frozen=True)
@@ -420,6 +425,14 @@ class Region:
     def unit_offset(self, unit: int) -> int:
         return self.offset + unit * self.stride
 
+    def layout_over(self, layout: BundleLayout) -> BundleLayout:
+        """The layout of this region's rows: `layout` (its name's, shared by every layer), its components where
+        this layer's extents put them in place (a component's offset in its aligned window is the source's)."""
+        if not self.extents or all(c.offset == e.row_offset + e.at for c, e in zip(layout.components, self.extents)):
+            return layout
+        comps = tuple(replace(c, offset=e.row_offset + e.at) for c, e in zip(layout.components, self.extents))
+        return replace(layout, components=comps)
+
     def unit_offsets(self, units) -> np.ndarray:
         """int64 file offsets of `units` in ffn.bin, each `stride` bytes long."""
         return self.offset + np.asarray(units, dtype=np.int64) * self.stride
@@ -430,6 +443,23 @@ class Region:
         units, dest = np.asarray(units, dtype=np.int64), np.asarray(dest, dtype=np.int64)
         if not self.extents:
             return self.unit_offsets(units), np.full(len(units), self.stride, dtype=np.int64), dest
-        offsets = np.concatenate([(e.file << FILE_SHIFT) + e.offset + units * e.stride for e in self.extents])
-        lengths = np.repeat(np.array([e.nbytes for e in self.extents], dtype=np.int64), len(units))
+        starts = [e.offset + units * e.stride for e in self.extents]
+        offsets = np.concatenate([(e.file << FILE_SHIFT) + o for e, o in zip(self.extents, starts)])
+        # (a window passing the end of its file is cut there; its component is inside it)
+        cut = [
+            np.minimum(e.nbytes, e.limit - o) if e.limit else np.full(len(o), e.nbytes)
+            for e, o in zip(self.extents, starts)
+        ]
+        lengths = np.concatenate(cut).astype(np.int64)
         return offsets, lengths, np.concatenate([dest + e.row_offset for e in self.extents])
+
+    def unit_checksums(self, rows, dest) -> np.ndarray:
+        """Each unit's CRC-32 in `rows` (a buffer) at byte offsets `dest` (uint32): of its bytes in ffn.bin; in
+        place, of its components' CRC-32s (little-endian uint32s, in row order), so the bytes around a component in
+        its window do not count."""
+        if not self.extents:
+            return crc32_at(rows, dest, self.stride)
+        dest = np.asarray(dest, dtype=np.int64)
+        parts = np.stack([crc32_at(rows, dest + e.row_offset + e.at, e.length or e.nbytes) for e in self.extents], 1)
+        parts = np.ascontiguousarray(parts, dtype="<u4")
+        return crc32_at(parts, np.arange(len(parts)) * parts.shape[1] * 4, parts.shape[1] * 4)

@@ -22,7 +22,7 @@ MANIFEST_TYPES = {
     "sources": ({"root": str, "files": [dict]}, None),  # v5: units read in place from these files
 }
 SOURCE_FILE_TYPES = {"name": str, "bytes": int, "mtime_ns": int}
-EXTENT_TYPES = {"component": str, "file": int, "offset": int, "stride": int}
+EXTENT_TYPES = {"component": str, "file": int, "offset": int, "stride": int, "bytes": (int, None), "at": (int, None)}
 FFN_TYPES = {  # dense, mixture of experts
     False: {
         "kind": str,
@@ -143,22 +143,24 @@ def _region(layer: int, name: str, r: dict, layouts: Dict[str, BundleLayout], so
             raise ValueError(f"layer {layer} region {name}: extents need sources and a dense layout")
         _check({"extents": r["extents"]}, {"extents": [dict]}, f"layer {layer} region {name}.")
         comps = {c.name: c for c in layout.components}
-        extents = []
-        for e in r["extents"]:
+        extents, at = [], 0
+        for e in r["extents"]:  # each a window of its file around its component, the windows tiling the row
             _check(e, EXTENT_TYPES, f"layer {layer} region {name} extent.")
-            c = comps.get(e["component"])
-            if c is None or not (is_count(e["offset"]) and is_count(e["stride"]) and 0 <= e["file"] < len(sources)):
+            c, nbytes = comps.get(e["component"]), e.get("bytes")
+            nbytes = c.nbytes if c is not None and nbytes is None else nbytes
+            fields = (e["offset"], e["stride"], nbytes)
+            if c is None or not (all(is_count(x) for x in fields) and 0 <= e["file"] < len(sources)):
                 raise ValueError(f"layer {layer} region {name}: bad extent {e}")
-            if (
-                e["stride"] < c.nbytes
-                or e["offset"] + (r["n_units"] - 1) * e["stride"] + c.nbytes > sources[e["file"]]["bytes"]
-            ):
-                raise ValueError(f"layer {layer} region {name}: extent {e} overlaps itself or ends past its file")
-            extents.append(Extent(e["file"], e["offset"], e["stride"], c.nbytes, c.offset))
-        if [e["component"] for e in r["extents"]] != [c.name for c in layout.components]:
+            inside = e.get("at", 0)  # (where this layer's component lies in its window: the source's alignment)
+            if not (is_count(inside) and inside + c.nbytes <= nbytes):
+                raise ValueError(f"layer {layer} region {name}: component {c.name!r} is not inside its extent")
+            size = sources[e["file"]]["bytes"]  # (a window may pass the end of its file, its component not)
+            if e["offset"] + (r["n_units"] - 1) * e["stride"] + inside + c.nbytes > size:
+                raise ValueError(f"layer {layer} region {name}: extent {e} ends past its file")
+            extents.append(Extent(e["file"], e["offset"], e["stride"], nbytes, at, inside, c.nbytes, size))
+            at += nbytes
+        if [e["component"] for e in r["extents"]] != [c.name for c in layout.components] or at > layout.stride:
             raise ValueError(f"layer {layer} region {name}: extents for {[e['component'] for e in r['extents']]}")
-        if [e.row_offset for e in extents] != [sum(x.nbytes for x in extents[:i]) for i in range(len(extents))]:
-            raise ValueError(f"layer {layer} region {name}: in place, components must tile the row from byte 0")
     return Region(layer, name, r["offset"], r["n_units"], r["stride"], r["crc32"], tuple(extents))
 
 

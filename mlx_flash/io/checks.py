@@ -44,14 +44,15 @@ class UnitChecks:
     def __bool__(self):
         return self.expected is not None
 
-    def check(self, layer: int, region: str, units: np.ndarray, buffer, dest: np.ndarray, nbytes: int) -> None:
-        """Check `units` of a region (`nbytes` each), just read to byte offsets `dest` of `buffer`, unless checked
-        before."""
+    def check(self, r, units: np.ndarray, buffer, dest: np.ndarray) -> None:
+        """Check `units` of region `r` (format.layout.Region), just read to byte offsets `dest` of `buffer`, unless
+        checked before."""
+        layer, region = r.layer, r.name
         checked = self.checked[layer, region]
         todo = np.flatnonzero(~checked[units])
         if not len(todo):
             return
-        got = crc32_at(buffer, dest[todo], nbytes)
+        got = r.unit_checksums(buffer, dest[todo])
         bad = np.flatnonzero(got != self.expected[layer, region][units[todo]])
         if len(bad):
             raise ChecksumError(
