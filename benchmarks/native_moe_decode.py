@@ -6,8 +6,8 @@ from the engine) against MLX's forward (`--backend mlx`) with the same engine, a
 
 Each round loads the model afresh (backend "native" or "mlx") and samples near-uniform tokens (temperature
 10000, seed = the round: the same tokens both ways), as peers does for random-weight MoE models. The figure is
-`--stats`' median ms a token; beside it the expert caches' hit rate, cold start (until they first fill) and steady state apart, and
-the directory's routing regime (tools/synthetic.py's --routing, "measured" when not recorded).
+`--stats`' median ms a token; beside it the expert caches' hit rate, cold start (until they first fill) and
+steady state apart, and the directory's routing regime (tools/synthetic.py's --routing, "measured" when not recorded).
 """
 
 import argparse
