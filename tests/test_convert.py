@@ -1,6 +1,7 @@
 """Converter and flash format v1: bit-exact bundles, resident-only logits, clear errors."""
 
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -371,7 +372,8 @@ def test_spooled_safetensors_are_mx_save_safetensors_bytes(tmp_path):
 
 def test_resident_weights_written_one_at_a_time(tmp_path):
     """FlashWriter.finish evaluates and writes the resident arrays one by one: MLX's peak memory stays about one
-    array (mx.save_safetensors of the dict held them all), and the file is the one it would have written."""
+    array (mx.save_safetensors of the dict held them all), and the file holds what it would have written, its data
+    once on disk (no scratch copy: the file is as large as its header and data)."""
     n, shape = 24, (512, 1024)  # 24 lazy float32 arrays of 2 MiB
     resident = {f"model.layers.{i}.w.weight": mx.random.normal(shape, key=mx.random.key(i)) for i in range(n)}
     ref = tmp_path / "ref.safetensors"
@@ -386,11 +388,14 @@ def test_resident_weights_written_one_at_a_time(tmp_path):
     writer.finish({"model_type": "llama"}, resident, {})
     assert resident == {}  # each array dropped once written
     assert mx.get_peak_memory() < 4 * one, mx.get_peak_memory() / one
-    assert (tmp_path / "flash" / "resident.safetensors").read_bytes() == ref.read_bytes()
+    path = tmp_path / "flash" / "resident.safetensors"
+    got, want = mx.load(str(path)), mx.load(str(ref))
+    assert got.keys() == want.keys() and all(mx.array_equal(got[k], want[k]).item() for k in want)
+    assert path.stat().st_size == ref.stat().st_size  # (the same header and data, the data in the order written)
     manifest = json.loads((tmp_path / "flash" / "flash.json").read_text())
     import hashlib
 
-    assert manifest["resident"]["sha256"] == hashlib.sha256(ref.read_bytes()).hexdigest()
+    assert manifest["resident"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert sorted(os.listdir(tmp_path / "flash")) == [
         "config.json",
         "ffn.bin",
@@ -398,6 +403,25 @@ def test_resident_weights_written_one_at_a_time(tmp_path):
         "resident.safetensors",
         "units.crc32",
     ]
+
+
+def test_a_spool_finished_in_place_leaves_tensors_out(tmp_path):
+    """TensorSpool.finish: the scratch file becomes the safetensors file, the tensors left out removed (those after
+    moved back), the header padded into the room reserved for all of them; every reader reads the rest."""
+    from mlx_flash.format.safetensors_io import TensorSpool, read_header
+
+    arrays = {f"t{i}": mx.arange(i * 100, dtype=mx.float16 if i % 2 else mx.uint32) for i in range(1, 7)}
+    spool = TensorSpool(tmp_path / "scratch", reserve=arrays, metadata={"format": "mlx"})
+    for k, v in arrays.items():
+        spool.add(k, v)
+    keep = ["t1", "t3", "t4", "t6"]
+    sha = spool.finish(tmp_path / "out.safetensors", keep)
+    path = tmp_path / "out.safetensors"
+    got = mx.load(str(path))
+    assert sorted(got) == keep and all(mx.array_equal(got[k], arrays[k]).item() for k in keep)
+    assert set(read_header(path)) == {*keep, "__metadata__"}
+    assert path.stat().st_size == spool.start + sum(arrays[k].nbytes for k in keep)
+    assert not (tmp_path / "scratch").exists() and sha == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_gguf_read_through_its_memory_map(tmp_path, monkeypatch):

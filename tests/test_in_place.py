@@ -199,3 +199,20 @@ def test_generate_takes_the_source_itself(pair, tmp_path):
         d.name.split("-")[0]: FlashDir(d).sources is not None for d in (tmp_path / "cache" / "converted").iterdir()
     }
     assert converted == {src.name: True, "tiny": False}  # (the GGUF's experts copied)
+
+
+def test_convert_in_place_needs_the_resident_weights_once_on_disk(tmp_path, monkeypatch):
+    """Converted onto a filesystem of 1.05 times the resident file (and the small files' blocks), an MoE read in place
+    converts: nothing of the experts is written and the resident weights are on disk once (the space check off, so
+    the filesystem bounds the peak)."""
+    from mlx_flash.convert import build
+    from test_convert_input import tmpfs
+
+    src = tiny_quantized("qwen3_moe", tmp_path / "src", vocab_size=8192, hidden_size=128, moe_intermediate_size=64)
+    ref = FlashDir(convert(str(src), tmp_path / "ref", progress=False))
+    small = sum(-(-f.stat().st_size // 4096) * 4096 for f in ref.path.iterdir() if f.name != RESIDENT)
+    monkeypatch.setattr(build, "check_free_space", lambda out, needed: None)
+    with tmpfs(tmp_path / "disk", int(1.05 * ref.resident_bytes) + small + (16 << 10)) as disk:
+        assert ref.resident_bytes > 50 * small  # (the bound is the resident file's)
+        out = FlashDir(build.convert(str(src), disk / "out", progress=False))
+        assert out.sources is not None and out.resident_bytes == ref.resident_bytes

@@ -5,9 +5,9 @@ written (`SourceWeights.peak_bytes`) and checked against the free space of the o
 Everything is written in the output's temporary directory, beside it, so on one filesystem. At once:
   * a GGUF's mlx-lm directory (source.py), kept to the end; its weights are spooled to a scratch file, then
     copied into model.safetensors (TensorSpool): twice its weights for a moment;
-  * the flash directory: ffn.bin, then the resident weights spooled and copied likewise (FlashWriter.finish):
-    the resident set twice for a moment, and the FFN's resident scales (down rows stored as the source's codes)
-    a third time in the layers' spool files (build._spooled).
+  * the flash directory: ffn.bin (none where an MoE's experts are read in place), then the resident weights,
+    written once (FlashWriter.finish), and the FFN's resident scales (down rows stored as the source's codes)
+    a second time in the layers' spool files (build._spooled).
 """
 
 import errno
@@ -73,18 +73,16 @@ class SourceWeights:
         "group_size"}, the source's own, or None: floats of `float_size` bytes, None: the source's), the FFN's
         down rows as `down`, their scales resident if `resident_scales`. The larger of a GGUF's mlx-lm directory
         being written (twice its weights) and that directory with the flash directory being finished (the output,
-        the resident set again, the FFN's resident scales twice again). `in_place`: the FFN is not written."""
-        output = resident = scales = 0
+        the FFN's resident scales twice again). `in_place`: the FFN is not written."""
+        output = scales = 0
         for w in self.weights:
             streamed = FFN.search(w.name)
             q = down if streamed and DOWN.search(w.name) else quant
             n = _stored(w, q, self.quant, float_size)
             output += 0 if streamed and in_place else n
-            if not streamed:
-                resident += n
-            elif resident_scales and q is not None and DOWN.search(w.name):
+            if streamed and resident_scales and q is not None and DOWN.search(w.name):
                 scales += 2 * (w.values // q["group_size"]) * (float_size or 2)  # its groups' scales and biases
-        finishing = output + self.files + resident + 2 * scales
+        finishing = output + self.files + 2 * scales
         return int(MARGIN * max(2 * self.intermediate, self.intermediate + finishing))
 
 

@@ -575,12 +575,13 @@ class FlashWriter:
         """Write resident weights (without the biases symmetric codes imply), config and the manifest
         (`manifest` adds architecture fields).
 
-        `resident` is emptied as it is written: each array is evaluated, spooled to a scratch file and dropped in
-        turn, so memory holds one of them at a time when `resident` holds the only references to them."""
+        `resident` is emptied as it is written: each array is evaluated, written and dropped in turn, so memory
+        holds one of them at a time when `resident` holds the only references to them; the file is written once
+        (TensorSpool.finish: the biases left out are moved over), so the disk holds the resident weights once."""
         self.abort()
         names = list(resident)
         total = sum(v.nbytes for v in resident.values())
-        spool = TensorSpool(self.path / f".{RESIDENT}.spool")
+        spool = TensorSpool(self.path / f".{RESIDENT}.spool", reserve=resident, metadata={"format": "mlx"})
         with tqdm(
             total=total, desc="resident weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
         ) as bar:
@@ -592,14 +593,14 @@ class FlashWriter:
         symmetric = symmetric_modules(_Spooled(spool), config)
         names = [k for k in names if k.removesuffix(".biases") not in symmetric]
         with tqdm(
-            total=sum(spool.entries[k][3] for k in names),
-            desc=f"write {RESIDENT} + sha256",
+            total=spool.start + sum(spool.entries[k][3] for k in names),
+            desc=f"{RESIDENT}: sha256",
             unit="B",
             unit_scale=True,
             unit_divisor=1024,
             disable=not progress,
         ) as bar:
-            sha256 = spool.save(self.path / RESIDENT, names, {"format": "mlx"}, bar, checksum=True)
+            sha256 = spool.finish(self.path / RESIDENT, names, bar)
         with open(self.path / "config.json", "w") as f:
             json.dump(config, f, indent=2)
         full = {

@@ -58,6 +58,17 @@ def read_header(path) -> dict:
         return json.loads(f.read(n))
 
 
+def _header(sizes: Dict[str, tuple], order: List[str], metadata: dict) -> bytes:
+    """A safetensors header (sorted keys, as mx writes it) of tensors {name: (dtype, shape, bytes)} whose data lie
+    in `order`."""
+    header, offset = {"__metadata__": metadata}, 0
+    for k in order:
+        dtype, shape, n = sizes[k]
+        header[k] = {"data_offsets": [offset, offset + n], "dtype": dtype, "shape": shape}
+        offset += n
+    return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def data_order(names: List[str]) -> List[str]:
     """The order in which `mx.save_safetensors` writes the data of a dict with these keys, inserted in this order."""
     with tempfile.TemporaryDirectory() as d:
@@ -76,13 +87,22 @@ def tensor_bytes(a: mx.array) -> np.ndarray:
 
 
 class TensorSpool:
-    """Arrays appended to a scratch file as they are added, then saved as one safetensors file."""
+    """Arrays appended to a scratch file as they are added, then saved as one safetensors file (`save`), or
+    made one in place (`finish`: the scratch file becomes it, so the data are on disk once)."""
 
-    def __init__(self, scratch):
-        self.scratch = Path(scratch)
+    def __init__(self, scratch, reserve: Optional[Dict[str, mx.array]] = None, metadata: Optional[dict] = None):
+        """`reserve`: the arrays (lazy: only dtypes and shapes are read) to be added, in their order, room for
+        whose header (with `metadata`) `finish` leaves at the start of the scratch file."""
+        self.scratch, self.metadata = Path(scratch), metadata
         self._f = open(self.scratch, "w+b")
         self.entries: Dict[str, tuple] = {}  # name -> (safetensors dtype, shape, offset in the scratch file, bytes)
-        self.nbytes = 0
+        self.start = 0
+        if reserve is not None:
+            sizes = {k: (DTYPES[v.dtype], list(v.shape), v.nbytes) for k, v in reserve.items()}
+            self.start = 8 + len(_header(sizes, list(sizes), metadata))
+            self._f.truncate(self.start)
+            self._f.seek(self.start)
+        self.nbytes = self.start
 
     def __len__(self):
         return len(self.entries)
@@ -114,13 +134,8 @@ class TensorSpool:
         `mx.save_safetensors(path, {name: array}, metadata)` would; returns the file's sha256 if `checksum`.
         `progress`: a tqdm bar updated with the bytes written. The scratch file is removed."""
         names = list(self.entries if names is None else names)
-        header, offset = {"__metadata__": metadata}, 0
         order = data_order(names)
-        for k in order:
-            dtype, shape, _, n = self.entries[k]
-            header[k] = {"data_offsets": [offset, offset + n], "dtype": dtype, "shape": shape}
-            offset += n
-        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        text = _header({k: (e[0], e[1], e[3]) for k, e in self.entries.items()}, order, metadata)
         sha = hashlib.sha256() if checksum else None
         self._f.flush()
         with open(path, "wb") as out:
@@ -141,6 +156,42 @@ class TensorSpool:
                         progress.update(len(chunk))
         self.close()
         return None if sha is None else sha.hexdigest()
+
+    def finish(self, path, names: Iterable[str], progress=None) -> str:
+        """The scratch file made the safetensors file `path` of `names` (all added, in order, those left out after
+        the first removed by moving the rest back), its header in the room `reserve` left, padded with spaces;
+        returns its sha256 (read back, `progress` updated). Its data are in the order added: any safetensors
+        reader's, not byte for byte what `mx.save_safetensors` writes."""
+        names = set(names)
+        keep = [k for k in self.entries if k in names]
+        at = self.start
+        for k in list(self.entries):  # (in the order added)
+            dtype, shape, offset, n = self.entries.pop(k)
+            if k not in names:
+                continue
+            if offset != at:  # after a removed tensor: moved back over it
+                for done in range(0, n, CHUNK):
+                    self._f.seek(offset + done)
+                    chunk = self._f.read(min(CHUNK, n - done))
+                    self._f.seek(at + done)
+                    self._f.write(chunk)
+            self.entries[k] = (dtype, shape, at, n)
+            at += n
+        self._f.truncate(at)
+        text = _header({k: (e[0], e[1], e[3]) for k, e in self.entries.items()}, keep, self.metadata)
+        if 8 + len(text) > self.start:
+            raise ValueError("the header outgrew the room reserved for it")
+        self._f.seek(0)
+        self._f.write(struct.pack("<Q", self.start - 8) + text + b" " * (self.start - 8 - len(text)))
+        self._f.close()
+        os.replace(self.scratch, path)
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                sha.update(chunk)
+                if progress is not None:
+                    progress.update(len(chunk))
+        return sha.hexdigest()
 
     def close(self) -> None:
         if not self._f.closed:
