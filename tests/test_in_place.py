@@ -206,6 +206,7 @@ def test_convert_in_place_needs_the_resident_weights_once_on_disk(tmp_path, monk
     converts: nothing of the experts is written and the resident weights are on disk once (the space check off, so
     the filesystem bounds the peak)."""
     from mlx_flash.convert import build
+
     from test_convert_input import tmpfs
 
     src = tiny_quantized("qwen3_moe", tmp_path / "src", vocab_size=8192, hidden_size=128, moe_intermediate_size=64)
