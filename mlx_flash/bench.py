@@ -283,7 +283,7 @@ def summarize(
     bytes_tok = np.array([t.bytes_read for t in toks], dtype=np.float64)
     hits, misses = sum(t.hits for t in toks), sum(t.misses for t in toks)
     plan = engine.plan
-    strides = {k: v.stride for k, v in fd.layouts.items()}
+    strides = fd.strides
     cache = plan.cache_bytes(strides) + 2 * plan.prefetch_rows * strides.get("neurons", 0)  # prefetch buffers too
     req = reader_stats.get("requests", 0)
     mean_req = reader_stats["bytes_read"] / req if req else 0

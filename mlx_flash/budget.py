@@ -128,7 +128,7 @@ class Plan:
     def resized(self, fd, budget: int) -> "Plan":
         """This plan at another budget, for a running model: only its unit caches change (what is resident or
         streamed, the KV caches and the buffers stay). BudgetError below its floor."""
-        strides = {k: v.stride for k, v in fd.layouts.items()}
+        strides = fd.strides
         floor = self.floor(strides)
         if budget < floor:
             raise BudgetError(

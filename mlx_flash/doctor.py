@@ -53,7 +53,7 @@ def report(path, memory_budget="auto", context: int = 2048, kv_bits: int = None,
     fd = FlashDir(path)
     machine = available()
     plan, notes = load(path, memory_budget=memory_budget, context=context, kv_bits=kv_bits, plan_only=True)
-    strides = {k: v.stride for k, v in fd.layouts.items()}
+    strides = fd.strides
     units = {k: r.n_units for k, r in fd.layers[-1].items()}
     kind = f"{fd.experts_per_token} of {units.get('experts')} experts a token" if fd.experts_per_token else "dense"
     print(f"machine: can give {fmt_bytes(machine.bytes or 0)} now ({machine.describe()})", file=out)

@@ -556,7 +556,7 @@ def print_stats(engine, out=sys.stdout):
             print(note, file=out)
     print(
         engine.plan.describe(
-            {k: v.stride for k, v in engine.fd.layouts.items()},
+            engine.fd.strides,
             {k: r.n_units for k, r in next(l for l in engine.fd.layers if l).items()},
         ),
         file=out,

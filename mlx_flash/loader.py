@@ -615,7 +615,7 @@ def _load_draft(path, fd: FlashDir, context: int):
     model, _ = load(path, memory_budget=None, context=context)
     engine = model.flash
     # (and its head's: a resident model's workspace is a layer's rows)
-    return model, engine.plan.nbytes({k: v.stride for k, v in engine.fd.layouts.items()}) + scale_copy_bytes(draft_fd)
+    return model, engine.plan.nbytes(engine.fd.strides) + scale_copy_bytes(draft_fd)
 
 
 def _load_moe(

@@ -645,9 +645,7 @@ def run(provider: ModelProvider, args):
     if flash.budget_note:
         print(flash.budget_note, file=sys.stderr)
     print(
-        flash.plan.describe(
-            {k: v.stride for k, v in flash.fd.layouts.items()}, {k: r.n_units for k, r in flash.fd.layers[0].items()}
-        ),
+        flash.plan.describe(flash.fd.strides, {k: r.n_units for k, r in flash.fd.layers[0].items()}),
         file=sys.stderr,
     )
     httpd, generator = make_server(provider, args.host, args.port)

@@ -38,7 +38,7 @@ class ElasticBudget:
         self._last = time.monotonic()
 
     def _strides(self):
-        return {k: v.stride for k, v in self.engine.fd.layouts.items()}
+        return self.engine.fd.strides
 
     def held(self) -> int:
         """What the model's plan holds now."""

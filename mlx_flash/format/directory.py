@@ -254,6 +254,11 @@ class FlashDir:
             return [self.ffn_path]
         return [Path(self.sources["root"]) / f["name"] for f in self.sources["files"]]
 
+    @property
+    def strides(self) -> Dict[str, int]:
+        """Bytes of a cache row of each region's units."""
+        return {k: v.stride for k, v in self.layouts.items()}
+
     def layout_of(self, layer: int, name: str) -> BundleLayout:
         """How a layer's units of region `name` lie in their rows: the region's layout, its components where this
         layer's are in place (Region.layout_over)."""
