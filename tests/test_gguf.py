@@ -359,8 +359,9 @@ def _dense(weights, prefix):
 
 
 def test_dequantise_fallback(tmp_path):
-    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader: Q4_0/Q4_1/Q8_0 are
-    repacked exactly, the others dequantised and re-quantised to 8-bit (group 32), BF16 kept."""
+    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader: Q4_0/Q4_1/Q8_0, Q5_0/Q5_1
+    and Q4_K are repacked exactly (Q4_K with float32 scales), Q6_K dequantised and re-quantised to 8-bit (group 32),
+    BF16 kept."""
     import gguf
     from mlx_lm.utils import load_model
 
@@ -385,14 +386,21 @@ def test_dequantise_fallback(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 2 and cfg["rms_norm_eps"] == 1e-6
     q = cfg["quantization"]
-    assert q["group_size"] == 32 and q["bits"] == 8  # Q8_0 and re-quantised matrices are the most common
-    assert q["model.layers.0.mlp.gate_proj"] == q["model.layers.1.mlp.up_proj"] == {"group_size": 32, "bits": 4}
-    assert "model.layers.0.self_attn.q_proj" not in q  # Q4_K -> the default 8-bit
+    assert q["group_size"] == 32 and q["bits"] == 4  # the most common: Q4_0, Q4_1 and Q4_K matrices
+
+    def bits(path):  # (a module not listed has the default)
+        return q.get(path, q)["bits"]
+
+    assert bits("model.layers.0.mlp.gate_proj") == bits("model.layers.1.mlp.up_proj") == 4  # Q4_0, Q4_1
+    assert bits("model.layers.0.self_attn.q_proj") == 4  # Q4_K
+    assert bits("model.layers.0.self_attn.k_proj") == bits("model.layers.1.mlp.down_proj") == 5  # Q5_0, Q5_1
+    assert bits("model.layers.0.self_attn.o_proj") == bits("model.embed_tokens") == 8  # Q6_K re-quantised, Q8_0
 
     weights = mx.load(str(out / "model.safetensors"))
-    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):  # Q4_K, Q6_K, Q5_1 re-quantised
+    scales = {"self_attn.q_proj": mx.float32, "self_attn.k_proj": mx.float16, "self_attn.o_proj": mx.float16}
+    for name, dtype in {**scales, "mlp.down_proj": mx.float16}.items():
         assert weights[f"model.layers.0.{name}.weight"].dtype == mx.uint32
-        assert weights[f"model.layers.0.{name}.scales"].dtype == mx.float16
+        assert weights[f"model.layers.0.{name}.scales"].dtype == dtype
     assert weights["lm_head.weight"].dtype == mx.bfloat16  # BF16 kept
     assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == mx.uint32  # Q4_0 repacked
     assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float32
@@ -414,8 +422,11 @@ def test_dequantise_fallback(tmp_path):
             got = _llamacpp_permute(got, TINY["heads"])
         elif parts[-2] == "attn_k":
             got = _llamacpp_permute(got, TINY["kv_heads"])
+        if parts[-2] in ("attn_q", "attn_k", "ffn_down"):  # Q4_K, Q5_0, Q5_1: exactly
+            np.testing.assert_array_equal(got, ref, err_msg=gname)
+            continue
         # re-quantised: within MLX's 8-bit step (range / 255, its grid keeps 0 exact) plus float16 scale rounding
-        atol = 2e-4 if parts[-2] not in ("attn_q", "attn_k", "attn_output", "ffn_down") else np.ptp(ref) / 255 * 1.25
+        atol = 2e-4 if parts[-2] != "attn_output" else np.ptp(ref) / 255 * 1.25
         np.testing.assert_allclose(got, ref, rtol=2e-3, atol=atol, err_msg=gname)
 
     model, _ = load_model(out)
@@ -428,43 +439,90 @@ def test_dequantise_fallback(tmp_path):
     assert sum(converted_size(t)[0] for t in read_header(src).tensors) == data
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "IQ4_NL"])
-def test_requantised_types_stay_close(tmp_path, qtype):
-    """Each GGUF type without an exact MLX layout becomes 8-bit group 32 within 0.6% RMS of gguf's own
-    dequantisation, each value within 1.25 8-bit steps of its group's range (MLX's grid keeps 0 exact: up to
-    one step, plus float16 scales). (gguf.quants cannot write
-    K-quants, so their blocks are random bytes with a fixed super-block scale: every code and sub-block scale
-    occurs, which is harder than real weights.)"""
+def _random_blocks(rng, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """[rows, bytes] of valid blocks of a GGUF type: quantised random values where gguf.quants can, else random
+    bytes with a fixed super-block scale (every code and sub-block scale occurs, harder than real weights)."""
     import gguf
 
-    T = gguf.GGMLQuantizationType
-    t = T[qtype]
-    rows, cols = 64, 512
-    rng = np.random.default_rng(0)
+    t = gguf.GGMLQuantizationType[qtype]
     if qtype.endswith("_K"):
         size = gguf.GGML_QUANT_SIZES[t][1]
         blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
         # offsets of the float16 super-block scale (and min) of each K-quant block
         for o in {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[qtype]:
             blocks[:, o : o + 2] = np.full(len(blocks), 0.001, np.float16).view(np.uint8).reshape(-1, 2)
-        raw = blocks.reshape(rows, -1)
-    elif qtype == "IQ4_NL":
+        return blocks.reshape(rows, -1)
+    if qtype == "IQ4_NL":
         blocks = rng.integers(0, 256, size=(rows * cols // 32, 18), dtype=np.uint8)
         blocks[:, :2] = np.full(len(blocks), 0.001, np.float16).view(np.uint8).reshape(-1, 2)
-        raw = blocks.reshape(rows, -1)
-    else:
-        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
-    ref = gguf.quants.dequantize(raw, t).astype(np.float32).reshape(rows, cols)
+        return blocks.reshape(rows, -1)
+    return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
 
-    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=t)
+
+def _one_tensor_file(path, tensors: dict):
+    """A GGUF of raw blocks {name: (raw, type name)}; returns what _open reads of it: [(base, part, arrays, quant)]."""
+    from mlx_flash.convert.gguf import _open
+
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, (raw, qtype) in tensors.items():
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from mlx_flash.convert.gguf import _open
+    return list(_open(path, True, 0).tensors())
 
-    ((base, part, arrays, quant),) = _open(tmp_path / "t.gguf", True, 0).tensors()
+
+@pytest.mark.parametrize("qtype,bits", [("Q4_K", 4), ("Q5_K", 5), ("Q5_0", 5), ("Q5_1", 5)])
+def test_exact_types_keep_the_ggufs_values(tmp_path, qtype, bits):
+    """Q4_K / Q5_K (sub-blocks of 32: d * sc * q - dmin * m) and Q5_0 / Q5_1 are MLX affine codes of 4/5 bits, group
+    32, dequantising to gguf's own values bit for bit (K-quants with float32 scales: a float16 times a 6-bit
+    integer)."""
+    import gguf
+
+    rows, cols = 64, 512
+    raw = _random_blocks(np.random.default_rng(0), qtype, rows, cols)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32).reshape(rows, cols)
+    ((_, _, arrays, quant),) = _one_tensor_file(tmp_path / "t.gguf", {"blk.0.ffn_down.weight": (raw, qtype)})
+    assert quant == (32, bits) and arrays["weight"].dtype == mx.uint32
+    assert arrays["scales"].dtype == (mx.float32 if qtype.endswith("_K") else mx.float16)
+    w, s, b = (arrays[k] for k in ("weight", "scales", "biases"))
+    got = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits)
+    np.testing.assert_array_equal(np.array(got), ref)
+
+
+def test_a_role_of_mixed_types_is_requantised_alike(tmp_path):
+    """Q4_K_M keeps some layers' ffn_down in Q6_K: a role whose layers differ in type is re-quantised to 8-bit in
+    every layer (a flash directory's layers share one layout), a role of one type kept exactly."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "blk.0.ffn_down.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
+        "blk.1.ffn_down.weight": (_random_blocks(rng, "Q6_K", 64, 512), "Q6_K"),
+        "blk.0.ffn_up.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
+        "blk.1.ffn_up.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
+    }
+    got = {f"{base}.{part}": quant for base, part, _, quant in _one_tensor_file(tmp_path / "t.gguf", tensors)}
+    assert got == {
+        "blk.0.ffn_down.weight": (32, 8),
+        "blk.1.ffn_down.weight": (32, 8),
+        "blk.0.ffn_up.weight": (32, 4),
+        "blk.1.ffn_up.weight": (32, 4),
+    }
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q6_K", "IQ4_NL"])
+def test_requantised_types_stay_close(tmp_path, qtype):
+    """Each GGUF type without an exact MLX layout becomes 8-bit group 32 within 0.6% RMS of gguf's own
+    dequantisation, each value within 1.25 8-bit steps of its group's range (MLX's grid keeps 0 exact: up to
+    one step, plus float16 scales)."""
+    import gguf
+
+    rows, cols = 64, 512
+    raw = _random_blocks(np.random.default_rng(0), qtype, rows, cols)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32).reshape(rows, cols)
+    ((base, part, arrays, quant),) = _one_tensor_file(tmp_path / "t.gguf", {"blk.0.ffn_down.weight": (raw, qtype)})
     assert quant == (32, 8) and arrays["weight"].dtype == mx.uint32
     got = np.array(mx.dequantize(*(arrays[k] for k in ("weight", "scales", "biases")), group_size=32, bits=8))
     err = got - ref

@@ -6,18 +6,21 @@ mlx-lm's `quantization` block when weights are quantised), `model*.safetensors`
 only ever reads mlx-lm / Hugging Face directories.
 
 Weights (GGUF type -> what the mlx-lm directory stores)
-  * Q4_0, Q4_1, Q8_0 -> MLX affine 4/8-bit, group 32 (.weight uint32, .scales, .biases) without any
-    loss: these block formats are exactly affine per 32 values.
+  * Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 -> MLX affine 4/8/5-bit, group 32 (.weight uint32, .scales, .biases in
+    float16) without any loss: these block formats are exactly affine per 32 values.
+  * Q4_K, Q5_K -> MLX affine 4/5-bit, group 32, exactly, with float32 scales and biases: a super-block of 256
+    is 8 sub-blocks of 32 computing d * sc * q - dmin * m, and d * sc (a float16 times a 6-bit integer) is exact
+    in float32, not in float16: 6 (7) bits a weight against the file's 4.5 (5.5). Only where every layer's
+    tensor of the role (blk.*.ffn_down, ...) has the type: a flash directory's layers share one layout, so a
+    role mixing types (Q4_K_M keeps some ffn_down in Q6_K) is re-quantised alike, as below.
   * F32/F16/BF16 -> kept as they are.
-  * Every other type (K-quants Q2_K..Q6_K, Q5_0, Q5_1, IQ*, ...) is dequantised with the `gguf`
-    package and re-quantised to MLX 8-bit, group 32 (REQUANT). Relative RMS error against gguf's
-    dequantised values, measured on random blocks (tests/test_gguf.py): Q2_K 2.9e-3, Q3_K 4.5e-3,
-    Q4_K 1.5e-3, Q5_K 2.0e-3, Q6_K 4.5e-3, Q5_0 5.1e-3, IQ4_NL 4.0e-3 (8-bit group 64: about 1.3x
-    more), a few percent of the source's own quantisation step, so the model keeps the GGUF's quality.
-    4-bit re-quantisation is no option: MLX's grid differs from llama.cpp's (2.4e-2 for Q4_K at
-    group 32), and a held-out measurement (BENCHMARKS.md) found Q4_K_M re-quantised to MLX 4-bit group
-    64 at +41% perplexity, 8-bit lossless.
-    Such tensors take 9 bits per weight instead of 4.5-6.6; 1-D ones become float16.
+  * Every other type (Q6_K, Q2_K, Q3_K, IQ*, ...) is dequantised with the `gguf` package and re-quantised to
+    MLX 8-bit, group 32 (REQUANT). Relative RMS error against gguf's dequantised values, measured on random
+    blocks (tests/test_gguf.py): Q2_K 2.9e-3, Q3_K 4.5e-3, Q6_K 4.5e-3, IQ4_NL 4.0e-3 (8-bit group 64: about
+    1.3x more), a few percent of the source's own quantisation step, so the model keeps the GGUF's quality.
+    4-bit re-quantisation is no option: MLX's grid differs from llama.cpp's, and a held-out measurement
+    (BENCHMARKS.md) found Q4_K_M re-quantised to MLX 4-bit group 64 at +41% perplexity, 8-bit lossless.
+    Such tensors take 9 bits per weight instead of 2.6-6.6; 1-D ones become float16.
   * Every header is parsed and checked first (_GGUFFile, in pure Python: mx.load
     trusts every length and offset in it). Files made only of the first kind and
     no larger than MX_LOAD_MAX_BYTES are then read by `mx.load` (fast path).
@@ -86,8 +89,8 @@ GGUF_GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0 = MLX group size
 DEFAULT_SHARD_BYTES = 2 << 30
 MX_LOAD_MAX_BYTES = 128 << 20  # files up to this size are read whole by mx.load, larger ones a tensor at a time
 DTYPES = ("float16", "bfloat16", "float32")
-# (group size, bits) of tensors MLX cannot hold exactly (K-quants, Q5_0/1, IQ*): 8-bit keeps them within
-# 0.5% (RMS) of gguf's dequantisation; 4-bit re-quantisation costs far more (see the module docstring).
+# (group size, bits) of tensors MLX cannot hold exactly (Q6_K, Q2_K, Q3_K, IQ*, mixed roles): 8-bit keeps them
+# within 0.5% (RMS) of gguf's dequantisation; 4-bit re-quantisation costs far more (see the module docstring).
 REQUANT = (32, 8)
 
 
@@ -297,6 +300,59 @@ def _mlx_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed).reshape(qs.shape[0], -1).view(np.uint32)
 
 
+def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [rows, n] (n a multiple of 32) -> MLX's packing: a little-endian bit stream, value i at bits
+    [bits * i, bits * (i + 1)) of its row, as uint32 words."""
+    rows, n = codes.shape
+    eight = codes.reshape(rows, n // 8, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * bits)
+    words = np.bitwise_or.reduce(eight, axis=-1)  # 8 values in `bits` bytes
+    out = words[..., None].view(np.uint8)[..., :bits]  # (little-endian)
+    return np.ascontiguousarray(out).reshape(rows, -1).view(np.uint32)
+
+
+def _repack_q5(raw: np.ndarray, block: int):
+    """Q5_0 (w = d * (q - 16)) and Q5_1 (w = d * q + m): 5-bit codes, group 32, exactly as MLX affine 5-bit."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, block)
+    d = _f16(b[..., :2])[..., 0]
+    if block == 22:
+        bias, at = (d.astype(np.float32) * -16).astype(np.float16), 2
+    else:
+        bias, at = _f16(b[..., 2:4])[..., 0], 4
+    qh = np.ascontiguousarray(b[..., at : at + 4]).view("<u4")  # bit i: value i's fifth bit
+    qs = b[..., at + 4 :]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # values 0-15 low nibbles, 16-31 high
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    return _pack_codes((low | high).reshape(rows, -1), 5), d, bias, 5
+
+
+def _k_scales(sc: np.ndarray):
+    """K-quants' 12 bytes of 6-bit sub-block scales and mins [..., 12] -> (scales, mins) [..., 8] (llama.cpp's
+    get_scale_min_k4)."""
+    q = sc.astype(np.uint8)
+    scales = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _repack_k(raw: np.ndarray, bits: int):
+    """Q4_K / Q5_K: super-blocks of 256 = 8 sub-blocks of 32, w = d * sc * q - dmin * m: MLX affine 4/5-bit, group
+    32, exactly, with float32 scales d * sc and biases -dmin * m (products of a float16 and a 6-bit integer)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 144 if bits == 4 else 176)
+    d, dmin = (_f16(b[..., i : i + 2])[..., 0].astype(np.float32) for i in (0, 2))
+    sc, m = _k_scales(b[..., 4:16])
+    qs = b[..., -128:].reshape(*b.shape[:2], 4, 32)  # 4 chunks of 64 values: low nibbles, then high
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # [rows, blocks, chunk, half, 32]
+    if bits == 5:
+        qh = b[..., 16:48]  # bit 2c (+1) of byte l: value 64c + l (+ 32)'s fifth bit
+        shift = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+        codes = codes | (((qh[..., None, None, :] >> shift) & 1) << 4)
+    scales = d[..., None] * sc.astype(np.float32)
+    biases = -(dmin[..., None] * m.astype(np.float32))
+    return _pack_codes(codes.reshape(rows, -1), bits), scales.reshape(rows, -1), biases.reshape(rows, -1), bits
+
+
 def _repack_mxfp4(raw: np.ndarray):
     """GGML MXFP4 (17 B per 32: an e8m0 scale byte, then Q4_0's nibble order) -> MLX mxfp4: the same e2m1 codes
     and the same scale byte (2^(e - 127)); only the nibbles are reordered."""
@@ -340,9 +396,25 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         T.Q4_1: lambda raw: _repack_q4(raw, 20),
         T.MXFP4: _repack_mxfp4,
     }
+    uniform = {  # (5-bit and K-quant codes: as they are only where every layer's tensor of the role has that type)
+        T.Q5_0: lambda raw: _repack_q5(raw, 22),
+        T.Q5_1: lambda raw: _repack_q5(raw, 24),
+        T.Q4_K: lambda raw: _repack_k(raw, 4),
+        T.Q5_K: lambda raw: _repack_k(raw, 5),
+    }
+    types = {}
     for t in reader.tensors:
-        yield _read_tensor(t, T, repack, path)
+        types.setdefault(_role(t.name), set()).add(t.tensor_type)
+    for t in reader.tensors:
+        alike = len(types[_role(t.name)]) == 1
+        yield _read_tensor(t, T, {**repack, **(uniform if alike else {})}, path)
         _drop_pages(reader.data, t.data_offset, t.n_bytes)
+
+
+def _role(name: str) -> str:
+    """A tensor's name without its layer: the tensors every layer has one of ("blk.*.ffn_down.weight")."""
+    parts = name.split(".")
+    return ".".join("*" if i == 1 and parts[0] == "blk" else p for i, p in enumerate(parts))
 
 
 def _read_tensor(t, T, repack, path: Path) -> Tensor:
@@ -369,6 +441,19 @@ def _read_tensor(t, T, repack, path: Path) -> Tensor:
     return base, part, {part: arr}, None
 
 
+# GGUF types held exactly as MLX affine (or mxfp4) codes, group 32: (bits, bytes of scales and biases a group)
+EXACT = {
+    "Q8_0": (8, 4),
+    "Q4_0": (4, 4),
+    "Q4_1": (4, 4),
+    "MXFP4": (4, 1),  # (uint8 scales)
+    "Q5_0": (5, 4),
+    "Q5_1": (5, 4),
+    "Q4_K": (4, 8),  # (float32 scales and biases)
+    "Q5_K": (5, 8),
+}
+
+
 def converted_size(t) -> Tuple[int, Optional[Tuple[int, int]]]:
     """(bytes, (group_size, bits) or None) of header entry `t` as `_read_tensor` converts it, from the header alone
     (convert's estimate of the disk it needs)."""
@@ -378,10 +463,9 @@ def converted_size(t) -> Tuple[int, Optional[Tuple[int, int]]]:
     _, part = _split_name(t.name)
     n = math.prod(int(x) for x in t.shape)
     groups = n // GGUF_GROUP_SIZE
-    if t.tensor_type in (T.Q8_0, T.Q4_0, T.Q4_1, T.MXFP4) and len(t.shape) in (2, 3) and part == "weight":
-        bits = 8 if t.tensor_type == T.Q8_0 else 4
-        tables = groups if t.tensor_type == T.MXFP4 else 4 * groups  # uint8 scales; float16 scales and biases
-        return n * bits // 8 + tables, (GGUF_GROUP_SIZE, bits)
+    if t.tensor_type.name in EXACT and len(t.shape) in (2, 3) and part == "weight":
+        bits, table = EXACT[t.tensor_type.name]
+        return n * bits // 8 + table * groups, (GGUF_GROUP_SIZE, bits)
     if t.tensor_type in (T.F32, T.F16, T.BF16):
         return int(t.n_bytes), None
     if len(t.shape) == 2 and part == "weight" and int(t.shape[0]) % GGUF_GROUP_SIZE == 0:  # (GGUF order: rows last)
