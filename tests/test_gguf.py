@@ -955,3 +955,44 @@ def test_block_repacking_by_rows_is_exact(block):
     assert whole[3] == by_rows[3]
     for a, b in zip(whole[:3], by_rows[:3]):
         assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes())
+
+
+def test_5_bit_gate_and_up_beside_8_bit_down_stream_as_resident(tmp_path):
+    """A GGUF whose gate and up are Q5_0 (exact 5-bit) and down Q8_0: the flash directory keeps gate and up as the
+    GGUF's 5-bit codes and down as its own 8-bit codes per neuron (not the model's bits), and a budget that streams
+    them gives the resident model's greedy tokens and logits."""
+    from mlx_flash.budget import min_budget
+    from mlx_flash.convert import convert
+    from mlx_flash.errors import BudgetError
+    from mlx_flash.format.directory import FlashDir
+    from mlx_flash.generate import generate_step
+    from mlx_flash.loader import load, load_resident
+
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    src = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(src, types={"ffn_gate": T.Q5_0, "ffn_up": T.Q5_0, "ffn_down": T.Q8_0})
+    out = convert(str(src), tmp_path / "flash", progress=False)
+    matrices = FlashDir(out).ffn["matrices"]
+    gate, up, down = (matrices[m]["quantization"] for m in ("gate", "up", "down"))
+    assert gate["bits"] == up["bits"] == 5 and gate["symmetric"]  # (Q5_0: w = d * (q - 16))
+    assert down["bits"] == 8 and down["resident_scales"]
+    prompt = mx.array([1, 100, 200, 2, 7])
+    resident, _ = load_resident(out, dtype=mx.float32)
+    fd = FlashDir(out)
+    budget = min_budget(fd, 32, 4)
+    while True:  # the least budget that loads (the buffers are a tiny model's whole size): few neurons cached
+        try:
+            model, _ = load(out, memory_budget=budget, context=32)
+            break
+        except BudgetError:
+            budget += 64 << 10
+    try:
+        cached = sum(c["neurons"] for c in model.flash.plan.capacity if c)
+        assert 0 < cached < sum(layer["neurons"].n_units for layer in fd.layers)  # streamed
+        want = [int(t) for t, _ in generate_step(prompt, resident, max_tokens=6)]
+        assert [int(t) for t, _ in generate_step(prompt, model, max_tokens=6)] == want
+        assert mx.abs(model(prompt[None]) - resident(prompt[None])).max().item() < 1e-3
+    finally:
+        model.flash.close()

@@ -172,18 +172,22 @@ def convert(
         if quant is not None and _model_quantization(model_obj) is None:
             _quantize_resident(model_obj, quant["bits"], group_size)
             config["quantization"] = {"group_size": group_size, "bits": quant["bits"]}
+        # down's own quantisation where the source's differs from the model's (a GGUF's Q6_K down re-quantised to
+        # 8 bits beside Q5_0 gate and up)
+        col = adapter.linears(model_obj.layers[0].mlp)[adapter.col_matrix]
+        col_quant = quant if quant is None or not hasattr(col, "bits") else {**quant, "bits": col.bits}
         if down_bits is None:
-            down_bits = _default_down_bits(quant, layout, prune)
+            down_bits = _default_down_bits(col_quant, layout, prune)
         ffn_quant = {m: quant for m in adapter.matrices}
-        ffn_quant[adapter.col_matrix] = _down_quantization(quant, down_bits)
+        ffn_quant[adapter.col_matrix] = _down_quantization(col_quant, down_bits)
         if down_bits == "source":
-            if quant is None or quant["bits"] not in (2, 4, 8) or layout != "neurons" or prune is not None:
+            if quant is None or col_quant["bits"] not in (2, 4, 8) or layout != "neurons" or prune is not None:
                 raise FlashError(
                     "--down-bits source keeps a 2/4/8-bit quantised model's down codes per neuron (groups' "
-                    f"scales resident); it needs the neurons layout without --prune (got quantisation {quant}, "
+                    f"scales resident); it needs the neurons layout without --prune (got quantisation {col_quant}, "
                     f"layout {layout!r}, prune {prune!r})"
                 )
-            ffn_quant[adapter.col_matrix] = {**quant, "resident_scales": True}
+            ffn_quant[adapter.col_matrix] = {**col_quant, "resident_scales": True}
             first = adapter.linears(model_obj.layers[0].mlp)
             if all(symmetric(first[m]) for m in adapter.matrices):  # Q4_0 / Q8_0: the biases follow from the scales
                 ffn_quant = {m: {**q, "symmetric": True} for m, q in ffn_quant.items()}
@@ -302,8 +306,9 @@ def _spooled(arrays: dict, path: Path, prefix: str) -> dict:
 def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str], say=print):
     """How down/fc2 rows are stored when --down-bits is not given, said on stdout (`say`): a 2/4/8-bit source keeps
     its own codes per neuron (the weights are the source's, and no unit is larger than the source's bytes); where that
-    layout does not apply (dip layout, pruning), 8 bits for a 4-bit model (re-quantised to 4 bits along d_model,
-    SmolLM2 lost 4.9% perplexity; 8 bits nothing measurable), else the model's bits."""
+    layout does not apply (dip layout, pruning) or the codes are of other widths (5-bit Q5_0/Q5_K), 8 bits
+    (re-quantised to 4 bits along d_model, SmolLM2 lost 4.9% perplexity; 8 bits nothing measurable), else the
+    model's bits."""
     if quant is None:
         return None
     if quant["bits"] in (2, 4, 8) and layout == "neurons" and prune is None:
@@ -312,10 +317,10 @@ def _default_down_bits(quant: Optional[dict], layout: str, prune: Optional[str],
             "weights and bytes; --down-bits 8 re-quantises them along d_model instead)"
         )
         return "source"
-    if quant["bits"] == 4:
+    if quant["bits"] != 8:
         say(
-            "down rows: re-quantised to 8 bits along d_model (the source's codes need the neurons layout without "
-            "pruning; 4 bits would cost 4.9% perplexity on SmolLM2)"
+            "down rows: re-quantised to 8 bits along d_model (the source's codes need 2, 4 or 8 bits, the neurons "
+            "layout and no pruning; 4 bits would cost 4.9% perplexity on SmolLM2)"
         )
         return 8
     return None
