@@ -1,11 +1,14 @@
 """A flash directory's bytes against its GGUF's: resident weights, ffn.bin, and their sum over the GGUF's tensor data.
 
-    python benchmarks/directory_sizes.py --model DIR --gguf FILE [--model DIR2 --gguf FILE2 ...]
+    python benchmarks/directory_sizes.py --model DIR --gguf FILE [--model DIR2 --gguf FILE2 ...] [--json OUT]
+
+ffn.bin against the GGUF's FFN tensors is what a token's reads cost against reading the file as stored.
 
 Defaults to the default model (its cache directory and the GGUF it was converted from).
 """
 
 import argparse
+import json
 import os
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
@@ -17,7 +20,9 @@ def sizes(model, gguf_path) -> dict:
     import gguf
 
     fd = FlashDir(model)
-    tensors = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)
+    reader = gguf.GGUFReader(gguf_path)
+    tensors = sum(int(t.n_bytes) for t in reader.tensors)
+    ffn = sum(int(t.n_bytes) for t in reader.tensors if ".ffn_" in t.name and len(t.shape) > 1)
     weights = fd.resident_bytes + os.path.getsize(fd.ffn_path)
     directory = sum(f.stat().st_size for f in fd.path.iterdir() if f.is_file())  # tokenizer and manifest too
     biases = sum(t.nbytes for k, t in fd.resident_index().items() if k.endswith(".biases"))
@@ -28,6 +33,8 @@ def sizes(model, gguf_path) -> dict:
         "resident_biases": biases,
         "symmetric_modules": len(fd.symmetric),
         "ffn_bin": os.path.getsize(fd.ffn_path),
+        "gguf_ffn_tensors": ffn,
+        "ffn_bin_over_gguf_ffn": os.path.getsize(fd.ffn_path) / ffn,
         "weights": weights,
         "gguf_tensors": tensors,
         "gguf_file": os.path.getsize(gguf_path),
@@ -41,22 +48,29 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", default=None)
     p.add_argument("--gguf", action="append", default=None)
+    p.add_argument("--json", default=None)
     args = p.parse_args()
     models, ggufs = args.model or [default_model_dir()], args.gguf or [default_gguf_path()]
     if len(models) != len(ggufs):
         p.error("give one --gguf per --model")
     print(
-        "| directory | format | resident.safetensors (biases in it) | ffn.bin | weights / GGUF tensor data | "
-        "directory / GGUF file |"
+        "| directory | format | resident.safetensors (biases in it) | ffn.bin / GGUF FFN tensors | weights / GGUF "
+        "tensor data | directory / GGUF file |"
     )
     print("|---|---|---|---|---|---|")
+    rows = []
     for m, g in zip(models, ggufs):
         s = sizes(m, g)
+        rows.append(s)
         print(
-            f"| {m} | v{s['format_version']} | {s['resident']:,} B ({s['resident_biases']:,} B) | {s['ffn_bin']:,} B | "
+            f"| {m} | v{s['format_version']} | {s['resident']:,} B ({s['resident_biases']:,} B) | {s['ffn_bin']:,} / "
+            f"{s['gguf_ffn_tensors']:,} B = {s['ffn_bin_over_gguf_ffn']:.3f}x | "
             f"{s['weights']:,} / {s['gguf_tensors']:,} B = {s['weights_over_gguf_tensors']:.4f}x | "
             f"{s['directory']:,} / {s['gguf_file']:,} B = {s['directory_over_gguf_file']:.4f}x |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -90,3 +90,22 @@ def test_mutated_manifests_open_or_raise_a_typed_error(flash_dir, data):
             event("loaded")
         except FlashError:
             event("refused at load")
+
+
+@pytest.mark.parametrize("field,value", [("group_size", 0), ("group_size", 2**31), ("group_size", 48), ("bits", 7)])
+def test_an_experts_quantisation_that_does_not_fit_is_refused(flash_dir, tmp_path, field, value):
+    """(Found by the fuzz above on a quantised MoE:) an expert matrix's group size or bits that its codes and scales
+    do not have is refused at open, not handed to the kernels."""
+    manifest = json.loads((flash_dir / MANIFEST).read_text())
+    quant = manifest["ffn"].get("quantization") or {}
+    if not any(quant.values()):
+        pytest.skip("no quantised experts")
+    next(q for q in quant.values() if q)[field] = value
+    d = tmp_path / "flash"
+    d.mkdir()
+    for f in flash_dir.iterdir():
+        if f.name != MANIFEST:
+            os.symlink(f, d / f.name)
+    (d / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FlashFormatError, match="does not fit its codes and scales"):
+        FlashDir(d)

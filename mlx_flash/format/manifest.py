@@ -41,6 +41,7 @@ EXPERT_MATRICES = {
 }
 FFN_MATRICES = {"glu": ("gate", "up", "down"), "relu": ("fc1", "fc2")}  # what each kind of dense FFN computes with
 FFN_ACTIVATIONS = ("silu", "gelu_approx", "relu")
+QUANT_BITS = (2, 3, 4, 5, 6, 8)  # code widths MLX's quantised products (and the native kernels') take
 MATRIX_TYPES = {"region": str, "transposed": (bool, None), "quantization": ({"bits": int, "group_size": int}, None)}
 
 
@@ -96,6 +97,10 @@ def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
                 _check(q, {"bits": int, "group_size": int}, f"ffn.quantization.{name}.")
             if w is None or len(w.shape) != 2 or (q is not None) != (f"{name}.scales" in comps):
                 raise ValueError(f"expert matrix {name!r}: its components do not match its quantisation {q}")
+            if q is not None:  # as the kernels take it: codes of a width they have, a table entry per group
+                n, groups = w.shape[1] * 32 // max(q["bits"], 1), comps[f"{name}.scales"].shape
+                if q["bits"] not in QUANT_BITS or q["group_size"] <= 0 or groups != (w.shape[0], n // q["group_size"]):
+                    raise ValueError(f"expert matrix {name!r}: {q} does not fit its codes and scales")
             shape[name] = (w.shape[0], w.shape[1] * 32 // q["bits"] if q else w.shape[1])  # (out, in) dequantised
         first, last = EXPERT_MATRICES.get(frozenset(names), (None, None))
         hidden = ffn.get("hidden_size", shape.get(first, (0, 0))[1])
