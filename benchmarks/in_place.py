@@ -152,8 +152,6 @@ def main():
         report["convert"] = convert_in_place(source, out)
         print(json.dumps(report["convert"], indent=1), flush=True)
     fd, ref = FlashDir(out), FlashDir(copied)
-    report["fio_start"] = {"in_place": fio_reference(fd.largest_unit_path, DEFAULT_THREADS),
-                           "copied": fio_reference(ref.largest_unit_path, DEFAULT_THREADS)}  # fmt: skip
     fraction = {b: float(b.rstrip("%")) / 100 for b in args.budgets.split(",") + args.caps.split(",")}
     if "same" in phases:
         report["same_bits"] = {}
@@ -167,6 +165,8 @@ def main():
 
 
 def speed(report, args, fd, ref, out, copied, fraction):
+    report["fio_start"] = {"in_place": fio_reference(fd.largest_unit_path, DEFAULT_THREADS),
+                           "copied": fio_reference(ref.largest_unit_path, DEFAULT_THREADS)}  # fmt: skip
     runs = []
     forms = {"in_place": (out, fd.unit_paths), "copied": (copied, ref.unit_paths)}
     for r in range(args.rounds):

@@ -252,7 +252,10 @@ def test_bytes_read_are_the_missed_experts(moe_dirs, moe_copied, read_ahead, in_
             misses, requested = sum(t.misses for t in tokens), sum(t.bytes_requested for t in tokens)
             wasted = sum(t.ahead_wasted_bytes for t in tokens)
             device = model.flash.stats.device_bytes()  # the reader's own count
-            assert requested == misses * stride + wasted and misses > 0
+            if in_place:  # (the window of an expert at its file's end is cut there)
+                assert misses * fd.layouts[REGION].nbytes <= requested - wasted <= misses * stride and misses > 0
+            else:
+                assert requested == misses * stride + wasted and misses > 0
             assert sum(t.bytes_read for t in tokens) == device >= requested
             if not in_place:
                 assert (device - requested) % stride == 0 and (device == requested or stride <= DEFAULT_MAX_GAP_BYTES)

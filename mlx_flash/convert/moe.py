@@ -36,6 +36,11 @@ from ..format.safetensors_io import read_header
 from ..io.sources import FILE_SHIFT
 from .source import copy_tokenizer, release
 
+# An expert component read in place is read as the window of whole 512-byte blocks around it (O_DIRECT's unit on
+# common disks; one of 4 KiB is read through the pool's bounce buffers, F_NOCACHE has none): a few hundred bytes
+# more a component, where 4 KiB windows cost 1-2% of an expert and of the experts a cache holds.
+WINDOW_ALIGNMENT = 512
+
 
 def convert_moe(
     model: nn.Module,
@@ -62,7 +67,7 @@ def convert_moe(
     if sources is not None:
         first = BundleLayout.from_arrays(expert_arrays(modules[paths[min(paths)]]), alignment)  # (lazy: shapes)
         places = {(i, c.name): tensors[f"{paths[i]}.{c.name}"] for i in paths for c in first.components}
-        windows = in_place_windows(first, places, alignment)
+        windows = in_place_windows(first, places, WINDOW_ALIGNMENT)
     # (an expert read straight into its row)
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment, sources=sources)
     quant, n_experts, hidden = None, None, None
@@ -197,7 +202,8 @@ def in_place_windows(layout: BundleLayout, places: dict, alignment: int):
 
 def in_place_layout(layout: BundleLayout, places: dict, files: list, windows: Optional[dict], alignment: int):
     """(the region's layout, one layer's extents) for experts read in place: `layout`'s components back to back, each
-    read as it is; or (`windows`) each in the aligned window of its size, the windows tiling the row."""
+    read as it is; or (`windows`) each in the WINDOW_ALIGNMENT-aligned window of its size, the windows tiling the
+    row from its start (rows `alignment` apart: the tail is never read)."""
     if windows is None:
         return layout, [
             Extent(f, o, s, c.nbytes, c.offset, 0, c.nbytes, files[f]["bytes"])
@@ -207,11 +213,11 @@ def in_place_layout(layout: BundleLayout, places: dict, files: list, windows: Op
     components, extents, at = [], [], 0
     for c in layout.components:
         file, offset, stride = places[c.name]
-        phase = offset % alignment
+        phase = offset % WINDOW_ALIGNMENT
         components.append(replace(c, offset=at))
         extents.append(Extent(file, offset - phase, stride, windows[c.name], at, phase, c.nbytes, files[file]["bytes"]))
         at += windows[c.name]
-    return BundleLayout(tuple(components), at), extents
+    return BundleLayout(tuple(components), round_up(at, alignment)), extents
 
 
 def unit_checksums(sources: dict, extents, stride: int, n_units: int, chunk_bytes: int = PACK_BYTES):
