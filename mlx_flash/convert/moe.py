@@ -65,10 +65,10 @@ def convert_moe(
     sources = None if tensors is None else {"root": str(Path(src_dir).resolve()), "files": tensors.pop(None)}
     windows = None
     if sources is not None:
-        first = BundleLayout.from_arrays(expert_arrays(modules[paths[min(paths)]]), alignment)  # (lazy: shapes)
-        places = {(i, c.name): tensors[f"{paths[i]}.{c.name}"] for i in paths for c in first.components}
-        windows = in_place_windows(first, places, WINDOW_ALIGNMENT)
-    # (an expert read straight into its row)
+        shapes = BundleLayout.from_arrays(expert_arrays(modules[paths[min(paths)]]), alignment)  # (lazy)
+        places = {(i, c.name): tensors[f"{paths[i]}.{c.name}"] for i in paths for c in shapes.components}
+        windows = in_place_windows(shapes, places, WINDOW_ALIGNMENT)
+    # (units `alignment` apart: an expert read straight into its row)
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment, sources=sources)
     quant, n_experts, hidden = None, None, None
     try:
