@@ -11,6 +11,7 @@ from mlx_flash.errors import SourceError, UnsupportedArchitectureError
 from mlx_flash.format.safetensors_io import read_header as safetensors_header
 from mlx_flash.models.tiny import bytes_to_unicode
 from mlx_flash.texts import read_text
+from mlx_flash.tools.peers_systems import llama_cpp_path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -996,3 +997,57 @@ def test_5_bit_gate_and_up_beside_8_bit_down_stream_as_resident(tmp_path):
         assert mx.abs(model(prompt[None]) - resident(prompt[None])).max().item() < 1e-3
     finally:
         model.flash.close()
+
+
+@pytest.mark.skipif(
+    not llama_cpp_path("llama-quantize").is_file(),
+    reason="llama-quantize not built (python -m mlx_flash.peers builds it)",
+)
+def test_q4_k_m_experts_stream_as_resident(tmp_path):
+    """A qwen3moe GGUF re-quantised to Q4_K_M by llama.cpp: its Q4_K experts kept exactly (4-bit codes, float32
+    scales), the role mixing Q4_K and Q6_K re-quantised to 8 bits; streamed with two expert slots a layer, the
+    greedy tokens and logits are the resident model's (float32 activations, both forwards)."""
+    import subprocess
+
+    from mlx_flash.compute import cpu_gemv
+    from mlx_flash.convert import convert
+    from mlx_flash.format.directory import FlashDir
+    from mlx_flash.generate import generate_step
+    from mlx_flash.loader import load, load_resident
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    from test_moe import slots_budget
+
+    src = write_gguf(
+        "moe-small", tmp_path / "m.gguf", progress=False, num_hidden_layers=4, vocab_size=512, num_experts=8,
+        hidden_size=256, moe_intermediate_size=256, num_attention_heads=2, head_dim=128, num_key_value_heads=1,
+    )  # fmt: skip
+    exe = llama_cpp_path("llama-quantize")
+    q4km = tmp_path / "q4km.gguf"
+    r = subprocess.run(
+        [exe, "--allow-requantize", src, q4km, "Q4_K_M"],
+        capture_output=True,
+        text=True,
+        env={"LD_LIBRARY_PATH": str(exe.parent)},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    types = {t.name.split(".")[-2]: t.tensor_type.name for t in read_header(q4km).tensors if ".ffn_" in t.name}
+    assert types["ffn_gate_exps"] == "Q4_K"
+    out = convert(str(q4km), tmp_path / "flash", progress=False)
+    fd = FlashDir(out)
+    quant = fd.ffn["quantization"]
+    assert quant["gate_proj"] == {"bits": 4, "group_size": 32}
+    assert {c.name: c.dtype for c in fd.layouts["experts"].components}["gate_proj.scales"] == "float32"
+    prompt = mx.array([1, 5, 9, 33, 70, 2, 11])
+    cpu_gemv.set_int8_activations(False)
+    try:
+        resident, _ = load_resident(out, dtype=mx.float32)
+        want, logits = [int(t) for t, _ in generate_step(prompt, resident, max_tokens=8)], resident(prompt[None])
+        model, _ = load(out, memory_budget=slots_budget(fd, 2), context=64)
+        try:
+            assert [int(t) for t, _ in generate_step(prompt, model, max_tokens=8)] == want
+            assert mx.abs(model(prompt[None]) - logits).max().item() < 1e-3
+        finally:
+            model.flash.close()
+    finally:
+        cpu_gemv.set_int8_activations(True)

@@ -36,7 +36,7 @@ from .synthetic import PRESETS, ROUTINGS
 from .synthetic_gguf import GGUF_ARCHS, MOE_TYPES, write_gguf
 
 LLAMA_CPP_PYTHON = "0.3.36"  # PyPI llama-cpp-python sdist whose vendored llama.cpp is built
-LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity")  # peers runs llama-bench
+LLAMA_TARGETS = ("llama-bench", "llama-completion", "llama-perplexity", "llama-quantize")  # peers runs llama-bench
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."  # its first token
 STEPS = Path(__file__).parent / "steps.py"  # the Python systems' timing (a script: it imports no mlx_flash)
 # MoE models: the Python systems sample at this temperature (near-uniform tokens), as llama-bench feeds a
