@@ -298,7 +298,11 @@ def ffn_reader_threads(fd) -> int:
 
 
 def bounce_bytes(fd) -> int:
-    """Memory of the FFN reader's bounce buffers: packed units are read through them."""
+    """Memory of the FFN reader's bounce buffers: packed units are read through them, and units read in place as
+    their components are, not in windows of whole blocks (a pool a source file)."""
+    if fd.sources is not None:
+        exact = any(e.offset % 512 or e.nbytes % 512 for r in fd.regions() for e in r.extents)
+        return len(fd.unit_paths) * ffn_reader_threads(fd) * FFN_BOUNCE_BYTES if exact else 0
     return ffn_reader_threads(fd) * FFN_BOUNCE_BYTES if fd.unit_alignment < fd.alignment else 0
 
 

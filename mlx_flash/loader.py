@@ -642,7 +642,7 @@ def _load_moe(
     budget = plan.budget
     top_k = min(int(fd.experts_per_token or 0), fd.ffn["n_experts"])  # (a config may ask for more than exist)
     read_ahead = read_ahead and top_k > 0
-    reader = fd.open_units(direct=direct, threads=threads or ffn_reader_threads(fd))
+    reader = fd.open_units(direct=direct, threads=threads or ffn_reader_threads(fd), bounce_bytes=FFN_BOUNCE_BYTES)
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
     engine.stats.baseline_rss = baseline
     if budget is not None:  # (as the dense `load`'s)
