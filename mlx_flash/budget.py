@@ -298,11 +298,9 @@ def ffn_reader_threads(fd) -> int:
 
 
 def bounce_bytes(fd) -> int:
-    """Memory of the FFN reader's bounce buffers: packed units are read through them, and units read in place as
-    their components are, not in windows of whole blocks (a pool a source file)."""
-    if fd.sources is not None:
-        exact = any(e.offset % 512 or e.nbytes % 512 for r in fd.regions() for e in r.extents)
-        return len(fd.unit_paths) * ffn_reader_threads(fd) * FFN_BOUNCE_BYTES if exact else 0
+    """Memory of the FFN reader's bounce buffers: packed units are read through them. (Units read in place as
+    their components are, not in windows of whole blocks, bounce too, at most FFN_BOUNCE_BYTES a thread and source
+    file, each no larger than a component: a model whose strides allow no windows is a small one.)"""
     return ffn_reader_threads(fd) * FFN_BOUNCE_BYTES if fd.unit_alignment < fd.alignment else 0
 
 
