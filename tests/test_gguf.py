@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-from mlx_flash.convert.gguf import converted_size, gguf_to_mlx_dir, read_header
+from mlx_flash.convert.gguf import converted_size, gguf_to_mlx_dir, mixed_roles, read_header
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.errors import SourceError, UnsupportedArchitectureError
 from mlx_flash.format.safetensors_io import read_header as safetensors_header
@@ -504,7 +504,13 @@ def test_a_role_of_mixed_types_is_requantised_alike(tmp_path):
         "blk.0.ffn_up.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
         "blk.1.ffn_up.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
     }
-    got = {f"{base}.{part}": quant for base, part, _, quant in _one_tensor_file(tmp_path / "t.gguf", tensors)}
+    read = _one_tensor_file(tmp_path / "t.gguf", tensors)
+    got = {f"{base}.{part}": quant for base, part, _, quant in read}
+    header = read_header(tmp_path / "t.gguf")  # convert's disk estimate counts the bytes written
+    mixed = mixed_roles(header.tensors)
+    assert sum(converted_size(t, mixed)[0] for t in header.tensors) == sum(
+        a.nbytes for _, _, arrays, _ in read for a in arrays.values()
+    )
     assert got == {
         "blk.0.ffn_down.weight": (32, 8),
         "blk.1.ffn_down.weight": (32, 8),

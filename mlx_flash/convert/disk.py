@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from ..errors import DiskSpaceError, SourceError
 from ..format.safetensors_io import read_header as safetensors_header
-from .gguf import converted_size, read_header
+from .gguf import converted_size, mixed_roles, read_header
 from .source import read_config, tokenizer_files
 
 # An FFN matrix streamed from flash, as GGUF and mlx-lm / Hugging Face name it; any other tensor is resident.
@@ -55,7 +55,8 @@ class SourceWeights:
         self.intermediate = 0  # a GGUF's weights as its mlx-lm directory holds them
         if source.is_file():
             header = read_header(source)
-            self.weights = [_gguf_weight(t) for t in header.tensors]
+            mixed = mixed_roles(header.tensors)
+            self.weights = [_gguf_weight(t, mixed) for t in header.tensors]
             self.intermediate = sum(w.nbytes for w in self.weights)
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then
             # copied into the output
@@ -86,8 +87,8 @@ class SourceWeights:
         return int(MARGIN * max(2 * self.intermediate, self.intermediate + finishing))
 
 
-def _gguf_weight(t) -> Weight:
-    nbytes, q = converted_size(t)
+def _gguf_weight(t, mixed: set) -> Weight:
+    nbytes, q = converted_size(t, mixed)
     quant = None if q is None else {"bits": q[1], "group_size": q[0]}
     return Weight(t.name, math.prod(int(x) for x in t.shape), nbytes, quant, len(t.shape) > 1)
 

@@ -396,18 +396,15 @@ def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
         T.Q4_1: lambda raw: _repack_q4(raw, 20),
         T.MXFP4: _repack_mxfp4,
     }
-    uniform = {  # (5-bit and K-quant codes: as they are only where every layer's tensor of the role has that type)
+    uniform = {  # (kept as they are only where every layer's tensor of the role has the type: `mixed_roles`)
         T.Q5_0: lambda raw: _repack_q5(raw, 22),
         T.Q5_1: lambda raw: _repack_q5(raw, 24),
         T.Q4_K: lambda raw: _repack_k(raw, 4),
         T.Q5_K: lambda raw: _repack_k(raw, 5),
     }
-    types = {}
+    mixed = mixed_roles(reader.tensors)
     for t in reader.tensors:
-        types.setdefault(_role(t.name), set()).add(t.tensor_type)
-    for t in reader.tensors:
-        alike = len(types[_role(t.name)]) == 1
-        yield _read_tensor(t, T, {**repack, **(uniform if alike else {})}, path)
+        yield _read_tensor(t, T, repack if _role(t.name) in mixed else {**repack, **uniform}, path)
         _drop_pages(reader.data, t.data_offset, t.n_bytes)
 
 
@@ -415,6 +412,15 @@ def _role(name: str) -> str:
     """A tensor's name without its layer: the tensors every layer has one of ("blk.*.ffn_down.weight")."""
     parts = name.split(".")
     return ".".join("*" if i == 1 and parts[0] == "blk" else p for i, p in enumerate(parts))
+
+
+def mixed_roles(tensors) -> set:
+    """The roles (`_role`) whose layers' tensors differ in type: re-quantised alike, as a flash directory's layers
+    share one layout."""
+    types = {}
+    for t in tensors:
+        types.setdefault(_role(t.name), set()).add(t.tensor_type)
+    return {role for role, kinds in types.items() if len(kinds) > 1}
 
 
 def _read_tensor(t, T, repack, path: Path) -> Tensor:
@@ -441,7 +447,8 @@ def _read_tensor(t, T, repack, path: Path) -> Tensor:
     return base, part, {part: arr}, None
 
 
-# GGUF types held exactly as MLX affine (or mxfp4) codes, group 32: (bits, bytes of scales and biases a group)
+# GGUF types held exactly as MLX affine (or mxfp4) codes, group 32: (bits, bytes of scales and biases a group); the
+# last four only in a role of one type (`mixed_roles`)
 EXACT = {
     "Q8_0": (8, 4),
     "Q4_0": (4, 4),
@@ -454,16 +461,20 @@ EXACT = {
 }
 
 
-def converted_size(t) -> Tuple[int, Optional[Tuple[int, int]]]:
-    """(bytes, (group_size, bits) or None) of header entry `t` as `_read_tensor` converts it, from the header alone
-    (convert's estimate of the disk it needs)."""
+UNIFORM = ("Q5_0", "Q5_1", "Q4_K", "Q5_K")
+
+
+def converted_size(t, mixed: set = frozenset()) -> Tuple[int, Optional[Tuple[int, int]]]:
+    """(bytes, (group_size, bits) or None) of header entry `t` as `_iter_reader` converts it (`mixed`: the header's
+    `mixed_roles`), from the header alone (convert's estimate of the disk it needs)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     _, part = _split_name(t.name)
     n = math.prod(int(x) for x in t.shape)
     groups = n // GGUF_GROUP_SIZE
-    if t.tensor_type.name in EXACT and len(t.shape) in (2, 3) and part == "weight":
+    exact = t.tensor_type.name in EXACT and not (t.tensor_type.name in UNIFORM and _role(t.name) in mixed)
+    if exact and len(t.shape) in (2, 3) and part == "weight":
         bits, table = EXACT[t.tensor_type.name]
         return n * bits // 8 + table * groups, (GGUF_GROUP_SIZE, bits)
     if t.tensor_type in (T.F32, T.F16, T.BF16):
