@@ -35,8 +35,7 @@ each region an "extents" entry per component of its layout ({"component", "file"
 window, "stride" between units, "bytes" of a window, "at": the component's offset in it}): the windows tile a
 unit's cache row in order, each an aligned window around its component where the source's strides allow (read
 straight into the row; the component "at" bytes into it, this layer's own offset: `layout_of`), else exactly its
-bytes (at 0: the region's layout). A source file moved,
-cut or changed since convert is refused at open.
+bytes (at 0: the region's layout). A source file moved, cut or changed since convert is refused at open.
 """
 
 import json
@@ -58,7 +57,7 @@ from . import manifest
 from .config import layer_count
 from .layout import DTYPES, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, Region, is_count, round_up
 from .quant import block_dequantize, is_symmetric, symmetric_biases
-from .safetensors_io import TensorSpool
+from .safetensors_io import TensorSpool, file_sha256
 
 FORMAT_NAME = "mlx_flash"
 FORMAT_VERSION = 4  # v4: symmetric resident biases left out; v3: packed units; v2: encoded components; v1 (none)
@@ -370,7 +369,7 @@ class FlashDir:
         """Raise FlashFormatError unless resident.safetensors hashes to the manifest's sha256 (once per FlashDir):
         every load reads it, so a corrupted byte there is found before anything computes with it."""
         if not self._resident_checked:
-            if _sha256(self.path / RESIDENT) != self.manifest["resident"]["sha256"]:
+            if file_sha256(self.path / RESIDENT) != self.manifest["resident"]["sha256"]:
                 raise FlashFormatError(f"{self.path / RESIDENT}: checksum mismatch (corrupted); re-convert the model")
             self._resident_checked = True
 
@@ -483,16 +482,6 @@ def _write_json_atomic(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class FlashWriter:

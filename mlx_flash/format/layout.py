@@ -396,9 +396,9 @@ class Extent:
     stride: int
     nbytes: int
     row_offset: int
-    at: int = 0
-    length: int = 0  # (0: nbytes)
-    limit: int = 0  # (0: no end)
+    at: int
+    length: int
+    limit: int
 
 
 @dataclass(frozen=True)
@@ -419,7 +419,8 @@ class Region:
 
     @property
     def unit_bytes(self) -> int:
-        """A unit's bytes as read (and checksummed): its stride in ffn.bin, its components' bytes in place."""
+        """A unit's bytes as read: its stride in ffn.bin, its components' windows in place (less where a window is
+        cut at its file's end)."""
         return sum(e.nbytes for e in self.extents) if self.extents else self.stride
 
     def unit_offset(self, unit: int) -> int:
@@ -446,11 +447,7 @@ class Region:
         starts = [e.offset + units * e.stride for e in self.extents]
         offsets = np.concatenate([(e.file << FILE_SHIFT) + o for e, o in zip(self.extents, starts)])
         # (a window passing the end of its file is cut there; its component is inside it)
-        cut = [
-            np.minimum(e.nbytes, e.limit - o) if e.limit else np.full(len(o), e.nbytes)
-            for e, o in zip(self.extents, starts)
-        ]
-        lengths = np.concatenate(cut).astype(np.int64)
+        lengths = np.concatenate([np.minimum(e.nbytes, e.limit - o) for e, o in zip(self.extents, starts)])
         return offsets, lengths, np.concatenate([dest + e.row_offset for e in self.extents])
 
     def unit_checksums(self, rows, dest) -> np.ndarray:
@@ -460,6 +457,6 @@ class Region:
         if not self.extents:
             return crc32_at(rows, dest, self.stride)
         dest = np.asarray(dest, dtype=np.int64)
-        parts = np.stack([crc32_at(rows, dest + e.row_offset + e.at, e.length or e.nbytes) for e in self.extents], 1)
+        parts = np.stack([crc32_at(rows, dest + e.row_offset + e.at, e.length) for e in self.extents], 1)
         parts = np.ascontiguousarray(parts, dtype="<u4")
         return crc32_at(parts, np.arange(len(parts)) * parts.shape[1] * 4, parts.shape[1] * 4)

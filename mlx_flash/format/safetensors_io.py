@@ -58,6 +58,17 @@ def read_header(path) -> dict:
         return json.loads(f.read(n))
 
 
+def file_sha256(path, progress=None) -> str:
+    """A file's sha256, read in chunks (`progress`: a tqdm bar updated with the bytes read)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            sha.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return sha.hexdigest()
+
+
 def _header(sizes: Dict[str, tuple], order: List[str], metadata: dict) -> bytes:
     """A safetensors header (sorted keys, as mx writes it) of tensors {name: (dtype, shape, bytes)} whose data lie
     in `order`."""
@@ -185,13 +196,7 @@ class TensorSpool:
         self._f.write(struct.pack("<Q", self.start - 8) + text + b" " * (self.start - 8 - len(text)))
         self._f.close()
         os.replace(self.scratch, path)
-        sha = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                sha.update(chunk)
-                if progress is not None:
-                    progress.update(len(chunk))
-        return sha.hexdigest()
+        return file_sha256(path, progress)
 
     def close(self) -> None:
         if not self._f.closed:
