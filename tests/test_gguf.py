@@ -638,7 +638,7 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
 def test_mxfp4_blocks_become_mlx_mxfp4_exactly():
     """GGML MXFP4 (gpt-oss's experts) -> MLX mxfp4 keeps the codes and the scale byte: MLX's dequantisation of the
     repacked rows equals the gguf package's of the original blocks, value for value."""
-    from mlx_flash.convert.gguf import _repack_mxfp4
+    from mlx_flash.convert.gguf_quants import _repack_mxfp4
 
     import gguf
 
@@ -945,7 +945,7 @@ def test_header_parser_matches_gguf_reader(smol_gguf, tmp_path):
 def test_block_repacking_by_rows_is_exact(block):
     """Large tensors are repacked a few rows at a time (bounded temporaries): the same codes, scales and biases as
     repacking them whole, for Q4_0, Q4_1, Q8_0 and MXFP4 blocks."""
-    from mlx_flash.convert import gguf as g
+    from mlx_flash.convert import gguf_quants as g
 
     repack = {
         18: lambda r: g._repack_q4(r, 18),
@@ -958,7 +958,7 @@ def test_block_repacking_by_rows_is_exact(block):
     blocks = raw.reshape(1000, 8, block)
     for at in {18: (0,), 20: (0, 2), 34: (0,), 17: ()}[block]:  # finite float16 scales (and Q4_1's minimums)
         blocks[..., at : at + 2] = rng.uniform(-1, 1, (1000, 8, 1)).astype(np.float16).view(np.uint8)
-    whole, by_rows = repack(raw), g._by_rows(repack, raw, chunk_bytes=block * 8 * 37)  # 37 rows at a time
+    whole, by_rows = repack(raw), g.by_rows(repack, raw, chunk_bytes=block * 8 * 37)  # 37 rows at a time
     assert whole[3] == by_rows[3]
     for a, b in zip(whole[:3], by_rows[:3]):
         assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes())

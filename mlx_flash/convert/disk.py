@@ -23,7 +23,8 @@ from typing import List, Optional
 
 from ..errors import DiskSpaceError, SourceError
 from ..format.safetensors_io import read_header as safetensors_header
-from .gguf import converted_size, mixed_roles, read_header
+from .gguf import converted_size, read_header
+from .gguf_quants import mixed_roles
 from .source import read_config, tokenizer_files
 
 # An FFN matrix streamed from flash, as GGUF and mlx-lm / Hugging Face name it; any other tensor is resident.
