@@ -13,11 +13,12 @@ import sys
 import time
 
 from . import blas, pipeline
-from .budget import fmt_bytes
+from .budget import fmt_bytes, parse_size
 from .compute import cpu_gemv
 from .default_model import model_dir
 from .engine.forward import BACKENDS, head_on
 from .engine.native_step import HostKVCache
+from .engine.prompt_store import PromptStore, identity
 from .engine.sparsity import SPARSITIES
 from .engine.stats import Stats
 from .errors import BudgetError, FlashError
@@ -36,6 +37,19 @@ class _Passes:
         self.model, self.cache, self.sampler = model, cache, sampler
         self.processors, self.stream, self.kv = logits_processors or (), stream, kv
         self.history = None  # the tokens fed so far, for the logits processors
+        self.store, self.grid, self.prompt_tokens, self.reused = None, 1, 0, 0  # (a PromptStore: `fetch`, `keep`)
+
+    def fetch(self, store, prompt: list, grid: int) -> int:
+        """The longest prefix of `prompt` `store` holds, read into the (fresh) cache: its length."""
+        self.store, self.grid, self.prompt_tokens = store, grid, len(prompt)
+        self.reused = store.fetch(prompt, self.cache, grid)
+        return self.reused
+
+    def keep(self, tokens: list) -> None:
+        """Store the cache (holding `tokens`): every position where rows compute alone, else those of whole prompt
+        chunks (prompt_store module)."""
+        valid = len(tokens) if self.grid == 1 else self.prompt_tokens // self.grid * self.grid
+        self.store.save(tokens, self.cache, self.grid, valid)
 
     def __call__(self, tokens, logits: str):
         """Run `tokens` (mx.array [m]) through the model into the cache. logits "none": nothing back; "last":
@@ -101,10 +115,13 @@ def _start(
     max_kv_size=None,
     input_embeddings=None,
     stream=None,
+    prompt_store=None,
 ):
-    """The prompt's passes: (passes, whether the cache is the loop's own, first token, its logprobs)."""
+    """The prompt's passes: (passes, whether the cache is the loop's own, first token, its logprobs). `prompt_store`
+    (engine.prompt_store.PromptStore): the prompt's longest stored prefix is read instead of computed, and
+    `generate_step` stores its cache at the end."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
     from mlx_lm.sample_utils import greedy_sampler
 
     if input_embeddings is not None:
@@ -124,7 +141,11 @@ def _start(
     )
     progress = prompt_progress_callback or (lambda *_: None)
     total, done = len(prompt), 0
-    progress(0, total)
+    if prompt_store is not None and own_cache and can_trim_prompt_cache(prompt_cache):
+        # (chunks cut where a cold run cuts them: a reused prefix ends at a whole chunk where rows' bits depend on it)
+        rows_alone = getattr(getattr(model, "forward", None), "rows_alone", False)
+        done = passes.fetch(prompt_store, prompt.tolist(), 1 if rows_alone else prefill_step_size)
+    progress(done, total)
     while total - done > prefill_step_size:
         passes(prompt[done : done + prefill_step_size], "none")
         done += prefill_step_size
@@ -145,11 +166,12 @@ def generate_step(prompt, model, *, max_tokens: int = 256, **kwargs):
     import mlx.core as mx
 
     passes, own_cache, y, logprobs = _start(prompt, model, **kwargs)
-    n, unfed = 0, None
+    n, unfed, out = 0, None, []
     try:
         while True:
             unfed = y
-            yield y.item(), logprobs
+            out.append(y.item())
+            yield out[-1], logprobs
             n += 1
             if n == max_tokens:
                 break
@@ -160,6 +182,9 @@ def generate_step(prompt, model, *, max_tokens: int = 256, **kwargs):
     finally:
         if unfed is not None and not own_cache:
             passes(unfed, "none")
+            unfed = None
+        if passes.store is not None and sys.exc_info()[0] in (None, GeneratorExit):  # (not after a failed pass)
+            passes.keep(prompt.tolist() + (out[:-1] if unfed is not None else out))
 
 
 def speculative_generate_step(
@@ -421,6 +446,17 @@ def setup_arg_parser():
         help="Quantise the KV cache from the first token (default: float).",
     )
     p.add_argument("--kv-group-size", type=int, default=64, help="Group size of the quantised KV cache.")
+    p.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        help="Keep prompts' KV caches in this directory: a later prompt starting the same way (in this or another "
+        "process, or the server's) reads its prefix instead of prefilling it, with the same output.",
+    )
+    p.add_argument(
+        "--prompt-cache-dir-size",
+        default="8GiB",
+        help="The most --prompt-cache-dir holds (the entries used longest ago go first).",
+    )
     p.add_argument("--threads", type=int, default=None, help="Reader threads (default: measured best).")
     ahead = p.add_mutually_exclusive_group()
     ahead.add_argument(
@@ -661,11 +697,17 @@ def _generate(args, model, tokenizer, prompt):
     step = model.flash.plan.prefill_step(model.flash.fd, context, model.forward.native)  # within the budget
     if isinstance(model.forward, pipeline.Stage):  # at most the positions a stage's pass takes
         step = min(step, model.forward.max_positions)
+    store = None
+    if args.prompt_cache_dir and isinstance(model.forward, pipeline.Stage):
+        print("[--prompt-cache-dir is not used under a pipeline]", file=sys.stderr)
+    elif args.prompt_cache_dir:
+        store = PromptStore(args.prompt_cache_dir, identity(model), parse_size(args.prompt_cache_dir_size))
     for response in stream_generate(
         model,
         tokenizer,
         prompt,
         max_tokens=args.max_tokens,
+        prompt_store=store,
         sampler=make_sampler(args.temp, args.top_p),
         prefill_step_size=step,
         draft_model=model.draft_model,
@@ -682,6 +724,8 @@ def _generate(args, model, tokenizer, prompt):
         )
     if args.stats:
         print_stats(model.flash)
+        if store is not None:
+            print(f"prompt cache: {store.tokens_read} of {len(prompt)} prompt tokens read from {store.dir}", flush=True)
 
 
 if __name__ == "__main__":

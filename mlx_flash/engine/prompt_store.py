@@ -1,0 +1,220 @@
+"""Prompt caches on disk: the KV caches of prompts already run, kept in a directory so that a later request, a
+restarted server or another process whose prompt starts the same way reads them instead of prefilling again.
+
+One safetensors file an entry (mlx-lm's prompt-cache layout: each cache's state flattened), written to a temporary
+name and renamed (a reader never sees half an entry), with what decides whether it may be used in its header: the
+model's identity (`identity`: weights, forward, KV cache kind, selector), the tokens, the positions reusable, and a
+CRC of the tensors. A file that is truncated, corrupted or from another model is refused, deleted and the prompt
+recomputed, never used. The directory is bounded in bytes: the entries used longest ago go first.
+
+Same bits. A prompt's KV comes out of its prefill's chunks. Where the forward computes each row as a pass of its
+own (`Forward.rows_alone`: the native dense step) any prefix is reused as it is. Elsewhere (MLX's ops: a product's
+rounding depends on its row count) a position's keys depend on the chunk it was computed in, so an entry records
+the chunk (`grid`) and how many leading positions were computed in whole chunks of it (`valid`); a prefix is reused
+only at the same grid, cut at a whole chunk: the positions after it are prefilled in the chunks a cold run cuts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..compute import cpu_gemv
+from ..format.safetensors_io import read_header, tensor_bytes
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mlx_flash prompt cache 1"
+DEFAULT_BYTES = 8 << 30
+# a shorter prefix prefills about as fast as its file reads: not stored
+MIN_TOKENS = 64
+SUFFIX = ".safetensors"
+
+
+def identity(model) -> str:
+    """What a cached prompt's KV depends on besides its tokens: the weights (the manifest holds their checksums), the
+    forward's arithmetic, the KV cache's kind and the selector; a digest."""
+    engine = model.flash
+    caches = [
+        [type(c).__name__, str(getattr(c, "dtype", "")), getattr(c, "bits", None), getattr(c, "group_size", None)]
+        for c in model.make_cache()
+    ]
+    sp = engine.sparsifier
+    what = {
+        "manifest": hashlib.sha256((engine.fd.path / "flash.json").read_bytes()).hexdigest(),
+        "forward": model.forward.name,
+        "int8": cpu_gemv.int8_activations(),
+        "selector": [sp.name, getattr(sp, "density", None), getattr(sp, "bits", None)],
+        "caches": caches,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _crc(arrays: dict, tokens: Sequence[int]) -> int:
+    crc = zlib.crc32(json.dumps(list(tokens)).encode())
+    for k in sorted(arrays):
+        crc = zlib.crc32(tensor_bytes(arrays[k]).data, crc)
+    return crc
+
+
+def _held(cache):
+    """A trimmable cache's state with its arrays cut to the positions it holds (mlx-lm's KVCache gives its whole
+    buffer; keys, values and their quantisation's scales all have the positions second to last)."""
+    from mlx.utils import tree_map
+
+    n = cache.offset
+    return tree_map(lambda a: a[..., :n, :] if isinstance(a, mx.array) and a.ndim >= 3 else a, cache.state)
+
+
+@dataclass
+class Entry:
+    path: Path
+    tokens: List[int]
+    grid: int  # the prefill chunk its positions were computed in (1: any)
+    valid: int  # leading positions computed in whole chunks of `grid`: the reusable ones
+    nbytes: int
+
+    def usable(self, tokens: Sequence[int], grid: int) -> int:
+        """The positions of this entry a prompt `tokens` prefilled in chunks of `grid` may take (at least one token
+        of the prompt is left to compute: its logits)."""
+        if grid != self.grid:
+            return 0
+        n, most = 0, min(len(tokens) - 1, self.valid)
+        while n < most and self.tokens[n] == tokens[n]:
+            n += 1
+        return n // grid * grid
+
+
+class PromptStore:
+    """The entries of one model (`identity`) under `root` (shared by every model, bounded by `max_bytes` in all)."""
+
+    def __init__(self, root, identity: str, max_bytes: int = DEFAULT_BYTES, min_tokens: int = MIN_TOKENS):
+        self.root, self.max_bytes, self.min_tokens = Path(root), max_bytes, min_tokens
+        self.dir = self.root / identity
+        self.identity = identity
+        self.hits = self.misses = self.refused = self.tokens_read = 0
+
+    def _entries(self) -> List[Entry]:
+        out = []
+        for path in self.dir.glob(f"*{SUFFIX}") if self.dir.is_dir() else ():
+            try:
+                meta = read_header(path)["__metadata__"]
+                if meta.get("format") != FORMAT or meta.get("identity") != self.identity:
+                    raise ValueError("not an entry of this model")
+                out.append(
+                    Entry(path, json.loads(meta["tokens"]), int(meta["grid"]), int(meta["valid"]), path.stat().st_size)
+                )
+            except FileNotFoundError:  # (evicted by another process meanwhile)
+                continue
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self._refuse(path, e)
+        return out
+
+    def _refuse(self, path: Path, why) -> None:
+        log.warning("prompt cache: %s refused (%s): deleted, the prompt is computed", path.name, why)
+        self.refused += 1
+        path.unlink(missing_ok=True)
+
+    def fetch(self, tokens: Sequence[int], cache: list, grid: int) -> int:
+        """Fill `cache` (fresh: model.make_cache()) with the longest stored prefix of `tokens` reusable at `grid` and
+        return its length (0: nothing usable, `cache` untouched)."""
+        from mlx.utils import tree_unflatten
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        while True:
+            best = max(self._entries(), key=lambda e: e.usable(tokens, grid), default=None)
+            n = best.usable(tokens, grid) if best is not None else 0
+            if n < self.min_tokens:
+                self.misses += 1
+                return 0
+            try:
+                arrays, meta = mx.load(str(best.path), return_metadata=True)
+                if int(meta["crc"]) != _crc(arrays, best.tokens):
+                    raise ValueError("checksum mismatch")
+                classes = json.loads(meta["classes"])
+                if classes != [type(c).__name__ for c in cache]:
+                    raise ValueError(f"caches {classes}, the model's are {[type(c).__name__ for c in cache]}")
+                leaves = {**arrays, **json.loads(meta["scalars"])}
+                states = tree_unflatten(list(leaves.items()))
+            except FileNotFoundError:
+                continue
+            except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
+                self._refuse(best.path, e)
+                continue
+            for c, state in zip(cache, states):
+                c.state = state
+            trim_prompt_cache(cache, len(best.tokens) - n)
+            os.utime(best.path)  # (the LRU's clock)
+            self.hits += 1
+            self.tokens_read += n
+            return n
+
+    def save(self, tokens: Sequence[int], cache: list, grid: int, valid: Optional[int] = None) -> Optional[Path]:
+        """Store `cache` (holding `tokens`; `valid`: its leading positions computed in whole chunks of `grid`, by
+        default all of them) unless too short; entries it extends are dropped, then the oldest over the bound.
+        A failed write (a full disk) leaves no file and is logged; the caller's work goes on."""
+        from mlx.utils import tree_flatten
+
+        tokens = [int(t) for t in tokens]
+        valid = len(tokens) if valid is None else valid
+        if valid < self.min_tokens:
+            return None
+        leaves = tree_flatten([_held(c) for c in cache])
+        arrays = {k: v for k, v in leaves if isinstance(v, mx.array)}
+        scalars = {k: v for k, v in leaves if not isinstance(v, mx.array)}
+        meta = {
+            "format": FORMAT,
+            "identity": self.identity,
+            "tokens": json.dumps(tokens),
+            "grid": str(grid),
+            "valid": str(valid),
+            "classes": json.dumps([type(c).__name__ for c in cache]),
+            "scalars": json.dumps(scalars),
+            "crc": str(_crc(arrays, tokens)),
+        }
+        key = hashlib.sha256(json.dumps([tokens, grid]).encode()).hexdigest()[:32]
+        path = self.dir / f"{key}{SUFFIX}"
+        tmp = self.dir / f".{key}.{os.getpid()}.tmp"  # (not an entry's name: no reader opens it)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                mx.save_safetensors(f, arrays, meta)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:
+            log.warning("prompt cache: %d tokens not stored (%s)", len(tokens), e)
+            tmp.unlink(missing_ok=True)
+            return None
+        for e in self._entries():  # a prefix of this one: it reuses no more than this
+            if e.path != path and e.grid == grid and e.valid <= valid and tokens[: len(e.tokens)] == e.tokens:
+                e.path.unlink(missing_ok=True)
+        self._evict()
+        return path
+
+    def _evict(self) -> None:
+        """The entries of every model under root, oldest used first, until they fit in max_bytes."""
+        files = []
+        for p in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime_ns, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        for _, size, p in sorted(files):
+            if total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.glob(f"*/*{SUFFIX}"))
