@@ -101,7 +101,10 @@ class Plan:
         """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size); native:
         the passes are the native step's (`position_bytes`)."""
         most = MAX_POSITIONS if native else 2048  # (longer passes go through MLX's forward)
-        return max(16, min(most, self.workspace // position_bytes(fd, context, native)))
+        fits = min(most, self.workspace // position_bytes(fd, context, native))
+        # one of a few sizes (2^k, 1.5 * 2^k): prompts of other lengths cut their chunks alike where a pass's rounding
+        # depends on its row count, so a stored prompt's chunks are a later one's (engine/prompt_store.py)
+        return max([16] + [s for k in range(4, 12) for s in (1 << k, 3 << (k - 1)) if s <= fits])
 
     def cache_bytes(self, strides: Dict[str, int]) -> int:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())

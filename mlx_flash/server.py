@@ -38,14 +38,15 @@ from pathlib import Path
 import mlx_flash  # noqa: F401  (before mlx.core: loads OpenBLAS on Linux)
 
 from mlx_lm import server
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from . import pipeline
 from .default_model import model_dir
-from .budget import auto_budget, is_auto
+from .budget import auto_budget, is_auto, parse_size
 from .engine.batching import BatchModel, FlashBatchGenerator
 from .engine.elastic import CHECK_SECONDS, ElasticBudget
 from .engine.forward import BACKENDS, Batchable
+from .engine.prompt_store import PromptStore, identity
 from .errors import BudgetError, FlashError, ReadError
 from .generate import stream_generate
 from .loader import load
@@ -478,6 +479,29 @@ def check_chat(body: dict):
         raise ValueError("'role_mapping' must be an object")
 
 
+class DiskTieredPromptCache(LRUPromptCache):
+    """mlx-lm's prompt cache in memory, each entry it stores also written to --prompt-cache-dir and read back where
+    the disk holds a longer prefix than memory: a restarted server (or another process) resumes conversations and
+    shared prefixes without prefilling them. Reused as the memory tier reuses (any prefix: the same bits where the
+    forward computes rows alone, engine/prompt_store.py)."""
+
+    def __init__(self, max_size: int, max_bytes: int, store: PromptStore, make_cache):
+        super().__init__(max_size, max_bytes)
+        self.store, self.make_cache = store, make_cache
+
+    def fetch_nearest_cache(self, model, tokens):
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        fresh = self.make_cache()
+        if self.store.fetch(tokens, fresh, 1, more_than=len(tokens) - len(rest)):
+            return fresh, tokens[fresh[0].offset :]
+        return cache, rest
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        if can_trim_prompt_cache(prompt_cache):
+            self.store.save(tokens, prompt_cache, 1)
+
+
 def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 8080):
     """The HTTP server and mlx-lm's generation thread (started) for `provider`.
     Stop with httpd.shutdown(), generator.stop_and_join(), provider.close()."""
@@ -485,7 +509,13 @@ def make_server(provider: ModelProvider, host: str = "127.0.0.1", port: int = 80
     # Every stored cache is one KV cache of --max-context tokens (allocated whole, see loader.make_cache)
     max_bytes = plan.prompt_cache if plan.budget is not None else 1 << 63
     server.BatchGenerator = FlashBatchGenerator  # what mlx-lm's generation thread makes (its steps: one pass each)
-    generator = ResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size, max_bytes))
+    args = provider.cli_args
+    if args.prompt_cache_dir and args.prompt_cache_size:
+        store = PromptStore(args.prompt_cache_dir, identity(provider.model), parse_size(args.prompt_cache_dir_size))
+        prompt_cache = DiskTieredPromptCache(args.prompt_cache_size, max_bytes, store, provider.model.make_cache)
+    else:
+        prompt_cache = LRUPromptCache(args.prompt_cache_size, max_bytes)
+    generator = ResponseGenerator(provider, prompt_cache)
     httpd = ThreadingHTTPServer((host, port), partial(APIHandler, generator), bind_and_activate=False)
     httpd.daemon_threads = True
     # a burst of clients waits in the listen backlog while the generation thread holds the accept loop up:
@@ -544,6 +574,17 @@ def setup_arg_parser():
         default=1,
         help="KV caches kept between requests (each of --max-context tokens, inside the budget; 0: off, as under a "
         "pipeline).",
+    )
+    p.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        help="Also keep the stored KV caches in this directory (read back by a restarted server or another process "
+        "whose prompt starts the same way; generate's --prompt-cache-dir).",
+    )
+    p.add_argument(
+        "--prompt-cache-dir-size",
+        default="8GiB",
+        help="The most --prompt-cache-dir holds (the entries used longest ago go first).",
     )
     p.add_argument(
         "--max-batch",

@@ -3,6 +3,7 @@ prefilling it and gives a cold run's tokens and log-probabilities bit for bit; e
 (least recently used first); a truncated, corrupted or foreign file is refused, deleted and recomputed; a failed
 write loses nothing."""
 
+import http.client
 import json
 import os
 
@@ -156,3 +157,28 @@ def test_generate_reads_its_prompt_cache_dir(flash, tmp_path, capsys):
     assert read[0] == 0 and read[1] > 0
     texts = [o.split("prompt cache: ")[0] for o in outs]
     assert texts[0] and texts[0] == texts[1]
+
+
+def chat(port, content):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = json.loads(conn.getresponse().read())
+    conn.close()
+    return r["choices"][0]["message"]["content"], r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def test_a_restarted_server_resumes_a_prompt_from_the_directory(flash, tmp_path, start_server):
+    """A server stores a prompt; another one started on the same directory (an empty memory tier: a restart) reads
+    it for a prompt that starts the same way and answers as a server without the directory does."""
+    path, _ = flash
+    argv = ["--model", path, "--max-context", CONTEXT, "--memory-budget", "300%", "--sparsity", "dense",
+            "--max-batch", "1"]  # fmt: skip
+    doc = "the cat sat on the mat and then " * 6
+    cold = chat(start_server(argv)[2], doc + "why?")
+    assert cold[1] == 0
+    chat(start_server(argv + ["--prompt-cache-dir", tmp_path])[2], doc)
+    _, generator, port = start_server(argv + ["--prompt-cache-dir", tmp_path])
+    warm = chat(port, doc + "why?")
+    assert generator.prompt_cache.store.hits == 1
+    assert warm[1] > 0 and warm[0] == cold[0]

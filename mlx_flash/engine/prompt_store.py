@@ -123,16 +123,16 @@ class PromptStore:
         self.refused += 1
         path.unlink(missing_ok=True)
 
-    def fetch(self, tokens: Sequence[int], cache: list, grid: int) -> int:
-        """Fill `cache` (fresh: model.make_cache()) with the longest stored prefix of `tokens` reusable at `grid` and
-        return its length (0: nothing usable, `cache` untouched)."""
+    def fetch(self, tokens: Sequence[int], cache: list, grid: int, more_than: int = 0) -> int:
+        """Fill `cache` (fresh: model.make_cache()) with the longest stored prefix of `tokens` reusable at `grid`, if
+        longer than `more_than`, and return its length (0: nothing usable, `cache` untouched)."""
         from mlx.utils import tree_unflatten
         from mlx_lm.models.cache import trim_prompt_cache
 
         while True:
             best = max(self._entries(), key=lambda e: e.usable(tokens, grid), default=None)
             n = best.usable(tokens, grid) if best is not None else 0
-            if n < self.min_tokens:
+            if n < self.min_tokens or n <= more_than:
                 self.misses += 1
                 return 0
             try:
