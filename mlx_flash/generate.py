@@ -11,6 +11,7 @@ with two forward passes fewer before the first token (`generate_step`); `mlx_fla
 import argparse
 import sys
 import time
+from functools import partial
 
 from . import blas, pipeline
 from .budget import fmt_bytes, parse_size
@@ -39,10 +40,12 @@ class _Passes:
         self.history = None  # the tokens fed so far, for the logits processors
         self.store, self.grid, self.prompt_tokens, self.reused = None, 1, 0, 0  # (a PromptStore: `fetch`, `keep`)
 
-    def fetch(self, store, prompt: list, grid: int) -> int:
-        """The longest prefix of `prompt` `store` holds, read into the (fresh) cache: its length."""
+    def fetch(self, store, prompt: list, grid: int, make_cache) -> int:
+        """The longest prefix of `prompt` `store` holds, read as the cache: its length."""
         self.store, self.grid, self.prompt_tokens = store, grid, len(prompt)
-        self.reused = store.fetch(prompt, self.cache, grid)
+        cache, self.reused = store.fetch(prompt, make_cache, grid)
+        if cache is not None:
+            self.cache = cache
         return self.reused
 
     def keep(self, tokens: list) -> None:
@@ -144,7 +147,8 @@ def _start(
     if prompt_store is not None and own_cache and can_trim_prompt_cache(prompt_cache):
         # (chunks cut where a cold run cuts them: a reused prefix ends at a whole chunk where rows' bits depend on it)
         rows_alone = getattr(getattr(model, "forward", None), "rows_alone", False)
-        done = passes.fetch(prompt_store, prompt.tolist(), 1 if rows_alone else prefill_step_size)
+        make = partial(make_prompt_cache, model, max_kv_size=max_kv_size)
+        done = passes.fetch(prompt_store, prompt.tolist(), 1 if rows_alone else prefill_step_size, make)
     progress(done, total)
     while total - done > prefill_step_size:
         passes(prompt[done : done + prefill_step_size], "none")

@@ -457,10 +457,11 @@ def load(
     auto = sparsifier is None and sparsity == "auto"
     if sparsifier is None:
         sparsifier = make_sparsifier(fd, sparsity, density, gamma, max_ppl_increase=max_ppl_increase)
-    if kv_bits is not None and (kv_bits not in (2, 3, 4, 6, 8) or head_dim(fd.config) % kv_group_size):
+    bad_group = kv_group_size not in (32, 64, 128) or head_dim(fd.config) % kv_group_size  # (mx.quantize's sizes)
+    if kv_bits is not None and (kv_bits not in (2, 3, 4, 6, 8) or bad_group):
         raise FlashError(
             f"kv_bits={kv_bits}, kv_group_size={kv_group_size}: needs bits in 2, 3, 4, 6, 8 and a "
-            f"group size dividing the head dimension ({head_dim(fd.config)})"
+            f"group size of 32, 64 or 128 dividing the head dimension ({head_dim(fd.config)})"
         )
 
     def plan_for(sp):

@@ -491,10 +491,8 @@ class DiskTieredPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model, tokens):
         cache, rest = super().fetch_nearest_cache(model, tokens)
-        fresh = self.make_cache()
-        if self.store.fetch(tokens, fresh, 1, more_than=len(tokens) - len(rest)):
-            return fresh, tokens[fresh[0].offset :]
-        return cache, rest
+        stored, n = self.store.fetch(tokens, self.make_cache, 1, more_than=len(tokens) - len(rest))
+        return (cache, rest) if stored is None else (stored, tokens[n:])
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)

@@ -11,6 +11,7 @@ from mlx_flash.budget import min_budget
 from mlx_flash.convert import convert
 from mlx_flash.engine.prompt_store import PromptStore, identity
 from mlx_flash.format.directory import FlashDir
+from mlx_flash.format.safetensors_io import TensorSpool
 from mlx_flash.generate import generate_step
 from mlx_flash.generate import main as generate_main
 from mlx_flash.loader import kv_size_of, load
@@ -136,7 +137,7 @@ def test_a_failed_write_leaves_nothing_and_generation_goes_on(flash, tmp_path, m
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(mx, "save_safetensors", full)
+    monkeypatch.setattr(TensorSpool, "add", full)  # (the disk fills as the entry's arrays are written)
     store = store_of(model, tmp_path)
     assert run(model, PROMPT, store=store)[0] == cold[0]
     assert list(store.dir.iterdir()) == []
@@ -182,3 +183,20 @@ def test_a_restarted_server_resumes_a_prompt_from_the_directory(flash, tmp_path,
     warm = chat(port, doc + "why?")
     assert generator.prompt_cache.store.hits == 1
     assert warm[1] > 0 and warm[0] == cold[0]
+
+
+def test_a_quantised_kv_cache_is_stored_and_read_bit_for_bit(tmp_path):
+    """--kv-bits 8 (SmolLM2: a head dimension mx.quantize groups)."""
+    from mlx_flash.default_model import default_model_dir
+
+    model, _ = load(default_model_dir(), memory_budget="300%", context=CONTEXT, kv_bits=8)
+    try:
+        assert type(model.make_cache()[0]).__name__ == "QuantizedKVCache"
+        cold = run(model, LONGER)
+        run(model, PROMPT, 1, store_of(model, tmp_path))
+        store = store_of(model, tmp_path)
+        warm = run(model, LONGER, store=store)
+        assert store.tokens_read > 0
+        assert warm[0] == cold[0] and np.array_equal(warm[1], cold[1])
+    finally:
+        model.flash.close()

@@ -23,12 +23,12 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from ..compute import cpu_gemv
-from ..format.safetensors_io import read_header, tensor_bytes
+from ..format.safetensors_io import TensorSpool, read_header, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +58,68 @@ def identity(model) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _crc(arrays: dict, tokens: Sequence[int]) -> int:
-    crc = zlib.crc32(json.dumps(list(tokens)).encode())
-    for k in sorted(arrays):
-        crc = zlib.crc32(tensor_bytes(arrays[k]).data, crc)
-    return crc
-
-
-def _held(cache):
-    """A trimmable cache's state with its arrays cut to the positions it holds (mlx-lm's KVCache gives its whole
-    buffer; keys, values and their quantisation's scales all have the positions second to last)."""
-    from mlx.utils import tree_map
+def _layer(cache, i: int) -> list:
+    """Layer i's state leaves, (name, value) in order: its arrays cut to the positions held (mlx-lm's KVCache gives its
+    whole buffer; keys, values and their quantisation's scales all have the positions second to last)."""
+    from mlx.utils import tree_flatten, tree_map
 
     n = cache.offset
-    return tree_map(lambda a: a[..., :n, :] if isinstance(a, mx.array) and a.ndim >= 3 else a, cache.state)
+    state = tree_map(lambda a: a[..., :n, :] if isinstance(a, mx.array) and a.ndim >= 3 else a, cache.state)
+    return tree_flatten(state, prefix=f".{i}")
+
+
+CRC_DIGITS = 10  # (the header's room is reserved before the CRC is known)
+
+
+def _write(tmp: Path, path: Path, cache: list, meta: dict) -> None:
+    """The entry's file, a layer's arrays at a time (each spooled to `tmp`, which then becomes `path`)."""
+    names, scalars = {}, {}
+    for i, c in enumerate(cache):  # (shapes only: MLX's slices and zeros are lazy)
+        for k, v in _layer(c, i):
+            if isinstance(v, mx.array):
+                names[k] = mx.zeros(v.shape, v.dtype)
+            else:
+                scalars[k] = v
+    meta = {**meta, "scalars": json.dumps(scalars), "crc": "0" * CRC_DIGITS}
+    spool = TensorSpool(tmp, reserve=names, metadata=meta)
+    try:
+        crc = zlib.crc32(meta["tokens"].encode())
+        for i, c in enumerate(cache):
+            for k, v in _layer(c, i):
+                if isinstance(v, mx.array):
+                    crc = zlib.crc32(tensor_bytes(v).data, crc)
+                    spool.add(k, v)
+        meta["crc"] = str(crc).zfill(CRC_DIGITS)
+        spool.finish(path, list(names), sha256=False)
+    finally:
+        spool.close()
+
+
+def _read(entry: "Entry", cache: list) -> list:
+    """`cache` (fresh) given the entry's states a layer at a time, checked against its CRC (ValueError)."""
+    from mlx.utils import tree_unflatten
+
+    arrays, meta = mx.load(str(entry.path), return_metadata=True)
+    classes = json.loads(meta["classes"])
+    if classes != [type(c).__name__ for c in cache]:
+        raise ValueError(f"caches {classes}, the model's are {[type(c).__name__ for c in cache]}")
+    scalars = json.loads(meta["scalars"])
+    crc = zlib.crc32(meta["tokens"].encode())
+    for i, c in enumerate(cache):
+        prefix = f"{i}."
+        names = sorted(
+            (k for k in (*arrays, *scalars) if k.startswith(prefix)), key=lambda k: [int(x) for x in k.split(".")]
+        )
+        leaves = []
+        for k in names:
+            v = arrays.pop(k) if k in arrays else scalars[k]
+            if isinstance(v, mx.array):
+                crc = zlib.crc32(tensor_bytes(v).data, crc)
+            leaves.append((k[len(prefix) :], v))
+        c.state = tree_unflatten(leaves)
+    if crc != int(meta["crc"]):
+        raise ValueError("checksum mismatch")
+    return cache
 
 
 @dataclass
@@ -123,10 +171,9 @@ class PromptStore:
         self.refused += 1
         path.unlink(missing_ok=True)
 
-    def fetch(self, tokens: Sequence[int], cache: list, grid: int, more_than: int = 0) -> int:
-        """Fill `cache` (fresh: model.make_cache()) with the longest stored prefix of `tokens` reusable at `grid`, if
-        longer than `more_than`, and return its length (0: nothing usable, `cache` untouched)."""
-        from mlx.utils import tree_unflatten
+    def fetch(self, tokens: Sequence[int], make_cache, grid: int, more_than: int = 0) -> Tuple[Optional[list], int]:
+        """(a new cache from `make_cache()` holding the longest stored prefix of `tokens` reusable at `grid`, if longer
+        than `more_than`, and its length) or (None, 0). Read a layer at a time: about the cache's own memory."""
         from mlx_lm.models.cache import trim_prompt_cache
 
         while True:
@@ -134,62 +181,42 @@ class PromptStore:
             n = best.usable(tokens, grid) if best is not None else 0
             if n < self.min_tokens or n <= more_than:
                 self.misses += 1
-                return 0
+                return None, 0
             try:
-                arrays, meta = mx.load(str(best.path), return_metadata=True)
-                if int(meta["crc"]) != _crc(arrays, best.tokens):
-                    raise ValueError("checksum mismatch")
-                classes = json.loads(meta["classes"])
-                if classes != [type(c).__name__ for c in cache]:
-                    raise ValueError(f"caches {classes}, the model's are {[type(c).__name__ for c in cache]}")
-                leaves = {**arrays, **json.loads(meta["scalars"])}
-                states = tree_unflatten(list(leaves.items()))
+                cache = _read(best, make_cache())
             except FileNotFoundError:
                 continue
             except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
                 self._refuse(best.path, e)
                 continue
-            for c, state in zip(cache, states):
-                c.state = state
             trim_prompt_cache(cache, len(best.tokens) - n)
             os.utime(best.path)  # (the LRU's clock)
             self.hits += 1
             self.tokens_read += n
-            return n
+            return cache, n
 
     def save(self, tokens: Sequence[int], cache: list, grid: int, valid: Optional[int] = None) -> Optional[Path]:
         """Store `cache` (holding `tokens`; `valid`: its leading positions computed in whole chunks of `grid`, by
-        default all of them) unless too short; entries it extends are dropped, then the oldest over the bound.
-        A failed write (a full disk) leaves no file and is logged; the caller's work goes on."""
-        from mlx.utils import tree_flatten
-
+        default all of them) unless too short, a layer at a time (little memory beside the cache); entries it extends
+        are dropped, then the oldest over the bound. A failed write (a full disk) leaves no file and is logged; the
+        caller's work goes on."""
         tokens = [int(t) for t in tokens]
         valid = len(tokens) if valid is None else valid
         if valid < self.min_tokens:
             return None
-        leaves = tree_flatten([_held(c) for c in cache])
-        arrays = {k: v for k, v in leaves if isinstance(v, mx.array)}
-        scalars = {k: v for k, v in leaves if not isinstance(v, mx.array)}
-        meta = {
-            "format": FORMAT,
-            "identity": self.identity,
-            "tokens": json.dumps(tokens),
-            "grid": str(grid),
-            "valid": str(valid),
-            "classes": json.dumps([type(c).__name__ for c in cache]),
-            "scalars": json.dumps(scalars),
-            "crc": str(_crc(arrays, tokens)),
-        }
         key = hashlib.sha256(json.dumps([tokens, grid]).encode()).hexdigest()[:32]
         path = self.dir / f"{key}{SUFFIX}"
         tmp = self.dir / f".{key}.{os.getpid()}.tmp"  # (not an entry's name: no reader opens it)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                mx.save_safetensors(f, arrays, meta)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            _write(tmp, path, cache, {
+                "format": FORMAT,
+                "identity": self.identity,
+                "tokens": json.dumps(tokens),
+                "grid": str(grid),
+                "valid": str(valid),
+                "classes": json.dumps([type(c).__name__ for c in cache]),
+            })  # fmt: skip
         except (OSError, RuntimeError) as e:
             log.warning("prompt cache: %d tokens not stored (%s)", len(tokens), e)
             tmp.unlink(missing_ok=True)

@@ -168,11 +168,11 @@ class TensorSpool:
         self.close()
         return None if sha is None else sha.hexdigest()
 
-    def finish(self, path, names: Iterable[str], progress=None) -> str:
+    def finish(self, path, names: Iterable[str], progress=None, sha256: bool = True) -> Optional[str]:
         """The scratch file made the safetensors file `path` of `names` (all added, in order, those left out after
         the first removed by moving the rest back), its header in the room `reserve` left, padded with spaces;
-        returns its sha256 (read back, `progress` updated). Its data are in the order added: any safetensors
-        reader's, not byte for byte what `mx.save_safetensors` writes."""
+        returns its sha256 if asked (read back, `progress` updated). Its data are in the order added: any
+        safetensors reader's, not byte for byte what `mx.save_safetensors` writes."""
         names = set(names)
         keep = [k for k in self.entries if k in names]
         at = self.start
@@ -196,7 +196,7 @@ class TensorSpool:
         self._f.write(struct.pack("<Q", self.start - 8) + text + b" " * (self.start - 8 - len(text)))
         self._f.close()
         os.replace(self.scratch, path)
-        return file_sha256(path, progress)
+        return file_sha256(path, progress) if sha256 else None
 
     def close(self) -> None:
         if not self._f.closed:
