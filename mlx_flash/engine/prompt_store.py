@@ -117,9 +117,31 @@ def _read(entry: "Entry", cache: list) -> list:
                 crc = zlib.crc32(tensor_bytes(v).data, crc)
             leaves.append((k[len(prefix) :], v))
         c.state = tree_unflatten(leaves)
+        _at_capacity(c)
     if crc != int(meta["crc"]):
         raise ValueError("checksum mismatch")
     return cache
+
+
+def _at_capacity(cache) -> None:
+    """A restored cache given the room its plan allocates at the first update (loader.make_cache's `step`), layer by
+    layer: the next token would otherwise grow it by another `step` (twice the planned memory, over a hard cap)."""
+    from mlx.utils import tree_flatten, tree_map
+
+    room = getattr(cache, "step", 0)
+    if hasattr(cache, "reserve"):  # (native_step.HostKVCache: host buffers)
+        if cache._k is not None and room > cache.offset:
+            cache.reserve(room, cache._k.shape[1], cache._k.shape[3], cache._v.shape[3])
+        return
+    held = getattr(cache, "keys", None)
+    if held is None or room <= cache.offset:
+        return
+
+    def pad(a):
+        return mx.concatenate([a, mx.zeros((*a.shape[:2], room - a.shape[2], a.shape[3]), a.dtype)], axis=2)
+
+    cache.keys, cache.values = tree_map(pad, cache.keys), tree_map(pad, cache.values)
+    mx.eval([a for _, a in tree_flatten([cache.keys, cache.values])])
 
 
 @dataclass
