@@ -59,6 +59,11 @@ class HostKVCache(Batchable, KVCache):
             k[:, :, : self.offset], v[:, :, : self.offset] = self._k[:, :, : self.offset], self._v[:, :, : self.offset]
         self._k, self._v = k, v
 
+    def make_room(self, n: int):
+        """Room for n positions shaped as the buffers held (a restored cache: engine/prompt_store.py)."""
+        if self._k is not None:
+            self.reserve(n, self._k.shape[1], self._k.shape[3], self._v.shape[3])
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, L, D = keys.shape
         if B != 1:

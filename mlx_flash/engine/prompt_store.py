@@ -129,9 +129,8 @@ def _at_capacity(cache) -> None:
     from mlx.utils import tree_flatten, tree_map
 
     room = getattr(cache, "step", 0)
-    if hasattr(cache, "reserve"):  # (native_step.HostKVCache: host buffers)
-        if cache._k is not None and room > cache.offset:
-            cache.reserve(room, cache._k.shape[1], cache._k.shape[3], cache._v.shape[3])
+    if hasattr(cache, "make_room"):  # (native_step.HostKVCache: host buffers)
+        cache.make_room(room)
         return
     held = getattr(cache, "keys", None)
     if held is None or room <= cache.offset:
