@@ -30,6 +30,10 @@ SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all l
 # (modules imported by the first token, numpy rows, reader threads: 17 MiB measured on a 170 MB model under a hard
 # cap)
 MIN_MOE_WORKSPACE_BYTES = 2 * SCRATCH_BYTES
+# A prompt pass's positions may take this share of the model's bytes (lent by the unit caches while the prompt runs:
+# Plan.prompt_loan): a share of the model, not of the budget, so a prompt is cut alike at every budget (the same bits
+# where a pass's rounding depends on its row count), and a pass reads each unit once for many positions
+PROMPT_SHARE = 1 / 32
 # Packed units (format v3) are read through each reader thread's bounce buffer (O_DIRECT wants aligned offsets,
 # lengths and addresses): its memory is in the budget, so it is kept small.
 FFN_BOUNCE_BYTES = 64 << 10
@@ -97,14 +101,28 @@ class Plan:
     kv_bits: Optional[int] = None  # None: float KV cache
     max_context: Optional[int] = None  # the longest context the budget could hold (at its floor: see plan_memory)
 
-    def prefill_step(self, fd, context: int, native: bool = False) -> int:
-        """Prompt tokens per forward pass whose activations fit in the workspace (mlx-lm's prefill_step_size); native:
-        the passes are the native step's (`position_bytes`)."""
+    def prefill_step(self, fd, context: int, native: bool = False, lend: bool = True) -> int:
+        """Prompt tokens per forward pass (mlx-lm's prefill_step_size): as many as the larger of the workspace and
+        PROMPT_SHARE of the model holds (`position_bytes`; what the workspace does not hold the unit caches lend while
+        the prompt runs: `prompt_loan`), unless the caches hold less than that or `lend` is False (the server, whose
+        prompts run beside decode steps, and pipeline stages: the workspace's); native: the native step's passes."""
         most = MAX_POSITIONS if native else 2048  # (longer passes go through MLX's forward)
-        fits = min(most, self.workspace // position_bytes(fd, context, native))
-        # one of a few sizes (2^k, 1.5 * 2^k): prompts of other lengths cut their chunks alike where a pass's rounding
-        # depends on its row count, so a stored prompt's chunks are a later one's (engine/prompt_store.py)
-        return max([16] + [s for k in range(4, 12) for s in (1 << k, 3 << (k - 1)) if s <= fits])
+        per = position_bytes(fd, context, native)
+        room = max(self.workspace, int(fd.model_bytes * PROMPT_SHARE)) if lend else self.workspace
+        step = _chunk(min(most, room // per))
+        if self.budget is not None and step * per - self.workspace > self.cache_bytes(fd.strides):
+            step = _chunk(min(most, self.workspace // per))  # (a budget at its floor: the caches cannot lend)
+        return step
+
+    def prompt_loan(self, fd, context: int, native: bool = False, step: Optional[int] = None) -> int:
+        """Bytes the unit caches lend while a prompt runs in passes of `step` positions (default `prefill_step`): what
+        the passes take beyond the workspace and the budget's unplanned rest, at most what the caches hold."""
+        if self.budget is None:
+            return 0
+        step = step or self.prefill_step(fd, context, native)
+        rest = self.budget - self.nbytes(fd.strides)
+        need = step * position_bytes(fd, context, native) - self.workspace - rest
+        return max(0, min(need, self.cache_bytes(fd.strides)))
 
     def cache_bytes(self, strides: Dict[str, int]) -> int:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
@@ -171,6 +189,13 @@ class Plan:
                 else ""
             )
         )
+
+
+def _chunk(fits: int) -> int:
+    """A prompt chunk of at most `fits` positions, one of a few sizes (2^k, 1.5 * 2^k, at least 16): prompts of other
+    lengths cut their chunks alike where a pass's rounding depends on its row count, so a stored prompt's chunks are
+    a later one's (engine/prompt_store.py)."""
+    return max([16] + [s for k in range(4, 12) for s in (1 << k, 3 << (k - 1)) if s <= fits])
 
 
 def position_bytes(fd, context: int, native: bool = False) -> int:

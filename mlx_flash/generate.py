@@ -11,6 +11,7 @@ with two forward passes fewer before the first token (`generate_step`); `mlx_fla
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 
 from . import blas, pipeline
@@ -150,14 +151,24 @@ def _start(
         make = partial(make_prompt_cache, model, max_kv_size=max_kv_size)
         done = passes.fetch(prompt_store, prompt.tolist(), 1 if rows_alone else prefill_step_size, make)
     progress(done, total)
-    while total - done > prefill_step_size:
-        passes(prompt[done : done + prefill_step_size], "none")
-        done += prefill_step_size
-        progress(done, total)
-        mx.clear_cache()
-    y, logprobs = passes(prompt[done:], "last")
+    with _prompt_room(model, min(prefill_step_size, total - done)):
+        while total - done > prefill_step_size:
+            passes(prompt[done : done + prefill_step_size], "none")
+            done += prefill_step_size
+            progress(done, total)
+            mx.clear_cache()
+        y, logprobs = passes(prompt[done:], "last")
     progress(total, total)
     return passes, own_cache, y, logprobs
+
+
+def _prompt_room(model, step: int):
+    """A flash model's unit caches lend what its prompt's passes of `step` positions take beyond the workspace."""
+    engine = getattr(model, "flash", None)
+    if engine is None or engine.context is None:
+        return nullcontext()
+    loan = engine.plan.prompt_loan(engine.fd, engine.context, model.forward.native, step)
+    return engine.lending(loan)
 
 
 def generate_step(prompt, model, *, max_tokens: int = 256, **kwargs):
@@ -698,8 +709,10 @@ def _generate(args, model, tokenizer, prompt):
 
     response = None
     context = model.flash.context
-    step = model.flash.plan.prefill_step(model.flash.fd, context, model.forward.native)  # within the budget
-    if isinstance(model.forward, pipeline.Stage):  # at most the positions a stage's pass takes
+    # within the budget; a pipeline's: at most the positions a stage's pass takes, in every rank's workspace
+    staged = isinstance(model.forward, pipeline.Stage)
+    step = model.flash.plan.prefill_step(model.flash.fd, context, model.forward.native, lend=not staged)
+    if staged:
         step = min(step, model.forward.max_positions)
     store = None
     if args.prompt_cache_dir and isinstance(model.forward, pipeline.Stage):

@@ -120,7 +120,9 @@ class ModelProvider(server.ModelProvider):
         args.decode_concurrency = batch
         # prompts beside each other in a pass where rows compute alone (engine.batching), else one at a time
         args.prompt_concurrency = batch if model.forward.sequences_alone else 1
-        args.prefill_step_size = model.flash.plan.prefill_step(model.flash.fd, args.max_context, model.forward.native)
+        args.prefill_step_size = model.flash.plan.prefill_step(
+            model.flash.fd, args.max_context, model.forward.native, lend=False
+        )
         if self.stage is not None:  # at most the positions a stage's pass takes
             args.prefill_step_size = min(args.prefill_step_size, self.stage.max_positions)
 

@@ -18,6 +18,7 @@ for experts, each computed for the tokens that chose it.
 
 import math
 import time
+from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -388,6 +389,22 @@ class Engine:
             for c in regions.values():
                 c.reset()
         self.stats.reset()
+
+    @contextmanager
+    def lending(self, nbytes: int):
+        """The unit caches `nbytes` smaller while the block runs (a prompt's passes take the room: Plan.prompt_loan),
+        then as planned. Outputs do not change (`resize`); the caches start empty after it."""
+        plan = self.plan
+        if nbytes <= 0 or plan.budget is None:
+            yield
+            return
+        self.resize(plan.resized(self.fd, plan.nbytes(self.fd.strides) - nbytes).capacity)  # (the loan counts the rest)
+        mx.clear_cache()  # (the rows given back before the passes take them)
+        try:
+            yield
+        finally:
+            mx.clear_cache()
+            self.resize(plan.capacity)
 
     def resize(self, capacity: List[Dict[str, int]]):
         """Each layer's caches to hold capacity[layer][region] units (budget.Plan.resized), between passes: a cache

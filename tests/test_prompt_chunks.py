@@ -1,0 +1,88 @@
+"""Prompt chunks as large as a share of the model holds (budget.PROMPT_SHARE, Plan.prefill_step, Plan.prompt_loan,
+Engine.lending): the same chunk at every budget whose unit caches can lend what the workspace does not hold, lent
+while the prompt runs and given back after it, and the same tokens and log-probabilities at every budget."""
+
+from mlx_flash import budget
+from mlx_flash.budget import min_budget
+from mlx_flash.convert import convert
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.generate import generate_step
+from mlx_flash.loader import kv_size_of, load
+from mlx_flash.models.tiny import make_tiny_model_dir
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+CONTEXT = 700
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 250, 600)]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunks")
+    src = make_tiny_model_dir("llama", root / "src", vocab_size=257, intermediate_size=1024)
+    return convert(str(src), root / "flash", progress=False)
+
+
+def share_of_next_chunk(fd, plan, native) -> float:
+    """A PROMPT_SHARE whose chunk is the size after the workspace's (a tiny model's own share is under its workspace;
+    the caches at the budgets below can lend the difference)."""
+    step = plan.prefill_step(fd, CONTEXT, native, lend=False)
+    after = min(s for k in range(4, 12) for s in (1 << k, 3 << (k - 1)) if s > step)
+    return after * budget.position_bytes(fd, CONTEXT, native) / fd.model_bytes
+
+
+def test_the_chunk_is_the_same_at_every_budget_and_the_caches_lend_the_rest(path, monkeypatch):
+    fd = FlashDir(path)
+    floor = min_budget(fd, CONTEXT, kv_size_of(fd))
+    runs, lent = [], []
+    for extra in (fd.ffn_bytes // 3, fd.ffn_bytes * 2 // 3, 4 * fd.ffn_bytes):
+        model, _ = load(path, memory_budget=floor + extra, sparsity="dense", context=CONTEXT)
+        engine, native = model.flash, model.forward.native
+        plan = engine.plan
+        if not runs:
+            monkeypatch.setattr(budget, "PROMPT_SHARE", share_of_next_chunk(fd, plan, native))
+        step = plan.prefill_step(fd, CONTEXT, native)
+        assert step > plan.prefill_step(fd, CONTEXT, native, lend=False)  # (the share, not the workspace)
+        need = step * budget.position_bytes(fd, CONTEXT, native) - plan.workspace  # (beyond the workspace)
+        room = plan.budget - plan.nbytes(fd.strides)  # (the largest budget caches every unit and has room left)
+        loan = plan.prompt_loan(fd, CONTEXT, native)
+        assert loan == max(0, need - room) <= plan.cache_bytes(fd.strides)
+        sizes, resize = [], engine.resize
+
+        def resized(capacity, resize=resize, sizes=sizes):
+            sizes.append(sum(c * fd.strides[r] for layer in capacity for r, c in layer.items()))
+            resize(capacity)
+
+        monkeypatch.setattr(engine, "resize", resized)
+        out = list(generate_step(mx.array(PROMPT), model, max_tokens=4, prefill_step_size=step))
+        # while the prompt ran, the plan's other parts, the caches and the passes' room within the budget; after it,
+        # the caches as planned
+        want = plan.cache_bytes(fd.strides)
+        if loan:
+            assert len(sizes) == 2 and plan.nbytes(fd.strides) - want + sizes[0] + need <= plan.budget
+            assert sizes[1] == want
+        else:
+            assert sizes == []
+        assert [sum(c for c in layer.values()) for layer in plan.capacity] == [
+            sum(c.capacity for c in regions.values()) for regions in engine.caches
+        ]
+        lent.append(loan)
+        runs.append((step, [t for t, _ in out], np.stack([np.array(lp) for _, lp in out])))
+        engine.close()
+    assert len({s for s, _, _ in runs}) == 1 and lent[0] > 0 and lent[-1] == 0
+    for _, tokens, logprobs in runs[1:]:
+        assert tokens == runs[0][1] and np.array_equal(logprobs, runs[0][2])
+
+
+def test_a_budget_whose_caches_cannot_lend_takes_the_workspace_s_chunk(path, monkeypatch):
+    fd = FlashDir(path)
+    model, _ = load(path, memory_budget=min_budget(fd, CONTEXT, kv_size_of(fd)), sparsity="dense", context=CONTEXT)
+    try:
+        plan, native = model.flash.plan, model.forward.native
+        monkeypatch.setattr(budget, "PROMPT_SHARE", share_of_next_chunk(fd, plan, native))
+        assert plan.prefill_step(fd, CONTEXT, native) == plan.prefill_step(fd, CONTEXT, native, lend=False)
+        assert plan.prompt_loan(fd, CONTEXT, native) == 0
+    finally:
+        model.flash.close()
