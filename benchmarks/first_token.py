@@ -1,7 +1,8 @@
 """Time to the first token under a hard cap: each prompt length in a new process under a cap of budget + baseline,
 page cache of the model dropped first; held-out WikiText-2 as the prompt. Reported per run: time to the first token
 (from the call; loading apart), prompt tokens/s, passes, prompt chunk, bytes read at the device by the prompt, peak
-RSS above the baseline. `--checkouts` runs other checkouts of mlx_flash (PYTHONPATH) in the same rounds, alternating.
+RSS above the baseline (`--no-cap`: uncapped, for bytes and passes). `--checkouts` runs other checkouts of mlx_flash
+(PYTHONPATH) in the same rounds, alternating.
 
     python benchmarks/first_token.py --model DIR --memory-budget 25% --lengths 512,2048 --rounds 3 \
         --checkouts .,/tmp/before --json benchmarks/results/first_token_qwen3_30b.json
@@ -66,6 +67,7 @@ def main():
     p.add_argument("--backends", default="auto")
     p.add_argument("--checkouts", default=".", help="mlx_flash checkouts to run, comma-separated (PYTHONPATH).")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-cap", action="store_true", help="No hard cap (bytes and passes; peak RSS recorded).")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, default=None, help=argparse.SUPPRESS)
@@ -78,7 +80,8 @@ def main():
     baseline = run_capped(memory.baseline_command(args.model)).max_rss
     cap = parse_size(args.memory_budget, fd.model_bytes) + baseline
     out = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(args.model), "versions": versions()}
-    out.update(model=args.model, budget=args.memory_budget, cap=cap, baseline=baseline, runs=[], summary=[])
+    out.update(model=args.model, budget=args.memory_budget, cap=None if args.no_cap else cap, baseline=baseline)
+    out.update(runs=[], summary=[])
     out["fio_start"] = fio_reference(fd.largest_unit_path, DEFAULT_THREADS)
     checkouts = [str(Path(c).resolve()) for c in args.checkouts.split(",")]
     for r in range(args.rounds):
@@ -88,8 +91,11 @@ def main():
                     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model]
                     cmd += ["--memory-budget", args.memory_budget, "--length", length, "--backend", backend]
                     env = {**os.environ, "PYTHONPATH": checkout}
-                    res = run_capped(cmd, limit=cap, drop=[args.model], timeout=7200, env=env, cwd=checkout)
+                    limit = None if args.no_cap else cap
+                    res = run_capped(cmd, limit=limit, drop=[args.model], timeout=7200, env=env, cwd=checkout)
                     row = {"round": r, "checkout": checkout, "length": length, "backend": backend, "ok": res.ok}
+                    row.update(returncode=res.returncode, oom_killed=res.oom_killed, max_rss=res.max_rss)
+                    row.update(device_read_bytes=res.read_bytes, wall_s=res.wall_s)
                     if res.ok:
                         row.update(json.loads(res.stdout.strip().splitlines()[-1]))
                     else:
@@ -110,6 +116,7 @@ def main():
                     "passes": done[0]["passes"] if done else None,
                     "prefill_step": done[0]["prefill_step"] if done else None,
                     "bytes_read": statistics.median(x["bytes_read"] for x in done) if done else None,
+                    "peak_rss": max(x["max_rss"] for x in done) if done else None,
                 })  # fmt: skip
     print(json.dumps(out["summary"], indent=1))
     if args.json:
