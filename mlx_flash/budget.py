@@ -116,10 +116,11 @@ class Plan:
 
     def prompt_loan(self, fd, context: int, native: bool = False, step: Optional[int] = None) -> int:
         """Bytes the unit caches lend while a prompt runs in passes of `step` positions (default `prefill_step`): what
-        the passes take beyond the workspace and the budget's unplanned rest, at most what the caches hold."""
-        if self.budget is None:
-            return 0
+        the passes take beyond the workspace and the budget's unplanned rest, at most what the caches hold; nothing
+        for passes no longer than the workspace's own chunk."""
         step = step or self.prefill_step(fd, context, native)
+        if self.budget is None or step <= self.prefill_step(fd, context, native, lend=False):
+            return 0
         rest = self.budget - self.nbytes(fd.strides)
         need = step * position_bytes(fd, context, native) - self.workspace - rest
         return max(0, min(need, self.cache_bytes(fd.strides)))

@@ -39,15 +39,15 @@ class _Passes:
         self.model, self.cache, self.sampler = model, cache, sampler
         self.processors, self.stream, self.kv = logits_processors or (), stream, kv
         self.history = None  # the tokens fed so far, for the logits processors
-        self.store, self.grid, self.prompt_tokens, self.reused = None, 1, 0, 0  # (a PromptStore: `fetch`, `keep`)
+        self.store, self.grid, self.prompt_tokens = None, 1, 0  # (a PromptStore: `fetch`, `keep`)
 
     def fetch(self, store, prompt: list, grid: int, make_cache) -> int:
         """The longest prefix of `prompt` `store` holds, read as the cache: its length."""
         self.store, self.grid, self.prompt_tokens = store, grid, len(prompt)
-        cache, self.reused = store.fetch(prompt, make_cache, grid)
+        cache, n = store.fetch(prompt, make_cache, grid)
         if cache is not None:
             self.cache = cache
-        return self.reused
+        return n
 
     def keep(self, tokens: list) -> None:
         """Store the cache (holding `tokens`): every position where rows compute alone, else those of whole prompt
@@ -167,8 +167,8 @@ def _prompt_room(model, step: int):
     engine = getattr(model, "flash", None)
     if engine is None or engine.context is None:
         return nullcontext()
-    loan = engine.plan.prompt_loan(engine.fd, engine.context, model.forward.native, step)
-    return engine.lending(loan)
+    native = getattr(getattr(model, "forward", None), "native", False)  # (None: mlx-lm's own forward over the engine)
+    return engine.lending(engine.plan.prompt_loan(engine.fd, engine.context, native, step))
 
 
 def generate_step(prompt, model, *, max_tokens: int = 256, **kwargs):

@@ -1,0 +1,55 @@
+"""A prompt's compute against its chunk size, the model resident (no reads): time to the first token of one prompt
+in passes of each given size, alternating over rounds, in one process (the model loaded once).
+
+    python benchmarks/chunk_compute.py --model DIR --length 256 --steps 24,96 --rounds 2 \
+        --json benchmarks/results/chunk_compute_llama7b.json
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
+from mlx_flash.format.directory import FlashDir
+from mlx_flash.generate import generate_step
+from mlx_flash.loader import load, load_tokenizer
+from mlx_flash.texts import read_text
+from mlx_flash.tools.bench_io import machine_info
+from mlx_flash.tools.peers_systems import versions
+
+import mlx.core as mx
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--steps", default="24,96")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--backend", default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    prompt = load_tokenizer(FlashDir(args.model)).encode(read_text(half="second"))[: args.length]
+    model, _ = load(args.model, memory_budget=None, backend=args.backend, context=len(prompt) + 16)
+    out = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(args.model), "versions": versions()}
+    out.update(model=args.model, length=len(prompt), forward=model.forward.name, runs=[], summary={})
+    steps = [int(s) for s in args.steps.split(",")]
+    for r in range(args.rounds):
+        for step in steps if r % 2 == 0 else steps[::-1]:
+            start = time.perf_counter()
+            next(generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=step))
+            out["runs"].append({"round": r, "step": step, "ttft_s": time.perf_counter() - start})
+            print(json.dumps(out["runs"][-1]), flush=True)
+    for step in steps:
+        out["summary"][step] = statistics.median(x["ttft_s"] for x in out["runs"] if x["step"] == step)
+    model.flash.close()
+    print(json.dumps(out["summary"]))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
