@@ -108,10 +108,12 @@ class Plan:
         prompts run beside decode steps, and pipeline stages: the workspace's); native: the native step's passes."""
         most = MAX_POSITIONS if native else 2048  # (longer passes go through MLX's forward)
         per = position_bytes(fd, context, native)
-        room = max(self.workspace, int(fd.model_bytes * PROMPT_SHARE)) if lend else self.workspace
-        step = _chunk(min(most, room // per))
+        own = _chunk(min(most, self.workspace // per))  # (the workspace's chunk)
+        if not lend:
+            return own
+        step = _chunk(min(most, max(self.workspace, int(fd.model_bytes * PROMPT_SHARE)) // per))
         if self.budget is not None and step * per - self.workspace > self.cache_bytes(fd.strides):
-            step = _chunk(min(most, self.workspace // per))  # (a budget at its floor: the caches cannot lend)
+            return own  # (a budget at its floor: the caches cannot lend)
         return step
 
     def prompt_loan(self, fd, context: int, native: bool = False, step: Optional[int] = None) -> int:
