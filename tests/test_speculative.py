@@ -99,12 +99,12 @@ def test_prompt_lookup_gives_plain_greedy_tokens_on_smollm2(smol, long_prompt):
     reads as every later one."""
     from mlx_flash.loader import load
 
-    model, tok = load(smol, memory_budget="50%", context=400)  # the user's budget: the LM head streams too
+    model, tok = load(smol, memory_budget="50%", context=1200)  # the user's budget: the LM head streams too
     try:
         assert model.flash.plan.streamed
         prompt = _prompt(tok)
         if long_prompt:
-            prompt = mx.array(tok.encode("Copy this text: " + TEXT * 7 + "\nCopy: " + TEXT[:40]))
+            prompt = mx.array(tok.encode("Copy this text: " + TEXT * 29 + "\nCopy: " + TEXT[:40]))
             assert len(prompt) > MAX_POSITIONS
         want = [(t, np.array(lp)) for t, lp in generate_step(prompt, model, max_tokens=40)]
         model.flash.reset()

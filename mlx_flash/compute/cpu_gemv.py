@@ -19,7 +19,9 @@ The calls are eager: they evaluate their input, so each is a synchronisation poi
 lazy graph (cheap next to the matvec it replaces).
 """
 
+import contextvars
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -317,11 +319,31 @@ def contiguous(*arrays) -> bool:
 NATIVE_ROWS = 33
 
 
+_HOST_PASS = contextvars.ContextVar("host_pass", default=False)
+
+
+@contextmanager
+def host_pass():
+    """A pass of the native step (engine/native_step.py): products of any number of float32 rows natively, each row
+    alone (an MoE block's router and experts over a prompt: MLX's CPU ops would compute them many times slower, and
+    round by the rows)."""
+    token = _HOST_PASS.set(True)
+    try:
+        yield
+    finally:
+        _HOST_PASS.reset(token)
+
+
+def native_rows(rows: int) -> bool:
+    """Whether the native kernels take a product of `rows` float32 rows: up to NATIVE_ROWS, any in a host pass."""
+    return 0 < rows and (rows <= NATIVE_ROWS or _HOST_PASS.get())
+
+
 def applies(x: mx.array, bits: int, group_size: int, n: int, scale_dtype) -> bool:
-    """Whether the native path computes x's product: up to NATIVE_ROWS float32 rows on the CPU, supported weights."""
+    """Whether the native path computes x's product: float32 rows (`native_rows`) on the CPU, supported weights."""
     return (
         x.dtype == mx.float32
-        and 0 < x.size <= NATIVE_ROWS * x.shape[-1]
+        and native_rows(x.size // max(1, x.shape[-1]))
         and available()
         and supports(bits, group_size, n, scale_dtype)
     )

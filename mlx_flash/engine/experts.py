@@ -294,9 +294,9 @@ class ExpertEngine(Engine):
 
     def _native(self, x: mx.array, activation) -> bool:
         """Rows the native kernels compute whole (a decode step, a verification pass, a short prompt: up to
-        cpu_gemv.NATIVE_ROWS tokens): float32 on the CPU, quantised SwiGLU experts."""
+        cpu_gemv.NATIVE_ROWS tokens; any pass of the native step): float32 on the CPU, quantised SwiGLU experts."""
         return (
-            x.shape[0] <= cpu_gemv.NATIVE_ROWS
+            cpu_gemv.native_rows(x.shape[0])
             and x.dtype == mx.float32
             and cpu_gemv.available()
             and type(activation).__name__ == "SwiGLU"

@@ -34,9 +34,8 @@ from .neurons import FlashFFN
 from .resident import Absent, StreamedLayer, StreamedRows
 
 ATTENTION = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen3": True, "mlx_lm.models.qwen3_moe": True}  # -> q/k norms
-MAX_POSITIONS = (
-    256  # per native pass (prompt chunks, plan.prefill_step, are within the workspace); longer: mlx-lm's forward
-)
+# per native pass (prompt chunks, plan.prefill_step, are within what the budget lends them); longer: mlx-lm's forward
+MAX_POSITIONS = 1024
 
 
 class HostKVCache(Batchable, KVCache):
@@ -352,8 +351,9 @@ class HostDecoder(Forward):
             mlp = L["mlp"]
             if isinstance(mlp, FlashFFN):  # a dense FFN: the engine's selector, cache and kernels on the host rows
                 x += mlp.ffn_row(h, prefill=prompt)
-            else:  # an MoE block: its router in MLX ops, its experts from the expert engine (the layer's one sync)
-                x += np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
+            else:  # an MoE block in MLX ops, its products natively row by row (the layer's one sync: the router's)
+                with cpu_gemv.host_pass():
+                    x += np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
         return x
 
     def _head(self, x: np.ndarray) -> np.ndarray:
