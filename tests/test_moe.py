@@ -225,6 +225,23 @@ def test_streamed_equals_all_cached_with_int8_activations(moe_dirs):
         small.flash.close()
 
 
+@pytest.mark.native
+def test_the_native_step_computes_a_long_prompt_row_by_row(moe_dirs):
+    """On the native step an MoE block's products (router, experts) over a prompt longer than cpu_gemv.NATIVE_ROWS
+    are native too, each row alone: one pass of 48 positions gives the logits passes of 8 give, bit for bit (MLX's
+    CPU ops took such a pass before: many times slower, and rounding by the rows)."""
+    _, flash_dir, _ = moe_dirs["qwen3_moe"]
+    model, _ = load(flash_dir, context=64)
+    try:
+        assert model.forward.native, model.forward.why
+        prompt = mx.array(np.random.default_rng(0).integers(3, 100, 48))
+        assert len(prompt) > cpu_gemv.NATIVE_ROWS
+        whole, cut = (next(generate_step(prompt, model, max_tokens=1, prefill_step_size=s))[1] for s in (64, 8))
+        assert mx.array_equal(whole, cut)
+    finally:
+        model.flash.close()
+
+
 @pytest.fixture(scope="module")
 def moe_copied(moe_dirs, tmp_path_factory):
     """mixtral's flash directory converted with --copy: its experts in ffn.bin (moe_dirs' are read in place)."""
@@ -267,6 +284,36 @@ def test_bytes_read_are_the_missed_experts(moe_dirs, moe_copied, read_ahead, in_
                 assert routed == predicted == sum(t.ahead_bytes for t in tokens) == 0
         finally:
             model.flash.close()
+
+
+def test_streamed_chunks_read_the_next_while_one_computes(moe_copied):
+    """Experts streamed through the scratch buffer: each chunk's rows are its experts' bytes in ffn.bin, and while
+    the caller has one chunk the next is being read into the scratch's other half; a walk left early leaves no
+    read landing in the scratch."""
+    fd = FlashDir(moe_copied)
+    model, _ = load(moe_copied, memory_budget=slots_budget(fd, 1), context=64, prefetch=False)
+    engine = model.flash
+    try:
+        per = engine._fits(REGION)
+        assert len(engine._scratch_parts(REGION, per)) == 2  # (halves: a chunk read while one computes)
+        layer = next(i for i, regions in enumerate(fd.layers) if regions)
+        region = fd.layers[layer][REGION]
+        units = np.arange(region.n_units)[::-1][: 2 * per + 1]
+        chunks = [units[i : i + per] for i in range(0, len(units), per)]
+        assert len(chunks) == 3
+        ffn = np.fromfile(moe_copied / "ffn.bin", dtype=np.uint8)
+        walk = engine._read_chunks(layer, REGION, chunks)
+        for i, (chunk, rows) in enumerate(zip(chunks, walk)):
+            assert (engine._scratch_read is not None) == (i + 1 < len(chunks))  # the next chunk under way
+            for unit, row in zip(chunk, np.asarray(rows)):
+                at = region.unit_offsets([unit])[0]
+                assert np.array_equal(row[: region.stride], ffn[at : at + region.stride])
+        next(engine._read_chunks(layer, REGION, chunks))  # left after its first chunk, the second being read
+        assert engine._scratch_read is not None
+        rows = np.asarray(next(engine._read_chunks(layer, REGION, chunks[1:])))  # drains it first
+        assert np.array_equal(rows[0][: region.stride], ffn[region.unit_offsets(chunks[1][:1])[0] :][: region.stride])
+    finally:
+        engine.close()
 
 
 def test_the_read_ahead_asks_the_next_router_with_its_own_norm(moe_dirs):
