@@ -142,11 +142,11 @@ class NeuronEngine(Engine):
 
     def _chunks(self, layer: int, region: str, units: np.ndarray):
         """Yield (positions, dense rows [len, stride] mx.array) for `units` read through the scratch buffer, a
-        chunk at a time (`_read_chunk`)."""
+        chunk at a time (`_read_chunks`)."""
         per = self._per_chunk(region)
-        for start in range(0, len(units), per):
-            chunk = units[start : start + per]
-            yield np.arange(start, start + len(chunk)), self._read_chunk(layer, region, chunk)
+        starts = range(0, len(units), per)
+        for start, rows in zip(starts, self._read_chunks(layer, region, [units[s : s + per] for s in starts])):
+            yield np.arange(start, start + len(rows)), rows
 
     def _stream(self, layer: int, region: str, units: np.ndarray):
         """`_chunks`, and units that are in the region's cache (e.g. just seeded by a prompt) get

@@ -19,6 +19,7 @@ for experts, each computed for the tokens that chose it.
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -69,6 +70,15 @@ def place(parts: list, group: list, out) -> None:
     parts[group[0] : group[-1] + 1] = out if isinstance(out, list) else [out] * len(group)
 
 
+@dataclass
+class ScratchPart:
+    """A part of the scratch buffer (AlignedBuffer's fields: submit_rows reads into it)."""
+
+    buffer: mx.array
+    base_offset: int
+    nbytes: int
+
+
 class Engine:
     """What every engine of units has: a reader and its stats (reads submitted, the time waited for them counted as
     I/O), per-layer caches ({region: UnitCache}, empty for a layer without units), a scratch buffer, the unit step,
@@ -80,6 +90,7 @@ class Engine:
     context = None  # the tokens the plan's KV cache holds (loader.load): generation stops there
     use_metal = None  # expand encoded units with the Metal kernel (None: where available)
     _last_blocks = None  # (active, block size, Blocks) of the last step (_blocks)
+    _scratch_read = None  # (wait, offset) of the chunk `_read_chunks` reads ahead into the scratch buffer
 
     def __init__(self, fd, reader, caches: List[Dict[str, UnitCache]], scratch_bytes: int):
         self.fd, self.reader, self.caches = fd, reader, caches
@@ -166,23 +177,53 @@ class Engine:
         dest = buf.base_offset + np.arange(len(units), dtype=np.int64) * stride
         return self.submit(layer, region, units, buf.buffer, dest), buf.base_offset
 
-    def _read_chunk(self, layer: int, region: str, chunk: np.ndarray):
-        """Dense rows [len, stride] of `chunk` (at most `_fits` units) read through the scratch buffer.
+    def _read_chunks(self, layer: int, region: str, chunks: List[np.ndarray]):
+        """Dense rows [len, stride] of each of `chunks` (units, at most `_fits` a chunk) in turn, read through the
+        scratch buffer: the next chunk into one half of it while the caller computes with the other (where a half
+        holds a unit), so reads and compute overlap.
 
-        Dense layouts give views of the scratch buffer, overwritten by the next chunk: evaluate what uses them first.
-        Encoded units are expanded (evaluated) into new arrays (chunks are sized so that those stay within the
-        scratch size too)."""
+        Dense layouts give views of the scratch buffer, overwritten by the chunk after next: evaluate what uses
+        them before asking for the next. Encoded units are expanded (evaluated) into new arrays (chunks are sized
+        so that those stay within the scratch size too)."""
+        self.drain_scratch()  # (a read an earlier, abandoned walk left landing in it)
+        parts = self._scratch_parts(region, max(map(len, chunks), default=1))
+        for i, chunk in enumerate(chunks):
+            if self._scratch_read is None:
+                self._scratch_read = self.submit_rows(layer, region, chunk, parts[i % len(parts)])
+            (wait, at), self._scratch_read = self._scratch_read, None
+            wait()
+            if i + 1 < len(chunks) and len(parts) > 1:  # (the caller evaluated what read that half)
+                self._scratch_read = self.submit_rows(layer, region, chunks[i + 1], parts[(i + 1) % 2])
+            yield self._rows(region, parts[i % len(parts)], at, len(chunk))
+
+    def drain_scratch(self) -> None:
+        """Wait for a read into the scratch buffer still under way (its rows unused)."""
+        pending, self._scratch_read = self._scratch_read, None
+        if pending is not None:
+            try:
+                pending[0]()
+            except ReadError:
+                pass
+
+    def _rows(self, region: str, part, at: int, n: int):
         layout = self.fd.layouts[region]
-        disk = layout.disk_stride
-        wait, at = self.submit_rows(layer, region, chunk, self.scratch)
-        wait()
-        out = self.scratch.buffer[at : at + len(chunk) * disk].reshape(len(chunk), disk)
+        out = part.buffer[at : at + n * layout.disk_stride].reshape(n, layout.disk_stride)
         if layout.encoded:
             t = time.perf_counter()
             out = layout.expand(out, self.use_metal)
             mx.eval(out)
             self.stats.current.expand_s += time.perf_counter() - t
-        return out  # (a view of the scratch rows: the caller's sync computes what reads it)
+        return out
+
+    def _scratch_parts(self, region: str, most: int = 1) -> list:
+        """The scratch buffer as two aligned halves read in turn where each holds `most` units of `region`, else
+        whole."""
+        a = max(1, self.reader.alignment)
+        half = self.scratch.nbytes // 2 // a * a
+        if half - 2 * a < most * self.fd.layouts[region].disk_stride:
+            return [self.scratch]
+        base = self.scratch.base_offset
+        return [ScratchPart(self.scratch.buffer, base + i * half, half) for i in range(2)]
 
     def gathered_units(self, region: str) -> int:
         """Units whose rows MLX's ops take in one call: each matrix's rows are gathered (copies, all alive while the
@@ -195,8 +236,9 @@ class Engine:
         return max(self._fits(region), room // self.fd.layouts[region].stride, self.fd.experts_per_token or 1)
 
     def _fits(self, region: str) -> int:
-        """Units `_read_chunk` takes at a time."""
-        return max(1, (self.scratch.nbytes - 2 * max(1, self.reader.alignment)) // self.fd.layouts[region].stride)
+        """Units a chunk of `_read_chunks` holds."""
+        room = self._scratch_parts(region)[0].nbytes
+        return max(1, (room - 2 * max(1, self.reader.alignment)) // self.fd.layouts[region].stride)
 
     def _per_chunk(self, region: str) -> int:
         """Units read through the scratch buffer at a time when a whole region streams: whole aligned blocks of them
@@ -332,17 +374,18 @@ class Engine:
         return where, index
 
     def _overflow(self, layer, region, active, where, index, buffers, todo, blocks, parts, fn, sync):
-        """`step`'s blocks with units to stream: read through the scratch buffer a chunk of whole blocks at a time,
-        their other rows read in place beside them (a RowSet)."""
+        """`step`'s blocks with units to stream: read through the scratch buffer a chunk of whole blocks at a time
+        (the next read while one computes), their other rows read in place beside them (a RowSet)."""
         streamed = np.add.reduceat(where == 2, blocks.starts)
-        for group in self._groups(todo, streamed, self._fits(region)):
-            pos, dst = blocks.select(group)
-            mine = pos[where[pos] == 2]
-            scratch = self._read_chunk(layer, region, active[mine])
-            index[mine] = np.arange(len(mine))
+        groups = [(group, *blocks.select(group)) for group in self._groups(todo, streamed, self._fits(region))]
+        mine = [pos[where[pos] == 2] for _, pos, _ in groups]
+        for (group, pos, dst), units, scratch in zip(
+            groups, mine, self._read_chunks(layer, region, [active[u] for u in mine])
+        ):
+            index[units] = np.arange(len(units))
             rows = RowSet([*buffers, scratch], where[pos], index[pos])
             out = fn(*rows.single(), pos, dst, len(group))
-            sync(out)  # before the next chunk overwrites the scratch rows
+            sync(out)  # before the chunk after next overwrites these scratch rows
             place(parts, group, out)
 
     @staticmethod
@@ -422,6 +465,7 @@ class Engine:
     def close(self):
         """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
         try:
+            self.drain_scratch()
             if self.read_ahead is not None:
                 self.read_ahead.drain()
         finally:
