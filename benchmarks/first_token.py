@@ -2,10 +2,11 @@
 page cache of the model dropped first; held-out WikiText-2 as the prompt. Reported per run: time to the first token
 (from the call; loading apart), prompt tokens/s, passes, prompt chunk, bytes read at the device by the prompt, peak
 RSS above the baseline (`--no-cap`: uncapped, for bytes and passes). `--checkouts` runs other checkouts of mlx_flash
-(PYTHONPATH) in the same rounds, alternating.
+(PYTHONPATH) in the same rounds, alternating; `--gguf` runs llama.cpp on the same weights in them too (llama-bench's
+prompt test, cold: no warm-up run, mmap, no repacking, 2 threads), under the same cap.
 
     python benchmarks/first_token.py --model DIR --memory-budget 25% --lengths 512,2048 --rounds 3 \
-        --checkouts .,/tmp/before --json benchmarks/results/first_token_qwen3_30b.json
+        --checkouts .,/tmp/before --gguf FILE --json benchmarks/results/first_token_qwen3_30b.json
 """
 
 import argparse
@@ -24,7 +25,9 @@ from mlx_flash.io.reader import DEFAULT_THREADS
 from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped
-from mlx_flash.tools.peers_systems import versions
+from mlx_flash.tools.peers_systems import llama_cpp_bin, versions
+
+LLAMA = "llama.cpp mmap"
 
 
 def child(args) -> dict:
@@ -42,6 +45,7 @@ def child(args) -> dict:
     start = time.perf_counter()
     next(generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=step))
     ttft = time.perf_counter() - start
+    engine.stats.end()  # (the last pass's record)
     passes = [t for t in engine.stats.tokens if t.prefill] or engine.stats.tokens
     peak = engine.stats.peak_rss()
     engine.close()
@@ -59,6 +63,38 @@ def child(args) -> dict:
     }
 
 
+def capped(cmd, cap, path, **kw):
+    """(run_capped's result, the row of what it measured): `cmd` under `cap`, page cache of `path` dropped first."""
+    res = run_capped(cmd, limit=cap, drop=[path], timeout=7200, **kw)
+    row = {"ok": res.ok, "returncode": res.returncode, "oom_killed": res.oom_killed, "max_rss": res.max_rss}
+    row.update(device_read_bytes=res.read_bytes, wall_s=res.wall_s)
+    if not res.ok:
+        row["error"] = res.stderr[-1500:]
+    return res, row
+
+
+def flash_row(args, checkout: str, length: int, backend: str, cap) -> dict:
+    """A child process of `checkout` (PYTHONPATH) prefilling `length` tokens, page cache of the model dropped first,
+    under `cap`."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model]
+    cmd += ["--memory-budget", args.memory_budget, "--length", length, "--backend", backend]
+    env = {**os.environ, "PYTHONPATH": checkout}
+    res, row = capped(cmd, cap, args.model, env=env, cwd=checkout)
+    return row if not res.ok else {**row, **json.loads(res.stdout.strip().splitlines()[-1])}
+
+
+def llama_row(gguf: Path, length: int, cap) -> dict:
+    """llama-bench's prompt test of `length` tokens, page cache of the GGUF dropped first, under `cap`."""
+    cmd = [llama_cpp_bin("llama-bench"), "-m", gguf, "-p", length, "-n", 0, "-t", 2, "-r", 1, "-o", "json"]
+    cmd += ["--no-warmup", "--repack", 0, "-lm", "mmap"]
+    res, row = capped(cmd, cap, gguf)
+    if not res.ok:
+        return row
+    ttft = json.loads(res.stdout)[-1]["avg_ns"] / 1e9
+    row.update(forward="llama.cpp", ttft_s=ttft, prompt_tps=length / ttft, passes=None, prefill_step=None)
+    return {**row, "bytes_read": res.read_bytes}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -66,6 +102,7 @@ def main():
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--backends", default="auto")
     p.add_argument("--checkouts", default=".", help="mlx_flash checkouts to run, comma-separated (PYTHONPATH).")
+    p.add_argument("--gguf", type=Path, default=None, help="llama.cpp's run of the same weights, in the same rounds.")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-cap", action="store_true", help="No hard cap (bytes and passes; peak RSS recorded).")
     p.add_argument("--json", type=Path, default=None)
@@ -83,41 +120,31 @@ def main():
     out.update(model=args.model, budget=args.memory_budget, cap=None if args.no_cap else cap, baseline=baseline)
     out.update(runs=[], summary=[])
     out["fio_start"] = fio_reference(fd.largest_unit_path, DEFAULT_THREADS)
-    checkouts = [str(Path(c).resolve()) for c in args.checkouts.split(",")]
+    checkouts = [str(Path(c).resolve()) for c in args.checkouts.split(",")] + ([LLAMA] if args.gguf else [])
     for r in range(args.rounds):
         for length in map(int, args.lengths.split(",")):
-            for backend in args.backends.split(","):
-                for checkout in checkouts if r % 2 == 0 else checkouts[::-1]:  # (alternating)
-                    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model]
-                    cmd += ["--memory-budget", args.memory_budget, "--length", length, "--backend", backend]
-                    env = {**os.environ, "PYTHONPATH": checkout}
-                    limit = None if args.no_cap else cap
-                    res = run_capped(cmd, limit=limit, drop=[args.model], timeout=7200, env=env, cwd=checkout)
-                    row = {"round": r, "checkout": checkout, "length": length, "backend": backend, "ok": res.ok}
-                    row.update(returncode=res.returncode, oom_killed=res.oom_killed, max_rss=res.max_rss)
-                    row.update(device_read_bytes=res.read_bytes, wall_s=res.wall_s)
-                    if res.ok:
-                        row.update(json.loads(res.stdout.strip().splitlines()[-1]))
+            for checkout in checkouts if r % 2 == 0 else checkouts[::-1]:  # (alternating)
+                for backend in [None] if checkout == LLAMA else args.backends.split(","):
+                    row = {"round": r, "checkout": checkout, "length": length, "backend": backend}
+                    if checkout == LLAMA:
+                        row.update(llama_row(args.gguf, length, None if args.no_cap else cap))
                     else:
-                        row["error"] = res.stderr[-1500:]
+                        row.update(flash_row(args, checkout, length, backend, None if args.no_cap else cap))
                     out["runs"].append(row)
                     print(json.dumps(row), flush=True)
     out["fio_end"] = fio_reference(fd.largest_unit_path, DEFAULT_THREADS)
-    for length in map(int, args.lengths.split(",")):
-        for backend in args.backends.split(","):
-            for checkout in checkouts:
-                key = (length, backend, checkout)
-                rows = [x for x in out["runs"] if (x["length"], x["backend"], x["checkout"]) == key]
-                done = [x for x in rows if x["ok"]]
-                out["summary"].append({
-                    "length": length, "backend": backend, "checkout": checkout, "runs": len(rows), "ok": len(done),
-                    "ttft_s": statistics.median(x["ttft_s"] for x in done) if done else None,
-                    "prompt_tps": statistics.median(x["prompt_tps"] for x in done) if done else None,
-                    "passes": done[0]["passes"] if done else None,
-                    "prefill_step": done[0]["prefill_step"] if done else None,
-                    "bytes_read": statistics.median(x["bytes_read"] for x in done) if done else None,
-                    "peak_rss": max(x["max_rss"] for x in done) if done else None,
-                })  # fmt: skip
+    for key in dict.fromkeys((x["length"], x["backend"], x["checkout"]) for x in out["runs"]):
+        rows = [x for x in out["runs"] if (x["length"], x["backend"], x["checkout"]) == key]
+        done = [x for x in rows if x["ok"]]
+        out["summary"].append({
+            "length": key[0], "backend": key[1], "checkout": key[2], "runs": len(rows), "ok": len(done),
+            "ttft_s": statistics.median(x["ttft_s"] for x in done) if done else None,
+            "prompt_tps": statistics.median(x["prompt_tps"] for x in done) if done else None,
+            "passes": done[0]["passes"] if done else None,
+            "prefill_step": done[0]["prefill_step"] if done else None,
+            "bytes_read": statistics.median(x["bytes_read"] for x in done) if done else None,
+            "peak_rss": max(x["max_rss"] for x in done) if done else None,
+        })  # fmt: skip
     print(json.dumps(out["summary"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
