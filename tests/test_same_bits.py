@@ -46,13 +46,13 @@ def assert_same(ref, got, what):
 
 
 def test_default_model_every_budget():
-    """SmolLM2 (the default model, real weights), 3 prompts, 64 tokens: resident, 80%, 50% (read-ahead on and off),
+    """SmolLM2 (the default model, real weights), 3 prompts, 32 tokens: resident, 80%, 50% (read-ahead on and off),
     and below the resident floor: 30% (its embedding streamed) and 25% (attention layers too, no unit cached)."""
     path = default_model_dir()
     assert cpu_gemv.info().get("int8")
-    ref, _ = decode(path, None, 64)
+    ref, _ = decode(path, None, 32)
     for budget, kw in (("80%", {}), ("50%", {}), ("50%", {"prefetch": False}), ("30%", {}), ("25%", {})):
-        got, plan = decode(path, budget, 64, **kw)
+        got, plan = decode(path, budget, 32, **kw)
         assert_same(ref, got, (budget, kw))
         if budget in ("30%", "25%"):
             assert plan.streamed, f"{budget} should stream resident weights too"
