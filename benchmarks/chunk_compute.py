@@ -20,7 +20,7 @@ from mlx_flash.generate import generate_step
 from mlx_flash.loader import load, load_tokenizer
 from mlx_flash.texts import read_text
 from mlx_flash.tools.bench_io import machine_info
-from mlx_flash.tools.peers_systems import llama_cpp_bin, versions
+from mlx_flash.tools.peers_systems import llama_bench_cmd, versions
 
 import mlx.core as mx
 
@@ -38,8 +38,7 @@ def main():
     prompt = load_tokenizer(FlashDir(args.model)).encode(read_text(half="second"))[: args.length]
     out = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(args.model), "versions": versions()}
     if args.gguf:  # (first: its repacked copy of the weights and ours would not fit in memory together)
-        cmd = [llama_cpp_bin("llama-bench"), "-m", args.gguf, "-p", len(prompt), "-n", 0, "-t", 2, "-r", args.rounds]
-        cmd = [str(c) for c in cmd + ["-o", "json"]]
+        cmd = llama_bench_cmd(args.gguf, prompt=len(prompt), rounds=args.rounds)
         test = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)[-1]
         out["llama_cpp"] = {"command": " ".join(cmd), "ttft_s": test["avg_ns"] / 1e9, "tok_s": test["avg_ts"]}
         print(json.dumps(out["llama_cpp"]), flush=True)

@@ -25,7 +25,7 @@ from mlx_flash.io.reader import DEFAULT_THREADS
 from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped
-from mlx_flash.tools.peers_systems import llama_cpp_bin, versions
+from mlx_flash.tools.peers_systems import llama_bench_cmd, versions
 
 LLAMA = "llama.cpp mmap"
 
@@ -85,8 +85,7 @@ def flash_row(args, checkout: str, length: int, backend: str, cap) -> dict:
 
 def llama_row(gguf: Path, length: int, cap) -> dict:
     """llama-bench's prompt test of `length` tokens, page cache of the GGUF dropped first, under `cap`."""
-    cmd = [llama_cpp_bin("llama-bench"), "-m", gguf, "-p", length, "-n", 0, "-t", 2, "-r", 1, "-o", "json"]
-    cmd += ["--no-warmup", "--repack", 0, "-lm", "mmap"]
+    cmd = llama_bench_cmd(gguf, prompt=length, extra=["--no-warmup", "--repack", 0, "-lm", "mmap"])
     res, row = capped(cmd, cap, gguf)
     if not res.ok:
         return row

