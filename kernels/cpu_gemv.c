@@ -2111,6 +2111,357 @@ static PyObject *py_ffn_glu(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- GGML blocks as a GGUF stores them (format/ggml.py) ---------------------------------------------
+   Rows of Q4_0 / Q8_0 (32 values a block) or Q4_K / Q5_K / Q6_K (256: sub-blocks of 32, Q6_K's of 16) blocks,
+   computed as stored: the bytes a unit reads are the file's. With int8 activations (the default) x is quantised as
+   llama.cpp quantises it for these types (Q8_0: per 32, a float16 scale; Q8_K: per 256, a float scale and each 16's
+   sum) and each block's dot is an exact integer sum; with float ones each block is dequantised (format/ggml.py's
+   arithmetic) and summed in float, value by value. The SIMD loops compute only the integer sums; every float
+   operation happens in the scalar code below in one order (block by block), so the AVX2 and scalar loops give the
+   same bits, whatever the threads. */
+
+enum { GG_Q4_0 = 0, GG_Q8_0 = 1, GG_Q4_K = 2, GG_Q5_K = 3, GG_Q6_K = 4, GG_TYPES = 5 };
+static const int gg_values[GG_TYPES] = {32, 32, 256, 256, 256};
+static const int gg_bytes[GG_TYPES] = {18, 34, 144, 176, 210};
+#define GG_MAX_BLOCKS 2048 /* rows of up to 65536 values */
+
+typedef struct { /* one position's activations, quantised per block of its type's values */
+    int8_t *q;     /* [n] */
+    float *d;      /* [blocks]: the block's scale */
+    int16_t *bsum; /* [n / 16]: each 16 q's sum (K-quants' mins and Q6_K's offset) */
+} GQ;
+
+static inline float gg_f16(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* llama.cpp's quantize_row_q8_0 (32 values: d = amax / 127 as float16, q = round(x / d)) or quantize_row_q8_K (256:
+   d = -max / 127 of the value largest in magnitude, q rounded to nearest even, at most 127) */
+static void gg_quantize(int kind, const float *x, int n, GQ *g) {
+    if (kind <= GG_Q8_0) {
+        for (int b = 0; b < n / 32; b++) {
+            const float *v = x + 32 * b;
+            float amax = 0;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float d = amax / 127, id = d ? 1.0f / d : 0.0f;
+            g->d[b] = f16_to_f32(f32_to_f16(d));
+            for (int i = 0; i < 32; i++) g->q[32 * b + i] = (int8_t)roundf(v[i] * id);
+        }
+    } else {
+        for (int b = 0; b < n / 256; b++) {
+            const float *v = x + 256 * b;
+            float amax = 0, max = 0;
+            for (int i = 0; i < 256; i++)
+                if (fabsf(v[i]) > amax) {
+                    amax = fabsf(v[i]);
+                    max = v[i];
+                }
+            int8_t *q = g->q + 256 * b;
+            if (amax == 0) {
+                g->d[b] = 0;
+                memset(q, 0, 256);
+            } else {
+                const float iscale = -127.0f / max;
+                for (int i = 0; i < 256; i++) {
+                    const long r = lrintf(iscale * v[i]);
+                    q[i] = (int8_t)(r > 127 ? 127 : r);
+                }
+                g->d[b] = 1 / iscale;
+            }
+        }
+    }
+    for (int s = 0; s < n / 16; s++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += g->q[16 * s + i];
+        g->bsum[s] = (int16_t)sum;
+    }
+}
+
+/* Q4_K / Q5_K sub-block j's 6-bit scale and min (llama.cpp's get_scale_min_k4) */
+static inline void gg_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* A K-quant block's code of value v (0..255): Q4_K / Q5_K 0..31, Q6_K 0..63 (less 32 is the value's) */
+static inline int gg_code(int kind, const uint8_t *w, int v) {
+    if (kind == GG_Q6_K) {
+        const int h = v / 128, i = v % 128 / 32, l = v % 32;
+        const uint8_t lo = w[64 * h + 32 * (i & 1) + l];
+        return ((i < 2 ? lo : lo >> 4) & 15) | (((w[128 + 32 * h + l] >> (2 * i)) & 3) << 4);
+    }
+    const int c = v / 64, hi = v % 64 / 32, l = v % 32;
+    const uint8_t *qs = w + (kind == GG_Q4_K ? 16 : 48);
+    const int q = (hi ? qs[32 * c + l] >> 4 : qs[32 * c + l]) & 15;
+    return kind == GG_Q4_K ? q : q | (((w[16 + l] >> (2 * c + hi)) & 1) << 4);
+}
+
+/* Integer sums of a row's blocks against one position's (isum, and for Q4_K / Q5_K imin: sum_j m_j xsum_j; Q6_K's
+   offset of 32 is in isum), scalar */
+static void gg_isums_scalar(int kind, const uint8_t *w, const GQ *x, int blocks, int32_t *isum, int32_t *imin) {
+    const int bytes = gg_bytes[kind];
+    for (int b = 0; b < blocks; b++, w += bytes) {
+        const int8_t *q = x->q + gg_values[kind] * b;
+        int32_t s = 0;
+        if (kind == GG_Q4_0) {
+            for (int i = 0; i < 16; i++) s += ((w[2 + i] & 15) - 8) * q[i] + ((w[2 + i] >> 4) - 8) * q[i + 16];
+        } else if (kind == GG_Q8_0) {
+            for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * q[i];
+        } else if (kind == GG_Q6_K) {
+            for (int j = 0; j < 16; j++) {
+                int32_t part = 0;
+                for (int i = 16 * j; i < 16 * j + 16; i++) part += (gg_code(kind, w, i) - 32) * q[i];
+                s += (int8_t)w[192 + j] * part;
+            }
+        } else {
+            int32_t mins = 0;
+            for (int j = 0; j < 8; j++) {
+                int sc, m, part = 0;
+                gg_scale_min(w + 4, j, &sc, &m);
+                for (int i = 32 * j; i < 32 * j + 32; i++) part += gg_code(kind, w, i) * q[i];
+                s += sc * part;
+                mins += m * (x->bsum[16 * b + 2 * j] + x->bsum[16 * b + 2 * j + 1]);
+            }
+            imin[b] = mins;
+        }
+        isum[b] = s;
+    }
+}
+
+#if HAVE_X86
+AVX2 static inline int32_t gg_hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* 32 signed weights times 32 activations, summed in 8 int32 lanes (sign trick: |w| unsigned times x with w's sign) */
+AVX2 static inline __m256i gg_dot_i8(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+AVX2 static void gg_isums_avx2(int kind, const uint8_t *w, const GQ *x, int blocks, int32_t *isum, int32_t *imin) {
+    const int bytes = gg_bytes[kind];
+    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int b = 0; b < blocks; b++, w += bytes) {
+        const int8_t *q = x->q + gg_values[kind] * b;
+        if (kind == GG_Q4_0) {
+            const __m128i c = _mm_loadu_si128((const __m128i *)(w + 2));
+            __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4);
+            v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+            isum[b] = gg_hsum(gg_dot_i8(v, _mm256_loadu_si256((const __m256i *)q)));
+        } else if (kind == GG_Q8_0) {
+            isum[b] = gg_hsum(gg_dot_i8(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)q)));
+        } else if (kind == GG_Q6_K) {
+            __m256i acc = _mm256_setzero_si256();
+            int32_t off = 0;
+            for (int h = 0; h < 2; h++) {
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+                const __m256i qb = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+                for (int i = 0; i < 4; i++) {
+                    const __m256i lo = _mm256_and_si256(i & 2 ? _mm256_srli_epi16(i & 1 ? qb : qa, 4) : (i & 1 ? qb : qa), low4);
+                    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), low2), 4);
+                    const int j = 8 * h + 2 * i; /* sub-blocks j (values l < 16) and j + 1 */
+                    const __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)w[192 + j + 1]), _mm_set1_epi16((int8_t)w[192 + j]));
+                    const __m256i p = _mm256_maddubs_epi16(_mm256_or_si256(lo, hi), _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * i)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
+                }
+            }
+            for (int j = 0; j < 16; j++) off += (int8_t)w[192 + j] * x->bsum[16 * b + j];
+            isum[b] = gg_hsum(acc) - 32 * off;
+        } else {
+            const uint8_t *qs = w + (kind == GG_Q4_K ? 16 : 48);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+            __m256i acc = _mm256_setzero_si256();
+            int32_t mins = 0;
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                for (int hi = 0; hi < 2; hi++) {
+                    const int j = 2 * c + hi;
+                    int sc, m;
+                    gg_scale_min(w + 4, j, &sc, &m);
+                    __m256i code = _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, low4);
+                    if (kind == GG_Q5_K)
+                        code = _mm256_or_si256(code, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+                    const __m256i p = _mm256_maddubs_epi16(code, _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16((int16_t)sc)));
+                    mins += m * (x->bsum[16 * b + 2 * j] + x->bsum[16 * b + 2 * j + 1]);
+                }
+            }
+            isum[b] = gg_hsum(acc);
+            imin[b] = mins;
+        }
+    }
+}
+#endif
+
+/* One row against one position, int8: the blocks' integer sums (SIMD or scalar) meet their scales in float */
+static float gg_row_q8(int kind, const uint8_t *w, const GQ *x, int blocks, int simd) {
+    int32_t isum[GG_MAX_BLOCKS], imin[GG_MAX_BLOCKS];
+#if HAVE_X86
+    if (simd)
+        gg_isums_avx2(kind, w, x, blocks, isum, imin);
+    else
+#endif
+        gg_isums_scalar(kind, w, x, blocks, isum, imin);
+    (void)simd;
+    const int bytes = gg_bytes[kind];
+    float acc = 0;
+    for (int b = 0; b < blocks; b++, w += bytes) {
+        if (kind <= GG_Q8_0) {
+            acc += gg_f16(w) * x->d[b] * (float)isum[b];
+        } else if (kind == GG_Q6_K) {
+            acc += x->d[b] * gg_f16(w + 208) * (float)isum[b];
+        } else {
+            const float t = x->d[b] * gg_f16(w) * (float)isum[b];
+            acc += t;
+            acc -= x->d[b] * gg_f16(w + 2) * (float)imin[b];
+        }
+    }
+    return acc;
+}
+
+/* Block b of a row dequantised (format/ggml.py's arithmetic, value by value) */
+static void gg_dequantize(int kind, const uint8_t *w, float *out) {
+    if (kind == GG_Q4_0) {
+        const float d = gg_f16(w);
+        for (int i = 0; i < 16; i++) {
+            out[i] = d * (float)((w[2 + i] & 15) - 8);
+            out[i + 16] = d * (float)((w[2 + i] >> 4) - 8);
+        }
+    } else if (kind == GG_Q8_0) {
+        const float d = gg_f16(w);
+        for (int i = 0; i < 32; i++) out[i] = d * (float)(int8_t)w[2 + i];
+    } else if (kind == GG_Q6_K) {
+        const float d = gg_f16(w + 208);
+        for (int i = 0; i < 256; i++) out[i] = d * (float)(int8_t)w[192 + i / 16] * (float)(gg_code(kind, w, i) - 32);
+    } else {
+        const float d = gg_f16(w), dmin = gg_f16(w + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            gg_scale_min(w + 4, j, &sc, &m);
+            const float d1 = d * (float)sc, m1 = dmin * (float)m;
+            for (int i = 32 * j; i < 32 * j + 32; i++) out[i] = d1 * (float)gg_code(kind, w, i) - m1;
+        }
+    }
+}
+
+/* One row against one position, float: value by value in order */
+static float gg_row_f32(int kind, const uint8_t *w, const float *x, int blocks) {
+    float v[256], acc = 0;
+    const int values = gg_values[kind];
+    for (int b = 0; b < blocks; b++) {
+        gg_dequantize(kind, w + (Py_ssize_t)gg_bytes[kind] * b, v);
+        for (int i = 0; i < values; i++) acc += v[i] * x[values * b + i];
+    }
+    return acc;
+}
+
+typedef struct {
+    const uint8_t *w;     /* rows at w + row * stride (slots) or at addresses ptrs[j] */
+    Py_ssize_t stride;
+    const int32_t *slots; /* NULL: rows 0..k-1 */
+    const int64_t *ptrs;
+    Py_ssize_t offs[4];   /* each matrix's offset in a row (gate and up of one unit: two) */
+    int n_mat, kind, n;
+    Py_ssize_t k;
+} GRows;
+
+static inline const uint8_t *g_row(const GRows *r, Py_ssize_t j, int t) {
+    return (r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] : r->w + (r->slots ? r->slots[j] : j) * r->stride) + r->offs[t];
+}
+
+/* out[p, j, t] = x[p] . matrix t's row j (m positions; each row's bytes read once for all) */
+static void block_dot_impl(const GRows *r, const float *x, float *out, int m) {
+    const int kind = r->kind, blocks = r->n / gg_values[kind], q8 = int8_allowed;
+    const int simd = simd_allowed && cpu_has_avx2();
+    GQ *g = NULL;
+    int8_t *q = NULL;
+    float *d = NULL;
+    int16_t *bs = NULL;
+    if (q8) { /* (alloc64 ends the process rather than return NULL) */
+        const size_t n = (size_t)r->n;
+        q = alloc64(m * n), d = alloc64(m * blocks * sizeof(float)), bs = alloc64(m * n / 16 * sizeof(int16_t));
+        g = alloc64(m * sizeof(GQ));
+        for (int p = 0; p < m; p++) {
+            g[p] = (GQ){q + p * n, d + (size_t)p * blocks, bs + p * n / 16};
+            gg_quantize(kind, x + p * n, r->n, &g[p]);
+        }
+    }
+    Py_ssize_t work = r->k * r->n_mat * (Py_ssize_t)r->n * m, nt = work / MIN_WORK_PER_THREAD;
+#ifdef _OPENMP
+    nt = nt < 1 ? 1 : (nt > omp_get_max_threads() ? omp_get_max_threads() : nt);
+#endif
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads((int)nt)
+    for (Py_ssize_t j = 0; j < r->k; j++)
+        for (int t = 0; t < r->n_mat; t++) {
+            const uint8_t *w = g_row(r, j, t);
+            for (int p = 0; p < m; p++)
+                out[((Py_ssize_t)p * r->k + j) * r->n_mat + t] =
+                    q8 ? gg_row_q8(kind, w, &g[p], blocks, simd) : gg_row_f32(kind, w, x + (Py_ssize_t)p * r->n, blocks);
+        }
+    free(q), free(d), free(bs), free(g);
+}
+
+/* block_dot(x, out, w, offs, stride, slots, k, n, kind) */
+static PyObject *py_block_dot(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *x, *out, *w, *offs, *slots;
+    GRows r;
+    memset(&r, 0, sizeof(r));
+    if (!PyArg_ParseTuple(args, "OOOOnOnii", &x, &out, &w, &offs, &r.stride, &slots, &r.k, &r.n, &r.kind)) return NULL;
+    if (r.kind < 0 || r.kind >= GG_TYPES || r.n <= 0 || r.n % gg_values[r.kind] || r.n / gg_values[r.kind] > GG_MAX_BLOCKS ||
+        r.k < 0 || r.stride < 0) {
+        PyErr_Format(PyExc_ValueError, "block_dot: bad shape (n=%d, k=%zd, kind %d, stride %zd)", r.n, r.k, r.kind, r.stride);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(offs, "block_dot: offs must be a sequence of byte offsets");
+    if (seq == NULL) return NULL;
+    r.n_mat = (int)PySequence_Fast_GET_SIZE(seq);
+    for (int t = 0; t < r.n_mat && t < 4; t++) r.offs[t] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, t));
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) return NULL;
+    if (r.n_mat < 1 || r.n_mat > 4) {
+        PyErr_SetString(PyExc_ValueError, "block_dot: 1 to 4 matrices a row");
+        return NULL;
+    }
+    Buffers B;
+    memset(&B, 0, sizeof(B));
+    PyObject *result = NULL;
+    Py_ssize_t max_row;
+    Rows shape = {.k = r.k};
+    if (get(&B, 0, x, 0, "vector") || get(&B, 1, out, 1, "out") || get(&B, 2, w, 0, "weights") ||
+        parse_slots(&B, &shape, slots, "block_dot", &max_row))
+        goto done;
+    r.slots = shape.slots, r.ptrs = shape.ptrs;
+    const Py_ssize_t row = (Py_ssize_t)r.n / gg_values[r.kind] * gg_bytes[r.kind];
+    for (int t = 0; t < r.n_mat; t++)
+        if (r.offs[t] < 0 || (max_row >= 0 && r.offs[t] + max_row * r.stride + row > B.views[2].len)) {
+            PyErr_Format(PyExc_IndexError, "block_dot: row %zd of matrix %d (offset %zd, stride %zd, %zd bytes) is outside its %zd-byte buffer",
+                         max_row, t, r.offs[t], r.stride, row, B.views[2].len);
+            goto done;
+        }
+    r.w = B.views[2].buf;
+    const int m = (int)(B.views[0].len / ((Py_ssize_t)r.n * 4));
+    if (m < 1 || B.views[0].len != (Py_ssize_t)m * r.n * 4 || B.views[1].len != (Py_ssize_t)m * r.k * r.n_mat * 4) {
+        PyErr_Format(PyExc_ValueError, "block_dot: vector has %zd bytes and out %zd, expected float32 [m, %d] and [m, %zd, %d]",
+                     B.views[0].len, B.views[1].len, r.n, r.k, r.n_mat);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS block_dot_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
+    Py_END_ALLOW_THREADS result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&B);
+    return result;
+}
+
 /* -- one attention block of a decode step, natively ---------------------------------------
    A llama-style block for m tokens at positions pos..pos+m-1 (MLX's ops would cost ~15 dispatches and a
    synchronisation), causal: the token at position t attends to 0..t.
@@ -2710,6 +3061,9 @@ static PyMethodDef methods[] = {
      "row's units in one pass where the loops allow it"},
     {"row_dot_pairs", py_row_dot_pairs, METH_VARARGS,
      "row_dot_pairs(pair_w, pair_s, pair_b, *row_dot_args): two rows a unit (pair_* bytes apart) in one pass"},
+    {"block_dot", py_block_dot, METH_VARARGS,
+     "block_dot(vec, out, w, offs, stride, slots, k, n, kind): out[p, j, t] = vec[p] . row j of matrix t (at offs[t] "
+     "in each row), rows of GGML blocks as stored (kind: 0 Q4_0, 1 Q8_0, 2 Q4_K, 3 Q5_K, 4 Q6_K)"},
     {"glu_pairs", py_glu_pairs, METH_VARARGS, "glu_pairs(gu, h): h = silu(gu[0::2]) * gu[1::2] (float32)"},
     {"set_int8", py_set_int8, METH_O,
      "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},

@@ -206,6 +206,23 @@ def row_dot(x: np.ndarray, q: QuantRows, slots=None, k: Optional[int] = None) ->
     return out
 
 
+# format/ggml.py's block types, as the kernels number them
+GGML_KINDS = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+
+
+def block_dot(
+    x: np.ndarray, w, offs, stride: int, kind: str, n: int, slots=None, k: Optional[int] = None
+) -> np.ndarray:
+    """float32 [..., k, len(offs)]: x . row j of each matrix whose rows of GGML `kind` blocks (format/ggml.py) lie at
+    w[offs[t] + slots[j] * stride] (slots None: rows 0..k-1; Addresses: rows where they start); x [n] or [m, n]."""
+    slots = _slots(slots)
+    k = len(slots) if slots is not None else k
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((*x.shape[:-1], k, len(offs)), dtype=np.float32)
+    _native.block_dot(x, out, w, tuple(offs), stride, slots, k, n, GGML_KINDS[kind])
+    return out
+
+
 def row_dot_pairs(x: np.ndarray, a: QuantRows, b: QuantRows, slots=None, k: Optional[int] = None) -> np.ndarray:
     """float32 [..., k, 2]: `row_dot` of a and of b in one pass, where b is another matrix of the same rows (the same
     buffers and strides at other offsets, as a GLU's gate and up in a unit): each row's two are read side by side,

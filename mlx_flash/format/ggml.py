@@ -1,0 +1,128 @@
+"""GGML's block quantisations as a GGUF stores them, computed without re-quantising: their sizes and their
+dequantisation in MLX ops (the tested reference, and the MLX path's arithmetic: what a Mac runs).
+
+A row of n values is n / VALUES blocks of BYTES bytes each, exactly the GGUF's bytes:
+
+    Q4_0  32 values, 18 B: float16 d, 16 bytes of 4-bit q (value j low nibble of byte j, j + 16 high)
+                           w = d * (q - 8)
+    Q8_0  32 values, 34 B: float16 d, 32 int8 q;  w = d * q
+    Q4_K 256 values, 144 B: float16 d, dmin, 12 bytes of 6-bit sub-block scales sc and mins m (8 of 32
+                           values), 128 bytes of 4-bit q (chunk c of 64 values: 32 low nibbles, 32 high)
+                           w = (d * sc) * q - dmin * m
+    Q5_K 256 values, 176 B: Q4_K's with 32 bytes of fifth bits after the scales (bit 2c / 2c + 1 of byte l:
+                           values 64c + l / 64c + 32 + l)
+    Q6_K 256 values, 210 B: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (of 16 values), float16 d
+                           w = (d * sc) * (q - 32)
+
+The arithmetic is llama.cpp's dequantize_row_* (and the gguf package's), in float32 and in the same order, so
+`dequantize` equals gguf.quants.dequantize bit for bit (tests/test_ggml.py).
+"""
+
+import mlx.core as mx
+
+# type -> (values a block, bytes a block)
+BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+
+
+def row_bytes(kind: str, n: int) -> int:
+    """Bytes of a row of n values of `kind` (n a multiple of its block's values)."""
+    values, nbytes = BLOCKS[kind]
+    if n % values:
+        raise ValueError(f"{kind} rows hold multiples of {values} values, not {n}")
+    return n // values * nbytes
+
+
+def _f16(b: mx.array) -> mx.array:
+    """Two bytes [..., 2] (little-endian) -> float32 [...] of the float16 they hold."""
+    h = b[..., 0].astype(mx.uint16) | (b[..., 1].astype(mx.uint16) << 8)
+    return h.view(mx.float16).astype(mx.float32)
+
+
+def _nibbles(qs: mx.array) -> mx.array:
+    """Bytes [..., c, 32] -> [..., c, 2, 32]: each chunk's low nibbles, then its high ones."""
+    return mx.stack([qs & 0x0F, qs >> 4], axis=-2)
+
+
+def _k_scales(s: mx.array):
+    """The 12 bytes of a Q4_K / Q5_K super-block's 6-bit scales and mins [..., 12] -> (sc, m) float32 [..., 8]
+    (llama.cpp's get_scale_min_k4)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = mx.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = mx.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(mx.float32), mn.astype(mx.float32)
+
+
+def dequantize(raw: mx.array, kind: str) -> mx.array:
+    """Rows of `kind` blocks, uint8 [..., row_bytes] -> float32 [..., n]."""
+    values, nbytes = BLOCKS[kind]
+    lead = raw.shape[:-1]
+    b = raw.reshape(*lead, raw.shape[-1] // nbytes, nbytes)
+    if kind == "Q4_0":
+        q = _nibbles(b[..., None, 2:]).astype(mx.int16) - 8  # [..., blocks, 1, 2, 16]
+        w = _f16(b[..., :2])[..., None] * q.reshape(*b.shape[:-1], 32).astype(mx.float32)
+    elif kind == "Q8_0":
+        w = _f16(b[..., :2])[..., None] * b[..., 2:].view(mx.int8).astype(mx.float32)
+    elif kind == "Q6_K":
+        ql = _nibbles(b[..., :128].reshape(*b.shape[:-1], 2, 2, 32))  # [..., half, 2 (of 32), lo/hi, 32]
+        qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)  # shifts 0, 2, 4, 6: the half's four 32s
+        qh = mx.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*b.shape[:-1], 2, 2, 2, 32)
+        # value 128h + 32i + l: low bits from ql[h, i % 2, i // 2, l], high from qh[h, i]
+        q = (ql.swapaxes(-2, -3) | (qh << 4)).astype(mx.int16) - 32  # [..., half, lo/hi, 2, 32]
+        q = q.reshape(*b.shape[:-1], 16, 16).astype(mx.float32)
+        d = _f16(b[..., 208:210])[..., None] * b[..., 192:208].view(mx.int8).astype(mx.float32)
+        w = d[..., None] * q
+    else:  # Q4_K, Q5_K
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        q = _nibbles(b[..., -128:].reshape(*b.shape[:-1], 4, 32))  # [..., chunk, lo/hi, 32]
+        if kind == "Q5_K":
+            qh = b[..., 16:48].reshape(*b.shape[:-1], 1, 1, 32)
+            shift = mx.arange(8, dtype=mx.uint8).reshape(4, 2, 1)
+            q = q | (((qh >> shift) & 1) << 4)
+        q = q.reshape(*b.shape[:-1], 8, 32).astype(mx.float32)
+        w = (d[..., None] * sc)[..., None] * q - (dmin[..., None] * mn)[..., None]
+    return w.reshape(*lead, -1)
+
+
+def random_rows(rng, kind: str, rows: int, n: int, scale: float = 1.0, zero_mean: bool = False):
+    """Random rows of `kind` blocks as raw bytes, uint8 [rows, row_bytes] (synthetic models, tests): random codes and
+    sub-block scales, one super-scale d giving each row's outputs against unit-variance inputs about `scale` times
+    unit variance. `zero_mean`: the codes' mean offset cancelled (a direction shared by every row would send every
+    token of an MoE model to the same few experts): Q4_0's and Q6_K's low nibbles from 1 (codes centred on 8 and 32),
+    the K-quants' mins the codes' mean times their scale."""
+    import numpy as np
+
+    values, nbytes = BLOCKS[kind]
+    shape = (rows, n // values)
+    blocks = rng.integers(0, 256, size=(*shape, nbytes), dtype=np.uint8)
+    if zero_mean and kind in ("Q4_0", "Q6_K"):
+        at = slice(2, 18) if kind == "Q4_0" else slice(0, 128)
+        lo, hi = rng.integers(1, 16, size=(2, *shape, at.stop - at.start), dtype=np.uint8)
+        blocks[..., at] = lo | (hi << 4)
+    dmin = {"Q4_K": 8, "Q5_K": 16}.get(kind)  # dmin = 8 (16) d: a min m is m / 8 (16) of a scale step
+    if kind == "Q6_K":
+        blocks[..., 192:208] = rng.integers(16, 128, size=(*shape, 16), dtype=np.uint8)
+    elif dmin:
+        sc = rng.integers(16, 64, size=(*shape, 8))
+        half = 7.5 if kind == "Q4_K" else 15.5  # the codes' mean
+        m = np.rint(sc * half / dmin).astype(np.int64) if zero_mean else rng.integers(0, 64, size=sc.shape)
+        blocks[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)  # (get_scale_min_k4's packing)
+        blocks[..., 8:12] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+        blocks[..., 12:16] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    at = 208 if kind == "Q6_K" else 0
+
+    def scales(d):
+        blocks[..., at : at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        if dmin:
+            blocks[..., 2:4] = np.frombuffer(np.float16(dmin * float(np.float16(d))).tobytes(), np.uint8)
+
+    scales(1.0)
+    sample = np.asarray(dequantize(mx.array(blocks[:16].reshape(len(blocks[:16]), -1)), kind), np.float64)
+    scales(scale / (np.sqrt(n) * np.sqrt(np.mean(sample**2))))
+    return blocks.reshape(rows, -1)
