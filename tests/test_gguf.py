@@ -1010,9 +1010,10 @@ def test_5_bit_gate_and_up_beside_8_bit_down_stream_as_resident(tmp_path):
     reason="llama-quantize not built (python -m mlx_flash.peers builds it)",
 )
 def test_q4_k_m_experts_stream_as_resident(tmp_path):
-    """A qwen3moe GGUF re-quantised to Q4_K_M by llama.cpp: its Q4_K experts kept exactly (4-bit codes, float32
-    scales), the role mixing Q4_K and Q6_K re-quantised to 8 bits; streamed with two expert slots a layer, the
-    greedy tokens and logits are the resident model's (float32 activations, both forwards)."""
+    """A qwen3moe GGUF re-quantised to Q4_K_M by llama.cpp: its experts read in place as the file's blocks (Q4_K, the
+    down projections Q6_K in the layers llama-quantize gives more bits: the mix tools/synthetic_gguf.py writes);
+    streamed with two expert slots a layer, the greedy tokens and logits are the resident model's (float32
+    activations, both forwards)."""
     import subprocess
 
     from mlx_flash.compute import cpu_gemv
@@ -1020,7 +1021,7 @@ def test_q4_k_m_experts_stream_as_resident(tmp_path):
     from mlx_flash.format.directory import FlashDir
     from mlx_flash.generate import generate_step
     from mlx_flash.loader import load, load_resident
-    from mlx_flash.tools.synthetic_gguf import write_gguf
+    from mlx_flash.tools.synthetic_gguf import tensor_type, write_gguf
 
     from test_moe import slots_budget
 
@@ -1042,8 +1043,10 @@ def test_q4_k_m_experts_stream_as_resident(tmp_path):
     out = convert(str(q4km), tmp_path / "flash", progress=False)
     fd = FlashDir(out)
     quant = fd.ffn["quantization"]
-    assert quant["gate_proj"] == {"bits": 4, "group_size": 32}
-    assert {c.name: c.dtype for c in fd.layouts["experts"].components}["gate_proj.scales"] == "float32"
+    assert quant["gate_proj"] == {"ggml": "Q4_K", "values": 256}
+    down = {i: tensor_type(f"blk.{i}.ffn_down_exps.weight", (256, 256), "Q4_K_M", 4) for i in range(4)}
+    assert quant["down_proj"] == {"ggml": {str(i): k for i, k in down.items()}, "values": 256}
+    assert {"Q4_K", "Q6_K"} == set(down.values())
     prompt = mx.array([1, 5, 9, 33, 70, 2, 11])
     cpu_gemv.set_int8_activations(False)
     try:

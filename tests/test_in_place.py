@@ -198,7 +198,7 @@ def test_generate_takes_the_source_itself(pair, tmp_path):
     converted = {
         d.name.split("-")[0]: FlashDir(d).sources is not None for d in (tmp_path / "cache" / "converted").iterdir()
     }
-    assert converted == {src.name: True, "tiny": False}  # (the GGUF's experts copied)
+    assert converted == {src.name: True, "tiny": True}  # (the GGUF's experts read in place, as its blocks)
 
 
 def test_convert_in_place_needs_the_resident_weights_once_on_disk(tmp_path, monkeypatch):
@@ -217,3 +217,73 @@ def test_convert_in_place_needs_the_resident_weights_once_on_disk(tmp_path, monk
         assert ref.resident_bytes > 50 * small  # (the bound is the resident file's)
         out = FlashDir(build.convert(str(src), disk / "out", progress=False))
         assert out.sources is not None and out.resident_bytes == ref.resident_bytes
+
+
+@pytest.fixture(scope="module")
+def k_quants(tmp_path_factory):
+    """(a Q4_K_M qwen3moe GGUF as llama-quantize mixes its types: Q4_K experts, Q6_K down projections in its
+    use_more_bits layers; its flash directory)."""
+    from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+
+    root = tmp_path_factory.mktemp("k_quants")
+    shape = dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4)
+    gguf = write_gguf(
+        "moe-small", root / "m.gguf", progress=False, gguf_type="Q4_K_M", **{**tiny_moe("qwen3_moe"), **shape}
+    )
+    return gguf, convert(str(gguf), root / "flash", progress=False)
+
+
+def test_k_quant_experts_are_the_files_blocks_read_in_place(k_quants):
+    """Nothing of the experts is written: each expert's rows are the GGUF's bytes of that expert (its type's in each
+    layer), read as the 512-byte windows around them; dequantised, they are gguf's values bit for bit."""
+    from mlx_flash.convert.gguf import read_header
+
+    import gguf as gguf_package
+
+    gguf, flash = k_quants
+    fd = FlashDir(flash)
+    assert fd.sources is not None and not (flash / FFN).exists()
+    q = fd.ffn["quantization"]
+    assert q["gate_proj"] == q["up_proj"] == {"ggml": "Q4_K", "values": 256}
+    assert q["down_proj"] == {"ggml": {"0": "Q4_K", "1": "Q4_K", "2": "Q6_K", "3": "Q6_K"}, "values": 256}
+    tensors = {t.name: t for t in read_header(gguf).tensors}
+    for i, layer in enumerate(fd.layers):
+        rows = fd.read_region(i, REGION)
+        arrays = fd.unpack_layer(i)
+        for c, p in zip(fd.layout_of(i, REGION).components, ("gate", "up", "down")):
+            t = tensors[f"blk.{i}.ffn_{p}_exps.weight"]
+            raw = np.asarray(t.data).reshape(8, -1)
+            assert np.array_equal(rows[:, c.offset : c.offset + c.nbytes], raw)  # the file's bytes
+            w = arrays[f"{p}_proj.weight"]  # (as mlx-lm's modules hold them: affine codes, or float32)
+            if f"{p}_proj.scales" in arrays:
+                w = mx.dequantize(w, arrays[f"{p}_proj.scales"], arrays[f"{p}_proj.biases"], 32, 4)
+            ref = gguf_package.quants.dequantize(raw, t.tensor_type).reshape(w.shape)
+            assert np.array_equal(np.array(w).view(np.uint32), ref.view(np.uint32))
+        assert all(e.nbytes - e.length < 1024 for e in layer[REGION].extents)  # (a read adds its window's ends)
+    fd.verify()
+
+
+@pytest.mark.parametrize("ops", ["native", "mlx"])
+def test_k_quant_experts_give_the_same_bits_at_every_budget(k_quants, ops, monkeypatch):
+    """Greedy tokens and log-probabilities equal at every budget on either path; MLX's equal mlx-lm's model on the
+    same weights (load_resident) bit for bit, the native kernels' it within their int8 activations' rounding."""
+    from mlx_flash.compute import cpu_gemv
+    from mlx_flash.loader import load_resident
+
+    if ops == "native" and not cpu_gemv.available():
+        pytest.skip("the native CPU kernels do not run here")
+    monkeypatch.setattr(cpu_gemv, "enabled", ops == "native")
+    _, flash = k_quants
+    runs = [decode(flash, slots) for slots in (None, 1, 3)]
+    for tokens, logprobs in runs[1:]:
+        assert tokens == runs[0][0] and np.array_equal(logprobs, runs[0][1])
+    resident, _ = load_resident(flash, dtype=mx.float32)
+    model, _ = load(flash, context=64)
+    try:
+        ours, ref = model(PROMPT[None]), resident(PROMPT[None])
+    finally:
+        model.flash.close()
+    if ops == "mlx":
+        assert mx.array_equal(ours, ref)
+    else:
+        assert np.abs(np.array(ours - ref)).max() < 0.05 * np.abs(np.array(ref)).max()

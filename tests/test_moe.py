@@ -175,8 +175,8 @@ def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type
     (llama.cpp's "llama" with expert_count), qwen2moe (q/k/v biases, a shared expert *_shexp behind a 1-D gate),
     olmoe (q/k norms over all heads), gpt-oss (MXFP4 experts with biases, sinks, sliding layers, YaRN), deepseek2
     (MLA as k_b / v_b, a dense first layer, a shared expert, grouped sigmoid routing with exp_probs_b). Converted,
-    its experts keep the GGUF's bytes, the model is mlx-lm's on the same weights (gguf_to_mlx_dir) bit for bit, and
-    streaming gives its tokens and logits."""
+    its experts keep the GGUF's bytes (Q4_0: read in place, its blocks), the model is mlx-lm's on the same weights
+    (gguf_to_mlx_dir) bit for bit, and streaming gives its tokens and logits."""
     from mlx_flash.convert.gguf import gguf_to_mlx_dir
     from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
@@ -188,9 +188,10 @@ def test_gguf_moe_as_llama_cpp_writes_it(tmp_path, float_activations, model_type
     if model_type == "gpt_oss":  # MXFP4's own bytes (17 per 32: e2m1 codes and a scale byte), the float32 biases
         assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "mode": "mxfp4"}
         assert sum(c.nbytes for c in fd.layouts[REGION].components) == experts * 17 // 32 + (64 + 64 + 256) * 4
-    else:  # Q4_0's own bytes (18 per 32 weights: codes and a float16 scale), no MLX biases
-        assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True}
+    else:  # Q4_0's own bytes (18 per 32 weights: codes and a float16 scale), read in place from the GGUF
+        assert fd.manifest["ffn"]["quantization"]["down_proj"] == {"ggml": "Q4_0", "values": 64}
         assert sum(c.nbytes for c in fd.layouts[REGION].components) == experts * 18 // 32
+        assert fd.sources is not None and not (flash_dir / "ffn.bin").exists()
     src, _ = load_source_model(gguf_to_mlx_dir(gguf, tmp_path / "mlx"), lazy=False)
     cpu_gemv.enabled = False  # MLX's ops on both sides: the same weights give the same bits
     try:

@@ -29,6 +29,7 @@ source, or --prune-format dense).
 """
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -53,6 +54,7 @@ from ..models.architectures import adapter_for, symmetric
 from ..models.inspect import is_moe
 from ..texts import wikitext
 from .disk import SourceWeights, check_free_space, disk_full_error
+from .gguf import IN_PLACE
 from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms
 from .source import copy_tokenizer, load_source_model, local_source, mlp_paths, release, resolve_source
@@ -126,7 +128,7 @@ def convert(
         source = local_source(model)
         needed = _disk_needed(source, dtype, bits, group_size, dequantize, down_bits, layout, prune, not copy)
         check_free_space(out, needed)
-        src_dir = resolve_source(source, work, progress)
+        src_dir = resolve_source(source, work, progress, experts_in_place=not copy)
         model_obj, config = load_source_model(src_dir)
         if is_moe(config):
             asked = {
@@ -144,7 +146,9 @@ def convert(
                     "stores them; these options apply to dense models only"
                 )
             in_place = not copy and not Path(src_dir).resolve().is_relative_to(work.resolve())  # (not a GGUF's)
-            return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress, in_place)
+            kept = Path(src_dir) / IN_PLACE  # (a GGUF's experts left in it as their blocks)
+            ggml = json.loads(kept.read_text()) if kept.is_file() else None
+            return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress, in_place, ggml)
         adapter = adapter_for(config)
         norms = None
         if prune is not None and prune_format == "bitmap":

@@ -85,6 +85,9 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_SHARD_BYTES = 2 << 30
 MX_LOAD_MAX_BYTES = 128 << 20  # files up to this size are read whole by mx.load, larger ones a tensor at a time
 DTYPES = ("float16", "bfloat16", "float32")
+EXPERT_TENSORS = tuple(f"ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
+# what gguf_to_mlx_dir(experts_in_place=True) writes beside the model: where its experts stay in the GGUF
+IN_PLACE = "gguf_experts.json"
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -259,15 +262,29 @@ def _iter_mx(arrays: dict) -> Iterator[Tensor]:
             yield base, part, {part: arrays[name]}, None
 
 
-def _iter_reader(reader, path: Path) -> Iterator[Tensor]:
+def _iter_reader(reader, path: Path, skip=frozenset()) -> Iterator[Tensor]:
     import gguf
 
     T = gguf.GGMLQuantizationType
     repack = {mixed: repackers(mixed) for mixed in (False, True)}
     mixed = mixed_roles(reader.tensors)
     for t in reader.tensors:
+        if t.name in skip:
+            continue
         yield _read_tensor(t, T, repack[role(t.name) in mixed], path)
         _drop_pages(reader.data, t.data_offset, t.n_bytes)
+
+
+def kept_experts(header) -> dict:
+    """{tensor name: header entry} of the stacked experts (ffn_{gate,up,down}_exps) read in place as their GGML
+    blocks (format/ggml.py): all of the file's, where every one is of a type with kernels; else none (they are then
+    converted as every other tensor)."""
+    from ..format import ggml
+
+    exps = [t for t in header.tensors if t.name.endswith(EXPERT_TENSORS)]
+    if not exps or any(t.tensor_type.name not in ggml.BLOCKS or len(t.shape) != 3 for t in exps):
+        return {}
+    return {t.name: t for t in exps}
 
 
 def _read_tensor(t, T, repack, path: Path) -> Tensor:
@@ -361,8 +378,8 @@ class _MxSource:
             out[f"{base}.{part}"] = shape
         return out
 
-    def tensors(self) -> Iterator[Tensor]:
-        return _iter_mx(self.arrays)
+    def tensors(self, skip=frozenset()) -> Iterator[Tensor]:
+        return (t for t in _iter_mx(self.arrays) if f"{t[0]}.{t[1]}" not in skip)
 
     def sizes(self) -> Dict[str, int]:
         return {
@@ -383,8 +400,8 @@ class _ReaderSource:
             out[f"{base}.{part}"] = tuple(int(x) for x in reversed(t.shape))
         return out
 
-    def tensors(self) -> Iterator[Tensor]:
-        return _iter_reader(self.reader, self.meta.path)
+    def tensors(self, skip=frozenset()) -> Iterator[Tensor]:
+        return _iter_reader(self.reader, self.meta.path, skip)
 
     def sizes(self) -> Dict[str, int]:
         """Bytes of each tensor in the file."""
@@ -511,6 +528,7 @@ def gguf_to_mlx_dir(
     progress: bool = False,
     _unpermute_qk: bool = True,
     _force_reader: bool = False,
+    experts_in_place: bool = False,
 ) -> Path:
     """Convert a GGUF file into an mlx-lm model directory at `out_dir` and return its path.
 
@@ -523,6 +541,9 @@ def gguf_to_mlx_dir(
 
     Raises SourceError for a missing / non-GGUF / damaged file or unreadable metadata, and
     UnsupportedArchitectureError for architectures (or architecture variants) without a mapping.
+    `experts_in_place`: a mixture of experts' stacked experts of GGML block types (`kept_experts`) are not
+    written: IN_PLACE records where each lies in the GGUF (file, size, time; per mlx-lm projection path its type,
+    offset and shape [experts, out, in]) and the model loads without them (convert reads them in place).
     `_unpermute_qk=False` and `_force_reader=True` are for tests only.
     """
     import mlx.core as mx
@@ -581,7 +602,24 @@ def gguf_to_mlx_dir(
         disable=not progress,
     )
     rearrange = spec.rearranger(meta) if spec.rearranger is not None else None
-    for tensor in source.tensors():
+    kept = kept_experts(header) if experts_in_place else {}
+    kept = {k: t for k, t in kept.items() if not is_mtp(spec, meta, _split_name(k)[0])}
+    (out_dir / IN_PLACE).unlink(missing_ok=True)
+    if kept:
+        st = path.stat()
+        experts = {
+            map_name(spec, _split_name(k)[0])[0]: {
+                "type": t.tensor_type.name,
+                "offset": int(t.data_offset),
+                "shape": [int(x) for x in reversed(t.shape)],
+            }
+            for k, t in kept.items()
+        }
+        record = {"file": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "experts": experts}
+        with open(out_dir / IN_PLACE, "w") as f:
+            json.dump(record, f)
+        bar.update(sum(int(t.n_bytes) for t in kept.values()))
+    for tensor in source.tensors(skip=set(kept)):
         bar.update(sizes[f"{tensor[0]}.{tensor[1]}"])
         if is_mtp(spec, meta, tensor[0]):
             continue

@@ -26,10 +26,18 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
-from ..engine.experts import REGION, expert_arrays, expert_quantization, experts_per_token, switch_paths
+from ..engine.experts import (
+    REGION,
+    expert_arrays,
+    expert_quantization,
+    experts_per_token,
+    projections,
+    switch_paths,
+)
 from ..errors import FlashError
+from ..format import ggml
 from ..format.directory import DEFAULT_ALIGNMENT, PACK_BYTES, FlashWriter
-from ..format.layout import BundleLayout, Extent, Region, dtype_name, round_up
+from ..format.layout import BundleLayout, Component, Extent, Region, dtype_name, round_up
 from ..format.quant import is_symmetric
 from ..format.safetensors_io import DTYPES as SAFETENSORS_DTYPES
 from ..format.safetensors_io import read_header
@@ -52,19 +60,27 @@ def convert_moe(
     alignment: int = None,
     progress: bool = True,
     in_place: bool = True,
+    ggml: Optional[dict] = None,
 ) -> Path:
     """Write `model`'s experts and resident weights as a flash directory at `out` (built in `work`); the experts
-    referenced in `src_dir`'s files where `in_place` and they are stored there as the model has them."""
+    referenced in `src_dir`'s files where `in_place` and they are stored there as the model has them, or in the GGUF
+    `ggml` (gguf.IN_PLACE's record) names, as its blocks."""
     paths = switch_paths(model)
     top_k = experts_per_token(model, paths)
     modules = dict(model.named_modules())
     alignment = alignment or DEFAULT_ALIGNMENT
-    tensors = source_tensors(src_dir, model, paths) if in_place else None
-    if in_place and tensors is None:
+    tensors = source_tensors(src_dir, model, paths) if in_place and ggml is None else None
+    if in_place and tensors is None and ggml is None:
         print("experts copied into ffn.bin: the source's files do not hold them stacked as the model has them")
     sources = None if tensors is None else {"root": str(Path(src_dir).resolve()), "files": tensors.pop(None)}
+    blocks = None
+    if ggml is not None:
+        f = Path(ggml["file"])
+        sources = {"root": str(f.parent), "files": [{"name": f.name, **{k: ggml[k] for k in ("bytes", "mtime_ns")}}]}
+        layers = {i: (paths[i], projections(modules[paths[i]])) for i in paths}
+        blocks = ggml_experts(ggml["experts"], layers, ggml["bytes"], alignment)
     windows = None
-    if sources is not None:
+    if tensors is not None:
         shapes = BundleLayout.from_arrays(expert_arrays(modules[paths[min(paths)]]), alignment)  # (lazy)
         places = {(i, c.name): tensors[f"{paths[i]}.{c.name}"] for i in paths for c in shapes.components}
         windows = in_place_windows(shapes, places, WINDOW_ALIGNMENT)
@@ -73,9 +89,11 @@ def convert_moe(
     quant, n_experts, hidden = None, None, None
     try:
         sizes = [
-            sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters())) if i in paths else 0
+            0 if i not in paths
+            else blocks[1][i][0].stride * blocks[2] if blocks
+            else sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters()))
             for i in range(len(model.layers))
-        ]
+        ]  # fmt: skip
         bar = tqdm(total=sum(sizes), desc="experts", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
         for i in range(len(model.layers)):
             bar.set_postfix_str(f"layer {i + 1}/{len(sizes)}")
@@ -83,6 +101,15 @@ def convert_moe(
                 writer.add_layer({})
                 continue
             switch = modules[paths[i]]
+            if blocks is not None:  # the GGUF's blocks, in place: only their checksums are read
+                quant, (layout, extents), n_experts = blocks[0], blocks[1][i], blocks[2]
+                hidden = quant[projections(switch)[-1]]["out"]
+                crcs, crc, _ = unit_checksums(sources, extents, layout.stride, n_experts)
+                writer.add_layer_in_place({REGION: (layout, extents, crcs, crc)})
+                parent, name = paths[i].rsplit(".", 1)
+                setattr(modules[parent], name, nn.Module())
+                bar.update(sizes[i])
+                continue
             q = expert_quantization(switch)
             arrays = expert_arrays(switch)
             if sources is None:  # (in place, nothing of them is read but their checksums)
@@ -127,7 +154,9 @@ def convert_moe(
             release(switch)  # (`modules` still refers to its modules) its arrays are on flash: freed now
             bar.update(sizes[i])
         bar.close()
-        del switch, arrays
+        switch = arrays = None
+        if blocks is not None:
+            quant = {p: {k: v for k, v in q.items() if k != "out"} for p, q in quant.items()}
         resident = dict(tree_flatten(model.parameters()))
         floats = [v.dtype for v in resident.values() if mx.issubdtype(v.dtype, mx.floating)]
         manifest = {
@@ -152,6 +181,59 @@ def convert_moe(
     copy_tokenizer(src_dir, writer.path)
     os.replace(writer.path, out)
     return out
+
+
+def ggml_experts(experts: dict, layers: Dict[int, tuple], size: int, alignment: int):
+    """(quantisation per projection, {layer: (the region's layout, the layer's extents)}, experts) of the experts a
+    GGUF keeps as GGML blocks (`experts`: gguf.IN_PLACE's, projection path -> type, offset of expert 0, shape
+    [experts, out, in]; `layers`: layer -> (switch path, projections); `size`: the file's bytes). A projection's
+    component is its rows of blocks, uint8 [out, row bytes]: its type may differ between layers (a Q4_K_M file's
+    down projections), so the region's layout holds the largest and each layer's extents its own length; each is
+    read as the WINDOW_ALIGNMENT window around it where every stride allows (a GGUF's tensors are 32-byte aligned),
+    else as it is."""
+
+    def entry(i, p):
+        e = experts.get(f"{layers[i][0]}.{p}")
+        if e is None:
+            raise FlashError(f"layer {i}: the GGUF holds no stacked {p} experts")
+        return e
+
+    names = layers[min(layers)][1]
+    quant, n_experts = {}, None
+    for p in names:
+        es = {i: entry(i, p) for i in layers}
+        shapes = {tuple(e["shape"]) for e in es.values()}
+        if len(shapes) != 1:
+            raise FlashError(f"{p}: experts of shapes {sorted(shapes)} in different layers")
+        ((n_experts, out, values),) = shapes
+        kinds = {str(i): e["type"] for i, e in es.items()}
+        one = set(kinds.values())
+        quant[p] = {"ggml": one.pop() if len(one) == 1 else kinds, "values": values, "out": out}
+    lengths = {
+        i: [quant[p]["out"] * ggml.row_bytes(entry(i, p)["type"], quant[p]["values"]) for p in names] for i in layers
+    }
+    windowed = all(n % WINDOW_ALIGNMENT == 0 for ls in lengths.values() for n in ls)
+
+    def window(offset, length):
+        return round_up(offset % WINDOW_ALIGNMENT + length, WINDOW_ALIGNMENT) if windowed else length
+
+    widest = [max(window(entry(i, p)["offset"], lengths[i][j]) for i in layers) for j, p in enumerate(names)]
+    comps, at = [], 0
+    for j, p in enumerate(names):
+        big = max(lengths[i][j] for i in layers)
+        comps.append(Component(f"{p}.weight", "uint8", (quant[p]["out"], big // quant[p]["out"]), at))
+        at += widest[j]
+    layout = BundleLayout(tuple(comps), round_up(at, alignment))
+    per_layer = {}
+    for i in layers:
+        extents, at = [], 0
+        for j, p in enumerate(names):
+            offset, n = entry(i, p)["offset"], lengths[i][j]
+            phase = offset % WINDOW_ALIGNMENT if windowed else 0
+            extents.append(Extent(0, offset - phase, n, window(offset, n), at, phase, n, size))
+            at += window(offset, n)
+        per_layer[i] = (layout, extents)
+    return quant, per_layer, n_experts
 
 
 def source_tensors(src_dir: Path, model: nn.Module, paths: Dict[int, str]) -> Optional[dict]:

@@ -14,7 +14,7 @@ from ..errors import SourceError, UnsupportedArchitectureError
 from ..models import get_model_classes
 from ..models.architectures import adapter_for
 from ..models.inspect import is_moe
-from .gguf import gguf_to_mlx_dir
+from .gguf import IN_PLACE, gguf_to_mlx_dir
 
 TOKENIZER_FILES = (
     "tokenizer*",
@@ -44,10 +44,13 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def resolve_source(src, workdir: Path, progress: bool = False) -> Path:
-    """Return a local mlx-lm model directory for `src` (GGUF files are unpacked into `workdir`)."""
+def resolve_source(src, workdir: Path, progress: bool = False, experts_in_place: bool = False) -> Path:
+    """Return a local mlx-lm model directory for `src` (GGUF files are unpacked into `workdir`; `experts_in_place`:
+    their experts of GGML block types left in the file, gguf.IN_PLACE)."""
     path = local_source(str(src))
-    return gguf_to_mlx_dir(path, workdir / "gguf-source", progress=progress) if path.is_file() else path
+    if not path.is_file():
+        return path
+    return gguf_to_mlx_dir(path, workdir / "gguf-source", progress=progress, experts_in_place=experts_in_place)
 
 
 def local_source(src: str) -> Path:
@@ -100,8 +103,9 @@ def load_source_model(model_dir: Path, lazy: bool = True):
     config = read_config(model_dir)
     if not is_moe(config):
         adapter_for(config)
-    try:
-        return load_model(model_dir, lazy=lazy, get_model_classes=get_model_classes)
+    try:  # (experts left in a GGUF are not in the directory: the model's own stand in, lazy, never computed)
+        strict = not (Path(model_dir) / IN_PLACE).is_file()
+        return load_model(model_dir, lazy=lazy, strict=strict, get_model_classes=get_model_classes)
     except UnsupportedArchitectureError:
         raise
     except FileNotFoundError as e:

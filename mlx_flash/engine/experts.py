@@ -28,6 +28,7 @@ from ..compute import cpu_gemv
 from ..compute import rows as row_rules
 from ..compute.ops import gather
 from ..errors import UnsupportedArchitectureError
+from ..format import ggml
 from ..format.quant import symmetric_biases
 from .cache import UnitCache
 from .read_ahead import IntoCache
@@ -251,8 +252,13 @@ class ExpertEngine(Engine):
             {c.name: c for c in fd.layout_of(i, REGION).components} if REGION in regions else None
             for i, regions in enumerate(fd.layers)
         ]
+        # GGML blocks as a GGUF stores them (format/ggml.py): each projection's type in each layer
+        paths = fd.ffn["switch_paths"]
+        self.kinds = {n: ggml.layer_kinds(q, paths) for n, q in self.quant.items() if q is not None and "ggml" in q}
         self.row_layouts = [
-            None if c is None else {n: self._row_layout(c, n) for n, q in self.quant.items() if q is not None}
+            None
+            if c is None
+            else {n: self._row_layout(c, n) for n, q in self.quant.items() if q is not None and n not in self.kinds}
             for c in self.layer_components
         ]
 
@@ -304,9 +310,24 @@ class ExpertEngine(Engine):
             and "gate_proj.bias" not in self.components
         )
 
+    def _block_dot(self, layer: int, x: np.ndarray, host: np.ndarray, slot: int, names: tuple) -> np.ndarray:
+        """x [m, n] . the rows of projections `names` (GGML blocks of one type) of the expert in row `slot` of
+        `host`: [m, out, len(names)]."""
+        c, kind = self.layer_components[layer][f"{names[0]}.weight"], self.kinds[names[0]][str(layer)]
+        base = slot * host.shape[1]
+        offs = [base + self.layer_components[layer][f"{n}.weight"].offset for n in names]
+        return cpu_gemv.block_dot(x, host, offs, c.shape[1], kind, self.quant[names[0]]["values"], k=c.shape[0])
+
     def _expert_row(self, layer: int, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
         """`_expert` of float32 rows xv [m, D] on the native kernels, straight from the cache row: the expert's
         bytes are read once for all m."""
+        if self.kinds:
+            pair = ("gate_proj", "up_proj")
+            if self.kinds["gate_proj"][str(layer)] == self.kinds["up_proj"][str(layer)]:  # (read side by side)
+                gu = self._block_dot(layer, xv, host, slot, pair)
+            else:
+                gu = np.concatenate([self._block_dot(layer, xv, host, slot, (n,)) for n in pair], -1)
+            return self._block_dot(layer, cpu_gemv.glu_pairs(gu), host, slot, ("down_proj",))[..., 0]
         gate, up = (self._quant_rows(layer, host, slot, name) for name in ("gate_proj", "up_proj"))
         gu = cpu_gemv.row_dot_pairs(xv, gate, up, k=self.components["gate_proj.weight"].shape[0])
         return cpu_gemv.row_dot(
@@ -414,7 +435,14 @@ class ExpertEngine(Engine):
             for part in ("weight", "scales", "biases", "bias"):
                 c = self.layer_components[layer].get(f"{name}.{part}")
                 p[part] = None if c is None else gather(rows, slots, c)
-            if q is None:
+            kind = self.kinds[name][str(layer)] if name in self.kinds else None
+            if kind in ggml.AFFINE:  # GGML blocks that are MLX's affine codes: repacked, MLX's quantised product
+                p["weight"], p["scales"], p["biases"], bits = ggml.to_affine(p["weight"], kind)
+                q = {"bits": bits, "group_size": 32}
+            if kind is not None and kind not in ggml.AFFINE:  # the others dequantised (llama.cpp's arithmetic)
+                w = ggml.dequantize(p["weight"], kind).astype(h.dtype)
+                y = mx.gather_mm(h, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=ordered)
+            elif q is None:
                 y = mx.gather_mm(h, p["weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=ordered)
             else:
                 if q.get("symmetric"):

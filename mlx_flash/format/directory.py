@@ -53,7 +53,7 @@ from ..errors import FlashFormatError, ReadError, SourceFileError
 from ..io.checks import crc32_at
 from ..io.reader import open_reader
 from ..io.sources import SourceReader
-from . import manifest
+from . import ggml, manifest
 from .config import layer_count
 from .layout import DTYPES, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, Region, is_count, round_up
 from .quant import block_dequantize, is_symmetric, symmetric_biases
@@ -130,6 +130,7 @@ class FlashDir:
             if not (self.alignment > 0 and is_count(self.unit_alignment) and self.unit_alignment > 0):
                 raise ValueError("alignment and unit_alignment must be positive counts")
             self.layers: List[Dict[str, Region]] = manifest.read_layers(m, self.layouts)
+            manifest.check_ggml_lengths(m["ffn"], self.layers, self.layouts)
             if self.version == 1 and any(l.encoded for l in self.layouts.values()):
                 raise ValueError("encoded components need format version 2")
             if self.version < 3 and self.unit_alignment != self.alignment:
@@ -450,6 +451,14 @@ class FlashDir:
         for name, q in quant.items():  # symmetric rows store no biases: the consumers get them
             if q is not None and q.get("symmetric") and f"{name}.scales" in arrays:
                 arrays[f"{name}.biases"] = symmetric_biases(arrays[f"{name}.scales"], q["bits"])
+            if q is not None and "ggml" in q and f"{name}.weight" in arrays:  # GGML blocks: as mlx-lm's modules hold
+                kind = ggml.layer_kinds(q, self.ffn["switch_paths"])[str(layer)]  # them (quantised, or float32)
+                raw = arrays.pop(f"{name}.weight")
+                if kind in ggml.AFFINE:
+                    parts = dict(zip(("weight", "scales", "biases"), ggml.to_affine(raw, kind)))
+                    arrays.update({f"{name}.{k}": v for k, v in parts.items()})
+                else:
+                    arrays[f"{name}.weight"] = ggml.dequantize(raw, kind)
         return arrays
 
     def group_tables(self, layer: int, name: str):
@@ -643,6 +652,7 @@ def _region_json(r: Region, layout: BundleLayout) -> dict:
     if r.extents:
         d["extents"] = [
             {"component": c.name, "file": e.file, "offset": e.offset, "stride": e.stride, "bytes": e.nbytes, "at": e.at}
+            | ({"length": e.length} if e.length != c.nbytes else {})
             for c, e in zip(layout.components, r.extents)
         ]
     return d

@@ -38,6 +38,17 @@ def row_bytes(kind: str, n: int) -> int:
     return n // values * nbytes
 
 
+def layer_kinds(quant: dict, switch_paths: dict) -> dict:
+    """An expert matrix's type in each of its layers ({layer: kind}, keys as switch_paths'): the manifest's
+    `{"ggml": kind}`, or `{"ggml": {layer: kind}}` where layers differ (a Q4_K_M file's Q6_K and Q4_K down
+    projections). ValueError for a type without kernels or layers that differ from switch_paths'."""
+    kinds = quant["ggml"]
+    kinds = {k: kinds for k in switch_paths} if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, dict) or set(kinds) != set(switch_paths) or not all(k in BLOCKS for k in kinds.values()):
+        raise ValueError(f"ggml types {quant['ggml']!r}: one of {', '.join(BLOCKS)} for each expert layer")
+    return kinds
+
+
 def _f16(b: mx.array) -> mx.array:
     """Two bytes [..., 2] (little-endian) -> float32 [...] of the float16 they hold."""
     h = b[..., 0].astype(mx.uint16) | (b[..., 1].astype(mx.uint16) << 8)
@@ -56,6 +67,39 @@ def _k_scales(s: mx.array):
     sc = mx.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mn = mx.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
     return sc.astype(mx.float32), mn.astype(mx.float32)
+
+
+# types whose blocks are exactly MLX affine 4/8-bit, group 32 (to_affine): MLX's quantised products take them
+AFFINE = ("Q4_0", "Q8_0", "Q4_K")
+
+
+def _pack4(v: mx.array) -> mx.array:
+    """4-bit values [..., n] (uint8) -> MLX's packing, uint32 [..., n / 8]: byte k holds values 2k (low nibble) and
+    2k + 1."""
+    b = v.reshape(*v.shape[:-1], -1, 2)
+    return (b[..., 0] | (b[..., 1] << 4)).view(mx.uint32)
+
+
+def to_affine(raw: mx.array, kind: str):
+    """Rows of `kind` blocks (AFFINE), uint8 [..., row_bytes] -> (codes uint32, scales, biases, bits) of MLX's affine
+    quantisation, group 32, holding the same values: what convert wrote for these types before they were read as
+    stored (gguf_quants.py), so MLX's quantised products give those bits. Q4_0 / Q8_0: float16 scales, the
+    symmetric biases they imply; Q4_K: float32 d * sc and -dmin * m."""
+    lead = raw.shape[:-1]
+    values, nbytes = BLOCKS[kind]
+    b = raw.reshape(*lead, raw.shape[-1] // nbytes, nbytes)
+    if kind in ("Q4_0", "Q8_0"):
+        d = b[..., :2].view(mx.float16)[..., 0]  # [..., blocks]
+        if kind == "Q4_0":
+            codes, bits = _pack4(_nibbles(b[..., None, 2:]).reshape(*b.shape[:-1], 32)), 4
+        else:
+            codes, bits = (b[..., 2:] ^ 0x80).view(mx.uint32), 8  # (int8 q + 128)
+        return codes.reshape(*lead, -1), d, d * -(1 << (bits - 1)), bits
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    codes = _pack4(_nibbles(b[..., 16:].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 256))
+    scales, biases = (d[..., None] * sc).reshape(*lead, -1), -(dmin[..., None] * mn).reshape(*lead, -1)
+    return codes.reshape(*lead, -1), scales, biases, 4
 
 
 def dequantize(raw: mx.array, kind: str) -> mx.array:

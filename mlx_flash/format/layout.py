@@ -428,10 +428,18 @@ class Region:
 
     def layout_over(self, layout: BundleLayout) -> BundleLayout:
         """The layout of this region's rows: `layout` (its name's, shared by every layer), its components where
-        this layer's extents put them in place (a component's offset in its aligned window is the source's)."""
-        if not self.extents or all(c.offset == e.row_offset + e.at for c, e in zip(layout.components, self.extents)):
+        this layer's extents put them in place (a component's offset in its aligned window is the source's) and, where
+        this layer's is shorter (blocks of another GGML type), its own length."""
+        if not self.extents or all(
+            c.offset == e.row_offset + e.at and c.nbytes == e.length for c, e in zip(layout.components, self.extents)
+        ):
             return layout
-        comps = tuple(replace(c, offset=e.row_offset + e.at) for c, e in zip(layout.components, self.extents))
+        comps = tuple(
+            replace(c, offset=e.row_offset + e.at, shape=(c.shape[0], e.length // c.shape[0]))
+            if c.nbytes != e.length  # (uint8 GGML blocks of a smaller type in this layer: format/ggml.py)
+            else replace(c, offset=e.row_offset + e.at)
+            for c, e in zip(layout.components, self.extents)
+        )
         return replace(layout, components=comps)
 
     def unit_offsets(self, units) -> np.ndarray:

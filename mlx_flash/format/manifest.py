@@ -5,6 +5,7 @@ ValueError (FlashDir turns them into one FlashFormatError naming the file)."""
 from pathlib import Path
 from typing import Dict, List
 
+from . import ggml
 from .layout import BundleLayout, Extent, Region, is_count, matrix
 
 # The manifest's fields and their JSON types, checked at load so that what reads them later can rely on them
@@ -22,7 +23,15 @@ MANIFEST_TYPES = {
     "sources": ({"root": str, "files": [dict]}, None),  # v5: units read in place from these files
 }
 SOURCE_FILE_TYPES = {"name": str, "bytes": int, "mtime_ns": int}
-EXTENT_TYPES = {"component": str, "file": int, "offset": int, "stride": int, "bytes": (int, None), "at": (int, None)}
+EXTENT_TYPES = {
+    "component": str,
+    "file": int,
+    "offset": int,
+    "stride": int,
+    "bytes": (int, None),
+    "at": (int, None),
+    "length": (int, None),  # this layer's component bytes where shorter than its layout's (GGML blocks of a layer)
+}
 FFN_TYPES = {  # dense, mixture of experts
     False: {
         "kind": str,
@@ -73,6 +82,23 @@ def _regions_of(ffn: dict, layer: int) -> set:
     return {spec["region"] for spec in ffn["matrices"].values()}
 
 
+def check_ggml_lengths(ffn: dict, layers: list, layouts: Dict[str, BundleLayout]) -> None:
+    """Each layer's experts of GGML blocks (check_ffn) are its own type's bytes: in place, its extents' lengths."""
+    quant = ffn.get("quantization") if ffn["kind"] == "moe" else None
+    if not quant or not any(q and "ggml" in q for q in quant.values()):
+        return
+    for i, regions in enumerate(layers):
+        r = regions.get("experts")
+        if r is None:
+            continue
+        comps = r.layout_over(layouts["experts"]).components
+        for c in comps:
+            q = quant[c.name.rsplit(".", 1)[0]]
+            kind = ggml.layer_kinds(q, ffn["switch_paths"]).get(str(i))
+            if kind is None or c.shape[1] != ggml.row_bytes(kind, q["values"]):
+                raise ValueError(f"layer {i}: expert component {c.name!r} of {c.nbytes} bytes is not {kind} rows")
+
+
 def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
     """A dense FFN's matrices are each in a region whose layout holds rows of them as its quantisation says (what
     the backends compute with: layout.row_matrix raises ValueError); an expert's matrices are each as their
@@ -93,6 +119,15 @@ def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
         comps, shape = {c.name: c for c in layout.components}, {}
         for name in names:
             q, w = quant.get(name), comps.get(f"{name}.weight")
+            if q is not None and "ggml" in q:  # GGML blocks as stored (format/ggml.py), a type per layer
+                kinds = ggml.layer_kinds(q, ffn["switch_paths"])
+                n = q.get("values")
+                if not is_count(n) or w is None or len(w.shape) != 2 or w.dtype != "uint8" or len(comps) != len(names):
+                    raise ValueError(f"expert matrix {name!r}: its components do not match its quantisation {q}")
+                if max(ggml.row_bytes(k, n) for k in kinds.values()) != w.shape[1]:
+                    raise ValueError(f"expert matrix {name!r}: rows of {w.shape[1]} bytes do not hold {q}")
+                shape[name] = (w.shape[0], n)
+                continue
             if q is not None:
                 _check(q, {"bits": int, "group_size": int}, f"ffn.quantization.{name}.")
             if w is None or len(w.shape) != 2 or (q is not None) != (f"{name}.scales" in comps):
@@ -157,12 +192,16 @@ def _region(layer: int, name: str, r: dict, layouts: Dict[str, BundleLayout], so
             if c is None or not (all(is_count(x) for x in fields) and 0 <= e["file"] < len(sources)):
                 raise ValueError(f"layer {layer} region {name}: bad extent {e}")
             inside = e.get("at", 0)  # (where this layer's component lies in its window: the source's alignment)
-            if not (is_count(inside) and inside + c.nbytes <= nbytes):
+            length = e.get("length", c.nbytes)
+            shorter = is_count(length) and 0 < length < c.nbytes and len(c.shape) == 2 and length % c.shape[0] == 0
+            if length != c.nbytes and not shorter:  # (a layer's rows of another GGML type: whole rows, fewer bytes)
+                raise ValueError(f"layer {layer} region {name}: bad length in extent {e}")
+            if not (is_count(inside) and inside + length <= nbytes):
                 raise ValueError(f"layer {layer} region {name}: component {c.name!r} is not inside its extent")
             size = sources[e["file"]]["bytes"]  # (a window may pass the end of its file, its component not)
-            if e["offset"] + (r["n_units"] - 1) * e["stride"] + inside + c.nbytes > size:
+            if e["offset"] + (r["n_units"] - 1) * e["stride"] + inside + length > size:
                 raise ValueError(f"layer {layer} region {name}: extent {e} ends past its file")
-            extents.append(Extent(e["file"], e["offset"], e["stride"], nbytes, at, inside, c.nbytes, size))
+            extents.append(Extent(e["file"], e["offset"], e["stride"], nbytes, at, inside, length, size))
             at += nbytes
         if [e["component"] for e in r["extents"]] != [c.name for c in layout.components] or at > layout.stride:
             raise ValueError(f"layer {layer} region {name}: extents for {[e['component'] for e in r['extents']]}")

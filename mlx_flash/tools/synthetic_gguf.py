@@ -1,5 +1,6 @@
 """Synthetic GGUF files: a preset's exact shapes (synthetic.PRESETS: llama, qwen3_moe; or any other of MOE_TYPES by
-model_type=, see tiny_moe), random Q4_0 weights, the tensor names and metadata of llama.cpp's converter.
+model_type=, see tiny_moe), random Q4_0 weights (or --type: K-quants as llama-quantize mixes them), the tensor names
+and metadata of llama.cpp's converter.
 
     python -m mlx_flash.tools.synthetic_gguf --preset llama-7b --out FILE
 
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..format.ggml import BLOCKS as BLOCKS_OF  # (values, bytes) of a block of each type
+from ..format.ggml import random_rows
 from ..models.tiny import bytes_to_unicode
 from .synthetic import PRESETS, ROUTINGS, output_scale, preset_config, shared_direction, skewed_embedding, skewed_router
 
@@ -493,10 +496,43 @@ def _q4_0_from(make, rows: int, cols: int, chunk: int = 8192) -> np.ndarray:
     return out
 
 
-def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: str = "own", **overrides) -> Path:
+# --type: what llama.cpp's llama-quantize writes for each (file type, its name in gguf.LlamaFileType)
+TYPES = {"Q4_0": "MOSTLY_Q4_0", "Q4_K_M": "MOSTLY_Q4_K_M", "Q4_K": "MOSTLY_Q4_K_S", "Q6_K": "MOSTLY_Q6_K",
+         "Q8_0": "MOSTLY_Q8_0"}  # fmt: skip
+# llama.cpp's fallbacks for rows that are not whole K-quant blocks (its Q5_0 for Q4_K: Q4_0 stands in here)
+FALLBACK = {"Q4_K": "Q4_0", "Q6_K": "Q8_0"}
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down a Q4_K_M file keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, shape: tuple, ftype: str, layers: int) -> str:
+    """The block type of 2-D (and stacked 3-D) weight `name` in a file of type `ftype` (TYPES), as llama-quantize
+    chooses it: a Q4_K_M file's output and (in _more_bits layers) attn_v and ffn_down in Q6_K, the rest in Q4_K."""
+    kind = ftype
+    if ftype == "Q4_K_M":
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        more = name == "output.weight" or (
+            ("attn_v." in name or "ffn_down" in name) and _more_bits(layer, layers)
+        )  # fmt: skip
+        kind = "Q6_K" if more else "Q4_K"
+    if shape[-1] % BLOCKS_OF[kind][0]:
+        kind = FALLBACK.get(kind, kind)
+    return kind
+
+
+def write_gguf(
+    preset: str, out, seed: int = 0, progress: bool = True, routing: str = "own", gguf_type: str = "Q4_0", **overrides
+) -> Path:
     """Write preset `preset` (with config `overrides`, e.g. vocab_size=512, or tiny_moe(model_type)) as a GGUF file
-    of random Q4_0 weights (gpt-oss's experts: MXFP4), with MoE `routing` (own, uniform, skewed)."""
+    of random weights in blocks of `gguf_type` (TYPES; gpt-oss's experts: MXFP4), with MoE `routing` (own, uniform,
+    skewed)."""
     import gguf
+
+    if gguf_type not in TYPES:
+        raise ValueError(f"gguf_type {gguf_type!r}: one of {', '.join(TYPES)}")
 
     c = preset_config(preset)
     c.update(overrides)
@@ -535,7 +571,7 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_theta"])
     w.add_vocab_size(c["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(getattr(gguf.LlamaFileType, TYPES[gguf_type]))
     if moe:
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
@@ -564,6 +600,11 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
 
     specs = list(_tensors(c))
     oss = c["model_type"] == "gpt_oss"
+    skewed = "Q4_0" if routing == "skewed" else None  # (a skewed embedding is quantised from floats: Q4_0's quantiser)
+    kinds = {
+        name: (name == "token_embd.weight" and skewed) or tensor_type(name, shape, gguf_type, c["num_hidden_layers"])
+        for name, shape in specs
+    }
     for name, shape in specs:
         if len(shape) == 1 or any(f in name for f in FLOAT_TENSORS) or name.endswith(".bias"):
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
@@ -573,9 +614,10 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
                 name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.MXFP4
             )
         else:
-            raw = (*shape[:-1], shape[-1] // Q4_0_BLOCK * Q4_0_BYTES)
+            kind = kinds[name]
+            raw = (*shape[:-1], shape[-1] // BLOCKS_OF[kind][0] * BLOCKS_OF[kind][1])
             w.add_tensor_info(
-                name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType.Q4_0
+                name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=getattr(gguf.GGMLQuantizationType, kind)
             )
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -610,7 +652,11 @@ def write_gguf(preset: str, out, seed: int = 0, progress: bool = True, routing: 
             if name == "token_embd.weight" and routing != "own":
                 scale = np.sqrt(shape[-1])  # entries of unit variance: the blocks' outputs are small beside them
             rows = int(np.prod(shape[:-1]))
-            data = _q4_0(rng, rows, shape[-1], zero_mean=moe, scale=scale).reshape(*shape[:-1], -1)
+            if kinds[name] == "Q4_0":  # (the draws of files written before other types: the same files)
+                data = _q4_0(rng, rows, shape[-1], zero_mean=moe, scale=scale)
+            else:
+                data = random_rows(rng, kinds[name], rows, shape[-1], scale=scale, zero_mean=moe)
+            data = data.reshape(*shape[:-1], -1)
         w.write_tensor_data(data)
     w.close()
     os.replace(tmp, out)
@@ -622,8 +668,9 @@ def main(argv=None):
     p.add_argument("--preset", required=True, choices=[k for k, v in PRESETS.items() if v["model_type"] in GGUF_ARCHS])
     p.add_argument("--out", required=True, help="Output .gguf file.")
     p.add_argument("--routing", default="own", choices=ROUTINGS, help="MoE presets: own (sticky), uniform, skewed.")
+    p.add_argument("--type", default="Q4_0", choices=TYPES, help="The file's block types, as llama-quantize's.")
     a = p.parse_args(argv)
-    path = write_gguf(a.preset, a.out, routing=a.routing)
+    path = write_gguf(a.preset, a.out, routing=a.routing, gguf_type=a.type)
     print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")
     return 0
 
