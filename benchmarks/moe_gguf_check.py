@@ -14,6 +14,12 @@ its default int8 activations, against the GGUF as written (ppl_check's "mlx_flas
 
     python benchmarks/moe_gguf_check.py [--model-types glm4_moe,llama4] [--out benchmarks/results/moe_gguf_check.json]
         [--update]  (keeps the other model types' results already in --out)
+    python benchmarks/moe_gguf_check.py --type Q4_K_M --model-types qwen3_moe \
+        --out benchmarks/results/moe_gguf_check_q4_k_m.json
+
+--type writes the files in other block types (synthetic_gguf.TYPES: llama-quantize's Q4_K_M mix, K-quants), their
+experts then read in place as the file's blocks; K-quant rows hold whole 256-value blocks, so the hidden and expert
+widths are 256 there (K_SHAPE).
 
 The tests check the conversion against mlx-lm on the same weights; this checks the mapping (names, RoPE
 permutations, the shared expert's gate, MXFP4's nibbles, YaRN, routing) against an independent implementation.
@@ -44,7 +50,7 @@ import tempfile
 from pathlib import Path
 
 from mlx_flash.convert.build import convert
-from mlx_flash.tools.synthetic_gguf import GGUF_ARCHS, MOE_TYPES, tiny_moe, write_gguf
+from mlx_flash.tools.synthetic_gguf import GGUF_ARCHS, MOE_TYPES, TYPES, tiny_moe, write_gguf
 
 # llama-perplexity on the file as written (and its F32 copy against it; mlx_flash's decode steps with int8
 # activations too) / on its F32 copy
@@ -60,11 +66,15 @@ def row(run: dict, system: str = "mlx_flash resident") -> dict:
     return next(r for r in run["rows"] if r["system"] == system)
 
 
+K_SHAPE = {"hidden_size": 256, "moe_intermediate_size": 256}
+
+
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Tiny MoE GGUFs: mlx_flash against llama-perplexity.")
     p.add_argument("--model-types", default=",".join(MOE_TYPES))
     p.add_argument("--out", default="benchmarks/results/moe_gguf_check.json")
     p.add_argument("--update", action="store_true", help="Keep the results of other model types already in --out.")
+    p.add_argument("--type", default="Q4_0", choices=TYPES, help="The files' block types (synthetic_gguf.TYPES).")
     return p
 
 
@@ -91,7 +101,8 @@ def main(argv=None):
     runs = {form: {} for form in FORMS}
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in args.model_types.split(","):
-            gguf = write_gguf("moe-small", Path(tmp) / "m.gguf", progress=False, **tiny_moe(model_type))
+            config = {**tiny_moe(model_type), **(K_SHAPE if args.type != "Q4_0" else {})}
+            gguf = write_gguf("moe-small", Path(tmp) / "m.gguf", progress=False, gguf_type=args.type, **config)
             # named by its bytes: ppl_check keeps the F32 copy under the cache by the file's name
             digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:12]
             gguf = gguf.rename(gguf.with_name(f"{model_type}-{digest}.gguf"))
@@ -108,7 +119,8 @@ def main(argv=None):
         cells = " | ".join(f"{r['kld']:.1e} | {r['top1_agreement']:.3f}" for r in rows)
         print(f"| {t} | {GGUF_ARCHS[t]} | {cells} |")
     results = {
-        "configs": {t: tiny_moe(t) for t in runs["gguf"]},
+        "type": args.type,
+        "configs": {t: {**tiny_moe(t), **(K_SHAPE if args.type != "Q4_0" else {})} for t in runs["gguf"]},
         "runs": runs["gguf"],
         "runs_f32": runs["f32"],
         SELF: {t: row(run, "llama-perplexity, F32 copy")["kld"] for t, run in runs["gguf"].items()},

@@ -2231,85 +2231,11 @@ static void gg_isums_scalar(int kind, const uint8_t *w, const GQ *x, int blocks,
     }
 }
 
-#if HAVE_X86
-AVX2 static inline int32_t gg_hsum(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* 32 signed weights times 32 activations, summed in 8 int32 lanes (sign trick: |w| unsigned times x with w's sign) */
-AVX2 static inline __m256i gg_dot_i8(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
-}
-
-AVX2 static void gg_isums_avx2(int kind, const uint8_t *w, const GQ *x, int blocks, int32_t *isum, int32_t *imin) {
-    const int bytes = gg_bytes[kind];
-    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    for (int b = 0; b < blocks; b++, w += bytes) {
-        const int8_t *q = x->q + gg_values[kind] * b;
-        if (kind == GG_Q4_0) {
-            const __m128i c = _mm_loadu_si128((const __m128i *)(w + 2));
-            __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4);
-            v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-            isum[b] = gg_hsum(gg_dot_i8(v, _mm256_loadu_si256((const __m256i *)q)));
-        } else if (kind == GG_Q8_0) {
-            isum[b] = gg_hsum(gg_dot_i8(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)q)));
-        } else if (kind == GG_Q6_K) {
-            __m256i acc = _mm256_setzero_si256();
-            int32_t off = 0;
-            for (int h = 0; h < 2; h++) {
-                const __m256i qa = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
-                const __m256i qb = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
-                for (int i = 0; i < 4; i++) {
-                    const __m256i lo = _mm256_and_si256(i & 2 ? _mm256_srli_epi16(i & 1 ? qb : qa, 4) : (i & 1 ? qb : qa), low4);
-                    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), low2), 4);
-                    const int j = 8 * h + 2 * i; /* sub-blocks j (values l < 16) and j + 1 */
-                    const __m256i sc = _mm256_set_m128i(_mm_set1_epi16((int8_t)w[192 + j + 1]), _mm_set1_epi16((int8_t)w[192 + j]));
-                    const __m256i p = _mm256_maddubs_epi16(_mm256_or_si256(lo, hi), _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * i)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
-                }
-            }
-            for (int j = 0; j < 16; j++) off += (int8_t)w[192 + j] * x->bsum[16 * b + j];
-            isum[b] = gg_hsum(acc) - 32 * off;
-        } else {
-            const uint8_t *qs = w + (kind == GG_Q4_K ? 16 : 48);
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
-            __m256i acc = _mm256_setzero_si256();
-            int32_t mins = 0;
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                for (int hi = 0; hi < 2; hi++) {
-                    const int j = 2 * c + hi;
-                    int sc, m;
-                    gg_scale_min(w + 4, j, &sc, &m);
-                    __m256i code = _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, low4);
-                    if (kind == GG_Q5_K)
-                        code = _mm256_or_si256(code, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
-                    const __m256i p = _mm256_maddubs_epi16(code, _mm256_loadu_si256((const __m256i *)(q + 32 * j)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16((int16_t)sc)));
-                    mins += m * (x->bsum[16 * b + 2 * j] + x->bsum[16 * b + 2 * j + 1]);
-                }
-            }
-            isum[b] = gg_hsum(acc);
-            imin[b] = mins;
-        }
-    }
-}
-#endif
-
-/* One row against one position, int8: the blocks' integer sums (SIMD or scalar) meet their scales in float */
-static float gg_row_q8(int kind, const uint8_t *w, const GQ *x, int blocks, int simd) {
+/* One row against one position, int8, scalar (the reference): each block's integer sums meet its scales in float,
+   block by block */
+static float gg_row_q8_scalar(int kind, const uint8_t *w, const GQ *x, int blocks) {
     int32_t isum[GG_MAX_BLOCKS], imin[GG_MAX_BLOCKS];
-#if HAVE_X86
-    if (simd)
-        gg_isums_avx2(kind, w, x, blocks, isum, imin);
-    else
-#endif
-        gg_isums_scalar(kind, w, x, blocks, isum, imin);
-    (void)simd;
+    gg_isums_scalar(kind, w, x, blocks, isum, imin);
     const int bytes = gg_bytes[kind];
     float acc = 0;
     for (int b = 0; b < blocks; b++, w += bytes) {
@@ -2324,6 +2250,133 @@ static float gg_row_q8(int kind, const uint8_t *w, const GQ *x, int blocks, int 
         }
     }
     return acc;
+}
+
+#if HAVE_X86
+/* The AVX2 loops, as llama.cpp's: a block's integer products in 8 int32 lanes, scaled into 8 float lanes summed over
+   the row (their rounding is the lanes', not the scalar loop's block order) */
+AVX2 static inline float gg_hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static inline float gg_half(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+
+/* 32 signed weights times 32 activations in 8 int32 lanes (|w| unsigned times x with w's sign) */
+AVX2 static inline __m256i gg_dot_i8(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+/* Q4_K / Q5_K's 12 bytes of scales and mins as 8 scales (bytes 0-7) and 8 mins (8-15) (llama.cpp's utmp) */
+static inline void gg_unpack_k(const uint8_t *s, uint32_t u[4]) {
+    memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t a = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = a;
+    u[0] &= 0x3f3f3f3f;
+}
+
+/* int16 element e of each 128-bit lane broadcast over it: _mm256_shuffle_epi8's mask (lo: the low lane's e, hi: the
+   high lane's) */
+AVX2 static inline __m256i gg_lane_mask(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)(2 * hi | (2 * hi + 1) << 8)), _mm_set1_epi16((short)(2 * lo | (2 * lo + 1) << 8)));
+}
+
+/* 32-value blocks: two float accumulators (even and odd blocks), so their FMAs do not wait on each other */
+AVX2 static float gg_row_q8_0_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int bytes = gg_bytes[kind];
+    for (int b = 0; b < blocks; b++, w += bytes) {
+        __m256i v;
+        if (kind == GG_Q4_0) {
+            const __m128i c = _mm_loadu_si128((const __m128i *)(w + 2));
+            v = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4), _mm256_set1_epi8(8));
+        } else {
+            v = _mm256_loadu_si256((const __m256i *)(w + 2));
+        }
+        const __m256 p = _mm256_cvtepi32_ps(gg_dot_i8(v, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b))));
+        acc[b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(gg_half(w) * x->d[b]), acc[b & 1]);
+    }
+    return gg_hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+}
+
+AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
+    if (kind <= GG_Q8_0) return gg_row_q8_0_avx2(kind, w, x, blocks);
+    const int bytes = gg_bytes[kind];
+    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0;
+    for (int b = 0; b < blocks; b++, w += bytes) {
+        const int8_t *q = x->q + gg_values[kind] * b;
+        if (kind == GG_Q6_K) {
+            __m256i ia = _mm256_setzero_si256();
+            for (int h = 0; h < 2; h++) {
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+                const __m256i qb = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+                const __m256i lo[4] = {_mm256_and_si256(qa, low4), _mm256_and_si256(qb, low4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qb, 4), low4)};
+                const __m128i s8 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h)));
+                const __m256i scales = _mm256_set_m128i(s8, s8); /* this half's 8 sub-blocks' scales */
+                for (int i = 0; i < 4; i++) {
+                    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), low2), 4);
+                    /* sub-blocks 2i (values l < 16: the low lane) and 2i + 1 of the half */
+                    const __m256i sc = _mm256_shuffle_epi8(scales, gg_lane_mask(2 * i, 2 * i + 1));
+                    const __m256i p = _mm256_maddubs_epi16(_mm256_or_si256(lo[i], hi), _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * i)));
+                    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(p, sc));
+                }
+            }
+            /* the codes' offset of 32: 32 sum_j sc_j xsum_j, from the 16 scales and the 16 sums of 16 */
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b)));
+            ia = _mm256_sub_epi32(ia, _mm256_slli_epi32(off, 5));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w + 208)), acc);
+        } else {
+            uint32_t u[4];
+            gg_unpack_k(w + 4, u);
+            const uint8_t *sc = (const uint8_t *)u, *qs = w + (kind == GG_Q4_K ? 16 : 48);
+            const __m128i s8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));
+            const __m256i scales = _mm256_set_m128i(s8, s8);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+            __m256i ia = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                if (kind == GG_Q5_K) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+                }
+                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q + 64 * c)));
+                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 64 * c + 32)));
+                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(pl, _mm256_shuffle_epi8(scales, gg_lane_mask(2 * c, 2 * c))));
+                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(ph, _mm256_shuffle_epi8(scales, gg_lane_mask(2 * c + 1, 2 * c + 1))));
+            }
+            /* the mins: sum_j m_j (xsum of its 32), from the 16 sums of 16 added in pairs */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b));
+            const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            const __m128i mn = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))), pairs);
+            __m128i t = _mm_add_epi32(mn, _mm_shuffle_epi32(mn, 0x4E));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w)), acc);
+            mins += x->d[b] * gg_half(w + 2) * (float)_mm_cvtsi128_si32(t);
+        }
+    }
+    return gg_hsum_ps(acc) - mins;
+}
+#endif
+
+/* One row against one position, int8 */
+static float gg_row_q8(int kind, const uint8_t *w, const GQ *x, int blocks, int simd) {
+#if HAVE_X86
+    if (simd) return gg_row_q8_avx2(kind, w, x, blocks);
+#endif
+    (void)simd;
+    return gg_row_q8_scalar(kind, w, x, blocks);
 }
 
 /* Block b of a row dequantised (format/ggml.py's arithmetic, value by value) */

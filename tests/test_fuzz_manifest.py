@@ -20,13 +20,23 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "qwen3_moe in place"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "qwen3_moe in place", "qwen3_moe in place Q4_K_M"])
 def flash_dir(request, tmp_path_factory):
-    """A dense and a mixture-of-experts directory, and one whose experts are read in place from its 4-bit source
-    (format v5: sources and extents)."""
+    """A dense and a mixture-of-experts directory, and ones whose experts are read in place from a 4-bit source or a
+    Q4_K_M GGUF's blocks (format v5: sources and extents; GGML types per layer, extents' own lengths)."""
+    from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+
     root = tmp_path_factory.mktemp("fuzz")
     arch, *in_place = request.param.split(" ", 1)
-    src = tiny_quantized(arch, root / "src") if in_place else make_tiny_model_dir(arch, root / "src")
+    if in_place == ["in place Q4_K_M"]:  # (K-quant blocks: rows of 256 values)
+        shape = dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4)
+        src = write_gguf(
+            "moe-small", root / "m.gguf", progress=False, gguf_type="Q4_K_M", **{**tiny_moe(arch), **shape}
+        )
+    elif in_place:
+        src = tiny_quantized(arch, root / "src")
+    else:
+        src = make_tiny_model_dir(arch, root / "src")
     out = convert(str(src), root / "flash", alignment=512, progress=False)
     assert (FlashDir(out).sources is not None) == bool(in_place)
     return out
@@ -98,14 +108,41 @@ def test_an_experts_quantisation_that_does_not_fit_is_refused(flash_dir, tmp_pat
     do not have is refused at open, not handed to the kernels."""
     manifest = json.loads((flash_dir / MANIFEST).read_text())
     quant = manifest["ffn"].get("quantization") or {}
-    if not any(quant.values()):
-        pytest.skip("no quantised experts")
+    if not any(q and "bits" in q for q in quant.values()):
+        pytest.skip("no affine quantised experts")
     next(q for q in quant.values() if q)[field] = value
+    with pytest.raises(FlashFormatError, match="does not fit its codes and scales"):
+        FlashDir(_with_manifest(flash_dir, tmp_path, manifest))
+
+
+def _with_manifest(flash_dir, tmp_path, manifest):
     d = tmp_path / "flash"
     d.mkdir()
     for f in flash_dir.iterdir():
         if f.name != MANIFEST:
             os.symlink(f, d / f.name)
     (d / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(FlashFormatError, match="does not fit its codes and scales"):
-        FlashDir(d)
+    return d
+
+
+@pytest.mark.parametrize(
+    "field,value,why",
+    [
+        ("values", 0, "components do not match"),
+        ("values", 48, "multiples of 256"),
+        ("values", 2**31, "do not hold"),
+        ("ggml", "Q7_K", "one of Q4_0"),
+        ("ggml", {"0": "Q4_K"}, "one of Q4_0"),
+        ("ggml", "Q6_K", "do not hold"),
+        ("bits", 4, "components do not match"),
+    ],
+)
+def test_an_experts_ggml_type_that_does_not_fit_is_refused(flash_dir, tmp_path, field, value, why):
+    """An expert matrix of GGML blocks whose type, width or fields its rows do not have is refused at open."""
+    manifest = json.loads((flash_dir / MANIFEST).read_text())
+    quant = manifest["ffn"].get("quantization") or {}
+    if not any(q and "ggml" in q for q in quant.values()):
+        pytest.skip("no experts of GGML blocks")
+    quant["gate_proj"][field] = value
+    with pytest.raises(FlashFormatError, match=why):
+        FlashDir(_with_manifest(flash_dir, tmp_path, manifest))

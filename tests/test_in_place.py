@@ -287,3 +287,29 @@ def test_k_quant_experts_give_the_same_bits_at_every_budget(k_quants, ops, monke
         assert mx.array_equal(ours, ref)
     else:
         assert np.abs(np.array(ours - ref)).max() < 0.05 * np.abs(np.array(ref)).max()
+
+
+def test_dequantized_experts_go_a_few_at_a_time(k_quants):
+    """MLX's path dequantises experts of non-affine blocks (Q6_K) a group of units at a time, their float copies
+    within a quarter of the workspace: each pair's product is the one all units at once give, bit for bit."""
+    from dataclasses import replace
+
+    from mlx_flash.format.ggml import random_rows
+
+    _, flash = k_quants
+    model, _ = load(flash, memory_budget=slots_budget(FlashDir(flash), 1), context=64)
+    try:
+        engine = model.flash
+        rng = np.random.default_rng(0)
+        raw = mx.array(random_rows(rng, "Q6_K", 5 * 16, 256).reshape(5, 16, -1))
+        which = np.array([3, 0, 4, 4, 1, 0, 2, 3])
+        h = mx.array(rng.standard_normal((len(which), 1, 256)).astype(np.float32))
+        whole = engine._dequantized(h, raw, "Q6_K", which)
+        engine.plan = replace(engine.plan, workspace=4 * 2 * 16 * 256 * 4)  # two units a group
+        grouped = engine._dequantized(h, raw, "Q6_K", which)
+    finally:
+        model.flash.close()
+    from mlx_flash.format.ggml import dequantize
+
+    ref = mx.gather_mm(h, dequantize(raw, "Q6_K").swapaxes(-1, -2), rhs_indices=mx.array(which.astype(np.uint32)))
+    assert whole.shape == (len(which), 1, 16) and mx.array_equal(whole, ref) and mx.array_equal(grouped, ref)

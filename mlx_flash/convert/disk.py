@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from ..errors import DiskSpaceError, SourceError
 from ..format.safetensors_io import read_header as safetensors_header
-from .gguf import converted_size, read_header
+from .gguf import converted_size, kept_experts, read_header
 from .gguf_quants import mixed_roles
 from .source import read_config, tokenizer_files
 
@@ -53,12 +53,16 @@ class SourceWeights:
     """The weights of a conversion source (a GGUF file, or an mlx-lm / Hugging Face directory), from its headers."""
 
     def __init__(self, source: Path):
+        self.kept_bytes = 0
         self.intermediate = 0  # a GGUF's weights as its mlx-lm directory holds them
+        kept = {}  # a GGUF's experts read in place as its blocks (not in its mlx-lm directory unless copied)
         if source.is_file():
             header = read_header(source)
             mixed = mixed_roles(header.tensors)
+            kept = kept_experts(header)
             self.weights = [_gguf_weight(t, mixed) for t in header.tensors]
             self.intermediate = sum(w.nbytes for w in self.weights)
+            self.kept_bytes = sum(w.nbytes for w in self.weights if w.name in kept)
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then
             # copied into the output
             self.files = 2 * 2 * min((t.data_offset for t in header.tensors), default=0)
@@ -68,7 +72,8 @@ class SourceWeights:
         ffn = [w for w in self.weights if FFN.search(w.name)]
         self.quant = ffn[0].quant if ffn else None  # convert's: the first layer's FFN's (build._model_quantization)
         self.moe = any(EXPERTS.search(w.name) for w in ffn)
-        self.stacked = not source.is_file() and any(".switch_mlp." in w.name for w in ffn)  # experts read in place
+        # experts read in place
+        self.stacked = bool(kept) or (not source.is_file() and any(".switch_mlp." in w.name for w in ffn))
 
     def peak_bytes(self, quant, down, resident_scales: bool, float_size: Optional[int], in_place=False) -> int:
         """What converting writes at its peak, an upper bound: the model stored quantised as `quant` ({"bits",
@@ -85,7 +90,8 @@ class SourceWeights:
             if streamed and resident_scales and q is not None and DOWN.search(w.name):
                 scales += 2 * (w.values // q["group_size"]) * (float_size or 2)  # its groups' scales and biases
         finishing = output + self.files + 2 * scales
-        return int(MARGIN * max(2 * self.intermediate, self.intermediate + finishing))
+        intermediate = self.intermediate - (self.kept_bytes if in_place else 0)
+        return int(MARGIN * max(2 * intermediate, intermediate + finishing))
 
 
 def _gguf_weight(t, mixed: set) -> Weight:

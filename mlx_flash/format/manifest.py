@@ -122,7 +122,8 @@ def check_ffn(ffn: dict, layouts: Dict[str, BundleLayout]) -> None:
             if q is not None and "ggml" in q:  # GGML blocks as stored (format/ggml.py), a type per layer
                 kinds = ggml.layer_kinds(q, ffn["switch_paths"])
                 n = q.get("values")
-                if not is_count(n) or w is None or len(w.shape) != 2 or w.dtype != "uint8" or len(comps) != len(names):
+                fits = set(q) == {"ggml", "values"} and is_count(n) and n > 0 and len(comps) == len(names)
+                if not fits or w is None or len(w.shape) != 2 or w.dtype != "uint8":
                     raise ValueError(f"expert matrix {name!r}: its components do not match its quantisation {q}")
                 if max(ggml.row_bytes(k, n) for k in kinds.values()) != w.shape[1]:
                     raise ValueError(f"expert matrix {name!r}: rows of {w.shape[1]} bytes do not hold {q}")
