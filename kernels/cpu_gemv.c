@@ -2129,6 +2129,10 @@ typedef struct { /* one position's activations, quantised per block of its type'
     int8_t *q;     /* [n] */
     float *d;      /* [blocks]: the block's scale */
     int16_t *bsum; /* [n / 16]: each 16 q's sum (K-quants' mins and Q6_K's offset) */
+    /* the VNNI loops of 32-value blocks (gg_pair_layout): Q4_0's q by block pairs, each pair's (Q8_0: each block's)
+       offset correction in 8 int32 lanes */
+    int8_t *qp;
+    int32_t *corr;
 } GQ;
 
 static inline float gg_f16(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
@@ -2172,6 +2176,37 @@ static void gg_quantize(int kind, const float *x, int n, GQ *g) {
         int sum = 0;
         for (int i = 0; i < 16; i++) sum += g->q[16 * s + i];
         g->bsum[s] = (int16_t)sum;
+    }
+}
+
+/* For the VNNI loops of 32-value blocks, whose products take unsigned codes (Q4_0's q, Q8_0's q + 128) against
+   signed activations: Q4_0's activations by block pairs, pair p's 64 bytes [block 2p's values 0-15, 2p+1's 0-15,
+   2p's 16-31, 2p+1's 16-31] (the low nibbles of both blocks' codes in one register, then the high ones), and the
+   codes' offset (8, or 128) times each int32 lane's 4 activations, subtracted (a last odd block of Q4_0: its pair's
+   second half zero) */
+static void gg_pair_layout(int kind, int n, GQ *g) {
+    const int blocks = n / 32;
+    if (kind == GG_Q8_0) {
+        for (int b = 0; b < blocks; b++)
+            for (int l = 0; l < 8; l++) {
+                const int8_t *v = g->q + 32 * b + 4 * l;
+                g->corr[8 * b + l] = -128 * (v[0] + v[1] + v[2] + v[3]);
+            }
+        return;
+    }
+    for (int p = 0; p < (blocks + 1) / 2; p++) {
+        int8_t *d = g->qp + 64 * p;
+        for (int h = 0; h < 2; h++) { /* block 2p + h */
+            const int b = 2 * p + h;
+            for (int i = 0; i < 16; i++) {
+                d[16 * h + i] = b < blocks ? g->q[32 * b + i] : 0;
+                d[32 + 16 * h + i] = b < blocks ? g->q[32 * b + 16 + i] : 0;
+            }
+        }
+        for (int l = 0; l < 8; l++) {
+            const int8_t *lo = d + 4 * l, *hi = d + 32 + 4 * l;
+            g->corr[8 * p + l] = -8 * (lo[0] + lo[1] + lo[2] + lo[3] + hi[0] + hi[1] + hi[2] + hi[3]);
+        }
     }
 }
 
@@ -2304,8 +2339,45 @@ AVX2 static float gg_row_q8_0_avx2(int kind, const uint8_t *w, const GQ *x, int 
     return gg_hsum_ps(_mm256_add_ps(acc[0], acc[1]));
 }
 
+/* 32-value blocks with VNNI: unsigned codes against the activations in one vpdpbusd from the lanes' correction
+   (gg_pair_layout); Q4_0 a block pair at a time, its two blocks' scales in the low and high lanes */
+VNNI static float gg_row_q8_0_vnni(int kind, const uint8_t *w, const GQ *x, int blocks) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (kind == GG_Q8_0) {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int b = 0; b < blocks; b++, w += 34) {
+            const __m256i c = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), flip);
+            const __m256i p = _mm256_dpbusd_avx_epi32(_mm256_loadu_si256((const __m256i *)(x->corr + 8 * b)), c,
+                                                      _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)));
+            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(gg_half(w) * x->d[b]), acc[b & 1]);
+        }
+        return gg_hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+    }
+    int b = 0;
+    for (; b + 1 < blocks; b += 2, w += 36) {
+        const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(w + 20)), _mm_loadu_si128((const __m128i *)(w + 2)));
+        const int8_t *q = x->qp + 32 * b;
+        __m256i p = _mm256_loadu_si256((const __m256i *)(x->corr + 4 * b));
+        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(v, low4), _mm256_loadu_si256((const __m256i *)q));
+        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_loadu_si256((const __m256i *)(q + 32)));
+        const __m256 sc = _mm256_set_m128(_mm_set1_ps(gg_half(w + 18) * x->d[b + 1]), _mm_set1_ps(gg_half(w) * x->d[b]));
+        acc[(b >> 1) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[(b >> 1) & 1]);
+    }
+    if (b < blocks) { /* a last odd block: the low lanes of its pair */
+        const __m256i v = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + 2)));
+        const int8_t *q = x->qp + 32 * b;
+        __m256i p = _mm256_loadu_si256((const __m256i *)(x->corr + 4 * b));
+        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(v, low4), _mm256_loadu_si256((const __m256i *)q));
+        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_loadu_si256((const __m256i *)(q + 32)));
+        const __m256 sc = _mm256_set_m128(_mm_setzero_ps(), _mm_set1_ps(gg_half(w) * x->d[b]));
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[0]);
+    }
+    return gg_hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+}
+
 AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
-    if (kind <= GG_Q8_0) return gg_row_q8_0_avx2(kind, w, x, blocks);
+    if (kind <= GG_Q8_0) return x->corr ? gg_row_q8_0_vnni(kind, w, x, blocks) : gg_row_q8_0_avx2(kind, w, x, blocks);
     const int bytes = gg_bytes[kind];
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps();
@@ -2434,16 +2506,23 @@ static void block_dot_impl(const GRows *r, const float *x, float *out, int m) {
     const int kind = r->kind, blocks = r->n / gg_values[kind], q8 = int8_allowed;
     const int simd = simd_allowed && cpu_has_avx2();
     GQ *g = NULL;
-    int8_t *q = NULL;
+    int8_t *q = NULL, *qp = NULL;
     float *d = NULL;
     int16_t *bs = NULL;
+    int32_t *corr = NULL;
     if (q8) { /* (alloc64 ends the process rather than return NULL) */
-        const size_t n = (size_t)r->n;
+        const size_t n = (size_t)r->n, pairs = (size_t)(blocks + 1) / 2;
+        const int vnni = simd && kind <= GG_Q8_0 && cpu_has_vnni();
         q = alloc64(m * n), d = alloc64(m * blocks * sizeof(float)), bs = alloc64(m * n / 16 * sizeof(int16_t));
         g = alloc64(m * sizeof(GQ));
+        if (vnni) qp = alloc64(m * pairs * 64), corr = alloc64(m * (size_t)blocks * 8 * sizeof(int32_t));
         for (int p = 0; p < m; p++) {
-            g[p] = (GQ){q + p * n, d + (size_t)p * blocks, bs + p * n / 16};
+            g[p] = (GQ){q + p * n, d + (size_t)p * blocks, bs + p * n / 16, NULL, NULL};
             gg_quantize(kind, x + p * n, r->n, &g[p]);
+            if (vnni) {
+                g[p].qp = qp + p * pairs * 64, g[p].corr = corr + (size_t)p * blocks * 8;
+                gg_pair_layout(kind, r->n, &g[p]);
+            }
         }
     }
     Py_ssize_t work = r->k * r->n_mat * (Py_ssize_t)r->n * m, nt = work / MIN_WORK_PER_THREAD;
@@ -2459,7 +2538,7 @@ static void block_dot_impl(const GRows *r, const float *x, float *out, int m) {
                 out[((Py_ssize_t)p * r->k + j) * r->n_mat + t] =
                     q8 ? gg_row_q8(kind, w, &g[p], blocks, simd) : gg_row_f32(kind, w, x + (Py_ssize_t)p * r->n, blocks);
         }
-    free(q), free(d), free(bs), free(g);
+    free(q), free(d), free(bs), free(g), free(qp), free(corr);
 }
 
 /* block_dot(x, out, w, offs, stride, slots, k, n, kind) */
