@@ -86,3 +86,37 @@ def test_a_budget_whose_caches_cannot_lend_takes_the_workspace_s_chunk(path, mon
         assert plan.prompt_loan(fd, CONTEXT, native) == 0
     finally:
         model.flash.close()
+
+
+def test_a_resize_gives_a_cache_s_rows_back_before_it_takes_the_new_ones(path, monkeypatch):
+    """Engine.resize (a prompt's loan and its return, an elastic budget) holds at most the larger of the caches before
+    and after it: a layer's old rows go before its new ones are taken, or the two at once would hold that layer's cache
+    beyond the plan."""
+    import weakref
+
+    from mlx_flash.engine import units
+    from mlx_flash.engine.cache import UnitCache
+
+    fd = FlashDir(path)
+    floor = min_budget(fd, CONTEXT, kv_size_of(fd))
+    model, _ = load(path, memory_budget=floor + fd.ffn_bytes // 2, sparsity="dense", context=CONTEXT)
+    engine = model.flash
+    live = weakref.WeakSet(c for regions in engine.caches for c in regions.values())
+    held = []  # the caches' bytes alive as each new cache is made
+
+    class Counted(UnitCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            live.add(self)
+            held.append(sum(c.nbytes for c in live))
+
+    monkeypatch.setattr(units, "UnitCache", Counted)
+    try:
+        plan = engine.plan
+        for budget in (plan.nbytes(fd.strides) - plan.cache_bytes(fd.strides) // 2, plan.budget):  # lent, returned
+            before, held[:] = sum(c.nbytes for c in live), []
+            engine.resize(plan.resized(fd, budget).capacity)
+            after = sum(c.nbytes for c in live)
+            assert held and before != after and max(held) <= max(before, after)
+    finally:
+        engine.close()

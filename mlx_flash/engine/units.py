@@ -456,11 +456,15 @@ class Engine:
         if self.read_ahead is not None:
             self.read_ahead.drain()  # (its reads write into the caches' rows)
         for regions, caps in zip(self.caches, capacity):
-            for name, c in regions.items():
-                if min(caps[name], c.n_units) != c.capacity:
-                    regions[name] = UnitCache(
-                        c.n_units, caps[name], c.row_bytes, c.policy, c.window, c.alignment, c.compact
-                    )
+            for name in list(regions):
+                c = regions[name]
+                if min(caps[name], c.n_units) == c.capacity:
+                    continue
+                shape = (c.n_units, caps[name], c.row_bytes, c.policy, c.window, c.alignment, c.compact)
+                # the old rows go back before the new ones are taken: the two at once hold a layer's cache more than
+                # the plan (a prompt's loan returned: past the budget)
+                c = regions[name] = None
+                regions[name] = UnitCache(*shape)
 
     def close(self):
         """Release the readers' files and threads (a read ahead that failed raises, after they are released)."""
