@@ -129,6 +129,11 @@ def llama_cpp_bin(name: str) -> Path:
 
 
 # -- the models: one GGUF, its flash directory, the flash directory exported for mlx-lm -----------------
+# what a peers' flash directory was converted by: the default model's conversion, and (after the dash) a number bumped
+# when convert's defaults change for the other models (2: an MoE GGUF's experts read in place, as its blocks)
+PEERS_CONVERSION = f"{CONVERSION}-2"
+
+
 def routing_of(model: str, routing: str = "uniform") -> Optional[str]:
     """The routing regime `model` runs with: `routing` for a synthetic MoE preset, None for the others."""
     if model in PRESETS and PRESETS[model]["model_type"] in MOE_TYPES:
@@ -159,10 +164,10 @@ def prepare(
     mlx_dir = root / "mlx"
     if flash is None:  # convert's defaults, as a user converts: the GGUF's own codes, units packed
         flash, made = root / "flash", root / "flash.conversion"  # made anew when convert's defaults change
-        if not (flash / "flash.json").is_file() or not made.is_file() or made.read_text() != str(CONVERSION):
+        if not (flash / "flash.json").is_file() or not made.is_file() or made.read_text() != PEERS_CONVERSION:
             shutil.rmtree(flash, ignore_errors=True)
             convert(str(gguf), flash, progress=progress)
-            made.write_text(str(CONVERSION))
+            made.write_text(PEERS_CONVERSION)
     paths = {"gguf": Path(gguf), "flash": Path(flash), "mlx": mlx_dir}
     if (mlx or nunspark) and not (paths["mlx"] / "config.json").is_file():
         shutil.rmtree(paths["mlx"], ignore_errors=True)
