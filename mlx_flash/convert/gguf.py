@@ -65,6 +65,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import SourceError, UnsupportedArchitectureError
+from ..format import ggml
 from ..format.safetensors_io import TensorSpool
 from .gguf_archs import Meta, arch_spec, is_mtp, map_name
 from .gguf_quants import (
@@ -279,8 +280,6 @@ def kept_experts(header) -> dict:
     """{tensor name: header entry} of the stacked experts (ffn_{gate,up,down}_exps) read in place as their GGML
     blocks (format/ggml.py): all of the file's, where every one is of a type with kernels; else none (they are then
     converted as every other tensor)."""
-    from ..format import ggml
-
     exps = [t for t in header.tensors if t.name.endswith(EXPERT_TENSORS)]
     if not exps or any(t.tensor_type.name not in ggml.BLOCKS or len(t.shape) != 3 for t in exps):
         return {}
