@@ -2124,6 +2124,7 @@ enum { GG_Q4_0 = 0, GG_Q8_0 = 1, GG_Q4_K = 2, GG_Q5_K = 3, GG_Q6_K = 4, GG_TYPES
 static const int gg_values[GG_TYPES] = {32, 32, 256, 256, 256};
 static const int gg_bytes[GG_TYPES] = {18, 34, 144, 176, 210};
 #define GG_MAX_BLOCKS 2048 /* rows of up to 65536 values */
+#define GG_POSITIONS 4    /* positions a row's blocks are unpacked for at once */
 
 typedef struct { /* one position's activations, quantised per block of its type's values */
     int8_t *q;     /* [n] */
@@ -2339,45 +2340,48 @@ AVX2 static float gg_row_q8_0_avx2(int kind, const uint8_t *w, const GQ *x, int 
     return gg_hsum_ps(_mm256_add_ps(acc[0], acc[1]));
 }
 
-/* 32-value blocks with VNNI: unsigned codes against the activations in one vpdpbusd from the lanes' correction
-   (gg_pair_layout); Q4_0 a block pair at a time, its two blocks' scales in the low and high lanes */
-VNNI static float gg_row_q8_0_vnni(int kind, const uint8_t *w, const GQ *x, int blocks) {
-    const __m256i low4 = _mm256_set1_epi8(15);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+/* 32-value blocks with VNNI, np (<= GG_POSITIONS) positions at once: unsigned codes against the activations in one
+   vpdpbusd from the lanes' correction (gg_pair_layout); Q4_0 a block pair at a time, its two blocks' scales in the
+   low and high lanes. A row's codes are unpacked once for the positions; each position's sums are its own, in the
+   same order whatever np (two accumulators, alternate blocks or pairs): a position gives the same bits alone. */
+VNNI static void gg_rows_q8_0_vnni(int kind, const uint8_t *w, const GQ *x, int np, int blocks, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[GG_POSITIONS][2];
+    for (int p = 0; p < np; p++) acc[p][0] = acc[p][1] = _mm256_setzero_ps();
     if (kind == GG_Q8_0) {
-        const __m256i flip = _mm256_set1_epi8((char)0x80);
         for (int b = 0; b < blocks; b++, w += 34) {
             const __m256i c = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), flip);
-            const __m256i p = _mm256_dpbusd_avx_epi32(_mm256_loadu_si256((const __m256i *)(x->corr + 8 * b)), c,
-                                                      _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)));
-            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(gg_half(w) * x->d[b]), acc[b & 1]);
+            const float dw = gg_half(w);
+            for (int p = 0; p < np; p++) {
+                const GQ *g = x + p;
+                const __m256i s = _mm256_dpbusd_avx_epi32(_mm256_loadu_si256((const __m256i *)(g->corr + 8 * b)), c,
+                                                          _mm256_loadu_si256((const __m256i *)(g->q + 32 * b)));
+                acc[p][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * g->d[b]), acc[p][b & 1]);
+            }
         }
-        return gg_hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+    } else {
+        for (int b = 0; b < blocks; b += 2, w += 36) {
+            const int two = b + 1 < blocks; /* (a last odd block: the low lanes of its pair) */
+            const __m128i c0 = _mm_loadu_si128((const __m128i *)(w + 2));
+            const __m256i v = two ? _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(w + 20)), c0) : _mm256_castsi128_si256(c0);
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            const float d0 = gg_half(w), d1 = two ? gg_half(w + 18) : 0.0f;
+            for (int p = 0; p < np; p++) {
+                const GQ *g = x + p;
+                const int8_t *q = g->qp + 32 * b;
+                __m256i s = _mm256_loadu_si256((const __m256i *)(g->corr + 4 * b));
+                s = _mm256_dpbusd_avx_epi32(s, lo, _mm256_loadu_si256((const __m256i *)q));
+                s = _mm256_dpbusd_avx_epi32(s, hi, _mm256_loadu_si256((const __m256i *)(q + 32)));
+                const __m256 sc = _mm256_set_m128(_mm_set1_ps(two ? d1 * g->d[b + 1] : 0.0f), _mm_set1_ps(d0 * g->d[b]));
+                acc[p][(b >> 1) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[p][(b >> 1) & 1]);
+            }
+        }
     }
-    int b = 0;
-    for (; b + 1 < blocks; b += 2, w += 36) {
-        const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(w + 20)), _mm_loadu_si128((const __m128i *)(w + 2)));
-        const int8_t *q = x->qp + 32 * b;
-        __m256i p = _mm256_loadu_si256((const __m256i *)(x->corr + 4 * b));
-        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(v, low4), _mm256_loadu_si256((const __m256i *)q));
-        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_loadu_si256((const __m256i *)(q + 32)));
-        const __m256 sc = _mm256_set_m128(_mm_set1_ps(gg_half(w + 18) * x->d[b + 1]), _mm_set1_ps(gg_half(w) * x->d[b]));
-        acc[(b >> 1) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[(b >> 1) & 1]);
-    }
-    if (b < blocks) { /* a last odd block: the low lanes of its pair */
-        const __m256i v = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + 2)));
-        const int8_t *q = x->qp + 32 * b;
-        __m256i p = _mm256_loadu_si256((const __m256i *)(x->corr + 4 * b));
-        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(v, low4), _mm256_loadu_si256((const __m256i *)q));
-        p = _mm256_dpbusd_avx_epi32(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_loadu_si256((const __m256i *)(q + 32)));
-        const __m256 sc = _mm256_set_m128(_mm_setzero_ps(), _mm_set1_ps(gg_half(w) * x->d[b]));
-        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[0]);
-    }
-    return gg_hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+    for (int p = 0; p < np; p++) out[p] = gg_hsum_ps(_mm256_add_ps(acc[p][0], acc[p][1]));
 }
 
 AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
-    if (kind <= GG_Q8_0) return x->corr ? gg_row_q8_0_vnni(kind, w, x, blocks) : gg_row_q8_0_avx2(kind, w, x, blocks);
+    if (kind <= GG_Q8_0) return gg_row_q8_0_avx2(kind, w, x, blocks);
     const int bytes = gg_bytes[kind];
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps();
@@ -2442,13 +2446,21 @@ AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int bl
 }
 #endif
 
-/* One row against one position, int8 */
-static float gg_row_q8(int kind, const uint8_t *w, const GQ *x, int blocks, int simd) {
+/* One row against np positions (x[0..np-1]), int8: each position's the bits it has alone */
+static void gg_rows_q8(int kind, const uint8_t *w, const GQ *x, int np, int blocks, int simd, float *out) {
 #if HAVE_X86
-    if (simd) return gg_row_q8_avx2(kind, w, x, blocks);
+    if (simd && x->corr) {
+        for (int p = 0; p < np; p += GG_POSITIONS)
+            gg_rows_q8_0_vnni(kind, w, x + p, np - p < GG_POSITIONS ? np - p : GG_POSITIONS, blocks, out + p);
+        return;
+    }
+    if (simd) {
+        for (int p = 0; p < np; p++) out[p] = gg_row_q8_avx2(kind, w, x + p, blocks);
+        return;
+    }
 #endif
     (void)simd;
-    return gg_row_q8_scalar(kind, w, x, blocks);
+    for (int p = 0; p < np; p++) out[p] = gg_row_q8_scalar(kind, w, x + p, blocks);
 }
 
 /* Block b of a row dequantised (format/ggml.py's arithmetic, value by value) */
@@ -2534,9 +2546,14 @@ static void block_dot_impl(const GRows *r, const float *x, float *out, int m) {
     for (Py_ssize_t j = 0; j < r->k; j++)
         for (int t = 0; t < r->n_mat; t++) {
             const uint8_t *w = g_row(r, j, t);
-            for (int p = 0; p < m; p++)
-                out[((Py_ssize_t)p * r->k + j) * r->n_mat + t] =
-                    q8 ? gg_row_q8(kind, w, &g[p], blocks, simd) : gg_row_f32(kind, w, x + (Py_ssize_t)p * r->n, blocks);
+            for (int p0 = 0; p0 < m; p0 += GG_POSITIONS) {
+                const int np = m - p0 < GG_POSITIONS ? m - p0 : GG_POSITIONS;
+                float sums[GG_POSITIONS];
+                for (int p = 0; p < np; p++)
+                    if (!q8) sums[p] = gg_row_f32(kind, w, x + (Py_ssize_t)(p0 + p) * r->n, blocks);
+                if (q8) gg_rows_q8(kind, w, g + p0, np, blocks, simd, sums);
+                for (int p = 0; p < np; p++) out[((Py_ssize_t)(p0 + p) * r->k + j) * r->n_mat + t] = sums[p];
+            }
         }
     free(q), free(d), free(bs), free(g), free(qp), free(corr);
 }
