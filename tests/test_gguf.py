@@ -189,6 +189,28 @@ def test_reader_path_is_bit_identical(smol_gguf, smol_dir, tmp_path):
         assert (smol_dir / f).read_text() == (out / f).read_text(), f
 
 
+def test_a_small_k_quant_file_holds_llama_cpps_values(tmp_path):
+    """mx.load dequantises K-quants itself, and its Q4_K are not llama.cpp's values (33-70% off, RMS): a small file
+    holding any is read by the reader, its Q4_K tensors repacked exactly (gguf's dequantisation, bit for bit)."""
+    from mlx_flash.convert.gguf import MX_LOAD_EXACT, MX_LOAD_MAX_BYTES
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    import gguf
+
+    src = write_gguf("tiny", tmp_path / "k.gguf", progress=False, gguf_type="Q4_K", vocab_size=512, hidden_size=256,
+                     intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    tensors = {t.name: t for t in read_header(src).tensors}
+    assert (
+        src.stat().st_size < MX_LOAD_MAX_BYTES and tensors["blk.0.attn_q.weight"].tensor_type.name not in MX_LOAD_EXACT
+    )
+    w = mx.load(str(gguf_to_mlx_dir(src, tmp_path / "mlx") / "model.safetensors"))
+    name = "model.layers.0.mlp.gate_proj"
+    got = mx.dequantize(w[f"{name}.weight"], w[f"{name}.scales"], w[f"{name}.biases"], 32, 4)
+    t = tensors["blk.0.ffn_gate.weight"]
+    want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    assert np.array_equal(np.array(got).view(np.uint32), want.view(np.uint32))
+
+
 def test_loads_and_generates(smol_dir):
     import mlx_lm
 

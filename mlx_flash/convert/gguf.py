@@ -85,6 +85,9 @@ from .gguf_tokenizer import build_tokenizer, portable_tokenizer_config
 GGUF_MAGIC = b"GGUF"
 DEFAULT_SHARD_BYTES = 2 << 30
 MX_LOAD_MAX_BYTES = 128 << 20  # files up to this size are read whole by mx.load, larger ones a tensor at a time
+# the types mx.load reads as the file holds them: it dequantises others itself, and its K-quants are not llama.cpp's
+# values (a Q4_K tensor 33% off, RMS: tests/test_gguf.py), so a file holding any is read by the reader
+MX_LOAD_EXACT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 DTYPES = ("float16", "bfloat16", "float32")
 EXPERT_TENSORS = tuple(f"ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
 # what gguf_to_mlx_dir(experts_in_place=True) writes beside the model: where its experts stay in the GGUF
@@ -422,7 +425,8 @@ def _open(path: Path, force_reader: bool, mx_load_max_bytes: int, reader: Option
     if reader is None:
         reader = read_header(path)
     meta = Meta(reader.fields, path)
-    if not force_reader and path.stat().st_size <= mx_load_max_bytes:
+    exact = all(t.tensor_type.name in MX_LOAD_EXACT for t in reader.tensors)
+    if not force_reader and exact and path.stat().st_size <= mx_load_max_bytes:
         import mlx.core as mx
 
         try:
