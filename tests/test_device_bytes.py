@@ -42,8 +42,8 @@ def test_device_bytes_match_the_kernels_count(budget):
         # layer read ahead, the next streamed layer) may finish after the last one closed
         in_tokens = sum(t.bytes_read for t in stats.tokens)
         assert in_tokens <= pool and in_tokens == pytest.approx(pool, rel=0.02)
-        # gap fills and alignment come on top of what was asked (per token too, but a streamed layer
-        # prefetched for the next token may land in either)
-        assert sum(t.bytes_read for t in stats.tokens) >= sum(t.bytes_requested for t in stats.tokens)
+        # gap fills and alignment come on top of what was asked (all of it: a read asked in the last token may
+        # land after it closed, in no token)
+        assert pool >= sum(t.bytes_requested for t in stats.tokens)
     finally:
         model.flash.close()
