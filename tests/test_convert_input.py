@@ -12,7 +12,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from mlx_flash.convert.gguf import read_header
+from mlx_flash.convert.gguf import MX_LOAD_EXACT, read_header
 from mlx_flash.convert.source import resolve_source
 from mlx_flash.errors import DiskSpaceError, SourceError
 
@@ -230,7 +230,8 @@ INTERESTING += [2**63 - 1, 2**63, 2**64 - 1]
 def test_fuzzed_headers_are_refused_or_read_correctly(tmp_path):
     """Mutated headers of a small valid GGUF (numbers of the header set to edge values, random bytes overwritten,
     the file cut short): every outcome is SourceError or a header whose every tensor lies within the file and reads
-    as gguf's own reader reads it, each within the deadline; and mx.load survives every header that passes."""
+    as gguf's own reader reads it, each within the deadline; and mx.load survives every header that passes of the
+    files the converter gives it (gguf.MX_LOAD_EXACT's types)."""
     src = small_gguf(tmp_path / "small.gguf")
     data = src.read_bytes()
     fields, header_end = header_fields(src)
@@ -278,11 +279,13 @@ def test_fuzzed_headers_are_refused_or_read_correctly(tmp_path):
             assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in h.tensors] == [
                 (t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in ref.tensors
             ]
-        if bytes(mutated[:cut]) != data:
+        # (what the converter gives mx.load: files of the types it reads as stored; it segfaults on some fuzzed
+        # headers of a Q4_K tensor, which it dequantises itself and the converter no longer gives it)
+        if bytes(mutated[:cut]) != data and all(t.tensor_type.name in MX_LOAD_EXACT for t in h.tensors):
             passed.append(path.rename(tmp_path / f"passed-{len(passed)}.gguf"))
 
     check()
-    assert len(passed) > 20  # the fuzzing reaches mx.load, not only the check's refusals
+    assert len(passed) >= 10  # the fuzzing reaches mx.load, not only the check's refusals
     r = subprocess.run([sys.executable, "-c", MX_LOAD_EACH, *map(str, passed)], capture_output=True, text=True)
     assert r.returncode == 0, f"mx.load died ({r.returncode}) after reading {r.stdout[-300:]}: {r.stderr[-2000:]}"
 
