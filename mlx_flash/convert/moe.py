@@ -90,7 +90,7 @@ def convert_moe(
     try:
         sizes = [
             0 if i not in paths
-            else blocks[1][i][0].stride * blocks[2] if blocks
+            else blocks[1].stride * blocks[3] if blocks
             else sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters()))
             for i in range(len(model.layers))
         ]  # fmt: skip
@@ -102,7 +102,7 @@ def convert_moe(
                 continue
             switch = modules[paths[i]]
             if blocks is not None:  # the GGUF's blocks, in place: only their checksums are read
-                quant, (layout, extents), n_experts = blocks[0], blocks[1][i], blocks[2]
+                quant, layout, extents, n_experts = blocks[0], blocks[1], blocks[2][i], blocks[3]
                 hidden = quant[projections(switch)[-1]]["out"]
                 crcs, crc, _ = unit_checksums(sources, extents, layout.stride, n_experts)
                 writer.add_layer_in_place({REGION: (layout, extents, crcs, crc)})
@@ -184,7 +184,7 @@ def convert_moe(
 
 
 def ggml_experts(experts: dict, layers: Dict[int, tuple], size: int, alignment: int):
-    """(quantisation per projection, {layer: (the region's layout, the layer's extents)}, experts) of the experts a
+    """(quantisation per projection, the region's layout, {layer: its extents}, experts) of the experts a
     GGUF keeps as GGML blocks (`experts`: gguf.IN_PLACE's, projection path -> type, offset of expert 0, shape
     [experts, out, in]; `layers`: layer -> (switch path, projections); `size`: the file's bytes). A projection's
     component is its rows of blocks, uint8 [out, row bytes]: its type may differ between layers (a Q4_K_M file's
@@ -232,8 +232,8 @@ def ggml_experts(experts: dict, layers: Dict[int, tuple], size: int, alignment: 
             phase = offset % WINDOW_ALIGNMENT if windowed else 0
             extents.append(Extent(0, offset - phase, n, window(offset, n), at, phase, n, size))
             at += window(offset, n)
-        per_layer[i] = (layout, extents)
-    return quant, per_layer, n_experts
+        per_layer[i] = extents
+    return quant, layout, per_layer, n_experts
 
 
 def source_tensors(src_dir: Path, model: nn.Module, paths: Dict[int, str]) -> Optional[dict]:
