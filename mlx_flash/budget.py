@@ -295,12 +295,12 @@ def fixed_bytes(
         "kv_cache": sequences * kv,
         "prompt_cache": prompt_caches * kv,  # each stored cache is one KV cache of `context` tokens
         "scratch": scratch + fd.alignment * n_buffers + bounce_bytes(fd),
-        # (MLX's ops gather a decode step's experts' rows: twice that, half for the rows a call gathers, the rest for
-        # MLX's cache of freed buffers and what MLX does not count: loader.load)
+        # (MLX's ops gather a decode step's experts' rows, and repack those of GGML blocks: twice that, half for what
+        # a call takes, the rest for MLX's cache of freed buffers and what MLX does not count: loader.load)
         "workspace": max(
             2 * scratch,
             min(MIN_MOE_WORKSPACE_BYTES, fd.model_bytes // 8) if per_pass else 0,
-            2 * per_pass * max(fd.layouts[r.name].stride for r in fd.regions()) if per_pass else 0,
+            2 * per_pass * max(fd.call_bytes(r.name) for r in fd.regions()) if per_pass else 0,
         ),
         "extra": extra,
     }

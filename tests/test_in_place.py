@@ -289,27 +289,37 @@ def test_k_quant_experts_give_the_same_bits_at_every_budget(k_quants, ops, monke
         assert np.abs(np.array(ours - ref)).max() < 0.05 * np.abs(np.array(ref)).max()
 
 
-def test_dequantized_experts_go_a_few_at_a_time(k_quants):
-    """MLX's path dequantises experts of non-affine blocks (Q6_K) a group of units at a time, their float copies
-    within a quarter of the workspace: each pair's product is the one all units at once give, bit for bit."""
-    from dataclasses import replace
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q8_0", "Q4_K_M", "Q6_K"])
+def test_a_call_takes_what_the_plan_counts(tmp_path, gguf_type):
+    """MLX's ops over experts of GGML blocks (repacked for MLX's quantised products, or dequantised) take at most
+    FlashDir.call_bytes a unit at their peak, the share of the workspace gathered_units gives each unit of a call
+    (ggml.TEMPORARY_BYTES), and most of it in the layers of the largest types."""
+    from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
-    from mlx_flash.format.ggml import random_rows
+    import mlx.nn as nn
 
-    _, flash = k_quants
-    model, _ = load(flash, memory_budget=slots_budget(FlashDir(flash), 1), context=64)
+    shape = dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4)
+    extra = {**tiny_moe("qwen3_moe"), **shape}
+    gguf = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, gguf_type=gguf_type, **extra)
+    fd = FlashDir(convert(str(gguf), tmp_path / "flash", progress=False))
+    model, _ = load(fd.path, memory_budget=slots_budget(fd, 1), context=64)
+    units, stride = 8, fd.layouts[REGION].stride
+    rows = mx.array(np.random.default_rng(0).integers(0, 256, (units, stride), dtype=np.uint8))
+    x = mx.random.normal((units, 256))
+    peaks = []
     try:
-        engine = model.flash
-        rng = np.random.default_rng(0)
-        raw = mx.array(random_rows(rng, "Q6_K", 5 * 16, 256).reshape(5, 16, -1))
-        which = np.array([3, 0, 4, 4, 1, 0, 2, 3])
-        h = mx.array(rng.standard_normal((len(which), 1, 256)).astype(np.float32))
-        whole = engine._dequantized(h, raw, "Q6_K", which)
-        engine.plan = replace(engine.plan, workspace=4 * 2 * 16 * 256 * 4)  # two units a group
-        grouped = engine._dequantized(h, raw, "Q6_K", which)
+        for layer in range(4):
+            mx.eval(rows, x)
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            y = model.flash._switch(
+                layer, x, rows, mx.arange(units), np.arange(units, dtype=np.uint32), lambda u, g: nn.silu(g) * u
+            )
+            mx.eval(y)
+            peaks.append(mx.get_peak_memory() - base)
+            del y
     finally:
         model.flash.close()
-    from mlx_flash.format.ggml import dequantize
-
-    ref = mx.gather_mm(h, dequantize(raw, "Q6_K").swapaxes(-1, -2), rhs_indices=mx.array(which.astype(np.uint32)))
-    assert whole.shape == (len(which), 1, 16) and mx.array_equal(whole, ref) and mx.array_equal(grouped, ref)
+    assert max(peaks) <= units * fd.call_bytes(REGION), (peaks, fd.call_bytes(REGION))
+    assert max(peaks) >= 0.6 * units * fd.call_bytes(REGION), (peaks, fd.call_bytes(REGION))

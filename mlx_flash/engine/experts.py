@@ -423,25 +423,6 @@ class ExpertEngine(Engine):
         y = mx.array(np.concatenate(outs)[back]) if native else mx.concatenate(outs, axis=0)[mx.array(back)]
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
 
-    def _dequantized(self, h: mx.array, raw: mx.array, kind: str, which: np.ndarray) -> mx.array:
-        """gather_mm of h [P, 1, n] (pair p through unit which[p]) over units of GGML blocks `raw` [units, out, row
-        bytes], dequantised a few units at a time: their float copies (several times their blocks) within a quarter
-        of the workspace, each group's freed once its product is computed."""
-        values, nbytes = ggml.BLOCKS[kind]
-        plan = getattr(self, "plan", None)
-        room = plan.workspace // 4 if plan is not None and plan.budget is not None else None
-        per = len(raw) if room is None else max(1, room // (raw[0].size // nbytes * values * h.itemsize))
-        order = np.argsort(which, kind="stable")
-        starts = np.searchsorted(which[order], np.arange(0, len(raw) + per, per))
-        ys = []
-        for g in range(len(starts) - 1):
-            pick = order[starts[g] : starts[g + 1]]
-            if len(pick):
-                w = ggml.dequantize(raw[g * per : (g + 1) * per], kind).astype(h.dtype)
-                rhs = mx.array((which[pick] - g * per).astype(np.uint32))
-                ys.append(mx.gather_mm(h[mx.array(pick)], w.swapaxes(-1, -2), rhs_indices=rhs, sorted_indices=True))
-        return mx.concatenate(ys)[mx.array(np.argsort(order))]
-
     def _switch(self, layer: int, x: mx.array, rows, slots: mx.array, which: np.ndarray, activation) -> mx.array:
         """mlx-lm's SwitchGLU / SwitchMLP on x [P, D], pair p through expert rows[slots[which[p]]]: each matrix's
         rows gathered once for the call, each pair a row of MLX's gathered products (as SwitchGLU computes them:
@@ -459,7 +440,8 @@ class ExpertEngine(Engine):
                 p["weight"], p["scales"], p["biases"], bits = ggml.to_affine(p["weight"], kind)
                 q = {"bits": bits, "group_size": 32}
             if kind is not None and kind not in ggml.AFFINE:  # the others dequantised (llama.cpp's arithmetic)
-                y = self._dequantized(h, p["weight"], kind, which)
+                w = ggml.dequantize(p["weight"], kind).astype(h.dtype)
+                y = mx.gather_mm(h, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=ordered)
             elif q is None:
                 y = mx.gather_mm(h, p["weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=ordered)
             else:

@@ -115,6 +115,7 @@ class FlashDir:
 
     def __init__(self, path):
         self.path = Path(path)
+        self._call_bytes = {}
         if not self.path.is_dir():
             raise FlashFormatError(
                 f"{self.path}: not a directory (expected a flash directory made by mlx_flash.convert)"
@@ -258,6 +259,22 @@ class FlashDir:
     def strides(self) -> Dict[str, int]:
         """Bytes of a cache row of each region's units."""
         return {k: v.stride for k, v in self.layouts.items()}
+
+    def call_bytes(self, name: str) -> int:
+        """A unit of region `name` in a call of MLX's ops: its rows gathered, and MLX's temporaries repacking or
+        dequantising its matrices of GGML blocks (ggml.TEMPORARY_BYTES; the most any layer's types take)."""
+        if name in self._call_bytes:
+            return self._call_bytes[name]
+        quant = self.ffn.get("quantization") or {}
+        blocks = {n: ggml.layer_kinds(q, self.ffn["switch_paths"]) for n, q in quant.items() if q and "ggml" in q}
+        temporaries = 0
+        for i, regions in enumerate(self.layers):
+            if name in regions and blocks:
+                c = {c.name: c for c in self.layout_of(i, name).components}
+                t = sum(ggml.temporary_bytes(k[str(i)], c[f"{n}.weight"].nbytes) for n, k in blocks.items())
+                temporaries = max(temporaries, t)
+        self._call_bytes[name] = self.layouts[name].stride + temporaries
+        return self._call_bytes[name]
 
     def layout_of(self, layer: int, name: str) -> BundleLayout:
         """How a layer's units of region `name` lie in their rows: the region's layout, its components where this

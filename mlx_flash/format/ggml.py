@@ -71,6 +71,17 @@ def _k_scales(s: mx.array):
 
 # types whose blocks are exactly MLX affine 4/8-bit, group 32 (to_affine): MLX's quantised products take them
 AFFINE = ("Q4_0", "Q8_0", "Q4_K")
+# MLX's temporaries a value of each type takes in a call of its ops (to_affine's repacking, dequantize's float
+# copies): MLX allocates a graph's buffers as it dispatches it, ahead of the products that free them, so a layer's
+# are alive together. Measured with float32 products (tests/test_in_place.py holds a call to them); 16-bit
+# products add the dequantised copy's cast (2 B).
+TEMPORARY_BYTES = {"Q4_0": 3, "Q8_0": 1.5, "Q4_K": 3, "Q5_K": 9.5, "Q6_K": 12.5}
+
+
+def temporary_bytes(kind: str, nbytes: int) -> int:
+    """MLX's temporaries for a matrix of `nbytes` of `kind` blocks in a call (TEMPORARY_BYTES)."""
+    values, size = BLOCKS[kind]
+    return int(nbytes // size * values * TEMPORARY_BYTES[kind])
 
 
 def _pack4(v: mx.array) -> mx.array:
