@@ -18,6 +18,8 @@ The arithmetic is llama.cpp's dequantize_row_* (and the gguf package's), in floa
 `dequantize` equals gguf.quants.dequantize bit for bit (tests/test_ggml.py).
 """
 
+from functools import partial
+
 import mlx.core as mx
 
 # type -> (values a block, bytes a block)
@@ -73,9 +75,9 @@ def _k_scales(s: mx.array):
 AFFINE = ("Q4_0", "Q8_0", "Q4_K")
 # MLX's temporaries a value of each type takes in a call of its ops (to_affine's repacking, dequantize's float
 # copies): MLX allocates a graph's buffers as it dispatches it, ahead of the products that free them, so a layer's
-# are alive together. Measured with float32 products (tests/test_in_place.py holds a call to them); 16-bit
-# products add the dequantised copy's cast (2 B).
-TEMPORARY_BYTES = {"Q4_0": 3, "Q8_0": 1.5, "Q4_K": 3, "Q5_K": 9.5, "Q6_K": 12.5}
+# are alive together (the bit twiddling is compiled into single kernels for that). Measured with float32 products
+# (tests/test_in_place.py holds a call to them); 16-bit products add the dequantised copy's cast (2 B).
+TEMPORARY_BYTES = {"Q4_0": 1.5, "Q8_0": 1.5, "Q4_K": 1.5, "Q5_K": 9.5, "Q6_K": 7.5}
 
 
 def temporary_bytes(kind: str, nbytes: int) -> int:
@@ -84,11 +86,19 @@ def temporary_bytes(kind: str, nbytes: int) -> int:
     return int(nbytes // size * values * TEMPORARY_BYTES[kind])
 
 
-def _pack4(v: mx.array) -> mx.array:
-    """4-bit values [..., n] (uint8) -> MLX's packing, uint32 [..., n / 8]: byte k holds values 2k (low nibble) and
-    2k + 1."""
-    b = v.reshape(*v.shape[:-1], -1, 2)
-    return (b[..., 0] | (b[..., 1] << 4)).view(mx.uint32)
+@partial(mx.compile, shapeless=True)
+def _pair_codes(p: mx.array) -> mx.array:
+    """uint16 words p of a chunk of m bytes of 4-bit q (byte t: value t low, value m + t high), word j its bytes 2j,
+    2j + 1 -> words whose low byte is MLX's code byte j (values 2j, 2j + 1) and high byte its code byte m / 2 + j
+    (values m + 2j, m + 2j + 1). One compiled kernel: MLX allocates an unfused chain's every step."""
+    return (p & 0xF00F) | ((p >> 4) & 0x00F0) | ((p << 4) & 0x0F00)
+
+
+def _codes4(words: mx.array) -> mx.array:
+    """uint16 words [..., chunks, m / 2] of chunks of 4-bit q -> MLX's packing of their values, uint32."""
+    r = _pair_codes(words)
+    lead = r.shape[:-2]
+    return r.view(mx.uint8).reshape(*r.shape, 2).swapaxes(-1, -2).reshape(*lead, -1).view(mx.uint32)
 
 
 def to_affine(raw: mx.array, kind: str):
@@ -99,18 +109,30 @@ def to_affine(raw: mx.array, kind: str):
     lead = raw.shape[:-1]
     values, nbytes = BLOCKS[kind]
     b = raw.reshape(*lead, raw.shape[-1] // nbytes, nbytes)
-    if kind in ("Q4_0", "Q8_0"):
+    if kind == "Q8_0":
         d = b[..., :2].view(mx.float16)[..., 0]  # [..., blocks]
-        if kind == "Q4_0":
-            codes, bits = _pack4(_nibbles(b[..., None, 2:]).reshape(*b.shape[:-1], 32)), 4
-        else:
-            codes, bits = (b[..., 2:] ^ 0x80).view(mx.uint32), 8  # (int8 q + 128)
-        return codes.reshape(*lead, -1), d, d * -(1 << (bits - 1)), bits
+        return (b[..., 2:] ^ 0x80).view(mx.uint32).reshape(*lead, -1), d, d * -128, 8  # (int8 q + 128)
+    words = raw.view(mx.uint16).reshape(*lead, -1, nbytes // 2)  # (blocks are whole words)
+    if kind == "Q4_0":
+        d = words[..., 0].view(mx.float16)
+        return _codes4(words[..., None, 1:]).reshape(*lead, -1), d, d * -8, 4
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales(b[..., 4:16])
-    codes = _pack4(_nibbles(b[..., 16:].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 256))
+    codes = _codes4(words[..., 8:].reshape(*words.shape[:-1], 4, 16))
     scales, biases = (d[..., None] * sc).reshape(*lead, -1), -(dmin[..., None] * mn).reshape(*lead, -1)
     return codes.reshape(*lead, -1), scales, biases, 4
+
+
+_Q6_LOW = mx.array([0, 4], dtype=mx.uint8).reshape(2, 1, 1, 1)  # [a]: nibble a
+_Q6_HIGH = mx.array([[0, 2], [4, 6]], dtype=mx.uint8).reshape(2, 2, 1, 1)  # [a, c]: bits 2(2a + c)
+
+
+@partial(mx.compile, shapeless=True)
+def _q6(ql: mx.array, qh: mx.array, scale: mx.array) -> mx.array:
+    """Q6_K's values scale * (q - 32), broadcast as in dequantize; one compiled kernel (only products: the bits of
+    separate ops)."""
+    q = ((ql >> _Q6_LOW) & 0x0F) | (((qh >> _Q6_HIGH) & 3) << 4)
+    return scale * (q.astype(mx.float32) - 32)
 
 
 def dequantize(raw: mx.array, kind: str) -> mx.array:
@@ -123,15 +145,11 @@ def dequantize(raw: mx.array, kind: str) -> mx.array:
         w = _f16(b[..., :2])[..., None] * q.reshape(*b.shape[:-1], 32).astype(mx.float32)
     elif kind == "Q8_0":
         w = _f16(b[..., :2])[..., None] * b[..., 2:].view(mx.int8).astype(mx.float32)
-    elif kind == "Q6_K":
-        ql = _nibbles(b[..., :128].reshape(*b.shape[:-1], 2, 2, 32))  # [..., half, 2 (of 32), lo/hi, 32]
-        qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)  # shifts 0, 2, 4, 6: the half's four 32s
-        qh = mx.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2).reshape(*b.shape[:-1], 2, 2, 2, 32)
-        # value 128h + 32i + l: low bits from ql[h, i % 2, i // 2, l], high from qh[h, i]
-        q = (ql.swapaxes(-2, -3) | (qh << 4)).astype(mx.int16) - 32  # [..., half, lo/hi, 2, 32]
-        q = q.reshape(*b.shape[:-1], 16, 16).astype(mx.float32)
-        d = _f16(b[..., 208:210])[..., None] * b[..., 192:208].view(mx.int8).astype(mx.float32)
-        w = d[..., None] * q
+    elif kind == "Q6_K":  # value 128h + 32(2a + c) + 16k + j: [..., h, a, c, k, j]
+        ql = b[..., :128].reshape(*b.shape[:-1], 2, 1, 2, 2, 16)  # low bits: nibble a of ql[h, c, k, j]
+        qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 1, 2, 16)  # high bits: bits 2(2a + c) of qh[h, k, j]
+        sc = b[..., 192:208].view(mx.int8).astype(mx.float32).reshape(*b.shape[:-1], 2, 2, 2, 2, 1)
+        w = _q6(ql, qh, _f16(b[..., 208:210]).reshape(*b.shape[:-1], 1, 1, 1, 1, 1) * sc)
     else:  # Q4_K, Q5_K
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
