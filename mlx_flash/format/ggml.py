@@ -76,8 +76,9 @@ AFFINE = ("Q4_0", "Q8_0", "Q4_K")
 # MLX's temporaries a value of each type takes in a call of its ops (to_affine's repacking, dequantize's float
 # copies): MLX allocates a graph's buffers as it dispatches it, ahead of the products that free them, so a layer's
 # are alive together (the bit twiddling is compiled into single kernels for that). Measured with float32 products
-# (tests/test_in_place.py holds a call to them); 16-bit products add the dequantised copy's cast (2 B).
-TEMPORARY_BYTES = {"Q4_0": 1.5, "Q8_0": 1.5, "Q4_K": 1.5, "Q5_K": 9.5, "Q6_K": 7.5}
+# (tests/test_in_place.py holds a call to them); 16-bit products add the dequantised copy's cast (2 B) or the
+# scales' and biases' (1/8 B).
+TEMPORARY_BYTES = {"Q4_0": 1.5, "Q8_0": 1.75, "Q4_K": 1.75, "Q5_K": 9.5, "Q6_K": 7.5}
 
 
 def temporary_bytes(kind: str, nbytes: int) -> int:
