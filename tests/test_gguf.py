@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -585,6 +586,43 @@ def test_unpermute_on_quantised_rows(tmp_path):
             _llamacpp_permute(k, TINY["kv_heads"]), stored[f"blk.{i}.attn_k.weight"], rtol=1e-3, atol=1e-5
         )
         assert not np.allclose(q, stored[f"blk.{i}.attn_q.weight"], atol=1e-3)  # the permutation did something
+
+
+def test_ffn_holes_are_filled_with_what_converting_whole_gives(tmp_path):
+    """A dense GGUF converted by layer with its FFN left as holes: the FFN's shards are headers over holes (no
+    blocks on disk), filled a layer at a time with exactly what converting the file whole gives, each unlinked once
+    filled (read through the descriptor MLX holds); symmetric biases are left out and derived bit for bit. A GGUF
+    changed since is refused, naming it."""
+    import os
+
+    from mlx_flash.convert.gguf import SYMMETRIC, FFNHoles
+    from mlx_flash.convert.source import load_source_model
+
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    src = tmp_path / "m.gguf"
+    _write_tiny_gguf(src, types={"ffn_down": T.Q4_0, "ffn_gate": T.Q8_0, "ffn_up": T.Q4_1, "attn_q": T.Q4_0})
+    whole, _ = load_source_model(gguf_to_mlx_dir(src, tmp_path / "whole", _force_reader=True))
+    d = gguf_to_mlx_dir(src, tmp_path / "holes", by_layer=True, ffn_holes=True)
+    holes = FFNHoles.open(d)
+    assert len(holes.files) == TINY["layers"] and json.loads((d / SYMMETRIC).read_text())
+    assert all((d / f).stat().st_blocks * 512 < (d / f).stat().st_size for f in holes.files)  # (sparse)
+    model, _ = load_source_model(d)
+    shards = len(list(d.glob("model*.safetensors")))
+    for i in range(TINY["layers"]):
+        holes.fill(f"model.layers.{i}.mlp")
+    assert holes.files == [] and len(list(d.glob("model*.safetensors"))) == shards - TINY["layers"]
+    want, got = dict(tree_flatten(whole.parameters())), dict(tree_flatten(model.parameters()))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and np.array_equal(np.array(want[k]), np.array(got[k])), k
+
+    d = gguf_to_mlx_dir(src, tmp_path / "changed", by_layer=True, ffn_holes=True)
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with pytest.raises(SourceError, match=f"{src}: moved or changed while it was being converted"):
+        FFNHoles.open(d).fill("model.layers.0.mlp")
 
 
 def test_sharded_output_and_rerun(tmp_path):

@@ -54,10 +54,10 @@ from ..models.architectures import adapter_for, symmetric
 from ..models.inspect import is_moe
 from ..texts import wikitext
 from .disk import SourceWeights, check_free_space, disk_full_error
-from .gguf import IN_PLACE
+from .gguf import IN_PLACE, FFNHoles
 from .moe import convert_moe
 from .prune import stored_row_pruner, text_input_norms
-from .source import copy_tokenizer, load_source_model, local_source, mlp_paths, release, resolve_source
+from .source import Unlinked, copy_tokenizer, load_source_model, local_source, mlp_paths, release, resolve_source
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # What the CLI makes of a float source given neither --dtype nor --bits: float32 runs about 2x slower than
@@ -128,8 +128,14 @@ def convert(
         source = local_source(model)
         needed = _disk_needed(source, dtype, bits, group_size, dequantize, down_bits, layout, prune, not copy)
         check_free_space(out, needed)
-        src_dir = resolve_source(source, work, progress, experts_in_place=not copy)
+        src_dir = resolve_source(source, work, progress, experts_in_place=not copy, ffn_holes=prune is None)
         model_obj, config = load_source_model(src_dir)
+        holes = FFNHoles.open(src_dir)
+        evaluate = None
+        if Path(src_dir).resolve().is_relative_to(work.resolve()):  # a GGUF's: each shard freed once read
+            evaluate = Unlinked(src_dir, holes.files if holes is not None else ()).evaluate
+        if holes is not None:  # (layer 0's FFN is looked at before the layers are written)
+            holes.fill(mlp_paths(model_obj)[0])
         if is_moe(config):
             asked = {
                 "--dtype": dtype,
@@ -148,7 +154,9 @@ def convert(
             in_place = not copy and not Path(src_dir).resolve().is_relative_to(work.resolve())  # (not a GGUF's)
             kept = Path(src_dir) / IN_PLACE  # (a GGUF's experts left in it as their blocks)
             ggml = json.loads(kept.read_text()) if kept.is_file() else None
-            return convert_moe(model_obj, config, src_dir, work, out, model, alignment, progress, in_place, ggml)
+            return convert_moe(
+                model_obj, config, src_dir, work, out, model, alignment, progress, in_place, ggml, evaluate
+            )
         adapter = adapter_for(config)
         norms = None
         if prune is not None and prune_format == "bitmap":
@@ -205,6 +213,8 @@ def convert(
             total=sum(sizes), desc="FFN layers", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
         )
         for i, layer in enumerate(model_obj.layers):
+            if holes is not None:
+                holes.fill(paths[i])
             pruner = None if norms is None else stored_row_pruner(norms[i], prune_sparsity, adapter.col_matrix)
             regions, biases, matrices = adapter.split(layer.mlp, ffn_quant, layout, prune=pruner)
             mx.eval(regions, biases)
@@ -255,7 +265,7 @@ def convert(
             "source": {"model": str(model), "created_by": f"mlx_flash {__version__}"},
         }
         release(model_obj)  # `resident` holds the only references: each array is freed once written
-        writer.finish(config, resident, manifest, progress)
+        writer.finish(config, resident, manifest, progress, evaluate)
         copy_tokenizer(src_dir, writer.path)
         os.replace(writer.path, out)
     return out
@@ -290,7 +300,8 @@ def _disk_needed(source: Path, dtype, bits, group_size, dequantize, down_bits, l
     quant = _stored_quantization(bits, group_size, dequantize, weights.quant)
     down_bits = down_bits or _default_down_bits(quant, layout, prune, say=lambda _: None)
     float_size = DTYPES[dtype].size if dtype is not None else None
-    return weights.peak_bytes(quant, _down_quantization(quant, down_bits), down_bits == "source", float_size)
+    down = _down_quantization(quant, down_bits)
+    return weights.peak_bytes(quant, down, down_bits == "source", float_size, holes=prune is None)
 
 
 def _spooled(arrays: dict, path: Path, prefix: str) -> dict:
@@ -304,6 +315,7 @@ def _spooled(arrays: dict, path: Path, prefix: str) -> dict:
         spool.add(k, v)
     spool.save(path)
     loaded = mx.load(str(path))
+    path.unlink()  # (read through the descriptor MLX holds until then: freed as soon as written out)
     return {f"{prefix}.{k}": loaded[k] for k in arrays}
 
 

@@ -3,8 +3,9 @@ written (`SourceWeights.peak_bytes`) and checked against the free space of the o
 (`check_free_space`); a disk that fills up mid-way ends as DiskSpaceError too (`disk_full_error`).
 
 Everything is written in the output's temporary directory, beside it, so on one filesystem. At once:
-  * a GGUF's mlx-lm directory (source.py), kept to the end; its weights are spooled to a scratch file, then
-    copied into model.safetensors (TensorSpool): twice its weights for a moment;
+  * a GGUF's mlx-lm directory (source.py), a shard per layer written once each; unlinked once the model is loaded
+    (lazily), so each shard's space is freed as soon as its arrays are read. A dense model's FFN is not in it: each
+    layer's shard is a hole until convert reaches the layer (gguf.FFNHoles);
   * the flash directory: ffn.bin (none where an MoE's experts are read in place), then the resident weights,
     written once (FlashWriter.finish), and the FFN's resident scales (down rows stored as the source's codes)
     a second time in the layers' spool files (build._spooled).
@@ -53,16 +54,14 @@ class SourceWeights:
     """The weights of a conversion source (a GGUF file, or an mlx-lm / Hugging Face directory), from its headers."""
 
     def __init__(self, source: Path):
-        self.kept_bytes = 0
-        self.intermediate = 0  # a GGUF's weights as its mlx-lm directory holds them
+        self.gguf = source.is_file()
         kept = {}  # a GGUF's experts read in place as its blocks (not in its mlx-lm directory unless copied)
-        if source.is_file():
+        if self.gguf:
             header = read_header(source)
             mixed = mixed_roles(header.tensors)
             kept = kept_experts(header)
             self.weights = [_gguf_weight(t, mixed) for t in header.tensors]
-            self.intermediate = sum(w.nbytes for w in self.weights)
-            self.kept_bytes = sum(w.nbytes for w in self.weights if w.name in kept)
+            self.kept = set(kept)
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then
             # copied into the output
             self.files = 2 * 2 * min((t.data_offset for t in header.tensors), default=0)
@@ -75,23 +74,33 @@ class SourceWeights:
         # experts read in place
         self.stacked = bool(kept) or (not source.is_file() and any(".switch_mlp." in w.name for w in ffn))
 
-    def peak_bytes(self, quant, down, resident_scales: bool, float_size: Optional[int], in_place=False) -> int:
+    def peak_bytes(
+        self, quant, down, resident_scales: bool, float_size: Optional[int], in_place=False, holes=False
+    ) -> int:
         """What converting writes at its peak, an upper bound: the model stored quantised as `quant` ({"bits",
         "group_size"}, the source's own, or None: floats of `float_size` bytes, None: the source's), the FFN's
-        down rows as `down`, their scales resident if `resident_scales`. The larger of a GGUF's mlx-lm directory
-        being written (twice its weights) and that directory with the flash directory being finished (the output,
-        the FFN's resident scales twice again). `in_place`: the FFN is not written."""
-        output = scales = 0
+        down rows as `down`, their scales resident if `resident_scales`. `in_place`: the experts are not written;
+        `holes`: a GGUF's dense FFN is converted a layer at a time (gguf.FFNHoles).
+
+        A GGUF's mlx-lm directory (its `intermediate`) is a shard per layer, each freed as soon as it is read, as its
+        part of the output is written: the disk holds the larger of the two for the FFN and for the resident weights,
+        and one shard of the directory besides (the FFN's resident scales twice: spooled, then in the output)."""
+        output, scales = {True: 0, False: 0}, 0
+        intermediate, layers = {True: 0, False: 0}, {}
         for w in self.weights:
-            streamed = FFN.search(w.name)
+            streamed = bool(FFN.search(w.name))
             q = down if streamed and DOWN.search(w.name) else quant
-            n = _stored(w, q, self.quant, float_size)
-            output += 0 if streamed and in_place else n
+            output[streamed] += 0 if streamed and in_place and self.stacked else _stored(w, q, self.quant, float_size)
             if streamed and resident_scales and q is not None and DOWN.search(w.name):
                 scales += 2 * (w.values // q["group_size"]) * (float_size or 2)  # its groups' scales and biases
-        finishing = output + self.files + 2 * scales
-        intermediate = self.intermediate - (self.kept_bytes if in_place else 0)
-        return int(MARGIN * max(2 * intermediate, intermediate + finishing))
+            if self.gguf and not (w.name in self.kept and in_place):
+                if w.name.startswith("blk."):  # (any other array is a shard of its own, freed as it is read)
+                    layer = w.name.split(".")[1]
+                    layers[layer] = layers.get(layer, 0) + w.nbytes
+                intermediate[streamed] += 0 if streamed and holes and not self.moe else w.nbytes
+        largest = max(layers.values(), default=0)
+        ffn, resident = (max(output[k], intermediate[k]) for k in (True, False))
+        return int(MARGIN * (ffn + resident + largest + self.files + 2 * scales))
 
 
 def _gguf_weight(t, mixed: set) -> Weight:

@@ -34,8 +34,8 @@ from tqdm import tqdm
 from ..errors import FlashError
 from ..format.directory import FlashDir
 from ..format.quant import symmetric_biases
+from ..format.safetensors_io import ShardWriter
 from ..models.architectures import adapter_for, transpose_codes
-from .gguf import ShardWriter
 from .source import TOKENIZER_FILES
 
 SHARD_BYTES = 1 << 30
@@ -95,7 +95,7 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
     module = dict(zip(adapter.matrices, adapter.names))  # canonical -> the architecture's module name
     config = dict(fd.config)
     quant = dict(config.get("quantization") or {})
-    writer = ShardWriter(out, SHARD_BYTES)
+    writer = ShardWriter(out, SHARD_BYTES, room=256 << 10)
 
     resident = fd.load_resident()
     for k in sorted(resident):
@@ -136,7 +136,7 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
     """An MoE directory: the resident weights and each layer's experts stacked back into its SwitchGLU."""
     out.mkdir(parents=True, exist_ok=True)
     config, quant = dict(fd.config), dict(fd.config.get("quantization") or {})
-    writer = ShardWriter(out, SHARD_BYTES)
+    writer = ShardWriter(out, SHARD_BYTES, room=256 << 10)
     resident = fd.load_resident()
     names = set(resident)
     for k in sorted(names):

@@ -54,10 +54,11 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import re
 import struct
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -66,7 +67,10 @@ from tqdm import tqdm
 
 from ..errors import SourceError, UnsupportedArchitectureError
 from ..format import ggml
-from ..format.safetensors_io import TensorSpool
+from ..format.quant import is_symmetric
+from ..format.safetensors_io import DTYPES as DTYPES_ST
+from ..format.safetensors_io import ShardWriter, fill_hole, hole_file
+from ..format.safetensors_io import read_header as safetensors_header
 from .gguf_archs import Meta, arch_spec, is_mtp, map_name
 from .gguf_quants import (
     EXACT,
@@ -92,6 +96,11 @@ DTYPES = ("float16", "bfloat16", "float32")
 EXPERT_TENSORS = tuple(f"ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
 # what gguf_to_mlx_dir(experts_in_place=True) writes beside the model: where its experts stay in the GGUF
 IN_PLACE = "gguf_experts.json"
+# what gguf_to_mlx_dir(ffn_holes=True) writes beside the model: where each layer's FFN is to be converted from
+FFN_HOLES = "gguf_ffn.json"
+# ... and the quantised modules whose biases it left out (symmetric: derived from their scales)
+SYMMETRIC = "gguf_symmetric.json"
+DENSE_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.weight")
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -267,16 +276,22 @@ def _iter_mx(arrays: dict) -> Iterator[Tensor]:
 
 
 def _iter_reader(reader, path: Path, skip=frozenset()) -> Iterator[Tensor]:
+    read = _reading(reader, path)
+    for t in reader.tensors:
+        if t.name in skip:
+            continue
+        yield read(t)
+        _drop_pages(reader.data, t.data_offset, t.n_bytes)
+
+
+def _reading(reader, path: Path):
+    """A function reading a header entry of `reader` (_GGUFFile) as its Tensor."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     repack = {mixed: repackers(mixed) for mixed in (False, True)}
     mixed = mixed_roles(reader.tensors)
-    for t in reader.tensors:
-        if t.name in skip:
-            continue
-        yield _read_tensor(t, T, repack[role(t.name) in mixed], path)
-        _drop_pages(reader.data, t.data_offset, t.n_bytes)
+    return lambda t: _read_tensor(t, T, repack[role(t.name) in mixed], path)
 
 
 def kept_experts(header) -> dict:
@@ -447,62 +462,142 @@ def _unpermute(a, n_head: int):
     return a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
 
-class ShardWriter:
-    """Shards of about `shard_bytes`, each array spooled to a scratch file as it is added (memory: one array)
-    and the shard written when full, byte for byte as mx.save_safetensors writes it."""
-
-    def __init__(self, out_dir: Path, shard_bytes: int):
-        self.out_dir, self.shard_bytes = out_dir, shard_bytes
-        self.spool: Optional[TensorSpool] = None
-        self.shards: List[List[str]] = []  # tensor names of each written shard
-        self.files: List[Path] = []
-
-    def add(self, name: str, arr) -> None:
-        if self.spool is not None and self.spool.nbytes + arr.nbytes > self.shard_bytes:
-            self.flush()
-        if self.spool is None:
-            self.spool = TensorSpool(self.out_dir / ".tmp-model.spool")
-        self.spool.add(name, arr)
-
-    def flush(self) -> None:
-        if self.spool is None:
-            return
-        f = self.out_dir / f".tmp-model-{len(self.files) + 1:05d}.safetensors"  # not matched by model*.safetensors
-        self.shards.append(sorted(self.spool.entries))
-        self.spool.save(f, metadata={"format": "mlx"})
-        self.files.append(f)
-        self.spool = None
-
-    def close(self) -> int:
-        self.flush()
-        n = len(self.files)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        weight_map, total = {}, 0
-        for f, name, keys in zip(self.files, names, self.shards):
-            total += f.stat().st_size
-            f.replace(self.out_dir / name)
-            weight_map.update({k: name for k in keys})
-        if n > 1:
-            with open(self.out_dir / "model.safetensors.index.json", "w") as fh:
-                json.dump(
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2
-                )
-        return total
-
-
 def _clear_old_outputs(out_dir: Path) -> None:
     for pattern in (
         "model*.safetensors",
         ".tmp-model-*.safetensors",
-        ".tmp-model.spool",
+        ".tmp-model-*.spool",
         "model.safetensors.index.json",
     ):
         for f in out_dir.glob(pattern):
             f.unlink()
 
 
-def _write_tensor(writer, spec, meta, base: str, part: str, arrays: dict, quant, quant_of: dict, cast, unpermute: bool):
-    """One tensor under its mlx-lm name: RoPE rows unpermuted, norms unshifted, cast; its quantisation noted."""
+def _dense_ffn(header) -> dict:
+    """{name: header entry} of a dense model's FFN matrices (none for a mixture of experts)."""
+    if any(t.name.endswith(EXPERT_TENSORS) for t in header.tensors):
+        return {}
+    return {t.name: t for t in header.tensors if DENSE_FFN.fullmatch(t.name) and len(t.shape) == 2}
+
+
+def _write_holes(writer, out_dir: Path, holes: dict, header, path, spec, quant_of, cast, unpermute: bool) -> dict:
+    """A shard per layer of `holes` (_dense_ffn) whose data are not written: each tensor's arrays as its first row
+    converts, with all its rows. Returns {shard: {"tensors": GGUF names, "names": mlx-lm names}}."""
+    read = _reading(header, path)
+    meta = Meta(header.fields, path)
+    layers: Dict[int, list] = {}
+    for t in holes.values():
+        layers.setdefault(int(t.name.split(".")[1]), []).append(t)
+    shards = {}
+    for i, tensors in sorted(layers.items()):
+        entries = _HoleEntries()
+        for t in tensors:
+            entries.rows = t.shape[1]  # (GGUF order: rows last)
+            row = replace(t, shape=(t.shape[0], 1), n_bytes=t.n_bytes // t.shape[1])
+            _write_tensor(entries, spec, meta, *read(row), quant_of, cast, unpermute)
+        f = out_dir / f".tmp-ffn-{i:05d}.safetensors"
+        hole_file(f, entries.sizes, {"format": "mlx"})
+        writer.add_file(f, list(entries.sizes))
+        shards[f] = {"tensors": [t.name for t in tensors], "names": list(entries.sizes)}
+    return shards
+
+
+class _HoleEntries:
+    """A writer (ShardWriter.add) noting {name: (dtype, shape, bytes)} of arrays converted from a tensor's first
+    row, as the tensor's `rows` make them."""
+
+    def __init__(self):
+        self.sizes, self.rows = {}, 1
+
+    def add(self, name: str, arr, group=None) -> None:
+        self.sizes[name] = (DTYPES_ST[arr.dtype], [self.rows, *arr.shape[1:]], arr.nbytes // arr.shape[0] * self.rows)
+
+
+class FFNHoles:
+    """The dense FFN of a GGUF's mlx-lm directory written with `ffn_holes`: each layer's shard is a header over a
+    hole until `fill` converts the layer's tensors into it (when convert reaches the layer) and unlinks it: MLX
+    reads it through the descriptor its arrays hold, and the disk space goes with them. The disk never holds the
+    converted FFN whole."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        self.record = json.loads((self.dir / FFN_HOLES).read_text())
+        self.path = Path(self.record["file"])
+        self._read = None
+
+    @classmethod
+    def open(cls, model_dir) -> Optional["FFNHoles"]:
+        """The directory's holes, or None if it has none."""
+        return cls(model_dir) if (Path(model_dir) / FFN_HOLES).is_file() else None
+
+    @property
+    def files(self) -> List[str]:
+        """The shards not filled yet."""
+        return list(self.record["shards"])
+
+    def fill(self, prefix: str) -> None:
+        """Convert the tensors of the shards holding `prefix`.* (a layer's mlp) into them; SourceError if the GGUF
+        changed since the directory was written."""
+        import mlx.core as mx
+
+        if self._read is None:
+            st = self.path.stat() if self.path.is_file() else None
+            if st is None or (st.st_size, st.st_mtime_ns) != (self.record["bytes"], self.record["mtime_ns"]):
+                raise SourceError(f"{self.path}: moved or changed while it was being converted")
+            self.header = read_header(self.path)
+            self.meta = Meta(self.header.fields, self.path)
+            self.spec = arch_spec(self.meta["general.architecture"], self.meta)
+            self._read = _reading(self.header, self.path)
+        by_name = {t.name: t for t in self.header.tensors}
+        cast = getattr(mx, self.record["dtype"]) if self.record["dtype"] else None
+        for shard, entry in list(self.record["shards"].items()):
+            if not any(n.startswith(prefix + ".") for n in entry["names"]):
+                continue
+            path = self.dir / shard
+            filler = _Filler(path)
+            for name in entry["tensors"]:
+                t = by_name[name]
+                _write_tensor(filler, self.spec, self.meta, *self._read(t), {}, cast, self.record["unpermute"])
+                _drop_pages(self.header.data, t.data_offset, t.n_bytes)
+            filler.close()
+            path.unlink()
+            del self.record["shards"][shard]
+
+
+class _Filler:
+    """A writer (ShardWriter.add) of arrays into the hole of their shard (`fill_hole`)."""
+
+    def __init__(self, path: Path):
+        self.header, self.f, self.left = safetensors_header(path), open(path, "r+b"), None
+        self.left = set(self.header) - {"__metadata__"}
+
+    def add(self, name: str, arr, group=None) -> None:
+        fill_hole(self.f, self.header, name, arr)
+        self.left.discard(name)
+
+    def close(self) -> None:
+        self.f.close()
+        if self.left:
+            raise ValueError(f"{sorted(self.left)} not converted")
+
+
+def _write_tensor(
+    writer,
+    spec,
+    meta,
+    base: str,
+    part: str,
+    arrays: dict,
+    quant,
+    quant_of: dict,
+    cast,
+    unpermute: bool,
+    by_layer=False,
+    symmetric: Optional[set] = None,
+):
+    """One tensor under its mlx-lm name: RoPE rows unpermuted, norms unshifted, cast; its quantisation noted.
+    `by_layer`: a shard per GGUF block, any other array alone (ShardWriter's groups). `symmetric`: biases that are
+    -2^(bits-1) times the scales (Q4_0, Q8_0) left out, the name noted there (load_source_model derives them)."""
     import mlx.core as mx
 
     hf, head_key = map_name(spec, base)
@@ -518,8 +613,13 @@ def _write_tensor(writer, spec, meta, base: str, part: str, arrays: dict, quant,
         arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
     if quant is not None:  # uint8 scales: mxfp4 (as mlx-lm infers it)
         quant_of[hf] = (*quant, "mxfp4" if arrays["scales"].dtype == mx.uint8 else "affine")
+        if symmetric is not None and "biases" in arrays and is_symmetric(arrays["biases"], arrays["scales"], quant[1]):
+            symmetric.add(hf)
+            arrays = {k: v for k, v in arrays.items() if k != "biases"}
+    block = base.split(".")[1] if base.startswith("blk.") else None
     for key, arr in arrays.items():
-        writer.add(hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{key}", arr)
+        name = hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{key}"
+        writer.add(name, arr, (block or name) if by_layer else None)
 
 
 def gguf_to_mlx_dir(
@@ -532,6 +632,8 @@ def gguf_to_mlx_dir(
     _unpermute_qk: bool = True,
     _force_reader: bool = False,
     experts_in_place: bool = False,
+    by_layer: bool = False,
+    ffn_holes: bool = False,
 ) -> Path:
     """Convert a GGUF file into an mlx-lm model directory at `out_dir` and return its path.
 
@@ -547,6 +649,10 @@ def gguf_to_mlx_dir(
     `experts_in_place`: a mixture of experts' stacked experts of GGML block types (`kept_experts`) are not
     written: IN_PLACE records where each lies in the GGUF (file, size, time; per mlx-lm projection path its type,
     offset and shape [experts, out, in]) and the model loads without them (convert reads them in place).
+    `by_layer`: a shard per layer (any tensor outside the layers alone), each written once, so that convert frees
+    each as soon as it has read it, and symmetric biases left out (SYMMETRIC, derived again by load_source_model).
+    `ffn_holes`: a dense model's FFN matrices are not converted yet: each layer's are a shard of a header over a
+    hole (a sparse file), filled when convert reaches the layer (FFNHoles).
     `_unpermute_qk=False` and `_force_reader=True` are for tests only.
     """
     import mlx.core as mx
@@ -622,16 +728,32 @@ def gguf_to_mlx_dir(
         with open(out_dir / IN_PLACE, "w") as f:
             json.dump(record, f)
         bar.update(sum(int(t.n_bytes) for t in kept.values()))
-    for tensor in source.tensors(skip=set(kept)):
+    holes = _dense_ffn(header) if ffn_holes and rearrange is None else {}
+    symmetric = set() if by_layer else None
+    for f in (FFN_HOLES, SYMMETRIC):
+        (out_dir / f).unlink(missing_ok=True)
+    for tensor in source.tensors(skip=set(kept) | set(holes)):
         bar.update(sizes[f"{tensor[0]}.{tensor[1]}"])
         if is_mtp(spec, meta, tensor[0]):
             continue
         for base, part, arrays, quant in rearrange(*tensor) if rearrange is not None else [tensor]:
-            _write_tensor(writer, spec, meta, base, part, arrays, quant, quant_of, cast, _unpermute_qk)
+            _write_tensor(
+                writer, spec, meta, base, part, arrays, quant, quant_of, cast, _unpermute_qk, by_layer, symmetric
+            )
     if rearrange is not None:
         rearrange.finish()
-    writer.close()
+    shards = _write_holes(writer, out_dir, holes, header, path, spec, quant_of, cast, _unpermute_qk)
+    final = dict(zip(writer.files, writer.close()))
     bar.close()
+    if symmetric:
+        (out_dir / SYMMETRIC).write_text(json.dumps(sorted(symmetric)))
+    if holes:
+        st = path.stat()
+        record = {"file": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": dtype}
+        record["unpermute"] = _unpermute_qk
+        record["shards"] = {final[f].name: entry for f, entry in shards.items()}
+        with open(out_dir / FFN_HOLES, "w") as f:
+            json.dump(record, f)
 
     if quant_of:
 

@@ -61,10 +61,11 @@ def convert_moe(
     progress: bool = True,
     in_place: bool = True,
     ggml: Optional[dict] = None,
+    evaluate=None,
 ) -> Path:
     """Write `model`'s experts and resident weights as a flash directory at `out` (built in `work`); the experts
     referenced in `src_dir`'s files where `in_place` and they are stored there as the model has them, or in the GGUF
-    `ggml` (gguf.IN_PLACE's record) names, as its blocks."""
+    `ggml` (gguf.IN_PLACE's record) names, as its blocks. `evaluate`: FlashWriter.finish's."""
     paths = switch_paths(model)
     top_k = experts_per_token(model, paths)
     modules = dict(model.named_modules())
@@ -174,7 +175,7 @@ def convert_moe(
             "source": {"model": str(source), "created_by": f"mlx_flash {__version__}"},
         }
         release(model)  # `resident` holds the only references: each array is freed once written
-        writer.finish(config, resident, manifest, progress)
+        writer.finish(config, resident, manifest, progress, evaluate)
     except BaseException:
         writer.abort()
         raise

@@ -4,17 +4,22 @@ Every source becomes a local mlx-lm model directory, so one code path loads them
 """
 
 import json
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import SourceError, UnsupportedArchitectureError
+from ..format.quant import symmetric_biases
+from ..format.safetensors_io import read_header as safetensors_header
 from ..models import get_model_classes
 from ..models.architectures import adapter_for
 from ..models.inspect import is_moe
-from .gguf import IN_PLACE, gguf_to_mlx_dir
+from .gguf import IN_PLACE, SYMMETRIC, gguf_to_mlx_dir
 
 TOKENIZER_FILES = (
     "tokenizer*",
@@ -44,13 +49,23 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def resolve_source(src, workdir: Path, progress: bool = False, experts_in_place: bool = False) -> Path:
-    """Return a local mlx-lm model directory for `src` (GGUF files are unpacked into `workdir`; `experts_in_place`:
-    their experts of GGML block types left in the file, gguf.IN_PLACE)."""
+def resolve_source(
+    src, workdir: Path, progress: bool = False, experts_in_place: bool = False, ffn_holes: bool = False
+) -> Path:
+    """Return a local mlx-lm model directory for `src`. GGUF files are unpacked into `workdir`, a shard per layer:
+    `experts_in_place`, their experts of GGML block types left in the file (gguf.IN_PLACE); `ffn_holes`, a dense
+    FFN converted only when each layer is reached (gguf.FFNHoles)."""
     path = local_source(str(src))
     if not path.is_file():
         return path
-    return gguf_to_mlx_dir(path, workdir / "gguf-source", progress=progress, experts_in_place=experts_in_place)
+    return gguf_to_mlx_dir(
+        path,
+        workdir / "gguf-source",
+        progress=progress,
+        experts_in_place=experts_in_place,
+        by_layer=True,
+        ffn_holes=ffn_holes,
+    )
 
 
 def local_source(src: str) -> Path:
@@ -103,15 +118,23 @@ def load_source_model(model_dir: Path, lazy: bool = True):
     config = read_config(model_dir)
     if not is_moe(config):
         adapter_for(config)
+    symmetric = Path(model_dir) / SYMMETRIC
     try:  # (experts left in a GGUF are not in the directory: the model's own stand in, lazy, never computed)
-        strict = not (Path(model_dir) / IN_PLACE).is_file()
-        return load_model(model_dir, lazy=lazy, strict=strict, get_model_classes=get_model_classes)
+        strict = not ((Path(model_dir) / IN_PLACE).is_file() or symmetric.is_file())
+        model, config = load_model(model_dir, lazy=lazy, strict=strict, get_model_classes=get_model_classes)
     except UnsupportedArchitectureError:
         raise
     except FileNotFoundError as e:
         raise SourceError(f"{model_dir}: {e}") from e
     except Exception as e:
         raise SourceError(f"{model_dir}: cannot load the model ({type(e).__name__}: {e})") from e
+    if symmetric.is_file():  # (lazily, from the scales: read when used)
+        modules = dict(model.named_modules())
+        for name in json.loads(symmetric.read_text()):
+            modules[name].biases = symmetric_biases(modules[name].scales, modules[name].bits)
+        if not lazy:
+            mx.eval(model.parameters())
+    return model, config
 
 
 def tokenizer_files(src: Path) -> list:
@@ -134,3 +157,35 @@ def release(model: nn.Module) -> None:
     elsewhere are freed as soon as those are dropped."""
     for _, m in model.named_modules():
         m.clear()
+
+
+class Unlinked:
+    """A GGUF's mlx-lm directory once its model is loaded (lazily), its shards but `keep` unlinked: MLX holds each
+    open until it has read its arrays, so each one's disk space is freed as soon as they are no longer needed."""
+
+    def __init__(self, model_dir: Path, keep=()):
+        self.dir = Path(model_dir)
+        self.alone = {}  # the name of an array alone in its shard -> the bytes the shard takes on disk
+        for f in self.dir.glob("model*.safetensors"):
+            if f.name in keep:
+                continue
+            names = [k for k in safetensors_header(f) if k != "__metadata__"]
+            if len(names) == 1:
+                self.alone[names[0]] = f.stat().st_blocks * 512
+            f.unlink()
+
+    def evaluate(self, name: str, a: mx.array, timeout: float = 0.5) -> None:
+        """Evaluate `a`; where it was alone in its shard (the embeddings), return once the filesystem has freed the
+        shard: MLX closes it from its io threads a moment after it is read, and the filesystem frees it after that,
+        so a copy written at once would have both on disk for a moment."""
+        size = self.alone.pop(name, 0)
+        free = _free(self.dir)
+        mx.eval(a)
+        deadline = time.monotonic() + timeout
+        while size and _free(self.dir) < free + size and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bfree * st.f_frsize

@@ -591,27 +591,40 @@ class FlashWriter:
             layer[name] = Region(len(self.layers), name, 0, len(units), layout.disk_stride, crc, tuple(extents))
         self.layers.append(layer)
 
-    def finish(self, config: dict, resident: Dict[str, mx.array], manifest: dict, progress: bool = False) -> None:
+    def finish(
+        self, config: dict, resident: Dict[str, mx.array], manifest: dict, progress: bool = False, evaluate=None
+    ) -> None:
         """Write resident weights (without the biases symmetric codes imply), config and the manifest
         (`manifest` adds architecture fields).
 
         `resident` is emptied as it is written: each array is evaluated, written and dropped in turn, so memory
         holds one of them at a time when `resident` holds the only references to them; the file is written once
-        (TensorSpool.finish: the biases left out are moved over), so the disk holds the resident weights once."""
+        (TensorSpool.finish), and symmetric biases are left out as they come after their scales (any other moved
+        over at the end), so the disk holds the resident weights once. `evaluate(name, array)`, if given, evaluates
+        each array before it is written."""
         self.abort()
-        names = list(resident)
         total = sum(v.nbytes for v in resident.values())
         spool = TensorSpool(self.path / f".{RESIDENT}.spool", reserve=resident, metadata={"format": "mlx"})
+        symmetric = {}
         with tqdm(
             total=total, desc="resident weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
         ) as bar:
-            for k in names:
+            for k in list(resident):
                 a = resident.pop(k)
-                spool.add(k, a)
+                if evaluate is not None:
+                    evaluate(k, a)
                 bar.update(a.nbytes)
+                path = k.removesuffix(".biases")
+                if path != k and {f"{path}.weight", f"{path}.scales"} <= spool.entries.keys():
+                    weight = spool.entries[f"{path}.weight"][1]
+                    bits = _implied_bits(config, path, weight, spool.array(f"{path}.scales"), a)
+                    if bits is not None:
+                        symmetric[path] = bits
+                        continue
+                spool.add(k, a)
                 del a
-        symmetric = symmetric_modules(_Spooled(spool), config)
-        names = [k for k in names if k.removesuffix(".biases") not in symmetric]
+        symmetric = dict(sorted({**symmetric, **symmetric_modules(_Spooled(spool), config)}.items()))
+        names = [k for k in spool.entries if k.removesuffix(".biases") not in symmetric]
         with tqdm(
             total=spool.start + sum(spool.entries[k][3] for k in names),
             desc=f"{RESIDENT}: sha256",
@@ -706,12 +719,18 @@ def symmetric_modules(resident: Dict[str, mx.array], config: dict) -> Dict[str, 
         path = name.removesuffix(".biases")
         if path == name or f"{path}.weight" not in resident or f"{path}.scales" not in resident:
             continue
-        q = _affine_quant(config, path)
-        if q is None or shape(f"{path}.weight")[-1] * 32 // q["bits"] != shape(f"{path}.scales")[-1] * q["group_size"]:
-            continue  # not the config's quantisation
-        if is_symmetric(resident[name], resident[f"{path}.scales"], q["bits"]):
-            out[path] = q["bits"]
+        bits = _implied_bits(config, path, shape(f"{path}.weight"), resident[f"{path}.scales"], resident[name])
+        if bits is not None:
+            out[path] = bits
     return dict(sorted(out.items()))
+
+
+def _implied_bits(config: dict, path: str, weight_shape, scales: mx.array, biases: mx.array) -> Optional[int]:
+    """The bits of quantised module `path` if its biases are -2^(bits-1) x its scales exactly, else None."""
+    q = _affine_quant(config, path)
+    if q is None or weight_shape[-1] * 32 // q["bits"] != scales.shape[-1] * q["group_size"]:
+        return None  # not the config's quantisation
+    return q["bits"] if is_symmetric(biases, scales, q["bits"]) else None
 
 
 def dense_ffn_weights(fd: FlashDir, layer: int) -> Dict[str, mx.array]:

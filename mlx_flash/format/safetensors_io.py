@@ -1,4 +1,5 @@
-"""Safetensors files written one tensor at a time, byte for byte what `mx.save_safetensors` writes for the same dict.
+"""Safetensors files written one tensor at a time, byte for byte what `mx.save_safetensors` writes for the same dict
+(or, written in place, what any safetensors reader reads alike).
 
 `mx.save_safetensors` evaluates and holds every array of its dict at once. A `TensorSpool` takes the arrays one
 by one (each evaluated, appended to a scratch file and released by the caller), then `save` writes the file:
@@ -101,18 +102,21 @@ class TensorSpool:
     """Arrays appended to a scratch file as they are added, then saved as one safetensors file (`save`), or
     made one in place (`finish`: the scratch file becomes it, so the data are on disk once)."""
 
-    def __init__(self, scratch, reserve: Optional[Dict[str, mx.array]] = None, metadata: Optional[dict] = None):
+    def __init__(
+        self, scratch, reserve: Optional[Dict[str, mx.array]] = None, metadata: Optional[dict] = None, room: int = 0
+    ):
         """`reserve`: the arrays (lazy: only dtypes and shapes are read) to be added, in their order, room for
-        whose header (with `metadata`) `finish` leaves at the start of the scratch file."""
+        whose header (with `metadata`) `finish` leaves at the start of the scratch file; or `room` bytes left there
+        for a header not known yet (one that outgrows it is written by `save`, a copy)."""
         self.scratch, self.metadata = Path(scratch), metadata
         self._f = open(self.scratch, "w+b")
         self.entries: Dict[str, tuple] = {}  # name -> (safetensors dtype, shape, offset in the scratch file, bytes)
-        self.start = 0
+        self.start = room
         if reserve is not None:
             sizes = {k: (DTYPES[v.dtype], list(v.shape), v.nbytes) for k, v in reserve.items()}
             self.start = 8 + len(_header(sizes, list(sizes), metadata))
-            self._f.truncate(self.start)
-            self._f.seek(self.start)
+        self._f.truncate(self.start)
+        self._f.seek(self.start)
         self.nbytes = self.start
 
     def __len__(self):
@@ -190,8 +194,8 @@ class TensorSpool:
             at += n
         self._f.truncate(at)
         text = _header({k: (e[0], e[1], e[3]) for k, e in self.entries.items()}, keep, self.metadata)
-        if 8 + len(text) > self.start:
-            raise ValueError("the header outgrew the room reserved for it")
+        if 8 + len(text) > self.start:  # (only with `room`: `reserve` fits its header)
+            return self.save(path, keep, self.metadata, progress, checksum=sha256)
         self._f.seek(0)
         self._f.write(struct.pack("<Q", self.start - 8) + text + b" " * (self.start - 8 - len(text)))
         self._f.close()
@@ -202,3 +206,82 @@ class TensorSpool:
         if not self._f.closed:
             self._f.close()
         self.scratch.unlink(missing_ok=True)
+
+
+def hole_file(path, sizes: Dict[str, tuple], metadata: Optional[dict] = None) -> None:
+    """A safetensors file of tensors {name: (dtype, shape, bytes)} whose data are not written yet: its header and
+    then a hole (a sparse file, whose blocks are allocated as the data are written into it, `fill_hole`)."""
+    text = _header(sizes, list(sizes), metadata)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + sum(n for _, _, n in sizes.values()))
+
+
+def fill_hole(f, header: dict, name: str, a: mx.array) -> None:
+    """`a` written as tensor `name` of the file `f` (opened for writing) whose header is `header` (`read_header`);
+    ValueError unless `a` is what the header says."""
+    entry = header[name]
+    start, end = entry["data_offsets"]
+    if DTYPES[a.dtype] != entry["dtype"] or list(a.shape) != entry["shape"] or a.nbytes != end - start:
+        raise ValueError(f"{name}: {a.dtype} {a.shape}, where the file has {entry['dtype']} {entry['shape']}")
+    f.seek(0)
+    (n,) = struct.unpack("<Q", f.read(8))
+    f.seek(8 + n + start)
+    f.write(memoryview(tensor_bytes(a)).cast("B"))
+
+
+class ShardWriter:
+    """Safetensors shards of about `shard_bytes`, or of one `group` each (a shard ends where the group of the
+    arrays added changes), each array spooled as it is added (memory: one array) into its shard's own file, whose
+    header goes in the room left at its start (`TensorSpool.finish`): the data are written once. `add_file`: a shard
+    written otherwise (`hole_file`). `close` names them model.safetensors or model-NNNNN-of-NNNNN.safetensors (an
+    index beside several), as mlx-lm's loader finds them."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int, room: int = 4 << 10):
+        self.out_dir, self.shard_bytes, self.room = Path(out_dir), shard_bytes, room
+        self.spool: Optional[TensorSpool] = None
+        self.group = None
+        self.shards: List[List[str]] = []  # tensor names of each written shard
+        self.files: List[Path] = []
+
+    def add(self, name: str, arr, group=None) -> None:
+        if self.spool is not None and (group != self.group or self.spool.nbytes + arr.nbytes > self.shard_bytes):
+            self.flush()
+        if self.spool is None:
+            self.spool = TensorSpool(self._next().with_suffix(".spool"), metadata={"format": "mlx"}, room=self.room)
+            self.group = group
+        self.spool.add(name, arr)
+
+    def add_file(self, path: Path, names: List[str]) -> None:
+        self.flush()
+        self.files.append(path)
+        self.shards.append(sorted(names))
+
+    def _next(self) -> Path:
+        return self.out_dir / f".tmp-model-{len(self.files) + 1:05d}.safetensors"  # (not matched by model*)
+
+    def flush(self) -> None:
+        if self.spool is None:
+            return
+        f = self._next()
+        self.shards.append(sorted(self.spool.entries))
+        self.spool.finish(f, list(self.spool.entries), sha256=False)
+        self.files.append(f)
+        self.spool = None
+
+    def close(self) -> List[Path]:
+        """The shards' paths, in the order written."""
+        self.flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map, total, paths = {}, 0, []
+        for f, name, keys in zip(self.files, names, self.shards):
+            total += f.stat().st_size
+            paths.append(f.replace(self.out_dir / name))
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            with open(self.out_dir / "model.safetensors.index.json", "w") as fh:
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2
+                )
+        return paths
