@@ -10,10 +10,11 @@ nor --bits, a float source (F32/F16/BF16 GGUF, float HF directory) is quantised 
 and a quantised one keeps its quantisation. --dtype alone keeps floats, cast to that dtype.
 
 Memory does not grow with the model: a GGUF is read a tensor at a time from its memory map into an
-mlx-lm directory (in the output's temporary directory: at its peak the disk holds about 2.6 times the GGUF,
-which convert checks is free before it writes: disk.py), every directory is loaded lazily, each layer's FFN
-is evaluated, written and freed in turn, and the resident weights are written one array at a time
-(format.directory.FlashWriter.finish). A 7B is converted under a 1 GiB cap. --prune is the exception:
+mlx-lm directory (in the output's temporary directory, a shard per layer freed as the output is written, a dense
+FFN converted a layer at a time: the disk holds about the output's size, which convert checks is free before it
+writes: disk.py), every directory is loaded lazily, each layer's FFN is evaluated, written and freed in turn, and
+the resident weights are written one array at a time (format.directory.FlashWriter.finish). A 7B is converted
+under a 1 GiB cap. --prune is the exception:
 calibration runs the whole model, in float32.
 
 --prune wanda prunes every FFN matrix with Wanda (prune.py; input norms from the first half
