@@ -74,12 +74,14 @@ def convert_moe(
     if in_place and tensors is None and ggml is None:
         print("experts copied into ffn.bin: the source's files do not hold them stacked as the model has them")
     sources = None if tensors is None else {"root": str(Path(src_dir).resolve()), "files": tensors.pop(None)}
-    blocks = None
-    if ggml is not None:
+    blocks, n_experts = ggml is not None, None
+    if blocks:
         f = Path(ggml["file"])
         sources = {"root": str(f.parent), "files": [{"name": f.name, **{k: ggml[k] for k in ("bytes", "mtime_ns")}}]}
         layers = {i: (paths[i], projections(modules[paths[i]])) for i in paths}
-        blocks = ggml_experts(ggml["experts"], layers, ggml["bytes"], alignment)
+        block_quant, block_layout, block_extents, n_experts = ggml_experts(
+            ggml["experts"], layers, ggml["bytes"], alignment
+        )
     windows = None
     if tensors is not None:
         shapes = BundleLayout.from_arrays(expert_arrays(modules[paths[min(paths)]]), alignment)  # (lazy)
@@ -87,11 +89,11 @@ def convert_moe(
         windows = in_place_windows(shapes, places, WINDOW_ALIGNMENT)
     # (units `alignment` apart: an expert read straight into its row)
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment, sources=sources)
-    quant, n_experts, hidden = None, None, None
+    quant, hidden = None, None
     try:
         sizes = [
             0 if i not in paths
-            else blocks[1].stride * blocks[3] if blocks
+            else block_layout.stride * n_experts if blocks
             else sum(v.nbytes for _, v in tree_flatten(modules[paths[i]].parameters()))
             for i in range(len(model.layers))
         ]  # fmt: skip
@@ -102,11 +104,11 @@ def convert_moe(
                 writer.add_layer({})
                 continue
             switch = modules[paths[i]]
-            if blocks is not None:  # the GGUF's blocks, in place: only their checksums are read
-                quant, layout, extents, n_experts = blocks[0], blocks[1], blocks[2][i], blocks[3]
+            if blocks:  # the GGUF's blocks, in place: only their checksums are read
+                quant, extents = block_quant, block_extents[i]
                 hidden = quant[projections(switch)[-1]]["out"]
-                crcs, crc, _ = unit_checksums(sources, extents, layout.stride, n_experts)
-                writer.add_layer_in_place({REGION: (layout, extents, crcs, crc)})
+                crcs, crc, _ = unit_checksums(sources, extents, block_layout.stride, n_experts)
+                writer.add_layer_in_place({REGION: (block_layout, extents, crcs, crc)})
                 parent, name = paths[i].rsplit(".", 1)
                 setattr(modules[parent], name, nn.Module())
                 bar.update(sizes[i])
@@ -156,7 +158,7 @@ def convert_moe(
             bar.update(sizes[i])
         bar.close()
         switch = arrays = None
-        if blocks is not None:
+        if blocks:
             quant = {p: {k: v for k, v in q.items() if k != "out"} for p, q in quant.items()}
         resident = dict(tree_flatten(model.parameters()))
         floats = [v.dtype for v in resident.values() if mx.issubdtype(v.dtype, mx.floating)]
