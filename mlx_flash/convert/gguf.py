@@ -467,6 +467,7 @@ def _clear_old_outputs(out_dir: Path) -> None:
         "model*.safetensors",
         ".tmp-model-*.safetensors",
         ".tmp-model-*.spool",
+        ".tmp-ffn-*.safetensors",
         "model.safetensors.index.json",
     ):
         for f in out_dir.glob(pattern):
@@ -568,7 +569,7 @@ class _Filler:
     """A writer (ShardWriter.add) of arrays into the hole of their shard (`fill_hole`)."""
 
     def __init__(self, path: Path):
-        self.header, self.f, self.left = safetensors_header(path), open(path, "r+b"), None
+        self.header, self.f = safetensors_header(path), open(path, "r+b")
         self.left = set(self.header) - {"__metadata__"}
 
     def add(self, name: str, arr, group=None) -> None:
