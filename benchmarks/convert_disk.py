@@ -54,6 +54,7 @@ def convert_sampled(source: Path, out: Path, *flags: str) -> dict:
         "resident_bytes": fd.resident_bytes,
         "model_bytes": fd.model_bytes,
         "in_place": fd.sources is not None,
+        "output_of_model": written / fd.model_bytes,
         "peak_of_output": extra / written,
         "peak_of_resident": extra / fd.resident_bytes,
         "stdout_tail": r.stdout[-300:],

@@ -18,12 +18,8 @@ convert writes, the same bits, and decode speed under hard memory caps.
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
@@ -33,6 +29,8 @@ from mlx_flash.peers import fio_reference
 from mlx_flash.tools.bench_io import machine_info
 from mlx_flash.tools.cap import run_capped
 from mlx_flash.tools.peers_systems import versions
+
+from convert_disk import convert_sampled  # (beside this script)
 
 _SAME = """
 import gc, json, sys
@@ -89,40 +87,6 @@ print(json.dumps({"tok_s": (len(times) - 1) / sum(times[1:]), "budget": e.plan.b
 """
 
 
-def convert_in_place(source: Path, out: Path) -> dict:
-    """Convert, sampling the output filesystem's used bytes: the peak above what was used before."""
-    before = shutil.disk_usage(out.parent).used
-    peak, done = [before], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], shutil.disk_usage(out.parent).used)
-            time.sleep(0.1)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t = time.perf_counter()
-    cmd = [sys.executable, "-m", "mlx_flash.convert", "--model", str(source), "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    done.set()
-    sampler.join()
-    if r.returncode:
-        raise SystemExit(f"convert failed: {r.stderr[-2000:]}")
-    fd = FlashDir(out)
-    written = sum(f.stat().st_size for f in out.iterdir())
-    return {
-        "wall_s": wall,
-        "peak_extra_disk": peak[0] - before,
-        "output_bytes": written,
-        "resident_bytes": fd.resident_bytes,
-        "model_bytes": fd.model_bytes,
-        "output_of_model": written / fd.model_bytes,
-        "peak_of_resident": (peak[0] - before) / fd.resident_bytes,
-        "stdout_tail": r.stdout[-300:],
-    }
-
-
 def child(script: str, *args, limit=None, drop=()) -> dict:
     r = run_capped([sys.executable, "-c", script, *map(str, args)], limit=limit, drop=drop, timeout=3600)
     if r.returncode:
@@ -149,7 +113,7 @@ def main():
     if "convert" in phases:
         if out.exists():
             raise SystemExit(f"{out} exists: remove it to convert again, or leave convert out of --phases")
-        report["convert"] = convert_in_place(source, out)
+        report["convert"] = convert_sampled(source, out)
         print(json.dumps(report["convert"], indent=1), flush=True)
     fd, ref = FlashDir(out), FlashDir(copied)
     fraction = {b: float(b.rstrip("%")) / 100 for b in args.budgets.split(",") + args.caps.split(",")}
