@@ -7,7 +7,7 @@ convert writes, the same bits, and decode speed under hard memory caps.
 --copied is a flash directory holding the same weights in ffn.bin (e.g. the one MLXDIR was exported from with
 `python -m mlx_flash.convert.export`, or `convert --copy`). Steps:
   1. convert (unless --out exists): `python -m mlx_flash.convert --model MLXDIR --out INPLACEDIR` (in place, the
-     default), the filesystem's used bytes sampled every 0.1 s: peak extra disk, bytes of the output, wall time;
+     default), the filesystem's used bytes sampled every millisecond: peak extra disk, bytes of the output, wall time;
   2. the same bits: per budget (a fraction of the model's bytes), in a fresh process each, teacher-forced random
      tokens through both directories: every log-probability equal, and the greedy continuation of a prompt;
   3. decode speed: per round, both directories in alternating order, under each hard cap (a child memory cgroup of
