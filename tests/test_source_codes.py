@@ -203,7 +203,7 @@ def test_symmetric_resident_modules_keep_no_biases(tmp_path, monkeypatch, reques
     gguf = write_gguf("tiny", tmp_path / "tiny.gguf", progress=False, vocab_size=4096)  # large enough to stream
     path = convert(str(gguf), tmp_path / "flash", alignment=512, progress=False)
     with monkeypatch.context() as m:  # the same conversion as format v3 wrote it: biases stored
-        m.setattr(flash_format, "symmetric_modules", lambda resident, config: {})
+        m.setattr(flash_format, "_implied_bits", lambda *args: None)
         stored = convert(str(gguf), tmp_path / "stored", alignment=512, progress=False)
     fd, fd_stored = FlashDir(path), FlashDir(stored)
     src, _ = load_source_model(resolve_source(str(gguf), tmp_path))
