@@ -84,6 +84,8 @@ def _quantize(model: nn.Module, weights: Dict[str, mx.array], fd: FlashDir) -> N
     cpu_gemv.patch(model)
     modules = dict(model.named_modules())
     for path in fd.symmetric:
+        if "biases" not in modules.get(path, {}):
+            raise FlashFormatError(f"{fd.path / MANIFEST}: resident.symmetric names {path}, no quantised module")
         modules[path].pop("biases")
 
 

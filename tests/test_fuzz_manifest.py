@@ -146,3 +146,20 @@ def test_an_experts_ggml_type_that_does_not_fit_is_refused(flash_dir, tmp_path, 
     quant["gate_proj"][field] = value
     with pytest.raises(FlashFormatError, match=why):
         FlashDir(_with_manifest(flash_dir, tmp_path, manifest))
+
+
+@pytest.mark.parametrize("value", [{"": 0}, {"model.no_such_module": 4}], ids=["zero-bits", "no-module"])
+def test_a_symmetric_list_that_is_not_the_files_is_refused(flash_dir, tmp_path, value):
+    """(Found by the fuzz above:) resident.symmetric naming no module, or bits that are none, is a FlashFormatError
+    at open or load, not a KeyError; null where it lists nothing opens (it was a TypeError)."""
+    manifest = json.loads((flash_dir / MANIFEST).read_text())
+    listed = manifest["resident"].get("symmetric")
+    manifest["resident"]["symmetric"] = value
+    with pytest.raises(FlashFormatError, match="resident.symmetric"):
+        d = _with_manifest(flash_dir, tmp_path, manifest)
+        FlashDir(d).load_resident()
+        load(d, context=16)
+    if not listed:
+        manifest["resident"]["symmetric"] = None
+        (tmp_path / "null").mkdir()
+        FlashDir(_with_manifest(flash_dir, tmp_path / "null", manifest)).load_resident()

@@ -132,6 +132,8 @@ class FlashDir:
                 raise ValueError("alignment and unit_alignment must be positive counts")
             self.layers: List[Dict[str, Region]] = manifest.read_layers(m, self.layouts)
             manifest.check_ggml_lengths(m["ffn"], self.layers, self.layouts)
+            if not all(p and type(b) is int and 2 <= b <= 8 for p, b in self.symmetric.items()):
+                raise ValueError(f"resident.symmetric is {self.symmetric!r}, not module paths and their bits")
             if self.version == 1 and any(l.encoded for l in self.layouts.values()):
                 raise ValueError("encoded components need format version 2")
             if self.version < 3 and self.unit_alignment != self.alignment:
@@ -367,7 +369,7 @@ class FlashDir:
     @property
     def symmetric(self) -> Dict[str, int]:
         """Quantised resident modules stored without biases (symmetric codes): {module path: bits}."""
-        return self.manifest["resident"].get("symmetric", {})
+        return self.manifest["resident"].get("symmetric") or {}
 
     def load_resident(self, biases: bool = True) -> Dict[str, mx.array]:
         """The resident weights as mlx-lm names them; biases=False leaves out the symmetric modules' biases
@@ -377,6 +379,9 @@ class FlashDir:
             arrays = mx.load(str(self.path / RESIDENT))
         except Exception as e:
             raise FlashFormatError(f"{self.path / RESIDENT}: cannot be read ({e})") from e
+        missing = [p for p in self.symmetric if f"{p}.scales" not in arrays or f"{p}.biases" in arrays]
+        if missing:
+            raise FlashFormatError(f"{self.path / MANIFEST}: resident.symmetric names {missing[0]}, no such module")
         if biases:
             arrays.update(
                 {f"{p}.biases": symmetric_biases(arrays[f"{p}.scales"], b) for p, b in self.symmetric.items()}
