@@ -101,6 +101,7 @@ FFN_HOLES = "gguf_ffn.json"
 # ... and the quantised modules whose biases it left out (symmetric: derived from their scales)
 SYMMETRIC = "gguf_symmetric.json"
 DENSE_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.weight")
+STREAMED = re.compile(r"\.ffn_(gate|up|down|gate_up)(_exps)?$")  # a block's tensors read from flash (by base name)
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -597,8 +598,9 @@ def _write_tensor(
     symmetric: Optional[set] = None,
 ):
     """One tensor under its mlx-lm name: RoPE rows unpermuted, norms unshifted, cast; its quantisation noted.
-    `by_layer`: a shard per GGUF block, any other array alone (ShardWriter's groups). `symmetric`: biases that are
-    -2^(bits-1) times the scales (Q4_0, Q8_0) left out, the name noted there (load_source_model derives them)."""
+    `by_layer`: shards per GGUF block (its FFN apart from the rest), any other array alone (ShardWriter's groups).
+    `symmetric`: biases that are -2^(bits-1) times the scales (Q4_0, Q8_0) left out, the name noted there
+    (load_source_model derives them)."""
     import mlx.core as mx
 
     hf, head_key = map_name(spec, base)
@@ -618,9 +620,10 @@ def _write_tensor(
             symmetric.add(hf)
             arrays = {k: v for k, v in arrays.items() if k != "biases"}
     block = base.split(".")[1] if base.startswith("blk.") else None
+    part = "ffn" if block is not None and STREAMED.search(base) else "rest"
     for key, arr in arrays.items():
         name = hf if base.rpartition(".")[2] in spec.bare else f"{hf}.{key}"
-        writer.add(name, arr, (block or name) if by_layer else None)
+        writer.add(name, arr, (block or name, part) if by_layer else None)
 
 
 def gguf_to_mlx_dir(
@@ -650,8 +653,9 @@ def gguf_to_mlx_dir(
     `experts_in_place`: a mixture of experts' stacked experts of GGML block types (`kept_experts`) are not
     written: IN_PLACE records where each lies in the GGUF (file, size, time; per mlx-lm projection path its type,
     offset and shape [experts, out, in]) and the model loads without them (convert reads them in place).
-    `by_layer`: a shard per layer (any tensor outside the layers alone), each written once, so that convert frees
-    each as soon as it has read it, and symmetric biases left out (SYMMETRIC, derived again by load_source_model).
+    `by_layer`: shards per layer (its FFN and the rest apart; any tensor outside the layers alone), each written
+    once, so that convert frees each as soon as it has read it, and symmetric biases left out (SYMMETRIC, derived
+    again by load_source_model).
     `ffn_holes`: a dense model's FFN matrices are not converted yet: each layer's are a shard of a header over a
     hole (a sparse file), filled when convert reaches the layer (FFNHoles).
     `_unpermute_qk=False` and `_force_reader=True` are for tests only.

@@ -231,43 +231,50 @@ def fill_hole(f, header: dict, name: str, a: mx.array) -> None:
 
 
 class ShardWriter:
-    """Safetensors shards of about `shard_bytes`, or of one `group` each (a shard ends where the group of the
-    arrays added changes), each array spooled as it is added (memory: one array) into its shard's own file, whose
-    header goes in the room left at its start (`TensorSpool.finish`): the data are written once. `add_file`: a shard
-    written otherwise (`hole_file`). `close` names them model.safetensors or model-NNNNN-of-NNNNN.safetensors (an
-    index beside several), as mlx-lm's loader finds them."""
+    """Safetensors shards of about `shard_bytes`, or of one `group` of arrays each, each array spooled as it is added
+    (memory: one array) into its shard's own file, whose header goes in the room left at its start
+    (`TensorSpool.finish`): the data are written once. `add_file`: a shard written otherwise (`hole_file`). `close`
+    names them model.safetensors or model-NNNNN-of-NNNNN.safetensors (an index beside several), as mlx-lm's loader
+    finds them."""
 
     def __init__(self, out_dir: Path, shard_bytes: int, room: int = 4 << 10):
         self.out_dir, self.shard_bytes, self.room = Path(out_dir), shard_bytes, room
-        self.spool: Optional[TensorSpool] = None
-        self.group = None
+        self.spools: Dict[object, TensorSpool] = {}  # group -> its shard being written
+        self.set, self.made = None, 0
         self.shards: List[List[str]] = []  # tensor names of each written shard
         self.files: List[Path] = []
 
     def add(self, name: str, arr, group=None) -> None:
-        if self.spool is not None and (group != self.group or self.spool.nbytes + arr.nbytes > self.shard_bytes):
+        """`group`: None, or (set, part): a shard holds one group's arrays; the groups of a set are written together
+        (a layer's FFN and the rest of it), and an array of another set ends them."""
+        if group is not None and group[0] != self.set:
             self.flush()
-        if self.spool is None:
-            self.spool = TensorSpool(self._next().with_suffix(".spool"), metadata={"format": "mlx"}, room=self.room)
-            self.group = group
-        self.spool.add(name, arr)
+            self.set = group[0]
+        spool = self.spools.get(group)
+        if spool is not None and spool.nbytes + arr.nbytes > self.shard_bytes:
+            self._end(group)
+            spool = None
+        if spool is None:
+            self.made += 1
+            scratch = self.out_dir / f".tmp-model-{self.made:05d}.spool"
+            spool = self.spools[group] = TensorSpool(scratch, metadata={"format": "mlx"}, room=self.room)
+        spool.add(name, arr)
 
     def add_file(self, path: Path, names: List[str]) -> None:
         self.flush()
         self.files.append(path)
         self.shards.append(sorted(names))
 
-    def _next(self) -> Path:
-        return self.out_dir / f".tmp-model-{len(self.files) + 1:05d}.safetensors"  # (not matched by model*)
+    def _end(self, group) -> None:
+        spool = self.spools.pop(group)
+        f = spool.scratch.with_suffix(".safetensors")  # (not matched by model*.safetensors)
+        self.shards.append(sorted(spool.entries))
+        spool.finish(f, list(spool.entries), sha256=False)
+        self.files.append(f)
 
     def flush(self) -> None:
-        if self.spool is None:
-            return
-        f = self._next()
-        self.shards.append(sorted(self.spool.entries))
-        self.spool.finish(f, list(self.spool.entries), sha256=False)
-        self.files.append(f)
-        self.spool = None
+        for group in list(self.spools):
+            self._end(group)
 
     def close(self) -> List[Path]:
         """The shards' paths, in the order written."""
