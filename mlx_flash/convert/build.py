@@ -133,7 +133,8 @@ def convert(
         model_obj, config = load_source_model(src_dir)
         holes = FFNHoles.open(src_dir)
         evaluate = None
-        if Path(src_dir).resolve().is_relative_to(work.resolve()):  # a GGUF's: each shard freed once read
+        gguf = Path(src_dir).resolve().is_relative_to(work.resolve())  # (made from a GGUF)
+        if gguf:  # each of its shards freed once read
             evaluate = Unlinked(src_dir, holes.files if holes is not None else ()).evaluate
         if holes is not None:  # (layer 0's FFN is looked at before the layers are written)
             holes.fill(mlp_paths(model_obj)[0])
@@ -152,7 +153,7 @@ def convert(
                     f"{' '.join(asked)}: a mixture-of-experts model converts its experts as the source "
                     "stores them; these options apply to dense models only"
                 )
-            in_place = not copy and not Path(src_dir).resolve().is_relative_to(work.resolve())  # (not a GGUF's)
+            in_place = not copy and not gguf  # (a GGUF's experts: `ggml` below)
             kept = Path(src_dir) / IN_PLACE  # (a GGUF's experts left in it as their blocks)
             ggml = json.loads(kept.read_text()) if kept.is_file() else None
             return convert_moe(

@@ -100,7 +100,6 @@ IN_PLACE = "gguf_experts.json"
 FFN_HOLES = "gguf_ffn.json"
 # ... and the quantised modules whose biases it left out (symmetric: derived from their scales)
 SYMMETRIC = "gguf_symmetric.json"
-DENSE_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.weight")
 STREAMED = re.compile(r"\.ffn_(gate|up|down|gate_up)(_exps)?$")  # a block's tensors read from flash (by base name)
 
 
@@ -479,7 +478,14 @@ def _dense_ffn(header) -> dict:
     """{name: header entry} of a dense model's FFN matrices (none for a mixture of experts)."""
     if any(t.name.endswith(EXPERT_TENSORS) for t in header.tensors):
         return {}
-    return {t.name: t for t in header.tensors if DENSE_FFN.fullmatch(t.name) and len(t.shape) == 2}
+    return {
+        t.name: t
+        for t in header.tensors
+        if t.name.startswith("blk.")
+        and t.name.endswith(".weight")
+        and STREAMED.search(t.name[: -len(".weight")])
+        and len(t.shape) == 2
+    }
 
 
 def _write_holes(writer, out_dir: Path, holes: dict, header, path, spec, quant_of, cast, unpermute: bool) -> dict:

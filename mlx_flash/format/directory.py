@@ -610,7 +610,7 @@ class FlashWriter:
         self.abort()
         total = sum(v.nbytes for v in resident.values())
         spool = TensorSpool(self.path / f".{RESIDENT}.spool", reserve=resident, metadata={"format": "mlx"})
-        symmetric = {}
+        symmetric, late = {}, set()  # late: modules whose biases came before their scales, checked at the end
         with tqdm(
             total=total, desc="resident weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
         ) as bar:
@@ -626,9 +626,12 @@ class FlashWriter:
                     if bits is not None:
                         symmetric[path] = bits
                         continue
+                elif path != k:
+                    late.add(path)
                 spool.add(k, a)
                 del a
-        symmetric = dict(sorted({**symmetric, **symmetric_modules(_Spooled(spool), config)}.items()))
+        late = {f"{p}.{part}" for p in late for part in ("weight", "scales", "biases")}
+        symmetric = dict(sorted({**symmetric, **symmetric_modules(_Spooled(spool, late), config)}.items()))
         names = [k for k in spool.entries if k.removesuffix(".biases") not in symmetric]
         with tqdm(
             total=spool.start + sum(spool.entries[k][3] for k in names),
@@ -703,10 +706,11 @@ def _affine_quant(config: dict, path: str) -> Optional[dict]:
 
 
 class _Spooled(dict):
-    """A TensorSpool's arrays by name: shapes at once, each array read back only when asked for."""
+    """A TensorSpool's arrays by name (those of `names`, if given): shapes at once, each array read back only when
+    asked for."""
 
-    def __init__(self, spool):
-        super().__init__({k: e[1] for k, e in spool.entries.items()})
+    def __init__(self, spool, names=None):
+        super().__init__({k: e[1] for k, e in spool.entries.items() if names is None or k in names})
         self.spool = spool
 
     def __getitem__(self, name):
