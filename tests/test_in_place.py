@@ -219,10 +219,12 @@ def test_convert_in_place_needs_the_resident_weights_once_on_disk(tmp_path, monk
         assert out.sources is not None and out.resident_bytes == ref.resident_bytes
 
 
-def test_a_gguf_converts_in_place_on_a_disk_of_its_resident_weights_and_a_twentieth(tmp_path, monkeypatch):
-    """A Q4_0 qwen3moe GGUF of 32 layers, its experts read in place, converts on a filesystem of 1.05 times its
-    resident file (and the small files' blocks; the space check off): its mlx-lm directory, a shard per layer
-    without the biases Q4_0 implies, is freed as the resident file is written, which is written once."""
+@pytest.mark.parametrize("copy", [False, True], ids=["in_place", "copy"])
+def test_a_moe_gguf_converts_on_a_disk_of_what_it_writes_and_a_twentieth(tmp_path, monkeypatch, copy):
+    """A Q4_0 qwen3moe GGUF of 48 layers converts on a filesystem of 1.05 times what it writes (the space check off):
+    in place, its resident file (and the small files' blocks); with --copy, the whole directory. Its mlx-lm
+    directory, a shard per layer without the biases Q4_0 implies and its experts a shard apart, is freed as the
+    output is written, which is written once."""
     from mlx_flash.convert import build
     from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
@@ -230,14 +232,16 @@ def test_a_gguf_converts_in_place_on_a_disk_of_its_resident_weights_and_a_twenti
 
     shape = dict(num_hidden_layers=48, hidden_size=512, num_attention_heads=8)  # (the 30B's 48 layers)
     src = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, **{**tiny_moe("qwen3_moe"), **shape})
-    ref = FlashDir(convert(str(src), tmp_path / "ref", progress=False))
-    small = sum(-(-f.stat().st_size // 4096) * 4096 for f in ref.path.iterdir() if f.name != RESIDENT)
+    ref = FlashDir(convert(str(src), tmp_path / "ref", progress=False, copy=copy))
+    blocks = {f.name: -(-f.stat().st_size // 4096) * 4096 for f in ref.path.iterdir()}
+    written = (RESIDENT, FFN) if copy else (RESIDENT,)  # (what the bound is a twentieth of)
+    big, small = (sum(v for k, v in blocks.items() if (k in written) == b) for b in (True, False))
     monkeypatch.setattr(build, "check_free_space", lambda out, needed: None)
-    with tmpfs(tmp_path / "disk", int(1.05 * ref.resident_bytes) + small + (16 << 10)) as disk:
-        assert ref.resident_bytes > 10 * small and ref.symmetric  # (the bound is the resident file's)
-        out = FlashDir(build.convert(str(src), disk / "out", progress=False))
-        assert out.sources is not None
-        assert (out.path / RESIDENT).read_bytes() == (ref.path / RESIDENT).read_bytes()
+    with tmpfs(tmp_path / "disk", int(1.05 * big) + small + (16 << 10)) as disk:
+        assert big > 10 * small and ref.symmetric and (ref.sources is None) == copy
+        out = FlashDir(build.convert(str(src), disk / "out", progress=False, copy=copy))
+        for name in blocks:
+            assert (out.path / name).read_bytes() == (ref.path / name).read_bytes(), name
 
 
 @pytest.fixture(scope="module")
