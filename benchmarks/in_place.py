@@ -109,7 +109,9 @@ def main():
     phases = args.phases.split(",")
     source, copied, out = (Path(x).expanduser().resolve() for x in (args.source, args.copied, args.out))
     report = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
-    report.update(machine=machine_info(str(copied)), versions=versions(), tokens=args.tokens)
+    report.update(machine=machine_info(str(copied)), versions=versions())
+    earlier = report.get("tokens") if isinstance(report.get("tokens"), dict) else {}  # (tokens of each phase)
+    report["tokens"] = {**earlier, **{ph: args.tokens for ph in phases if ph != "convert"}}
     if "convert" in phases:
         if out.exists():
             raise SystemExit(f"{out} exists: remove it to convert again, or leave convert out of --phases")

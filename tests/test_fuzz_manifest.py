@@ -20,25 +20,28 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "qwen3_moe in place", "qwen3_moe in place Q4_K_M"])
+@pytest.fixture(
+    scope="module", params=["llama", "qwen3_moe", "qwen3_moe in place", "qwen3_moe in place Q4_K_M", "qwen3_moe copied"]
+)
 def flash_dir(request, tmp_path_factory):
     """A dense and a mixture-of-experts directory, and ones whose experts are read in place from a 4-bit source or a
-    Q4_K_M GGUF's blocks (format v5: sources and extents; GGML types per layer, extents' own lengths)."""
+    Q4_K_M GGUF's blocks (format v5: sources and extents; GGML types per layer, extents' own lengths), or from those
+    blocks copied into the directory's own ffn.bin (convert --copy: sources.root ".")."""
     from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
     root = tmp_path_factory.mktemp("fuzz")
-    arch, *in_place = request.param.split(" ", 1)
-    if in_place == ["in place Q4_K_M"]:  # (K-quant blocks: rows of 256 values)
+    arch, *form = request.param.split(" ", 1)
+    if form in (["in place Q4_K_M"], ["copied"]):  # (K-quant blocks: rows of 256 values)
         shape = dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4)
         src = write_gguf(
             "moe-small", root / "m.gguf", progress=False, gguf_type="Q4_K_M", **{**tiny_moe(arch), **shape}
         )
-    elif in_place:
+    elif form:
         src = tiny_quantized(arch, root / "src")
     else:
         src = make_tiny_model_dir(arch, root / "src")
-    out = convert(str(src), root / "flash", alignment=512, progress=False)
-    assert (FlashDir(out).sources is not None) == bool(in_place)
+    out = convert(str(src), root / "flash", alignment=512, progress=False, copy=form == ["copied"])
+    assert (FlashDir(out).sources is not None) == bool(form)
     return out
 
 

@@ -129,7 +129,7 @@ def convert(
         source = local_source(model)
         needed = _disk_needed(source, dtype, bits, group_size, dequantize, down_bits, layout, prune, not copy)
         check_free_space(out, needed)
-        src_dir = resolve_source(source, work, progress, experts_in_place=not copy, ffn_holes=prune is None)
+        src_dir = resolve_source(source, work, progress, experts_in_place=True, ffn_holes=prune is None)
         model_obj, config = load_source_model(src_dir)
         holes = FFNHoles.open(src_dir)
         evaluate = None
@@ -153,9 +153,9 @@ def convert(
                     f"{' '.join(asked)}: a mixture-of-experts model converts its experts as the source "
                     "stores them; these options apply to dense models only"
                 )
-            in_place = not copy and not gguf  # (a GGUF's experts: `ggml` below)
-            kept = Path(src_dir) / IN_PLACE  # (a GGUF's experts left in it as their blocks)
+            kept = Path(src_dir) / IN_PLACE  # (a GGUF's experts left in it as their blocks: copied as they are)
             ggml = json.loads(kept.read_text()) if kept.is_file() else None
+            in_place = not copy and (ggml is not None or not gguf)
             return convert_moe(
                 model_obj, config, src_dir, work, out, model, alignment, progress, in_place, ggml, evaluate
             )
@@ -516,8 +516,9 @@ def setup_arg_parser():
     parser.add_argument(
         "--copy",
         action="store_true",
-        help="Mixture-of-experts models: write the experts into the output (a self-contained directory) instead of "
-        "reading them in place from the source directory's safetensors (the default where they are stacked there).",
+        help="Mixture-of-experts models: write the experts into the output (a self-contained directory; a GGUF's as "
+        "its blocks are) instead of reading them in place from the source's files (the default where they are "
+        "stacked there, or a GGUF's of block types with kernels).",
     )
     parser.add_argument("--prune-seq-len", type=int, default=256, help="Tokens per calibration sequence (default 256).")
     parser.add_argument(

@@ -55,13 +55,13 @@ class SourceWeights:
 
     def __init__(self, source: Path):
         self.gguf = source.is_file()
-        kept = {}  # a GGUF's experts read in place as its blocks (not in its mlx-lm directory unless copied)
+        kept = {}  # a GGUF's experts of block types: read in place or copied as they are, never in its mlx-lm dir
         if self.gguf:
             header = read_header(source)
             mixed = mixed_roles(header.tensors)
             kept = kept_experts(header)
             self.weights = [_gguf_weight(t, mixed) for t in header.tensors]
-            self.kept = set(kept)
+            self.kept = {name: t.n_bytes for name, t in kept.items()}
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then
             # copied into the output
             self.files = 2 * 2 * min((t.data_offset for t in header.tensors), default=0)
@@ -90,10 +90,11 @@ class SourceWeights:
         for w in self.weights:
             streamed = bool(FFN.search(w.name))
             q = down if streamed and DOWN.search(w.name) else quant
-            output[streamed] += 0 if streamed and in_place and self.stacked else _stored(w, q, self.quant, float_size)
+            stored = self.kept[w.name] if w.name in self.kept else _stored(w, q, self.quant, float_size)
+            output[streamed] += 0 if streamed and in_place and self.stacked else stored
             if streamed and resident_scales and q is not None and DOWN.search(w.name):
                 scales += 2 * (w.values // q["group_size"]) * (float_size or 2)  # its groups' scales and biases
-            if self.gguf and not (w.name in self.kept and in_place):
+            if self.gguf and w.name not in self.kept:
                 if w.name.startswith("blk."):  # (any other array is a shard of its own, freed as it is read)
                     layer = w.name.split(".")[1]
                     layers[layer] = layers.get(layer, 0) + w.nbytes

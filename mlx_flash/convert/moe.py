@@ -8,9 +8,10 @@ routers, norms, attention, embeddings and shared experts stay resident.
 
 In place (the default for a directory whose safetensors hold the experts stacked, as mlx-community's do): nothing
 of the experts is written; the manifest records where each expert's components lie in the source's files (format
-v5, directory.py) and the units' checksums, computed from those bytes in one sequential pass. `copy=True`, a GGUF
-(its codes are not MLX's layout) or a directory with a tensor per expert (mlx-lm stacks them as it loads) write
-the experts into ffn.bin as before.
+v5, directory.py) and the units' checksums, computed from those bytes in one sequential pass; a GGUF's experts of
+GGML block types likewise, as its blocks. `copy=True` or a directory with a tensor per expert (mlx-lm stacks them as
+it loads) write the experts into ffn.bin; a GGUF's as its tensors are, read from there as in place (the same rows,
+so the same bits as in place).
 """
 
 import os
@@ -36,7 +37,7 @@ from ..engine.experts import (
 )
 from ..errors import FlashError
 from ..format import ggml
-from ..format.directory import DEFAULT_ALIGNMENT, PACK_BYTES, FlashWriter
+from ..format.directory import DEFAULT_ALIGNMENT, FFN, PACK_BYTES, FlashWriter
 from ..format.layout import BundleLayout, Component, Extent, Region, dtype_name, round_up
 from ..format.quant import is_symmetric
 from ..format.safetensors_io import DTYPES as SAFETENSORS_DTYPES
@@ -48,6 +49,7 @@ from .source import copy_tokenizer, release
 # common disks; one of 4 KiB is read through the pool's bounce buffers, F_NOCACHE has none): a few hundred bytes
 # more a component, where 4 KiB windows cost 1-2% of an expert and of the experts a cache holds.
 WINDOW_ALIGNMENT = 512
+COPY_BYTES = 16 << 20  # (a GGUF's experts copied a chunk at a time: --copy)
 
 
 def convert_moe(
@@ -78,10 +80,6 @@ def convert_moe(
     if blocks:
         f = Path(ggml["file"])
         sources = {"root": str(f.parent), "files": [{"name": f.name, **{k: ggml[k] for k in ("bytes", "mtime_ns")}}]}
-        layers = {i: (paths[i], projections(modules[paths[i]])) for i in paths}
-        block_quant, block_layout, block_extents, n_experts = ggml_experts(
-            ggml["experts"], layers, ggml["bytes"], alignment
-        )
     windows = None
     if tensors is not None:
         shapes = BundleLayout.from_arrays(expert_arrays(modules[paths[min(paths)]]), alignment)  # (lazy)
@@ -89,6 +87,17 @@ def convert_moe(
         windows = in_place_windows(shapes, places, WINDOW_ALIGNMENT)
     # (units `alignment` apart: an expert read straight into its row)
     writer = FlashWriter(work / "flash", alignment, unit_alignment=alignment, sources=sources)
+    if blocks:
+        experts = ggml["experts"]
+        if not in_place:  # --copy: the tensors as they are into ffn.bin, read from there as from the GGUF
+            experts = copy_tensors(f, experts, writer.path / FFN, alignment, progress)
+            st = (writer.path / FFN).stat()
+            sources = {"root": ".", "files": [{"name": FFN, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}]}
+            writer.sources = sources
+        layers = {i: (paths[i], projections(modules[paths[i]])) for i in paths}
+        size = sources["files"][0]["bytes"]
+        block_quant, block_layout, block_extents, n_experts = ggml_experts(experts, layers, size, alignment)
+        sources = {**sources, "root": str(writer.path / sources["root"])}  # (the checksums read it now)
     quant, hidden = None, None
     try:
         sizes = [
@@ -184,6 +193,34 @@ def convert_moe(
     copy_tokenizer(src_dir, writer.path)
     os.replace(writer.path, out)
     return out
+
+
+def copy_tensors(gguf: Path, experts: dict, out: Path, alignment: int, progress: bool = True) -> dict:
+    """The GGUF's stacked expert tensors (gguf.IN_PLACE's `experts`) copied as they are into file `out`, each at a
+    multiple of `alignment`, in the GGUF's order: their entries with their offsets there."""
+    size = {k: e["shape"][0] * e["shape"][1] * ggml.row_bytes(e["type"], e["shape"][2]) for k, e in experts.items()}
+    moved, at = {}, 0
+    with (
+        open(gguf, "rb") as src,
+        open(out, "wb") as dst,
+        tqdm(
+            total=sum(size.values()), desc="experts", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
+        ) as bar,
+    ):
+        for k, e in sorted(experts.items(), key=lambda kv: kv[1]["offset"]):
+            at = round_up(at, alignment)
+            moved[k] = {**e, "offset": at}
+            dst.seek(at)
+            for o in range(0, size[k], COPY_BYTES):
+                n = min(COPY_BYTES, size[k] - o)
+                data = os.pread(src.fileno(), n, e["offset"] + o)
+                if len(data) != n:
+                    raise FlashError(f"{gguf}: cut short at byte {e['offset'] + o + len(data)} (changed meanwhile?)")
+                dst.write(data)
+                bar.update(n)
+            at += size[k]
+        dst.truncate(round_up(at, alignment))
+    return moved
 
 
 def ggml_experts(experts: dict, layers: Dict[int, tuple], size: int, alignment: int):

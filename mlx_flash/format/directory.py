@@ -35,7 +35,9 @@ each region an "extents" entry per component of its layout ({"component", "file"
 window, "stride" between units, "bytes" of a window, "at": the component's offset in it}): the windows tile a
 unit's cache row in order, each an aligned window around its component where the source's strides allow (read
 straight into the row; the component "at" bytes into it, this layer's own offset: `layout_of`), else exactly its
-bytes (at 0: the region's layout). A source file moved, cut or changed since convert is refused at open.
+bytes (at 0: the region's layout). A source file moved, cut or changed since convert is refused at open. A GGUF's
+experts copied (`convert --copy`) are its tensors as they are in the directory's own ffn.bin, read the same way:
+root "." (the directory; only their sizes are checked at open, as a copy of the directory changes their times).
 """
 
 import json
@@ -221,6 +223,7 @@ class FlashDir:
 
     def _check_sources(self):
         """Every source file where convert found it, as it was: its size and modification time recorded then."""
+        own = not Path(self.sources["root"]).is_absolute()  # (convert --copy: its own ffn.bin, moved with it)
         for f, path in zip(self.sources["files"], self.unit_paths):
             try:
                 st = path.stat()
@@ -229,7 +232,7 @@ class FlashDir:
                     f"{path}: missing. {self.path.name} reads its experts in place from this file: put it back, or "
                     "convert the model again from where it is now"
                 ) from None
-            if st.st_size != f["bytes"] or st.st_mtime_ns != f["mtime_ns"]:
+            if st.st_size != f["bytes"] or (st.st_mtime_ns != f["mtime_ns"] and not own):
                 what = f"{st.st_size} bytes, {f['bytes']} at convert" if st.st_size != f["bytes"] else "modified"
                 raise SourceFileError(
                     f"{path}: changed since {self.path.name} was converted ({what}); its experts are read in place "
@@ -255,7 +258,7 @@ class FlashDir:
         """The files units are read from: the source's (in place) or ffn.bin."""
         if self.sources is None:
             return [self.ffn_path]
-        return [Path(self.sources["root"]) / f["name"] for f in self.sources["files"]]
+        return [self.path / self.sources["root"] / f["name"] for f in self.sources["files"]]  # (root: absolute or ".")
 
     @property
     def strides(self) -> Dict[str, int]:
@@ -461,7 +464,7 @@ class FlashDir:
     @property
     def units_where(self) -> str:
         """Where the units are, for messages."""
-        return str(self.ffn_path) if self.sources is None else f"the source files in {self.sources['root']}"
+        return str(self.ffn_path) if self.sources is None else f"the source files in {self.unit_paths[0].parent}"
 
     def unpack_layer(self, layer: int) -> Dict[str, mx.array]:
         """Every component array of one layer, read from disk (e.g. for an all-resident model), expanded."""

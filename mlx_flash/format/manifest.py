@@ -20,7 +20,7 @@ MANIFEST_TYPES = {
     "resident": {"bytes": int, "sha256": str, "symmetric": (dict, None)},
     "unit_checksums": ({"file": str, "crc32": int}, None),
     "sparsity": (dict, None),
-    "sources": ({"root": str, "files": [dict]}, None),  # v5: units read in place from these files
+    "sources": ({"root": str, "files": [dict]}, None),  # v5: units read in place from these files ("." its own)
 }
 SOURCE_FILE_TYPES = {"name": str, "bytes": int, "mtime_ns": int}
 EXTENT_TYPES = {
@@ -222,6 +222,9 @@ def check_types(m: dict) -> None:
     for name in _named_files(m):
         if Path(name).name != name or name in ("", ".", ".."):
             raise ValueError(f"{name!r} names a file outside the model directory")
+    root = (m.get("sources") or {}).get("root", "/")
+    if not (Path(root).is_absolute() or root == "."):  # (".": the directory's own ffn.bin, convert --copy)
+        raise ValueError(f'sources.root {root!r} is neither an absolute path nor the model directory (".")')
     for f in (m.get("sources") or {}).get("files", []):
         _check(f, SOURCE_FILE_TYPES, "sources.files.")
         if Path(f["name"]).is_absolute() or ".." in Path(f["name"]).parts or f["name"] in ("", "."):
