@@ -61,13 +61,13 @@ class SourceWeights:
             mixed = mixed_roles(header.tensors)
             kept = kept_experts(header)
             self.weights = [_gguf_weight(t, mixed) for t in header.tensors]
-            self.kept = {name: t.n_bytes for name, t in kept.items()}
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then
             # copied into the output
             self.files = 2 * 2 * min((t.data_offset for t in header.tensors), default=0)
         else:
             self.weights = _directory_weights(source, read_config(source))
             self.files = sum(f.stat().st_size for f in tokenizer_files(source))
+        self.kept = {name: t.n_bytes for name, t in kept.items()}
         ffn = [w for w in self.weights if FFN.search(w.name)]
         self.quant = ffn[0].quant if ffn else None  # convert's: the first layer's FFN's (build._model_quantization)
         self.moe = any(EXPERTS.search(w.name) for w in ffn)
