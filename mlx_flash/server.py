@@ -26,6 +26,7 @@ others; a rank lost ends the others with one line (the pipeline's watchdog).
 import argparse  # noqa: I001  (mlx_flash before mlx_lm, see below)
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -767,5 +768,15 @@ def lead(args, stage, tokenizer):
             stage.stop(status)
 
 
+def exit_now(status: int):
+    """Leave without the interpreter's finalisation: mlx-lm's generation thread, joined, may still be unwinding its
+    native thread-local state, and CPython ends a thread that needs the GIL during finalisation with pthread_exit,
+    which aborts the process inside a C++ destructor ("terminate called without an active exception")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
