@@ -13,7 +13,8 @@ Operations: the primitives of every graph the step evaluates (mx.export_to_dot o
 mx.eval, mx.async_eval, and the host copies np.array / np.asarray make, intercepted), so fused kernels count once
 (on the CPU backend MLX composes rms_norm, RoPE and attention from primitives: the stock forward's count includes
 those too). Host synchronisations: evaluations with work to do before the host goes on (the step's final one
-included); the engine's own count (Stats.syncs) beside.
+included; mx.async_eval queues work without waiting, and a later wait for it finds no graph left: not counted); the
+engine's own counts beside (Stats.syncs, and Stats.waits: its waits for results already queued).
 """
 
 import argparse
@@ -46,7 +47,7 @@ class Counter:
         self._dot = tempfile.mktemp(suffix=".dot")
         self._saved = None
 
-    def _graph(self, arrays) -> int:
+    def _graph(self, arrays, sync: bool = True) -> int:
         arrays = [a for a in arrays if isinstance(a, mx.array)]
         if not arrays:
             return 0
@@ -55,7 +56,7 @@ class Counter:
         for label in labels:
             self.kinds[label] = self.kinds.get(label, 0) + 1
         self.ops += len(labels)
-        self.syncs += bool(labels)
+        self.syncs += sync and bool(labels)
         return len(labels)
 
     def __enter__(self):
@@ -69,7 +70,7 @@ class Counter:
             return out
 
         mx.eval = lambda *a: (self._graph(flat(a)), ev(*a))[1]
-        mx.async_eval = lambda *a: (self._graph(flat(a)), aev(*a))[1]
+        mx.async_eval = lambda *a: (self._graph(flat(a), sync=False), aev(*a))[1]
         np.array = lambda x, *a, **k: (self._graph([x]) if isinstance(x, mx.array) else 0, array(x, *a, **k))[1]
         np.asarray = lambda x, *a, **k: (self._graph([x]) if isinstance(x, mx.array) else 0, asarray(x, *a, **k))[1]
         return self
@@ -128,6 +129,7 @@ def flash(path, budget) -> dict:
         s = model.flash.stats
         s.end()
         out["engine_syncs"] = s.tokens[-1].syncs if s.tokens else None
+        out["engine_waits"] = s.tokens[-1].waits if s.tokens else None
         out["layers"] = len(model.layers)
         out["plan"] = model.flash.plan.describe(
             {k: v.stride for k, v in model.flash.fd.layouts.items()},

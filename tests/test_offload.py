@@ -8,6 +8,7 @@ import os
 from mlx_flash import BudgetError, FlashFormatError
 from mlx_flash.budget import min_budget, min_streaming_budget, plan_memory
 from mlx_flash.convert import convert
+from mlx_flash.engine import resident
 from mlx_flash.engine.resident import _spread, stream_groups
 from mlx_flash.format.directory import RESIDENT, FlashDir
 from mlx_flash.loader import cpu_cast, kv_size_of, load, load_resident
@@ -15,6 +16,7 @@ from mlx_flash.models.inspect import instantiate
 from mlx_flash.models.tiny import make_tiny_model_dir
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -48,6 +50,10 @@ def floors(path):
         min_streaming_budget(fd, CONTEXT, kv_size_of(fd), resident=resident, groups=groups),
         min_budget(fd, CONTEXT, kv_size_of(fd), resident=resident),
     )
+
+
+def greedy_logits(model, tokens):
+    return np.array(model.forward(tokens, model.make_cache(), True)[0, -1])
 
 
 def greedy(model, n):
@@ -249,3 +255,34 @@ def test_attach_moves_the_streamer(dirs):
         assert all(t.streamed_bytes > 0 for t in second.stats.decode_tokens())
     finally:
         second.close()
+
+
+def test_streamed_modules_add_no_host_synchronisation_on_the_mlx_path(dirs, monkeypatch, mlx_ops):
+    """On MLX's forward (a Mac's GPU), a streamed attention layer or head chunk is queued, not waited for: its buffer's
+    next read waits for it instead (Stats.waits), by when a later chunk is queued or a layer's FFN has synchronised.
+    A decode token then synchronises at most once a layer, with the resident model's tokens."""
+    monkeypatch.setattr(resident, "HEAD_CHUNK_BYTES", 8 << 10)  # a head of several chunks
+    path = dirs["llama"]
+    fd, groups, floor, _ = floors(path)
+    expected = greedy(load_resident(path)[0], 12)
+    model, _ = load(path, memory_budget=floor, sparsity="dense", context=CONTEXT, backend="mlx")
+    try:
+        assert {g.kind for g in model.flash.plan.streamed} == {"rows", "layer", "head"}
+        assert greedy(model, 12) == expected
+        model.flash.stats.end()
+        toks = model.flash.stats.decode_tokens()
+        head = len(model.flash.streamer.chunks("lm_head"))
+        assert head > 2
+        assert all(t.syncs <= len(fd.layers) for t in toks)
+        assert all(t.waits >= head for t in toks[1:])
+        # a batched pass (the server's) uses every row's logits: the head streams in its chunks, not read whole
+        caches = [model.make_cache() for _ in range(3)]
+        for i, c in enumerate(caches):
+            model.forward([t + i for t in PROMPT], c, True)
+        model.flash.streamer.lazy = None
+        model.flash.stats.begin_token()
+        together = model.forward.run([(PROMPT[:2], c) for c in caches])
+        assert model.flash.stats.current.waits >= head
+        assert np.allclose(together[0], greedy_logits(model, PROMPT + PROMPT[:2]), atol=1e-5)
+    finally:
+        model.flash.close()

@@ -524,6 +524,7 @@ class MLXForward(Forward):
         ids = _ids(np.concatenate([np.asarray(t, dtype=np.int32) for t, _ in seqs]))
         caches = [Segments(list(layer), lengths) for layer in zip(*(c for _, c in seqs))]
         offsets = [cs[0].offset for _, cs in seqs]
+        token = EVERY_ROW.set(True)  # (each sequence's logits: a streamed head in its chunks, not read whole)
         try:
             with row_rules.segmented(lengths):
                 out = self._pass(ids, caches, prompt, mx.array(np.cumsum(lengths) - 1, dtype=mx.int32))
@@ -533,6 +534,8 @@ class MLXForward(Forward):
                 raise  # (caches moved before the body asked: nothing to go back to)
             self.segmentable = False  # this architecture's passes go one sequence at a time
             return self.run(seqs, prompt)
+        finally:
+            EVERY_ROW.reset(token)
         return np.array(out[0].astype(mx.float32))
 
     # -- a pipeline stage -------------------------------------------------------------------------------------------

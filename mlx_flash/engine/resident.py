@@ -15,8 +15,11 @@ the groups `stream_groups` lists, cheapest first, until the rest fits:
 A `ResidentStreamer` reads them from resident.safetensors (offsets from its header, so the
 format needs nothing new) with its own pread pool. Loads follow the order of the forward
 pass (layer groups by index, then the head's chunks) and each load starts the read of the
-next one before returning, as offloading systems prefetch layer l+1 while layer l computes:
-at most two loads are in memory at once. Reads are aligned supersets of each tensor's bytes
+next one once the load's compute is queued (mx.async_eval), as offloading systems prefetch
+layer l+1 while layer l computes: at most two loads are in memory at once. A buffer's next read
+first waits for the last result computed from it (its fence), so a streamed module costs no host
+synchronisation of its own: a head chunk's wait finds the next chunk queued behind it (on a GPU,
+no stall), and a streamed layer's was done by the FFN synchronisations since. Reads are aligned supersets of each tensor's bytes
 (O_DIRECT) into one aligned buffer; the tensors are views of it, cast to float32 where the
 resident weights would be (loader.cpu_float32).
 
@@ -191,10 +194,19 @@ class ResidentStreamer:
         # a lookup's rows (grown as one needs)
         largest = max((g.load_bytes for g in groups if g.kind != "rows"), default=0)
         self._buffers = [aligned_buffer(largest, reader.alignment) if largest else None for _ in range(2)] + [None]
+        self._fences: List[Optional[mx.array]] = [None] * 3  # each buffer's last result computed from it
         self._turn = 0
+        self._current = 0  # the buffer of the last load taken
+        self._ahead = None  # the key whose next load done() reads ahead
 
     def _buffer(self, which: int):
-        """buffers() for a load into buffer `which` (0 and 1 in turn for the schedule's loads, 2 for lookups)."""
+        """buffers() for a load into buffer `which` (0 and 1 in turn for the schedule's loads, 2 for lookups), once
+        what was computed from its last load is."""
+        fence, self._fences[which] = self._fences[which], None
+        if fence is not None:
+            mx.eval(fence)
+            if self.stats is not None:
+                self.stats.current.waits += 1
 
         def get(nbytes: int):
             held = self._buffers[which]
@@ -216,7 +228,9 @@ class ResidentStreamer:
             ranges.append([(t.offset + r0 * row, (r1 - r0) * row)])
             shapes.append((r1 - r0, *t.shape[1:]))
         self._turn ^= 1
-        return _Load(key, self.reader, tensors, ranges, shapes, self.cast, self.file_size, self._buffer(self._turn))
+        load = _Load(key, self.reader, tensors, ranges, shapes, self.cast, self.file_size, self._buffer(self._turn))
+        load.which = self._turn
+        return load
 
     def _take(self, load: _Load) -> Dict[str, mx.array]:
         t = time.perf_counter()
@@ -228,8 +242,9 @@ class ResidentStreamer:
             s.streamed_bytes += load.nbytes
         return arrays
 
-    def load(self, path: str, rows: Optional[Tuple[int, int]] = None) -> Dict[str, mx.array]:
-        """The tensors of a layer group or a head chunk; starts reading the next load before returning."""
+    def load(self, path: str, rows: Optional[Tuple[int, int]] = None, ahead: bool = True) -> Dict[str, mx.array]:
+        """The tensors of a layer group or a head chunk; starts reading the next load before returning (ahead), or
+        at done(), once what they compute is queued."""
         key = (path, rows)
         load, self.pending = self.pending, None
         if load is not None and load.key != key:  # off schedule (e.g. an aborted forward): drop it
@@ -237,10 +252,23 @@ class ResidentStreamer:
             load = None
         if load is None:
             load = self._submit(key)
-        nxt = self._next.get(key)
+        self._ahead = key
+        if ahead:
+            self._read_ahead()
+        self._current = load.which
+        return self._take(load)
+
+    def _read_ahead(self):
+        nxt, self._ahead = self._next.get(self._ahead), None
         if nxt is not None:
             self.pending = self._submit(nxt)
-        return self._take(load)
+
+    def done(self, out):
+        """Queues what the last load's (or lookup's) tensors compute, fences their buffer with it, and starts the
+        next read."""
+        mx.async_eval(out)
+        self._fences[self._current] = out
+        self._read_ahead()
 
     def rows(self, path: str, ids: np.ndarray) -> Dict[str, mx.array]:
         """Rows `ids` (sorted, unique) of every tensor of a group, read now."""
@@ -251,6 +279,7 @@ class ResidentStreamer:
             ranges.append([(t.offset + int(i) * row, row) for i in ids])
             shapes.append((len(ids), *t.shape[1:]))
         load = _Load((path, "rows"), self.reader, tensors, ranges, shapes, self.cast, self.file_size, self._buffer(2))
+        self._ahead, self._current = None, 2
         return self._take(load)
 
     def touch(self, x: mx.array):
@@ -338,12 +367,10 @@ class Streamed(nn.Module):
         self._use(arrays)
         try:
             out = fn()
-            mx.eval(out)  # (before the buffer it reads takes the load after next)
-            if self._streamer.stats is not None:
-                self._streamer.stats.current.syncs += 1
-            return out
         finally:
             self._release()
+        self._streamer.done(out)
+        return out
 
 
 class StreamedLayer(Streamed):
@@ -351,7 +378,7 @@ class StreamedLayer(Streamed):
 
     def __call__(self, x, *args, **kwargs):
         self._streamer.touch(x)
-        return self._run(self._streamer.load(self._path), lambda: self._inner(x, *args, **kwargs))
+        return self._run(self._streamer.load(self._path, ahead=False), lambda: self._inner(x, *args, **kwargs))
 
 
 # Set where a pass's logits of several positions are all used (a speculative verification): the head then streams
@@ -383,7 +410,9 @@ class StreamedRows(Streamed):
             out = fn()
             self._release()
             return out
-        parts = [self._run(self._streamer.load(self._path, rows), fn) for rows in self._streamer.chunks(self._path)]
+        parts = [
+            self._run(self._streamer.load(self._path, rows, False), fn) for rows in self._streamer.chunks(self._path)
+        ]
         return mx.concatenate(parts, axis=-1)
 
 

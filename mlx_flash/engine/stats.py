@@ -27,6 +27,7 @@ class TokenStats:
     routed: int = 0  # experts routed in layers that had a prediction
     predicted: int = 0  # of which the prediction had
     syncs: int = 0  # times the pass waited for MLX's lazy graph (a host synchronisation: on a GPU, a stall)
+    waits: int = 0  # times it waited for a result already queued (a streamed buffer's fence: engine/resident.py)
     prefill: bool = False
 
     @property
@@ -150,6 +151,7 @@ class Stats:
             "ahead_bytes_per_token": float(np.mean([t.ahead_bytes for t in toks])),
             "ahead_wasted_bytes_per_token": float(np.mean([t.ahead_wasted_bytes for t in toks])),
             "syncs_per_token": float(np.median([t.syncs for t in toks])),
+            "waits_per_token": float(np.median([t.waits for t in toks])),
         }
 
     @staticmethod
