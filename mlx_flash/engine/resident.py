@@ -14,14 +14,15 @@ the groups `stream_groups` lists, cheapest first, until the rest fits:
 
 A `ResidentStreamer` reads them from resident.safetensors (offsets from its header, so the
 format needs nothing new) with its own pread pool. Loads follow the order of the forward
-pass (layer groups by index, then the head's chunks) and each load starts the read of the
-next one once the load's compute is queued (mx.async_eval), as offloading systems prefetch
-layer l+1 while layer l computes: at most two loads are in memory at once. A buffer's next read
-first waits for the last result computed from it (its fence), so a streamed module costs no host
-synchronisation of its own: a head chunk's wait finds the next chunk queued behind it (on a GPU,
-no stall), and a streamed layer's was done by the FFN synchronisations since. Reads are aligned supersets of each tensor's bytes
-(O_DIRECT) into one aligned buffer; the tensors are views of it, cast to float32 where the
-resident weights would be (loader.cpu_float32).
+pass (layer groups by index, then the head's chunks) and each starts the read of the next
+one once its own compute is queued (mx.async_eval; the native step's, at once), as offloading
+systems prefetch layer l+1 while layer l computes: at most two loads are in memory at once.
+A buffer's next read first waits for the last result computed from it (its fence), so a
+streamed module costs no host synchronisation of its own: a head chunk's wait finds the next
+chunk queued behind it (on a GPU, no stall), and a streamed layer's was computed by the FFN's
+synchronisations since. Reads are aligned supersets of each tensor's bytes (O_DIRECT) into one
+aligned buffer; the tensors are views of it, cast to float32 where the resident weights would
+be (loader.cpu_float32).
 
 Wrappers take the streamed modules' places in the model, holding the original module (its
 class does the maths) with placeholder weights between calls; `Absent` takes the place of a module
