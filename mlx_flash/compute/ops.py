@@ -139,10 +139,19 @@ class OpsBackend:
         partial sum i over the units with dst == i alone, each computed as if it were the only one."""
         if isinstance(rows, RowSet) and not self.in_place(x):
             rows, slots = rows.gather(), np.arange(len(rows))
-        if dst is not None and mask is None and self._blocked(x):
+        if dst is not None and mask is None and self._blocked(x):  # (each sequence's rows apart where they must be)
             out = self._glu_blocks(x, rows, slots, units, resident, dst, n_out)
             if out is not None:
                 return out
+        lengths = row_rules.segments()
+        if (
+            lengths
+            and len(lengths) > 1
+            and not self.in_place(x)
+            and not row_rules.independent(all(self.quant.values()))
+        ):
+            f = lambda part, m: self.units(part, rows, slots, units, resident, m, dst, n_out)  # noqa: E731
+            return self._per_sequence(x, lengths, mask, f)
         if dst is not None and not self.in_place(x):  # one product per partial sum: its own shape, its own order
             return per_partial(
                 rows,
@@ -158,6 +167,17 @@ class OpsBackend:
         if "fc1" in resident:
             h = h + self.take(resident["fc1"], units, h)
         return self.out(self._masked(self.activation(h), mask), rows, slots, units, "fc2", resident, dst, n_out)
+
+    @staticmethod
+    def _per_sequence(x, lengths, mask, f):
+        """f(rows, their mask) of each sequence's rows of x [..., d] alone (a pass of it alone: products whose rows
+        round by the rows beside them), laid end to end as `units` gives them."""
+        flat = x.reshape(-1, x.shape[-1])
+        bounds = np.cumsum([0, *lengths]).tolist()
+        with row_rules.segmented(None):
+            outs = [f(flat[a:b], None if mask is None else mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+        out = mx.concatenate(outs, axis=-2)
+        return out.reshape(*out.shape[:-2], *x.shape[:-1], out.shape[-1])
 
     def _blocked(self, x) -> bool:
         """Whether `_glu_blocks` computes these units: MLX ops on a GLU whose rows hold quantised gate, up and down
