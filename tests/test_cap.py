@@ -82,7 +82,11 @@ def test_sigterm_kills_the_child_and_removes_the_cgroup(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "mlx_flash.tools.cap", "--limit", "200MiB", "--", "sleep", "60"])
     c = _Cgroup(64 * MiB)
     c.remove()
-    time.sleep(3)
+    mine = lambda: [n for n in os.listdir(c.path.parent) if n.startswith(f"mlx_flash_cap_{p.pid}_")]  # noqa: E731
+    deadline = time.monotonic() + 60
+    while not mine() and time.monotonic() < deadline:  # (its handler is set before the cgroup is made)
+        time.sleep(0.1)
+    assert mine(), "the cgroup was never made"
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=20) == 128 + signal.SIGTERM
-    assert not [n for n in os.listdir(c.path.parent) if n.startswith(f"mlx_flash_cap_{p.pid}_")]
+    assert not mine()

@@ -192,6 +192,16 @@ def run_capped(
     limit = parse_size(limit) if limit is not None else None
     if drop:
         drop_page_cache(drop)
+    # SIGTERM waits until the child is known, so that its handler (exit_on_sigterm) takes the child and the cgroup
+    # down with it, never one made and not yet held
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return _run(cmd, limit, cwd, env, timeout, stdin, mask)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _run(cmd, limit, cwd, env, timeout, stdin, mask) -> CapResult:
     cgroup, backend, argv = None, "none", cmd
     if limit is not None:
         try:
@@ -222,12 +232,13 @@ def run_capped(
                 stdin=stdin or subprocess.DEVNULL,
                 env=env,
                 cwd=cwd,
-                preexec_fn=cgroup.enter if cgroup else None,
+                preexec_fn=lambda: _child(cgroup, mask),
                 start_new_session=True,
             )
             timed_out = False
             deadline = None if timeout is None else t0 + timeout
             try:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 while True:  # wait4 (not Popen.wait): it returns the child's rusage
                     pid, status, ru = os.wait4(p.pid, os.WNOHANG if deadline else 0)
                     if pid:
@@ -274,6 +285,13 @@ def run_capped(
     finally:
         if cgroup is not None:
             cgroup.remove()
+
+
+def _child(cgroup: Optional[_Cgroup], mask) -> None:
+    """In the child between fork and exec: the parent's signal mask, and into the cgroup before it allocates."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if cgroup is not None:
+        cgroup.enter()
 
 
 def setup_arg_parser():
