@@ -26,7 +26,7 @@ def server(tmp_path_factory, start_server):
     path = convert(str(make_tiny_model_dir("llama", root / "src", vocab_size=257)), root / "tiny", progress=False)
     return start_server(
         ["--model", path, "--max-context", CONTEXT, "--memory-budget", "300%", "--sparsity", "dense",
-         "--max-batch", "1"]  # one request at a time: its stats and reads are its own (batching: test_batching)
+         "--max-batch", "1"]  # one request at a time: its stats and reads are its own (batching: test_server_batching)
     )  # fmt: skip
 
 
