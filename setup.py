@@ -63,6 +63,17 @@ setup(
     extras_require={
         "plot": ["matplotlib"],  # the commands' --plot flags (mlx_flash/tools/plot.py)
         "peers": ["nunspark==0.13.0"],  # a peer `python -m mlx_flash.peers` runs (llama.cpp it builds itself)
-        "test": ["pytest", "grimp", "hypothesis", "openai", "nbclient", "nbformat", "ipykernel", "matplotlib", "ruff"],
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "grimp",
+            "hypothesis",
+            "openai",
+            "nbclient",
+            "nbformat",
+            "ipykernel",
+            "matplotlib",
+            "ruff",
+        ],
     },
 )
