@@ -569,7 +569,8 @@ def print_stats(engine, out=sys.stdout):
                 else ""
             )
             + f"; {s['syncs_per_token']:.0f} host synchronisations a token "
-            f"({s['syncs_per_token'] / len(engine.fd.layers):.2f} a layer)",
+            f"({s['syncs_per_token'] / len(engine.fd.layers):.2f} a layer)"
+            + (f", {s['waits_per_token']:.0f} waits for results queued ahead" if s["waits_per_token"] else ""),
             file=out,
         )
     spec = getattr(engine, "speculative", None)
