@@ -166,3 +166,20 @@ def test_a_symmetric_list_that_is_not_the_files_is_refused(flash_dir, tmp_path, 
         manifest["resident"]["symmetric"] = None
         (tmp_path / "null").mkdir()
         FlashDir(_with_manifest(flash_dir, tmp_path / "null", manifest)).load_resident()
+
+
+@pytest.mark.parametrize("value", [3, 1024])
+def test_an_alignment_its_units_do_not_keep_is_refused(flash_dir, tmp_path, value):
+    """(Found by the fuzz above on experts read in place:) an alignment that is no power of two, or that the regions or
+    the units' cache rows do not keep, is refused at open, not handed to the unit caches (a ValueError there); one they
+    keep loads."""
+    manifest = json.loads((flash_dir / MANIFEST).read_text())
+    manifest["alignment"] = value
+    d = _with_manifest(flash_dir, tmp_path, manifest)
+    try:
+        FlashDir(d).verify()
+    except FlashFormatError:
+        return
+    assert value != 3
+    model, _ = load(d, context=16)
+    model.flash.close()

@@ -130,8 +130,8 @@ class FlashDir:
             self.unit_alignment = int(m.get("unit_alignment", self.alignment))  # v1/v2: units padded to the alignment
             self.layouts: Dict[str, BundleLayout] = {k: BundleLayout.from_json(v) for k, v in m["layouts"].items()}
             manifest.check_ffn(m["ffn"], self.layouts)
-            if not (self.alignment > 0 and is_count(self.unit_alignment) and self.unit_alignment > 0):
-                raise ValueError("alignment and unit_alignment must be positive counts")
+            if not all(is_count(a) and a > 0 and not a & (a - 1) for a in (self.alignment, self.unit_alignment)):
+                raise ValueError("alignment and unit_alignment must be powers of two")
             self.layers: List[Dict[str, Region]] = manifest.read_layers(m, self.layouts)
             manifest.check_ggml_lengths(m["ffn"], self.layers, self.layouts)
             if not all(p and type(b) is int and 2 <= b <= 8 for p, b in self.symmetric.items()):
@@ -198,6 +198,12 @@ class FlashDir:
                 raise FlashFormatError(
                     f"{self.path / MANIFEST}: sources need format version 5 and every region's extents"
                 )
+            for name, layout in self.layouts.items():  # (a unit's cache row: whole pages, read by O_DIRECT)
+                if layout.stride % self.alignment:
+                    raise FlashFormatError(
+                        f"{self.path / MANIFEST}: {name} units of {layout.stride} bytes, not a multiple of the "
+                        f"alignment {self.alignment}"
+                    )
             self._check_sources()
             return
         if not (self.path / FFN).is_file():
