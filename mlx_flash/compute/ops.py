@@ -139,10 +139,6 @@ class OpsBackend:
         partial sum i over the units with dst == i alone, each computed as if it were the only one."""
         if isinstance(rows, RowSet) and not self.in_place(x):
             rows, slots = rows.gather(), np.arange(len(rows))
-        if dst is not None and mask is None and self._blocked(x):  # (each sequence's rows apart where they must be)
-            out = self._glu_blocks(x, rows, slots, units, resident, dst, n_out)
-            if out is not None:
-                return out
         lengths = row_rules.segments()
         if (
             lengths
@@ -152,6 +148,10 @@ class OpsBackend:
         ):
             f = lambda part, m: self.units(part, rows, slots, units, resident, m, dst, n_out)  # noqa: E731
             return self._per_sequence(x, lengths, mask, f)
+        if dst is not None and mask is None and self._blocked(x):
+            out = self._glu_blocks(x, rows, slots, units, resident, dst, n_out)
+            if out is not None:
+                return out
         if dst is not None and not self.in_place(x):  # one product per partial sum: its own shape, its own order
             return per_partial(
                 rows,
@@ -199,13 +199,7 @@ class OpsBackend:
         slots = np.asarray(slots, dtype=np.int32)
         whole = len(slots) == rows.shape[0] and np.array_equal(slots, np.arange(len(slots)))
         sl = None if whole else mx.array(slots)  # (every row of the buffer in order: no gather)
-        lengths = row_rules.segments() or [x.size // x.shape[-1]]
-        if len(lengths) > 1 and not row_rules.independent(True):  # each sequence's rows as a pass of it alone
-            x = x.reshape(-1, x.shape[-1])
-            cuts = np.cumsum(lengths)[:-1].tolist()
-            outs = [self._glu_rows(part, rows, sl, units, resident, dst, n_out, [len(part)]) for part in
-                    mx.split(x, cuts)]  # fmt: skip
-            return mx.concatenate(outs, axis=1)
+        lengths = row_rules.segments() or [x.size // x.shape[-1]]  # (split by `units` where rows must be apart)
         return self._glu_rows(x, rows, sl, units, resident, dst, n_out, lengths)
 
     def _glu_rows(self, x, rows, sl, units, resident, dst, n_out: int, lengths) -> mx.array:
