@@ -2112,17 +2112,22 @@ static PyObject *py_ffn_glu(PyObject *self, PyObject *args) {
 }
 
 /* -- GGML blocks as a GGUF stores them (format/ggml.py) ---------------------------------------------
-   Rows of Q4_0 / Q8_0 (32 values a block) or Q4_K / Q5_K / Q6_K (256: sub-blocks of 32, Q6_K's of 16) blocks,
-   computed as stored: the bytes a unit reads are the file's. With int8 activations (the default) x is quantised as
-   llama.cpp quantises it for these types (Q8_0: per 32, a float16 scale; Q8_K: per 256, a float scale and each 16's
-   sum) and each block's dot is an exact integer sum; with float ones each block is dequantised (format/ggml.py's
+   Rows of Q4_0 / Q8_0 / IQ4_NL (32 values a block) or Q4_K / Q5_K / Q6_K / Q2_K / Q3_K / IQ4_XS (256: sub-blocks of
+   32, Q6_K's, Q2_K's and Q3_K's of 16) blocks, computed as stored: the bytes a unit reads are the file's. With int8
+   activations (the default) x is quantised as llama.cpp quantises it for these types (Q8_0: per 32, a float16 scale;
+   Q8_K: per 256, a float scale and each 16's sum) and each block's dot is an exact integer sum; with float ones each block is dequantised (format/ggml.py's
    arithmetic) and summed in float, value by value. The SIMD loops compute only the integer sums; every float
    operation happens in the scalar code below in one order (block by block), so the AVX2 and scalar loops give the
    same bits, whatever the threads. */
 
-enum { GG_Q4_0 = 0, GG_Q8_0 = 1, GG_Q4_K = 2, GG_Q5_K = 3, GG_Q6_K = 4, GG_TYPES = 5 };
-static const int gg_values[GG_TYPES] = {32, 32, 256, 256, 256};
-static const int gg_bytes[GG_TYPES] = {18, 34, 144, 176, 210};
+enum { GG_Q4_0, GG_Q8_0, GG_Q4_K, GG_Q5_K, GG_Q6_K, GG_Q2_K, GG_Q3_K, GG_IQ4_NL, GG_IQ4_XS, GG_TYPES };
+static const int gg_values[GG_TYPES] = {32, 32, 256, 256, 256, 256, 256, 32, 256};
+static const int gg_bytes[GG_TYPES] = {18, 34, 144, 176, 210, 84, 110, 18, 136};
+static const int gg_d_at[GG_TYPES] = {0, 0, 0, 0, 208, 80, 108, 0, 0}; /* the float16 d (and dmin after it) */
+static const int8_t gg_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* activations quantised per 32 values (Q8_0), else per 256 (Q8_K); types with mins (dmin * m subtracted) */
+static inline int gg_per32(int kind) { return gg_values[kind] == 32; }
+static inline int gg_mins(int kind) { return kind == GG_Q4_K || kind == GG_Q5_K || kind == GG_Q2_K; }
 #define GG_MAX_BLOCKS 2048 /* rows of up to 65536 values */
 #define GG_POSITIONS 4    /* positions a row's blocks are unpacked for at once */
 
@@ -2141,7 +2146,7 @@ static inline float gg_f16(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0]
 /* llama.cpp's quantize_row_q8_0 (32 values: d = amax / 127 as float16, q = round(x / d)) or quantize_row_q8_K (256:
    d = -max / 127 of the value largest in magnitude, q rounded to nearest even, at most 127) */
 static void gg_quantize(int kind, const float *x, int n, GQ *g) {
-    if (kind <= GG_Q8_0) {
+    if (gg_per32(kind)) {
         for (int b = 0; b < n / 32; b++) {
             const float *v = x + 32 * b;
             float amax = 0;
@@ -2222,8 +2227,29 @@ static inline void gg_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
-/* A K-quant block's code of value v (0..255): Q4_K / Q5_K 0..31, Q6_K 0..63 (less 32 is the value's) */
+/* Q3_K sub-block j's scale (6 bits less 32): low nibbles in bytes 0-7, high bits in 8-11 */
+static inline int gg_q3_scale(const uint8_t *s, int j) {
+    return (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+/* IQ4_XS sub-block j's scale (6 bits less 32): low nibbles in bytes 4-7, high bits in the 16 at byte 2 */
+static inline int gg_iq4xs_scale(const uint8_t *w, int j) {
+    return (((w[4 + j / 2] >> (4 * (j % 2))) & 15) | ((((w[2] | (w[3] << 8)) >> (2 * j)) & 3) << 4)) - 32;
+}
+
+/* A block's code of value v: Q4_K / Q5_K 0..31, Q6_K 0..63 (less 32 is the value's), Q2_K 0..3, Q3_K -4..3, the
+   i-quants' table values */
 static inline int gg_code(int kind, const uint8_t *w, int v) {
+    if (kind == GG_Q2_K || kind == GG_Q3_K) {
+        const int h = v / 128, s = v % 128 / 32, l = v % 32;
+        const int q = (w[(kind == GG_Q2_K ? 16 : 32) + 32 * h + l] >> (2 * s)) & 3;
+        return kind == GG_Q2_K ? q : q - ((w[l] >> (4 * h + s)) & 1 ? 0 : 4);
+    }
+    if (kind == GG_IQ4_NL || kind == GG_IQ4_XS) {
+        const uint8_t *qs = w + (kind == GG_IQ4_NL ? 2 : 8) + 16 * (v / 32);
+        const int l = v % 32;
+        return gg_iq4[(l < 16 ? qs[l] : qs[l - 16] >> 4) & 15];
+    }
     if (kind == GG_Q6_K) {
         const int h = v / 128, i = v % 128 / 32, l = v % 32;
         const uint8_t lo = w[64 * h + 32 * (i & 1) + l];
@@ -2235,8 +2261,8 @@ static inline int gg_code(int kind, const uint8_t *w, int v) {
     return kind == GG_Q4_K ? q : q | (((w[16 + l] >> (2 * c + hi)) & 1) << 4);
 }
 
-/* Integer sums of a row's blocks against one position's (isum, and for Q4_K / Q5_K imin: sum_j m_j xsum_j; Q6_K's
-   offset of 32 is in isum), scalar */
+/* Integer sums of a row's blocks against one position's (isum, and for types with mins imin: sum_j m_j xsum_j;
+   Q6_K's offset of 32 is in isum), scalar */
 static void gg_isums_scalar(int kind, const uint8_t *w, const GQ *x, int blocks, int32_t *isum, int32_t *imin) {
     const int bytes = gg_bytes[kind];
     for (int b = 0; b < blocks; b++, w += bytes) {
@@ -2246,12 +2272,30 @@ static void gg_isums_scalar(int kind, const uint8_t *w, const GQ *x, int blocks,
             for (int i = 0; i < 16; i++) s += ((w[2 + i] & 15) - 8) * q[i] + ((w[2 + i] >> 4) - 8) * q[i + 16];
         } else if (kind == GG_Q8_0) {
             for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * q[i];
+        } else if (kind == GG_IQ4_NL) {
+            for (int i = 0; i < 32; i++) s += gg_code(kind, w, i) * q[i];
         } else if (kind == GG_Q6_K) {
             for (int j = 0; j < 16; j++) {
                 int32_t part = 0;
                 for (int i = 16 * j; i < 16 * j + 16; i++) part += (gg_code(kind, w, i) - 32) * q[i];
                 s += (int8_t)w[192 + j] * part;
             }
+        } else if (kind == GG_Q3_K || kind == GG_IQ4_XS) {
+            const int sub = kind == GG_Q3_K ? 16 : 32;
+            for (int j = 0; j < 256 / sub; j++) {
+                int32_t part = 0;
+                for (int i = sub * j; i < sub * j + sub; i++) part += gg_code(kind, w, i) * q[i];
+                s += (kind == GG_Q3_K ? gg_q3_scale(w + 96, j) : gg_iq4xs_scale(w, j)) * part;
+            }
+        } else if (kind == GG_Q2_K) {
+            int32_t mins = 0;
+            for (int j = 0; j < 16; j++) {
+                int32_t part = 0;
+                for (int i = 16 * j; i < 16 * j + 16; i++) part += gg_code(kind, w, i) * q[i];
+                s += (w[j] & 15) * part;
+                mins += (w[j] >> 4) * x->bsum[16 * b + j];
+            }
+            imin[b] = mins;
         } else {
             int32_t mins = 0;
             for (int j = 0; j < 8; j++) {
@@ -2275,15 +2319,9 @@ static float gg_row_q8_scalar(int kind, const uint8_t *w, const GQ *x, int block
     const int bytes = gg_bytes[kind];
     float acc = 0;
     for (int b = 0; b < blocks; b++, w += bytes) {
-        if (kind <= GG_Q8_0) {
-            acc += gg_f16(w) * x->d[b] * (float)isum[b];
-        } else if (kind == GG_Q6_K) {
-            acc += x->d[b] * gg_f16(w + 208) * (float)isum[b];
-        } else {
-            const float t = x->d[b] * gg_f16(w) * (float)isum[b];
-            acc += t;
-            acc -= x->d[b] * gg_f16(w + 2) * (float)imin[b];
-        }
+        const float t = x->d[b] * gg_f16(w + gg_d_at[kind]) * (float)isum[b];
+        acc += t;
+        if (gg_mins(kind)) acc -= x->d[b] * gg_f16(w + gg_d_at[kind] + 2) * (float)imin[b];
     }
     return acc;
 }
@@ -2323,7 +2361,7 @@ AVX2 static inline __m256i gg_lane_mask(int lo, int hi) {
 
 /* 32-value blocks: two float accumulators (even and odd blocks), so their FMAs do not wait on each other */
 AVX2 static float gg_row_q8_0_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
-    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m256i low4 = _mm256_set1_epi8(15), table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gg_iq4));
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const int bytes = gg_bytes[kind];
     for (int b = 0; b < blocks; b++, w += bytes) {
@@ -2331,6 +2369,9 @@ AVX2 static float gg_row_q8_0_avx2(int kind, const uint8_t *w, const GQ *x, int 
         if (kind == GG_Q4_0) {
             const __m128i c = _mm_loadu_si128((const __m128i *)(w + 2));
             v = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4), _mm256_set1_epi8(8));
+        } else if (kind == GG_IQ4_NL) {
+            const __m128i c = _mm_loadu_si128((const __m128i *)(w + 2));
+            v = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4));
         } else {
             v = _mm256_loadu_si256((const __m256i *)(w + 2));
         }
@@ -2381,9 +2422,10 @@ VNNI static void gg_rows_q8_0_vnni(int kind, const uint8_t *w, const GQ *x, int 
 }
 
 AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
-    if (kind <= GG_Q8_0) return gg_row_q8_0_avx2(kind, w, x, blocks);
+    if (gg_per32(kind)) return gg_row_q8_0_avx2(kind, w, x, blocks);
     const int bytes = gg_bytes[kind];
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gg_iq4));
     __m256 acc = _mm256_setzero_ps();
     float mins = 0;
     for (int b = 0; b < blocks; b++, w += bytes) {
@@ -2412,6 +2454,57 @@ AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int bl
             const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b)));
             ia = _mm256_sub_epi32(ia, _mm256_slli_epi32(off, 5));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w + 208)), acc);
+        } else if (kind == GG_IQ4_XS) {
+            __m256i ia = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) { /* sub-block j: its 16 bytes' low nibbles (the low lane), then high ones */
+                const __m128i c = _mm_loadu_si128((const __m128i *)(w + 8 + 16 * j));
+                const __m256i v = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4));
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+                const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xq, v));
+                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(p, _mm256_set1_epi16((short)gg_iq4xs_scale(w, j))));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w)), acc);
+        } else if (kind == GG_Q2_K || kind == GG_Q3_K) {
+            /* 16 sub-blocks of 16: half h's 8 scales broadcast over both lanes, chunk s of its 32 bytes' bits 2s
+               (values 128h + 32s + l: sub-block 8h + 2s in the low lane, 8h + 2s + 1 in the high one) */
+            __m128i s8;
+            if (kind == GG_Q2_K) {
+                s8 = _mm_and_si128(_mm_loadu_si128((const __m128i *)w), _mm_set1_epi8(15));
+            } else { /* gg_q3_scale of the 16, 4 at a time (llama.cpp's) */
+                uint32_t a[3];
+                memcpy(a, w + 96, 12);
+                const uint32_t lo = 0x0f0f0f0f, hi = 0x03030303;
+                s8 = _mm_sub_epi8(_mm_set_epi32((int)(((a[1] >> 4) & lo) | (((a[2] >> 6) & hi) << 4)),
+                                                (int)(((a[0] >> 4) & lo) | (((a[2] >> 4) & hi) << 4)),
+                                                (int)((a[1] & lo) | (((a[2] >> 2) & hi) << 4)), (int)((a[0] & lo) | ((a[2] & hi) << 4))),
+                                  _mm_set1_epi8(32));
+            }
+            const __m256i all = _mm256_cvtepi8_epi16(s8);
+            const __m256i scales[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(all)),
+                                       _mm256_broadcastsi128_si256(_mm256_extracti128_si256(all, 1))};
+            const __m256i hbits = _mm256_loadu_si256((const __m256i *)w); /* (Q3_K's) */
+            __m256i ia = _mm256_setzero_si256();
+            for (int h = 0; h < 2; h++) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + (kind == GG_Q2_K ? 16 : 32) + 32 * h));
+                for (int c = 0; c < 4; c++) {
+                    __m256i u = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * c), low2);
+                    if (kind == GG_Q3_K) /* Q3_K's code + 4: the high bit above the low two */
+                        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 4 * h + c), one), 2));
+                    const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * c)));
+                    ia = _mm256_add_epi32(ia, _mm256_madd_epi16(p, _mm256_shuffle_epi8(scales[h], gg_lane_mask(2 * c, 2 * c + 1))));
+                }
+            }
+            if (kind == GG_Q3_K) /* the codes' offset of 4: 4 sum_j sc_j xsum_j */
+                ia = _mm256_sub_epi32(ia, _mm256_slli_epi32(_mm256_madd_epi16(all, _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b))), 2));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w + gg_d_at[kind])), acc);
+            if (kind == GG_Q2_K) { /* the mins: sum_j m_j (xsum of its 16) */
+                const __m128i m8 = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)w), 4), _mm_set1_epi8(15));
+                const __m256i mn = _mm256_madd_epi16(_mm256_cvtepu8_epi16(m8), _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b)));
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+                mins += x->d[b] * gg_half(w + 82) * (float)_mm_cvtsi128_si32(t);
+            }
         } else {
             uint32_t u[4];
             gg_unpack_k(w + 4, u);
@@ -2477,6 +2570,22 @@ static void gg_dequantize(int kind, const uint8_t *w, float *out) {
     } else if (kind == GG_Q6_K) {
         const float d = gg_f16(w + 208);
         for (int i = 0; i < 256; i++) out[i] = d * (float)(int8_t)w[192 + i / 16] * (float)(gg_code(kind, w, i) - 32);
+    } else if (kind == GG_IQ4_NL) {
+        const float d = gg_f16(w);
+        for (int i = 0; i < 32; i++) out[i] = d * (float)gg_code(kind, w, i);
+    } else if (kind == GG_Q2_K) {
+        const float d = gg_f16(w + 80), dmin = gg_f16(w + 82);
+        for (int j = 0; j < 16; j++) {
+            const float d1 = d * (float)(w[j] & 15), m1 = dmin * (float)(w[j] >> 4);
+            for (int i = 16 * j; i < 16 * j + 16; i++) out[i] = d1 * (float)gg_code(kind, w, i) - m1;
+        }
+    } else if (kind == GG_Q3_K || kind == GG_IQ4_XS) {
+        const int sub = kind == GG_Q3_K ? 16 : 32;
+        const float d = gg_f16(w + gg_d_at[kind]);
+        for (int j = 0; j < 256 / sub; j++) {
+            const float d1 = d * (float)(kind == GG_Q3_K ? gg_q3_scale(w + 96, j) : gg_iq4xs_scale(w, j));
+            for (int i = sub * j; i < sub * j + sub; i++) out[i] = d1 * (float)gg_code(kind, w, i);
+        }
     } else {
         const float d = gg_f16(w), dmin = gg_f16(w + 2);
         for (int j = 0; j < 8; j++) {
@@ -3212,7 +3321,8 @@ static PyMethodDef methods[] = {
      "row_dot_pairs(pair_w, pair_s, pair_b, *row_dot_args): two rows a unit (pair_* bytes apart) in one pass"},
     {"block_dot", py_block_dot, METH_VARARGS,
      "block_dot(vec, out, w, offs, stride, slots, k, n, kind): out[p, j, t] = vec[p] . row j of matrix t (at offs[t] "
-     "in each row), rows of GGML blocks as stored (kind: 0 Q4_0, 1 Q8_0, 2 Q4_K, 3 Q5_K, 4 Q6_K)"},
+     "in each row), rows of GGML blocks as stored (kind: 0 Q4_0, 1 Q8_0, 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 Q2_K, 6 Q3_K, "
+     "7 IQ4_NL, 8 IQ4_XS)"},
     {"glu_pairs", py_glu_pairs, METH_VARARGS, "glu_pairs(gu, h): h = silu(gu[0::2]) * gu[1::2] (float32)"},
     {"set_int8", py_set_int8, METH_O,
      "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},

@@ -3,7 +3,7 @@ package's bit for bit, the native products against it (float activations) and ag
 quantisation (int8), the AVX2 loops against the scalar ones, and bad input refused."""
 
 from mlx_flash.compute import cpu_gemv
-from mlx_flash.format.ggml import BLOCKS, dequantize, random_rows, row_bytes
+from mlx_flash.format.ggml import BLOCKS, D_AT, dequantize, random_rows, row_bytes
 
 import gguf
 import mlx.core as mx
@@ -18,10 +18,10 @@ def random_blocks(rng, kind, rows, n):
     values, nbytes = BLOCKS[kind]
     raw = rng.integers(0, 256, (rows, n // values, nbytes), dtype=np.uint8)
     d = rng.standard_normal((rows, n // values, 2)).astype(np.float16).view(np.uint8)
-    at = 208 if kind == "Q6_K" else 0
+    at = D_AT.get(kind, 0)
     raw[..., at : at + 2] = d[..., :2]
-    if kind in ("Q4_K", "Q5_K"):
-        raw[..., 2:4] = d[..., 2:4]
+    if kind in ("Q4_K", "Q5_K", "Q2_K"):  # (dmin)
+        raw[..., at + 2 : at + 4] = d[..., 2:4]
     return raw.reshape(rows, -1)
 
 
@@ -48,7 +48,7 @@ def test_random_rows_have_the_asked_scale(kind):
 def activations(kind, x):
     """x as llama.cpp quantises it for `kind`'s dot (Q8_0: per 32, a float16 scale; Q8_K: per 256), in float64."""
     n = x.shape[-1]
-    if kind in ("Q4_0", "Q8_0"):
+    if BLOCKS[kind][0] == 32:
         b = x.reshape(*x.shape[:-1], n // 32, 32)
         d = (np.abs(b).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
         q = np.round(b * np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32))

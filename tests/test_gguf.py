@@ -1069,11 +1069,13 @@ def test_5_bit_gate_and_up_beside_8_bit_down_stream_as_resident(tmp_path):
     not llama_cpp_path("llama-quantize").is_file(),
     reason="llama-quantize not built (python -m mlx_flash.peers builds it)",
 )
-def test_q4_k_m_experts_stream_as_resident(tmp_path):
-    """A qwen3moe GGUF re-quantised to Q4_K_M by llama.cpp: its experts read in place as the file's blocks (Q4_K, the
-    down projections Q6_K in the layers llama-quantize gives more bits: the mix tools/synthetic_gguf.py writes);
-    streamed with two expert slots a layer, the greedy tokens and logits are the resident model's (float32
-    activations, both forwards)."""
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q2_K", "Q3_K_M", "IQ4_XS"])
+def test_k_and_i_quant_experts_stream_as_resident(tmp_path, ftype):
+    """A qwen3moe GGUF re-quantised by llama.cpp to a K-quant or i-quant mix: every weight has the type
+    tools/synthetic_gguf.py writes for the mix (Q4_K_M: Q4_K experts, down projections Q6_K in the layers
+    llama-quantize gives more bits; Q2_K: Q3_K down projections; Q3_K_M: Q5_K then Q4_K ones; IQ4_XS: Q5_K in the
+    first layers), its experts read in place as the file's blocks; streamed with two expert slots a layer, the greedy
+    tokens and logits are the resident model's (float32 activations)."""
     import subprocess
 
     from mlx_flash.compute import cpu_gemv
@@ -1081,7 +1083,7 @@ def test_q4_k_m_experts_stream_as_resident(tmp_path):
     from mlx_flash.format.directory import FlashDir
     from mlx_flash.generate import generate_step
     from mlx_flash.loader import load, load_resident
-    from mlx_flash.tools.synthetic_gguf import tensor_type, write_gguf
+    from mlx_flash.tools.synthetic_gguf import MIXES, tensor_type, write_gguf
 
     from test_moe import slots_budget
 
@@ -1090,23 +1092,25 @@ def test_q4_k_m_experts_stream_as_resident(tmp_path):
         hidden_size=256, moe_intermediate_size=256, num_attention_heads=2, head_dim=128, num_key_value_heads=1,
     )  # fmt: skip
     exe = llama_cpp_path("llama-quantize")
-    q4km = tmp_path / "q4km.gguf"
+    mixed = tmp_path / "mixed.gguf"
     r = subprocess.run(
-        [exe, "--allow-requantize", src, q4km, "Q4_K_M"],
+        [exe, "--allow-requantize", src, mixed, ftype],
         capture_output=True,
         text=True,
         env={"LD_LIBRARY_PATH": str(exe.parent)},
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    types = {t.name.split(".")[-2]: t.tensor_type.name for t in read_header(q4km).tensors if ".ffn_" in t.name}
-    assert types["ffn_gate_exps"] == "Q4_K"
-    out = convert(str(q4km), tmp_path / "flash", progress=False)
+    weights = [t for t in read_header(mixed).tensors if len(t.shape) > 1 and t.tensor_type.name not in ("F32", "F16")]
+    got = {t.name: t.tensor_type.name for t in weights}
+    assert got == {t.name: tensor_type(t.name, t.shape[::-1], ftype, 4, gqa=2, experts=8) for t in weights}
+    assert got["blk.0.ffn_gate_exps.weight"] == MIXES[ftype]
+    out = convert(str(mixed), tmp_path / "flash", progress=False)
     fd = FlashDir(out)
+    assert fd.sources  # (in place)
     quant = fd.ffn["quantization"]
-    assert quant["gate_proj"] == {"ggml": "Q4_K", "values": 256}
-    down = {i: tensor_type(f"blk.{i}.ffn_down_exps.weight", (256, 256), "Q4_K_M", 4) for i in range(4)}
-    assert quant["down_proj"] == {"ggml": {str(i): k for i, k in down.items()}, "values": 256}
-    assert {"Q4_K", "Q6_K"} == set(down.values())
+    assert quant["gate_proj"] == {"ggml": MIXES[ftype], "values": 256}
+    down = {str(i): got[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)}
+    assert quant["down_proj"] == {"ggml": down if len(set(down.values())) > 1 else down["0"], "values": 256}
     prompt = mx.array([1, 5, 9, 33, 70, 2, 11])
     cpu_gemv.set_int8_activations(False)
     try:

@@ -247,16 +247,16 @@ def test_a_moe_gguf_converts_on_a_disk_of_what_it_writes_and_a_twentieth(tmp_pat
             assert (out.path / name).read_bytes() == (ref.path / name).read_bytes(), name
 
 
-@pytest.fixture(scope="module")
-def k_quants(tmp_path_factory):
-    """(a Q4_K_M qwen3moe GGUF as llama-quantize mixes its types: Q4_K experts, Q6_K down projections in its
-    use_more_bits layers; its flash directory)."""
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q2_K", "IQ4_XS"])
+def k_quants(tmp_path_factory, request):
+    """(a qwen3moe GGUF as llama-quantize mixes its types: Q4_K_M's Q4_K experts with Q6_K down projections in its
+    use_more_bits layers, Q2_K's Q2_K experts with Q3_K down projections, or IQ4_XS's; its flash directory)."""
     from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
     root = tmp_path_factory.mktemp("k_quants")
     shape = dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4)
     gguf = write_gguf(
-        "moe-small", root / "m.gguf", progress=False, gguf_type="Q4_K_M", **{**tiny_moe("qwen3_moe"), **shape}
+        "moe-small", root / "m.gguf", progress=False, gguf_type=request.param, **{**tiny_moe("qwen3_moe"), **shape}
     )
     return gguf, convert(str(gguf), root / "flash", progress=False)
 
@@ -271,10 +271,12 @@ def test_k_quant_experts_are_the_files_blocks_read_in_place(k_quants):
     gguf, flash = k_quants
     fd = FlashDir(flash)
     assert fd.sources is not None and not (flash / FFN).exists()
-    q = fd.ffn["quantization"]
-    assert q["gate_proj"] == q["up_proj"] == {"ggml": "Q4_K", "values": 256}
-    assert q["down_proj"] == {"ggml": {"0": "Q4_K", "1": "Q4_K", "2": "Q6_K", "3": "Q6_K"}, "values": 256}
     tensors = {t.name: t for t in read_header(gguf).tensors}
+    for p in ("gate", "up", "down"):  # each layer's type of each matrix, one where every layer has the same
+        kinds = {str(i): tensors[f"blk.{i}.ffn_{p}_exps.weight"].tensor_type.name for i in range(4)}
+        want = kinds if len(set(kinds.values())) > 1 else kinds["0"]
+        assert fd.ffn["quantization"][f"{p}_proj"] == {"ggml": want, "values": 256}
+        assert len(set(kinds.values())) == (2 if p == "down" and "Q4_K" in kinds.values() else 1)  # (Q4_K_M's mix)
     for i, layer in enumerate(fd.layers):
         rows = fd.read_region(i, REGION)
         arrays = fd.unpack_layer(i)
@@ -350,7 +352,7 @@ def test_a_copied_gguf_is_its_blocks_with_the_bits_in_place_gives(k_quants, ops,
         assert tokens == ref_tokens and np.array_equal(logprobs, ref_logprobs)
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q8_0", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q8_0", "Q4_K_M", "Q6_K", "Q2_K", "Q3_K_M", "IQ4_XS"])
 def test_a_call_takes_what_the_plan_counts(tmp_path, gguf_type):
     """MLX's ops over experts of GGML blocks (repacked for MLX's quantised products, or dequantised) take at most
     FlashDir.call_bytes a unit at their peak, the share of the workspace gathered_units gives each unit of a call

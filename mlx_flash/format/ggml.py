@@ -13,6 +13,17 @@ A row of n values is n / VALUES blocks of BYTES bytes each, exactly the GGUF's b
                            values 64c + l / 64c + 32 + l)
     Q6_K 256 values, 210 B: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (of 16 values), float16 d
                            w = (d * sc) * (q - 32)
+    Q2_K 256 values, 84 B: 16 bytes of 4-bit scales (low nibble) and mins (high) of 16 values, 64 bytes of 2-bit q
+                           (value 128h + 32s + l: bits 2s of byte 32h + l), float16 d, dmin
+                           w = (d * sc) * q - dmin * m
+    Q3_K 256 values, 110 B: 32 bytes of high bits (value 128h + 32s + l: bit 4h + s of byte l), 64 bytes of low 2 bits
+                           (as Q2_K's), 12 bytes of 6-bit scales (of 16 values, less 32), float16 d
+                           w = (d * sc) * (q - 4 (where the high bit is 0))
+    IQ4_NL 32 values, 18 B: float16 d, 16 bytes of 4-bit indices (as Q4_0's) into a table of 16 int8 values
+                           w = d * table[q]
+    IQ4_XS 256 values, 136 B: float16 d, 16 bits of the scales' high 2 bits, 4 bytes of their low 4 (of 32 values:
+                           6 bits less 32), 128 bytes of 4-bit indices (sub-block j: 16 bytes, as IQ4_NL's)
+                           w = (d * sc) * table[q]
 
 The arithmetic is llama.cpp's dequantize_row_* (and the gguf package's), in float32 and in the same order, so
 `dequantize` equals gguf.quants.dequantize bit for bit (tests/test_ggml.py).
@@ -29,7 +40,15 @@ BLOCKS = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
 }
+# where a block's float16 super-scale d lies where not first (types with mins: dmin next)
+D_AT = {"Q6_K": 208, "Q2_K": 80, "Q3_K": 108}
+# the i-quants' values of a 4-bit index (llama.cpp's kvalues_iq4nl)
+IQ4_TABLE = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def row_bytes(kind: str, n: int) -> int:
@@ -78,7 +97,17 @@ AFFINE = ("Q4_0", "Q8_0", "Q4_K")
 # are alive together (the bit twiddling is compiled into single kernels for that). Measured with float32 products
 # (tests/test_in_place.py holds a call to them); 16-bit products add the dequantised copy's cast (2 B) or the
 # scales' and biases' (1/8 B).
-TEMPORARY_BYTES = {"Q4_0": 1.5, "Q8_0": 1.75, "Q4_K": 1.75, "Q5_K": 9.5, "Q6_K": 7.5}
+TEMPORARY_BYTES = {
+    "Q4_0": 1.5,
+    "Q8_0": 1.75,
+    "Q4_K": 1.75,
+    "Q5_K": 9.5,
+    "Q6_K": 7.5,
+    "Q2_K": 8,
+    "Q3_K": 8.5,
+    "IQ4_NL": 8.5,
+    "IQ4_XS": 8.5,
+}
 
 
 def temporary_bytes(kind: str, nbytes: int) -> int:
@@ -136,6 +165,25 @@ def _q6(ql: mx.array, qh: mx.array, scale: mx.array) -> mx.array:
     return scale * (q.astype(mx.float32) - 32)
 
 
+_BITS8 = mx.arange(8, dtype=mx.uint8).reshape(8, 1)
+_CRUMB_SHIFTS = mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(4, 1)
+_NIBBLE_SHIFTS = mx.array([0, 4], dtype=mx.uint8).reshape(2, 1)
+_IQ4 = mx.array(IQ4_TABLE, dtype=mx.float32)
+
+
+@partial(mx.compile, shapeless=True)
+def _iq4(qs: mx.array, d: mx.array) -> mx.array:
+    """The i-quants' values d * table[q] of bytes qs [..., 16] (low nibbles, then high: [..., 2, 16]); compiled: the
+    indices are not a graph's buffers of their own."""
+    return d * mx.take(_IQ4, _nibbles(qs))
+
+
+def _crumbs(qs: mx.array) -> mx.array:
+    """Q2_K / Q3_K's 64 bytes of 2-bit q [..., 64] -> uint8 [..., 16, 16] (value 128h + 32s + l: bits 2s of byte
+    32h + l)."""
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> _CRUMB_SHIFTS) & 3).reshape(*qs.shape[:-1], 16, 16)
+
+
 def dequantize(raw: mx.array, kind: str) -> mx.array:
     """Rows of `kind` blocks, uint8 [..., row_bytes] -> float32 [..., n]."""
     values, nbytes = BLOCKS[kind]
@@ -151,6 +199,26 @@ def dequantize(raw: mx.array, kind: str) -> mx.array:
         qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 1, 2, 16)  # high bits: bits 2(2a + c) of qh[h, k, j]
         sc = b[..., 192:208].view(mx.int8).astype(mx.float32).reshape(*b.shape[:-1], 2, 2, 2, 2, 1)
         w = _q6(ql, qh, _f16(b[..., 208:210]).reshape(*b.shape[:-1], 1, 1, 1, 1, 1) * sc)
+    elif kind == "Q2_K":  # sub-block (of 16 values) j: scale and min of byte j
+        sc, d, dmin = b[..., :16], _f16(b[..., 80:82]), _f16(b[..., 82:84])
+        dl, ml = d[..., None] * (sc & 0x0F).astype(mx.float32), dmin[..., None] * (sc >> 4).astype(mx.float32)
+        w = dl[..., None] * _crumbs(b[..., 16:80]).astype(mx.float32) - ml[..., None]
+    elif kind == "Q3_K":
+        high = ((b[..., None, :32] >> _BITS8) & 1).reshape(*b.shape[:-1], 16, 16)  # [..., 8 bits, 32 bytes]
+        q = _crumbs(b[..., 32:96]).astype(mx.int8) - ((high ^ 1) << 2).astype(mx.int8)
+        s = b[..., 96:108]
+        lo = ((s[..., None, :8] >> _NIBBLE_SHIFTS) & 0x0F).reshape(*b.shape[:-1], 16)  # [..., nibble, byte]
+        hi = ((s[..., None, 8:] >> _CRUMB_SHIFTS) & 3).reshape(*b.shape[:-1], 16)  # [..., bits 2k, byte]
+        sc = ((lo | (hi << 4)).astype(mx.int8) - 32).astype(mx.float32)
+        w = (_f16(b[..., 108:110])[..., None] * sc)[..., None] * q.astype(mx.float32)
+    elif kind in ("IQ4_NL", "IQ4_XS"):  # [..., sub-block of 32, 2, 16]
+        d = _f16(b[..., :2])[..., None]
+        if kind == "IQ4_XS":
+            h = b[..., 2].astype(mx.uint16) | (b[..., 3].astype(mx.uint16) << 8)
+            lo = ((b[..., 4:8, None] >> _NIBBLE_SHIFTS[:, 0]) & 0x0F).reshape(*b.shape[:-1], 8)  # [..., byte, nibble]
+            hi = ((h[..., None] >> (2 * mx.arange(8, dtype=mx.uint16))) & 3).astype(mx.uint8)
+            d = d * ((lo | (hi << 4)).astype(mx.int8) - 32).astype(mx.float32)
+        w = _iq4(b[..., -values // 2 :].reshape(*b.shape[:-1], values // 32, 16), d[..., None, None])
     else:  # Q4_K, Q5_K
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
@@ -166,35 +234,58 @@ def dequantize(raw: mx.array, kind: str) -> mx.array:
 
 def random_rows(rng, kind: str, rows: int, n: int, scale: float = 1.0, zero_mean: bool = False):
     """Random rows of `kind` blocks as raw bytes, uint8 [rows, row_bytes] (synthetic models, tests): random codes and
-    sub-block scales, one super-scale d giving each row's outputs against unit-variance inputs about `scale` times
-    unit variance. `zero_mean`: the codes' mean offset cancelled (a direction shared by every row would send every
-    token of an MoE model to the same few experts): Q4_0's and Q6_K's low nibbles from 1 (codes centred on 8 and 32),
-    the K-quants' mins the codes' mean times their scale."""
+    positive sub-block scales, one super-scale d giving each row's outputs against unit-variance inputs about `scale`
+    times unit variance. `zero_mean`: the codes' mean offset cancelled (a direction shared by every row would send
+    every token of an MoE model to the same few experts): Q4_0's and Q6_K's low nibbles from 1 (codes centred on 8
+    and 32), Q3_K's low bits from 1 (codes -3..3 but 0), the i-quants' indices from 1 (the table's mean nearer 0), the
+    mins of types with mins the codes' mean times their scale."""
     import numpy as np
 
     values, nbytes = BLOCKS[kind]
     shape = (rows, n // values)
     blocks = rng.integers(0, 256, size=(*shape, nbytes), dtype=np.uint8)
-    if zero_mean and kind in ("Q4_0", "Q6_K"):
-        at = slice(2, 18) if kind == "Q4_0" else slice(0, 128)
-        lo, hi = rng.integers(1, 16, size=(2, *shape, at.stop - at.start), dtype=np.uint8)
-        blocks[..., at] = lo | (hi << 4)
-    dmin = {"Q4_K": 8, "Q5_K": 16}.get(kind)  # dmin = 8 (16) d: a min m is m / 8 (16) of a scale step
+
+    def codes(at: slice, bits: int, low: int):
+        """Fields of `bits` packed in bytes at `at`, each drawn from low..2^bits - 1."""
+        f = rng.integers(low, 1 << bits, size=(*shape, at.stop - at.start, 8 // bits), dtype=np.uint8)
+        blocks[..., at] = np.bitwise_or.reduce(f << (bits * np.arange(8 // bits, dtype=np.uint8)), axis=-1)
+
+    if zero_mean:
+        at = {"Q4_0": slice(2, 18), "Q6_K": slice(0, 128), "Q3_K": slice(32, 96), "IQ4_NL": slice(2, 18)}
+        at["IQ4_XS"] = slice(8, 136)
+        if kind in at:
+            codes(at[kind], 2 if kind == "Q3_K" else 4, 1)
+    dmin = {"Q4_K": 8, "Q5_K": 16, "Q2_K": 1}.get(kind)  # dmin = 8 (16, 1) d: a min m is m / 8 of a scale step
+    half = {"Q4_K": 7.5, "Q5_K": 15.5, "Q2_K": 1.5}.get(kind)  # the codes' mean
     if kind == "Q6_K":
         blocks[..., 192:208] = rng.integers(16, 128, size=(*shape, 16), dtype=np.uint8)
+    elif kind == "Q2_K":
+        sc = rng.integers(2, 11, size=(*shape, 16))
+        m = np.rint(sc * half / dmin).astype(np.int64) if zero_mean else rng.integers(0, 16, size=sc.shape)
+        blocks[..., :16] = sc | (m << 4)
+    elif kind == "Q3_K":  # 6-bit scales 40..63 (8..31 less 32): low nibbles in bytes 0-7, high bits in 8-11
+        sc = rng.integers(40, 64, size=(*shape, 16))
+        blocks[..., 96:104] = (sc[..., :8] & 15) | ((sc[..., 8:] & 15) << 4)
+        blocks[..., 104:108] = np.bitwise_or.reduce(
+            (sc >> 4).reshape(*shape, 4, 4) << np.array([[0], [2], [4], [6]]), -2
+        )
+    elif kind == "IQ4_XS":  # 6-bit scales 40..63: low nibbles in bytes 4-7, high bits in the 16 bits at 2
+        sc = rng.integers(40, 64, size=(*shape, 8))
+        blocks[..., 4:8] = (sc[..., 0::2] & 15) | ((sc[..., 1::2] & 15) << 4)
+        h = np.bitwise_or.reduce((sc >> 4) << (2 * np.arange(8)), axis=-1).astype(np.uint16)
+        blocks[..., 2:4] = h[..., None].view(np.uint8)
     elif dmin:
         sc = rng.integers(16, 64, size=(*shape, 8))
-        half = 7.5 if kind == "Q4_K" else 15.5  # the codes' mean
         m = np.rint(sc * half / dmin).astype(np.int64) if zero_mean else rng.integers(0, 64, size=sc.shape)
         blocks[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)  # (get_scale_min_k4's packing)
         blocks[..., 8:12] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
         blocks[..., 12:16] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
-    at = 208 if kind == "Q6_K" else 0
+    at = D_AT.get(kind, 0)
 
     def scales(d):
         blocks[..., at : at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
         if dmin:
-            blocks[..., 2:4] = np.frombuffer(np.float16(dmin * float(np.float16(d))).tobytes(), np.uint8)
+            blocks[..., at + 2 : at + 4] = np.frombuffer(np.float16(dmin * float(np.float16(d))).tobytes(), np.uint8)
 
     scales(1.0)
     sample = np.asarray(dequantize(mx.array(blocks[:16].reshape(len(blocks[:16]), -1)), kind), np.float64)

@@ -498,9 +498,13 @@ def _q4_0_from(make, rows: int, cols: int, chunk: int = 8192) -> np.ndarray:
 
 # --type: what llama.cpp's llama-quantize writes for each (file type, its name in gguf.LlamaFileType)
 TYPES = {"Q4_0": "MOSTLY_Q4_0", "Q4_K_M": "MOSTLY_Q4_K_M", "Q4_K": "MOSTLY_Q4_K_S", "Q6_K": "MOSTLY_Q6_K",
-         "Q8_0": "MOSTLY_Q8_0"}  # fmt: skip
-# llama.cpp's fallbacks for rows that are not whole K-quant blocks (its Q5_0 for Q4_K: Q4_0 stands in here)
-FALLBACK = {"Q4_K": "Q4_0", "Q6_K": "Q8_0"}
+         "Q8_0": "MOSTLY_Q8_0", "Q2_K": "MOSTLY_Q2_K", "Q3_K_M": "MOSTLY_Q3_K_M",
+         "IQ4_XS": "MOSTLY_IQ4_XS"}  # fmt: skip
+# the type of most tensors in a mix (llama-quantize's default_type)
+MIXES = {"Q4_K_M": "Q4_K", "Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "IQ4_XS": "IQ4_XS"}
+# llama.cpp's fallbacks for rows that are not whole K-quant blocks (its Q5_0 for Q4_K and Q5_1 for Q5_K: Q4_0 and
+# Q8_0 stand in here)
+FALLBACK = {"Q4_K": "Q4_0", "Q5_K": "Q8_0", "Q6_K": "Q8_0", "Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL"}
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -508,16 +512,46 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def tensor_type(name: str, shape: tuple, ftype: str, layers: int) -> str:
+def _mixed(name: str, ftype: str, layers: int, gqa: int, experts: int) -> str:
+    """llama-quantize's llama_tensor_get_type for the mixes (MIXES) on the tensors synthetic files hold: the output
+    in Q6_K, and more bits for attn_k, attn_v, attn_output and ffn_down by file type, layer, grouped queries and
+    experts."""
+    kind = MIXES[ftype]
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if name == "output.weight":
+        return "Q6_K"
+    if "attn_k." in name and experts == 8:
+        return "Q8_0"
+    if "attn_v." in name:
+        if experts == 8:
+            return "Q8_0"
+        if ftype == "Q2_K":
+            return "Q4_K" if gqa >= 4 else "Q3_K"
+        if ftype == "Q3_K_M":
+            return "Q5_K" if layer < 2 else "Q4_K"
+        if ftype == "IQ4_XS" and gqa >= 4:
+            return "Q5_K"
+        return "Q6_K" if ftype == "Q4_K_M" and _more_bits(layer, layers) else kind
+    if "ffn_down" in name:
+        if ftype == "Q2_K":
+            return "Q3_K"
+        if ftype == "Q3_K_M":
+            return "Q5_K" if layer < layers // 16 else "Q4_K"
+        if ftype == "IQ4_XS" and layer < layers // 8:  # (without an importance matrix)
+            return "Q5_K"
+        return "Q6_K" if ftype == "Q4_K_M" and _more_bits(layer, layers) else kind
+    if "attn_output" in name:
+        if experts == 8:
+            return "Q5_K"
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}.get(ftype, kind)
+    return kind
+
+
+def tensor_type(name: str, shape: tuple, ftype: str, layers: int, gqa: int = 1, experts: int = 0) -> str:
     """The block type of 2-D (and stacked 3-D) weight `name` in a file of type `ftype` (TYPES), as llama-quantize
-    chooses it: a Q4_K_M file's output and (in _more_bits layers) attn_v and ffn_down in Q6_K, the rest in Q4_K."""
-    kind = ftype
-    if ftype == "Q4_K_M":
-        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
-        more = name == "output.weight" or (
-            ("attn_v." in name or "ffn_down" in name) and _more_bits(layer, layers)
-        )  # fmt: skip
-        kind = "Q6_K" if more else "Q4_K"
+    chooses it (a mix's types by _mixed; FALLBACK where a row is not whole blocks), in a model of `layers` layers,
+    `gqa` query heads a key head and `experts` experts."""
+    kind = _mixed(name, ftype, layers, gqa, experts) if ftype in MIXES else ftype
     if shape[-1] % BLOCKS_OF[kind][0]:
         kind = FALLBACK.get(kind, kind)
     return kind
@@ -600,9 +634,11 @@ def write_gguf(
 
     specs = list(_tensors(c))
     oss = c["model_type"] == "gpt_oss"
+    layers, experts = c["num_hidden_layers"], c.get("num_experts", 0)
+    gqa = c["num_attention_heads"] // (c.get("num_key_value_heads") or c["num_attention_heads"])
     skewed = "Q4_0" if routing == "skewed" else None  # (a skewed embedding is quantised from floats: Q4_0's quantiser)
     kinds = {
-        name: (name == "token_embd.weight" and skewed) or tensor_type(name, shape, gguf_type, c["num_hidden_layers"])
+        name: (name == "token_embd.weight" and skewed) or tensor_type(name, shape, gguf_type, layers, gqa, experts)
         for name, shape in specs
     }
     for name, shape in specs:
