@@ -11,9 +11,19 @@ def pytest_configure(config):
         "native: needs the native CPU kernels (kernels/cpu_gemv.c); skipped where they do not run (MLX on a GPU, "
         "MLX_FLASH_BACKEND=mlx, MLX_FLASH_CPU_KERNELS=0, not built)",
     )
+    config.addinivalue_line(
+        "markers",
+        "forces_mlx: computes through MLX's own ops whatever the backend (added at collection), so a pass with "
+        "MLX_FLASH_BACKEND=mlx after a full one may leave it out (-m 'not forces_mlx')",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # (CI's second pass, all through MLX's ops, leaves these out: the first ran them the same way)
+        params = getattr(item, "callspec", None) and item.callspec.params or {}
+        forced = params.get("ops") in ("mlx", True) or params.get("backend") == "mlx"
+        if forced or {"mlx_ops", "mlx_backend"} & set(item.fixturenames):
+            item.add_marker("forces_mlx")
     if cpu_gemv.available():
         return
     skip = pytest.mark.skip(reason="the native CPU kernels do not run here")

@@ -142,17 +142,17 @@ def test_a_model_path_that_does_not_exist(tmp_path):
 
 
 # -- the budget to the last token -------------------------------------------------------------------------------
-def test_unlimited_tokens_end_at_the_planned_context(smol):
-    """-m -1 plans the longest KV cache the budget holds beside its units and stops there, saying so."""
+def test_unlimited_tokens_end_at_the_planned_context(smol, wikitext):
+    """-m -1 plans the longest KV cache the budget holds beside its units and stops there, saying so (a prompt of
+    running text that fills all of it but 24 tokens: no end of sequence before the context is full)."""
     from mlx_flash import load, stream_generate
 
     model, tokenizer = load(smol, memory_budget="50%", context=None)
     try:
         context = model.flash.context
         assert 16 < context < 8192
-        prompt = tokenizer.encode("Once upon a time")
+        prompt = tokenizer.encode(wikitext[: 8 * context])[: context - 24]
         out = list(stream_generate(model, tokenizer, prompt, max_tokens=-1))
-        # (greedy on a tiny model loops; no end of sequence before the context is full)
         assert len(prompt) + len(out) == context
         assert out[-1].finish_reason == "length"
     finally:

@@ -121,11 +121,11 @@ def test_a_long_prompt_joins_a_running_batch(server):
     long = {"messages": [{"role": "user", "content": "Summarise: " + "the cat sat on the mat and " * 20}]}
     long_ask = lambda: chat(port, 0, messages=long["messages"])  # noqa: E731
     assert provider.cli_args.prefill_step_size < 150  # (more than one chunk)
-    solo = [chat(port, i, max_tokens=48) for i in range(3)] + [long_ask()]
+    solo = [chat(port, i, max_tokens=32) for i in range(3)] + [long_ask()]
 
     def run(i):
         if i < 3:
-            return chat(port, i, max_tokens=48)
+            return chat(port, i, max_tokens=32)
         time.sleep(0.5)  # the others are decoding
         return long_ask()
 
@@ -144,7 +144,7 @@ def test_prompt_lookup_and_plain_requests_mixed(server):
 
 def test_a_client_leaving_mid_batch_frees_its_slot(server):
     provider, _, port = server
-    solo = chat(port, 1, max_tokens=64)
+    solo = chat(port, 1, max_tokens=32)
     body = json.dumps(
         {"messages": [{"role": "user", "content": "Write about cats."}], "max_tokens": 150, "stream": True}
     ).encode()
@@ -163,7 +163,7 @@ def test_a_client_leaving_mid_batch_frees_its_slot(server):
         if i == 0:
             return leave()
         time.sleep(0.2)
-        return chat(port, 1, max_tokens=64)
+        return chat(port, 1, max_tokens=32)
 
     _, other = together(run, 2)
     assert other == solo  # the one that stayed is undisturbed
@@ -181,8 +181,8 @@ def test_admission_and_a_full_queue(smol):
     try:
         fd = provider.model.flash.fd
         assert provider.model.flash.plan.kv_cache == 2 * kv_cache_bytes(fd.config, CONTEXT, kv_size_of(fd))
-        first = threading.Thread(target=lambda: chat(port, 0, max_tokens=120))
-        second = threading.Thread(target=lambda: chat(port, 1, max_tokens=120))
+        first = threading.Thread(target=lambda: chat(port, 0, max_tokens=64))
+        second = threading.Thread(target=lambda: chat(port, 1, max_tokens=64))
         first.start()
         second.start()
         deadline = time.time() + 60
