@@ -174,7 +174,7 @@ class Unlinked:
                 self.alone[names[0]] = f.stat().st_blocks * 512
             f.unlink()
 
-    def evaluate(self, name: str, a: mx.array, timeout: float = 0.5) -> None:
+    def evaluate(self, name: str, a: mx.array, timeout: float = 5.0) -> None:
         """Evaluate `a`; where it was alone in its shard (the embeddings), return once the filesystem has freed the
         shard: MLX closes it from its io threads a moment after it is read, and the filesystem frees it after that,
         so a copy written at once would have both on disk for a moment."""
