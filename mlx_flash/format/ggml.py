@@ -255,7 +255,7 @@ def random_rows(rng, kind: str, rows: int, n: int, scale: float = 1.0, zero_mean
         at["IQ4_XS"] = slice(8, 136)
         if kind in at:
             codes(at[kind], 2 if kind == "Q3_K" else 4, 1)
-    dmin = {"Q4_K": 8, "Q5_K": 16, "Q2_K": 1}.get(kind)  # dmin = 8 (16, 1) d: a min m is m / 8 of a scale step
+    dmin = {"Q4_K": 8, "Q5_K": 16, "Q2_K": 1}.get(kind)  # dmin / d: a min step of 1/8 (1/16, 1) a scale step
     half = {"Q4_K": 7.5, "Q5_K": 15.5, "Q2_K": 1.5}.get(kind)  # the codes' mean
     if kind == "Q6_K":
         blocks[..., 192:208] = rng.integers(16, 128, size=(*shape, 16), dtype=np.uint8)
