@@ -165,22 +165,26 @@ class Unlinked:
 
     def __init__(self, model_dir: Path, keep=()):
         self.dir = Path(model_dir)
-        self.alone = {}  # the name of an array alone in its shard -> the bytes the shard takes on disk
+        self.shard, self.left, self.size = {}, {}, {}  # array -> its shard; shard -> arrays not read, bytes on disk
         for f in self.dir.glob("model*.safetensors"):
             if f.name in keep:
                 continue
-            names = [k for k in safetensors_header(f) if k != "__metadata__"]
-            if len(names) == 1:
-                self.alone[names[0]] = f.stat().st_blocks * 512
+            names = {k for k in safetensors_header(f) if k != "__metadata__"}
+            self.shard.update(dict.fromkeys(names, f.name))
+            self.left[f.name], self.size[f.name] = names, f.stat().st_blocks * 512
             f.unlink()
 
     def evaluate(self, name: str, a: mx.array, timeout: float = 5.0) -> None:
-        """Evaluate `a`; where it was alone in its shard (the embeddings), return once the filesystem has freed the
-        shard: MLX closes it from its io threads a moment after it is read, and the filesystem frees it after that,
-        so a copy written at once would have both on disk for a moment."""
-        size = self.alone.pop(name, 0)
+        """Evaluate `a`; where it was the last array of its shard to be read, return once the filesystem has freed
+        the shard (or `timeout` has passed): MLX closes it from its io threads a moment after it is read (later on a
+        loaded machine), and the filesystem frees it after that, so writing at once could find it still on disk."""
+        f = self.shard.pop(name, None)
         free = _free(self.dir)
         mx.eval(a)
+        if f is None:
+            return
+        self.left[f].discard(name)
+        size = 0 if self.left[f] else self.size.pop(f)
         deadline = time.monotonic() + timeout
         while size and _free(self.dir) < free + size and time.monotonic() < deadline:
             time.sleep(0.001)
