@@ -2115,8 +2115,8 @@ static PyObject *py_ffn_glu(PyObject *self, PyObject *args) {
    Rows of Q4_0 / Q8_0 / IQ4_NL (32 values a block) or Q4_K / Q5_K / Q6_K / Q2_K / Q3_K / IQ4_XS (256: sub-blocks of
    32, Q6_K's, Q2_K's and Q3_K's of 16) blocks, computed as stored: the bytes a unit reads are the file's. With int8
    activations (the default) x is quantised as llama.cpp quantises it for these types (Q8_0: per 32, a float16 scale;
-   Q8_K: per 256, a float scale and each 16's sum) and each block's dot is an exact integer sum; with float ones each block is dequantised (format/ggml.py's
-   arithmetic) and summed in float, value by value. The SIMD loops compute only the integer sums; every float
+   Q8_K: per 256, a float scale and each 16's sum) and each block's dot is an exact integer sum; with float ones each
+   block is dequantised (format/ggml.py's arithmetic) and summed in float, value by value. The SIMD loops compute only the integer sums; every float
    operation happens in the scalar code below in one order (block by block), so the AVX2 and scalar loops give the
    same bits, whatever the threads. */
 
@@ -2336,6 +2336,13 @@ AVX2 static inline float gg_hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* the sum of 4 int32 lanes */
+AVX2 static inline int gg_hsum_epi32(__m128i t) {
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
 AVX2 static inline float gg_half(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
 /* 32 signed weights times 32 activations in 8 int32 lanes (|w| unsigned times x with w's sign) */
@@ -2500,10 +2507,8 @@ AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int bl
             if (kind == GG_Q2_K) { /* the mins: sum_j m_j (xsum of its 16) */
                 const __m128i m8 = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)w), 4), _mm_set1_epi8(15));
                 const __m256i mn = _mm256_madd_epi16(_mm256_cvtepu8_epi16(m8), _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b)));
-                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-                mins += x->d[b] * gg_half(w + 82) * (float)_mm_cvtsi128_si32(t);
+                const int m = gg_hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1)));
+                mins += x->d[b] * gg_half(w + 82) * (float)m;
             }
         } else {
             uint32_t u[4];
@@ -2529,10 +2534,8 @@ AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int bl
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b));
             const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             const __m128i mn = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))), pairs);
-            __m128i t = _mm_add_epi32(mn, _mm_shuffle_epi32(mn, 0x4E));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w)), acc);
-            mins += x->d[b] * gg_half(w + 2) * (float)_mm_cvtsi128_si32(t);
+            mins += x->d[b] * gg_half(w + 2) * (float)gg_hsum_epi32(mn);
         }
     }
     return gg_hsum_ps(acc) - mins;

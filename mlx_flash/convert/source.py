@@ -179,14 +179,15 @@ class Unlinked:
         the shard (or `timeout` has passed): MLX closes it from its io threads a moment after it is read (later on a
         loaded machine), and the filesystem frees it after that, so writing at once could find it still on disk."""
         f = self.shard.pop(name, None)
-        free = _free(self.dir)
+        if f is not None:
+            self.left[f].discard(name)
+        last = f is not None and not self.left[f]
+        free = _free(self.dir) if last else 0
         mx.eval(a)
-        if f is None:
+        if not last:
             return
-        self.left[f].discard(name)
-        size = 0 if self.left[f] else self.size.pop(f)
-        deadline = time.monotonic() + timeout
-        while size and _free(self.dir) < free + size and time.monotonic() < deadline:
+        size, deadline = self.size.pop(f), time.monotonic() + timeout
+        while _free(self.dir) < free + size and time.monotonic() < deadline:
             time.sleep(0.001)
 
 

@@ -250,11 +250,15 @@ def random_rows(rng, kind: str, rows: int, n: int, scale: float = 1.0, zero_mean
         f = rng.integers(low, 1 << bits, size=(*shape, at.stop - at.start, 8 // bits), dtype=np.uint8)
         blocks[..., at] = np.bitwise_or.reduce(f << (bits * np.arange(8 // bits, dtype=np.uint8)), axis=-1)
 
-    if zero_mean:
-        at = {"Q4_0": slice(2, 18), "Q6_K": slice(0, 128), "Q3_K": slice(32, 96), "IQ4_NL": slice(2, 18)}
-        at["IQ4_XS"] = slice(8, 136)
-        if kind in at:
-            codes(at[kind], 2 if kind == "Q3_K" else 4, 1)
+    low = {  # the codes zero_mean draws from 1
+        "Q4_0": slice(2, 18),
+        "Q6_K": slice(0, 128),
+        "Q3_K": slice(32, 96),
+        "IQ4_NL": slice(2, 18),
+        "IQ4_XS": slice(8, 136),
+    }
+    if zero_mean and kind in low:
+        codes(low[kind], 2 if kind == "Q3_K" else 4, 1)
     dmin = {"Q4_K": 8, "Q5_K": 16, "Q2_K": 1}.get(kind)  # dmin / d: a min step of 1/8 (1/16, 1) a scale step
     half = {"Q4_K": 7.5, "Q5_K": 15.5, "Q2_K": 1.5}.get(kind)  # the codes' mean
     if kind == "Q6_K":
