@@ -63,6 +63,7 @@ typedef struct {
        lie together, chunk c of row 4g + t at w_row(4g) + 256 c + 64 t, so the AVX-512 loops read a group as one
        stream (the other loops read a copy in rows: plain_rows) */
     int ilv;
+    int gkind; /* a block_linear handle's rows of GGML blocks: their kind + 1 (block_dot's); 0: quantised rows */
 } Rows;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -2776,6 +2777,41 @@ fail:
     return NULL;
 }
 
+/* block_linear(w, k, n, kind): a `linear` handle on k rows of n values of GGML `kind` blocks (block_dot's kinds),
+   w holding them row after row (a resident matrix kept as its GGUF stores it) */
+static PyObject *py_block_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *w;
+    Py_ssize_t k;
+    int n, kind;
+    if (!PyArg_ParseTuple(args, "Onii", &w, &k, &n, &kind)) return NULL;
+    if (kind < 0 || kind >= GG_TYPES || n <= 0 || n % gg_values[kind] || n / gg_values[kind] > GG_MAX_BLOCKS || k < 1) {
+        PyErr_Format(PyExc_ValueError, "block_linear: bad shape (n=%d, k=%zd, kind %d)", n, k, kind);
+        return NULL;
+    }
+    Linear *L = PyMem_Calloc(1, sizeof(Linear));
+    if (L == NULL) return PyErr_NoMemory();
+    if (PyObject_GetBuffer(w, &L->views[0], PyBUF_C_CONTIGUOUS) != 0) {
+        PyMem_Free(L);
+        return NULL;
+    }
+    Rows *r = &L->r;
+    r->w_stride = (Py_ssize_t)n / gg_values[kind] * gg_bytes[kind];
+    if (L->views[0].len != k * r->w_stride) {
+        PyErr_Format(PyExc_ValueError, "block_linear: %zd bytes, expected %zd rows of %zd", L->views[0].len, k, r->w_stride);
+        PyBuffer_Release(&L->views[0]);
+        PyMem_Free(L);
+        return NULL;
+    }
+    r->w = L->views[0].buf, r->k = k, r->n = n, r->gkind = kind + 1;
+    PyObject *capsule = PyCapsule_New(L, LINEAR_CAPSULE, linear_free);
+    if (capsule == NULL) {
+        PyBuffer_Release(&L->views[0]);
+        PyMem_Free(L);
+    }
+    return capsule;
+}
+
 static void rms_norm(const float *x, const float *w, float eps, int d, float *out) {
     float ss = 0.0f;
     for (int i = 0; i < d; i++) ss += x[i] * x[i];
@@ -2857,6 +2893,18 @@ static float dot8(const float *a, const float *b, int n) {
     return r;
 }
 
+/* out [m, k] = x [m, n] . each row of an attention projection: quantised rows, or GGML blocks (block_linear) */
+static void projection(const Rows *r, const float *x, float *out, int m) {
+    if (!r->gkind) {
+        row_dot_impl(r, x, out, m);
+        return;
+    }
+    GRows g;
+    memset(&g, 0, sizeof(g));
+    g.w = r->w, g.stride = r->w_stride, g.n_mat = 1, g.kind = r->gkind - 1, g.n = r->n, g.k = r->k;
+    block_dot_impl(&g, x, out, m);
+}
+
 static void attention_impl(const Block *B, float *scratch, int threads) {
     const int d = B->d, nh = B->n_heads, hd = B->hd, nkv = B->n_kv, group = B->n_heads / B->n_kv, m = B->m;
     float *hn = scratch, *q = hn + (size_t)m * d, *k = q + (size_t)m * nh * hd, *v = k + (size_t)m * nkv * hd,
@@ -2866,12 +2914,12 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
     /* every matrix's rows read once for all rows, whichever sequence they belong to */
     const Rows *qkv[3] = {B->q, B->k, B->v};
     float *qkv_out[3] = {q, k, v};
-    const int path = int8_path(B->q);
+    const int path = B->q->gkind || B->k->gkind || B->v->gkind ? 0 : int8_path(B->q);
     if (path && int8_path(B->k) == path && int8_path(B->v) == path && B->k->gs == B->q->gs && B->v->gs == B->q->gs &&
         B->k->bits == B->q->bits && B->v->bits == B->q->bits)
         row_dot_q8_multi(qkv, 3, hn, qkv_out, m, path); /* hn quantised once, one parallel loop */
     else
-        for (int i = 0; i < 3; i++) row_dot_impl(qkv[i], hn, qkv_out[i], m);
+        for (int i = 0; i < 3; i++) projection(qkv[i], hn, qkv_out[i], m);
     for (int p = 0; p < m; p++) {
         const Segment *S = &B->seg[B->seg_of[p]];
         const Py_ssize_t t = S->pos + (p - S->start);
@@ -2921,7 +2969,7 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
             }
         }
     }
-    row_dot_impl(B->o, att, o, m);
+    projection(B->o, att, o, m);
     for (int p = 0; p < m; p++) {
         float *xp = B->x + (size_t)p * d;
         for (int i = 0; i < d; i++) xp[i] += o[(size_t)p * d + i];
@@ -3304,6 +3352,7 @@ static PyMethodDef methods[] = {
      "block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, scales, biases, n_blocks, scale_type, "
      "symmetric=False)\n"
      "out[i] = sum_j vec[j] (S[blocks[j]][i] q_{slots[j]}[i] + B[blocks[j]][i]); rows hold codes only"},
+    {"block_linear", py_block_linear, METH_VARARGS, "block_linear(w, k, n, kind): a linear handle on rows of GGML blocks"},
     {"linear", py_linear, METH_VARARGS,
      "linear(w, w_off, w_stride, s, s_off, s_stride, b, b_off, b_stride, k, n, bits, group_size, scale_type, "
      "symmetric=False, interleaved=False) -> a handle on k quantised rows (buffers held), for attention(); interleaved: "

@@ -18,9 +18,11 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Union
 
+from .compute import blocks
 from .engine.native_step import MAX_POSITIONS
 from .engine.units import REDUCTION_UNITS
 from .errors import BudgetError
+from .format import ggml
 from .format.config import attention_shape, first_of, head_dim
 from .io.reader import DEFAULT_THREADS
 
@@ -301,9 +303,25 @@ def fixed_bytes(
             2 * scratch,
             min(MIN_MOE_WORKSPACE_BYTES, fd.model_bytes // 8) if per_pass else 0,
             2 * per_pass * max(fd.call_bytes(r.name) for r in fd.regions()) if per_pass else 0,
-        ),
+        )
+        + block_temporaries(fd),
         "extra": extra,
     }
+
+
+def block_temporaries(fd) -> int:
+    """MLX's temporaries of the resident matrices kept as GGML blocks (compute/blocks.py) in its ops: the most a
+    layer's take together (its graph holds its projections' at once), or a matrix outside the layers in chunks."""
+    index = fd.resident_index()
+    per_layer: Dict[str, int] = {}
+    for path, kind in fd.blocks.items():
+        if f"{path}.weight" not in index:
+            continue  # (refused when the model is built: loader._keep_blocks)
+        t = ggml.temporary_bytes(kind, index[f"{path}.weight"].nbytes)
+        layer = re.search(r"\.layers\.(\d+)\.", path)
+        key = layer.group(1) if layer else path
+        per_layer[key] = per_layer.get(key, 0) + (t if layer else min(t, blocks.CHUNK_BYTES))
+    return max(per_layer.values(), default=0)
 
 
 def scale_copy_bytes(fd) -> int:

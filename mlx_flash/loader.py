@@ -26,7 +26,7 @@ from .budget import (
     plan_memory,
     scale_copy_bytes,
 )
-from .compute import cpu_gemv
+from .compute import blocks, cpu_gemv
 from .compute.ffn import ResidentFFN
 from .default_model import model_dir
 from .engine.experts import SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
@@ -69,6 +69,16 @@ def _wrap(model: nn.Module, weights: Dict[str, mx.array], wrap) -> Dict[str, mx.
     return {k: v for k, v in weights.items() if not any(k.startswith(path + ".") for path in wrap)}
 
 
+def _keep_blocks(model: nn.Module, fd: FlashDir) -> None:
+    """Make the modules resident.blocks names hold their weights as GGML blocks (compute/blocks.py)."""
+    modules = dict(model.named_modules())
+    for path, kind in fd.blocks.items():
+        try:
+            blocks.keep_blocks(modules[path], kind)
+        except (KeyError, TypeError, ValueError) as e:
+            raise FlashFormatError(f"{fd.path / MANIFEST}: resident.blocks names {path}: {e}") from e
+
+
 def _quantize(model: nn.Module, weights: Dict[str, mx.array], fd: FlashDir) -> None:
     """Make the modules `weights` holds scales for quantised as stored, with cpu_gemv's classes (decode matvecs on
     the CPU: native kernels, MLX's ops otherwise); symmetric modules hold no biases (those classes derive them: no
@@ -78,7 +88,10 @@ def _quantize(model: nn.Module, weights: Dict[str, mx.array], fd: FlashDir) -> N
     nn.quantize(
         model,
         class_predicate=lambda p, m: (
-            hasattr(m, "to_quantized") and f"{p}.scales" in weights and infer_quant_config(p, m, weights)
+            hasattr(m, "to_quantized")
+            and not blocks.is_blocks(m)
+            and f"{p}.scales" in weights
+            and infer_quant_config(p, m, weights)
         ),
     )
     cpu_gemv.patch(model)
@@ -125,6 +138,7 @@ def build_model(
         layer.mlp = make_ffn(i, bias)
         ffn_tensors.append(bias)
 
+    _keep_blocks(model, fd)
     if "quantization" in config:
         _quantize(model, weights, fd)
     return _load_weights(model, weights, fd, wrap, ffn_tensors)
@@ -157,6 +171,7 @@ def build_moe_model(
         model.update_modules(
             tree_unflatten([(p, FlashSwitchGLU(engine, i, modules[p].activation)) for i, p in paths.items()])
         )
+    _keep_blocks(model, fd)
     if "quantization" in config or engine is None:
         _quantize(model, weights, fd)
     return _load_weights(model, weights, fd, wrap)

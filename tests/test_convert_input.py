@@ -95,7 +95,7 @@ def header_fields(path):
 
     fields = []
 
-    class Recorder(g._GGUFFile):
+    class Recorder(g.GGUFFile):
         def _unpack(self, fmt):
             fields.append((self._pos, struct.calcsize(fmt)))
             return super()._unpack(fmt)

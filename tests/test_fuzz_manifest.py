@@ -168,6 +168,27 @@ def test_a_symmetric_list_that_is_not_the_files_is_refused(flash_dir, tmp_path, 
         FlashDir(_with_manifest(flash_dir, tmp_path / "null", manifest)).load_resident()
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"model.no_such_module": "Q6_K"},
+        {"model.embed_tokens": "Q7_K"},
+        {"model.norm": "Q6_K"},
+        {"lm_head": 6},
+        {"model.layers.0.self_attn.k_proj": "Q8_0"},
+    ],
+    ids=["no-module", "no-type", "not-a-matrix", "not-a-name", "not-its-weights"],
+)
+def test_a_blocks_list_that_is_not_the_models_is_refused(flash_dir, tmp_path, value):
+    """resident.blocks (matrices kept as GGML blocks) naming no module, no block type, a module that is no linear
+    layer or embedding, or one whose stored weights are not blocks is a FlashFormatError, at open or load."""
+    manifest = json.loads((flash_dir / MANIFEST).read_text())
+    manifest["resident"]["blocks"] = value
+    with pytest.raises(FlashFormatError, match=r"resident\.(blocks|symmetric)|do not match the architecture"):
+        d = _with_manifest(flash_dir, tmp_path, manifest)
+        load(d, context=16)
+
+
 @pytest.mark.parametrize("value", [3, 1024])
 def test_an_alignment_its_units_do_not_keep_is_refused(flash_dir, tmp_path, value):
     """(Found by the fuzz above on experts read in place:) an alignment that is no power of two, or that the regions or

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import mlx_flash  # noqa: F401  (OpenBLAS before mlx.core)
-from mlx_flash.convert.gguf import converted_size, gguf_to_mlx_dir, mixed_roles, read_header
+from mlx_flash.convert.gguf import BLOCK_TYPES, converted_size, gguf_to_mlx_dir, mixed_roles, read_header
 from mlx_flash.default_model import default_gguf_path
 from mlx_flash.errors import SourceError, UnsupportedArchitectureError
 from mlx_flash.format.safetensors_io import read_header as safetensors_header
@@ -383,11 +383,12 @@ def _dense(weights, prefix):
 
 
 def test_dequantise_fallback(tmp_path):
-    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader: Q4_0/Q4_1/Q8_0, Q5_0/Q5_1
-    and Q4_K are repacked exactly (Q4_K with float32 scales), Q6_K dequantised and re-quantised to 8-bit (group 32),
-    BF16 kept."""
+    """Types mx.load cannot read (Q5_0, Q4_K, Q6_K, BF16) go through gguf.GGUFReader: Q4_0/Q4_1/Q8_0 and Q5_0/Q5_1
+    are repacked exactly, the resident Q4_K and Q6_K matrices kept as their blocks (compute/blocks.py), BF16 kept."""
+    from mlx_flash.convert.gguf import BLOCKS
+    from mlx_flash.convert.source import load_source_model
+
     import gguf
-    from mlx_lm.utils import load_model
 
     T = gguf.GGMLQuantizationType
     types = {
@@ -410,21 +411,28 @@ def test_dequantise_fallback(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 2 and cfg["rms_norm_eps"] == 1e-6
     q = cfg["quantization"]
-    assert q["group_size"] == 32 and q["bits"] == 4  # the most common: Q4_0, Q4_1 and Q4_K matrices
+    assert q["group_size"] == 32
 
     def bits(path):  # (a module not listed has the default)
         return q.get(path, q)["bits"]
 
     assert bits("model.layers.0.mlp.gate_proj") == bits("model.layers.1.mlp.up_proj") == 4  # Q4_0, Q4_1
-    assert bits("model.layers.0.self_attn.q_proj") == 4  # Q4_K
     assert bits("model.layers.0.self_attn.k_proj") == bits("model.layers.1.mlp.down_proj") == 5  # Q5_0, Q5_1
-    assert bits("model.layers.0.self_attn.o_proj") == bits("model.embed_tokens") == 8  # Q6_K re-quantised, Q8_0
+    assert bits("model.embed_tokens") == 8  # Q8_0
+    kept = json.loads((out / BLOCKS).read_text())
+    assert kept == {f"model.layers.{i}.self_attn.{p}": t for i in range(2) for p, t in (("q_proj", "Q4_K"),
+                    ("o_proj", "Q6_K"))}  # fmt: skip
 
     weights = mx.load(str(out / "model.safetensors"))
-    scales = {"self_attn.q_proj": mx.float32, "self_attn.k_proj": mx.float16, "self_attn.o_proj": mx.float16}
-    for name, dtype in {**scales, "mlp.down_proj": mx.float16}.items():
+    for name in ("self_attn.k_proj", "mlp.down_proj"):
         assert weights[f"model.layers.0.{name}.weight"].dtype == mx.uint32
-        assert weights[f"model.layers.0.{name}.scales"].dtype == dtype
+        assert weights[f"model.layers.0.{name}.scales"].dtype == mx.float16
+    for path, kind in kept.items():  # the file's blocks (q's rows unpermuted), dequantised below
+        w = weights.pop(f"{path}.weight")
+        assert w.dtype == mx.uint8 and f"{path}.scales" not in weights
+        weights[f"{path}.weight"] = mx.array(
+            gguf.quants.dequantize(np.array(w), getattr(gguf.GGMLQuantizationType, kind))
+        )
     assert weights["lm_head.weight"].dtype == mx.bfloat16  # BF16 kept
     assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == mx.uint32  # Q4_0 repacked
     assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float32
@@ -446,14 +454,12 @@ def test_dequantise_fallback(tmp_path):
             got = _llamacpp_permute(got, TINY["heads"])
         elif parts[-2] == "attn_k":
             got = _llamacpp_permute(got, TINY["kv_heads"])
-        if parts[-2] in ("attn_q", "attn_k", "ffn_down"):  # Q4_K, Q5_0, Q5_1: exactly
+        if parts[-2] in ("attn_q", "attn_k", "ffn_down", "attn_output"):  # Q4_K, Q5_0, Q5_1, Q6_K: exactly
             np.testing.assert_array_equal(got, ref, err_msg=gname)
             continue
-        # re-quantised: within MLX's 8-bit step (range / 255, its grid keeps 0 exact) plus float16 scale rounding
-        atol = 2e-4 if parts[-2] != "attn_output" else np.ptp(ref) / 255 * 1.25
-        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=atol, err_msg=gname)
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4, err_msg=gname)
 
-    model, _ = load_model(out)
+    model, _ = load_source_model(out)
     logits = model(mx.array([[1, 100, 200, 2]]))
     assert logits.shape == (1, 4, cfg["vocab_size"]) and bool(mx.isfinite(logits).all())
 
@@ -518,14 +524,17 @@ def test_exact_types_keep_the_ggufs_values(tmp_path, qtype, bits):
 
 
 def test_a_role_of_mixed_types_is_requantised_alike(tmp_path):
-    """Q4_K_M keeps some layers' ffn_down in Q6_K: a role whose layers differ in type is re-quantised to 8-bit in
-    every layer (a flash directory's layers share one layout), a role of one type kept exactly."""
+    """Q4_K_M keeps some layers' ffn_down in Q6_K: an FFN role whose layers differ in type is re-quantised to 8-bit
+    in every layer (a flash directory's layers share one layout), a role of one type kept exactly, and so is a
+    resident role of mixed types (each module has its own quantisation: Q4_K_M's attn_v in Q5_0 and Q8_0)."""
     rng = np.random.default_rng(0)
     tensors = {
         "blk.0.ffn_down.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
         "blk.1.ffn_down.weight": (_random_blocks(rng, "Q6_K", 64, 512), "Q6_K"),
         "blk.0.ffn_up.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
         "blk.1.ffn_up.weight": (_random_blocks(rng, "Q4_K", 64, 512), "Q4_K"),
+        "blk.0.attn_v.weight": (_random_blocks(rng, "Q5_0", 64, 512), "Q5_0"),
+        "blk.1.attn_v.weight": (_random_blocks(rng, "Q8_0", 64, 512), "Q8_0"),
     }
     read = _one_tensor_file(tmp_path / "t.gguf", tensors)
     got = {f"{base}.{part}": quant for base, part, _, quant in read}
@@ -539,6 +548,8 @@ def test_a_role_of_mixed_types_is_requantised_alike(tmp_path):
         "blk.1.ffn_down.weight": (32, 8),
         "blk.0.ffn_up.weight": (32, 4),
         "blk.1.ffn_up.weight": (32, 4),
+        "blk.0.attn_v.weight": (32, 5),
+        "blk.1.attn_v.weight": (32, 8),
     }
 
 
@@ -974,10 +985,10 @@ def test_arch_variants_rejected(tmp_path, tiny_arch, arch, extra, match):
 
 
 def test_header_parser_matches_gguf_reader(smol_gguf, tmp_path):
-    """_GGUFFile (which parses the header straight from the memory map, without a numpy view per metadata item)
+    """GGUFFile (which parses the header straight from the memory map, without a numpy view per metadata item)
     reads the metadata and tensors the gguf package's reader reads: the same values, and views of the same bytes
     with the same dtypes and shapes (float, K-quant, Q5_0, Q8_0, MXFP4 tensors; SentencePiece and BPE vocabularies)."""
-    from mlx_flash.convert.gguf import _GGUFFile
+    from mlx_flash.convert.gguf import GGUFFile
     from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
 
     import gguf
@@ -987,7 +998,7 @@ def test_header_parser_matches_gguf_reader(smol_gguf, tmp_path):
     _write_tiny_gguf(tiny, types={"ffn_down": T.Q5_0, "ffn_up": T.Q4_K, "attn_v": T.F16, "ffn_gate": T.Q8_0})
     moe = write_gguf("moe-small", tmp_path / "gptoss.gguf", progress=False, **tiny_moe("gpt_oss"))
     for path in (smol_gguf, tiny, moe):
-        reader, ours = gguf.GGUFReader(str(path)), _GGUFFile(Path(path))
+        reader, ours = gguf.GGUFReader(str(path)), GGUFFile(Path(path))
         assert ours.fields == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
         for a, b in zip(reader.tensors, ours.tensors):
@@ -1111,6 +1122,15 @@ def test_k_and_i_quant_experts_stream_as_resident(tmp_path, ftype):
     assert quant["gate_proj"] == {"ggml": MIXES[ftype], "values": 256}
     down = {str(i): got[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)}
     assert quant["down_proj"] == {"ggml": down if len(set(down.values())) > 1 else down["0"], "values": 256}
+    # the resident matrices of types MLX has no exact quantisation for are the file's bytes, as they are
+    names = {"output": "lm_head", "token_embd": "model.embed_tokens"}
+    names.update({f"blk.{i}.attn_{a}": f"model.layers.{i}.self_attn.{b}_proj" for i in range(4) for a, b in
+                  (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))})  # fmt: skip
+    kept = {names[t.name[:-7]]: t for t in weights if t.name[:-7] in names and t.tensor_type.name in BLOCK_TYPES}
+    assert fd.blocks == {p: t.tensor_type.name for p, t in kept.items()} and "lm_head" in fd.blocks
+    stored = fd.load_resident()
+    for p in ("lm_head", "model.layers.0.self_attn.o_proj"):  # (q and k rows are unpermuted)
+        assert np.array_equal(np.array(stored[f"{p}.weight"]).reshape(-1), np.asarray(kept[p].data).reshape(-1))
     prompt = mx.array([1, 5, 9, 33, 70, 2, 11])
     cpu_gemv.set_int8_activations(False)
     try:
@@ -1118,6 +1138,7 @@ def test_k_and_i_quant_experts_stream_as_resident(tmp_path, ftype):
         want, logits = [int(t) for t, _ in generate_step(prompt, resident, max_tokens=8)], resident(prompt[None])
         model, _ = load(out, memory_budget=slots_budget(fd, 2), context=64)
         try:
+            assert model.forward.native == cpu_gemv.available()  # (its attention and head on the block handles)
             assert [int(t) for t, _ in generate_step(prompt, model, max_tokens=8)] == want
             assert mx.abs(model(prompt[None]) - logits).max().item() < 1e-3
         finally:

@@ -223,6 +223,12 @@ def block_dot(
     return out
 
 
+def block_linear(w, k: int, n: int, kind: str):
+    """A native handle on k rows of n values of GGML `kind` blocks in w (held while it lives), for
+    `_native.attention`."""
+    return _native.block_linear(w, k, n, GGML_KINDS[kind])
+
+
 def row_dot_pairs(x: np.ndarray, a: QuantRows, b: QuantRows, slots=None, k: Optional[int] = None) -> np.ndarray:
     """float32 [..., k, 2]: `row_dot` of a and of b in one pass, where b is another matrix of the same rows (the same
     buffers and strides at other offsets, as a GLU's gate and up in a unit): each row's two are read side by side,

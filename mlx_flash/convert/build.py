@@ -46,6 +46,7 @@ from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
 from .. import __version__
+from ..compute.blocks import block_kinds, is_blocks
 from ..errors import FlashError
 from ..format.bitmap import capacity_for_sparsity
 from ..format.directory import DEFAULT_ALIGNMENT, FlashDir, FlashWriter
@@ -266,8 +267,9 @@ def convert(
             },
             "source": {"model": str(model), "created_by": f"mlx_flash {__version__}"},
         }
+        kept = block_kinds(model_obj)
         release(model_obj)  # `resident` holds the only references: each array is freed once written
-        writer.finish(config, resident, manifest, progress, evaluate)
+        writer.finish(config, resident, manifest, progress, evaluate, kept)
         copy_tokenizer(src_dir, writer.path)
         os.replace(writer.path, out)
     return out
@@ -453,7 +455,12 @@ def _quantize_resident(model: nn.Module, bits: int, group_size: int) -> None:
     """Quantise like mlx-lm, except the FFN: adapter.split quantises it per stored row."""
 
     def predicate(path, m):
-        return hasattr(m, "to_quantized") and ".mlp." not in f"{path}." and m.weight.shape[-1] % group_size == 0
+        return (
+            hasattr(m, "to_quantized")
+            and not is_blocks(m)
+            and ".mlp." not in f"{path}."
+            and m.weight.shape[-1] % group_size == 0
+        )
 
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
 

@@ -6,7 +6,7 @@ mlx-lm's `quantization` block when weights are quantised), `model*.safetensors`
 only ever reads mlx-lm / Hugging Face directories.
 
 Weights: gguf_quants.py says what each GGUF type becomes (most exactly, the rest re-quantised to 8 bits).
-  * Every header is parsed and checked first (_GGUFFile, in pure Python: mx.load
+  * Every header is parsed and checked first (GGUFFile, in pure Python: mx.load
     trusts every length and offset in it). Files made only of the first kind and
     no larger than MX_LOAD_MAX_BYTES are then read by `mx.load` (fast path).
     Other files are memory-mapped and read a tensor at a time, each tensor
@@ -54,11 +54,9 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import re
-import struct
 import sys
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -72,10 +70,12 @@ from ..format.safetensors_io import DTYPES as DTYPES_ST
 from ..format.safetensors_io import ShardWriter, fill_hole, hole_file
 from ..format.safetensors_io import read_header as safetensors_header
 from .gguf_archs import Meta, arch_spec, is_mtp, map_name
+from .gguf_header import GGUF_MAGIC, GGUFFile, read_header
 from .gguf_quants import (
     EXACT,
     GROUP_SIZE,
     REQUANT,
+    STREAMED,
     UNIFORM,
     by_rows,
     dequantize,
@@ -86,7 +86,6 @@ from .gguf_quants import (
 )
 from .gguf_tokenizer import build_tokenizer, portable_tokenizer_config
 
-GGUF_MAGIC = b"GGUF"
 DEFAULT_SHARD_BYTES = 2 << 30
 MX_LOAD_MAX_BYTES = 128 << 20  # files up to this size are read whole by mx.load, larger ones a tensor at a time
 # the types mx.load reads as the file holds them: it dequantises others itself, and its K-quants are not llama.cpp's
@@ -100,150 +99,12 @@ IN_PLACE = "gguf_experts.json"
 FFN_HOLES = "gguf_ffn.json"
 # ... and the quantised modules whose biases it left out (symmetric: derived from their scales)
 SYMMETRIC = "gguf_symmetric.json"
-STREAMED = re.compile(r"\.ffn_(gate|up|down|gate_up)(_exps)?$")  # a block's tensors read from flash (by base name)
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_UINT32, _BOOL, _STRING, _ARRAY = 4, 7, 8, 9
-MAX_DIMS = 4  # GGML_MAX_DIMS
-# the fewest bytes a metadata item (key length, type, a one-byte value) and a tensor info (name length, one
-# dimension, type, offset) take: the counts in the header cannot exceed the file's size over these
-_MIN_ITEM_BYTES, _MIN_TENSOR_BYTES = 13, 32
-# tensor types a GGUF stores as plain numbers (any other is blocks of bytes)
-_PLAIN = {
-    "F16": np.float16,
-    "F32": np.float32,
-    "F64": np.float64,
-    "I8": np.int8,
-    "I16": np.int16,
-    "I32": np.int32,
-    "I64": np.int64,
-}
-
-
-@dataclass
-class _TensorInfo:
-    """One tensor of a GGUF file (as gguf.ReaderTensor): its data is a view of the file's memory map."""
-
-    name: str
-    shape: Tuple[int, ...]  # GGUF order (fastest-varying dimension first)
-    tensor_type: object  # gguf.GGMLQuantizationType
-    data_offset: int
-    n_bytes: int
-    file: np.ndarray
-
-    @property
-    def data(self) -> np.ndarray:
-        dims = tuple(reversed(self.shape))
-        raw = self.file[self.data_offset : self.data_offset + self.n_bytes]
-        if self.tensor_type.name in _PLAIN:
-            return raw.view(_PLAIN[self.tensor_type.name]).reshape(dims)
-        import gguf
-
-        return raw.reshape(gguf.quant_shape_to_byte_shape(dims, self.tensor_type))
-
-
-class _GGUFFile:
-    """A GGUF file's metadata (plain Python values) and tensor infos, parsed straight from its memory map (the
-    gguf package's reader keeps a numpy view per metadata item: hundreds of MB and seconds for a large vocabulary).
-
-    Every count, length, type code, shape and offset is checked against the file as it is read, as llama.cpp
-    checks them (ValueError saying what is wrong): the work is bounded by the file's size, whatever its bytes, and
-    what passes can be handed to mx.load, whose gguflib trusts them all (a damaged header is a SIGSEGV there)."""
-
-    def __init__(self, path: Path):
-        import gguf
-
-        self.data = np.memmap(path, mode="r")
-        self._buf, self._pos = memoryview(self.data), 0
-        size = len(self.data)
-        if bytes(self._read(4)) != GGUF_MAGIC:
-            raise ValueError("GGUF magic invalid")
-        version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported")
-        if n_kv > size // _MIN_ITEM_BYTES or n_tensors > size // _MIN_TENSOR_BYTES:
-            raise ValueError(f"{n_tensors} tensors and {n_kv} metadata items cannot fit in a {size}-byte file")
-        self.fields = {}
-        for _ in range(n_kv):
-            key, kind = self._string(), self._unpack("<I")
-            if key in self.fields:
-                raise ValueError(f"metadata key {key!r} appears twice")
-            if key == "general.alignment" and kind != _UINT32:  # (what gguflib and llama.cpp read)
-                raise ValueError(f"general.alignment has value type {kind}, not uint32")
-            self.fields[key] = self._value(kind)
-        infos = {}
-        for _ in range(n_tensors):
-            name, n_dims = self._string(), self._unpack("<I")
-            if not 1 <= n_dims <= MAX_DIMS:
-                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-            shape = tuple(self._unpack("<Q") for _ in range(n_dims))
-            code, offset = self._unpack("<I"), self._unpack("<Q")
-            try:
-                qtype = gguf.GGMLQuantizationType(code)
-            except ValueError:
-                raise ValueError(f"tensor {name!r} has unknown type {code}") from None
-            if name in infos:
-                raise ValueError(f"tensor {name!r} appears twice")
-            infos[name] = shape, qtype, offset
-        align = self.fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
-        if align <= 0 or align & (align - 1):
-            raise ValueError(f"invalid alignment {align}")
-        start = -(-self._pos // align) * align
-        self.tensors = []
-        for name, (shape, qtype, offset) in infos.items():
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            if min(shape) < 1 or shape[0] % block:
-                raise ValueError(f"tensor {name!r} has shape {shape}, not rows of whole {qtype.name} blocks")
-            n_bytes = math.prod(shape) // block * type_size
-            if offset % align:
-                raise ValueError(f"tensor {name!r} has offset {offset}, not a multiple of the alignment {align}")
-            if start + offset + n_bytes > size:
-                raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
-            self.tensors.append(_TensorInfo(name, shape, qtype, start + offset, n_bytes, self.data))
-        del self._buf
-
-    def _read(self, n: int) -> memoryview:
-        if self._pos + n > len(self._buf):
-            raise ValueError(f"unexpected end of file in the header, at byte {self._pos} (truncated?)")
-        self._pos += n
-        return self._buf[self._pos - n : self._pos]
-
-    def _unpack(self, fmt: str):
-        return struct.unpack(fmt, self._read(struct.calcsize(fmt)))[0]
-
-    def _string(self) -> str:
-        at = self._pos
-        try:
-            return str(self._read(self._unpack("<Q")), "utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"the string at byte {at} is not UTF-8") from None
-
-    def _value(self, kind: int):
-        if kind == _STRING:
-            return self._string()
-        if kind == _ARRAY:
-            kind, n = self._unpack("<I"), self._unpack("<Q")
-            if kind == _STRING:
-                if 8 * n > len(self._buf) - self._pos:  # (each string takes at least its 8-byte length)
-                    raise ValueError(f"an array of {n} strings at byte {self._pos} cannot fit in the file")
-                return [self._string() for _ in range(n)]
-            if kind not in _SCALARS:  # arrays of arrays too: neither llama.cpp nor mx.load reads them
-                raise ValueError(f"unsupported GGUF array element type {kind}")
-            dtype = np.dtype(_SCALARS[kind] if kind != _BOOL else np.uint8)
-            values = np.frombuffer(self._read(n * dtype.itemsize), dtype)
-            return (values != 0 if kind == _BOOL else values).tolist()
-        if kind not in _SCALARS:
-            raise ValueError(f"unknown GGUF value type {kind}")
-        return self._unpack(_SCALARS[kind])
-
-
-def read_header(path: Path) -> _GGUFFile:
-    """The GGUF's header, checked (_GGUFFile); SourceError saying what is wrong."""
-    try:
-        return _GGUFFile(path)
-    except (ValueError, OSError) as e:
-        raise SourceError(f"{path}: not a valid GGUF file: {e}") from e
+# what gguf_to_mlx_dir writes beside the model: the modules whose weights it kept as GGML blocks ({path: type})
+BLOCKS = "gguf_blocks.json"
+# Resident matrices kept as their GGML blocks (compute/blocks.py): the types no MLX quantisation holds exactly in as
+# few bytes, in the tensors every architecture without a rearranger maps to a plain linear layer or embedding
+BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+BLOCK_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "output", "token_embd")
 
 
 # --------------------------------------------------------------------------------------
@@ -275,8 +136,8 @@ def _iter_mx(arrays: dict) -> Iterator[Tensor]:
             yield base, part, {part: arrays[name]}, None
 
 
-def _iter_reader(reader, path: Path, skip=frozenset()) -> Iterator[Tensor]:
-    read = _reading(reader, path)
+def _iter_reader(reader, path: Path, skip=frozenset(), blocks: bool = False) -> Iterator[Tensor]:
+    read = _reading(reader, path, blocks)
     for t in reader.tensors:
         if t.name in skip:
             continue
@@ -284,14 +145,15 @@ def _iter_reader(reader, path: Path, skip=frozenset()) -> Iterator[Tensor]:
         _drop_pages(reader.data, t.data_offset, t.n_bytes)
 
 
-def _reading(reader, path: Path):
-    """A function reading a header entry of `reader` (_GGUFFile) as its Tensor."""
+def _reading(reader, path: Path, blocks: bool = False):
+    """A function reading a header entry of `reader` (GGUFFile) as its Tensor (`blocks`: `kept_as_blocks` ones as
+    their GGML blocks)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     repack = {mixed: repackers(mixed) for mixed in (False, True)}
     mixed = mixed_roles(reader.tensors)
-    return lambda t: _read_tensor(t, T, repack[role(t.name) in mixed], path)
+    return lambda t: _read_tensor(t, T, repack[role(t.name) in mixed], path, blocks)
 
 
 def kept_experts(header) -> dict:
@@ -304,12 +166,26 @@ def kept_experts(header) -> dict:
     return {t.name: t for t in exps}
 
 
-def _read_tensor(t, T, repack, path: Path) -> Tensor:
+def kept_as_blocks(t) -> bool:
+    """Whether header entry `t` is a resident matrix convert keeps as its GGML blocks (BLOCK_TYPES, BLOCK_ROLES)."""
+    base, part = _split_name(t.name)
+    return (
+        part == "weight"
+        and len(t.shape) == 2
+        and t.tensor_type.name in BLOCK_TYPES
+        and base.rpartition(".")[2] in BLOCK_ROLES
+        and int(t.shape[0]) % ggml.BLOCKS[t.tensor_type.name][0] == 0
+    )
+
+
+def _read_tensor(t, T, repack, path: Path, blocks: bool = False) -> Tensor:
     import mlx.core as mx
 
     base, part = _split_name(t.name)
     shape = tuple(int(x) for x in reversed(t.shape))
     raw = t.data
+    if blocks and kept_as_blocks(t):  # its bytes as they are: uint8 [rows, row bytes]
+        return base, part, {"weight": mx.array(np.asarray(raw).reshape(shape[0], -1))}, ("ggml", t.tensor_type.name)
     if t.tensor_type in repack and len(shape) in (2, 3) and part == "weight":  # 3-D: stacked experts
         w, s, b, bits = by_rows(repack[t.tensor_type], np.asarray(raw).reshape(int(np.prod(shape[:-1])), -1))
         arrays = {"weight": w, "scales": s, **({} if b is None else {"biases": b})}  # (mxfp4: no biases)
@@ -335,6 +211,8 @@ def converted_size(t, mixed: set = frozenset()) -> Tuple[int, Optional[Tuple[int
 
     T = gguf.GGMLQuantizationType
     _, part = _split_name(t.name)
+    if kept_as_blocks(t):
+        return int(t.n_bytes), None
     n = math.prod(int(x) for x in t.shape)
     groups = n // GROUP_SIZE
     exact = t.tensor_type.name in EXACT and not (t.tensor_type.name in UNIFORM and role(t.name) in mixed)
@@ -395,8 +273,8 @@ class _MxSource:
             out[f"{base}.{part}"] = shape
         return out
 
-    def tensors(self, skip=frozenset()) -> Iterator[Tensor]:
-        return (t for t in _iter_mx(self.arrays) if f"{t[0]}.{t[1]}" not in skip)
+    def tensors(self, skip=frozenset(), blocks: bool = False) -> Iterator[Tensor]:
+        return (t for t in _iter_mx(self.arrays) if f"{t[0]}.{t[1]}" not in skip)  # (no types kept as blocks)
 
     def sizes(self) -> Dict[str, int]:
         return {
@@ -405,7 +283,7 @@ class _MxSource:
 
 
 class _ReaderSource:
-    """File memory-mapped (_GGUFFile): any tensor type, one tensor in memory at a time."""
+    """File memory-mapped (GGUFFile): any tensor type, one tensor in memory at a time."""
 
     def __init__(self, reader, meta: dict):
         self.reader, self.meta = reader, meta
@@ -417,8 +295,8 @@ class _ReaderSource:
             out[f"{base}.{part}"] = tuple(int(x) for x in reversed(t.shape))
         return out
 
-    def tensors(self, skip=frozenset()) -> Iterator[Tensor]:
-        return _iter_reader(self.reader, self.meta.path, skip)
+    def tensors(self, skip=frozenset(), blocks: bool = False) -> Iterator[Tensor]:
+        return _iter_reader(self.reader, self.meta.path, skip, blocks)
 
     def sizes(self) -> Dict[str, int]:
         """Bytes of each tensor in the file."""
@@ -432,7 +310,7 @@ def _tensor_count(path: Path) -> int:
         return int.from_bytes(f.read(8), "little")
 
 
-def _open(path: Path, force_reader: bool, mx_load_max_bytes: int, reader: Optional[_GGUFFile] = None):
+def _open(path: Path, force_reader: bool, mx_load_max_bytes: int, reader: Optional[GGUFFile] = None):
     """mx.load for files up to `mx_load_max_bytes` whose tensors it can all read, else `reader` (read_header's).
 
     Damaged files -> SourceError, before mx.load sees them.
@@ -620,7 +498,9 @@ def _write_tensor(
         arrays = {k: v - spec.norm_shift for k, v in arrays.items()}
     if cast is not None:
         arrays = {k: v.astype(cast) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in arrays.items()}
-    if quant is not None:  # uint8 scales: mxfp4 (as mlx-lm infers it)
+    if quant is not None and quant[0] == "ggml":  # GGML blocks as they are
+        quant_of[hf] = quant
+    elif quant is not None:  # uint8 scales: mxfp4 (as mlx-lm infers it)
         quant_of[hf] = (*quant, "mxfp4" if arrays["scales"].dtype == mx.uint8 else "affine")
         if symmetric is not None and "biases" in arrays and is_symmetric(arrays["biases"], arrays["scales"], quant[1]):
             symmetric.add(hf)
@@ -741,9 +621,9 @@ def gguf_to_mlx_dir(
         bar.update(sum(int(t.n_bytes) for t in kept.values()))
     holes = _dense_ffn(header) if ffn_holes and rearrange is None else {}
     symmetric = set() if by_layer else None
-    for f in (FFN_HOLES, SYMMETRIC):
+    for f in (FFN_HOLES, SYMMETRIC, BLOCKS):
         (out_dir / f).unlink(missing_ok=True)
-    for tensor in source.tensors(skip=set(kept) | set(holes)):
+    for tensor in source.tensors(skip=set(kept) | set(holes), blocks=rearrange is None):
         bar.update(sizes[f"{tensor[0]}.{tensor[1]}"])
         if is_mtp(spec, meta, tensor[0]):
             continue
@@ -758,6 +638,10 @@ def gguf_to_mlx_dir(
     bar.close()
     if symmetric:
         (out_dir / SYMMETRIC).write_text(json.dumps(sorted(symmetric)))
+    blocks = {hf: q[1] for hf, q in quant_of.items() if q[0] == "ggml"}
+    quant_of = {hf: q for hf, q in quant_of.items() if hf not in blocks}
+    if blocks:
+        (out_dir / BLOCKS).write_text(json.dumps(blocks))
     if holes:
         st = path.stat()
         record = {"file": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": dtype}

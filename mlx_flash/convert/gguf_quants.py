@@ -20,6 +20,7 @@ Weights (GGUF type -> what the mlx-lm directory stores)
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Dict
 
@@ -182,12 +183,17 @@ def role(name: str) -> str:
     return ".".join("*" if i == 1 and parts[0] == "blk" else p for i, p in enumerate(parts))
 
 
+# a block's tensors read from flash as units (by base name): a flash directory's layers share their layout
+STREAMED = re.compile(r"\.ffn_(gate|up|down|gate_up)(_exps)?$")
+
+
 def mixed_roles(tensors) -> set:
-    """The roles (`role`) whose layers' tensors differ in type: re-quantised alike, as a flash directory's layers
-    share one layout."""
+    """The roles (`role`) of streamed tensors (STREAMED) whose layers differ in type: re-quantised alike, as a flash
+    directory's layers share one layout (a resident module has its own quantisation)."""
     types = {}
     for t in tensors:
-        types.setdefault(role(t.name), set()).add(t.tensor_type)
+        if STREAMED.search(t.name.removesuffix(".weight")):
+            types.setdefault(role(t.name), set()).add(t.tensor_type)
     return {role for role, kinds in types.items() if len(kinds) > 1}
 
 

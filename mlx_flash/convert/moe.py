@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
+from ..compute.blocks import block_kinds
 from ..engine.experts import (
     REGION,
     expert_arrays,
@@ -185,8 +186,9 @@ def convert_moe(
             },
             "source": {"model": str(source), "created_by": f"mlx_flash {__version__}"},
         }
+        kept = block_kinds(model)
         release(model)  # `resident` holds the only references: each array is freed once written
-        writer.finish(config, resident, manifest, progress, evaluate)
+        writer.finish(config, resident, manifest, progress, evaluate, kept)
     except BaseException:
         writer.abort()
         raise

@@ -13,13 +13,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..compute import blocks
 from ..errors import SourceError, UnsupportedArchitectureError
 from ..format.quant import symmetric_biases
 from ..format.safetensors_io import read_header as safetensors_header
 from ..models import get_model_classes
 from ..models.architectures import adapter_for
 from ..models.inspect import is_moe
-from .gguf import IN_PLACE, SYMMETRIC, gguf_to_mlx_dir
+from .gguf import BLOCKS, IN_PLACE, SYMMETRIC, gguf_to_mlx_dir
 
 TOKENIZER_FILES = (
     "tokenizer*",
@@ -118,9 +119,9 @@ def load_source_model(model_dir: Path, lazy: bool = True):
     config = read_config(model_dir)
     if not is_moe(config):
         adapter_for(config)
-    symmetric = Path(model_dir) / SYMMETRIC
+    symmetric, kept = Path(model_dir) / SYMMETRIC, Path(model_dir) / BLOCKS
     try:  # (experts left in a GGUF are not in the directory: the model's own stand in, lazy, never computed)
-        strict = not ((Path(model_dir) / IN_PLACE).is_file() or symmetric.is_file())
+        strict = not ((Path(model_dir) / IN_PLACE).is_file() or symmetric.is_file() or kept.is_file())
         model, config = load_model(model_dir, lazy=lazy, strict=strict, get_model_classes=get_model_classes)
     except UnsupportedArchitectureError:
         raise
@@ -128,8 +129,11 @@ def load_source_model(model_dir: Path, lazy: bool = True):
         raise SourceError(f"{model_dir}: {e}") from e
     except Exception as e:
         raise SourceError(f"{model_dir}: cannot load the model ({type(e).__name__}: {e})") from e
+    modules = dict(model.named_modules())
+    if kept.is_file():  # their GGML blocks loaded as they are (load_weights leaves strict shapes to us)
+        for path, kind in json.loads(kept.read_text()).items():
+            blocks.keep_blocks(modules[path], kind)
     if symmetric.is_file():  # (lazily, from the scales: read when used)
-        modules = dict(model.named_modules())
         for name in json.loads(symmetric.read_text()):
             modules[name].biases = symmetric_biases(modules[name].scales, modules[name].bits)
         if not lazy:

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..compute import cpu_gemv
+from ..compute import blocks, cpu_gemv
 from .experts import FlashSwitchGLU
 from .forward import Batchable, Forward
 from .neurons import FlashFFN
@@ -107,6 +107,8 @@ class HostKVCache(Batchable, KVCache):
 
 def _quantised(layer) -> bool:
     """A quantised linear layer / embedding of a kind the kernels read (a streamed one: before its weights load)."""
+    if blocks.is_blocks(layer):
+        return "bias" not in layer
     return (
         isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and "bias" not in layer
@@ -119,12 +121,21 @@ def _handle(layer) -> Optional[tuple]:
     """(native handle, QuantRows) of a quantised linear layer / embedding's rows, None if the kernels cannot read it."""
     if not _quantised(layer):
         return None
+    if blocks.is_blocks(layer):
+        return blocks.handle(layer)
     w, s, b = layer["weight"], layer["scales"], layer.get("biases")  # b None: symmetric (format v4)
     n = w.shape[-1] * 32 // layer.bits
     if not (cpu_gemv.supports(layer.bits, layer.group_size, n, s.dtype) and cpu_gemv.contiguous(w, s, b)):
         return None
     q = cpu_gemv.QuantRows.of_matrix(w, s, b, layer.group_size, layer.bits)
     return cpu_gemv.linear(q, w.shape[0], isinstance(layer, cpu_gemv.InterleavedLinear)), q
+
+
+def _rows_dot(x: np.ndarray, rows) -> np.ndarray:
+    """x . each row of a handle's rows (`_handle`'s second): quantised rows, or GGML blocks."""
+    if isinstance(rows, blocks.BlockRows):
+        return rows.dot(x)
+    return cpu_gemv.row_dot(x, rows, k=rows.w.shape[0])
 
 
 def _interleaved(attention) -> list:
@@ -360,9 +371,6 @@ class HostDecoder(Forward):
         """Logits [rows, vocab] of the final norm and LM head of host rows x."""
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.norm
         if self.head is not None:
-            return cpu_gemv.row_dot(x, self.head, k=self.head.w.shape[0])
+            return _rows_dot(x, self.head)
         m = self.head_streamed  # streamed in chunks of vocabulary rows
-        return np.concatenate(
-            [cpu_gemv.row_dot(x, _streamed_handles(m, [""], rows)[0][1], k=rows[1] - rows[0]) for rows in m.chunks()],
-            axis=-1,
-        )
+        return np.concatenate([_rows_dot(x, _streamed_handles(m, [""], rows)[0][1]) for rows in m.chunks()], axis=-1)

@@ -38,6 +38,9 @@ straight into the row; the component "at" bytes into it, this layer's own offset
 bytes (at 0: the region's layout). A source file moved, cut or changed since convert is refused at open. A GGUF's
 experts copied (`convert --copy`) are its tensors as they are in the directory's own ffn.bin, read the same way:
 root "." (the directory; only their sizes are checked at open, as a copy of the directory changes their times).
+Format v5 also keeps a K-quant or i-quant GGUF's resident matrices as its GGML blocks (attention projections, LM
+head, token embedding: compute/blocks.py): resident.blocks names them ({module path: type}), each weight uint8
+[rows, row bytes] in resident.safetensors.
 """
 
 import json
@@ -136,6 +139,8 @@ class FlashDir:
             manifest.check_ggml_lengths(m["ffn"], self.layers, self.layouts)
             if not all(p and type(b) is int and 2 <= b <= 8 for p, b in self.symmetric.items()):
                 raise ValueError(f"resident.symmetric is {self.symmetric!r}, not module paths and their bits")
+            if not all(p and k in ggml.BLOCKS for p, k in self.blocks.items()):
+                raise ValueError(f"resident.blocks is {self.blocks!r}, not module paths and GGML block types")
             if self.version == 1 and any(l.encoded for l in self.layouts.values()):
                 raise ValueError("encoded components need format version 2")
             if self.version < 3 and self.unit_alignment != self.alignment:
@@ -380,6 +385,11 @@ class FlashDir:
         """Quantised resident modules stored without biases (symmetric codes): {module path: bits}."""
         return self.manifest["resident"].get("symmetric") or {}
 
+    @property
+    def blocks(self) -> Dict[str, str]:
+        """Resident modules holding their weight as GGML blocks (compute/blocks.py): {module path: type}."""
+        return self.manifest["resident"].get("blocks") or {}
+
     def load_resident(self, biases: bool = True) -> Dict[str, mx.array]:
         """The resident weights as mlx-lm names them; biases=False leaves out the symmetric modules' biases
         (the runtime's layers derive them: `symmetric`)."""
@@ -606,10 +616,16 @@ class FlashWriter:
         self.layers.append(layer)
 
     def finish(
-        self, config: dict, resident: Dict[str, mx.array], manifest: dict, progress: bool = False, evaluate=None
+        self,
+        config: dict,
+        resident: Dict[str, mx.array],
+        manifest: dict,
+        progress: bool = False,
+        evaluate=None,
+        blocks: Optional[Dict[str, str]] = None,
     ) -> None:
         """Write resident weights (without the biases symmetric codes imply), config and the manifest
-        (`manifest` adds architecture fields).
+        (`manifest` adds architecture fields; `blocks`: the modules whose weights are GGML blocks, {path: type}).
 
         `resident` is emptied as it is written: each array is evaluated, written and dropped in turn, so memory
         holds one of them at a time when `resident` holds the only references to them; the file is written once
@@ -656,7 +672,7 @@ class FlashWriter:
         full = {
             "format": FORMAT_NAME,
             "format_version": 5
-            if self.sources
+            if self.sources or blocks
             else 4
             if symmetric
             else 3
@@ -678,6 +694,7 @@ class FlashWriter:
                 "bytes": (self.path / RESIDENT).stat().st_size,
                 "sha256": sha256,
                 "symmetric": symmetric,
+                **({"blocks": dict(sorted(blocks.items()))} if blocks else {}),
             },
             **(
                 {"sources": self.sources}

@@ -17,7 +17,7 @@ MANIFEST_TYPES = {
     "unit_alignment": (int, None),
     "layouts": dict,
     "layers": list,
-    "resident": {"bytes": int, "sha256": str, "symmetric": (dict, None)},
+    "resident": {"bytes": int, "sha256": str, "symmetric": (dict, None), "blocks": (dict, None)},  # v5: blocks
     "unit_checksums": ({"file": str, "crc32": int}, None),
     "sparsity": (dict, None),
     "sources": ({"root": str, "files": [dict]}, None),  # v5: units read in place from these files ("." its own)
