@@ -320,6 +320,34 @@ def test_k_quant_experts_give_the_same_bits_at_every_budget(k_quants, ops, monke
 
 
 @pytest.mark.parametrize("ops", ["native", "mlx"])
+def test_resident_blocks_streamed_give_the_same_bits(k_quants, ops, monkeypatch):
+    """The resident matrices kept as the file's GGML blocks (attention, LM head, token embedding) all streamed from
+    flash (the planner made to stream every group: in a model this small their read buffers take more than they
+    free): the greedy tokens and log-probabilities of the whole model resident, on either path (the native step's
+    attention and head on handles of the streamed blocks)."""
+    from mlx_flash import budget
+    from mlx_flash.compute import cpu_gemv
+
+    if ops == "native" and not cpu_gemv.available():
+        pytest.skip("the native CPU kernels do not run here")
+    monkeypatch.setattr(cpu_gemv, "enabled", ops == "native")
+    _, flash = k_quants
+    fd = FlashDir(flash)
+    assert {"lm_head", "model.embed_tokens"} <= set(fd.blocks)
+    want = decode(flash, None)
+    choose = budget.choose_streamed
+    monkeypatch.setattr(budget, "choose_streamed", lambda groups, *a, **k: choose(groups, *a, always=groups))
+    model, _ = load(flash, memory_budget=1 << 30, context=64)
+    try:
+        assert {g.kind for g in model.flash.plan.streamed} == {"rows", "layer", "head"}
+        assert model.forward.native == (ops == "native")
+        out = [(int(t), np.array(lp)) for t, lp in generate_step(PROMPT, model, max_tokens=10)]
+    finally:
+        model.flash.close()
+    assert [t for t, _ in out] == want[0] and np.array_equal(np.stack([lp for _, lp in out]), want[1])
+
+
+@pytest.mark.parametrize("ops", ["native", "mlx"])
 def test_a_copied_gguf_is_its_blocks_with_the_bits_in_place_gives(k_quants, ops, monkeypatch, tmp_path):
     """convert --copy of a GGUF writes its expert tensors as they are into ffn.bin (no more bytes than the GGUF's,
     but alignment) and reads them from there as in place: the same rows, so the same greedy tokens and
