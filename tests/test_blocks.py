@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from test_gather_ffn import CXX, STUBS
 
 KINDS = list(BLOCKS)
 
@@ -131,3 +132,71 @@ def test_the_native_attention_takes_block_handles(float_activations):
     inv = (10000.0 ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
     cpu_gemv.attention(x, h, ones, ones, 1e-5, *handles, kc, vc, 0, 8, heads, heads, hd, inv, False, 1.0, hd**-0.5)
     assert relative(x, want) < 1e-4
+
+
+# Stand-ins for the Metal builtins kernels/ggml_blocks.metal uses beyond those of gather_ffn.metal's (test_gather_ffn)
+BLOCK_STUBS = r"""
+typedef unsigned short ushort;
+typedef _Float16 half;
+template <typename T, typename U> T as_type(U u) {
+    static_assert(sizeof(T) == sizeof(U));
+    T t;
+    std::memcpy(&t, &u, sizeof t);
+    return t;
+}
+#define thread
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_metal_kernel_emulated_on_cpu(tmp_path):
+    """The Metal kernel's body (kernels/ggml_blocks.metal) compiled as C++ with stubbed builtins and run on CPU
+    threads (simd_sum emulated), for every block type: the dequantised matrix's product. This checks its block
+    layouts, indexing and reductions, not the Metal compiler or the GPU."""
+    import ctypes
+    import subprocess
+    import textwrap
+
+    src = blocks.KERNEL_SOURCES
+    k, n, rows = 40, 1280, 3  # (40 sub-blocks of 32 a row: lanes take more than one)
+    pieces = [STUBS, BLOCK_STUBS, src["header"]]
+    for kind, code in cpu_gemv.GGML_KINDS.items():
+        values, nbytes = BLOCKS[kind]
+        consts = dict(KIND=code, N=n, RB=n // values * nbytes, VALUES=values, BB=nbytes)
+        pieces.append(f"""
+namespace k_{kind} {{
+{chr(10).join(f"constexpr int {c} = {v};" for c, v in consts.items())}
+typedef float TO;
+void kernel(const float* x, const uint8_t* w, const int* w_shape, float* out, uint3 thread_position_in_grid,
+            uint3 thread_position_in_threadgroup, uint thread_index_in_simdgroup) {{
+{textwrap.indent(src["block_dot"], "    ")}
+}}
+}}
+extern "C" void block_dot_{kind}(const float* x, const uint8_t* w, int k, int B, float* out) {{
+    int w_shape[2] = {{k, k_{kind}::RB}};
+    dispatch({{32 * uint(k), uint(B), 1}}, {{256, 1, 1}}, [&](uint3 g, uint3 l, uint lane) {{
+        k_{kind}::kernel(x, w, w_shape, out, g, l, lane);
+    }});
+}}""")
+    cpp, lib = tmp_path / "ggml_blocks.cpp", tmp_path / "ggml_blocks.so"
+    cpp.write_text("\n".join(pieces))
+    r = subprocess.run(
+        [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wall", "-o", str(lib), str(cpp)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    so = ctypes.CDLL(str(lib))
+    rng = np.random.default_rng(6)
+    for kind in cpu_gemv.GGML_KINDS:
+        raw = np.ascontiguousarray(random_rows(rng, kind, k, n))
+        x = rng.standard_normal((rows, n)).astype(np.float32)
+        out = np.full((rows, k), np.nan, dtype=np.float32)
+        getattr(so, f"block_dot_{kind}")(
+            x.ctypes.data_as(ctypes.c_void_p),
+            raw.ctypes.data_as(ctypes.c_void_p),
+            k,
+            rows,
+            out.ctypes.data_as(ctypes.c_void_p),
+        )
+        assert relative(out, reference(x, raw, kind)) < 1e-5, kind

@@ -6,10 +6,12 @@ IQ4_*) have no exact MLX quantisation of the same size; convert keeps their byte
 
   * natively on the CPU (`cpu_gemv.block_dot`, llama.cpp's integer block sums: the arithmetic of the experts read in
     place) for up to NATIVE_ROWS float32 rows, and in the native decode step (`handle`);
-  * in MLX's ops otherwise (a Mac's GPU, prompts): Q4_0 / Q8_0 / Q4_K as MLX affine codes (`ggml.to_affine`, MLX's
-    quantised product), the others dequantised (`ggml.dequantize`) into a float product. A matrix's temporaries
-    then take TEMPORARY_BYTES a value; a matrix of more (an LM head) is computed in chunks of rows, each evaluated
-    before the next is made, so that no more than CHUNK_BYTES of temporaries are alive.
+  * on a GPU, a few rows (decode steps) by the Metal kernel of kernels/ggml_blocks.metal, which reads the blocks as
+    they are;
+  * in MLX's ops otherwise (prompts; the tested reference): Q4_0 / Q8_0 / Q4_K as MLX affine codes
+    (`ggml.to_affine`, MLX's quantised product), the others dequantised (`ggml.dequantize`) into a float product. A
+    matrix's temporaries then take TEMPORARY_BYTES a value; a matrix of more (an LM head) is computed in chunks of
+    rows, each evaluated before the next is made, so that no more than CHUNK_BYTES of temporaries are alive.
 """
 
 from typing import Optional
@@ -19,9 +21,53 @@ import mlx.nn as nn
 import numpy as np
 
 from ..format import ggml
+from ..io import kernel_source
 from . import cpu_gemv
 
 CHUNK_BYTES = 64 << 20  # MLX's temporaries of one product of a large matrix (an LM head) at a time
+KERNEL_FILE = "ggml_blocks.metal"
+
+
+def _build_kernel():
+    path = kernel_source.kernel_path(KERNEL_FILE)
+    if path is None:
+        return None, None
+    src = kernel_source.split_sections(path.read_text())
+    kernel = mx.fast.metal_kernel(
+        name="ggml_block_dot",
+        input_names=["x", "w"],
+        output_names=["out"],
+        source=src["block_dot"],
+        header=src["header"],
+    )
+    return kernel, src
+
+
+# Built once at import (building needs no Metal; only calling does).
+_kernel, KERNEL_SOURCES = _build_kernel()
+
+
+def _metal_applies(x: mx.array) -> bool:
+    """The Metal kernel computes a few rows (decode steps, verification passes) where MLX runs on a GPU."""
+    rows = x.size // max(1, x.shape[-1])
+    return _kernel is not None and 0 < rows <= cpu_gemv.NATIVE_ROWS and mx.metal.is_available()
+
+
+def _metal_product(x: mx.array, w: mx.array, kind: str) -> mx.array:
+    """x @ W^T by the kernel of kernels/ggml_blocks.metal: W's blocks read as they are."""
+    k, n = w.shape[0], x.shape[-1]
+    xs = x.reshape(-1, n)
+    values, nbytes = ggml.BLOCKS[kind]
+    template = [("KIND", cpu_gemv.GGML_KINDS[kind]), ("N", n), ("RB", w.shape[-1]), ("VALUES", values)]
+    (out,) = _kernel(
+        inputs=[xs, w],
+        template=[*template, ("BB", nbytes), ("TO", x.dtype)],
+        grid=(32 * k, xs.shape[0], 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(xs.shape[0], k)],
+        output_dtypes=[x.dtype],
+    )
+    return out.reshape(*x.shape[:-1], k)
 
 
 def values_per_row(weight: mx.array, kind: str) -> int:
@@ -48,6 +94,8 @@ def matmul(x: mx.array, weight: mx.array, kind: str) -> mx.array:
         xv = np.asarray(x).reshape(-1, x.shape[-1])
         y = cpu_gemv.block_dot(xv, weight, (0,), weight.shape[-1], kind, x.shape[-1], k=weight.shape[0])
         return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
+    if _metal_applies(x):
+        return _metal_product(x, weight, kind)
     rows = weight.shape[0]
     per = max(1, rows * CHUNK_BYTES // max(1, ggml.temporary_bytes(kind, weight.nbytes)))
     if per >= rows:
