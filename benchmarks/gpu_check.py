@@ -3,8 +3,9 @@ resident model's tokens, and a Qwen3-30B-A3B-shaped token is timed in its parts.
 
     python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--layers 4] [--steps 8] [--cpu]
 
-1. Same tokens: SmolLM2 (the default model) and a tiny 4-bit qwen3_moe, greedy, 24 tokens of a prompt, resident and
-   streamed at 50% and 25% of their size: tokens and log-probabilities against the resident run's.
+1. Same tokens: SmolLM2 (the default model), a tiny 4-bit qwen3_moe and a tiny qwen3moe GGUF of the Q2_K mix (its
+   GGML blocks read as stored), greedy, 24 tokens of a prompt, resident and streamed at 50% and 25% of their size:
+   tokens and log-probabilities against the resident run's.
 2. A Qwen3-30B-A3B-shaped token (the preset's widths, --layers layers, uniform routing, synthetic weights) at 25% and
    50% of its size: per decode step its time, its reads (bytes, and the time waited for them), the host
    synchronisations a layer, then in an instrumented pass (each part evaluated on its own, so slower in all) the
@@ -84,7 +85,7 @@ def same_tokens(path, n: int) -> dict:
             "max_logprob_difference": max(float(np.abs(a - b).max()) for a, b in zip(lps, ref[1])),
             "streamed_resident_weights": streamed,
         }
-        print(f"  {'SmolLM2' if path is None else 'tiny MoE'} {name}: same tokens {tokens == ref[0]}")
+        print(f"  {'SmolLM2' if path is None else path.parent.name} {name}: same tokens {tokens == ref[0]}")
     return out
 
 
@@ -93,6 +94,21 @@ def tiny_moe(root: Path) -> Path:
     from mlx_flash.tools.synthetic import tiny_quantized
 
     return convert(str(tiny_quantized("qwen3_moe", root, num_hidden_layers=4)), root / "flash", progress=False)
+
+
+def tiny_k_quant_moe(root: Path) -> Path:
+    """A tiny qwen3moe GGUF of llama-quantize's Q2_K mix, in place: its experts and resident matrices (attention,
+    head, embedding) computed over the file's GGML blocks (a GPU's decode steps: kernels/ggml_blocks.metal)."""
+    from mlx_flash.convert.build import convert
+    from mlx_flash.tools.synthetic_gguf import tiny_moe as shape
+    from mlx_flash.tools.synthetic_gguf import write_gguf
+
+    root.mkdir(parents=True)
+    src = write_gguf(
+        "moe-small", root / "m.gguf", progress=False, gguf_type="Q2_K",
+        **{**shape("qwen3_moe"), "hidden_size": 256, "moe_intermediate_size": 256, "num_hidden_layers": 4},
+    )  # fmt: skip
+    return convert(str(src), root / "flash", progress=False)
 
 
 class Timed:
@@ -174,6 +190,7 @@ def main(argv=None):
         print("same tokens, resident against streamed:")
         report["smollm2"] = same_tokens(None, args.tokens)
         report["tiny_moe"] = same_tokens(tiny_moe(tmp / "moe"), args.tokens)
+        report["tiny_moe_q2_k"] = same_tokens(tiny_k_quant_moe(tmp / "q2_k"), args.tokens)
         shape = build(
             "qwen3-30b-a3b", tmp / "q30", progress=False, routing="uniform", num_hidden_layers=args.layers,
             vocab_size=4096,
@@ -181,7 +198,7 @@ def main(argv=None):
         report["qwen3_30b_a3b_shape"] = [moe_token(shape, b, args.steps) for b in ("25%", "50%")]
         for r in report["qwen3_30b_a3b_shape"]:
             print(f"Qwen3-30B-A3B shape, {r['layers']} layers at {r['budget']}: {r}")
-    ok = all(v["same_tokens"] for m in ("smollm2", "tiny_moe") for v in report[m].values())
+    ok = all(v["same_tokens"] for m in ("smollm2", "tiny_moe", "tiny_moe_q2_k") for v in report[m].values())
     report["same_tokens"] = ok
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
