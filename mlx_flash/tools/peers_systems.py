@@ -130,8 +130,9 @@ def llama_cpp_bin(name: str) -> Path:
 
 # -- the models: one GGUF, its flash directory, the flash directory exported for mlx-lm -----------------
 # what a peers' flash directory was converted by: the default model's conversion, and (after the dash) a number bumped
-# when convert's defaults change for the other models (2: an MoE GGUF's experts read in place, as its blocks)
-PEERS_CONVERSION = f"{CONVERSION}-2"
+# when convert's defaults change for the other models (2: an MoE GGUF's experts read in place, as its blocks;
+# 3: resident K-quant matrices kept as their blocks)
+PEERS_CONVERSION = f"{CONVERSION}-3"
 
 
 def routing_of(model: str, routing: str = "uniform") -> Optional[str]:
