@@ -54,3 +54,28 @@ def test_gate_up_are_copied_bit_for_bit(flash_dir, tmp_path):
     for k in ("weight", "scales", "biases"):
         assert mx.array_equal(w[f"model.layers.1.mlp.gate_proj.{k}"], stored[f"gate.{k}"])
         assert mx.array_equal(w[f"model.layers.1.mlp.up_proj.{k}"], stored[f"up.{k}"])
+
+
+def test_resident_blocks_export_as_their_values(tmp_path, monkeypatch):
+    """An MoE GGUF of the Q2_K mix (experts in place, resident matrices kept as its GGML blocks) exports for mlx-lm
+    with the same values: Q4_K blocks as MLX affine codes, the other types as float32; mlx-lm's model computes the
+    logits of the directory's own (MLX's ops on both)."""
+    from mlx_flash.compute import cpu_gemv
+    from mlx_flash.format.directory import FlashDir
+    from mlx_flash.tools.synthetic_gguf import tiny_moe, write_gguf
+
+    monkeypatch.setattr(cpu_gemv, "enabled", False)
+    shape = {**tiny_moe("qwen3_moe"), "hidden_size": 256, "moe_intermediate_size": 256, "num_hidden_layers": 2}
+    src = write_gguf("moe-small", tmp_path / "m.gguf", progress=False, gguf_type="Q2_K", **shape)
+    flash = convert(str(src), tmp_path / "flash", progress=False)
+    kinds = set(FlashDir(flash).blocks.values())
+    assert {"Q2_K", "Q6_K"} <= kinds
+    out = export(flash, tmp_path / "mlx", progress=False)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    for path, kind in FlashDir(flash).blocks.items():
+        assert quant[path] == ({"group_size": 32, "bits": 4} if kind == "Q4_K" else False), path
+    ref, fd = load_resident(flash, mx.float32)
+    model, _ = mlx_lm.load(str(out))
+    ids = mx.array(load_tokenizer(fd).encode(PROMPT))[None]
+    a, b = np.array(ref(ids).astype(mx.float32)), np.array(model(ids).astype(mx.float32))
+    assert np.abs(a - b).max() < 1e-4 * np.abs(a).max()

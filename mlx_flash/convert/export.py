@@ -6,7 +6,8 @@ So mlx-lm (and anything else that reads mlx-lm directories) runs exactly the wei
 streams: the peers benchmark compares systems on the same weights.
 
 Written: config.json (with mlx-lm's quantization block), model*.safetensors under mlx-lm's names,
-the tokenizer files. The resident weights are copied as they are. The FFN units in ffn.bin are
+the tokenizer files. The resident weights are copied as they are, but matrices kept as GGML blocks (resident.blocks:
+MLX affine codes where those hold them exactly, else float32). The FFN units in ffn.bin are
 unpacked back into gate_proj / up_proj / down_proj (fc1 / fc2) matrices:
   * rows stored in mlx-lm's orientation and quantisation (gate/up of the "neurons" layout) are
     copied bit for bit;
@@ -32,6 +33,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..errors import FlashError
+from ..format import ggml
 from ..format.directory import FlashDir
 from ..format.quant import symmetric_biases
 from ..format.safetensors_io import ShardWriter
@@ -97,7 +99,7 @@ def export(path, out, down_bits="8", progress: bool = True) -> Path:
     quant = dict(config.get("quantization") or {})
     writer = ShardWriter(out, SHARD_BYTES, room=256 << 10)
 
-    resident = fd.load_resident()
+    resident = _resident(fd, quant)
     for k in sorted(resident):
         v = resident.pop(k)  # read when written, then freed
         # FFN biases are resident under canonical names (<mlp path>.fc1.bias): rename them
@@ -137,7 +139,7 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config, quant = dict(fd.config), dict(fd.config.get("quantization") or {})
     writer = ShardWriter(out, SHARD_BYTES, room=256 << 10)
-    resident = fd.load_resident()
+    resident = _resident(fd, quant)
     names = set(resident)
     for k in sorted(names):
         v = resident.pop(k)  # read when written, then freed
@@ -156,6 +158,22 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
             writer.add(f"{path}.{k}", v)
     writer.close()
     return _finish(fd, out, config, quant)
+
+
+def _resident(fd: FlashDir, quant: dict) -> dict:
+    """The resident weights as mlx-lm's modules hold them: matrices kept as GGML blocks (resident.blocks) as the same
+    values, MLX affine codes where they are that exactly (Q4_0, Q8_0, Q4_K: ggml.to_affine), else float32
+    (`quant` says which, per module)."""
+    resident = fd.load_resident()
+    for path, kind in fd.blocks.items():
+        raw = resident.pop(f"{path}.weight")
+        if kind in ggml.AFFINE:
+            arrays = dict(zip(("weight", "scales", "biases"), ggml.to_affine(raw, kind)))
+            quant[path] = {"group_size": 32, "bits": 8 if kind == "Q8_0" else 4}
+        else:
+            arrays, quant[path] = {"weight": ggml.dequantize(raw, kind)}, False
+        resident.update({f"{path}.{k}": v for k, v in arrays.items()})
+    return resident
 
 
 def _finish(fd: FlashDir, out: Path, config: dict, quant: dict) -> Path:
