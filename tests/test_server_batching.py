@@ -18,6 +18,8 @@ import pytest
 CONTEXT = 192
 
 TOPICS = ["cats", "the sea", "rockets", "bread", "music", "rivers", "trains", "chess"]
+# Tokens an answer: enough for sequences to decode together (a token costs ~0.35 s through MLX's ops on a CPU)
+TOKENS = 8
 
 
 def _serve(path, *flags):
@@ -48,7 +50,7 @@ def post(port, body, path="/v1/chat/completions"):
     return out
 
 
-def chat(port, i, max_tokens=24, **extra):
+def chat(port, i, max_tokens=TOKENS, **extra):
     body = {
         "messages": [{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]}."}],
         "max_tokens": max_tokens,
@@ -96,10 +98,10 @@ def test_the_listen_backlog_holds_every_request_the_queue_admits(smol):
 def test_concurrent_requests_are_batched_and_each_is_its_solo_run(server):
     provider, _, port = server
     assert provider.is_batchable
-    solo = [chat(port, i) for i in range(4)]
+    solo = [chat(port, i) for i in range(3)]
     assert metrics(port)["largest_batch"] == 1
     m0 = metrics(port)
-    assert together(lambda i: chat(port, i), 4) == solo  # text, logprobs and finish reasons
+    assert together(lambda i: chat(port, i), 3) == solo  # text, logprobs and finish reasons
     m = metrics(port)
     assert m["largest_batch"] >= 2 and m["in_flight"] == 0 and m["baseline_rss"] > 0
     assert m["generated_tokens"] - m0["generated_tokens"] == sum(len(s[1]) for s in solo)
@@ -107,36 +109,40 @@ def test_concurrent_requests_are_batched_and_each_is_its_solo_run(server):
 
 def test_stop_sequences_and_logprobs_per_request(server):
     _, _, port = server
-    asks = [dict(stop=["the"]), dict(top_logprobs=3), dict(stop=[".", ","], max_tokens=40), dict(temperature=0.0)]
+    # (topic 0's answer, "Cats - the most ...", meets " the" within its first tokens: it stops while the others decode)
+    asks = [dict(stop=[".", " the"]), dict(top_logprobs=3), dict(temperature=0.0)]
     solo = [chat(port, i, **a) for i, a in enumerate(asks)]
-    assert together(lambda i: chat(port, i, **asks[i]), 4) == solo
-    plain = chat(port, 2, max_tokens=40)
-    assert plain[2] == "length" and solo[2][2] == "stop" and len(solo[2][1]) < len(plain[1])  # the stop acted
-    assert len(solo[1][1]) == 24 and solo[1][0] == chat(port, 1)[0]
+    assert together(lambda i: chat(port, i, **asks[i]), 3) == solo
+    plain = chat(port, 0)
+    assert plain[2] == "length" and solo[0][2] == "stop" and len(solo[0][1]) < len(plain[1])  # the stop acted
+    assert len(solo[1][1]) == TOKENS and solo[1][0] == chat(port, 1)[0]
 
 
 def test_a_long_prompt_joins_a_running_batch(server):
-    """A prompt of several prefill chunks sent while others decode: all equal their solo runs."""
+    """A prompt of several prefill chunks sent while two others decode: all equal their solo runs."""
     provider, _, port = server
-    long = {"messages": [{"role": "user", "content": "Summarise: " + "the cat sat on the mat and " * 20}]}
+    long = {"messages": [{"role": "user", "content": "Summarise: " + "the cat sat on the mat and " * 6}]}
     long_ask = lambda: chat(port, 0, messages=long["messages"])  # noqa: E731
-    assert provider.cli_args.prefill_step_size < 150  # (more than one chunk)
-    solo = [chat(port, i, max_tokens=32) for i in range(3)] + [long_ask()]
+    prompt = provider.tokenizer.apply_chat_template(long["messages"], add_generation_prompt=True)
+    assert len(prompt) > 2 * provider.cli_args.prefill_step_size  # (at least three chunks)
+    solo = [chat(port, i, max_tokens=16) for i in range(2)] + [long_ask()]
 
     def run(i):
-        if i < 3:
-            return chat(port, i, max_tokens=32)
-        time.sleep(0.5)  # the others are decoding
-        return long_ask()
+        if i < 2:
+            return chat(port, i, max_tokens=16)
+        deadline = time.time() + 60
+        while metrics(port)["in_flight"] < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        return long_ask()  # the others are decoding
 
-    assert together(run, 4) == solo
+    assert together(run, 3) == solo
 
 
 def test_prompt_lookup_and_plain_requests_mixed(server):
     """Prompt lookup (lossless, served alone) and plain requests at once: each gives the plain request's tokens."""
     _, _, port = server
-    plain = [chat(port, i) for i in range(4)]
-    got = together(lambda i: chat(port, i, prompt_lookup=i % 2 == 0), 4)
+    plain = [chat(port, i) for i in range(3)]
+    got = together(lambda i: chat(port, i, prompt_lookup=i % 2 == 0), 3)
     assert [g[0] for g in got] == [p[0] for p in plain]
     status, _, payload = post(port, {"messages": [{"role": "user", "content": "x"}], "prompt_lookup": "yes"})
     assert status == 400 and b"prompt_lookup" in payload
@@ -144,7 +150,7 @@ def test_prompt_lookup_and_plain_requests_mixed(server):
 
 def test_a_client_leaving_mid_batch_frees_its_slot(server):
     provider, _, port = server
-    solo = chat(port, 1, max_tokens=32)
+    solo = chat(port, 1, max_tokens=12)
     body = json.dumps(
         {"messages": [{"role": "user", "content": "Write about cats."}], "max_tokens": 150, "stream": True}
     ).encode()
@@ -163,7 +169,7 @@ def test_a_client_leaving_mid_batch_frees_its_slot(server):
         if i == 0:
             return leave()
         time.sleep(0.2)
-        return chat(port, 1, max_tokens=32)
+        return chat(port, 1, max_tokens=12)
 
     _, other = together(run, 2)
     assert other == solo  # the one that stayed is undisturbed
@@ -174,15 +180,15 @@ def test_a_client_leaving_mid_batch_frees_its_slot(server):
 
 
 def test_admission_and_a_full_queue(smol):
-    """--max-batch 2: five requests all answered, never more than two decoded together; --max-queue 0 with the batch
+    """--max-batch 2: three requests all answered, never more than two decoded together; --max-queue 0 with the batch
     full: a 503 with Retry-After, and the server goes on."""
     provider, generator, httpd = _serve(smol, "--max-batch", "2", "--max-queue", "0", "--prompt-cache-size", "0")
     port = httpd.server_address[1]
     try:
         fd = provider.model.flash.fd
         assert provider.model.flash.plan.kv_cache == 2 * kv_cache_bytes(fd.config, CONTEXT, kv_size_of(fd))
-        first = threading.Thread(target=lambda: chat(port, 0, max_tokens=64))
-        second = threading.Thread(target=lambda: chat(port, 1, max_tokens=64))
+        first = threading.Thread(target=lambda: chat(port, 0, max_tokens=32))
+        second = threading.Thread(target=lambda: chat(port, 1, max_tokens=32))
         first.start()
         second.start()
         deadline = time.time() + 60
@@ -193,7 +199,7 @@ def test_admission_and_a_full_queue(smol):
         first.join()
         second.join()
         generator.cli_args.max_queue = 8
-        assert all(r[0] for r in together(lambda i: chat(port, i, max_tokens=8), 5))
+        assert all(r[0] for r in together(lambda i: chat(port, i, max_tokens=8), 3))
         assert metrics(port)["largest_batch"] == 2
     finally:
         httpd.shutdown()
