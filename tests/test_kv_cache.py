@@ -53,11 +53,12 @@ def test_cache_after_chat_turns_is_the_planned_size(kv_bits):
 
 
 def test_quantised_kv_stays_close_to_float(wikitext):
-    """Teacher-forced next tokens over 200 tokens of WikiText-2: 8-bit KV agrees with float KV on
-    almost every top-1 token (measured 99.5%) and its logits stay close; 4-bit agrees on most."""
+    """Teacher-forced next tokens over 100 tokens of WikiText-2: 8-bit KV agrees with float KV on
+    almost every top-1 token (measured 100%; 99.5% over 200) and its logits stay close; 4-bit agrees on most.
+    (A position costs ~0.15 s here: 100 tokens measure what 200 did, 0.82 agreement at 4 bits.)"""
     model, tok = load(default_model_dir(), context=256)
     try:
-        x = mx.array([tok.encode(wikitext.strip())[:200]])
+        x = mx.array([tok.encode(wikitext.strip())[:100]])
 
         def logits(kv_bits):
             cache = [QuantizedKVCache(64, kv_bits) if kv_bits else KVCache() for _ in model.layers]
@@ -69,7 +70,7 @@ def test_quantised_kv_stays_close_to_float(wikitext):
     agree8 = np.mean(ref.argmax(-1) == q8.argmax(-1))
     agree4 = np.mean(ref.argmax(-1) == q4.argmax(-1))
     assert agree8 >= 0.97, agree8
-    assert agree4 >= 0.75, agree4  # measured 0.82: 4-bit KV costs quality on SmolLM2
+    assert agree4 >= 0.75, agree4  # measured 0.82 (over 100 or 200): 4-bit KV costs quality on SmolLM2
     assert np.abs(q8 - ref).max() < 0.1 * np.abs(ref).max()
 
 
