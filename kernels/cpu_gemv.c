@@ -63,7 +63,7 @@ typedef struct {
        lie together, chunk c of row 4g + t at w_row(4g) + 256 c + 64 t, so the AVX-512 loops read a group as one
        stream (the other loops read a copy in rows: plain_rows) */
     int ilv;
-    int gkind; /* a block_linear handle's rows of GGML blocks: their kind + 1 (block_dot's); 0: quantised rows */
+    int gkind; /* a block_linear handle's GGML blocks (bits 0): their kind + 1 (block_dot's); 0: quantised rows */
 } Rows;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -2914,7 +2914,7 @@ static void attention_impl(const Block *B, float *scratch, int threads) {
     /* every matrix's rows read once for all rows, whichever sequence they belong to */
     const Rows *qkv[3] = {B->q, B->k, B->v};
     float *qkv_out[3] = {q, k, v};
-    const int path = B->q->gkind || B->k->gkind || B->v->gkind ? 0 : int8_path(B->q);
+    const int path = int8_path(B->q); /* (0 for GGML blocks, whose rows have no bits: each its own projection) */
     if (path && int8_path(B->k) == path && int8_path(B->v) == path && B->k->gs == B->q->gs && B->v->gs == B->q->gs &&
         B->k->bits == B->q->bits && B->v->bits == B->q->bits)
         row_dot_q8_multi(qkv, 3, hn, qkv_out, m, path); /* hn quantised once, one parallel loop */

@@ -75,6 +75,11 @@ def values_per_row(weight: mx.array, kind: str) -> int:
     return weight.shape[-1] // nbytes * values
 
 
+def _dot(x: np.ndarray, w, kind: str) -> np.ndarray:
+    """float32 [..., k]: x . each row of w (k rows of `kind` blocks), natively."""
+    return cpu_gemv.block_dot(x, w, (0,), w.shape[-1], kind, x.shape[-1], k=w.shape[0])[..., 0]
+
+
 def _rows_applies(x: mx.array) -> bool:
     return x.dtype == mx.float32 and cpu_gemv.native_rows(x.size // max(1, x.shape[-1])) and cpu_gemv.available()
 
@@ -91,8 +96,7 @@ def matmul(x: mx.array, weight: mx.array, kind: str) -> mx.array:
     """x [..., n] @ W^T for W's rows of GGML `kind` blocks, uint8 [k, row bytes]: natively for a few float32 rows on
     the CPU, else in MLX's ops, in chunks of rows where their temporaries would exceed CHUNK_BYTES."""
     if _rows_applies(x) and cpu_gemv.contiguous(weight):
-        xv = np.asarray(x).reshape(-1, x.shape[-1])
-        y = cpu_gemv.block_dot(xv, weight, (0,), weight.shape[-1], kind, x.shape[-1], k=weight.shape[0])
+        y = _dot(np.asarray(x).reshape(-1, x.shape[-1]), weight, kind)
         return mx.array(y).reshape(*x.shape[:-1], weight.shape[0])
     if _metal_applies(x):
         return _metal_product(x, weight, kind)
@@ -159,7 +163,7 @@ class BlockRows:
         self.k, self.n = self.w.shape[0], values_per_row(self.w, self.kind)
 
     def dot(self, x: np.ndarray) -> np.ndarray:
-        return cpu_gemv.block_dot(x, self.w, (0,), self.w.shape[-1], self.kind, self.n, k=self.k)[..., 0]
+        return _dot(x, self.w, self.kind)
 
 
 def handle(module: nn.Module) -> Optional[tuple]:

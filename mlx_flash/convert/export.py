@@ -168,8 +168,8 @@ def _resident(fd: FlashDir, quant: dict) -> dict:
     for path, kind in fd.blocks.items():
         raw = resident.pop(f"{path}.weight")
         if kind in ggml.AFFINE:
-            arrays = dict(zip(("weight", "scales", "biases"), ggml.to_affine(raw, kind)))
-            quant[path] = {"group_size": 32, "bits": 8 if kind == "Q8_0" else 4}
+            *codes, bits = ggml.to_affine(raw, kind)
+            arrays, quant[path] = dict(zip(("weight", "scales", "biases"), codes)), {"group_size": 32, "bits": bits}
         else:
             arrays, quant[path] = {"weight": ggml.dequantize(raw, kind)}, False
         resident.update({f"{path}.{k}": v for k, v in arrays.items()})
