@@ -1,6 +1,6 @@
 """Peak memory against the budget as the prompt grows: `python -m mlx_flash.generate --stats` on raw prompts of
 increasing length, uncapped (the peak RSS above the baseline it prints) and under a hard cap of budget + baseline
-(OOM-killed or not), or with `--memory-budget auto` under a given cap only. A prompt whose context the budget cannot
+(OOM-killed or not; `--capped-only` for that run alone), or with `--memory-budget auto` under a given cap only. A prompt whose context the budget cannot
 hold is refused before any work, with the longest context it holds.
 
     python benchmarks/prompt_memory.py --model DIR --memory-budget 2300MiB --lengths 16,64,300,1024,4096,8192 \
@@ -39,6 +39,7 @@ def main():
     p.add_argument("--cap", default=None, help="The hard cap (default: the budget + the baseline).")
     p.add_argument("--lengths", default="16,64,150,300")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--capped-only", action="store_true", help="Skip the uncapped run (the capped run's peak is shown).")
     args = p.parse_args()
     fd = FlashDir(args.model)
     tokenizer = load_tokenizer(fd)
@@ -51,7 +52,8 @@ def main():
         cmd = [sys.executable, "-m", "mlx_flash.generate", "--model", args.model, "--memory-budget"]
         cmd += [args.memory_budget, "-m", "4", "--temp", "0", "--ignore-chat-template", "--stats"]
         cmd += ["--prompt", prompt_of(tokenizer, n)]
-        free = run_capped(cmd, drop=[args.model], timeout=3600) if budget is not None else None
+        uncapped = budget is not None and not args.capped_only
+        free = run_capped(cmd, drop=[args.model], timeout=3600) if uncapped else None
         capped = run_capped(cmd, limit=cap, drop=[args.model], timeout=3600)
         shown = capped if free is None else free
         m = re.search(r"Prompt: (\d+) tokens, ([\d.]+) tokens-per-sec", shown.stdout)

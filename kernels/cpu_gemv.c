@@ -745,6 +745,9 @@ AVX512 static void quantize_blocks_avx512(const float *x, int blocks, int bits, 
     }
 }
 
+/* positions dot4_rows computes per call of q8dot4_tile (each row's codes unpacked once for them) */
+#define DOT_POS 4
+
 AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
 /* stored scales from group g as float32 (the conversions scales_f32 makes): 4, 1 or 8 of them */
@@ -769,30 +772,32 @@ AVX512 static inline __m256 scales8_avx512(const uint8_t *p, int stype, int g) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Q8DOT_BODY (VNNI) of 4 rows at once: out[t] = row t's result, its scales and biases read as stored (s[t], b[t]; sym:
-   none stored, as biases_f32 derives them). pf: 4 later rows' codes, asked for a line at a time meanwhile (spread over
-   the loop: a row's lines asked for at once stall the loop, and memory idles while it computes). */
-AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const uint8_t *const *s,
-                                 const uint8_t *const *bs, int stype, int sym, int n, int gs, int bits,
-                                 const uint8_t *const *pf, int chunk, float *out) {
+/* Q8DOT_BODY (VNNI) of 4 rows at np positions at once: out[p][t] = row t's result at position q[p], its scales and
+   biases read as stored (s[t], b[t]; sym: none stored, as biases_f32 derives them). Each row's codes are unpacked
+   and its scales loaded once for the np positions; every (row, position)'s operations are those of np = 1, in the
+   same order, so a row's result is the same however many positions share the call. pf: 4 later rows' codes, asked
+   for a line at a time meanwhile (spread over the loop: a row's lines asked for at once stall the loop, and memory
+   idles while it computes). Inlined with a constant np (q8dot4x1/x4), so the accumulators stay in registers. */
+AVX512 static inline __attribute__((always_inline)) void q8dot4_tile(const uint8_t *const *w, const QX *q, int np,
+                                                                    const uint8_t *const *s, const uint8_t *const *bs,
+                                                                    int stype, int sym, int n, int gs, int bits,
+                                                                    const uint8_t *const *pf, int chunk,
+                                                                    float (*out)[4]) {
     const int blocks = n / 32, per_group = gs / 32;
     const float off = -(float)(1 << (bits - 1));
-    __m256 acc[4];
-    for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[DOT_POS][4];
+    for (int p = 0; p < np; p++)
+        for (int t = 0; t < 4; t++) acc[p][t] = _mm256_setzero_ps();
     int b = 0;
     if (bits == 4) {
         const __m512i nib = _mm512_set1_epi8(0x0f);
         const __m256i pair_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), pair_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
         for (; b + 3 < blocks; b += 4) { /* two pairs: 64 bytes of codes, 128 of activations */
-            const __m512i xe = _mm512_loadu_si512(q->xq4 + 32 * b), xo = _mm512_loadu_si512(q->xq4 + 32 * b + 64);
-            const __m512 d = _mm512_loadu_ps(q->dxv + 4 * b);
             for (int t = 0; t < 4; t++) {
                 const Py_ssize_t at = (Py_ssize_t)(b / 4) * chunk; /* (rows: 16 b) */
                 _mm_prefetch((const char *)(pf[t] + at), _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(w[t] + at);
                 const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
-                const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(p), d); /* lanes 0-7: pair b, 8-15: pair b + 2 */
                 __m256 s0, s1;
                 if (per_group == 1) {
                     const __m256 s4 = _mm256_castps128_ps256(scales4_avx512(s[t], stype, b));
@@ -802,70 +807,96 @@ AVX512 static void q8dot4_avx512(const uint8_t *const *w, const QX *q, const uin
                     s0 = _mm256_set1_ps(scale1_avx512(s[t], stype, b / per_group));
                     s1 = _mm256_set1_ps(scale1_avx512(s[t], stype, (b + 2) / per_group));
                 }
-                acc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), s0, acc[t]);
-                acc[t] = _mm256_fmadd_ps(hi256(f), s1, acc[t]);
+                for (int p = 0; p < np; p++) {
+                    const __m512i xe = _mm512_loadu_si512(q[p].xq4 + 32 * b), xo = _mm512_loadu_si512(q[p].xq4 + 32 * b + 64);
+                    const __m512i d8 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+                    /* lanes 0-7: pair b, 8-15: pair b + 2 */
+                    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d8), _mm512_loadu_ps(q[p].dxv + 4 * b));
+                    acc[p][t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), s0, acc[p][t]);
+                    acc[p][t] = _mm256_fmadd_ps(hi256(f), s1, acc[p][t]);
+                }
             }
         }
         const __m256i nib8 = _mm256_set1_epi8(0x0f);
         if (b + 1 < blocks) { /* a last pair, as Q8DOT_BODY (the quad layout keeps it as it was) */
-            const __m256i xe = _mm256_loadu_si256((const __m256i *)(q->xq4 + 32 * b));
-            const __m256i xo = _mm256_loadu_si256((const __m256i *)(q->xq4 + 32 * b + 32));
-            const __m256 d = _mm256_loadu_ps(q->dxv + 4 * b);
             for (int t = 0; t < 4; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(w[t] + 16 * b));
                 const __m256i lo = _mm256_and_si256(v, nib8), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib8);
-                const __m256i p = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
                 const float s_b = scale1_avx512(s[t], stype, b / per_group);
                 const __m256 sv = per_group == 1 ? _mm256_set_m128(_mm_set1_ps(scale1_avx512(s[t], stype, b + 1)), _mm_set1_ps(s_b))
                                                  : _mm256_set1_ps(s_b);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), d), sv, acc[t]);
+                for (int p = 0; p < np; p++) {
+                    const __m256i xe = _mm256_loadu_si256((const __m256i *)(q[p].xq4 + 32 * b));
+                    const __m256i xo = _mm256_loadu_si256((const __m256i *)(q[p].xq4 + 32 * b + 32));
+                    const __m256i d8 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+                    const __m256 d = _mm256_loadu_ps(q[p].dxv + 4 * b);
+                    acc[p][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d8), d), sv, acc[p][t]);
+                }
             }
             b += 2;
         }
         if (b < blocks) { /* the unpaired last block */
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q->xq4 + 32 * b));
             for (int t = 0; t < 4; t++) {
                 const __m128i v = _mm_loadu_si128((const __m128i *)(w[t] + 16 * b));
                 const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib8);
-                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, x);
-                const float sd = scale1_avx512(s[t], stype, b / per_group) * q->dx[b];
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd), acc[t]);
+                const float sc = scale1_avx512(s[t], stype, b / per_group);
+                for (int p = 0; p < np; p++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(q[p].xq4 + 32 * b));
+                    const __m256i d8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, x);
+                    acc[p][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d8), _mm256_set1_ps(sc * q[p].dx[b]), acc[p][t]);
+                }
             }
         }
     } else {
         for (; b + 1 < blocks; b += 2) { /* two blocks a load */
-            const __m512i x = _mm512_loadu_si512(q->xq + 32 * b);
             for (int t = 0; t < 4; t++) {
                 _mm_prefetch((const char *)(pf[t] + 32 * b), _MM_HINT_T0);
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w[t] + 32 * b), x);
-                const __m512 f = _mm512_cvtepi32_ps(p);
-                const float s0 = scale1_avx512(s[t], stype, b / per_group) * q->dx[b];
-                const float s1 = scale1_avx512(s[t], stype, (b + 1) / per_group) * q->dx[b + 1];
-                acc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm256_set1_ps(s0), acc[t]);
-                acc[t] = _mm256_fmadd_ps(hi256(f), _mm256_set1_ps(s1), acc[t]);
+                const __m512i v = _mm512_loadu_si512(w[t] + 32 * b);
+                const float sc0 = scale1_avx512(s[t], stype, b / per_group);
+                const float sc1 = scale1_avx512(s[t], stype, (b + 1) / per_group);
+                for (int p = 0; p < np; p++) {
+                    const __m512i d8 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q[p].xq + 32 * b));
+                    const __m512 f = _mm512_cvtepi32_ps(d8);
+                    acc[p][t] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm256_set1_ps(sc0 * q[p].dx[b]), acc[p][t]);
+                    acc[p][t] = _mm256_fmadd_ps(hi256(f), _mm256_set1_ps(sc1 * q[p].dx[b + 1]), acc[p][t]);
+                }
             }
         }
         if (b < blocks) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q->xq + 32 * b));
             for (int t = 0; t < 4; t++) {
-                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w[t] + 32 * b)), x);
-                const float sd = scale1_avx512(s[t], stype, b / per_group) * q->dx[b];
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd), acc[t]);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w[t] + 32 * b));
+                const float sc = scale1_avx512(s[t], stype, b / per_group);
+                for (int p = 0; p < np; p++) {
+                    const __m256i d8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, _mm256_loadu_si256((const __m256i *)(q[p].xq + 32 * b)));
+                    acc[p][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d8), _mm256_set1_ps(sc * q[p].dx[b]), acc[p][t]);
+                }
             }
         }
     }
     const int groups = n / gs, whole = groups / 8 * 8;
-    float rest[8]; /* the groups past the last 8's biases, for q8_finish */
     for (int t = 0; t < 4; t++) { /* the biases, as Q8DOT_BODY */
+        float rest[8]; /* the groups past the last 8's biases, for q8_finish */
+        for (int g = whole; g < groups; g++)
+            rest[g - whole] = sym ? off * scale1_avx512(s[t], stype, g) : scale1_avx512(bs[t], stype, g);
         for (int g = 0; g < whole; g += 8) {
             const __m256 bias = sym ? _mm256_mul_ps(_mm256_set1_ps(off), scales8_avx512(s[t], stype, g))
                                     : scales8_avx512(bs[t], stype, g);
-            acc[t] = _mm256_fmadd_ps(bias, _mm256_loadu_ps(q->xs + g), acc[t]);
+            for (int p = 0; p < np; p++) acc[p][t] = _mm256_fmadd_ps(bias, _mm256_loadu_ps(q[p].xs + g), acc[p][t]);
         }
-        for (int g = whole; g < groups; g++)
-            rest[g - whole] = sym ? off * scale1_avx512(s[t], stype, g) : scale1_avx512(bs[t], stype, g);
-        out[t] = q8_finish(acc[t], rest, q->xs + whole, 0, groups - whole);
+        for (int p = 0; p < np; p++) out[p][t] = q8_finish(acc[p][t], rest, q[p].xs + whole, 0, groups - whole);
     }
+}
+
+AVX512 static void q8dot4x1(const uint8_t *const *w, const QX *q, const uint8_t *const *s, const uint8_t *const *bs,
+                            int stype, int sym, int n, int gs, int bits, const uint8_t *const *pf, int chunk,
+                            float (*out)[4]) {
+    q8dot4_tile(w, q, 1, s, bs, stype, sym, n, gs, bits, pf, chunk, out);
+}
+
+AVX512 static void q8dot4x4(const uint8_t *const *w, const QX *q, const uint8_t *const *s, const uint8_t *const *bs,
+                            int stype, int sym, int n, int gs, int bits, const uint8_t *const *pf, int chunk,
+                            float (*out)[4]) {
+    q8dot4_tile(w, q, DOT_POS, s, bs, stype, sym, n, gs, bits, pf, chunk, out);
 }
 
 /* row_axpy's loops: out[i] += a_r q_r[i], row after row, each element's FMAs those of qaxpy4_avx2 in its order.
@@ -1213,7 +1244,7 @@ static QX *quantize_rows(const Rows *r, const float *x, int m, int path, void **
    ROWS_AHEAD_512 later asked for meanwhile */
 static void dot4_rows(const Rows *r, Py_ssize_t j0, int nr, const QX *q, int p0, int p1, float *out) {
     const int scale_bytes = r->n / r->gs * (r->stype == SCALE_F32 ? 4 : 2);
-    float res[4];
+    float res[DOT_POS][4];
     const uint8_t *w[4], *pf[4], *s[4], *b[4];
     for (int t = 0; t < 4; t++) { /* past the last row: row j0 again, its result unused */
         const Py_ssize_t j = j0 + (t < nr ? t : 0);
@@ -1231,10 +1262,15 @@ static void dot4_rows(const Rows *r, Py_ssize_t j0, int nr, const QX *q, int p0,
         }
     }
     const int chunk = r->ilv ? 256 : 64;
-    for (int p = p0; p < p1; p++) {
-        q8dot4_avx512(w, &q[p], s, b, r->stype, r->sym, r->n, r->gs, r->bits, pf, chunk, res);
-        for (int t = 0; t < nr; t++)
-            out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], s[t], b[t], &q[p], res[t], chunk);
+    for (int p = p0; p < p1;) {
+        const int np = p1 - p >= DOT_POS ? DOT_POS : 1;
+        if (np == DOT_POS)
+            q8dot4x4(w, &q[p], s, b, r->stype, r->sym, r->n, r->gs, r->bits, pf, chunk, res);
+        else
+            q8dot4x1(w, &q[p], s, b, r->stype, r->sym, r->n, r->gs, r->bits, pf, chunk, res);
+        for (int i = 0; i < np; i++, p++)
+            for (int t = 0; t < nr; t++)
+                out[(Py_ssize_t)p * r->k + j0 + t] = add_outliers(r, w[t], s[t], b[t], &q[p], res[i][t], chunk);
     }
 }
 #endif

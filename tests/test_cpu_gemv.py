@@ -59,14 +59,16 @@ def test_matvec_equals_quantized_matmul(bits, group_size, scale_dtype):
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_several_positions_equal_one_at_a_time(bits, int8):
+@pytest.mark.parametrize("n, group_size", [(256, 64), (288, 32), (320, 32)])
+def test_several_positions_equal_one_at_a_time(bits, int8, n, group_size):
     """x [m, n] / c [m, k]: each position's output is bit for bit the single-position product (m = 11 crosses
-    a tile of positions), rows read once for all."""
+    a tile of positions and the kernels' groups of positions; n's blocks end in a pair or a single one past the
+    kernels' groups of four), rows read once for all."""
     rng = np.random.default_rng(bits)
-    wq, s, b = quantized(rng, 70, 256, bits, 64, mx.float16)
-    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, 64, bits)
+    wq, s, b = quantized(rng, 70, n, bits, group_size, mx.float16)
+    q = cpu_gemv.QuantRows.of_matrix(wq, s, b, group_size, bits)
     slots = rng.permutation(70)[:40].astype(np.int32)
-    x = rng.standard_normal((11, 256)).astype(np.float32)
+    x = rng.standard_normal((11, n)).astype(np.float32)
     c = rng.standard_normal((11, 40)).astype(np.float32)
     c[:, 3] = 0.0  # a row no position uses
     c[4, 5] = 0.0  # a row one position does not
@@ -77,13 +79,13 @@ def test_several_positions_equal_one_at_a_time(bits, int8):
         cpu_gemv.set_int8_activations(True)
     assert np.array_equal(cpu_gemv.row_axpy(c, q, slots), np.stack([cpu_gemv.row_axpy(v, q, slots) for v in c]))
     blocks = np.sort(rng.integers(0, 3, 40)).astype(np.int32)
-    S = mx.array(rng.uniform(0.5, 1.5, (3, 256)).astype(np.float16))
-    got = cpu_gemv.block_axpy(c, wq, 0, wq.shape[1] * 4, slots, blocks, S, None, 256, bits)
+    S = mx.array(rng.uniform(0.5, 1.5, (3, n)).astype(np.float16))
+    got = cpu_gemv.block_axpy(c, wq, 0, wq.shape[1] * 4, slots, blocks, S, None, n, bits)
     assert np.array_equal(
-        got, np.stack([cpu_gemv.block_axpy(v, wq, 0, wq.shape[1] * 4, slots, blocks, S, None, 256, bits) for v in c])
+        got, np.stack([cpu_gemv.block_axpy(v, wq, 0, wq.shape[1] * 4, slots, blocks, S, None, n, bits) for v in c])
     )
     with pytest.raises(ValueError, match=r"\[m, "):  # not a whole number of positions
-        cpu_gemv._native.row_dot(x.reshape(-1)[:300], np.empty(40, np.float32), *q._args(slots, 40))
+        cpu_gemv._native.row_dot(x.reshape(-1)[: n + 44], np.empty(40, np.float32), *q._args(slots, 40))
 
 
 def test_slots_pick_rows_in_any_order():
