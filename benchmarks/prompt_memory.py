@@ -1,7 +1,7 @@
 """Peak memory against the budget as the prompt grows: `python -m mlx_flash.generate --stats` on raw prompts of
 increasing length, uncapped (the peak RSS above the baseline it prints) and under a hard cap of budget + baseline
-(OOM-killed or not; `--capped-only` for that run alone), or with `--memory-budget auto` under a given cap only. A prompt whose context the budget cannot
-hold is refused before any work, with the longest context it holds.
+(OOM-killed or not; `--capped-only`: that run alone), or with `--memory-budget auto` under a given cap only. A
+prompt whose context the budget cannot hold is refused before any work, with the longest context it holds.
 
     python benchmarks/prompt_memory.py --model DIR --memory-budget 2300MiB --lengths 16,64,300,1024,4096,8192 \
         --json benchmarks/results/prompt_memory_llama7b.json
