@@ -553,6 +553,28 @@ def test_a_role_of_mixed_types_is_requantised_alike(tmp_path):
     }
 
 
+@pytest.mark.parametrize("arch, kept", [("llama", True), ("qwen3next", False)])
+def test_the_disk_estimate_counts_blocks_only_where_they_are_kept(tmp_path, arch, kept):
+    """A resident Q6_K matrix is kept as its blocks, except in an architecture whose tensors are rearranged (DeltaNet):
+    there convert re-quantises it to 8 bits, and its disk estimate says so."""
+    from mlx_flash.convert.gguf import REQUANT, keeps_blocks
+
+    import gguf
+
+    raw = _random_blocks(np.random.default_rng(0), "Q6_K", 64, 512)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), arch)
+    w.add_tensor("blk.0.attn_output.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    header = read_header(tmp_path / "t.gguf")
+    (t,) = header.tensors
+    assert keeps_blocks(header, tmp_path / "t.gguf") == kept
+    nbytes, quant = converted_size(t, blocks=kept)
+    assert (nbytes, quant) == ((raw.nbytes, None) if kept else (64 * 512 + 4 * 64 * 512 // 32, REQUANT))
+
+
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q6_K", "IQ4_NL"])
 def test_requantised_types_stay_close(tmp_path, qtype):
     """Each GGUF type without an exact MLX layout becomes 8-bit group 32 within 0.6% RMS of gguf's own

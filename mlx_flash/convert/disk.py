@@ -24,7 +24,7 @@ from typing import List, Optional
 
 from ..errors import DiskSpaceError, SourceError
 from ..format.safetensors_io import read_header as safetensors_header
-from .gguf import converted_size, kept_experts, read_header
+from .gguf import converted_size, keeps_blocks, kept_experts, read_header
 from .gguf_quants import mixed_roles
 from .source import read_config, tokenizer_files
 
@@ -60,7 +60,8 @@ class SourceWeights:
             header = read_header(source)
             mixed = mixed_roles(header.tensors)
             kept = kept_experts(header)
-            self.weights = [_gguf_weight(t, mixed) for t in header.tensors]
+            blocks = keeps_blocks(header, source)
+            self.weights = [_gguf_weight(t, mixed, blocks) for t in header.tensors]
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then
             # copied into the output
             self.files = 2 * 2 * min((t.data_offset for t in header.tensors), default=0)
@@ -104,8 +105,8 @@ class SourceWeights:
         return int(MARGIN * (ffn + resident + largest + self.files + 2 * scales))
 
 
-def _gguf_weight(t, mixed: set) -> Weight:
-    nbytes, q = converted_size(t, mixed)
+def _gguf_weight(t, mixed: set, blocks: bool) -> Weight:
+    nbytes, q = converted_size(t, mixed, blocks)
     quant = None if q is None else {"bits": q[1], "group_size": q[0]}
     return Weight(t.name, math.prod(int(x) for x in t.shape), nbytes, quant, len(t.shape) > 1)
 

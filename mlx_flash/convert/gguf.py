@@ -204,14 +204,22 @@ def _read_tensor(t, T, repack, path: Path, blocks: bool = False) -> Tensor:
     return base, part, {part: arr}, None
 
 
-def converted_size(t, mixed: set = frozenset()) -> Tuple[int, Optional[Tuple[int, int]]]:
+def keeps_blocks(header, path: Path) -> bool:
+    """Whether convert keeps a GGUF's `kept_as_blocks` matrices as they are: not where its architecture's tensors are
+    rearranged (MLA, DeltaNet), which re-quantises them."""
+    meta = Meta(header.fields, path)
+    return arch_spec(meta.get("general.architecture"), meta).rearranger is None
+
+
+def converted_size(t, mixed: set = frozenset(), blocks: bool = True) -> Tuple[int, Optional[Tuple[int, int]]]:
     """(bytes, (group_size, bits) or None) of header entry `t` as `_iter_reader` converts it (`mixed`: the header's
-    `mixed_roles`), from the header alone (convert's estimate of the disk it needs)."""
+    `mixed_roles`; `blocks`: whether `kept_as_blocks` ones are, i.e. its architecture has no rearranger), from the
+    header alone (convert's estimate of the disk it needs)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     _, part = _split_name(t.name)
-    if kept_as_blocks(t):
+    if blocks and kept_as_blocks(t):
         return int(t.n_bytes), None
     n = math.prod(int(x) for x in t.shape)
     groups = n // GROUP_SIZE
@@ -623,7 +631,7 @@ def gguf_to_mlx_dir(
     symmetric = set() if by_layer else None
     for f in (FFN_HOLES, SYMMETRIC, BLOCKS):
         (out_dir / f).unlink(missing_ok=True)
-    for tensor in source.tensors(skip=set(kept) | set(holes), blocks=rearrange is None):
+    for tensor in source.tensors(skip=set(kept) | set(holes), blocks=rearrange is None):  # (as keeps_blocks)
         bar.update(sizes[f"{tensor[0]}.{tensor[1]}"])
         if is_mtp(spec, meta, tensor[0]):
             continue
