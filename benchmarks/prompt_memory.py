@@ -39,6 +39,7 @@ def main():
     p.add_argument("--cap", default=None, help="The hard cap (default: the budget + the baseline).")
     p.add_argument("--lengths", default="16,64,150,300")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--kv-bits", type=int, default=None, help="generate's --kv-bits (a quantised KV cache).")
     p.add_argument("--capped-only", action="store_true", help="Skip the uncapped run (the capped run's peak is shown).")
     args = p.parse_args()
     fd = FlashDir(args.model)
@@ -51,7 +52,7 @@ def main():
     for n in map(int, args.lengths.split(",")):
         cmd = [sys.executable, "-m", "mlx_flash.generate", "--model", args.model, "--memory-budget"]
         cmd += [args.memory_budget, "-m", "4", "--temp", "0", "--ignore-chat-template", "--stats"]
-        cmd += ["--prompt", prompt_of(tokenizer, n)]
+        cmd += ["--prompt", prompt_of(tokenizer, n)] + (["--kv-bits", str(args.kv_bits)] if args.kv_bits else [])
         uncapped = budget is not None and not args.capped_only
         free = run_capped(cmd, drop=[args.model], timeout=3600) if uncapped else None
         capped = run_capped(cmd, limit=cap, drop=[args.model], timeout=3600)

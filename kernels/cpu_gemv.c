@@ -385,6 +385,10 @@ static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float
    m positions are split into equal tiles, so 9 are one sweep, not 8 + 1. */
 #define POS_TILE 16
 
+/* Positions the int8 row loops compute together (q8dot4_tile, Q8DOT_TILE_BODY): a row's codes unpacked and its scales
+   loaded once for all of them, each position's arithmetic that of a call of one */
+#define DOT_POS 4
+
 static int pos_tile(int m) {
     const int tiles = (m + POS_TILE - 1) / POS_TILE;
     return (m + tiles - 1) / tiles;
@@ -631,6 +635,56 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(q->xs + g), acc);                    \
     return q8_finish(acc, bias, q->xs, g, groups);
 
+/* Q8DOT_BODY at DOT_POS positions q[0..DOT_POS - 1] into out[p]: each position's operations and their order those of
+   Q8DOT_BODY, the row's codes unpacked and its scales loaded once for all of them */
+#define Q8DOT_TILE_BODY(DP)                                                                                     \
+    const int blocks = n / 32, per_group = gs / 32;                                                           \
+    const __m256i nib = _mm256_set1_epi8(0x0f);                                                               \
+    const __m256i pair_idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);                                        \
+    __m256 acc[DOT_POS];                                                                                      \
+    for (int p = 0; p < DOT_POS; p++) acc[p] = _mm256_setzero_ps();                                           \
+    int b = 0;                                                                                                \
+    if (bits == 4) {                                                                                          \
+        for (; b + 1 < blocks; b += 2) {                                                                      \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 * b));                              \
+            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib); \
+            const __m256 s = per_group == 1                                                                   \
+                                 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(         \
+                                                                _mm_loadl_epi64((const __m128i *)(scale + b)))), \
+                                                            pair_idx)                                        \
+                                 : _mm256_set1_ps(scale[b / per_group]);                                     \
+            for (int p = 0; p < DOT_POS; p++) {                                                               \
+                const int8_t *xb = q[p].xq + 32 * b;                                                          \
+                __m256i d = DP(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xb));          \
+                d = DP(d, hi, _mm256_loadu_si256((const __m256i *)(xb + 32)));                                \
+                acc[p] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(q[p].dxv + 4 * b)), s, acc[p]); \
+            }                                                                                                 \
+        }                                                                                                     \
+        if (b < blocks) { /* the unpaired last block */                                                      \
+            const __m128i v = _mm_loadu_si128((const __m128i *)(w + 16 * b));                                 \
+            const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);               \
+            for (int p = 0; p < DOT_POS; p++) {                                                               \
+                const __m256i d = DP(_mm256_setzero_si256(), c, _mm256_loadu_si256((const __m256i *)(q[p].xq + 32 * b))); \
+                acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale[b / per_group] * q[p].dx[b]), acc[p]); \
+            }                                                                                                 \
+        }                                                                                                     \
+    } else {                                                                                                  \
+        for (; b < blocks; b++) {                                                                             \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * b));                              \
+            for (int p = 0; p < DOT_POS; p++) {                                                               \
+                const __m256i d = DP(_mm256_setzero_si256(), v, _mm256_loadu_si256((const __m256i *)(q[p].xq + 32 * b))); \
+                acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale[b / per_group] * q[p].dx[b]), acc[p]); \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    const int groups = n / gs;                                                                                \
+    for (int p = 0; p < DOT_POS; p++) {                                                                       \
+        int g = 0;                                                                                            \
+        for (; g + 8 <= groups; g += 8)                                                                       \
+            acc[p] = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(q[p].xs + g), acc[p]);        \
+        out[p] = q8_finish(acc[p], bias, q[p].xs, g, groups);                                                 \
+    }
+
 /* Q8DOT_BODY's end: the lanes summed, then the groups past the last 8. One function for every path's loops (AVX2,
    VNNI, AVX-512): how a compiler vectorises this loop decides its rounding (GCC 12 multiplies 4 groups at once, then
    adds, and fuses the rest), so each inlined copy could round differently. */
@@ -652,6 +706,16 @@ VNNI static float q8dot_vnni(const uint8_t *w, const QX *q, const float *scale, 
 
 AVX2 static float q8dot_avx2(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs, int bits) {
     Q8DOT_BODY(DP_AVX2)
+}
+
+VNNI static void q8dot_tile_vnni(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs,
+                                 int bits, float *out) {
+    Q8DOT_TILE_BODY(DP_VNNI)
+}
+
+AVX2 static void q8dot_tile_avx2(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs,
+                                 int bits, float *out) {
+    Q8DOT_TILE_BODY(DP_AVX2)
 }
 
 static int cpu_has_vnni(void) {
@@ -744,9 +808,6 @@ AVX512 static void quantize_blocks_avx512(const float *x, int blocks, int bits, 
         }
     }
 }
-
-/* positions dot4_rows computes per call of q8dot4_tile (each row's codes unpacked once for them) */
-#define DOT_POS 4
 
 AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
@@ -1317,7 +1378,20 @@ static void row_dot_q8_multi(const Rows *const *rs, int nmat, const float *x, fl
             const Py_ssize_t j = u - first[i];
             float scale[groups], bias[groups];
             const uint8_t *w = row_start(ri, j, scale, bias, path > 1);
-            for (int p = p0; p < p1; p++) {
+            int p = p0;
+#if HAVE_X86
+            for (; (path == 2 || path == 3) && p + DOT_POS <= p1; p += DOT_POS) {
+                float res[DOT_POS];
+                if (path == 3)
+                    q8dot_tile_vnni(w, &q[p], scale, bias, ri->n, ri->gs, ri->bits, res);
+                else
+                    q8dot_tile_avx2(w, &q[p], scale, bias, ri->n, ri->gs, ri->bits, res);
+                for (int t = 0; t < DOT_POS; t++)
+                    outs[i][(Py_ssize_t)(p + t) * ri->k + j] =
+                        add_outliers(ri, w, s_row(ri, j), b_row(ri, j), &q[p + t], res[t], 64);
+            }
+#endif
+            for (; p < p1; p++) {
                 const QX *qp = &q[p];
                 float acc;
 #if HAVE_X86

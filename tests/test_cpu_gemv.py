@@ -60,10 +60,19 @@ def test_matvec_equals_quantized_matmul(bits, group_size, scale_dtype):
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n, group_size", [(256, 64), (288, 32), (320, 32)])
-def test_several_positions_equal_one_at_a_time(bits, int8, n, group_size):
+@pytest.mark.parametrize("avx512", [True, False])
+def test_several_positions_equal_one_at_a_time(bits, int8, n, group_size, avx512):
     """x [m, n] / c [m, k]: each position's output is bit for bit the single-position product (m = 11 crosses
     a tile of positions and the kernels' groups of positions; n's blocks end in a pair or a single one past the
-    kernels' groups of four), rows read once for all."""
+    kernels' groups of four; the AVX-512 loops and the AVX2 / VNNI ones), rows read once for all."""
+    cpu_gemv.set_avx512(avx512)
+    try:
+        _several_positions(bits, int8, n, group_size)
+    finally:
+        cpu_gemv.set_avx512(True)
+
+
+def _several_positions(bits, int8, n, group_size):
     rng = np.random.default_rng(bits)
     wq, s, b = quantized(rng, 70, n, bits, group_size, mx.float16)
     q = cpu_gemv.QuantRows.of_matrix(wq, s, b, group_size, bits)
