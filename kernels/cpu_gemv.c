@@ -385,7 +385,7 @@ static const uint8_t *row_start(const Rows *r, Py_ssize_t j, float *scale, float
    m positions are split into equal tiles, so 9 are one sweep, not 8 + 1. */
 #define POS_TILE 16
 
-/* Positions the int8 row loops compute together (q8dot4_tile, Q8DOT_TILE_BODY): a row's codes unpacked and its scales
+/* Positions the int8 row loops compute together (q8dot4_tile, Q8DOT_BODY): a row's codes unpacked and its scales
    loaded once for all of them, each position's arithmetic that of a call of one */
 #define DOT_POS 4
 
@@ -596,53 +596,15 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
    pmaddubsw (no saturation: 4-bit codes times |xq| <= 127) then pmaddwd. */
 #define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
-#define Q8DOT_BODY(DP)                                                                                          \
+/* x . one row of codes w (scale, bias: its groups' as float32) at NP positions q[0..NP - 1] into out[p], 8-lane float
+   accumulators; the row's codes unpacked and its scales loaded once for the NP positions, each position's operations
+   and their order the same whatever NP (so a row's result does not depend on the positions beside it) */
+#define Q8DOT_BODY(DP, NP)                                                                                     \
     const int blocks = n / 32, per_group = gs / 32;                                                           \
     const __m256i nib = _mm256_set1_epi8(0x0f);                                                               \
     const __m256i pair_idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);                                        \
-    __m256 acc = _mm256_setzero_ps();                                                                         \
-    int b = 0;                                                                                                \
-    if (bits == 4) {                                                                                          \
-        for (; b + 1 < blocks; b += 2) { /* two blocks: 32 bytes of codes, 64 of activations */               \
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 * b));                              \
-            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib); \
-            const int8_t *xb = q->xq + 32 * b;                                                                \
-            __m256i p = DP(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xb));              \
-            p = DP(p, hi, _mm256_loadu_si256((const __m256i *)(xb + 32)));                                    \
-            const __m256 s = per_group == 1                                                                   \
-                                 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(         \
-                                                                _mm_loadl_epi64((const __m128i *)(scale + b)))), \
-                                                            pair_idx)                                        \
-                                 : _mm256_set1_ps(scale[b / per_group]);                                     \
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_loadu_ps(q->dxv + 4 * b)), s, acc); \
-        }                                                                                                     \
-        if (b < blocks) { /* the unpaired last block */                                                      \
-            const __m128i v = _mm_loadu_si128((const __m128i *)(w + 16 * b));                                 \
-            const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);               \
-            const __m256i p = DP(_mm256_setzero_si256(), c, _mm256_loadu_si256((const __m256i *)(q->xq + 32 * b))); \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[b / per_group] * q->dx[b]), acc); \
-        }                                                                                                     \
-    } else {                                                                                                  \
-        for (; b < blocks; b++) {                                                                             \
-            const __m256i p = DP(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w + 32 * b)),   \
-                                 _mm256_loadu_si256((const __m256i *)(q->xq + 32 * b)));                      \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[b / per_group] * q->dx[b]), acc); \
-        }                                                                                                     \
-    }                                                                                                         \
-    const int groups = n / gs;                                                                                \
-    int g = 0;                                                                                                \
-    for (; g + 8 <= groups; g += 8)                                                                           \
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(q->xs + g), acc);                    \
-    return q8_finish(acc, bias, q->xs, g, groups);
-
-/* Q8DOT_BODY at DOT_POS positions q[0..DOT_POS - 1] into out[p]: each position's operations and their order those of
-   Q8DOT_BODY, the row's codes unpacked and its scales loaded once for all of them */
-#define Q8DOT_TILE_BODY(DP)                                                                                     \
-    const int blocks = n / 32, per_group = gs / 32;                                                           \
-    const __m256i nib = _mm256_set1_epi8(0x0f);                                                               \
-    const __m256i pair_idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);                                        \
-    __m256 acc[DOT_POS];                                                                                      \
-    for (int p = 0; p < DOT_POS; p++) acc[p] = _mm256_setzero_ps();                                           \
+    __m256 acc[NP];                                                                                      \
+    for (int p = 0; p < NP; p++) acc[p] = _mm256_setzero_ps();                                           \
     int b = 0;                                                                                                \
     if (bits == 4) {                                                                                          \
         for (; b + 1 < blocks; b += 2) {                                                                      \
@@ -653,7 +615,7 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
                                                                 _mm_loadl_epi64((const __m128i *)(scale + b)))), \
                                                             pair_idx)                                        \
                                  : _mm256_set1_ps(scale[b / per_group]);                                     \
-            for (int p = 0; p < DOT_POS; p++) {                                                               \
+            for (int p = 0; p < NP; p++) {                                                               \
                 const int8_t *xb = q[p].xq + 32 * b;                                                          \
                 __m256i d = DP(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xb));          \
                 d = DP(d, hi, _mm256_loadu_si256((const __m256i *)(xb + 32)));                                \
@@ -663,7 +625,7 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
         if (b < blocks) { /* the unpaired last block */                                                      \
             const __m128i v = _mm_loadu_si128((const __m128i *)(w + 16 * b));                                 \
             const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);               \
-            for (int p = 0; p < DOT_POS; p++) {                                                               \
+            for (int p = 0; p < NP; p++) {                                                               \
                 const __m256i d = DP(_mm256_setzero_si256(), c, _mm256_loadu_si256((const __m256i *)(q[p].xq + 32 * b))); \
                 acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale[b / per_group] * q[p].dx[b]), acc[p]); \
             }                                                                                                 \
@@ -671,14 +633,14 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
     } else {                                                                                                  \
         for (; b < blocks; b++) {                                                                             \
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * b));                              \
-            for (int p = 0; p < DOT_POS; p++) {                                                               \
+            for (int p = 0; p < NP; p++) {                                                               \
                 const __m256i d = DP(_mm256_setzero_si256(), v, _mm256_loadu_si256((const __m256i *)(q[p].xq + 32 * b))); \
                 acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale[b / per_group] * q[p].dx[b]), acc[p]); \
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
     const int groups = n / gs;                                                                                \
-    for (int p = 0; p < DOT_POS; p++) {                                                                       \
+    for (int p = 0; p < NP; p++) {                                                                       \
         int g = 0;                                                                                            \
         for (; g + 8 <= groups; g += 8)                                                                       \
             acc[p] = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(q[p].xs + g), acc[p]);        \
@@ -701,21 +663,25 @@ AVX2 __attribute__((noinline)) static float q8_finish(__m256 acc, const float *b
 #define DP_AVX2(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 
 VNNI static float q8dot_vnni(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs, int bits) {
-    Q8DOT_BODY(DP_VNNI)
+    float out[1];
+    Q8DOT_BODY(DP_VNNI, 1)
+    return out[0];
 }
 
 AVX2 static float q8dot_avx2(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs, int bits) {
-    Q8DOT_BODY(DP_AVX2)
+    float out[1];
+    Q8DOT_BODY(DP_AVX2, 1)
+    return out[0];
 }
 
 VNNI static void q8dot_tile_vnni(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs,
                                  int bits, float *out) {
-    Q8DOT_TILE_BODY(DP_VNNI)
+    Q8DOT_BODY(DP_VNNI, DOT_POS)
 }
 
 AVX2 static void q8dot_tile_avx2(const uint8_t *w, const QX *q, const float *scale, const float *bias, int n, int gs,
                                  int bits, float *out) {
-    Q8DOT_TILE_BODY(DP_AVX2)
+    Q8DOT_BODY(DP_AVX2, DOT_POS)
 }
 
 static int cpu_has_vnni(void) {
