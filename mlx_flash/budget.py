@@ -372,8 +372,9 @@ def min_streaming_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, 
     return sum(with_streamed(fixed_bytes(fd, context, dtype_size, extra, resident), list(groups)).values())
 
 
-def _context_held(f: dict, budget: int, context: int) -> str:
-    """What a BudgetError adds when a shorter context fits: the longest (its KV caches scale with it)."""
+def _context_held(f: dict, budget: int, context: int, kv_bits: Optional[int] = None) -> str:
+    """What a BudgetError adds when a shorter context fits: the longest (its KV caches scale with it), and the
+    narrower KV cache there is (`kv_bits`: the one asked)."""
     kv = f["kv_cache"] + f["prompt_cache"]
     per_token = kv / kv_tokens(context)
     if per_token == 0:
@@ -381,10 +382,11 @@ def _context_held(f: dict, budget: int, context: int) -> str:
     held = int((budget - (sum(f.values()) - kv)) // per_token) // KV_ALIGN * KV_ALIGN - 1
     if held < 1:
         return ""
-    return f"; it holds a context of at most {held} tokens (a shorter prompt or --max-tokens, or --kv-bits 8)"
+    narrower = {None: ", or --kv-bits 8", 8: ", or --kv-bits 4"}.get(kv_bits, "")
+    return f"; it holds a context of at most {held} tokens (a shorter prompt or --max-tokens{narrower})"
 
 
-def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
+def choose_streamed(groups, fixed: dict, budget: int, context: int, always=(), kv_bits: Optional[int] = None):
     """The groups to stream (`always`, then the shortest prefix of the other `groups`, cheapest first, that
     fits; then any of those that fit back are kept resident) and the fixed parts with them. BudgetError if
     none fits (naming the parts of the prefix that needs least: in a small model, streaming a group can take more
@@ -410,7 +412,7 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=()):
             f"{fmt_bytes(f['scratch'] + f['workspace'] + f['streaming'])}"
             + (f" + extra {fmt_bytes(f['extra'])}" if f["extra"] else "")
             + f" need {fmt_bytes(sum(f.values()))} before any FFN unit is cached"
-            + _context_held(f, budget, context)
+            + _context_held(f, budget, context, kv_bits)
         )
     for g in reversed(streamed[len(always) : -1]):  # the last one made it fit
         kept = [s for s in streamed if s is not g]
@@ -474,12 +476,12 @@ def plan_memory(
         # add their whole time
         whole = dict(fixed, prefetch=2 * fd.layers[0]["neurons"].n_units * fd.layouts["neurons"].stride)
         try:
-            streamed, f = choose_streamed(groups, whole, limit, context, always=by_rows)
+            streamed, f = choose_streamed(groups, whole, limit, context, by_rows, kv_bits)
             f.pop("prefetch")
         except BudgetError:
             pass
     if f is None:
-        streamed, f = choose_streamed(groups, fixed, limit, context, always=by_rows)
+        streamed, f = choose_streamed(groups, fixed, limit, context, by_rows, kv_bits)
     left = limit - sum(f.values())
     per_layer = left // len(fd.layers)
     prefetch_rows = 0

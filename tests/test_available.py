@@ -155,6 +155,15 @@ def test_a_context_too_long_for_the_budget_says_the_longest_it_holds(smol):
         loader.load(smol, memory_budget="50%", context=held + 64)
 
 
+@pytest.mark.parametrize("kv_bits, hint", [(None, ", or --kv-bits 8)"), (8, ", or --kv-bits 4)"), (4, "--max-tokens)")])
+def test_a_context_too_long_suggests_only_a_narrower_kv_cache(smol, kv_bits, hint):
+    from mlx_flash.errors import BudgetError
+
+    with pytest.raises(BudgetError, match="it holds a context of at most") as e:
+        loader.load(smol, memory_budget="50%", context=40000, kv_bits=kv_bits, plan_only=True)
+    assert str(e.value).endswith(hint)
+
+
 CHUNK = """
 import json, sys
 import mlx_flash
