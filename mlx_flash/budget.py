@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Union
 
-from .compute import blocks
+from .compute import blocks, cpu_gemv
 from .engine.native_step import MAX_POSITIONS
 from .engine.units import REDUCTION_UNITS
 from .errors import BudgetError
@@ -109,12 +109,12 @@ class Plan:
         the prompt runs: `prompt_loan`), unless the caches hold less than that or `lend` is False (the server, whose
         prompts run beside decode steps, and pipeline stages: the workspace's); native: the native step's passes."""
         most = MAX_POSITIONS if native else 2048  # (longer passes go through MLX's forward)
-        per = position_bytes(fd, context, native)
-        own = _chunk(min(most, self.workspace // per))  # (the workspace's chunk)
+        per, fixed = position_bytes(fd, context, native), pass_bytes(fd, context, native)
+        own = _chunk(min(most, (self.workspace - fixed) // per))  # (the workspace's chunk)
         if not lend:
             return own
-        step = _chunk(min(most, max(self.workspace, int(fd.model_bytes * PROMPT_SHARE)) // per))
-        if self.budget is not None and step * per - self.workspace > self.cache_bytes(fd.strides):
+        step = _chunk(min(most, (max(self.workspace, int(fd.model_bytes * PROMPT_SHARE)) - fixed) // per))
+        if self.budget is not None and step * per + fixed - self.workspace > self.cache_bytes(fd.strides):
             return own  # (a budget at its floor: the caches cannot lend)
         return step
 
@@ -126,7 +126,7 @@ class Plan:
         if self.budget is None or step <= self.prefill_step(fd, context, native, lend=False):
             return 0
         rest = self.budget - self.nbytes(fd.strides)
-        need = step * position_bytes(fd, context, native) - self.workspace - rest
+        need = step * position_bytes(fd, context, native) + pass_bytes(fd, context, native) - self.workspace - rest
         return max(0, min(need, self.cache_bytes(fd.strides)))
 
     def cache_bytes(self, strides: Dict[str, int]) -> int:
@@ -209,7 +209,10 @@ def position_bytes(fd, context: int, native: bool = False) -> int:
     softmax over `context` keys (MLX's CPU attention composes them from separate ops), and the FFN's partial sums
     (same bits at every budget: a dense layer's sum of each REDUCTION_UNITS ids, an MoE layer's of each expert, held
     until they are added in order; MLX's concatenation of them a second copy, which the native step does not make).
-    Checked against the peak of a chunk on both forwards (tests/test_available.py)."""
+    The native attention keeps one query's scores at a time (`pass_bytes`), so its passes count the scores' term at
+    no more than MAX_POSITIONS keys: what its other buffers and the allocator's retention were measured within, and
+    a longer context adds nothing a position. Checked against the peak of a chunk on both forwards, after a long
+    context too (tests/test_available.py)."""
     config = fd.config
     _, hidden, heads = attention_shape(config)
     top_k, expert = fd.experts_per_token, first_of(config, ("moe_intermediate_size",))
@@ -218,7 +221,16 @@ def position_bytes(fd, context: int, native: bool = False) -> int:
     else:
         ffn = first_of(config, ("intermediate_size", "ffn_dim")) or 4 * hidden
         partials = -(-max(r.n_units for r in fd.regions()) // REDUCTION_UNITS)
-    return 4 * (8 * hidden + 4 * ffn + 4 * heads * context + (1 if native else 2) * partials * hidden)
+    keys = min(context, MAX_POSITIONS) if native else context
+    return 4 * (8 * hidden + 4 * ffn + 4 * heads * keys + (1 if native else 2) * partials * hidden)
+
+
+def pass_bytes(fd, context: int, native: bool = False) -> int:
+    """What a prompt pass takes whatever its positions: in the native attention, each thread's scores over `context`
+    keys and the keys and values of a float16 cache as float32 (kernels/cpu_gemv.c, attention_scratch)."""
+    if not native:
+        return 0
+    return 4 * max(1, cpu_gemv.info().get("threads", 1)) * kv_tokens(context) * (1 + 2 * head_dim(fd.config))
 
 
 def describe_streamed(groups) -> str:

@@ -30,7 +30,9 @@ def share_of_next_chunk(fd, plan, native) -> float:
     the caches at the budgets below can lend the difference)."""
     step = plan.prefill_step(fd, CONTEXT, native, lend=False)
     after = min(s for k in range(4, 12) for s in (1 << k, 3 << (k - 1)) if s > step)
-    return after * budget.position_bytes(fd, CONTEXT, native) / fd.model_bytes
+    return (
+        after * budget.position_bytes(fd, CONTEXT, native) + budget.pass_bytes(fd, CONTEXT, native)
+    ) / fd.model_bytes
 
 
 def test_the_chunk_is_the_same_at_every_budget_and_the_caches_lend_the_rest(path, monkeypatch):
@@ -45,7 +47,8 @@ def test_the_chunk_is_the_same_at_every_budget_and_the_caches_lend_the_rest(path
             monkeypatch.setattr(budget, "PROMPT_SHARE", share_of_next_chunk(fd, plan, native))
         step = plan.prefill_step(fd, CONTEXT, native)
         assert step > plan.prefill_step(fd, CONTEXT, native, lend=False)  # (the share, not the workspace)
-        need = step * budget.position_bytes(fd, CONTEXT, native) - plan.workspace  # (beyond the workspace)
+        need = step * budget.position_bytes(fd, CONTEXT, native) + budget.pass_bytes(fd, CONTEXT, native)
+        need -= plan.workspace  # (beyond the workspace)
         room = plan.budget - plan.nbytes(fd.strides)  # (the largest budget caches every unit and has room left)
         loan = plan.prompt_loan(fd, CONTEXT, native)
         assert loan == max(0, need - room) <= plan.cache_bytes(fd.strides)
