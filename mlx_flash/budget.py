@@ -488,12 +488,12 @@ def plan_memory(
         # add their whole time
         whole = dict(fixed, prefetch=2 * fd.layers[0]["neurons"].n_units * fd.layouts["neurons"].stride)
         try:
-            streamed, f = choose_streamed(groups, whole, limit, context, by_rows, kv_bits)
+            streamed, f = choose_streamed(groups, whole, limit, context, always=by_rows, kv_bits=kv_bits)
             f.pop("prefetch")
         except BudgetError:
             pass
     if f is None:
-        streamed, f = choose_streamed(groups, fixed, limit, context, by_rows, kv_bits)
+        streamed, f = choose_streamed(groups, fixed, limit, context, always=by_rows, kv_bits=kv_bits)
     left = limit - sum(f.values())
     per_layer = left // len(fd.layers)
     prefetch_rows = 0
