@@ -607,7 +607,7 @@ static float q8dot_scalar(const uint8_t *w, const QX *q, const float *scale, con
     for (int p = 0; p < NP; p++) acc[p] = _mm256_setzero_ps();                                           \
     int b = 0;                                                                                                \
     if (bits == 4) {                                                                                          \
-        for (; b + 1 < blocks; b += 2) {                                                                      \
+        for (; b + 1 < blocks; b += 2) { /* two blocks: 32 bytes of codes, 64 of each position's activations */ \
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 * b));                              \
             const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib); \
             const __m256 s = per_group == 1                                                                   \
