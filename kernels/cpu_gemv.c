@@ -1430,6 +1430,12 @@ static void thread_share(Py_ssize_t units, Py_ssize_t *lo, Py_ssize_t *hi) {
     *hi = units * (t + 1) / T;
 }
 
+/* out[r][c0, c1) = 0 for rows r < rows of n floats: a thread zeroes its own columns of a call's output, so the
+   pages of a fresh buffer are first touched (and zeroed by the kernel) by every thread at once, not one alone */
+static void zero_columns(float *out, Py_ssize_t rows, Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1) {
+    for (Py_ssize_t r = 0; c1 > c0 && r < rows; r++) memset(out + r * n + c0, 0, sizeof(float) * (size_t)(c1 - c0));
+}
+
 /* Whether row j's coefficient is non-zero at any of m positions (c [m, k]): zero rows are skipped. */
 static int any_nonzero(const float *c, Py_ssize_t k, Py_ssize_t j, int m) {
     for (int p = 0; p < m; p++)
@@ -1445,13 +1451,13 @@ static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const
     const int rows_a_pass = path == 2 ? AXPY_MAX : AXPY_BLOCK;
     const int one = path == 2 && m == 1; /* row_axpy1_avx512: ROW_PASS rows a pass, their coefficients [row][group] */
     (void)nt; /* unused without OpenMP */
-    memset(out, 0, sizeof(float) * (size_t)r->n * m * n_out);
     /* each thread owns a contiguous range of groups (columns) and walks every row over it */
 #pragma omp parallel num_threads(nt)
     {
         Py_ssize_t lo, hi;
         thread_share(groups, &lo, &hi);
         const int g0 = (int)lo, g1 = (int)hi;
+        zero_columns(out, (Py_ssize_t)m * n_out, r->n, (Py_ssize_t)g0 * r->gs, (Py_ssize_t)g1 * r->gs);
         const int G = g1 > g0 ? g1 - g0 : 1;
         /* per position: sum_j c_j bias_jg, added once per column at the end; a block's scales and biases */
         float *bias_sum = malloc(sizeof(float) * (size_t)m * G), *sc = malloc(sizeof(float) * 2 * rows_a_pass * G);
@@ -1656,12 +1662,12 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
     const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size, n = r->n;
     const int q8 = q8_block_path(r);
     (void)nt;
-    memset(out, 0, sizeof(float) * (size_t)n * m * n_out);
 #pragma omp parallel num_threads(nt)
     {
         Py_ssize_t lo, hi;
         thread_share(chunks, &lo, &hi);
         const int i0 = (int)(32 * lo), len = (int)(32 * (hi - lo));
+        zero_columns(out, (Py_ssize_t)m * n_out, n, i0, i0 + len);
         if (len > 0) {
             float *acc = scratch + i0, *s = scratch + m * n + i0, *b = scratch + (m + 1) * n + i0;
             float *csum = malloc(sizeof(float) * (size_t)m), *a = malloc(sizeof(float) * rows_a_pass * (size_t)m);
@@ -3366,6 +3372,22 @@ static PyObject *py_embed(PyObject *self, PyObject *args) {
 
 /* sum_rows(a, out): out = a[0] + a[1] + ... (float32, a [n, len(out)]), each element's sums in row order as a Python
    loop of numpy additions rounds them: partial sums added in one call instead of one array each */
+/* Columns summed per piece in sum_rows: a piece of dst stays in L1 while every row is added into it */
+#define SUM_PIECE 2048
+
+/* dst[i] = src[0][i] + src[1][i] + ... (rows of len floats), each element's additions in row order; pieces of
+   columns across threads (a prompt pass's partial sums are tens of MiB) */
+static void sum_rows_impl(const float *src, float *dst, Py_ssize_t rows, Py_ssize_t len) {
+    const Py_ssize_t pieces = (len + SUM_PIECE - 1) / SUM_PIECE;
+#pragma omp parallel for schedule(static) if (rows * len >= (1 << 18))
+    for (Py_ssize_t c = 0; c < pieces; c++) {
+        const Py_ssize_t i0 = c * SUM_PIECE, i1 = i0 + SUM_PIECE < len ? i0 + SUM_PIECE : len;
+        memcpy(dst + i0, src + i0, sizeof(float) * (size_t)(i1 - i0));
+        for (Py_ssize_t r = 1; r < rows; r++)
+            for (Py_ssize_t i = i0; i < i1; i++) dst[i] += src[r * len + i];
+    }
+}
+
 static PyObject *py_sum_rows(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer a, out;
@@ -3377,9 +3399,7 @@ static PyObject *py_sum_rows(PyObject *self, PyObject *args) {
         const Py_ssize_t len = out.len / 4, rows = a.len / out.len;
         const float *src = a.buf;
         float *dst = out.buf;
-        Py_BEGIN_ALLOW_THREADS memmove(dst, src, (size_t)out.len);
-        for (Py_ssize_t r = 1; r < rows; r++)
-            for (Py_ssize_t i = 0; i < len; i++) dst[i] += src[r * len + i];
+        Py_BEGIN_ALLOW_THREADS sum_rows_impl(src, dst, rows, len);
         Py_END_ALLOW_THREADS result = Py_None;
         Py_INCREF(result);
     }

@@ -156,9 +156,10 @@ def test_row_dot_pairs_is_each_matrix_alone(bits, int8):
 
 def test_sum_rows_adds_in_row_order():
     """sum_rows: the bits of a Python loop of numpy additions (partial sums of very different sizes, where any
-    other order would round differently), for one row or several positions a row; shapes that do not divide fail."""
+    other order would round differently), for one row or several positions a row (a prompt pass's, summed in pieces
+    of columns across threads, the last one short); shapes that do not divide fail."""
     rng = np.random.default_rng(3)
-    for shape in ((43, 1, 4096), (5, 3, 7), (1, 9), (200, 2)):
+    for shape in ((43, 1, 4096), (43, 16, 4100), (5, 3, 7), (1, 9), (200, 2)):
         a = rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 4, (shape[0],) + (1,) * (len(shape) - 1))
         a = a.astype(np.float32)
         want = a[0]
