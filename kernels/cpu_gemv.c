@@ -1434,8 +1434,9 @@ static void thread_share(Py_ssize_t units, Py_ssize_t *lo, Py_ssize_t *hi) {
     *hi = units * (t + 1) / T;
 }
 
-/* out[r][c0, c1) = 0 for rows r < rows of n floats: a thread zeroes its own columns of a call's output, so the
-   pages of a fresh buffer are first touched (and zeroed by the kernel) by every thread at once, not one alone */
+/* out[r][c0, c1) = 0 for rows r < rows of n floats: a thread zeroes its own columns of a call's output (the last
+   thread's up to n), so the pages of a fresh buffer are first touched (and zeroed by the kernel) by every thread at
+   once, not one alone */
 static void zero_columns(float *out, Py_ssize_t rows, Py_ssize_t n, Py_ssize_t c0, Py_ssize_t c1) {
     for (Py_ssize_t r = 0; c1 > c0 && r < rows; r++) memset(out + r * n + c0, 0, sizeof(float) * (size_t)(c1 - c0));
 }
@@ -1461,7 +1462,7 @@ static void row_axpy_dst(const Rows *r, const float *c, float *out, int m, const
         Py_ssize_t lo, hi;
         thread_share(groups, &lo, &hi);
         const int g0 = (int)lo, g1 = (int)hi;
-        zero_columns(out, (Py_ssize_t)m * n_out, r->n, (Py_ssize_t)g0 * r->gs, (Py_ssize_t)g1 * r->gs);
+        zero_columns(out, (Py_ssize_t)m * n_out, r->n, (Py_ssize_t)g0 * r->gs, g1 == groups ? r->n : (Py_ssize_t)g1 * r->gs);
         const int G = g1 > g0 ? g1 - g0 : 1;
         /* per position: sum_j c_j bias_jg, added once per column at the end; a block's scales and biases */
         float *bias_sum = malloc(sizeof(float) * (size_t)m * G), *sc = malloc(sizeof(float) * 2 * rows_a_pass * G);
@@ -1671,7 +1672,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
         Py_ssize_t lo, hi;
         thread_share(chunks, &lo, &hi);
         const int i0 = (int)(32 * lo), len = (int)(32 * (hi - lo));
-        zero_columns(out, (Py_ssize_t)m * n_out, n, i0, i0 + len);
+        zero_columns(out, (Py_ssize_t)m * n_out, n, i0, hi == chunks ? n : i0 + len);
         if (len > 0) {
             float *acc = scratch + i0, *s = scratch + m * n + i0, *b = scratch + (m + 1) * n + i0;
             float *csum = malloc(sizeof(float) * (size_t)m), *a = malloc(sizeof(float) * rows_a_pass * (size_t)m);
@@ -3374,8 +3375,6 @@ static PyObject *py_embed(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* sum_rows(a, out): out = a[0] + a[1] + ... (float32, a [n, len(out)]), each element's sums in row order as a Python
-   loop of numpy additions rounds them: partial sums added in one call instead of one array each */
 /* Columns summed per piece in sum_rows: a piece of dst stays in L1 while every row is added into it */
 #define SUM_PIECE 2048
 
@@ -3392,6 +3391,8 @@ static void sum_rows_impl(const float *src, float *dst, Py_ssize_t rows, Py_ssiz
     }
 }
 
+/* sum_rows(a, out): out = a[0] + a[1] + ... (float32, a [n, len(out)]), each element's sums in row order as a Python
+   loop of numpy additions rounds them: partial sums added in one call instead of one array each */
 static PyObject *py_sum_rows(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer a, out;
