@@ -284,7 +284,7 @@ def summarize(
     hits, misses = sum(t.hits for t in toks), sum(t.misses for t in toks)
     plan = engine.plan
     strides = fd.strides
-    cache = plan.cache_bytes(strides) + 2 * plan.prefetch_rows * strides.get("neurons", 0)  # prefetch buffers too
+    cache = plan.cache_bytes(strides) + plan.prefetch_bytes(strides)
     req = reader_stats.get("requests", 0)
     mean_req = reader_stats["bytes_read"] / req if req else 0
     per_batch = req / max(1, reader_stats.get("batches", 1))  # requests per read() call

@@ -104,37 +104,54 @@ class Plan:
     max_context: Optional[int] = None  # the longest context the budget could hold (at its floor: see plan_memory)
 
     def prefill_step(self, fd, context: int, native: bool = False, lend: bool = True) -> int:
-        """Prompt tokens per forward pass (mlx-lm's prefill_step_size): as many as the larger of the workspace and
-        PROMPT_SHARE of the model holds (`position_bytes`; what the workspace does not hold the unit caches lend while
-        the prompt runs: `prompt_loan`), unless the caches hold less than that or `lend` is False (the server, whose
-        prompts run beside decode steps, and pipeline stages: the workspace's); native: the native step's passes."""
+        """Prompt tokens per forward pass (mlx-lm's prefill_step_size): as many as the larger of the workspace's room
+        (`pass_room`) and PROMPT_SHARE of the model holds (`position_bytes`; what the room does not hold the unit caches
+        and read-ahead buffers lend while the prompt runs: `prompt_loan`), unless they hold less than that or `lend` is
+        False (the server, whose prompts run beside decode steps, and pipeline stages: the room's); native: the native
+        step's passes."""
         most = MAX_POSITIONS if native else 2048  # (longer passes go through MLX's forward)
-        per, fixed = position_bytes(fd, context, native), pass_bytes(fd, context, native)
-        own = _chunk(min(most, (self.workspace - fixed) // per))  # (the workspace's chunk)
+        per, fixed, room = position_bytes(fd, context, native), pass_bytes(fd, context, native), self.pass_room()
+        own = _chunk(min(most, (room - fixed) // per))  # (the workspace's chunk)
         if not lend:
             return own
-        step = _chunk(min(most, (max(self.workspace, int(fd.model_bytes * PROMPT_SHARE)) - fixed) // per))
-        if self.budget is not None and step * per + fixed - self.workspace > self.cache_bytes(fd.strides):
-            return own  # (a budget at its floor: the caches cannot lend)
+        step = _chunk(min(most, (max(room, int(fd.model_bytes * PROMPT_SHARE)) - fixed) // per))
+        if self.budget is not None and step * per + fixed - room > self.lendable(fd.strides):
+            return own  # (a budget at its floor: nothing can lend)
         return step
+
+    def mlx_cache_limit(self) -> int:
+        """MLX's cache of freed buffers (mx.set_cache_limit): a quarter of the workspace, the rest for a call's own
+        buffers and what MLX does not count."""
+        return self.workspace // 4
+
+    def pass_room(self) -> int:
+        """The workspace's bytes for a prompt pass's own buffers: besides them MLX keeps the ones a pass freed, up
+        to its cache limit, until the pass ends (memory.give_back)."""
+        return self.workspace - self.mlx_cache_limit()
 
     def prompt_loan(self, fd, context: int, native: bool = False, step: Optional[int] = None) -> int:
         """Bytes the unit caches lend while a prompt runs in passes of `step` positions (default `prefill_step`): what
-        the passes take beyond the workspace and the budget's unplanned rest, at most what the caches hold; nothing
-        for passes no longer than the workspace's own chunk."""
+        the passes take beyond the workspace's room (`pass_room`) and the budget's unplanned rest, at most what the
+        caches and read-ahead buffers hold; nothing for passes no longer than the workspace's own chunk."""
         step = step or self.prefill_step(fd, context, native)
         if self.budget is None or step <= self.prefill_step(fd, context, native, lend=False):
             return 0
         rest = self.budget - self.nbytes(fd.strides)
-        need = step * position_bytes(fd, context, native) + pass_bytes(fd, context, native) - self.workspace - rest
-        return max(0, min(need, self.cache_bytes(fd.strides)))
+        need = step * position_bytes(fd, context, native) + pass_bytes(fd, context, native) - self.pass_room() - rest
+        return max(0, min(need, self.lendable(fd.strides)))
 
     def cache_bytes(self, strides: Dict[str, int]) -> int:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
 
+    def prefetch_bytes(self, strides: Dict[str, int]) -> int:
+        return 2 * self.prefetch_rows * strides.get("neurons", 0)
+
+    def lendable(self, strides: Dict[str, int]) -> int:
+        """What a prompt can borrow (Plan.prompt_loan): the unit caches and the read-ahead buffers."""
+        return self.cache_bytes(strides) + self.prefetch_bytes(strides)
+
     def nbytes(self, strides: Dict[str, int]) -> int:
         """Everything the plan holds in memory."""
-        prefetch = 2 * self.prefetch_rows * strides.get("neurons", 0)
         return (
             self.resident
             + self.kv_cache
@@ -144,7 +161,7 @@ class Plan:
             + self.extra
             + self.cache_bytes(strides)
             + self.streaming
-            + prefetch
+            + self.prefetch_bytes(strides)
         )
 
     def floor(self, strides: Dict[str, int]) -> int:
@@ -177,8 +194,7 @@ class Plan:
             f"extra {fmt_bytes(self.extra)}, "
             f"unit caches {fmt_bytes(self.cache_bytes(strides))} ({per} per layer)"
             + (
-                f", prefetch buffers 2 x {self.prefetch_rows} rows "
-                f"({fmt_bytes(2 * self.prefetch_rows * strides['neurons'])})"
+                f", prefetch buffers 2 x {self.prefetch_rows} rows ({fmt_bytes(self.prefetch_bytes(strides))})"
                 if self.prefetch_rows
                 else ""
             )

@@ -25,6 +25,7 @@ from .engine.sparsity import SPARSITIES
 from .engine.stats import Stats
 from .errors import BudgetError, FlashError
 from .format.directory import FlashDir
+from .io import memory
 from .loader import MAX_PPL_INCREASE, load, load_tokenizer
 from .speculative import AdaptiveDepth, SpeculativeStats, accept, make_drafter
 
@@ -124,7 +125,6 @@ def _start(
     """The prompt's passes: (passes, whether the cache is the loop's own, first token, its logprobs). `prompt_store`
     (engine.prompt_store.PromptStore): the prompt's longest stored prefix is read instead of computed, and
     `generate_step` stores its cache at the end."""
-    import mlx.core as mx
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
     from mlx_lm.sample_utils import greedy_sampler
 
@@ -156,7 +156,7 @@ def _start(
             passes(prompt[done : done + prefill_step_size], "none")
             done += prefill_step_size
             progress(done, total)
-            mx.clear_cache()
+            memory.give_back()
         y, logprobs = passes(prompt[done:], "last")
     progress(total, total)
     return passes, own_cache, y, logprobs

@@ -535,8 +535,8 @@ def load(
     )
     engine.why, engine.budget_note = why, budget_note
     engine.stats.baseline_rss = baseline
-    if budget is not None:  # MLX keeps freed buffers for reuse: a quarter of the plan's workspace (half: the rows
-        mx.set_cache_limit(plan.workspace // 4)  # a call gathers, engine.units; a quarter: what MLX does not count)
+    if budget is not None:  # MLX keeps freed buffers for reuse, within the plan's workspace
+        mx.set_cache_limit(plan.mlx_cache_limit())
 
     def make_ffn(i, bias):
         if "fc1" in bias and hasattr(sparsifier, "bias"):  # the ReLU oracle needs fc1's bias
@@ -664,7 +664,7 @@ def _load_moe(
     engine = ExpertEngine.from_plan(fd, plan, reader, policy, window, dtype or mx.float32)
     engine.stats.baseline_rss = baseline
     if budget is not None:  # (as the dense `load`'s)
-        mx.set_cache_limit(plan.workspace // 4)
+        mx.set_cache_limit(plan.mlx_cache_limit())
     model = build_moe_model(fd, engine, dtype, {**_streaming(fd, plan, engine, direct, cast), **absent_modules(fd)})
     model.flash = engine
     engine.context = context  # where generation stops: the KV cache holds no more

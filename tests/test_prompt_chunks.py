@@ -1,6 +1,7 @@
 """Prompt chunks as large as a share of the model holds (budget.PROMPT_SHARE, Plan.prefill_step, Plan.prompt_loan,
-Engine.lending): the same chunk at every budget whose unit caches can lend what the workspace does not hold, lent
-while the prompt runs and given back after it, and the same tokens and log-probabilities at every budget."""
+Engine.lending): the same chunk at every budget whose unit caches (or read-ahead buffers) can lend what the workspace
+does not hold, lent while the prompt runs and given back after it, and the same tokens and log-probabilities at
+every budget."""
 
 from mlx_flash import budget
 from mlx_flash.budget import min_budget
@@ -21,7 +22,8 @@ PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 250, 600)]
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     root = tmp_path_factory.mktemp("chunks")
-    src = make_tiny_model_dir("llama", root / "src", vocab_size=257, intermediate_size=1024)
+    # (4 layers: a dense plan's read-ahead buffers need more than 2)
+    src = make_tiny_model_dir("llama", root / "src", vocab_size=257, intermediate_size=1024, num_hidden_layers=4)
     return convert(str(src), root / "flash", progress=False)
 
 
@@ -38,7 +40,7 @@ def share_of_next_chunk(fd, plan, native) -> float:
 def test_the_chunk_is_the_same_at_every_budget_and_the_caches_lend_the_rest(path, monkeypatch):
     fd = FlashDir(path)
     floor = min_budget(fd, CONTEXT, kv_size_of(fd))
-    runs, lent = [], []
+    runs, lent, borrowed = [], [], []
     for extra in (fd.ffn_bytes // 3, fd.ffn_bytes * 2 // 3, 4 * fd.ffn_bytes):
         model, _ = load(path, memory_budget=floor + extra, sparsity="dense", context=CONTEXT)
         engine, native = model.flash, model.forward.native
@@ -48,26 +50,31 @@ def test_the_chunk_is_the_same_at_every_budget_and_the_caches_lend_the_rest(path
         step = plan.prefill_step(fd, CONTEXT, native)
         assert step > plan.prefill_step(fd, CONTEXT, native, lend=False)  # (the share, not the workspace)
         need = step * budget.position_bytes(fd, CONTEXT, native) + budget.pass_bytes(fd, CONTEXT, native)
-        need -= plan.workspace  # (beyond the workspace)
+        need -= plan.pass_room()  # (beyond the workspace's room for a pass: MLX's cache of freed buffers has the rest)
         room = plan.budget - plan.nbytes(fd.strides)  # (the largest budget caches every unit and has room left)
         loan = plan.prompt_loan(fd, CONTEXT, native)
-        assert loan == max(0, need - room) <= plan.cache_bytes(fd.strides)
-        sizes, resize = [], engine.resize
+        assert loan == max(0, need - room) <= plan.lendable(fd.strides)
+        sizes, ahead, resize = [], [], engine.resize
 
         def resized(capacity, resize=resize, sizes=sizes):
             sizes.append(sum(c * fd.strides[r] for layer in capacity for r, c in layer.items()))
+            ahead.append(engine.read_ahead is not None)
             resize(capacity)
 
         monkeypatch.setattr(engine, "resize", resized)
         out = list(generate_step(mx.array(PROMPT), model, max_tokens=4, prefill_step_size=step))
-        # while the prompt ran, the plan's other parts, the caches and the passes' room within the budget; after it,
-        # the caches as planned
-        want = plan.cache_bytes(fd.strides)
+        # while the prompt ran, the plan's other parts, the caches and the passes' room within the budget (the
+        # read-ahead buffers dropped where the caches alone could not lend it); after it, all as planned
+        want, prefetch = plan.cache_bytes(fd.strides), plan.prefetch_bytes(fd.strides)
         if loan:
-            assert len(sizes) == 2 and plan.nbytes(fd.strides) - want + sizes[0] + need <= plan.budget
+            dropped = loan > want
+            assert len(sizes) == 2 and ahead[0] == (prefetch > 0 and not dropped)
+            assert plan.nbytes(fd.strides) - want + sizes[0] - dropped * prefetch + need <= plan.budget
             assert sizes[1] == want
+            borrowed.append(dropped)
         else:
             assert sizes == []
+        assert (engine.read_ahead is not None) == (prefetch > 0)
         assert [sum(c for c in layer.values()) for layer in plan.capacity] == [
             sum(c.capacity for c in regions.values()) for regions in engine.caches
         ]
@@ -75,6 +82,7 @@ def test_the_chunk_is_the_same_at_every_budget_and_the_caches_lend_the_rest(path
         runs.append((step, [t for t, _ in out], np.stack([np.array(lp) for _, lp in out])))
         engine.close()
     assert len({s for s, _, _ in runs}) == 1 and lent[0] > 0 and lent[-1] == 0
+    assert borrowed == [True, False]  # (the read-ahead buffers lent at the least budget, the caches at the next)
     for _, tokens, logprobs in runs[1:]:
         assert tokens == runs[0][1] and np.array_equal(logprobs, runs[0][2])
 

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..io.available import Available, available
+from ..io.memory import give_back
 
 CHECK_SECONDS = 5.0
 MIN_CHANGE = 0.05  # of the budget: smaller moves are left alone (no resizing back and forth)
@@ -72,8 +73,8 @@ class ElasticBudget:
         if new.capacity == plan.capacity:
             return False
         self.engine.resize(new.capacity)
-        mx.set_cache_limit(new.workspace // 4)  # (as load's, under a budget) and the freed rows back to the system
-        mx.clear_cache()
+        mx.set_cache_limit(new.mlx_cache_limit())  # (as load's, under a budget)
+        give_back()  # (the freed rows to the system)
         self.resizes += 1
         return True
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..compute.rows import RowSet
 from ..errors import ReadError
 from ..io.checks import CHECK_UNITS, UnitChecks
+from ..io.memory import give_back
 from ..io.reader import AlignedBuffer, aligned_span
 from .cache import UnitCache
 from .stats import Stats
@@ -437,18 +438,27 @@ class Engine:
     @contextmanager
     def lending(self, nbytes: int):
         """The unit caches `nbytes` smaller while the block runs (a prompt's passes take the room: Plan.prompt_loan),
-        then as planned. Outputs do not change (`resize`); the caches start empty after it."""
-        plan = self.plan
+        then as planned; what they hold less than that, the read-ahead buffers lend whole (dropped, then made again).
+        Outputs do not change (`resize`); the caches start empty after it."""
+        plan, strides = self.plan, self.fd.strides
         if nbytes <= 0 or plan.budget is None:
             yield
             return
-        self.resize(plan.resized(self.fd, plan.nbytes(self.fd.strides) - nbytes).capacity)  # (the loan counts the rest)
-        mx.clear_cache()  # (the rows given back before the passes take them)
+        ahead = self.read_ahead if nbytes > plan.cache_bytes(strides) and plan.prefetch_rows else None
+        if ahead is not None:
+            ahead.drain()
+            self.read_ahead, ahead = None, (type(ahead), ahead.region, ahead.rows)  # (its buffers freed)
+            nbytes -= plan.prefetch_bytes(strides)
+        self.resize(plan.resized(self.fd, plan.nbytes(strides) - max(0, nbytes)).capacity)  # (the loan counts the rest)
+        give_back()  # (the rows given back before the passes take them)
         try:
             yield
         finally:
-            mx.clear_cache()
+            give_back()
             self.resize(plan.capacity)
+            if ahead is not None:
+                make, region, rows = ahead
+                self.read_ahead = make(self, region, rows)
 
     def resize(self, capacity: List[Dict[str, int]]):
         """Each layer's caches to hold capacity[layer][region] units (budget.Plan.resized), between passes: a cache

@@ -108,6 +108,16 @@ def reset_peak() -> bool:
         return False
 
 
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
+    except OSError:  # not glibc
+        return None
+
+
+_LIBC = _libc()
+
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
@@ -115,11 +125,18 @@ def mmap_large_blocks() -> None:
     """Blocks of 1 MiB and more from mmap, given back to the system when freed. glibc otherwise serves blocks of up
     to 32 MiB from its heaps once one such block was freed, and keeps them: the native kernels' per-call buffers of a
     prompt's chunk (a few MiB a thread) and a server's host KV caches would stay outside the budget."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def give_back() -> None:
+    """MLX's cache of freed buffers and the C allocator's free memory back to the system, between a prompt's passes:
+    glibc keeps what its arenas freed (a pass's small buffers, some MiB a pass), outside any budget."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
 
 
 def mlx_bytes() -> dict:
