@@ -173,8 +173,9 @@ from mlx_flash.io import memory
 from mlx_flash.loader import kv_size_of, load
 
 path, m, offset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kv_bits = int(sys.argv[4]) if sys.argv[4] != "0" else None
 context = offset + m + 8
-model, _ = load(path, memory_budget=None, context=context)
+model, _ = load(path, memory_budget=None, context=context, kv_bits=kv_bits)
 mx.eval(model.forward(list(range(1, 9)), model.make_cache(), True))  # (kernels built, buffers made)
 cache = model.make_cache()
 for at in range(0, offset, 256):  # (a context before the pass, in passes of its own)
@@ -183,25 +184,27 @@ before = memory.rss()
 memory.reset_peak()
 mx.eval(model.forward(list(range(1, m + 1)), cache, True))
 fd = model.flash.fd
-kv = kv_cache_bytes(fd.config, m, kv_size_of(fd)) * m // ((context + 1 + 31) // 32 * 32)  # the keys written
+kv = kv_cache_bytes(fd.config, m, kv_size_of(fd, kv_bits=kv_bits), kv_bits) * m // ((context + 1 + 31) // 32 * 32)
 native = model.forward.native
 formula = position_bytes(fd, context, native) * m + pass_bytes(fd, context, native)
 print(json.dumps({"transient": memory.peak_rss() - before - kv, "formula": formula}))
 """
 
 
-@pytest.mark.parametrize("backend, offset", [("auto", 0), ("mlx", 0), ("auto", 1536)])
-def test_a_prompt_chunk_takes_at_most_what_the_plan_counts_a_position(smol, backend, offset):
+@pytest.mark.parametrize(
+    "backend, offset, kv_bits", [("auto", 0, 0), ("mlx", 0, 0), ("auto", 1536, 0), ("auto", 1536, 8)]
+)
+def test_a_prompt_chunk_takes_at_most_what_the_plan_counts_a_position(smol, backend, offset, kv_bits):
     """The peak of a 256-position prompt pass above the memory before it (less the keys and values it writes) is at
     most budget.position_bytes a position and pass_bytes a pass, on both forwards, and after a long context too
-    (the native attention's scores are one query's at a time, not a position's): the prompt's chunks
-    (Plan.prefill_step) hold the workspace."""
+    (the native attention's scores are one query's at a time, not a position's; a quantised KV cache's, MLX's
+    forward, over every key at once): the prompt's chunks (Plan.prefill_step) hold the workspace."""
     import json
     import os
 
     env = {**os.environ, "MLX_FLASH_BACKEND": backend}
     r = subprocess.run(
-        [sys.executable, "-c", CHUNK, str(smol), "256", str(offset)],
+        [sys.executable, "-c", CHUNK, str(smol), "256", str(offset), str(kv_bits)],
         capture_output=True,
         text=True,
         timeout=600,
