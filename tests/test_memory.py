@@ -25,7 +25,7 @@ def test_memory_readings_move():
     assert memory.reset_peak() and memory.peak_rss() < before + (48 << 20)
 
 
-@pytest.mark.skipif(memory._LIBC is None, reason="glibc's malloc_trim")
+@pytest.mark.skipif(memory._MALLOC_TRIM is None, reason="glibc's malloc_trim")
 def test_give_back_returns_what_the_allocator_kept():
     """Blocks below the mmap threshold freed between live ones stay in glibc's heap (its top is all it trims by
     itself); `give_back` (between a prompt's passes) returns their pages."""

@@ -20,6 +20,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -444,10 +445,11 @@ class Engine:
         if nbytes <= 0 or plan.budget is None:
             yield
             return
-        ahead = self.read_ahead if nbytes > plan.cache_bytes(strides) and plan.prefetch_rows else None
-        if ahead is not None:
+        ahead, remake = self.read_ahead, None
+        if ahead is not None and nbytes > plan.cache_bytes(strides) and plan.prefetch_rows:
             ahead.drain()
-            self.read_ahead, ahead = None, (type(ahead), ahead.region, ahead.rows)  # (its buffers freed)
+            remake = partial(type(ahead), self, ahead.region, ahead.rows)
+            self.read_ahead = ahead = None  # (its buffers freed)
             nbytes -= plan.prefetch_bytes(strides)
         self.resize(plan.resized(self.fd, plan.nbytes(strides) - max(0, nbytes)).capacity)  # (the loan counts the rest)
         give_back()  # (the rows given back before the passes take them)
@@ -456,9 +458,8 @@ class Engine:
         finally:
             give_back()
             self.resize(plan.capacity)
-            if ahead is not None:
-                make, region, rows = ahead
-                self.read_ahead = make(self, region, rows)
+            if remake is not None:
+                self.read_ahead = remake()
 
     def resize(self, capacity: List[Dict[str, int]]):
         """Each layer's caches to hold capacity[layer][region] units (budget.Plan.resized), between passes: a cache

@@ -116,6 +116,7 @@ def _libc():
 
 
 _LIBC = _libc()
+_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -135,8 +136,8 @@ def give_back() -> None:
     import mlx.core as mx
 
     mx.clear_cache()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def mlx_bytes() -> dict:
