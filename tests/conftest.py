@@ -13,17 +13,18 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "forces_mlx: computes through MLX's own ops whatever the backend (added at collection), so a pass with "
-        "MLX_FLASH_BACKEND=mlx after a full one may leave it out (-m 'not forces_mlx')",
+        "backend_fixed: computes the same way whatever MLX_FLASH_BACKEND says (MLX's own ops forced, or a backend "
+        "of its own; added at collection), so a pass with MLX_FLASH_BACKEND=mlx after a full one may leave it out "
+        "(-m 'not backend_fixed')",
     )
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:  # (CI's second pass, all through MLX's ops, leaves these out: the first ran them the same way)
         params = getattr(item, "callspec", None) and item.callspec.params or {}
-        forced = params.get("ops") in ("mlx", True) or params.get("backend") == "mlx"
-        if forced or {"mlx_ops", "mlx_backend"} & set(item.fixturenames):
-            item.add_marker("forces_mlx")
+        fixed = params.get("ops") in ("mlx", True) or "backend" in params
+        if fixed or {"mlx_ops", "mlx_backend"} & set(item.fixturenames):
+            item.add_marker("backend_fixed")
     if cpu_gemv.available():
         return
     skip = pytest.mark.skip(reason="the native CPU kernels do not run here")

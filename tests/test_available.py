@@ -169,6 +169,7 @@ import json, sys
 import mlx_flash
 import mlx.core as mx
 from mlx_flash.budget import kv_cache_bytes, pass_bytes, position_bytes
+from mlx_flash.format.config import head_dim
 from mlx_flash.io import memory
 from mlx_flash.loader import kv_size_of, load
 
@@ -178,8 +179,10 @@ context = offset + m + 8
 model, _ = load(path, memory_budget=None, context=context, kv_bits=kv_bits)
 mx.eval(model.forward(list(range(1, 9)), model.make_cache(), True))  # (kernels built, buffers made)
 cache = model.make_cache()
-for at in range(0, offset, 256):  # (a context before the pass, in passes of its own)
-    mx.eval(model.forward(list(range(at + 1, min(offset, at + 256) + 1)), cache, True))
+if offset:  # (a context before the pass: its keys and values written as a prompt's passes would)
+    fd = model.flash.fd
+    kv = mx.random.normal((1, fd.config["num_key_value_heads"], offset, head_dim(fd.config)))
+    mx.eval([c.update_and_fetch(kv, kv) for c in cache])
 before = memory.rss()
 memory.reset_peak()
 mx.eval(model.forward(list(range(1, m + 1)), cache, True))
