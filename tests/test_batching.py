@@ -5,6 +5,7 @@ test_server_batching.py)."""
 import copy
 
 from mlx_flash.budget import min_budget
+from mlx_flash.engine import batching
 from mlx_flash.engine.batching import BatchModel, FlashBatchGenerator
 from mlx_flash.engine.forward import FloatKVCache, HalfKVCache, SequenceBatch
 from mlx_flash.engine.native_step import HostKVCache
@@ -122,11 +123,14 @@ def test_mlx_caches_handed_out_are_copied_before_the_batch_writes(kind):
 def _generate_all(generator_class, model, prompts, max_tokens, step, late=()):
     """Greedy tokens of each prompt from mlx-lm's BatchGenerator (prompts prefilled one at a time, as the server's
     were) or the flash one, both over the model's forward, the prompts in `late` inserted after the others' third
-    step, and the passes it ran (each one's tokens per sequence)."""
-    passes = []
+    step, and the passes it ran (each one's tokens per sequence). Every pass of a prompt's chunk gives back what its
+    buffers left (memory.give_back) before the next one."""
+    passes, given = [], []
     forward = model.forward
     run = forward.run
     forward.run = lambda seqs, prompt=False: passes.append([len(t) for t, _ in seqs]) or run(seqs, prompt)
+    give_back = batching.give_back
+    batching.give_back = lambda: given.append(len(passes) - 1)
     try:
         gen = generator_class(
             BatchModel(model),
@@ -149,7 +153,8 @@ def _generate_all(generator_class, model, prompts, max_tokens, step, late=()):
                 out.setdefault(prompts.index(uids[r.uid]), []).append(r.token)
         gen.close()
     finally:
-        forward.run = run
+        forward.run, batching.give_back = run, give_back
+    assert {i for i, lengths in enumerate(passes) if max(lengths) > 1} <= set(given)
     return [out[i] for i in range(len(prompts))], passes
 
 

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
+from ..io.memory import give_back
 from .forward import SequenceBatch
 
 STATS_KEPT = 1024  # per-pass stats kept while batching (/metrics counts the device bytes)
@@ -49,9 +50,10 @@ class BatchModel:
         stats = self.model.flash.stats
         if len(stats.tokens) >= STATS_KEPT:  # a server runs for long: the device bytes are the readers' counters
             stats.reset()
-        logits = self.model.forward.run(
-            seqs + [(ids, caches) for ids, caches, _ in beside], prompt or not all(w for *_, w in beside)
-        )
+        prompt = prompt or not all(w for *_, w in beside)
+        logits = self.model.forward.run(seqs + [(ids, caches) for ids, caches, _ in beside], prompt)
+        if prompt:
+            give_back()  # (what a prompt pass's buffers left in MLX's cache and glibc's arenas, as generate does)
         for (_, caches, wanted), row in zip(beside, logits[len(seqs) :]):
             self.done[id(caches[0])] = row if wanted else None
         return logits[: len(seqs)]
