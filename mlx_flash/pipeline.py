@@ -45,6 +45,7 @@ import numpy as np
 from .budget import fmt_bytes
 from .errors import FlashError
 from .format.directory import FlashDir
+from .io.memory import give_back
 from .models.inspect import instantiate
 from .models.stage import StageDir, layer_paths
 
@@ -342,6 +343,8 @@ class Stage:
             for c in cache:  # rank 0 trimmed rejected drafts, or started over
                 c.offset = offset
             self._pass(tokens, cache, prompt)
+            if prompt:
+                give_back()  # (as rank 0's prompt loop does: generate._start)
 
     # -- both ----------------------------------------------------------------------------------------------------
     def _command(self, op=0, tokens=(), offset=0, prompt=False, status=0):
