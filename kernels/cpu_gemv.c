@@ -1658,21 +1658,37 @@ static Py_ssize_t q8_group(const Rows *r, const float *c, float *out, const int3
     return j1;
 }
 
+/* block_axpy_impl's fold over a thread's columns: total += part (the first partial sum copied: sum_rows' order and
+   rounding), then part zeroed for the next */
+static void fold_part(float *total, float *part, int m, Py_ssize_t n, int i0, int len, int first) {
+    for (int p = 0; p < m; p++) {
+        float *t = total + p * n + i0, *s = part + p * n + i0;
+        if (first)
+            memcpy(t, s, sizeof(float) * (size_t)len);
+        else
+            for (int i = 0; i < len; i++) t[i] += s[i];
+        memset(s, 0, sizeof(float) * (size_t)len);
+    }
+}
+
 /* c [m, k] -> out [m, n]; scratch: (m + 2) * n floats (each thread's sums per position, scales and biases
-   over its columns) and m more (the sums of c) per thread */
+   over its columns) and m more (the sums of c) per thread. total (else NULL): the n_out partial sums (dst) folded
+   into total [m, n] in their order as each ends, as sum_rows adds them, out [m, n] holding the one in progress: a
+   pass of many positions holds one partial sum, not n_out. */
 static void block_axpy_impl(const Rows *r, const float *c, float *out, const int32_t *blk, const uint8_t *S,
-                            const uint8_t *B, float *scratch, int m, const int32_t *dst, int n_out) {
+                            const uint8_t *B, float *scratch, int m, const int32_t *dst, int n_out, float *total) {
     const int path = axpy_path(r), avx = path > 0, nt = threads_for(r, m), scale_size = r->stype == SCALE_F32 ? 4 : 2;
     const int rows_a_pass = path == 2 ? AXPY_MAX : AXPY_BLOCK;
     const Py_ssize_t chunks = r->n / 32, table_row = (Py_ssize_t)r->n * scale_size, n = r->n;
-    const int q8 = q8_block_path(r);
+    const int q8 = q8_block_path(r), fold = total != NULL;
+    const int32_t *into = fold ? NULL : dst; /* (the partial sum each row adds into: out's one, folding) */
     (void)nt;
 #pragma omp parallel num_threads(nt)
     {
         Py_ssize_t lo, hi;
         thread_share(chunks, &lo, &hi);
         const int i0 = (int)(32 * lo), len = (int)(32 * (hi - lo));
-        zero_columns(out, (Py_ssize_t)m * n_out, n, i0, hi == chunks ? n : i0 + len);
+        zero_columns(out, (Py_ssize_t)m * (fold ? 1 : n_out), n, i0, hi == chunks ? n : i0 + len);
         if (len > 0) {
             float *acc = scratch + i0, *s = scratch + m * n + i0, *b = scratch + (m + 1) * n + i0;
             float *csum = malloc(sizeof(float) * (size_t)m), *a = malloc(sizeof(float) * rows_a_pass * (size_t)m);
@@ -1684,12 +1700,14 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
             int32_t *dot = q8 == 1 ? malloc(sizeof(int32_t) * (size_t)len) : NULL;
             const uint8_t **pf = q8 ? malloc(sizeof(*pf) * BLOCK_AHEAD) : NULL;
             Py_ssize_t j = 0;
+            int next = 0; /* fold: the partial sums folded so far (out holds the next: zeros where no row adds) */
             while (j < r->k) {
                 const int32_t g = blk[j];
-                float *o = out + (dst ? (size_t)dst[j] * m * n : 0);
+                while (fold && next < (dst ? dst[j] : 0)) fold_part(total, out, m, n, i0, len, next++ == 0);
+                float *o = out + (into ? (size_t)into[j] * m * n : 0);
                 int any = 0;
                 if (q8) { /* the group's rows for each position, with int8 coefficients */
-                    j = q8_group(r, c, out, dst, blk, S, B, s, b, m, j, i0, len, wb, qa, dot, pf, q8);
+                    j = q8_group(r, c, out, into, blk, S, B, s, b, m, j, i0, len, wb, qa, dot, pf, q8);
                     continue;
                 }
 #if HAVE_X86
@@ -1741,6 +1759,7 @@ static void block_axpy_impl(const Rows *r, const float *c, float *out, const int
                 for (int p = 0; p < m; p++)
                     for (int i = 0; i < len; i++) o[p * n + i0 + i] += s[i] * acc[p * n + i] + b[i] * csum[p];
             }
+            while (fold && next < n_out) fold_part(total, out, m, n, i0, len, next++ == 0);
             free(csum);
             free(a);
             free(wb);
@@ -2022,26 +2041,32 @@ static PyObject *py_row_axpy(PyObject *self, PyObject *args) {
 typedef struct {
     Buffers B;
     Rows r;
-    Py_buffer blk;
-    int have_blk, m;
+    Py_buffer blk, total;
+    int have_blk, have_total, m;
     const uint8_t *S, *Bt;
 } BlockArgs;
 
 static void release_block(BlockArgs *a) {
     if (a->have_blk) PyBuffer_Release(&a->blk);
+    if (a->have_total) PyBuffer_Release(&a->total);
     release(&a->B);
 }
 
-/* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type, symmetric=False) */
+/* block_axpy(vec, out, w, w_off, w_stride, slots, k, n, bits, blocks, S, B, n_blocks, scale_type, symmetric=False,
+   dst=None, n_out=1, total=None) */
 static int parse_block(PyObject *args, BlockArgs *a) {
-    PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt, *dst = NULL;
+    PyObject *vec, *out, *w, *slots, *blocks, *S, *Bt, *dst = NULL, *total = NULL;
     Py_ssize_t w_off, n_blocks;
     Buffers *B = &a->B;
     Rows *r = &a->r;
     memset(a, 0, sizeof(*a));
-    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni|pOi", &vec, &out, &w, &w_off, &r->w_stride, &slots, &r->k, &r->n,
-                          &r->bits, &blocks, &S, &Bt, &n_blocks, &r->stype, &r->sym, &dst, &B->n_out))
+    if (!PyArg_ParseTuple(args, "OOOnnOniiOOOni|pOiO", &vec, &out, &w, &w_off, &r->w_stride, &slots, &r->k, &r->n,
+                          &r->bits, &blocks, &S, &Bt, &n_blocks, &r->stype, &r->sym, &dst, &B->n_out, &total))
         return -1;
+    if (total != NULL && total != Py_None) {
+        if (PyObject_GetBuffer(total, &a->total, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return -1;
+        a->have_total = 1;
+    }
     r->gs = 32;
     const char *err = NULL;
     a->m = 1;
@@ -2052,8 +2077,9 @@ static int parse_block(PyObject *args, BlockArgs *a) {
         r->stype > 2 || n_blocks <= 0)
         err = "block_axpy: bits must be 2, 4 or 8 and n a positive multiple of 32";
     else if ((a->m = r->k > 0 ? (int)(B->views[0].len / (r->k * 4)) : 1) < 1 || B->views[0].len != a->m * r->k * 4 ||
-             B->views[1].len != (Py_ssize_t)a->m * r->n * 4 * B->n_out)
-        err = "block_axpy: vector must be float32 [m, k] and out float32 [n_out, m, n]";
+             B->views[1].len != (Py_ssize_t)a->m * r->n * 4 * (a->have_total ? 1 : B->n_out) ||
+             (a->have_total && a->total.len != B->views[1].len))
+        err = "block_axpy: vector must be float32 [m, k], out float32 [n_out, m, n] (total: it and out [m, n])";
     else if (B->views[3].len < n_blocks * r->n * (r->stype == SCALE_F32 ? 4 : 2) || B->views[4].len != B->views[3].len)
         err = "block_axpy: scales and biases must be [n_blocks, n] of the scale type";
     if (err) {
@@ -2100,7 +2126,7 @@ static int run_block(BlockArgs *a) {
     }
     Py_BEGIN_ALLOW_THREADS block_axpy_impl(r, (const float *)a->B.views[0].buf, (float *)a->B.views[1].buf,
                                            (const int32_t *)a->blk.buf, a->S, a->Bt, scratch, a->m, a->B.dst,
-                                           a->B.n_out);
+                                           a->B.n_out, a->have_total ? (float *)a->total.buf : NULL);
     Py_END_ALLOW_THREADS PyMem_RawFree(scratch);
     return 0;
 }
@@ -2182,7 +2208,8 @@ static PyObject *py_ffn_glu(PyObject *self, PyObject *args) {
         const int same_slots = (rp.slots == NULL) == (rb->slots == NULL) && rp.ptrs == NULL && rb->ptrs == NULL &&
                                (rp.slots == NULL || !memcmp(rp.slots, rb->slots, sizeof(int32_t) * (size_t)rb->k));
 #if HAVE_X86
-        if (m == 1 && rb->k > 0 && a.B.dst && same_slots && int8_path(&rp) == 4 && q8_block_path(rb) == 2) {
+        if (m == 1 && rb->k > 0 && a.B.dst && !a.have_total && same_slots && int8_path(&rp) == 4 &&
+            q8_block_path(rb) == 2) {
             Py_BEGIN_ALLOW_THREADS ffn_glu_fused(&rp, x, gu, &a);
             Py_END_ALLOW_THREADS
         } else

@@ -500,6 +500,29 @@ def test_a_bound_ffn_glu_reads_its_slots_as_they_are():
     assert_same(bound(x2), cpu_gemv.ffn_glu(x2, gate, up, slots, args, dst, 7), "two positions")
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_a_bound_ffn_glu_folds_its_partial_sums_as_sum_rows_adds_them(loops, m):
+    """FfnGlu(x, fold=True) (a prompt chunk's layer held whole) gives sum_rows of its partial sums, bit for bit: the
+    first copied, each added in order as it ends, those no unit adds into (between others, and after the last) as
+    zeros; on every loop path."""
+    rng = np.random.default_rng(320 + m)
+    x, gate, up, slots, args, dst = _glu_case(rng, m, False)
+    bound = cpu_gemv.FfnGlu(gate, up, slots, args, 2 * dst + 1, 16)  # (partial sums 0, 2, 4, ... and 14, 15 empty)
+    was = cpu_gemv.int8_activations()
+    try:
+        for int8, avx512 in ((True, True), (True, False), (False, True), (False, False)):
+            cpu_gemv.set_int8_activations(int8)
+            cpu_gemv.set_avx512(avx512)
+            parts = bound(x)
+            assert parts.shape == (16, m, args[7]) and np.abs(parts).max() > 0
+            got = bound(x, fold=True)
+            assert got.shape == (m, args[7])
+            assert_same(got, cpu_gemv.sum_rows(parts), f"int8={int8} avx512={avx512}")
+    finally:
+        cpu_gemv.set_avx512(True)
+        cpu_gemv.set_int8_activations(was)
+
+
 @pytest.fixture(scope="module")
 def portable_build(tmp_path_factory):
     """The extension as a CPU without x86's SIMD gets it (ARM: CPU_GEMV_NO_SIMD compiles the same loops out), loaded

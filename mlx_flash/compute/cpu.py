@@ -143,18 +143,18 @@ class CpuBackend(OpsBackend):
         return buf, codes.offset, buf.shape[1], at, blocks, scales, biases, codes.shape[0] * 32 // bits, bits
 
     def units(self, x, rows, slots, units, resident, mask=None, dst=None, n_out: int = 1):
-        if isinstance(x, np.ndarray) and mask is None and self._fused():
+        if isinstance(x, np.ndarray) and mask is None and self.fused():
             return self.bind_units(rows, slots, units, resident, dst, n_out)(x)
         return super().units(x, rows, slots, units, resident, mask, dst, n_out)
 
-    def _fused(self) -> bool:
+    def fused(self) -> bool:
         """Whether host rows' units are one cpu_gemv.ffn_glu call: a SiLU GLU whose down codes have resident
         scales."""
         q = self.quant.get("down")
         return self.ffn["kind"] == "glu" and self.ffn["activation"] == "silu" and bool(q and q.get("resident_scales"))
 
     def bind_units(self, rows, slots, units, resident, dst=None, n_out: int = 1):
-        if not self._fused():
+        if not self.fused():
             return super().bind_units(rows, slots, units, resident, dst, n_out)
         # gate, up, the GLU and down in one call: a row's units read once, whole
         buf, at = _native(rows, slots)

@@ -268,15 +268,20 @@ class FfnGlu:
         self._offsets, self._rows, self.k = pairs[:3], pairs[5:], gu.shape[0]  # (x and gu between)
         block, out = _block_args(np.zeros(self.k, np.float32), *down, dst, n_out)
         self._down, self._shape = block[2:], out.shape  # (h and out before)
+        if dst is None:
+            self._down += (None, 1)  # (dst and n_out given, for `fold`'s total after them)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray, fold: bool = False) -> np.ndarray:
+        """The partial sums [n_out, *lead, n]; fold: their sum [*lead, n], sum_rows' bit for bit, each added as it
+        ends (a pass of many positions holds one partial sum at a time, not n_out)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         lead = x.shape[:-1]
         gu = np.empty((*lead, self.k, 2), dtype=np.float32)
         h = np.empty((*lead, self.k), dtype=np.float32)
-        out = np.empty((*self._shape[:-1], *lead, self._shape[-1]), dtype=np.float32)
-        _native.ffn_glu((*self._offsets, x, gu, *self._rows), (h, out, *self._down))
-        return out
+        out = np.empty((*([] if fold else self._shape[:-1]), *lead, self._shape[-1]), dtype=np.float32)
+        total = (np.empty_like(out),) if fold else ()
+        _native.ffn_glu((*self._offsets, x, gu, *self._rows), (h, out, *self._down, *total))
+        return total[0] if fold else out
 
 
 def glu_pairs(gu: np.ndarray) -> np.ndarray:
