@@ -248,6 +248,8 @@ class NeuronEngine(Engine):
         parts = self.step(layer, region, active, fn, backend.sync, per=per, read_next=lambda: self._read_next(layer))
         if not len(parts):
             return zero
+        if isinstance(parts[0], np.ndarray) and parts[0].ndim == zero.ndim:  # (one call's, folded as it made them)
+            return parts[0]
         if isinstance(parts[0], np.ndarray):  # the partial sums in block order, added in that order
             total = cpu_gemv.sum_rows(parts[0])
             for part in parts[1:]:  # (in place: a prompt chunk's partial sums are [blocks, positions, d] already)
@@ -267,11 +269,19 @@ class NeuronEngine(Engine):
 
     def _units_fn(self, x, active, bias, mask=None):
         """fn for `_sum`: the FFN of x restricted to those units (mask [rows, active]: which of them each row of
-        x uses)."""
+        x uses). A call of several host rows over every block (`fold`, Engine.step) where it is one fused call:
+        their sum, each partial sum added as it ends (cpu_gemv.FfnGlu)."""
         backend = self.backends["neurons"]
-        return lambda rows, slots, pos, dst, n: backend.units(
-            x, rows, slots, active[pos], bias, None if mask is None else mask[:, pos], dst, n
-        )
+        folds = isinstance(x, np.ndarray) and x.size > x.shape[-1] and mask is None
+        folds = folds and getattr(backend, "fused", bool)()
+
+        def fn(rows, slots, pos, dst, n, fold=False):
+            if fold:
+                return backend.bind_units(rows, slots, active[pos], bias, dst, n)(x, fold=True)
+            return backend.units(x, rows, slots, active[pos], bias, None if mask is None else mask[:, pos], dst, n)
+
+        fn.folds = folds
+        return fn
 
     @staticmethod
     def _blockwise(backend, like, f):

@@ -267,7 +267,8 @@ class Engine:
         each a list of one result per block, or an array of its blocks' results [blocks, ...] (kept whole).
 
         fn(rows, slots, positions, dst, n) returns the n results of the blocks of `positions` (into `active`; block
-        i: those with dst == i), rows[slots] their rows, or a RowSet (slots None) where they lie in several buffers.
+        i: those with dst == i), rows[slots] their rows, or a RowSet (slots None) where they lie in several buffers;
+        where fn.folds, a call over every block gets fold=True and may return their sum instead, in block order.
         sync(out) finishes what reads rows before their buffer is reused (rows read ahead into staging rows, a
         chunk streamed through the scratch buffer). Blocks of hits go `per` units a call at most (None: any number),
         synchronised between calls; read_next() starts the next layer's reads ahead once this layer's misses are on
@@ -297,9 +298,10 @@ class Engine:
                 staged.wait()
             return []
         blocks = self._blocks(active, block)
+        whole = {"fold": True} if getattr(fn, "folds", False) else {}  # (for a call over every block)
         if staged is None and not len(plan.miss_units) and not len(plan.overflow_units) and per is None:
             wait()  # every unit cached, all blocks in one call: what compute() below does, without its bookkeeping
-            out = fn(cache.rows, plan.slots, *blocks.everything(), len(blocks))
+            out = fn(cache.rows, plan.slots, *blocks.everything(), len(blocks), **whole)
             return list(out) if isinstance(out, list) else [out]
         where, index = self._where(active, plan, staged)
         # per block: 0 cached rows only, 1 rows read ahead too, 2 misses being read, 3 rows to stream
@@ -317,10 +319,11 @@ class Engine:
                 if per and alive and sum(n for _, n in alive) + len(pos) > per:
                     sync([out for out, _ in alive])
                     alive.clear()
+                fold = whole if len(group) == len(blocks) else {}
                 if (where[pos] == 0).all():
-                    out = fn(cache.rows, plan.slots[pos], pos, dst, len(group))
+                    out = fn(cache.rows, plan.slots[pos], pos, dst, len(group), **fold)
                 else:  # rows read ahead among them, in place
-                    out = fn(*RowSet(buffers, where[pos], index[pos]).single(), pos, dst, len(group))
+                    out = fn(*RowSet(buffers, where[pos], index[pos]).single(), pos, dst, len(group), **fold)
                 alive.append((out, len(pos)))
                 place(parts, group, out)
 

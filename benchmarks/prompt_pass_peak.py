@@ -1,12 +1,12 @@
-"""A resident model's second prompt (its units cached by the first): the pass's time and its peak RSS above the memory
-before it, for each checkout given (e.g. before and after a change), alternated over rounds.
+"""A resident model's first prompt (its units read) and second (its units cached): each pass's time and its peak RSS
+above the memory before it, for each checkout given (e.g. before and after a change), alternated over rounds.
 
-    python benchmarks/warm_prompt_pass.py --model FLASH_DIR --length 256 --checkouts OLD,NEW --rounds 2 \
-        --json benchmarks/results/warm_prompt_pass_llama7b.json
+    python benchmarks/prompt_pass_peak.py --model FLASH_DIR --length 256 --checkouts OLD,NEW --rounds 2 \
+        --json benchmarks/results/prompt_pass_peak_llama7b.json
 
 Each run is this script with --child in a process of its own that imports the checkout's package and kernels
-(`python setup.py build_ext --inplace` there first): it loads the model without a budget, computes a first prompt of
-`length` tokens in one pass, then times a second one of as many.
+(`python setup.py build_ext --inplace` there first): it loads the model without a budget and times two prompts of
+`length` tokens, each in one pass.
 """
 
 import argparse
@@ -31,12 +31,15 @@ def child(model: str, n: int) -> dict:
 
     ids = load_tokenizer(FlashDir(model)).encode(read_text(half="second"))
     loaded, _ = load(model, memory_budget=None, context=2 * n + 16)
-    next(generate_step(mx.array(ids[:n]), loaded, max_tokens=1, prefill_step_size=n))  # (every unit read, cached)
-    before = memory.rss()
-    memory.reset_peak()
-    start = time.perf_counter()
-    next(generate_step(mx.array(ids[n : 2 * n]), loaded, max_tokens=1, prefill_step_size=n))
-    return {"ttft_s": time.perf_counter() - start, "pass_peak_mib": (memory.peak_rss() - before) / 2**20}
+    out = {}
+    for name, prompt in (("first", ids[:n]), ("second", ids[n : 2 * n])):  # (the first reads every unit, cached)
+        before = memory.rss()
+        memory.reset_peak()
+        start = time.perf_counter()
+        next(generate_step(mx.array(prompt), loaded, max_tokens=1, prefill_step_size=n))
+        out[f"{name}_s"] = time.perf_counter() - start
+        out[f"{name}_peak_mib"] = (memory.peak_rss() - before) / 2**20
+    return out
 
 
 def main():
@@ -66,7 +69,8 @@ def main():
             print(json.dumps(out["runs"][-1]), flush=True)
     for c in checkouts:
         runs = [x for x in out["runs"] if x["checkout"] == c]
-        out["summary"][c] = {k: statistics.median(x[k] for x in runs) for k in ("ttft_s", "pass_peak_mib")}
+        keys = [k for k in runs[0] if k not in ("round", "checkout")]
+        out["summary"][c] = {k: statistics.median(x[k] for x in runs) for k in keys}
     print(json.dumps(out["summary"]))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
