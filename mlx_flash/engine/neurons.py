@@ -248,7 +248,7 @@ class NeuronEngine(Engine):
         parts = self.step(layer, region, active, fn, backend.sync, per=per, read_next=lambda: self._read_next(layer))
         if not len(parts):
             return zero
-        if isinstance(parts[0], np.ndarray) and parts[0].ndim == zero.ndim:  # (one call's, folded as it made them)
+        if isinstance(zero, np.ndarray) and parts[0].ndim == zero.ndim:  # (one call's, folded as it made them)
             return parts[0]
         if isinstance(parts[0], np.ndarray):  # the partial sums in block order, added in that order
             total = cpu_gemv.sum_rows(parts[0])
