@@ -178,15 +178,13 @@ kv_bits = int(sys.argv[4]) if sys.argv[4] != "0" else None
 context = offset + m + 8
 model, _ = load(path, memory_budget=None, context=context, kv_bits=kv_bits)
 mx.eval(model.forward(list(range(1, 9)), model.make_cache(), True))  # (kernels built, buffers made)
-cache = model.make_cache()
+cache, fd = model.make_cache(), model.flash.fd
 if offset:  # (a context before the pass: its keys and values written as a prompt's passes would)
-    fd = model.flash.fd
     kv = mx.random.normal((1, fd.config["num_key_value_heads"], offset, head_dim(fd.config)))
     mx.eval([c.update_and_fetch(kv, kv) for c in cache])
 before = memory.rss()
 memory.reset_peak()
 mx.eval(model.forward(list(range(1, m + 1)), cache, True))
-fd = model.flash.fd
 kv = kv_cache_bytes(fd.config, m, kv_size_of(fd, kv_bits=kv_bits), kv_bits) * m // ((context + 1 + 31) // 32 * 32)
 native = model.forward.native
 formula = position_bytes(fd, context, native) * m + pass_bytes(fd, context, native)

@@ -200,7 +200,12 @@ class NeuronEngine(Engine):
         return self._decode(layer, rows, xb, bias)
 
     def _decode(self, layer, rows, x, bias):
-        if isinstance(x, np.ndarray) and isinstance(self.sparsifier, Dense) and self.read_ahead is None:
+        if (
+            isinstance(x, np.ndarray)
+            and x.size == x.shape[-1]
+            and isinstance(self.sparsifier, Dense)
+            and self.read_ahead is None
+        ):
             y = self._decode_whole(layer, x, bias)
             if y is not None:
                 return y
@@ -216,12 +221,8 @@ class NeuronEngine(Engine):
 
     def _decode_whole(self, layer, x, bias) -> Optional[np.ndarray]:
         """A dense layer's decode step on host rows where its cache holds every unit: the calls `_sum` makes there
-        (every unit in place, its partial sums in block order), without the unit step's bookkeeping; several rows (a
-        prompt chunk) where those calls are one fused call (cpu_gemv.FfnGlu), which adds the partial sums as it makes
-        them. None where the cache does not hold the layer."""
-        rows = x.size // x.shape[-1]
-        if rows > 1 and not getattr(self.backends["neurons"], "fused", bool)():
-            return None
+        (every unit in place, its partial sums in block order), without the unit step's bookkeeping. None where the
+        cache does not hold the layer."""
         cache = self.caches[layer]["neurons"]
         plan = cache.plan_whole()
         if plan is None:
@@ -236,7 +237,7 @@ class NeuronEngine(Engine):
             pos, dst = blocks.everything()
             call = self.backends["neurons"].bind_units(cache.rows, plan.slots, active[pos], bias, dst, len(blocks))
             cache.whole_call = bound = (active, bias, call)
-        return bound[2](x, fold=True) if rows > 1 else cpu_gemv.sum_rows(bound[2](x))
+        return cpu_gemv.sum_rows(bound[2](x))
 
     def _sum(self, layer: int, region: str, active: np.ndarray, fn, zero):
         """The sum over the active units (sorted) of fn's terms (units.Engine.step's fn), in one order whatever the
