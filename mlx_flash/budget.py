@@ -180,6 +180,15 @@ class Plan:
             )
         return replace(self, budget=budget, capacity=split_caches(fd, (budget - floor) // len(fd.layers)))
 
+    def for_forward(self, fd, native: bool) -> "Plan":
+        """This plan for the forward the model got (loader.make_forward): with the workspace `fixed_bytes` gives it
+        (the native step makes none of MLX's temporaries of GGML blocks), the unit caches larger or smaller by the
+        difference. BudgetError where they cannot be smaller."""
+        workspace = fixed_bytes(fd, 0, 4, native=native)["workspace"]
+        if self.budget is None or workspace == self.workspace:
+            return self
+        return replace(self, workspace=workspace).resized(fd, self.budget)
+
     def describe(self, strides: Dict[str, int], units: Dict[str, int]) -> str:
         caps = next((c for c in self.capacity if c), {})  # (an MoE model's first layers may be dense)
         per = ", ".join(f"{caps[r]}/{units[r]} {r}" for r in caps)
@@ -233,10 +242,10 @@ def position_bytes(fd, context: int, native: bool = False) -> int:
     _, hidden, heads = attention_shape(config)
     top_k, expert = fd.experts_per_token, first_of(config, ("moe_intermediate_size",))
     if top_k and expert:
-        ffn, partials = top_k * expert, top_k
-    else:
+        ffn = top_k * expert
+    else:  # (a dense FFN's blocks of neurons: its experts' together)
         ffn = first_of(config, ("intermediate_size", "ffn_dim")) or 4 * hidden
-        partials = -(-max(r.n_units for r in fd.regions()) // REDUCTION_UNITS)
+    partials = top_k or -(-max(r.n_units for r in fd.regions()) // REDUCTION_UNITS)
     keys = min(context, MAX_POSITIONS) if native else context
     return 4 * (8 * hidden + 4 * ffn + 4 * heads * keys + (1 if native else 2) * partials * hidden)
 
@@ -309,11 +318,13 @@ def fixed_bytes(
     kv_group_size: int = 64,
     prompt_caches: int = 0,
     sequences: int = 1,
+    native: bool = False,
 ) -> dict:
     """The parts of the budget that do not depend on it: resident, KV cache (of `sequences` decoded together),
-    prompt cache, scratch, workspace."""
+    prompt cache, scratch, workspace (`native`: for the native step, which makes none of MLX's temporaries of GGML
+    blocks)."""
     # a dense layer's rows; an MoE token's experts (more than that stream through it in turns)
-    per_pass = fd.experts_per_token
+    per_pass = fd.experts_per_call
     scratch = min(
         SCRATCH_BYTES, max(min(r.n_units, per_pass or r.n_units) * fd.layouts[r.name].stride for r in fd.regions())
     )
@@ -330,9 +341,9 @@ def fixed_bytes(
         "workspace": max(
             2 * scratch,
             min(MIN_MOE_WORKSPACE_BYTES, fd.model_bytes // 8) if per_pass else 0,
-            2 * per_pass * max(fd.call_bytes(r.name) for r in fd.regions()) if per_pass else 0,
+            2 * per_pass * max(fd.call_bytes(r.name) for r in fd.regions()) if per_pass and not native else 0,
         )
-        + block_temporaries(fd),
+        + (0 if native else block_temporaries(fd)),
         "extra": extra,
     }
 
@@ -381,9 +392,12 @@ def bounce_bytes(fd) -> int:
     return ffn_reader_threads(fd) * FFN_BOUNCE_BYTES if fd.unit_alignment < fd.alignment else 0
 
 
-def min_budget(fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None) -> int:
-    """The smallest budget that keeps every resident weight resident (no FFN unit cached)."""
-    return sum(fixed_bytes(fd, context, dtype_size, extra, resident).values())
+def min_budget(
+    fd, context: int, dtype_size: int = 4, extra: int = 0, resident: int = None, native: bool = False
+) -> int:
+    """The smallest budget that keeps every resident weight resident (no FFN unit cached), for the native step's
+    forward or MLX's."""
+    return sum(fixed_bytes(fd, context, dtype_size, extra, resident, native=native).values())
 
 
 def with_streamed(fixed: dict, streamed) -> dict:
@@ -477,20 +491,24 @@ def plan_memory(
     kv_group_size: int = 64,
     prompt_caches: int = 0,
     sequences: int = 1,
+    native: bool = False,
 ) -> Plan:
     """Size the per-layer caches: the remainder after the fixed parts, split by region size.
 
     `resident`: bytes of the resident weights as loaded (default: their size on disk).
     `groups`: resident.StreamGroup candidates, streamed only if the resident weights do not fit.
     `kv_bits`: a quantised KV cache (`kv_cache_bytes`); `prompt_caches`: room for that many more KV caches,
-    stored between requests; `sequences`: KV caches of that many sequences decoded together (the server's batch).
+    stored between requests; `sequences`: KV caches of that many sequences decoded together (the server's batch);
+    `native`: the native step's forward (its workspace: `fixed_bytes`; Plan.for_forward once the model is built).
     budget None: no budget (every unit cached).
     `prefetch` (dense decoding of a plain `neurons` layout): every uncached unit is read every token, so two
     buffers of the uncached rows let layer l+1's reads run while layer l computes; they come off the caches:
     L * c + 2 * (n - c) rows fill what is left. Below that (two whole layers do not fit) the caches stay
     empty and the buffers take what is left, the first units of each layer read ahead, the rest on demand."""
     limit = budget if budget is not None else 1 << 62
-    fixed = fixed_bytes(fd, context, dtype_size, extra, resident, kv_bits, kv_group_size, prompt_caches, sequences)
+    fixed = fixed_bytes(
+        fd, context, dtype_size, extra, resident, kv_bits, kv_group_size, prompt_caches, sequences, native
+    )
     groups = list(groups)
     # an input embedding streamed by rows reads a row per token, and the bytes it frees (past its two loads'
     # buffers) cache FFN units instead: worth it whenever some unit would not be cached

@@ -448,6 +448,7 @@ def load(
             kv_group_size=kv_group_size,
             prompt_caches=prompt_caches,
             sequences=sequences,
+            native=native_expected(fd, backend, kv_bits),
         )
         if plan_only:
             return plan, [budget_note]
@@ -495,6 +496,7 @@ def load(
             kv_group_size=kv_group_size,
             prompt_caches=prompt_caches,
             sequences=sequences,
+            native=native_expected(fd, backend, kv_bits),
         )
 
     why = None
@@ -605,7 +607,22 @@ def make_forward(model, engine, kv_bits, backend: str, dtype):
         dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
     mlx = MLXForward(model, dtype, why)
     engine.forward = mlx if native is None else Auto(native, mlx)
+    plan = getattr(engine, "plan", None)
+    if plan is not None and plan.for_forward(engine.fd, native is not None) is not plan:
+        # (planned for the other forward, loader.native_expected: no unit is cached yet, the caches are made anew)
+        engine.plan = plan.for_forward(engine.fd, native is not None)
+        engine.resize(engine.plan.capacity)
+        if engine.plan.budget is not None:
+            mx.set_cache_limit(engine.plan.mlx_cache_limit())
     return engine.forward
+
+
+def native_expected(fd, backend: Optional[str] = None, kv_bits: int = None) -> bool:
+    """Whether `make_forward` will give the native step, as far as the architecture tells before the model is built:
+    what the plan is made for (Plan.for_forward corrects it after)."""
+    if backend_name(backend) == "mlx" or kv_bits is not None or not cpu_gemv.available():
+        return False
+    return HostDecoder.unsupported(instantiate(fd.config)) is None
 
 
 def _streaming(fd, plan, engine, direct: bool, cast) -> Dict[str, Callable[[nn.Module], nn.Module]]:

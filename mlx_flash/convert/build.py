@@ -53,6 +53,7 @@ from ..format.directory import DEFAULT_ALIGNMENT, FlashDir, FlashWriter
 from ..format.layout import PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, dtype_name
 from ..format.safetensors_io import TensorSpool
 from ..models.architectures import adapter_for, symmetric
+from ..models.blocked import UNITS
 from ..models.inspect import is_moe
 from ..texts import wikitext
 from .disk import SourceWeights, check_free_space, disk_full_error
@@ -156,7 +157,8 @@ def convert(
                 )
             kept = Path(src_dir) / IN_PLACE  # (a GGUF's experts left in it as their blocks: copied as they are)
             ggml = json.loads(kept.read_text()) if kept.is_file() else None
-            in_place = not copy and (ggml is not None or not gguf)
+            # (a dense FFN's blocks of neurons are copied: its down rows' blocks are not stacked in the file)
+            in_place = not copy and (ggml is not None or not gguf) and UNITS not in config
             return convert_moe(
                 model_obj, config, src_dir, work, out, model, alignment, progress, in_place, ggml, evaluate
             )

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 from ..errors import DiskSpaceError, SourceError
 from ..format.safetensors_io import read_header as safetensors_header
-from .gguf import converted_size, keeps_blocks, kept_experts, read_header
+from .gguf import converted_size, keeps_blocks, kept_dense_of, kept_experts, read_header
 from .gguf_quants import mixed_roles
 from .source import read_config, tokenizer_files
 
@@ -55,11 +55,12 @@ class SourceWeights:
 
     def __init__(self, source: Path):
         self.gguf = source.is_file()
-        kept = {}  # a GGUF's experts of block types: read in place or copied as they are, never in its mlx-lm dir
+        kept = stacked = {}  # a GGUF's experts of block types: in place or copied as they are, never in its mlx-lm dir
         if self.gguf:
             header = read_header(source)
             mixed = mixed_roles(header.tensors)
-            kept = kept_experts(header)
+            stacked = kept_experts(header)
+            kept = stacked or kept_dense_of(header, source)  # (a dense FFN's blocks: copied, gguf.kept_dense)
             blocks = keeps_blocks(header, source)
             self.weights = [_gguf_weight(t, mixed, blocks) for t in header.tensors]
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then
@@ -73,7 +74,7 @@ class SourceWeights:
         self.quant = ffn[0].quant if ffn else None  # convert's: the first layer's FFN's (build._model_quantization)
         self.moe = any(EXPERTS.search(w.name) for w in ffn)
         # experts read in place
-        self.stacked = bool(kept) or (not source.is_file() and any(".switch_mlp." in w.name for w in ffn))
+        self.stacked = bool(stacked) or (not self.gguf and any(".switch_mlp." in w.name for w in ffn))
 
     def peak_bytes(
         self, quant, down, resident_scales: bool, float_size: Optional[int], in_place=False, holes=False

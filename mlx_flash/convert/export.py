@@ -38,6 +38,7 @@ from ..format.directory import FlashDir
 from ..format.quant import symmetric_biases
 from ..format.safetensors_io import ShardWriter
 from ..models.architectures import adapter_for, transpose_codes
+from ..models.blocked import UNITS
 from .source import TOKENIZER_FILES
 
 SHARD_BYTES = 1 << 30
@@ -154,10 +155,27 @@ def _export_moe(fd: FlashDir, out: Path, progress: bool) -> Path:
         unit="layer",
         disable=not progress,
     ):
-        for k, v in fd.unpack_layer(i).items():
+        arrays = fd.unpack_layer(i)
+        if UNITS in config:  # a dense FFN's blocks of neurons: its matrices whole again
+            path = path.rsplit(".", 1)[0]
+            arrays = {k: _unblocked(k, v) for k, v in arrays.items()}
+            for k, v in arrays.items():
+                if k.endswith(".scales"):  # (each matrix's own: the types of a file's layers differ)
+                    bits = arrays[k.replace(".scales", ".weight")].shape[-1] // v.shape[-1]
+                    quant[f"{path}.{k.split('.')[0]}"] = {"group_size": 32, "bits": bits}
+        for k, v in arrays.items():
             writer.add(f"{path}.{k}", v)
     writer.close()
+    config.pop(UNITS, None)
     return _finish(fd, out, config, quant)
+
+
+def _unblocked(name: str, v: mx.array) -> mx.array:
+    """Component `name` of a dense FFN's blocks of neurons (models/blocked.py) stacked [blocks, out, in] as its
+    whole matrix: gate and up rows one block after the other, down rows each block's columns side by side."""
+    if name.startswith("down_proj."):
+        return v.swapaxes(0, 1).reshape(v.shape[1], -1)
+    return v.reshape(-1, v.shape[-1])
 
 
 def _resident(fd: FlashDir, quant: dict) -> dict:
@@ -177,7 +195,10 @@ def _resident(fd: FlashDir, quant: dict) -> dict:
 
 
 def _finish(fd: FlashDir, out: Path, config: dict, quant: dict) -> Path:
-    if quant:
+    listed = [q for q in quant.values() if isinstance(q, dict)]
+    if listed and "bits" not in quant:  # (mlx-lm reads a default even where each quantised module has its own)
+        quant = {**listed[0], **quant}
+    if listed or "bits" in quant:
         config["quantization"] = quant
         config["quantization_config"] = dict(quant)
     with open(out / "config.json", "w") as f:

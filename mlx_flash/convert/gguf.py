@@ -69,6 +69,7 @@ from ..format.quant import is_symmetric
 from ..format.safetensors_io import DTYPES as DTYPES_ST
 from ..format.safetensors_io import ShardWriter, fill_hole, hole_file
 from ..format.safetensors_io import read_header as safetensors_header
+from ..models.blocked import UNITS
 from .gguf_archs import Meta, arch_spec, is_mtp, map_name
 from .gguf_header import GGUF_MAGIC, GGUFFile, read_header
 from .gguf_quants import (
@@ -105,6 +106,10 @@ BLOCKS = "gguf_blocks.json"
 # few bytes, in the tensors every architecture without a rearranger maps to a plain linear layer or embedding
 BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 BLOCK_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "output", "token_embd")
+# GGUF architectures whose dense FFN mlx-lm computes as SwitchGLU does (a SiLU GLU), and the neurons of a unit where
+# it is kept as its blocks (kept_dense): a K-quant's super-block
+BLOCKED_ARCHS = ("llama", "qwen2", "qwen3")
+BLOCKED_UNITS = 256
 
 
 # --------------------------------------------------------------------------------------
@@ -164,6 +169,52 @@ def kept_experts(header) -> dict:
     if not exps or any(t.tensor_type.name not in ggml.BLOCKS or len(t.shape) != 3 for t in exps):
         return {}
     return {t.name: t for t in exps}
+
+
+def kept_dense(header, arch: str) -> dict:
+    """{tensor name: header entry} of a dense model's FFN matrices kept as blocks of BLOCKED_UNITS neurons
+    (models/blocked.py: the file's blocks, as an MoE's experts): where the FFN is a SiLU GLU (BLOCKED_ARCHS) of whole
+    such blocks, every matrix of a type with kernels (ggml.BLOCKS) and one at least of a type MLX's affine codes do
+    not hold in as few bytes (BLOCK_TYPES); else none (its neurons are then units, re-quantised where need be)."""
+    ffn = _dense_ffn(header)
+    kinds = {t.tensor_type.name for t in ffn.values()}
+    if arch not in BLOCKED_ARCHS or not ffn or not kinds <= set(ggml.BLOCKS) or not kinds & set(BLOCK_TYPES):
+        return {}
+    layers = {name.split(".")[1] for name in ffn}
+    if len(ffn) != 3 * len(layers) or any(  # (a fused gate_up, or biases: not this)
+        f"blk.{i}.ffn_{p}.weight" not in ffn for i in layers for p in ("gate", "up", "down")
+    ):
+        return {}
+    if any(f"{name[: -len('.weight')]}.bias" in {t.name for t in header.tensors} for name in ffn):
+        return {}
+    hidden = {int(t.shape[1]) for name, t in ffn.items() if ".ffn_down." not in name}
+    return ffn if len(hidden) == 1 and hidden.pop() % BLOCKED_UNITS == 0 else {}
+
+
+def kept_dense_of(header, path: Path) -> dict:
+    """`kept_dense` of a GGUF's header (none where its architecture's tensors are rearranged)."""
+    meta = Meta(header.fields, path)
+    arch = meta.get("general.architecture")
+    return kept_dense(header, arch) if arch_spec(arch, meta).rearranger is None else {}
+
+
+def blocked_experts(ffn: dict, spec) -> dict:
+    """gguf.IN_PLACE's `experts` of `kept_dense`'s matrices: per BlockedMLP projection path its type, the offset of
+    block 0 and shape [blocks, out, in]; a down projection's blocks are not stacked (block b of each row is a
+    neuron block's row), so its entry adds the stride of its rows (`row_stride`), and is copied."""
+    out = {}
+    for name, t in ffn.items():
+        mlp, _, proj = map_name(spec, _split_name(name)[0])[0].rpartition(".")
+        cols, rows = (int(x) for x in t.shape)
+        kind = t.tensor_type.name
+        e = {"type": kind, "offset": int(t.data_offset)}
+        if ".ffn_down." in name:
+            e["shape"] = [cols // BLOCKED_UNITS, rows, BLOCKED_UNITS]
+            e["row_stride"] = ggml.row_bytes(kind, cols)
+        else:
+            e["shape"] = [rows // BLOCKED_UNITS, BLOCKED_UNITS, cols]
+        out[f"{mlp}.switch_mlp.{proj}"] = e
+    return out
 
 
 def kept_as_blocks(t) -> bool:
@@ -546,7 +597,9 @@ def gguf_to_mlx_dir(
     UnsupportedArchitectureError for architectures (or architecture variants) without a mapping.
     `experts_in_place`: a mixture of experts' stacked experts of GGML block types (`kept_experts`) are not
     written: IN_PLACE records where each lies in the GGUF (file, size, time; per mlx-lm projection path its type,
-    offset and shape [experts, out, in]) and the model loads without them (convert reads them in place).
+    offset and shape [experts, out, in]) and the model loads without them (convert reads them in place); so too
+    a dense FFN `kept_dense` keeps as blocks of neurons (the config's models.blocked.UNITS: its model's FFNs are
+    such experts).
     `by_layer`: shards per layer (its FFN and the rest apart; any tensor outside the layers alone), each written
     once, so that convert frees each as soon as it has read it, and symmetric biases left out (SYMMETRIC, derived
     again by load_source_model).
@@ -595,6 +648,10 @@ def gguf_to_mlx_dir(
         raise SourceError(f"{path}: no token_embd.weight tensor")
     config = spec.make_config(meta, shapes, spec)
     tokenizer = build_tokenizer(meta)
+    rearrange = spec.rearranger(meta) if spec.rearranger is not None else None
+    dense = kept_dense_of(header, path) if experts_in_place else {}
+    if dense:
+        config[UNITS] = BLOCKED_UNITS
 
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_old_outputs(out_dir)
@@ -609,11 +666,10 @@ def gguf_to_mlx_dir(
         unit_divisor=1024,
         disable=not progress,
     )
-    rearrange = spec.rearranger(meta) if spec.rearranger is not None else None
     kept = kept_experts(header) if experts_in_place else {}
     kept = {k: t for k, t in kept.items() if not is_mtp(spec, meta, _split_name(k)[0])}
     (out_dir / IN_PLACE).unlink(missing_ok=True)
-    if kept:
+    if kept or dense:
         st = path.stat()
         experts = {
             map_name(spec, _split_name(k)[0])[0]: {
@@ -623,11 +679,13 @@ def gguf_to_mlx_dir(
             }
             for k, t in kept.items()
         }
+        experts.update(blocked_experts(dense, spec))
+        kept = {**kept, **dense}
         record = {"file": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "experts": experts}
         with open(out_dir / IN_PLACE, "w") as f:
             json.dump(record, f)
         bar.update(sum(int(t.n_bytes) for t in kept.values()))
-    holes = _dense_ffn(header) if ffn_holes and rearrange is None else {}
+    holes = _dense_ffn(header) if ffn_holes and rearrange is None and not dense else {}
     symmetric = set() if by_layer else None
     for f in (FFN_HOLES, SYMMETRIC, BLOCKS):
         (out_dir / f).unlink(missing_ok=True)

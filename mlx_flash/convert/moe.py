@@ -199,7 +199,9 @@ def convert_moe(
 
 def copy_tensors(gguf: Path, experts: dict, out: Path, alignment: int, progress: bool = True) -> dict:
     """The GGUF's stacked expert tensors (gguf.IN_PLACE's `experts`) copied as they are into file `out`, each at a
-    multiple of `alignment`, in the GGUF's order: their entries with their offsets there."""
+    multiple of `alignment`, in the GGUF's order: their entries with their offsets there. An entry with a
+    `row_stride` (a dense FFN's down rows, gguf.blocked_experts) is stacked on the way: expert e's row j is block e
+    of the file's row j."""
     size = {k: e["shape"][0] * e["shape"][1] * ggml.row_bytes(e["type"], e["shape"][2]) for k, e in experts.items()}
     moved, at = {}, 0
     with (
@@ -211,14 +213,23 @@ def copy_tensors(gguf: Path, experts: dict, out: Path, alignment: int, progress:
     ):
         for k, e in sorted(experts.items(), key=lambda kv: kv[1]["offset"]):
             at = round_up(at, alignment)
-            moved[k] = {**e, "offset": at}
-            dst.seek(at)
-            for o in range(0, size[k], COPY_BYTES):
-                n = min(COPY_BYTES, size[k] - o)
-                data = os.pread(src.fileno(), n, e["offset"] + o)
+            moved[k] = {key: v for key, v in e.items() if key != "row_stride"} | {"offset": at}
+            n_experts, rows, _ = e["shape"]
+            row = size[k] // (n_experts * rows)  # (an expert's row)
+            stride = e.get("row_stride", row)  # a row of the file's
+            count = size[k] // stride
+            per = max(1, COPY_BYTES // stride)
+            for j in range(0, count, per):
+                n = min(per, count - j) * stride
+                data = os.pread(src.fileno(), n, e["offset"] + j * stride)
                 if len(data) != n:
-                    raise FlashError(f"{gguf}: cut short at byte {e['offset'] + o + len(data)} (changed meanwhile?)")
-                dst.write(data)
+                    raise FlashError(f"{gguf}: cut short at byte {e['offset'] + j * stride + len(data)} (changed?)")
+                if "row_stride" in e:  # block b of each of the file's rows j.. is expert b's row
+                    blocks = np.frombuffer(data, np.uint8).reshape(-1, n_experts, row)
+                    for b in range(n_experts):
+                        os.pwrite(dst.fileno(), blocks[:, b].tobytes(), at + (b * rows + j) * row)
+                else:
+                    os.pwrite(dst.fileno(), data, at + j * stride)
                 bar.update(n)
             at += size[k]
         dst.truncate(round_up(at, alignment))

@@ -247,8 +247,22 @@ class HostDecoder(Forward):
             return None, "the final norm is not RMSNorm"
         return cls(model, layers, head and head[1], head_streamed), None
 
+    @classmethod
+    def unsupported(cls, model) -> Optional[str]:
+        """Why the native step cannot compute `model` by its architecture (its modules' kinds, not their weights:
+        a model mlx-lm built, weights lazy), or None."""
+        body = getattr(model, "model", None)
+        if body is None or not hasattr(body, "layers") or not hasattr(body, "embed_tokens"):
+            return "not a decoder-only layers/embed_tokens model"
+        for i, layer in enumerate(body.layers):
+            why = cls._unsupported(layer, ffn=False)
+            if why:
+                return f"layer {i}: {why}"
+        norm = getattr(body, "norm", None)
+        return None if norm is None or type(norm) in (nn.RMSNorm, Absent) else "the final norm is not RMSNorm"
+
     @staticmethod
-    def _unsupported(layer) -> Optional[str]:
+    def _unsupported(layer, ffn: bool = True) -> Optional[str]:
         a = getattr(layer, "self_attn", None)
         a = a.inner if isinstance(a, StreamedLayer) else a
         if a is None or type(a).__module__ not in ATTENTION:
@@ -260,7 +274,9 @@ class HostDecoder(Forward):
             norms += [a.q_norm, a.k_norm]
         if any(type(n) is not nn.RMSNorm for n in norms):
             return "norms other than RMSNorm"
-        if not (isinstance(layer.mlp, FlashFFN) or isinstance(getattr(layer.mlp, "switch_mlp", None), FlashSwitchGLU)):
+        if ffn and not (
+            isinstance(layer.mlp, FlashFFN) or isinstance(getattr(layer.mlp, "switch_mlp", None), FlashSwitchGLU)
+        ):
             return "an FFN outside the flash engine"
         return None
 

@@ -231,12 +231,13 @@ class Engine:
         """Units whose rows MLX's ops take in one call: each matrix's rows are gathered (copies, all alive while the
         call's graph computes, with any repacking's temporaries: FlashDir.call_bytes), so as many as half the plan's
         workspace holds (the rest: MLX's cache of freed buffers, loader.load, and what MLX does not count), a decode
-        step's experts at least; no budget: every unit."""
+        step's experts where the plan is MLX's (FlashDir.experts_per_call: budget.fixed_bytes), fewer where it is the
+        native step's (Plan.on_native); no budget: every unit."""
         plan = getattr(self, "plan", None)
         if plan is not None and plan.budget is None:
             return max(r.n_units for r in self.fd.regions())
         room = plan.workspace // 2 if plan is not None else self.scratch.nbytes
-        return max(self._fits(region), room // self.fd.call_bytes(region), self.fd.experts_per_token or 1)
+        return max(self._fits(region), room // self.fd.call_bytes(region), 1)
 
     def _fits(self, region: str) -> int:
         """Units a chunk of `_read_chunks` holds."""

@@ -4,6 +4,8 @@
 LAYERS = ("num_hidden_layers", "num_layers", "n_layer")
 HIDDEN = ("hidden_size", "model_dim", "n_embd")
 HEADS = ("num_attention_heads", "num_heads", "n_head")
+# a config key of mlx_flash's own: the neurons of a unit where a dense FFN is blocks of neurons (models/blocked.py)
+UNITS = "mlx_flash_ffn_units"
 
 
 def first_of(config: dict, keys: tuple):

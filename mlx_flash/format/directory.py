@@ -59,10 +59,14 @@ from ..io.checks import crc32_at
 from ..io.reader import open_reader
 from ..io.sources import SourceReader
 from . import ggml, manifest
-from .config import layer_count
+from .config import UNITS, layer_count
 from .layout import DTYPES, PACKED_UNIT_ALIGNMENT, BundleLayout, Encoding, Region, is_count, round_up
 from .quant import block_dequantize, is_symmetric, symmetric_biases
 from .safetensors_io import TensorSpool, file_sha256
+
+# MLX's ops over a dense FFN's blocks of neurons (every one chosen each token): as many a call as an MoE's token's
+# experts, so the workspace holds what an MoE's does; a layer's are then a few calls
+DENSE_CALL_EXPERTS = 8
 
 FORMAT_NAME = "mlx_flash"
 FORMAT_VERSION = 4  # v4: symmetric resident biases left out; v3: packed units; v2: encoded components; v1 (none)
@@ -322,6 +326,13 @@ class FlashDir:
         if self.ffn.get("kind") != "moe":
             return None
         return self.ffn.get("experts_per_token") or self.config.get("num_experts_per_tok")
+
+    @property
+    def experts_per_call(self) -> Optional[int]:
+        """The experts MLX's ops gather for a call at least: a token's; a dense FFN's blocks of neurons (every one
+        a token's: models/blocked.py) DENSE_CALL_EXPERTS at most, the rest in turns."""
+        k = self.experts_per_token
+        return min(k, DENSE_CALL_EXPERTS) if k and UNITS in self.config else k
 
     @property
     def resident_bytes(self) -> int:

@@ -13,6 +13,7 @@ from typing import Tuple, Type
 import mlx.nn as nn
 
 from ..errors import UnsupportedArchitectureError
+from .blocked import UNITS, blocked_class
 
 # model_type -> module under mlx_flash.models
 _LOCAL_MODELS = {"opt": "opt", "hunyuan_moe": "hunyuan_moe"}
@@ -22,8 +23,14 @@ def get_model_classes(config: dict) -> Tuple[Type[nn.Module], Type]:
     """(Model, ModelArgs) for `config["model_type"]`.
 
     Raises UnsupportedArchitectureError when neither mlx_flash nor mlx-lm
-    knows the model type.
+    knows the model type. A config with blocked.UNITS gets its FFNs as blocks of neurons (blocked.py).
     """
+    classes = _model_classes(config)
+    units = config.get(UNITS)
+    return (blocked_class(classes[0], int(units)), classes[1]) if units else classes
+
+
+def _model_classes(config: dict) -> Tuple[Type[nn.Module], Type]:
     model_type = config.get("model_type")
     if model_type is None:
         raise UnsupportedArchitectureError("The model config has no 'model_type'; cannot pick an architecture.")
