@@ -2740,49 +2740,117 @@ static inline const uint8_t *g_row(const GRows *r, Py_ssize_t j, int t) {
     return (r->ptrs ? (const uint8_t *)(uintptr_t)r->ptrs[j] : r->w + (r->slots ? r->slots[j] : j) * r->stride) + r->offs[t];
 }
 
-/* out[p, j, t] = x[p] . matrix t's row j (m positions; each row's bytes read once for all) */
-static void block_dot_impl(const GRows *r, const float *x, float *out, int m) {
-    const int kind = r->kind, blocks = r->n / gg_values[kind], q8 = int8_allowed;
-    const int simd = simd_allowed && cpu_has_avx2();
-    GQ *g = NULL;
-    int8_t *q = NULL, *qp = NULL;
-    float *d = NULL;
-    int16_t *bs = NULL;
-    int32_t *corr = NULL;
-    if (q8) { /* (alloc64 ends the process rather than return NULL) */
-        const size_t n = (size_t)r->n, pairs = (size_t)(blocks + 1) / 2;
-        const int vnni = simd && kind <= GG_Q8_0 && cpu_has_vnni();
-        q = alloc64(m * n), d = alloc64(m * blocks * sizeof(float)), bs = alloc64(m * n / 16 * sizeof(int16_t));
-        g = alloc64(m * sizeof(GQ));
-        if (vnni) qp = alloc64(m * pairs * 64), corr = alloc64(m * (size_t)blocks * 8 * sizeof(int32_t));
-        for (int p = 0; p < m; p++) {
-            g[p] = (GQ){q + p * n, d + (size_t)p * blocks, bs + p * n / 16, NULL, NULL};
-            gg_quantize(kind, x + p * n, r->n, &g[p]);
-            if (vnni) {
-                g[p].qp = qp + p * pairs * 64, g[p].corr = corr + (size_t)p * blocks * 8;
-                gg_pair_layout(kind, r->n, &g[p]);
-            }
+/* m positions' activations quantised for rows of `kind` (block_dot's int8 path; none where int8_allowed is off) */
+typedef struct {
+    GQ *g;
+    int8_t *q, *qp;
+    float *d;
+    int16_t *bs;
+    int32_t *corr;
+} GQs;
+
+static void gq_prepare(GQs *s, int kind, const float *x, int n, int m, int simd) {
+    memset(s, 0, sizeof(*s));
+    if (!int8_allowed) return;
+    const int blocks = n / gg_values[kind];
+    const size_t pairs = (size_t)(blocks + 1) / 2;
+    const int vnni = simd && kind <= GG_Q8_0 && cpu_has_vnni();
+    /* (alloc64 ends the process rather than return NULL) */
+    s->q = alloc64((size_t)m * n), s->d = alloc64((size_t)m * blocks * sizeof(float));
+    s->bs = alloc64((size_t)m * n / 16 * sizeof(int16_t)), s->g = alloc64(m * sizeof(GQ));
+    if (vnni) s->qp = alloc64(m * pairs * 64), s->corr = alloc64((size_t)m * blocks * 8 * sizeof(int32_t));
+    for (int p = 0; p < m; p++) {
+        s->g[p] = (GQ){s->q + (size_t)p * n, s->d + (size_t)p * blocks, s->bs + (size_t)p * n / 16, NULL, NULL};
+        gg_quantize(kind, x + (size_t)p * n, n, &s->g[p]);
+        if (vnni) {
+            s->g[p].qp = s->qp + p * pairs * 64, s->g[p].corr = s->corr + (size_t)p * blocks * 8;
+            gg_pair_layout(kind, n, &s->g[p]);
         }
     }
-    Py_ssize_t work = r->k * r->n_mat * (Py_ssize_t)r->n * m, nt = work / MIN_WORK_PER_THREAD;
+}
+
+static void gq_free(GQs *s) { free(s->q), free(s->d), free(s->bs), free(s->g), free(s->qp), free(s->corr); }
+
+/* out[p * step] = x[p] . row w (n values of `kind`) for m positions: int8 against `s` where it holds them (the bits
+   each position has alone), else float */
+static void gg_dot_row(int kind, const uint8_t *w, const float *x, const GQs *s, int m, int n, int simd, float *out,
+                       Py_ssize_t step) {
+    const int blocks = n / gg_values[kind];
+    for (int p0 = 0; p0 < m; p0 += GG_POSITIONS) {
+        const int np = m - p0 < GG_POSITIONS ? m - p0 : GG_POSITIONS;
+        float sums[GG_POSITIONS];
+        if (s->g) gg_rows_q8(kind, w, s->g + p0, np, blocks, simd, sums);
+        else
+            for (int p = 0; p < np; p++) sums[p] = gg_row_f32(kind, w, x + (Py_ssize_t)(p0 + p) * n, blocks);
+        for (int p = 0; p < np; p++) out[(p0 + p) * step] = sums[p];
+    }
+}
+
+static inline int gg_threads(Py_ssize_t work) {
+    Py_ssize_t nt = work / MIN_WORK_PER_THREAD;
 #ifdef _OPENMP
     nt = nt < 1 ? 1 : (nt > omp_get_max_threads() ? omp_get_max_threads() : nt);
 #endif
+    return (int)nt;
+}
+
+/* out[p, j, t] = x[p] . matrix t's row j (m positions; each row's bytes read once for all) */
+static void block_dot_impl(const GRows *r, const float *x, float *out, int m) {
+    const int simd = simd_allowed && cpu_has_avx2();
+    GQs s;
+    gq_prepare(&s, r->kind, x, r->n, m, simd);
+    const int nt = gg_threads(r->k * r->n_mat * (Py_ssize_t)r->n * m);
     (void)nt;
-#pragma omp parallel for schedule(static) num_threads((int)nt)
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (Py_ssize_t j = 0; j < r->k; j++)
-        for (int t = 0; t < r->n_mat; t++) {
-            const uint8_t *w = g_row(r, j, t);
-            for (int p0 = 0; p0 < m; p0 += GG_POSITIONS) {
-                const int np = m - p0 < GG_POSITIONS ? m - p0 : GG_POSITIONS;
-                float sums[GG_POSITIONS];
-                for (int p = 0; p < np; p++)
-                    if (!q8) sums[p] = gg_row_f32(kind, w, x + (Py_ssize_t)(p0 + p) * r->n, blocks);
-                if (q8) gg_rows_q8(kind, w, g + p0, np, blocks, simd, sums);
-                for (int p = 0; p < np; p++) out[((Py_ssize_t)(p0 + p) * r->k + j) * r->n_mat + t] = sums[p];
-            }
-        }
-    free(q), free(d), free(bs), free(g), free(qp), free(corr);
+        for (int t = 0; t < r->n_mat; t++)
+            gg_dot_row(r->kind, g_row(r, j, t), x, &s, m, r->n, simd, out + j * r->n_mat + t, r->k * r->n_mat);
+    gq_free(&s);
+}
+
+/* A SwiGLU expert of GGML blocks (experts.py's units) for m positions, each of E experts whose rows start at
+   address bases[e]: gate and up `hidden` rows of n values of kind_gu at +gate / +up, down n_out rows of
+   hidden values of kind_down at +down.  out[e, p] = down (silu(gate x[p]) * up x[p]): block_dot of gate and up (side
+   by side), glu_pairs' arithmetic, block_dot of down, in one pass over all the experts (x quantised once). */
+typedef struct {
+    const int64_t *bases; /* each expert's row, by address */
+    Py_ssize_t gate, up, down;
+    int E, hidden, n, n_out, kind_gu, kind_down;
+} Experts;
+
+static void expert_glu_impl(const Experts *X, const float *x, float *out, int m) {
+    const int simd = simd_allowed && cpu_has_avx2();
+    const Py_ssize_t gu_row = (Py_ssize_t)X->n / gg_values[X->kind_gu] * gg_bytes[X->kind_gu];
+    const Py_ssize_t down_row = (Py_ssize_t)X->hidden / gg_values[X->kind_down] * gg_bytes[X->kind_down];
+    const Py_ssize_t H = (Py_ssize_t)X->E * m * X->hidden; /* h[e, p, i] */
+    float *gu = alloc64(2 * H * sizeof(float));
+    GQs s;
+    gq_prepare(&s, X->kind_gu, x, X->n, m, simd);
+    int nt = gg_threads(2 * H * X->n);
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (Py_ssize_t r = 0; r < (Py_ssize_t)X->E * X->hidden; r++) {
+        const Py_ssize_t e = r / X->hidden, i = r % X->hidden;
+        const uint8_t *base = (const uint8_t *)(uintptr_t)X->bases[e];
+        float *o = gu + 2 * (e * m * X->hidden + i);
+        gg_dot_row(X->kind_gu, base + X->gate + i * gu_row, x, &s, m, X->n, simd, o, 2 * X->hidden);
+        gg_dot_row(X->kind_gu, base + X->up + i * gu_row, x, &s, m, X->n, simd, o + 1, 2 * X->hidden);
+    }
+    gq_free(&s);
+    float *h = gu; /* (in place: glu_pairs' arithmetic) */
+    for (Py_ssize_t i = 0; i < H; i++) h[i] = silu_mul1(gu[2 * i], gu[2 * i + 1]);
+    gq_prepare(&s, X->kind_down, h, X->hidden, X->E * m, simd);
+    nt = gg_threads((Py_ssize_t)X->E * m * X->n_out * X->hidden);
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (Py_ssize_t r = 0; r < (Py_ssize_t)X->E * X->n_out; r++) {
+        const Py_ssize_t e = r / X->n_out, j = r % X->n_out;
+        GQs one = s; /* expert e's m positions */
+        if (s.g) one.g = s.g + e * m;
+        gg_dot_row(X->kind_down, (const uint8_t *)(uintptr_t)X->bases[e] + X->down + j * down_row, h + e * m * X->hidden, &one, m,
+                   X->hidden, simd, out + e * m * X->n_out + j, X->n_out);
+    }
+    gq_free(&s);
+    free(gu);
 }
 
 /* block_dot(x, out, w, offs, stride, slots, k, n, kind) */
@@ -2832,6 +2900,48 @@ static PyObject *py_block_dot(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS block_dot_impl(&r, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
     Py_END_ALLOW_THREADS result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&B);
+    return result;
+}
+
+/* expert_glu(x, out, addresses, gate, up, down, hidden, n, n_out, kind_gu, kind_down): expert_glu_impl over the
+   experts whose rows start at addresses[e] (int64: rows in buffers the caller holds) */
+static PyObject *py_expert_glu(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *x, *out, *addresses;
+    Experts X;
+    memset(&X, 0, sizeof(X));
+    if (!PyArg_ParseTuple(args, "OOOnnniiiii", &x, &out, &addresses, &X.gate, &X.up, &X.down, &X.hidden, &X.n, &X.n_out,
+                          &X.kind_gu, &X.kind_down))
+        return NULL;
+    const int kinds_ok = X.kind_gu >= 0 && X.kind_gu < GG_TYPES && X.kind_down >= 0 && X.kind_down < GG_TYPES;
+    if (!kinds_ok || X.n <= 0 || X.hidden <= 0 || X.n_out <= 0 || X.n % gg_values[X.kind_gu] ||
+        X.hidden % gg_values[X.kind_down] || X.n / gg_values[X.kind_gu] > GG_MAX_BLOCKS ||
+        X.hidden / gg_values[X.kind_down] > GG_MAX_BLOCKS) {
+        PyErr_Format(PyExc_ValueError, "expert_glu: bad shape (n=%d, hidden=%d, n_out=%d, kinds %d, %d)", X.n, X.hidden,
+                     X.n_out, X.kind_gu, X.kind_down);
+        return NULL;
+    }
+    Buffers B;
+    memset(&B, 0, sizeof(B));
+    PyObject *result = NULL;
+    if (get(&B, 0, x, 0, "x") || get(&B, 1, out, 1, "out") || get(&B, 5, addresses, 0, "addresses")) goto done;
+    X.E = (int)(B.views[5].len / 8);
+    const int m = (int)(B.views[0].len / ((Py_ssize_t)X.n * 4));
+    if (B.views[5].itemsize != 8 || m < 1 || B.views[0].len != (Py_ssize_t)m * X.n * 4 ||
+        B.views[1].len != (Py_ssize_t)X.E * m * X.n_out * 4) {
+        PyErr_Format(PyExc_ValueError, "expert_glu: x has %zd bytes and out %zd, expected float32 [m, %d] and [%d, m, %d] "
+                     "(int64 addresses)", B.views[0].len, B.views[1].len, X.n, X.E, X.n_out);
+        goto done;
+    }
+    X.bases = (const int64_t *)B.views[5].buf;
+    if (X.E) {
+        Py_BEGIN_ALLOW_THREADS expert_glu_impl(&X, (const float *)B.views[0].buf, (float *)B.views[1].buf, m);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_None;
     Py_INCREF(result);
 done:
     release(&B);
@@ -3499,6 +3609,9 @@ static PyMethodDef methods[] = {
      "row's units in one pass where the loops allow it"},
     {"row_dot_pairs", py_row_dot_pairs, METH_VARARGS,
      "row_dot_pairs(pair_w, pair_s, pair_b, *row_dot_args): two rows a unit (pair_* bytes apart) in one pass"},
+    {"expert_glu", py_expert_glu, METH_VARARGS,
+     "expert_glu(x, out, addresses, gate, up, down, hidden, n, n_out, kind_gu, kind_down): out[e, p] = down (silu(gate "
+     "x[p]) * up x[p]) of the SwiGLU expert of GGML blocks at addresses[e] (block_dot's arithmetic)"},
     {"block_dot", py_block_dot, METH_VARARGS,
      "block_dot(vec, out, w, offs, stride, slots, k, n, kind): out[p, j, t] = vec[p] . row j of matrix t (at offs[t] "
      "in each row), rows of GGML blocks as stored (kind: 0 Q4_0, 1 Q8_0, 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 Q2_K, 6 Q3_K, "

@@ -23,7 +23,7 @@ from .engine.native_step import MAX_POSITIONS
 from .engine.units import REDUCTION_UNITS
 from .errors import BudgetError
 from .format import ggml
-from .format.config import attention_shape, first_of, head_dim
+from .format.config import UNITS, attention_shape, first_of, head_dim
 from .io.reader import DEFAULT_THREADS
 
 SCRATCH_BYTES = 16 << 20  # prefill / overflow streaming buffer, shared by all layers
@@ -144,7 +144,7 @@ class Plan:
         return sum(c * strides[r] for layer in self.capacity for r, c in layer.items())
 
     def prefetch_bytes(self, strides: Dict[str, int]) -> int:
-        return 2 * self.prefetch_rows * strides.get("neurons", 0)
+        return 2 * self.prefetch_rows * strides.get("neurons", strides.get("experts", 0))
 
     def lendable(self, strides: Dict[str, int]) -> int:
         """What a prompt can borrow (Plan.prompt_loan): the unit caches and the read-ahead buffers."""
@@ -463,6 +463,14 @@ def choose_streamed(groups, fixed: dict, budget: int, context: int, always=(), k
     return streamed, with_streamed(fixed, streamed)
 
 
+def every_unit_region(fd) -> Optional[str]:
+    """The region of a model whose every unit a dense decode step computes, where it is the only one: a `neurons`
+    layout's, or a dense FFN's blocks of neurons (models/blocked.py); else None."""
+    if list(fd.layouts) == ["neurons"]:
+        return "neurons"
+    return "experts" if UNITS in fd.config and list(fd.layouts) == ["experts"] else None
+
+
 def split_caches(fd, per_layer: int) -> List[Dict[str, int]]:
     """Units each layer's caches hold in `per_layer` bytes, split between its regions by their sizes."""
     capacity = []
@@ -501,7 +509,8 @@ def plan_memory(
     stored between requests; `sequences`: KV caches of that many sequences decoded together (the server's batch);
     `native`: the native step's forward (its workspace: `fixed_bytes`; Plan.for_forward once the model is built).
     budget None: no budget (every unit cached).
-    `prefetch` (dense decoding of a plain `neurons` layout): every uncached unit is read every token, so two
+    `prefetch` (dense decoding of a plain `neurons` layout, or of blocks of neurons: `every_unit_region`): every
+    uncached unit is read every token, so two
     buffers of the uncached rows let layer l+1's reads run while layer l computes; they come off the caches:
     L * c + 2 * (n - c) rows fill what is left. Below that (two whole layers do not fit) the caches stay
     empty and the buffers take what is left, the first units of each layer read ahead, the rest on demand."""
@@ -514,13 +523,14 @@ def plan_memory(
     # buffers) cache FFN units instead: worth it whenever some unit would not be cached
     by_rows = [g for g in groups if g.kind == "rows" and g.nbytes > 2 * g.load_bytes]
     by_rows = by_rows if budget is not None and limit < sum(fixed.values()) + fd.ffn_bytes else []
-    prefetch = prefetch and list(fd.layouts) == ["neurons"] and not fd.layouts["neurons"].encoded and len(fd.layers) > 2
+    region = every_unit_region(fd)
+    prefetch = prefetch and region is not None and not fd.layouts[region].encoded and len(fd.layers) > 2
     streamed, f = None, None
     if prefetch and budget is not None and groups:
         # below the resident floor, two whole layers of read-ahead come before resident attention layers: a
         # streamed attention layer adds its bytes to a token's reads, where reads not overlapped with compute
         # add their whole time
-        whole = dict(fixed, prefetch=2 * fd.layers[0]["neurons"].n_units * fd.layouts["neurons"].stride)
+        whole = dict(fixed, prefetch=2 * fd.layers[0][region].n_units * fd.layouts[region].stride)
         try:
             streamed, f = choose_streamed(groups, whole, limit, context, always=by_rows, kv_bits=kv_bits)
             f.pop("prefetch")
@@ -532,7 +542,7 @@ def plan_memory(
     per_layer = left // len(fd.layers)
     prefetch_rows = 0
     if prefetch:
-        n, s, L = fd.layers[0]["neurons"].n_units, fd.layouts["neurons"].stride, len(fd.layers)
+        n, s, L = fd.layers[0][region].n_units, fd.layouts[region].stride, len(fd.layers)
         c = (left - 2 * n * s) // ((L - 2) * s)  # cached rows per layer
         if 0 <= c < n:
             per_layer, prefetch_rows = c * s, n - c

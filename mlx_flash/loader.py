@@ -29,10 +29,11 @@ from .budget import (
 from .compute import blocks, cpu_gemv
 from .compute.ffn import ResidentFFN
 from .default_model import model_dir
-from .engine.experts import SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
+from .engine.experts import REGION, SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
 from .engine.forward import Auto, FloatKVCache, HalfKVCache, MLXForward, QuantizedKVCache, backend_name
 from .engine.native_step import HostDecoder, HostKVCache
 from .engine.neurons import FlashFFN, NeuronEngine
+from .engine.read_ahead import ReadAhead
 from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
 from .engine.selectors import load_selector_arrays, wina_norms
 from .engine.sparsity import DIP, LOSSY, SPARSITIES, WINA, Dense, Oracle, Predictor, Sketch, dram_bytes
@@ -449,6 +450,7 @@ def load(
             prompt_caches=prompt_caches,
             sequences=sequences,
             native=native_expected(fd, backend, kv_bits),
+            prefetch=prefetch is not False,  # (a dense FFN's blocks: budget.every_unit_region)
         )
         if plan_only:
             return plan, [budget_note]
@@ -686,7 +688,9 @@ def _load_moe(
     model.flash = engine
     engine.context = context  # where generation stops: the KV cache holds no more
     routers = next_routers(model, {int(i): p for i, p in fd.ffn["switch_paths"].items()}) if read_ahead else {}
-    if routers:
+    if plan.prefetch_rows:  # a dense FFN's blocks, every one each token's: the next layer's overflow read ahead
+        engine.read_ahead = ReadAhead(engine, REGION, plan.prefetch_rows)
+    elif routers:
         engine.read_ahead_with(routers, top_k)
     model.forward = make_forward(model, engine, kv_bits, backend, dtype)
     model.make_cache = partial(

@@ -116,6 +116,25 @@ def test_the_same_bits_at_every_budget(blocked, ops, monkeypatch):
         assert np.abs(np.array(ours - ref)).max() < 0.05 * np.abs(np.array(ref)).max()
 
 
+def test_the_next_layers_blocks_are_read_ahead(blocked):
+    """Below the whole model, two staging buffers take the next layer's uncached blocks while a layer computes (a
+    dense step reads them every token: budget.every_unit_region), and every block read ahead is used."""
+    from mlx_flash.engine.read_ahead import ReadAhead
+    from mlx_flash.generate import generate_step
+
+    from test_moe import slots_budget
+
+    _, flash = blocked
+    model, _ = load(flash, memory_budget=slots_budget(FlashDir(flash), 2), context=64)
+    try:
+        assert model.flash.plan.prefetch_rows > 0 and isinstance(model.flash.read_ahead, ReadAhead)
+        list(generate_step(PROMPT, model, max_tokens=4))
+        steps = model.flash.stats.decode_tokens()
+        assert all(t.ahead_bytes > 0 and t.ahead_wasted_bytes == 0 for t in steps[1:]), steps
+    finally:
+        model.flash.close()
+
+
 def test_neurons_stay_units_where_the_file_holds_no_k_quant_ffn(tmp_path):
     """A Q4_0 file's FFN is MLX's affine codes exactly: its neurons stay units (with their selectors); so too a file
     whose FFN is not whole blocks of 256 neurons."""

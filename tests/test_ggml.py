@@ -117,3 +117,42 @@ def test_block_dot_refuses_bad_input():
         cpu_gemv.block_dot(np.zeros(512, np.float32), rows, (0,), rows.shape[1], "Q4_K", 256, k=4)
     with pytest.raises(ValueError, match="1 to 4"):
         cpu_gemv.block_dot(x, rows, (), rows.shape[1], "Q4_K", 256, k=4)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
+@pytest.mark.parametrize(
+    "kinds",
+    [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("Q2_K", "Q3_K"), ("IQ4_XS", "Q5_K"), ("Q4_0", "Q8_0"), ("IQ4_NL", "Q4_0")],
+)
+def test_expert_glu_is_block_dot_glu_block_dot(kinds, int8, loops):
+    """A pass over several SwiGLU experts of GGML blocks (rows by address, in two buffers) gives each expert's
+    block_dot of gate and up, glu_pairs and block_dot of down, bit for bit, for several positions; one expert alone
+    gives its bits in a pass of several."""
+    rng = np.random.default_rng(5)
+    gu, down = kinds
+    n, hidden, m, E = 512, 256 if BLOCKS[down][0] == 256 else 64, 3, 4
+    gl, dl = row_bytes(gu, n), row_bytes(down, hidden)
+    offs = (8, 8 + hidden * gl, 8 + 2 * hidden * gl)
+    stride = offs[2] + n * dl + 24
+    bufs = [np.zeros((3, stride), np.uint8) for _ in range(2)]
+    for buf in bufs:
+        for row in buf:
+            row[offs[0] : offs[2]] = np.concatenate([random_rows(rng, gu, hidden, n).reshape(-1) for _ in range(2)])
+            row[offs[2] : offs[2] + n * dl] = random_rows(rng, down, n, hidden).reshape(-1)
+    at = [(bufs[e % 2], e // 2 + e % 2) for e in range(E)]  # (rows in either buffer)
+    x = rng.standard_normal((m, n)).astype(np.float32)
+    cpu_gemv.set_int8_activations(int8)
+    try:
+        got = cpu_gemv.expert_glu(x, [b.ctypes.data + s * stride for b, s in at], offs, hidden, n, gu, down)
+        alone = cpu_gemv.expert_glu(x[1:2], [at[2][0].ctypes.data + at[2][1] * stride], offs, hidden, n, gu, down)
+        want = []
+        for b, s in at:
+            pairs = cpu_gemv.block_dot(x, b, (s * stride + offs[0], s * stride + offs[1]), gl, gu, n, k=hidden)
+            h = cpu_gemv.glu_pairs(pairs)
+            want.append(cpu_gemv.block_dot(h, b, (s * stride + offs[2],), dl, down, hidden, k=n)[..., 0])
+    finally:
+        cpu_gemv.set_int8_activations(True)
+    assert got.shape == (E, m, n)
+    assert np.array_equal(got.view(np.uint32), np.stack(want).view(np.uint32))
+    assert np.array_equal(alone[0, 0].view(np.uint32), got[2, 1].view(np.uint32))

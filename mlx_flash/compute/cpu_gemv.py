@@ -223,6 +223,20 @@ def block_dot(
     return out
 
 
+def expert_glu(
+    x: np.ndarray, addresses: np.ndarray, offs: tuple, hidden: int, n_out: int, kind_gu: str, kind_down: str
+) -> np.ndarray:
+    """float32 [E, m, n_out]: down(silu(gate x) * up x) of each SwiGLU expert of GGML blocks whose rows start at
+    addresses[e] (int64; gate and up `hidden` rows of kind_gu at offs[0] and offs[1] from it, down n_out rows of
+    kind_down at offs[2]), for x [m, n]: `block_dot` of gate and up, `glu_pairs`, `block_dot` of down, bit for bit,
+    in one pass over the experts (x quantised once). The caller holds the rows' buffers."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    addresses = np.ascontiguousarray(addresses, dtype=np.int64)
+    out = np.empty((len(addresses), len(x), n_out), dtype=np.float32)
+    _native.expert_glu(x, out, addresses, *offs, hidden, x.shape[1], n_out, GGML_KINDS[kind_gu], GGML_KINDS[kind_down])
+    return out
+
+
 def block_linear(w, k: int, n: int, kind: str):
     """A native handle on k rows of n values of GGML `kind` blocks in w (held while it lives), for
     `_native.attention`."""

@@ -16,6 +16,7 @@ source has them: symmetric codes such as Q4_0 keep none) back to back, aligned s
 into its cache row (a Qwen3-30B-A3B Q4_0 expert, 2,654,208 B, needs no padding at 4 KiB).
 """
 
+from functools import partial
 from typing import Dict, List
 
 import mlx.core as mx
@@ -31,7 +32,7 @@ from ..errors import UnsupportedArchitectureError
 from ..format import ggml
 from ..format.quant import symmetric_biases
 from .cache import UnitCache
-from .read_ahead import IntoCache
+from .read_ahead import IntoCache, ReadAhead
 from .units import Engine
 
 REGION = "experts"
@@ -318,6 +319,24 @@ class ExpertEngine(Engine):
         offs = [base + self.layer_components[layer][f"{n}.weight"].offset for n in names]
         return cpu_gemv.block_dot(x, host, offs, c.shape[1], kind, self.quant[names[0]]["values"], k=c.shape[0])
 
+    def _fused(self, layer: int):
+        """f(x [m, D], addresses) -> [experts, m, D]: the SwiGLU experts of GGML blocks whose rows start at those
+        addresses, in one native pass (cpu_gemv.expert_glu: `_expert_row`'s bits); None where gate and up differ in
+        type or the experts are not GGML blocks."""
+        if not self.kinds:
+            return None
+        kinds = [self.kinds[p][str(layer)] for p in PROJECTIONS]
+        if kinds[0] != kinds[1]:
+            return None
+        c = [self.layer_components[layer][f"{p}.weight"] for p in PROJECTIONS]
+        offs = tuple(x.offset for x in c)
+        hidden, n_out = c[0].shape[0], c[2].shape[0]
+
+        def run(x, at):
+            return cpu_gemv.expert_glu(x, np.array(at, np.int64), offs, hidden, n_out, kinds[0], kinds[2])
+
+        return run
+
     def _expert_row(self, layer: int, xv: np.ndarray, host: np.ndarray, slot: int) -> np.ndarray:
         """`_expert` of float32 rows xv [m, D] on the native kernels, straight from the cache row: the expert's
         bytes are read once for all m."""
@@ -390,14 +409,23 @@ class ExpertEngine(Engine):
         hosts = {}  # buffer -> its numpy view (the native kernels read rows in place)
 
         def fn(rows, slots, positions, dst, n):  # one block per expert: its output for the tokens that chose it
-            outs = []
-            for j, i in enumerate(positions):
+            at = []
+            for j in range(len(positions)):
                 part, slot = (rows.parts[rows.which[j]], int(rows.slots[j])) if slots is None else (rows, int(slots[j]))
                 host = hosts.get(id(part))
                 if host is None:
                     host = hosts[id(part)] = np.asarray(memoryview(part))
-                outs.append(self._expert_row(layer, xv[pairs[i] // k], host, slot))
-            return outs
+                at.append((host, slot))
+            fused = self._fused(layer)
+            tokens = [pairs[i] // k for i in positions]
+            if fused and all(
+                np.array_equal(t, tokens[0]) for t in tokens
+            ):  # (a decode step; every block of a dense FFN)
+                return list(fused(xv[tokens[0]], [h.ctypes.data + s * h.shape[1] for h, s in at]))
+            return [
+                fused(xv[t], [h.ctypes.data + s * h.shape[1]])[0] if fused else self._expert_row(layer, xv[t], h, s)
+                for t, (h, s) in zip(tokens, at)
+            ]
 
         def switch(rows, slots, positions, dst, n):  # MLX's ops: the call's experts in one product a matrix
             if slots is None:
@@ -415,6 +443,8 @@ class ExpertEngine(Engine):
             return mx.concatenate(ys)[mx.array(np.argsort(np.concatenate(picks)))]
 
         read_next = None if ahead is None else (lambda: self._read_next(layer, np.array(ahead)))
+        if isinstance(self.read_ahead, ReadAhead):  # a dense FFN's blocks: the next layer's overflow (load)
+            read_next = partial(self.read_overflow, layer, REGION)
         outs = self.step(
             layer, REGION, units, fn if native else switch, (lambda out: None) if native else mx.eval, block=1,
             per=None if native else self.gathered_units(REGION), read_next=read_next,

@@ -16,6 +16,7 @@ which fill the cache rows or are used directly. Cache rows are always dense, so 
 """
 
 import time
+from functools import partial
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -246,7 +247,8 @@ class NeuronEngine(Engine):
         backend = self.backends[region]
         # gathered rows (MLX ops) are bounded by the workspace; host rows are read in place, all in one call
         per = None if isinstance(zero, np.ndarray) else self.gathered_units(region)
-        parts = self.step(layer, region, active, fn, backend.sync, per=per, read_next=lambda: self._read_next(layer))
+        read_next = partial(self.read_overflow, layer, "neurons")
+        parts = self.step(layer, region, active, fn, backend.sync, per=per, read_next=read_next)
         if not len(parts):
             return zero
         if isinstance(zero, np.ndarray) and parts[0].ndim == zero.ndim:  # (one call's, folded as it made them)
@@ -258,15 +260,6 @@ class NeuronEngine(Engine):
                     total += row  # (sum_rows' own arithmetic)
             return total
         return (mx.concatenate(parts) if len(parts) > 1 else parts[0]).sum(axis=0)  # (one op, whatever the calls)
-
-    def _read_next(self, layer: int):
-        """The next layer's (after the last: the next token's first) uncached units, read ahead: once a cache is full
-        it keeps its units, so a dense layer's overflow is the same every token."""
-        nxt = (layer + 1) % len(self.caches)
-        cache = self.caches[nxt].get("neurons")
-        if self.read_ahead is None or cache is None or cache.num_used < cache.capacity:  # still filling: not yet
-            return
-        self.read_ahead.start(nxt, np.flatnonzero(~cache.cached_mask()).astype(np.int32))
 
     def _units_fn(self, x, active, bias, mask=None):
         """fn for `_sum`: the FFN of x restricted to those units (mask [rows, active]: which of them each row of

@@ -411,6 +411,16 @@ class Engine:
         return groups
 
     # -- the layer's guard, lifetime --------------------------------------------------
+    def read_overflow(self, layer: int, region: str):
+        """The next layer's (after the last: the next token's first) uncached units of `region`, read ahead where
+        every unit is computed every token (a dense step: its overflow is the same every token, once its cache is
+        full and keeps its units)."""
+        nxt = (layer + 1) % len(self.caches)
+        cache = self.caches[nxt].get(region)
+        if self.read_ahead is None or cache is None or cache.num_used < cache.capacity:  # still filling: not yet
+            return
+        self.read_ahead.start(nxt, np.flatnonzero(~cache.cached_mask()).astype(np.int32))
+
     def guarded(self, layer: int, prefill: bool, compute):
         """compute() as layer `layer`'s units of a forward pass: its stats, and after a failed read the layer's
         caches forget the units admitted for it (rows never filled), so later tokens never compute on unread bytes."""
