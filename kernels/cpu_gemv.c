@@ -2235,10 +2235,10 @@ static PyObject *py_ffn_glu(PyObject *self, PyObject *args) {
    operation happens in the scalar code below in one order (block by block), so the AVX2 and scalar loops give the
    same bits, whatever the threads. */
 
-enum { GG_Q4_0, GG_Q8_0, GG_Q4_K, GG_Q5_K, GG_Q6_K, GG_Q2_K, GG_Q3_K, GG_IQ4_NL, GG_IQ4_XS, GG_TYPES };
-static const int gg_values[GG_TYPES] = {32, 32, 256, 256, 256, 256, 256, 32, 256};
-static const int gg_bytes[GG_TYPES] = {18, 34, 144, 176, 210, 84, 110, 18, 136};
-static const int gg_d_at[GG_TYPES] = {0, 0, 0, 0, 208, 80, 108, 0, 0}; /* the float16 d (and dmin after it) */
+enum { GG_Q4_0, GG_Q8_0, GG_Q4_K, GG_Q5_K, GG_Q6_K, GG_Q2_K, GG_Q3_K, GG_IQ4_NL, GG_IQ4_XS, GG_Q5_0, GG_TYPES };
+static const int gg_values[GG_TYPES] = {32, 32, 256, 256, 256, 256, 256, 32, 256, 32};
+static const int gg_bytes[GG_TYPES] = {18, 34, 144, 176, 210, 84, 110, 18, 136, 22};
+static const int gg_d_at[GG_TYPES] = {0, 0, 0, 0, 208, 80, 108, 0, 0, 0}; /* the float16 d (and dmin after it) */
 static const int8_t gg_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* activations quantised per 32 values (Q8_0), else per 256 (Q8_K); types with mins (dmin * m subtracted) */
 static inline int gg_per32(int kind) { return gg_values[kind] == 32; }
@@ -2353,8 +2353,13 @@ static inline int gg_iq4xs_scale(const uint8_t *w, int j) {
 }
 
 /* A block's code of value v: Q4_K / Q5_K 0..31, Q6_K 0..63 (less 32 is the value's), Q2_K 0..3, Q3_K -4..3, the
-   i-quants' table values */
+   i-quants' table values, Q5_0 -16..15 */
 static inline int gg_code(int kind, const uint8_t *w, int v) {
+    if (kind == GG_Q5_0) { /* value j: the low nibble of byte j (j + 16: its high one), bit j of the 32 high bits */
+        const int l = v % 16, q = (v < 16 ? w[6 + l] : w[6 + l] >> 4) & 15;
+        const uint32_t qh = (uint32_t)w[2] | (uint32_t)w[3] << 8 | (uint32_t)w[4] << 16 | (uint32_t)w[5] << 24;
+        return (q | (int)((qh >> v) & 1) << 4) - 16;
+    }
     if (kind == GG_Q2_K || kind == GG_Q3_K) {
         const int h = v / 128, s = v % 128 / 32, l = v % 32;
         const int q = (w[(kind == GG_Q2_K ? 16 : 32) + 32 * h + l] >> (2 * s)) & 3;
@@ -2387,7 +2392,7 @@ static void gg_isums_scalar(int kind, const uint8_t *w, const GQ *x, int blocks,
             for (int i = 0; i < 16; i++) s += ((w[2 + i] & 15) - 8) * q[i] + ((w[2 + i] >> 4) - 8) * q[i + 16];
         } else if (kind == GG_Q8_0) {
             for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * q[i];
-        } else if (kind == GG_IQ4_NL) {
+        } else if (kind == GG_IQ4_NL || kind == GG_Q5_0) {
             for (int i = 0; i < 32; i++) s += gg_code(kind, w, i) * q[i];
         } else if (kind == GG_Q6_K) {
             for (int j = 0; j < 16; j++) {
@@ -2494,6 +2499,15 @@ AVX2 static float gg_row_q8_0_avx2(int kind, const uint8_t *w, const GQ *x, int 
         } else if (kind == GG_IQ4_NL) {
             const __m128i c = _mm_loadu_si128((const __m128i *)(w + 2));
             v = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4));
+        } else if (kind == GG_Q5_0) { /* llama.cpp's bytes_from_bits_32: byte j 0xF0 where bit j of qh is 0 */
+            const __m128i c = _mm_loadu_si128((const __m128i *)(w + 6));
+            uint32_t qh;
+            memcpy(&qh, w + 2, 4);
+            __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                                              0x0101010101010101, 0));
+            bits = _mm256_or_si256(bits, _mm256_set1_epi64x((long long)0x7fbfdfeff7fbfdfe));
+            bits = _mm256_andnot_si256(_mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1)), _mm256_set1_epi8((char)0xF0));
+            v = _mm256_or_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low4), bits);
         } else {
             v = _mm256_loadu_si256((const __m256i *)(w + 2));
         }
@@ -2688,7 +2702,7 @@ static void gg_dequantize(int kind, const uint8_t *w, float *out) {
     } else if (kind == GG_Q6_K) {
         const float d = gg_f16(w + 208);
         for (int i = 0; i < 256; i++) out[i] = d * (float)(int8_t)w[192 + i / 16] * (float)(gg_code(kind, w, i) - 32);
-    } else if (kind == GG_IQ4_NL) {
+    } else if (kind == GG_IQ4_NL || kind == GG_Q5_0) {
         const float d = gg_f16(w);
         for (int i = 0; i < 32; i++) out[i] = d * (float)gg_code(kind, w, i);
     } else if (kind == GG_Q2_K) {

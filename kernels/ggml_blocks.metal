@@ -17,7 +17,7 @@
 
 //== section: header ==
 
-enum { GG_Q4_0, GG_Q8_0, GG_Q4_K, GG_Q5_K, GG_Q6_K, GG_Q2_K, GG_Q3_K, GG_IQ4_NL, GG_IQ4_XS };
+enum { GG_Q4_0, GG_Q8_0, GG_Q4_K, GG_Q5_K, GG_Q6_K, GG_Q2_K, GG_Q3_K, GG_IQ4_NL, GG_IQ4_XS, GG_Q5_0 };
 
 inline float gg_f16(const device uint8_t* p) { return float(as_type<half>(ushort(p[0] | (p[1] << 8)))); }
 
@@ -50,6 +50,13 @@ inline void gg_values32(const device uint8_t* b, int s, thread float* v) {
     } else if (KIND == GG_Q8_0) {
         const float d = gg_f16(b);
         for (int l = 0; l < 32; l++) v[l] = d * float(gg_i8(b[2 + l]));
+    } else if (KIND == GG_Q5_0) {  // 32 high bits, then Q4_0's nibbles
+        const float d = gg_f16(b);
+        const uint qh = uint(b[2]) | (uint(b[3]) << 8) | (uint(b[4]) << 16) | (uint(b[5]) << 24);
+        for (int l = 0; l < 32; l++) {
+            const int q = (l < 16 ? (b[6 + l] & 0xF) : (b[6 + l - 16] >> 4)) | int(((qh >> l) & 1) << 4);
+            v[l] = d * float(q - 16);
+        }
     } else if (KIND == GG_Q4_K || KIND == GG_Q5_K) {
         float sc, m;
         gg_scale_min_k4(b + 4, s, sc, m);

@@ -31,7 +31,7 @@ from .compute.ffn import ResidentFFN
 from .default_model import model_dir
 from .engine.experts import REGION, SWITCHES, ExpertEngine, FlashSwitchGLU, next_routers
 from .engine.forward import Auto, FloatKVCache, HalfKVCache, MLXForward, QuantizedKVCache, backend_name
-from .engine.native_step import HostDecoder, HostKVCache
+from .engine.native_step import PROJECTIONS, HostDecoder, HostKVCache
 from .engine.neurons import FlashFFN, NeuronEngine
 from .engine.read_ahead import ReadAhead
 from .engine.resident import STREAM_THREADS, ResidentStreamer, stream_groups, wrapper_for
@@ -620,11 +620,26 @@ def make_forward(model, engine, kv_bits, backend: str, dtype):
 
 
 def native_expected(fd, backend: Optional[str] = None, kv_bits: int = None) -> bool:
-    """Whether `make_forward` will give the native step, as far as the architecture tells before the model is built:
-    what the plan is made for (Plan.for_forward corrects it after)."""
+    """Whether `make_forward` will give the native step, as far as the architecture and the stored quantisation of
+    the attention and the head tell before the model is built: what the plan is made for (Plan.for_forward corrects
+    it after)."""
     if backend_name(backend) == "mlx" or kv_bits is not None or not cpu_gemv.available():
         return False
-    return HostDecoder.unsupported(instantiate(fd.config)) is None
+    model = instantiate(fd.config)
+    if HostDecoder.unsupported(model) is not None:
+        return False
+    head = "model.embed_tokens" if getattr(model.args, "tie_word_embeddings", False) else "lm_head"
+    attention = [f"model.layers.{i}.self_attn.{p}" for i in range(len(model.model.layers)) for p in PROJECTIONS]
+    return all(_native_rows(fd, path) for path in [head, *attention])
+
+
+def _native_rows(fd, path: str) -> bool:
+    """Whether the native kernels read resident matrix `path` as stored: GGML blocks, or 2/4/8-bit affine codes."""
+    if path in fd.blocks:
+        return True
+    q = fd.config.get("quantization") or {}
+    q = q.get(path, q)  # (a module's own, else the default; False: float)
+    return isinstance(q, dict) and q.get("mode", "affine") == "affine" and q.get("bits") in (2, 4, 8)
 
 
 def _streaming(fd, plan, engine, direct: bool, cast) -> Dict[str, Callable[[nn.Module], nn.Module]]:

@@ -9,6 +9,7 @@ from mlx_flash.engine.experts import REGION
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load, load_resident
 from mlx_flash.models.blocked import UNITS, BlockedMLP
+from mlx_flash.tools.peers_systems import llama_cpp_path
 from mlx_flash.tools.synthetic_gguf import write_gguf
 
 import gguf as gguf_package
@@ -145,3 +146,38 @@ def test_neurons_stay_units_where_the_file_holds_no_k_quant_ffn(tmp_path):
         assert kept_dense_of(read_header(gguf), gguf) == {}
     fd = FlashDir(convert(str(q4_0), tmp_path / "flash", progress=False))
     assert fd.ffn["kind"] != "moe" and UNITS not in fd.config
+
+
+@pytest.mark.skipif(
+    not llama_cpp_path("llama-quantize").is_file(),
+    reason="llama-quantize not built (python -m mlx_flash.peers builds it)",
+)
+def test_a_llama_quantize_q4_k_m_file_of_narrow_rows_is_its_blocks(tmp_path, monkeypatch):
+    """llama.cpp's own Q4_K_M of a model whose rows are not whole super-blocks (as SmolLM2's 576): gate and up fall
+    back to Q5_0, down rows are Q4_K and Q6_K. The FFN is still the file's blocks (ffn.bin its FFN tensors' bytes but
+    alignment), and streamed it gives the resident model's tokens and log-probabilities on either path."""
+    import subprocess
+
+    from mlx_flash.compute import cpu_gemv
+
+    src = write_gguf("tiny", tmp_path / "src.gguf", progress=False, **{**SHAPE, "hidden_size": 96})
+    exe = llama_cpp_path("llama-quantize")
+    gguf = tmp_path / "q4_k_m.gguf"
+    r = subprocess.run(
+        [exe, "--allow-requantize", src, gguf, "Q4_K_M"], capture_output=True, text=True,
+        env={"LD_LIBRARY_PATH": str(exe.parent)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    tensors = _tensors(gguf)
+    kinds = {p: {tensors[f"blk.{i}.ffn_{p}.weight"].tensor_type.name for i in range(4)} for p in ("gate", "down")}
+    assert kinds == {"gate": {"Q5_0"}, "down": {"Q4_K", "Q6_K"}}
+    fd = FlashDir(convert(str(gguf), tmp_path / "flash", progress=False))
+    assert fd.config[UNITS] == BLOCKED_UNITS and fd.ffn["quantization"]["gate_proj"]["ggml"] == "Q5_0"
+    ffn = [t for t in tensors.values() if ".ffn_" in t.name and t.name.endswith("proj.weight") is False]
+    ffn = [t for t in ffn if "norm" not in t.name]
+    assert 0 <= fd.ffn_path.stat().st_size - sum(t.n_bytes for t in ffn) < len(ffn) * fd.alignment
+    for native in (True, False):
+        monkeypatch.setattr(cpu_gemv, "enabled", native and cpu_gemv.available())
+        runs = [decode(fd.path, slots) for slots in (None, 1, 0)]
+        for tokens, logprobs in runs[1:]:
+            assert tokens == runs[0][0] and np.array_equal(logprobs, runs[0][1])

@@ -207,7 +207,8 @@ def row_dot(x: np.ndarray, q: QuantRows, slots=None, k: Optional[int] = None) ->
 
 
 # format/ggml.py's block types, as the kernels number them
-GGML_KINDS = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "Q2_K": 5, "Q3_K": 6, "IQ4_NL": 7, "IQ4_XS": 8}
+GGML_KINDS = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "Q2_K": 5, "Q3_K": 6, "IQ4_NL": 7, "IQ4_XS": 8,
+              "Q5_0": 9}  # fmt: skip
 
 
 def block_dot(

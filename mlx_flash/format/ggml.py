@@ -6,6 +6,8 @@ A row of n values is n / VALUES blocks of BYTES bytes each, exactly the GGUF's b
     Q4_0  32 values, 18 B: float16 d, 16 bytes of 4-bit q (value j low nibble of byte j, j + 16 high)
                            w = d * (q - 8)
     Q8_0  32 values, 34 B: float16 d, 32 int8 q;  w = d * q
+    Q5_0  32 values, 22 B: float16 d, 32 high bits (value j: bit j), 16 bytes of low 4 bits (as Q4_0's)
+                           w = d * (q - 16)
     Q4_K 256 values, 144 B: float16 d, dmin, 12 bytes of 6-bit sub-block scales sc and mins m (8 of 32
                            values), 128 bytes of 4-bit q (chunk c of 64 values: 32 low nibbles, 32 high)
                            w = (d * sc) * q - dmin * m
@@ -37,6 +39,7 @@ import mlx.core as mx
 BLOCKS = {
     "Q4_0": (32, 18),
     "Q8_0": (32, 34),
+    "Q5_0": (32, 22),
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
@@ -100,6 +103,7 @@ AFFINE = ("Q4_0", "Q8_0", "Q4_K")
 TEMPORARY_BYTES = {
     "Q4_0": 1.5,
     "Q8_0": 1.75,
+    "Q5_0": 8.5,
     "Q4_K": 1.75,
     "Q5_K": 9.5,
     "Q6_K": 7.5,
@@ -194,6 +198,10 @@ def dequantize(raw: mx.array, kind: str) -> mx.array:
         w = _f16(b[..., :2])[..., None] * q.reshape(*b.shape[:-1], 32).astype(mx.float32)
     elif kind == "Q8_0":
         w = _f16(b[..., :2])[..., None] * b[..., 2:].view(mx.int8).astype(mx.float32)
+    elif kind == "Q5_0":
+        high = ((b[..., 2:6, None] >> _BITS8[:, 0]) & 1).reshape(*b.shape[:-1], 32)  # [..., byte, bit]
+        q = _nibbles(b[..., None, 6:]).reshape(*b.shape[:-1], 32) | (high << 4)
+        w = _f16(b[..., :2])[..., None] * (q.astype(mx.int16) - 16).astype(mx.float32)
     elif kind == "Q6_K":  # value 128h + 32(2a + c) + 16k + j: [..., h, a, c, k, j]
         ql = b[..., :128].reshape(*b.shape[:-1], 2, 1, 2, 2, 16)  # low bits: nibble a of ql[h, c, k, j]
         qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 1, 2, 16)  # high bits: bits 2(2a + c) of qh[h, k, j]
@@ -236,9 +244,9 @@ def random_rows(rng, kind: str, rows: int, n: int, scale: float = 1.0, zero_mean
     """Random rows of `kind` blocks as raw bytes, uint8 [rows, row_bytes] (synthetic models, tests): random codes and
     positive sub-block scales, one super-scale d giving each row's outputs against unit-variance inputs about `scale`
     times unit variance. `zero_mean`: the codes' mean offset cancelled (a direction shared by every row would send
-    every token of an MoE model to the same few experts): Q4_0's and Q6_K's low nibbles from 1 (codes centred on 8
-    and 32), Q3_K's low bits from 1 (codes -3..3 but 0), the i-quants' indices from 1 (the table's mean nearer 0), the
-    mins of types with mins the codes' mean times their scale."""
+    every token of an MoE model to the same few experts): Q4_0's, Q5_0's and Q6_K's low nibbles from 1 (codes
+    centred on 8, 16 and 32), Q3_K's low bits from 1 (codes -3..3 but 0), the i-quants' indices from 1 (the table's
+    mean nearer 0), the mins of types with mins the codes' mean times their scale."""
     import numpy as np
 
     values, nbytes = BLOCKS[kind]
@@ -252,6 +260,7 @@ def random_rows(rng, kind: str, rows: int, n: int, scale: float = 1.0, zero_mean
 
     low = {  # the codes zero_mean draws from 1
         "Q4_0": slice(2, 18),
+        "Q5_0": slice(6, 22),
         "Q6_K": slice(0, 128),
         "Q3_K": slice(32, 96),
         "IQ4_NL": slice(2, 18),
