@@ -16,7 +16,7 @@ import gguf as gguf_package
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_in_place import PROMPT, decode
+from test_in_place import PROMPT, decode, same_bits_at_every_budget
 
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=512, num_attention_heads=2)
 SHAPE.update(num_key_value_heads=1)
@@ -100,21 +100,7 @@ def test_the_same_bits_at_every_budget(blocked, ops, monkeypatch):
     if ops == "native" and not cpu_gemv.available():
         pytest.skip("the native CPU kernels do not run here")
     monkeypatch.setattr(cpu_gemv, "enabled", ops == "native")
-    _, flash = blocked
-    runs = [decode(flash, slots) for slots in (None, 2, 1, 0)]
-    for tokens, logprobs in runs[1:]:
-        assert tokens == runs[0][0] and np.array_equal(logprobs, runs[0][1])
-    resident, _ = load_resident(flash, dtype=mx.float32)
-    model, _ = load(flash, context=64)
-    try:
-        assert model.forward.native == (ops == "native")
-        ours, ref = model(PROMPT[None]), resident(PROMPT[None])
-    finally:
-        model.flash.close()
-    if ops == "mlx":
-        assert mx.array_equal(ours, ref)
-    else:
-        assert np.abs(np.array(ours - ref)).max() < 0.05 * np.abs(np.array(ref)).max()
+    same_bits_at_every_budget(blocked[1], (None, 2, 1, 0), ops)
 
 
 def test_the_next_layers_blocks_are_read_ahead(blocked):

@@ -298,18 +298,26 @@ def test_k_quant_experts_give_the_same_bits_at_every_budget(k_quants, ops, monke
     """Greedy tokens and log-probabilities equal at every budget on either path; MLX's equal mlx-lm's model on the
     same weights (load_resident) bit for bit, the native kernels' it within their int8 activations' rounding."""
     from mlx_flash.compute import cpu_gemv
-    from mlx_flash.loader import load_resident
 
     if ops == "native" and not cpu_gemv.available():
         pytest.skip("the native CPU kernels do not run here")
     monkeypatch.setattr(cpu_gemv, "enabled", ops == "native")
-    _, flash = k_quants
-    runs = [decode(flash, slots) for slots in (None, 1, 3)]
+    same_bits_at_every_budget(k_quants[1], (None, 1, 3), ops)
+
+
+def same_bits_at_every_budget(flash, slots, ops: str):
+    """Greedy tokens and log-probabilities equal under each budget of `slots` expert slots a layer; the logits of
+    MLX's ops (ops "mlx") equal mlx-lm's model on the same weights (load_resident) bit for bit, the native kernels'
+    within their int8 activations' rounding."""
+    from mlx_flash.loader import load_resident
+
+    runs = [decode(flash, s) for s in slots]
     for tokens, logprobs in runs[1:]:
         assert tokens == runs[0][0] and np.array_equal(logprobs, runs[0][1])
     resident, _ = load_resident(flash, dtype=mx.float32)
     model, _ = load(flash, context=64)
     try:
+        assert model.forward.native == (ops == "native")
         ours, ref = model(PROMPT[None]), resident(PROMPT[None])
     finally:
         model.flash.close()
