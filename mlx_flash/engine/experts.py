@@ -418,9 +418,8 @@ class ExpertEngine(Engine):
                 at.append((host, slot))
             fused = self._fused(layer)
             tokens = [pairs[i] // k for i in positions]
-            if fused and all(
-                np.array_equal(t, tokens[0]) for t in tokens
-            ):  # (a decode step; every block of a dense FFN)
+            same = all(np.array_equal(t, tokens[0]) for t in tokens)  # (a decode step; a dense FFN's blocks)
+            if fused and same:  # the call's experts in one pass
                 return list(fused(xv[tokens[0]], [h.ctypes.data + s * h.shape[1] for h, s in at]))
             return [
                 fused(xv[t], [h.ctypes.data + s * h.shape[1]])[0] if fused else self._expert_row(layer, xv[t], h, s)

@@ -232,7 +232,7 @@ class Engine:
         call's graph computes, with any repacking's temporaries: FlashDir.call_bytes), so as many as half the plan's
         workspace holds (the rest: MLX's cache of freed buffers, loader.load, and what MLX does not count), a decode
         step's experts where the plan is MLX's (FlashDir.experts_per_call: budget.fixed_bytes), fewer where it is the
-        native step's (Plan.on_native); no budget: every unit."""
+        native step's (Plan.for_forward); no budget: every unit."""
         plan = getattr(self, "plan", None)
         if plan is not None and plan.budget is None:
             return max(r.n_units for r in self.fd.regions())
