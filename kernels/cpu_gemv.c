@@ -3629,7 +3629,7 @@ static PyMethodDef methods[] = {
     {"block_dot", py_block_dot, METH_VARARGS,
      "block_dot(vec, out, w, offs, stride, slots, k, n, kind): out[p, j, t] = vec[p] . row j of matrix t (at offs[t] "
      "in each row), rows of GGML blocks as stored (kind: 0 Q4_0, 1 Q8_0, 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 Q2_K, 6 Q3_K, "
-     "7 IQ4_NL, 8 IQ4_XS)"},
+     "7 IQ4_NL, 8 IQ4_XS, 9 Q5_0)"},
     {"glu_pairs", py_glu_pairs, METH_VARARGS, "glu_pairs(gu, h): h = silu(gu[0::2]) * gu[1::2] (float32)"},
     {"set_int8", py_set_int8, METH_O,
      "set_int8(on): row_dot with int8 activations against 4/8-bit codes (default) or float ones (the reference)"},

@@ -425,6 +425,7 @@ def load(
         return sum(fixed.values()) + fd.ffn_bytes
 
     budget, budget_note = resolve_budget(memory_budget, fd, everything, context)
+    native = native_expected(fd, backend, kv_bits)  # (the forward the plan is made for)
     if context is None:
         resident, groups = fd.resident_nbytes(cast), stream_groups(fd, instantiate(fd.config), cast, 1)
         context = longest_context(
@@ -449,7 +450,7 @@ def load(
             kv_group_size=kv_group_size,
             prompt_caches=prompt_caches,
             sequences=sequences,
-            native=native_expected(fd, backend, kv_bits),
+            native=native,
             prefetch=prefetch is not False,  # (a dense FFN's blocks: budget.every_unit_region)
         )
         if plan_only:
@@ -498,7 +499,7 @@ def load(
             kv_group_size=kv_group_size,
             prompt_caches=prompt_caches,
             sequences=sequences,
-            native=native_expected(fd, backend, kv_bits),
+            native=native,
         )
 
     why = None
@@ -610,9 +611,10 @@ def make_forward(model, engine, kv_bits, backend: str, dtype):
     mlx = MLXForward(model, dtype, why)
     engine.forward = mlx if native is None else Auto(native, mlx)
     plan = getattr(engine, "plan", None)
-    if plan is not None and plan.for_forward(engine.fd, native is not None) is not plan:
+    fitted = plan and plan.for_forward(engine.fd, native is not None)
+    if fitted is not plan:
         # (planned for the other forward, loader.native_expected: no unit is cached yet, the caches are made anew)
-        engine.plan = plan.for_forward(engine.fd, native is not None)
+        engine.plan = fitted
         engine.resize(engine.plan.capacity)
         if engine.plan.budget is not None:
             mx.set_cache_limit(engine.plan.mlx_cache_limit())

@@ -4,7 +4,7 @@ up rows and one block of every down row, computed by the expert engine; the byte
 from pathlib import Path
 
 from mlx_flash.convert import convert
-from mlx_flash.convert.gguf import BLOCKED_UNITS, kept_dense_of, read_header
+from mlx_flash.convert.gguf import BLOCKED_UNITS, kept_dense, read_header
 from mlx_flash.engine.experts import REGION
 from mlx_flash.format.directory import FlashDir
 from mlx_flash.loader import load, load_resident
@@ -129,7 +129,7 @@ def test_neurons_stay_units_where_the_file_holds_no_k_quant_ffn(tmp_path):
     odd = {**SHAPE, "intermediate_size": 640}
     odd = write_gguf("tiny", tmp_path / "odd.gguf", progress=False, gguf_type="Q4_K_M", **odd)
     for gguf in (q4_0, odd):
-        assert kept_dense_of(read_header(gguf), gguf) == {}
+        assert kept_dense(read_header(gguf), gguf) == {}
     fd = FlashDir(convert(str(q4_0), tmp_path / "flash", progress=False))
     assert fd.ffn["kind"] != "moe" and UNITS not in fd.config
 

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 from ..errors import DiskSpaceError, SourceError
 from ..format.safetensors_io import read_header as safetensors_header
-from .gguf import converted_size, keeps_blocks, kept_dense_of, kept_experts, read_header
+from .gguf import converted_size, keeps_blocks, kept_dense, kept_experts, read_header
 from .gguf_quants import mixed_roles
 from .source import read_config, tokenizer_files
 
@@ -60,7 +60,7 @@ class SourceWeights:
             header = read_header(source)
             mixed = mixed_roles(header.tensors)
             stacked = kept_experts(header)
-            kept = stacked or kept_dense_of(header, source)  # (a dense FFN's blocks: copied, gguf.kept_dense)
+            kept = stacked or kept_dense(header, source)  # (a dense FFN's blocks: copied, gguf.kept_dense)
             blocks = keeps_blocks(header, source)
             self.weights = [_gguf_weight(t, mixed, blocks) for t in header.tensors]
             # its tokenizer and config files, at most about twice the GGUF's metadata: in its mlx-lm directory, then

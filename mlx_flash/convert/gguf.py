@@ -171,31 +171,30 @@ def kept_experts(header) -> dict:
     return {t.name: t for t in exps}
 
 
-def kept_dense(header, arch: str) -> dict:
+def kept_dense(header, path: Path) -> dict:
     """{tensor name: header entry} of a dense model's FFN matrices kept as blocks of BLOCKED_UNITS neurons
-    (models/blocked.py: the file's blocks, as an MoE's experts): where the FFN is a SiLU GLU (BLOCKED_ARCHS) of whole
-    such blocks, every matrix of a type with kernels (ggml.BLOCKS) and one at least of a type MLX's affine codes do
-    not hold in as few bytes (BLOCK_TYPES); else none (its neurons are then units, re-quantised where need be)."""
+    (models/blocked.py: the file's blocks, as an MoE's experts): where the FFN is a SiLU GLU (BLOCKED_ARCHS, tensors
+    not rearranged) of whole such blocks, every matrix of a type with kernels (ggml.BLOCKS) and one at least of a type
+    MLX's affine codes do not hold in as few bytes (BLOCK_TYPES); else none (its neurons are then units, re-quantised
+    where need be)."""
+    meta = Meta(header.fields, path)
+    arch = meta.get("general.architecture")
+    if arch not in BLOCKED_ARCHS or arch_spec(arch, meta).rearranger is not None:
+        return {}
     ffn = _dense_ffn(header)
     kinds = {t.tensor_type.name for t in ffn.values()}
-    if arch not in BLOCKED_ARCHS or not ffn or not kinds <= set(ggml.BLOCKS) or not kinds & set(BLOCK_TYPES):
+    if not ffn or not kinds <= set(ggml.BLOCKS) or not kinds & set(BLOCK_TYPES):
         return {}
+    names = {t.name for t in header.tensors}
     layers = {name.split(".")[1] for name in ffn}
     if len(ffn) != 3 * len(layers) or any(  # (a fused gate_up, or biases: not this)
-        f"blk.{i}.ffn_{p}.weight" not in ffn for i in layers for p in ("gate", "up", "down")
+        f"blk.{i}.ffn_{p}.weight" not in ffn or f"blk.{i}.ffn_{p}.bias" in names
+        for i in layers
+        for p in ("gate", "up", "down")
     ):
-        return {}
-    if any(f"{name[: -len('.weight')]}.bias" in {t.name for t in header.tensors} for name in ffn):
         return {}
     hidden = {int(t.shape[1]) for name, t in ffn.items() if ".ffn_down." not in name}
     return ffn if len(hidden) == 1 and hidden.pop() % BLOCKED_UNITS == 0 else {}
-
-
-def kept_dense_of(header, path: Path) -> dict:
-    """`kept_dense` of a GGUF's header (none where its architecture's tensors are rearranged)."""
-    meta = Meta(header.fields, path)
-    arch = meta.get("general.architecture")
-    return kept_dense(header, arch) if arch_spec(arch, meta).rearranger is None else {}
 
 
 def blocked_experts(ffn: dict, spec) -> dict:
@@ -648,8 +647,7 @@ def gguf_to_mlx_dir(
         raise SourceError(f"{path}: no token_embd.weight tensor")
     config = spec.make_config(meta, shapes, spec)
     tokenizer = build_tokenizer(meta)
-    rearrange = spec.rearranger(meta) if spec.rearranger is not None else None
-    dense = kept_dense_of(header, path) if experts_in_place else {}
+    dense = kept_dense(header, path) if experts_in_place else {}
     if dense:
         config[UNITS] = BLOCKED_UNITS
 
@@ -666,6 +664,7 @@ def gguf_to_mlx_dir(
         unit_divisor=1024,
         disable=not progress,
     )
+    rearrange = spec.rearranger(meta) if spec.rearranger is not None else None
     kept = kept_experts(header) if experts_in_place else {}
     kept = {k: t for k, t in kept.items() if not is_mtp(spec, meta, _split_name(k)[0])}
     (out_dir / IN_PLACE).unlink(missing_ok=True)

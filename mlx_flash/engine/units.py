@@ -410,7 +410,6 @@ class Engine:
             groups.append(group)
         return groups
 
-    # -- the layer's guard, lifetime --------------------------------------------------
     def read_overflow(self, layer: int, region: str):
         """The next layer's (after the last: the next token's first) uncached units of `region`, read ahead where
         every unit is computed every token (a dense step: its overflow is the same every token, once its cache is
@@ -421,6 +420,7 @@ class Engine:
             return
         self.read_ahead.start(nxt, np.flatnonzero(~cache.cached_mask()).astype(np.int32))
 
+    # -- the layer's guard, lifetime --------------------------------------------------
     def guarded(self, layer: int, prefill: bool, compute):
         """compute() as layer `layer`'s units of a forward pass: its stats, and after a failed read the layer's
         caches forget the units admitted for it (rows never filled), so later tokens never compute on unread bytes."""
