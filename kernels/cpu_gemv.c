@@ -2557,8 +2557,8 @@ VNNI static void gg_rows_q8_0_vnni(int kind, const uint8_t *w, const GQ *x, int 
     for (int p = 0; p < np; p++) out[p] = gg_hsum_ps(_mm256_add_ps(acc[p][0], acc[p][1]));
 }
 
-AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
-    if (gg_per32(kind)) return gg_row_q8_0_avx2(kind, w, x, blocks);
+/* (inlined into gg_row_q8_avx2 once per kind: each loop's branches on the type resolved where it is compiled) */
+AVX2 static inline __attribute__((always_inline)) float gg_row_k_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
     const int bytes = gg_bytes[kind];
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gg_iq4));
@@ -2669,6 +2669,89 @@ AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int bl
     }
     return gg_hsum_ps(acc) - mins;
 }
+
+AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
+    switch (kind) {
+    case GG_Q4_K: return gg_row_k_avx2(GG_Q4_K, w, x, blocks);
+    case GG_Q5_K: return gg_row_k_avx2(GG_Q5_K, w, x, blocks);
+    case GG_Q6_K: return gg_row_k_avx2(GG_Q6_K, w, x, blocks);
+    case GG_Q2_K: return gg_row_k_avx2(GG_Q2_K, w, x, blocks);
+    case GG_Q3_K: return gg_row_k_avx2(GG_Q3_K, w, x, blocks);
+    case GG_IQ4_XS: return gg_row_k_avx2(GG_IQ4_XS, w, x, blocks);
+    default: return gg_row_q8_0_avx2(kind, w, x, blocks);
+    }
+}
+#endif
+
+#if HAVE_X86
+/* The AVX-512 loops of Q4_K, Q5_K and Q6_K: two of the AVX2 loop's 32-byte products in one register, its halves
+   added before the block's scales meet them. Each int32 lane then sums the same integers as the AVX2 loop's lane,
+   so the two loops give the same bits. */
+AVX512 static inline __attribute__((always_inline)) float gg_row_k_avx512(int kind, const uint8_t *w, const GQ *x, int blocks) {
+    const int bytes = gg_bytes[kind];
+    const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0;
+    for (int b = 0; b < blocks; b++, w += bytes) {
+        const int8_t *q = x->q + 256 * b;
+        __m512i ia2 = _mm512_setzero_si512();
+        if (kind == GG_Q6_K) {
+            for (int h = 0; h < 2; h++) {
+                const __m512i qab = _mm512_loadu_si512(w + 64 * h); /* the AVX2 loop's qa and qb */
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+                const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * h))));
+                for (int p = 0; p < 2; p++) { /* the AVX2 loop's i = 2p and 2p + 1, its sub-blocks' scales by 128-bit lane */
+                    const __m512i lo = _mm512_and_si512(p ? _mm512_srli_epi16(qab, 4) : qab, low4);
+                    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * p)), _mm256_set1_epi16((short)(4 * p + 2)), 1);
+                    const __m512i hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), low2), 4);
+                    const __m512i idx = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(4 * p + 1)), _mm_set1_epi16((short)(4 * p)))),
+                        _mm256_set_m128i(_mm_set1_epi16((short)(4 * p + 3)), _mm_set1_epi16((short)(4 * p + 2))), 1);
+                    const __m512i prod = _mm512_maddubs_epi16(_mm512_or_si512(lo, hi), _mm512_loadu_si512(q + 128 * h + 64 * p));
+                    ia2 = _mm512_add_epi32(ia2, _mm512_madd_epi16(prod, _mm512_permutexvar_epi16(idx, s16)));
+                }
+            }
+        } else {
+            uint32_t u[4];
+            gg_unpack_k(w + 4, u);
+            const uint8_t *sc = (const uint8_t *)u, *qs = w + (kind == GG_Q4_K ? 16 : 48);
+            const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
+            for (int c = 0; c < 4; c++) { /* sub-blocks 2c (the low half) and 2c + 1 */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m512i codes = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
+                if (kind == GG_Q5_K) {
+                    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+                    codes = _mm512_or_si512(codes, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), one), 4));
+                }
+                const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+                const __m512i prod = _mm512_maddubs_epi16(codes, _mm512_loadu_si512(q + 64 * c));
+                ia2 = _mm512_add_epi32(ia2, _mm512_madd_epi16(prod, _mm512_permutexvar_epi16(idx, s16)));
+            }
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b));
+            const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            const __m128i mn = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))), pairs);
+            mins += x->d[b] * gg_half(w + 2) * (float)gg_hsum_epi32(mn);
+        }
+        __m256i ia = _mm256_add_epi32(_mm512_castsi512_si256(ia2), _mm512_extracti64x4_epi64(ia2, 1));
+        if (kind == GG_Q6_K) {
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b)));
+            ia = _mm256_sub_epi32(ia, _mm256_slli_epi32(off, 5));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w + gg_d_at[kind])), acc);
+    }
+    return gg_hsum_ps(acc) - mins;
+}
+
+AVX512 static float gg_row_q8_avx512(int kind, const uint8_t *w, const GQ *x, int blocks) {
+    switch (kind) {
+    case GG_Q4_K: return gg_row_k_avx512(GG_Q4_K, w, x, blocks);
+    case GG_Q5_K: return gg_row_k_avx512(GG_Q5_K, w, x, blocks);
+    case GG_Q6_K: return gg_row_k_avx512(GG_Q6_K, w, x, blocks);
+    default: return gg_row_q8_avx2(kind, w, x, blocks);
+    }
+}
 #endif
 
 /* One row against np positions (x[0..np-1]), int8: each position's the bits it has alone */
@@ -2680,7 +2763,8 @@ static void gg_rows_q8(int kind, const uint8_t *w, const GQ *x, int np, int bloc
         return;
     }
     if (simd) {
-        for (int p = 0; p < np; p++) out[p] = gg_row_q8_avx2(kind, w, x + p, blocks);
+        const int wide = use_avx512();
+        for (int p = 0; p < np; p++) out[p] = wide ? gg_row_q8_avx512(kind, w, x + p, blocks) : gg_row_q8_avx2(kind, w, x + p, blocks);
         return;
     }
 #endif

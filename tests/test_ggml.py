@@ -103,6 +103,27 @@ def test_block_dot_against_the_dequantised_rows(kind, int8, loops):
 
 
 @pytest.mark.native
+@pytest.mark.skipif(not cpu_gemv.info().get("avx512_cpu"), reason="the CPU lacks AVX-512 F/BW/VL/VNNI")
+@pytest.mark.parametrize("kind", KINDS)
+def test_avx512_loops_give_the_avx2_bits(kind):
+    """int8 activations: the AVX-512 loops (Q4_K, Q5_K, Q6_K; the others' AVX2 ones) give the AVX2 loops' bits, one
+    position or several, rows of one block (a dense FFN's down rows) or several."""
+    rng = np.random.default_rng(4)
+    for n in (BLOCKS[kind][0], 1536 if BLOCKS[kind][0] == 256 else 17 * 32):
+        rows = random_rows(rng, kind, 33, n)
+        x = (rng.standard_normal((5, n)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
+        got = []
+        try:
+            for on in (True, False):
+                cpu_gemv.set_avx512(on)
+                assert cpu_gemv.info()["avx512"] == on
+                got.append(cpu_gemv.block_dot(x, rows, (0,), rows.shape[1], kind, n, k=len(rows)))
+        finally:
+            cpu_gemv.set_avx512(True)
+        assert np.array_equal(got[0].view(np.uint32), got[1].view(np.uint32))
+
+
+@pytest.mark.native
 def test_block_dot_refuses_bad_input():
     rng = np.random.default_rng(3)
     rows = random_rows(rng, "Q4_K", 4, 256)
