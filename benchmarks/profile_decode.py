@@ -27,7 +27,18 @@ def tokens_per_s(model, prompt, n: int) -> float:
     return n / (time.perf_counter() - t1)
 
 
-KERNELS = ("attention_batch", "ffn_glu", "expert_glu", "block_dot", "row_dot_pairs", "glu_pairs", "row_dot", "silu_mul", "block_axpy", "row_axpy")
+KERNELS = (
+    "attention_batch",
+    "ffn_glu",
+    "expert_glu",
+    "block_dot",
+    "row_dot_pairs",
+    "glu_pairs",
+    "row_dot",
+    "silu_mul",
+    "block_axpy",
+    "row_axpy",
+)
 
 
 def kernel_times(model, prompt, n: int) -> dict:

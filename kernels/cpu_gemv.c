@@ -2921,7 +2921,7 @@ static void expert_glu_impl(const Experts *X, const float *x, float *out, int m)
     const Py_ssize_t gu_row = (Py_ssize_t)X->n / gg_values[X->kind_gu] * gg_bytes[X->kind_gu];
     const Py_ssize_t down_row = (Py_ssize_t)X->hidden / gg_values[X->kind_down] * gg_bytes[X->kind_down];
     const Py_ssize_t H = (Py_ssize_t)X->E * m * X->hidden; /* h[e, p, i] */
-    float *gu = alloc64(2 * H * sizeof(float));
+    float *gu = alloc64(3 * H * sizeof(float)); /* gate and up side by side, then h */
     GQs s;
     gq_prepare(&s, X->kind_gu, x, X->n, m, simd);
     int nt = gg_threads(2 * H * X->n);
@@ -2935,8 +2935,8 @@ static void expert_glu_impl(const Experts *X, const float *x, float *out, int m)
         gg_dot_row(X->kind_gu, base + X->up + i * gu_row, x, &s, m, X->n, simd, o + 1, 2 * X->hidden);
     }
     gq_free(&s);
-    float *h = gu; /* (in place: glu_pairs' arithmetic) */
-    for (Py_ssize_t i = 0; i < H; i++) h[i] = silu_mul1(gu[2 * i], gu[2 * i + 1]);
+    float *h = gu + 2 * H; /* glu_pairs' arithmetic (not in place: the threads split the elements) */
+    silu_mul_into(h, gu, gu + 1, 2, H);
     gq_prepare(&s, X->kind_down, h, X->hidden, X->E * m, simd);
     nt = gg_threads((Py_ssize_t)X->E * m * X->n_out * X->hidden);
 #pragma omp parallel for schedule(static) num_threads(nt)

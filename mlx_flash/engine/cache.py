@@ -60,6 +60,8 @@ from typing import Optional, Union
 import mlx.core as mx
 import numpy as np
 
+from ..io.memory import huge_pages
+
 __all__ = [
     "UnitCache",
     "Plan",
@@ -228,6 +230,7 @@ class UnitCache:
         whole = np.asarray(memoryview(self.buffer))
         if not whole.flags.writeable or whole.size != nbytes + alignment:
             raise RuntimeError("MLX did not expose the cache buffer as writable contiguous memory")
+        huge_pages(whole)
         addr = whole.__array_interface__["data"][0]
         self.base_offset = int((-addr) % alignment)
         self.host = whole[self.base_offset : self.base_offset + nbytes].reshape(capacity, row_bytes)

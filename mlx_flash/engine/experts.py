@@ -17,7 +17,7 @@ into its cache row (a Qwen3-30B-A3B Q4_0 expert, 2,654,208 B, needs no padding a
 """
 
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -157,6 +157,13 @@ class FlashSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return self._engine.experts(self._layer, x, indices, self._activation)
+
+    def blocks_sum(self, h: np.ndarray) -> Optional[np.ndarray]:
+        """A dense FFN's blocks on host rows h (ExpertEngine.blocks_sum), or None where the native kernels do not
+        compute them."""
+        if not self._engine._native(len(h), mx.float32, self._activation):
+            return None
+        return self._engine.blocks_sum(self._layer, h)
 
 
 def next_routers(model: nn.Module, paths: Dict[int, str]):
@@ -299,12 +306,12 @@ class ExpertEngine(Engine):
         base = slot * host.shape[1]
         return cpu_gemv.QuantRows(host, base + w, ws, host, base + s, ss, host, base + b, bs, *rest)
 
-    def _native(self, x: mx.array, activation) -> bool:
+    def _native(self, rows: int, dtype, activation) -> bool:
         """Rows the native kernels compute whole (a decode step, a verification pass, a short prompt: up to
         cpu_gemv.NATIVE_ROWS tokens; any pass of the native step): float32 on the CPU, quantised SwiGLU experts."""
         return (
-            cpu_gemv.native_rows(x.shape[0])
-            and x.dtype == mx.float32
+            cpu_gemv.native_rows(rows)
+            and dtype == mx.float32
             and cpu_gemv.available()
             and type(activation).__name__ == "SwiGLU"
             and all(q is not None and "mode" not in q for q in self.quant.values())
@@ -399,14 +406,44 @@ class ExpertEngine(Engine):
         chosen = np.array(indices).reshape(-1)  # the router's choice
         if self.route is not None:
             chosen = self.route(layer, chosen)
+        read_next = None if ahead is None else (lambda: self._read_next(layer, np.array(ahead)))
+        if self._native(xf.shape[0], xf.dtype, activation):
+            y = mx.array(self._host_experts(layer, np.asarray(xf), chosen, k, read_next))
+        else:
+            y = self._mlx_experts(layer, xf, chosen, k, read_next, activation)
+        return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
+
+    def blocks_sum(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """A dense FFN's blocks (models/blocked.py) on host rows h [m, D] (float32), natively and with no MLX op: every
+        block's output, summed in block order. The native decode step's FFN for such a model."""
+        E = self.caches[layer][REGION].n_units
+        compute = lambda: self._host_experts(layer, h, np.tile(np.arange(E), len(h)), E, None)  # noqa: E731
+        return self.guarded(layer, len(h) > 1, compute).reshape(len(h), E, -1).sum(axis=1)
+
+    def _route(self, layer: int, chosen: np.ndarray):
+        """(units, by_unit, pairs) of the (token, choice) pairs `chosen`: the distinct units, the pairs grouped by
+        unit, and each unit's pairs."""
         units, inverse = np.unique(chosen, return_inverse=True)
         self.stats.current.active.append(len(units))
         self._score(layer, units)
         by_unit = np.argsort(inverse, kind="stable")  # (token, choice) pairs, grouped by the expert they chose
-        pairs = np.split(by_unit, np.cumsum(np.bincount(inverse, minlength=len(units)))[:-1])
-        native = self._native(xf, activation)
-        xv = np.asarray(xf) if native else None
+        return units, by_unit, np.split(by_unit, np.cumsum(np.bincount(inverse, minlength=len(units)))[:-1])
+
+    def _run(self, layer: int, units: np.ndarray, fn, native: bool, read_next):
+        """Each unit's output (a list), from the cache, its reads and the streamed rest (Engine.step)."""
+        if isinstance(self.read_ahead, ReadAhead):  # a dense FFN's blocks: the next layer's overflow (load)
+            read_next = partial(self.read_overflow, layer, REGION)
+        return self.step(
+            layer, REGION, units, fn, (lambda out: None) if native else mx.eval, block=1,
+            per=None if native else self.gathered_units(REGION), read_next=read_next,
+        )  # fmt: skip
+
+    def _host_experts(self, layer: int, xv: np.ndarray, chosen: np.ndarray, k: int, read_next) -> np.ndarray:
+        """[tokens * k, D]: each (token, choice) pair's expert output for float32 host rows xv [tokens, D], on the
+        native kernels."""
+        units, by_unit, pairs = self._route(layer, chosen)
         hosts = {}  # buffer -> its numpy view (the native kernels read rows in place)
+        fused = self._fused(layer)
 
         def fn(rows, slots, positions, dst, n):  # one block per expert: its output for the tokens that chose it
             at = []
@@ -416,7 +453,6 @@ class ExpertEngine(Engine):
                 if host is None:
                     host = hosts[id(part)] = np.asarray(memoryview(part))
                 at.append((host, slot))
-            fused = self._fused(layer)
             tokens = [pairs[i] // k for i in positions]
             same = all(np.array_equal(t, tokens[0]) for t in tokens)  # (a decode step; a dense FFN's blocks)
             if fused and same:  # the call's experts in one pass
@@ -426,7 +462,14 @@ class ExpertEngine(Engine):
                 for t, (h, s) in zip(tokens, at)
             ]
 
-        def switch(rows, slots, positions, dst, n):  # MLX's ops: the call's experts in one product a matrix
+        outs = self._run(layer, units, fn, True, read_next)
+        return np.concatenate(outs)[np.argsort(by_unit)]  # to (token, choice) order
+
+    def _mlx_experts(self, layer: int, xf: mx.array, chosen: np.ndarray, k: int, read_next, activation) -> mx.array:
+        """`_host_experts` in MLX's ops: each call's experts in one product a matrix."""
+        units, by_unit, pairs = self._route(layer, chosen)
+
+        def switch(rows, slots, positions, dst, n):
             if slots is None:
                 rows, slots = rows.gather(), np.arange(len(rows))
             chosen = [pairs[i] for i in positions]
@@ -441,16 +484,8 @@ class ExpertEngine(Engine):
             ys = [self._switch(layer, xf[mx.array(tokens[p])], rows, sl, which[p], activation) for p in picks]
             return mx.concatenate(ys)[mx.array(np.argsort(np.concatenate(picks)))]
 
-        read_next = None if ahead is None else (lambda: self._read_next(layer, np.array(ahead)))
-        if isinstance(self.read_ahead, ReadAhead):  # a dense FFN's blocks: the next layer's overflow (load)
-            read_next = partial(self.read_overflow, layer, REGION)
-        outs = self.step(
-            layer, REGION, units, fn if native else switch, (lambda out: None) if native else mx.eval, block=1,
-            per=None if native else self.gathered_units(REGION), read_next=read_next,
-        )  # fmt: skip
-        back = np.argsort(by_unit)  # to (token, choice) order
-        y = mx.array(np.concatenate(outs)[back]) if native else mx.concatenate(outs, axis=0)[mx.array(back)]
-        return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
+        outs = self._run(layer, units, switch, False, read_next)
+        return mx.concatenate(outs, axis=0)[mx.array(np.argsort(by_unit))]
 
     def _switch(self, layer: int, x: mx.array, rows, slots: mx.array, which: np.ndarray, activation) -> mx.array:
         """mlx-lm's SwitchGLU / SwitchMLP on x [P, D], pair p through expert rows[slots[which[p]]]: each matrix's

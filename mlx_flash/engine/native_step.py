@@ -28,6 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..compute import blocks, cpu_gemv
+from ..models.blocked import BlockedMLP
 from .experts import FlashSwitchGLU
 from .forward import Batchable, Forward
 from .neurons import FlashFFN
@@ -378,9 +379,13 @@ class HostDecoder(Forward):
             mlp = L["mlp"]
             if isinstance(mlp, FlashFFN):  # a dense FFN: the engine's selector, cache and kernels on the host rows
                 x += mlp.ffn_row(h, prefill=prompt)
-            else:  # an MoE block in MLX ops, its products natively row by row (the layer's one sync: the router's)
+            else:
                 with cpu_gemv.host_pass():
-                    x += np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
+                    # a dense FFN's blocks, every one chosen: no router, no MLX op
+                    y = mlp.switch_mlp.blocks_sum(h) if isinstance(mlp, BlockedMLP) else None
+                    if y is None:  # an MoE block in MLX ops, its products natively row by row (one sync: the router's)
+                        y = np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
+                    x += y
         return x
 
     def _head(self, x: np.ndarray) -> np.ndarray:
