@@ -2557,6 +2557,21 @@ VNNI static void gg_rows_q8_0_vnni(int kind, const uint8_t *w, const GQ *x, int 
     for (int p = 0; p < np; p++) out[p] = gg_hsum_ps(_mm256_add_ps(acc[p][0], acc[p][1]));
 }
 
+/* Q4_K / Q5_K block b's mins against x's: sum_j m_j (xsum of its 32), from the 16 sums of 16 added in pairs (sc: the
+   unpacked scales, mins at 8-15) */
+AVX2 static inline int gg_k_mins(const GQ *x, int b, const uint8_t *sc) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b));
+    const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    return gg_hsum_epi32(_mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))), pairs));
+}
+
+/* Q6_K block b's codes' offset of 32 against x's, in 8 int32 lanes: 32 sum_j sc_j xsum_j, from the 16 scales and the
+   16 sums of 16 */
+AVX2 static inline __m256i gg_q6k_offset(const uint8_t *w, const GQ *x, int b) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+    return _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b))), 5);
+}
+
 /* (inlined into gg_row_q8_avx2 once per kind: each loop's branches on the type resolved where it is compiled) */
 AVX2 static inline __attribute__((always_inline)) float gg_row_k_avx2(int kind, const uint8_t *w, const GQ *x, int blocks) {
     const int bytes = gg_bytes[kind];
@@ -2585,10 +2600,7 @@ AVX2 static inline __attribute__((always_inline)) float gg_row_k_avx2(int kind, 
                     ia = _mm256_add_epi32(ia, _mm256_madd_epi16(p, sc));
                 }
             }
-            /* the codes' offset of 32: 32 sum_j sc_j xsum_j, from the 16 scales and the 16 sums of 16 */
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
-            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b)));
-            ia = _mm256_sub_epi32(ia, _mm256_slli_epi32(off, 5));
+            ia = _mm256_sub_epi32(ia, gg_q6k_offset(w, x, b));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w + 208)), acc);
         } else if (kind == GG_IQ4_XS) {
             __m256i ia = _mm256_setzero_si256();
@@ -2659,12 +2671,8 @@ AVX2 static inline __attribute__((always_inline)) float gg_row_k_avx2(int kind, 
                 ia = _mm256_add_epi32(ia, _mm256_madd_epi16(pl, _mm256_shuffle_epi8(scales, gg_lane_mask(2 * c, 2 * c))));
                 ia = _mm256_add_epi32(ia, _mm256_madd_epi16(ph, _mm256_shuffle_epi8(scales, gg_lane_mask(2 * c + 1, 2 * c + 1))));
             }
-            /* the mins: sum_j m_j (xsum of its 32), from the 16 sums of 16 added in pairs */
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b));
-            const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            const __m128i mn = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))), pairs);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w)), acc);
-            mins += x->d[b] * gg_half(w + 2) * (float)gg_hsum_epi32(mn);
+            mins += x->d[b] * gg_half(w + 2) * (float)gg_k_mins(x, b, sc);
         }
     }
     return gg_hsum_ps(acc) - mins;
@@ -2681,9 +2689,7 @@ AVX2 static float gg_row_q8_avx2(int kind, const uint8_t *w, const GQ *x, int bl
     default: return gg_row_q8_0_avx2(kind, w, x, blocks);
     }
 }
-#endif
 
-#if HAVE_X86
 /* The AVX-512 loops of Q4_K, Q5_K and Q6_K: two of the AVX2 loop's 32-byte products in one register, its halves
    added before the block's scales meet them. Each int32 lane then sums the same integers as the AVX2 loop's lane,
    so the two loops give the same bits. */
@@ -2728,16 +2734,11 @@ AVX512 static inline __attribute__((always_inline)) float gg_row_k_avx512(int ki
                 const __m512i prod = _mm512_maddubs_epi16(codes, _mm512_loadu_si512(q + 64 * c));
                 ia2 = _mm512_add_epi32(ia2, _mm512_madd_epi16(prod, _mm512_permutexvar_epi16(idx, s16)));
             }
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b));
-            const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            const __m128i mn = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8))), pairs);
-            mins += x->d[b] * gg_half(w + 2) * (float)gg_hsum_epi32(mn);
+            mins += x->d[b] * gg_half(w + 2) * (float)gg_k_mins(x, b, sc);
         }
         __m256i ia = _mm256_add_epi32(_mm512_castsi512_si256(ia2), _mm512_extracti64x4_epi64(ia2, 1));
         if (kind == GG_Q6_K) {
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
-            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b)));
-            ia = _mm256_sub_epi32(ia, _mm256_slli_epi32(off, 5));
+            ia = _mm256_sub_epi32(ia, gg_q6k_offset(w, x, b));
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(x->d[b] * gg_half(w + gg_d_at[kind])), acc);
     }

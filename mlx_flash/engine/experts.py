@@ -159,11 +159,8 @@ class FlashSwitchGLU(nn.Module):
         return self._engine.experts(self._layer, x, indices, self._activation)
 
     def blocks_sum(self, h: np.ndarray) -> Optional[np.ndarray]:
-        """A dense FFN's blocks on host rows h (ExpertEngine.blocks_sum), or None where the native kernels do not
-        compute them."""
-        if not self._engine._native(len(h), mx.float32, self._activation):
-            return None
-        return self._engine.blocks_sum(self._layer, h)
+        """A dense FFN's blocks on host rows h (ExpertEngine.blocks_sum)."""
+        return self._engine.blocks_sum(self._layer, h, self._activation)
 
 
 def next_routers(model: nn.Module, paths: Dict[int, str]):
@@ -413,9 +410,12 @@ class ExpertEngine(Engine):
             y = self._mlx_experts(layer, xf, chosen, k, read_next, activation)
         return y.reshape(*shape, x.shape[-1]).astype(x.dtype)
 
-    def blocks_sum(self, layer: int, h: np.ndarray) -> np.ndarray:
+    def blocks_sum(self, layer: int, h: np.ndarray, activation) -> Optional[np.ndarray]:
         """A dense FFN's blocks (models/blocked.py) on host rows h [m, D] (float32), natively and with no MLX op: every
-        block's output, summed in block order. The native decode step's FFN for such a model."""
+        block's output, summed in block order (the native decode step's FFN for such a model); None where the native
+        kernels do not compute them."""
+        if not self._native(len(h), mx.float32, activation):
+            return None
         E = self.caches[layer][REGION].n_units
         compute = lambda: self._host_experts(layer, h, np.tile(np.arange(E), len(h)), E, None)  # noqa: E731
         return self.guarded(layer, len(h) > 1, compute).reshape(len(h), E, -1).sum(axis=1)
