@@ -167,3 +167,24 @@ def test_a_llama_quantize_q4_k_m_file_of_narrow_rows_is_its_blocks(tmp_path, mon
         runs = [decode(fd.path, slots) for slots in (None, 1, 0)]
         for tokens, logprobs in runs[1:]:
             assert tokens == runs[0][0] and np.array_equal(logprobs, runs[0][1])
+
+
+@pytest.mark.native
+def test_the_native_step_computes_the_blocks_with_no_mlx_op(blocked, monkeypatch):
+    """On the native step a decode token's blocks are summed on the host rows (FlashSwitchGLU.blocks_sum): the
+    MLX forward of the FFN is never called."""
+    from mlx_flash.generate import generate_step
+
+    model, _ = load(blocked[1], context=64)
+    try:
+        assert model.forward.native, model.forward.why
+        tokens = generate_step(PROMPT, model, max_tokens=4)
+        next(tokens)
+
+        def refused(self, x):
+            raise AssertionError("the MLX forward of a blocked FFN ran in a native decode step")
+
+        monkeypatch.setattr(BlockedMLP, "__call__", refused)
+        assert len(list(tokens)) == 3
+    finally:
+        model.flash.close()

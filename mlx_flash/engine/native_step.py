@@ -28,7 +28,6 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..compute import blocks, cpu_gemv
-from ..models.blocked import BlockedMLP
 from .experts import FlashSwitchGLU
 from .forward import Batchable, Forward
 from .neurons import FlashFFN
@@ -381,8 +380,8 @@ class HostDecoder(Forward):
                 x += mlp.ffn_row(h, prefill=prompt)
             else:
                 with cpu_gemv.host_pass():
-                    # a dense FFN's blocks, every one chosen: no router, no MLX op
-                    y = mlp.switch_mlp.blocks_sum(h) if isinstance(mlp, BlockedMLP) else None
+                    # a dense FFN's blocks (models/blocked.py), every one chosen: no router, no MLX op
+                    y = mlp.blocks_sum(h) if hasattr(mlp, "blocks_sum") else None
                     if y is None:  # an MoE block in MLX ops, its products natively row by row (one sync: the router's)
                         y = np.array(mlp(mx.array(h)[None]).astype(mx.float32)).reshape(h.shape)
                     x += y

@@ -38,6 +38,10 @@ class BlockedMLP(nn.Module):
         every = mx.broadcast_to(mx.arange(k, dtype=mx.uint32), (*x.shape[:-1], k))
         return self.switch_mlp(x, every).sum(axis=-2)
 
+    def blocks_sum(self, h):
+        """The FFN of host rows h [m, D] (float32) natively with no MLX op (FlashSwitchGLU.blocks_sum), or None."""
+        return self.switch_mlp.blocks_sum(h) if hasattr(self.switch_mlp, "blocks_sum") else None
+
 
 def blocked(mlp: nn.Module, units: int) -> BlockedMLP:
     """`mlp` (mlx-lm's gate_proj / up_proj / down_proj FFN) as a BlockedMLP of the same shape."""
